@@ -1,0 +1,44 @@
+"""Domain errors shared by the API and the worker. Free of HTTP: ``api/errors.py`` maps them.
+
+    FtqError
+    ├── NotFound            an id that names nothing (job, file, checkpoint)
+    ├── InvalidInput        a request or file that cannot be accepted; says what to fix
+    │   └── InvalidDataset  a dataset line that does not parse (line number + reason)
+    ├── Conflict            the object is in a state that forbids the action
+    └── Unavailable         a dependency (store, broker) cannot be reached
+"""
+
+from __future__ import annotations
+
+
+class FtqError(Exception):
+    code = "error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class NotFound(FtqError):
+    code = "not_found"
+
+
+class InvalidInput(FtqError):
+    code = "invalid_input"
+
+
+class InvalidDataset(InvalidInput):
+    code = "invalid_dataset"
+
+    def __init__(self, message: str, *, line: int | None = None, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.line = line
+
+
+class Conflict(FtqError):
+    code = "conflict"
+
+
+class Unavailable(FtqError):
+    code = "unavailable"

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from core.db import Base, JSONType, UTCDateTime, utcnow
+from core.jobs.states import JobStatus
+
+
+class Job(Base):
+    """A fine-tuning job. ``status`` changes only through ``core.jobs.service.transition``."""
+
+    __tablename__ = "job"
+
+    job_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), index=True, default=JobStatus.queued.value)
+    model: Mapped[str] = mapped_column(String(512))
+    method: Mapped[str] = mapped_column(String(16))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    """The validated ``core.jobs.spec.JobSpec`` as JSON (what the user asked for, defaults filled)."""
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    progress_step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    """The trainer's ``plan`` event: detected hardware and each optimization's decision."""
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    """How many times a worker has claimed the job (retries after a lost worker add one)."""
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    output_dir: Mapped[str | None] = mapped_column(String(1024))
+    last_event_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Highest ``job_event.seq`` written for this job; the next event gets seq + 1."""
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    started_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class JobEvent(Base):
+    """Every event of a job in order: the history behind the SSE stream (``id:`` is ``seq``)."""
+
+    __tablename__ = "job_event"
+    __table_args__ = (UniqueConstraint("job_id", "seq"),)
+
+    job_event_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    type: Mapped[str] = mapped_column(String(16))
+    """``state``, ``plan``, ``step``, ``eval``, ``log`` or ``checkpoint``."""
+    data: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class StepMetric(Base):
+    """One row per optimizer step, the columns of ``trainer.events.STEP_FIELDS``."""
+
+    __tablename__ = "step_metric"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    lr: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    sequences: Mapped[int | None] = mapped_column(Integer)
+    step_ms: Mapped[float | None] = mapped_column(Float)
+    data_ms: Mapped[float | None] = mapped_column(Float)
+    forward_ms: Mapped[float | None] = mapped_column(Float)
+    backward_ms: Mapped[float | None] = mapped_column(Float)
+    optimizer_ms: Mapped[float | None] = mapped_column(Float)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    mfu: Mapped[float | None] = mapped_column(Float)
+    gpu_mem_allocated: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_mem_reserved: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_mem_peak: Mapped[int | None] = mapped_column(BigInteger)
+    host_rss: Mapped[int | None] = mapped_column(BigInteger)
+    time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Checkpoint(Base):
+    """A checkpoint directory the trainer wrote (adapter + optimizer + step + RNG)."""
+
+    __tablename__ = "checkpoint"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(String(1024))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    final: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)

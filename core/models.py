@@ -1,0 +1,10 @@
+"""Every store model, imported in one place so Alembic sees the whole metadata."""
+
+from core.db import Base
+from core.files.models import File
+from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.workers.models import Worker
+
+metadata = Base.metadata
+
+__all__ = ["Base", "Checkpoint", "File", "Job", "JobEvent", "StepMetric", "Worker", "metadata"]

@@ -1,0 +1,65 @@
+"""Service settings from the environment (``FTQ_*``), built once at start-up and passed along.
+
+With no URLs set, everything is embedded under ``FTQ_DATA_DIR``: a SQLite store
+(``ftq.db``) and a broker that needs no server (kombu's SQLAlchemy transport on
+``broker.db``). Production sets ``FTQ_DATABASE_URL`` (PostgreSQL), ``FTQ_BROKER_URL`` and
+``FTQ_REDIS_URL`` (Redis).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FTQ_", extra="ignore")
+
+    data_dir: Path = Field(default=Path("~/.local/share/ftq"))
+    """Datasets (``files/``), job outputs (``jobs/<id>/``) and the embedded store and broker."""
+    model_root: Path = Field(default=Path("~/.local/share/ftq/models"))
+    """Local models users may name by a path under this directory."""
+    database_url: str | None = None
+    """SQLAlchemy URL of the job store; default ``sqlite:///<data_dir>/ftq.db``."""
+    broker_url: str | None = None
+    """Celery broker URL; default ``sqla+sqlite:///<data_dir>/broker.db``."""
+    redis_url: str | None = None
+    """Redis for live event pub/sub; unset means viewers poll the store."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_upload_bytes: int = 1 << 30
+    """Largest dataset upload accepted (bytes)."""
+    heartbeat_interval_s: float = 5.0
+    """How often a running job's worker proves it is alive."""
+    heartbeat_timeout_s: float = 60.0
+    """A running job whose heartbeat is older than this is reaped (retried or failed)."""
+    max_attempts: int = 3
+    """Claims per job: a job whose worker was lost is retried from its last checkpoint until this."""
+    cancel_grace_s: float = 60.0
+    """After a cancel, how long the trainer may take to checkpoint before it is killed."""
+    event_flush_interval_s: float = 0.5
+    """The worker writes buffered events to the store at least this often."""
+    allow_hub_models: bool = True
+    """Accept hub ids as ``model`` (resolved from the local HF cache when offline)."""
+
+    def resolved(self) -> "Settings":
+        data_dir = self.data_dir.expanduser().resolve()
+        model_root = self.model_root.expanduser().resolve()
+        return self.model_copy(
+            update={
+                "data_dir": data_dir,
+                "model_root": model_root,
+                "database_url": self.database_url or f"sqlite:///{data_dir / 'ftq.db'}",
+                "broker_url": self.broker_url or f"sqla+sqlite:///{data_dir / 'broker.db'}",
+            }
+        )
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.data_dir / "jobs"

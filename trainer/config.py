@@ -1,0 +1,221 @@
+"""The trainer's configuration: what one training run needs, and nothing more.
+
+Standard library only, so the worker (which has no torch) can build and write a
+``TrainConfig`` as ``job.json`` and the trainer can read it back. The API's job spec
+(pydantic, in ``core/``) is translated to this type in one worker function.
+
+Every cross-field check raises ``ValueError`` naming the field and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SWITCH_VALUES = ("auto", "on", "off")
+METHODS = ("lora", "qlora", "full")
+SCHEDULERS = ("cosine", "linear", "constant")
+DATA_FORMATS = ("auto", "chat", "prompt_completion", "text")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str
+    """Hub id (resolved from the local HF cache only when offline) or a local directory."""
+    dtype: str = "auto"
+    """Weights dtype: ``auto`` (bf16 on a bf16-capable GPU, else float32), ``bfloat16``, ``float32``."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the checkpoint. Off by default: it runs arbitrary code."""
+
+    def __post_init__(self) -> None:
+        if not self.name_or_path:
+            raise ValueError("model.name_or_path: must name a hub id or a local directory")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"model.dtype: {self.dtype!r} is not one of auto, bfloat16, float16, float32")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 16
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module name suffixes to adapt, or ``("all-linear",)`` for every linear projection but the head."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"lora.r: must be >= 1, got {self.r}")
+        if self.alpha < 1:
+            raise ValueError(f"lora.alpha: must be >= 1, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules: name at least one module, or 'all-linear'")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_path: str
+    """JSONL training file (chat ``messages``, ``prompt``/``completion`` or ``text`` records)."""
+    validation_path: str | None = None
+    """Optional JSONL validation file, same formats."""
+    format: str = "auto"
+    """Record format; ``auto`` detects it from the first record."""
+    max_seq_len: int = 4096
+    """Samples longer than this are truncated to it."""
+    batch_tokens: int = 16384
+    """Packing budget: real (non-padding) tokens per packed micro-batch."""
+
+    def __post_init__(self) -> None:
+        if self.format not in DATA_FORMATS:
+            raise ValueError(f"data.format: {self.format!r} is not one of {', '.join(DATA_FORMATS)}")
+        if self.max_seq_len < 8:
+            raise ValueError(f"data.max_seq_len: must be >= 8, got {self.max_seq_len}")
+        if self.batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"data.batch_tokens ({self.batch_tokens}) must be >= data.max_seq_len "
+                f"({self.max_seq_len}) so that the longest sample fits in one packed batch"
+            )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 2e-4
+    """Peak learning rate of AdamW."""
+    lr_scheduler: str = "cosine"
+    """Decay after warm-up: ``cosine``, ``linear`` (both to 0 at the last step) or ``constant``."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    grad_accum: int = 1
+    """Packed micro-batches per optimizer step."""
+    max_steps: int | None = None
+    """Optimizer steps to run; exactly one of max_steps and epochs is set."""
+    epochs: float | None = None
+    """Passes over the training set (fractions allowed); exactly one of max_steps and epochs is set."""
+
+    def __post_init__(self) -> None:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("optim: set exactly one of max_steps and epochs")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"optim.max_steps: must be >= 1, got {self.max_steps}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"optim.epochs: must be > 0, got {self.epochs}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"optim.learning_rate: must be > 0, got {self.learning_rate}")
+        if self.lr_scheduler not in SCHEDULERS:
+            raise ValueError(f"optim.lr_scheduler: {self.lr_scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.grad_accum < 1:
+            raise ValueError(f"optim.grad_accum: must be >= 1, got {self.grad_accum}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"optim.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class Optimizations:
+    """Per-optimization overrides; ``auto`` lets ``trainer.hardware.plan`` decide."""
+
+    packed_metadata_cache: str = "auto"
+    """Build packed-batch boundary metadata once per batch and reuse it in every layer."""
+    double_buffered_reload: str = "auto"
+    """Reload offloaded activation checkpoints into two alternating GPU buffers."""
+    moe_grouped_routing: str = "auto"
+    """Group tokens by expert with one argsort + counts per MoE layer."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value not in SWITCH_VALUES:
+                raise ValueError(f"optimizations.{f.name}: {value!r} is not one of auto, on, off")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    output_dir: str
+    """Where checkpoints (``checkpoints/step-NNNNNN``) and the final adapter (``adapter/``) go."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optimizations: Optimizations = field(default_factory=Optimizations)
+    method: str = "lora"
+    """``lora`` (bf16/fp32 base), ``qlora`` (4-bit base, needs bitsandbytes on CUDA) or ``full``."""
+    seed: int = 0
+    """Seeds torch, Python and the data order."""
+    checkpoint_every: int = 0
+    """Write a resumable checkpoint every N optimizer steps; 0 writes only the final one."""
+    gradient_checkpointing: bool = True
+    """Recompute each decoder layer in backward instead of keeping its activations."""
+    offload_activations: str = "auto"
+    """Offload checkpointed layer inputs to pinned host memory: ``auto``, ``on`` or ``off``."""
+    resume: bool = True
+    """Resume from the newest checkpoint in ``output_dir`` when one exists."""
+    device: str = "auto"
+    """``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``."""
+    job_id: str | None = None
+    """The job this run belongs to, echoed in events; None when run by hand."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        if self.offload_activations not in SWITCH_VALUES:
+            raise ValueError(f"offload_activations: {self.offload_activations!r} is not one of auto, on, off")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        """Build from the JSON shape written by ``to_dict``; unknown keys are an error."""
+        nested = {
+            "model": ModelConfig,
+            "data": DataConfig,
+            "optim": OptimConfig,
+            "lora": LoraConfig,
+            "optimizations": Optimizations,
+        }
+        _reject_unknown(cls, raw, "")
+        kwargs: dict[str, Any] = {}
+        for key, value in raw.items():
+            sub = nested.get(key)
+            if sub is not None:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{key}: expected an object, got {type(value).__name__}")
+                _reject_unknown(sub, value, key + ".")
+                if sub is LoraConfig and "target_modules" in value:
+                    value = {**value, "target_modules": tuple(value["target_modules"])}
+                kwargs[key] = sub(**value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        raw = dataclasses.asdict(self)
+        raw["lora"]["target_modules"] = list(self.lora.target_modules)
+        return raw
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+
+def _reject_unknown(cls: type, raw: dict[str, Any], prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")

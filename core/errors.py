@@ -3,7 +3,9 @@
     FtqError
     ├── NotFound            an id that names nothing (job, file, checkpoint)
     ├── InvalidInput        a request or file that cannot be accepted; says what to fix
-    │   └── InvalidDataset  a dataset line that does not parse (line number + reason)
+    │   ├── InvalidDataset  a dataset line that does not parse (line number + reason)
+    │   ├── TooLarge        an upload over the size limit
+    │   └── Unsupported     a valid request this box cannot run
     ├── Conflict            the object is in a state that forbids the action
     └── Unavailable         a dependency (store, broker) cannot be reached
 """
@@ -42,3 +44,15 @@ class Conflict(FtqError):
 
 class Unavailable(FtqError):
     code = "unavailable"
+
+
+class TooLarge(InvalidInput):
+    """An upload over ``FTQ_MAX_UPLOAD_BYTES`` (HTTP 413)."""
+
+    code = "too_large"
+
+
+class Unsupported(InvalidInput):
+    """A valid request for something this box cannot run (e.g. qlora without bitsandbytes)."""
+
+    code = "unsupported"

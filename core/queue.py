@@ -28,12 +28,15 @@ def make_celery(settings: Settings) -> Celery:
         task_ignore_result=True,
         task_track_started=False,
         broker_connection_retry_on_startup=True,
-        # A training job can run for days: the broker must not redeliver it while it runs.
-        # (Redis' visibility timeout; the claim CAS makes a redelivery harmless anyway.)
-        broker_transport_options={"visibility_timeout": 7 * 24 * 3600},
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
     )
+    if (settings.broker_url or "").startswith(("redis://", "rediss://")):
+        # A training job can run for days: the broker must not redeliver it while it runs.
+        # (Redis' visibility timeout; the claim CAS makes a redelivery harmless anyway.)
+        # Only for Redis: kombu's SQLAlchemy transport passes its transport options to
+        # create_engine(), which refuses unknown keywords.
+        app.conf.broker_transport_options = {"visibility_timeout": 7 * 24 * 3600}
     return app
 
 

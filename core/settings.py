@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     """The worker writes buffered events to the store at least this often."""
     allow_hub_models: bool = True
     """Accept hub ids as ``model`` (resolved from the local HF cache when offline)."""
+    sse_heartbeat_s: float = 15.0
+    """An idle event stream sends a comment line this often so proxies keep it open."""
+    sse_poll_interval_s: float = 0.4
+    """Without Redis, an event stream re-reads the store this often; with Redis it is only
+    the fallback for a missed wake-up (10x this)."""
 
     def resolved(self) -> "Settings":
         data_dir = self.data_dir.expanduser().resolve()

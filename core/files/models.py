@@ -23,4 +23,6 @@ class File(Base):
     num_records: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(String(1024))
     stats: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
-    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    """Set by ``DELETE /v1/files/{id}``: the bytes are gone, the row stays for the jobs that used it."""

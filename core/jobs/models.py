@@ -25,6 +25,8 @@ class Job(Base):
     training_file_id: Mapped[str] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    idempotency_hash: Mapped[str | None] = mapped_column(String(64))
+    """sha256 of the stored spec sent with ``idempotency_key``: a replay must match it."""
     progress_step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONType)

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from core.db import utcnow
-from core.jobs.models import Job, JobEvent
+from core.db import new_id, utcnow
+from core.errors import Conflict, InvalidInput, NotFound, Unsupported
+from core.files.models import File
+from core.files.service import get_file
+from core.jobs.model_source import resolve_model
+from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
+from core.jobs.translate import to_train_config
+from core.paging import page_newest_first, split_page
+from core.settings import Settings
+
+MAX_METRICS_PAGE = 10_000
+FINISHED_VALUES = frozenset(s.value for s in FINISHED_STATUSES)
 
 
 def transition(
@@ -48,24 +63,26 @@ def transition(
 def append_events(session: Session, job_id: str, events: list[tuple[str, dict[str, Any]]]) -> list[JobEvent]:
     """Append events to a job's history with consecutive ``seq`` numbers, in one statement each.
 
-    The job row is locked (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite serialises writers)
-    while ``last_event_seq`` is advanced, so concurrent writers (worker, API cancel) never reuse
-    a seq and a reader that saw seq N has seen every seq below it once both commit.
+    ``last_event_seq`` is advanced first, by one ``UPDATE ... RETURNING``: that takes the job
+    row's lock on PostgreSQL and the write lock on SQLite before any seq is chosen, so
+    concurrent writers (worker, API cancel) never reuse a seq, and a reader that saw seq N has
+    seen every seq below it once both commit. (A ``SELECT`` first would let two SQLite writers
+    read the same value: pysqlite starts the transaction only at the first write.)
     """
     if not events:
         return []
     last = session.execute(
-        select(Job.last_event_seq).where(Job.job_id == job_id).with_for_update()
-    ).scalar_one()
+        update(Job)
+        .where(Job.job_id == job_id)
+        .values(last_event_seq=Job.last_event_seq + len(events))
+        .returning(Job.last_event_seq)
+        .execution_options(synchronize_session=False)
+    ).scalar_one() - len(events)
     rows = [
         JobEvent(job_id=job_id, seq=last + i + 1, type=type_, data=data)
         for i, (type_, data) in enumerate(events)
     ]
     session.add_all(rows)
-    session.execute(
-        update(Job).where(Job.job_id == job_id).values(last_event_seq=last + len(rows))
-        .execution_options(synchronize_session=False)
-    )
     session.flush()
     return rows
 
@@ -73,3 +90,212 @@ def append_events(session: Session, job_id: str, events: list[tuple[str, dict[st
 def state_event(status: JobStatus, **extra: Any) -> tuple[str, dict[str, Any]]:
     """The ``state`` event recorded with every transition."""
     return ("state", {"status": status.value, **extra})
+
+
+# --- Job lifecycle as the API drives it (create, read, list, cancel) ---------------------------
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """Fingerprint of a spec after defaults: two bodies that mean the same job hash alike."""
+    canonical = json.dumps(spec.to_stored(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def create_job(
+    session: Session, spec: JobSpec, *, settings: Settings, idempotency_key: str | None = None
+) -> tuple[Job, bool]:
+    """Validate ``spec`` against the box and record a queued job; the caller commits, then enqueues.
+
+    Returns ``(job, created)``: ``created`` is False when ``idempotency_key`` names a job made
+    earlier from the same spec.
+
+    Raises:
+        Conflict: ``idempotency_key`` was used with a different spec.
+        Unsupported: ``method`` is ``qlora``.
+        InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a model that
+            cannot be resolved, or a spec the trainer's config refuses.
+    """
+    fingerprint = spec_hash(spec)
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(session, idempotency_key, fingerprint)
+        if existing is not None:
+            return existing, False
+    if spec.method == "qlora":
+        raise Unsupported(
+            "method: qlora needs bitsandbytes on a CUDA worker; no worker of this box reports it. "
+            "Use method lora or full",
+            param="method",
+        )
+    paths = {
+        spec.training_file: _usable_file(session, spec.training_file, "train", "training_file").path
+    }
+    if spec.validation_file is not None:
+        paths[spec.validation_file] = _usable_file(
+            session, spec.validation_file, "validation", "validation_file"
+        ).path
+    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models)
+    job_id = new_id("job")
+    output_dir = settings.jobs_dir / job_id
+    to_train_config(spec, job_id=job_id, files=paths, output_dir=output_dir, model_path=source.name_or_path)
+    now = utcnow()
+    job = Job(
+        job_id=job_id,
+        name=spec.name,
+        status=JobStatus.queued.value,
+        model=spec.model,
+        method=spec.method,
+        spec=spec.to_stored(),
+        training_file_id=spec.training_file,
+        validation_file_id=spec.validation_file,
+        idempotency_key=idempotency_key,
+        idempotency_hash=fingerprint if idempotency_key is not None else None,
+        progress_step=0,
+        total_steps=spec.hyperparameters.max_steps,
+        output_dir=str(output_dir),
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(job)
+    try:
+        session.flush()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key committed first. Nothing but
+        # reads happened in this transaction, so rolling it back loses nothing.
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        existing = _by_idempotency_key(session, idempotency_key, fingerprint)
+        if existing is None:
+            raise
+        return existing, False
+    append_events(session, job_id, [state_event(JobStatus.queued)])
+    session.refresh(job)
+    return job, True
+
+
+def get_job(session: Session, job_id: str) -> Job:
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None:
+        raise NotFound(f"no job {job_id!r}; list jobs with GET /v1/jobs", param="job_id")
+    return job
+
+
+def list_jobs(
+    session: Session,
+    *,
+    statuses: Iterable[JobStatus] | None = None,
+    limit: int = 20,
+    after: str | None = None,
+) -> tuple[list[Job], str | None]:
+    """Jobs newest first, optionally only those in ``statuses``; returns the page and the next cursor."""
+    query = select(Job)
+    if statuses:
+        query = query.where(Job.status.in_([s.value for s in statuses]))
+    query = page_newest_first(query, Job.created_at, Job.job_id, limit=limit, after=after)
+    return split_page(list(session.scalars(query)), limit, "created_at", "job_id")
+
+
+def cancel_job(session: Session, job_id: str) -> tuple[Job, bool]:
+    """Cancel a job; the caller commits. Returns ``(job, finished_now)``.
+
+    A queued job is cancelled at once (``finished_now`` True) and never runs: the worker's claim
+    is a compare-and-set from ``queued`` and fails. A running job gets ``cancel_requested``;
+    its worker stops the trainer (checkpoint, then exit) and records ``cancelled``.
+
+    Raises:
+        NotFound: no such job.
+        Conflict: the job already finished.
+    """
+    job = get_job(session, job_id)
+    if transition(session, job_id, JobStatus.cancelled, only_from=[JobStatus.queued], cancel_requested=True):
+        append_events(session, job_id, [state_event(JobStatus.cancelled, reason="cancelled while queued")])
+        return get_job(session, job_id), True
+    requested = session.execute(
+        update(Job)
+        .where(Job.job_id == job_id, Job.status == JobStatus.running.value)
+        .values(cancel_requested=True, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    job = get_job(session, job_id)
+    if requested.rowcount == 1:
+        return job, False
+    raise Conflict(
+        f"job {job_id} already {job.status}; only queued or running jobs can be cancelled",
+        param="job_id",
+    )
+
+
+def list_metrics(
+    session: Session, job_id: str, *, after_step: int = -1, limit: int = 1000
+) -> list[StepMetric]:
+    """Step rows with ``step > after_step`` in step order (at most ``limit``)."""
+    get_job(session, job_id)
+    if not 1 <= limit <= MAX_METRICS_PAGE:
+        raise InvalidInput(f"limit: must be between 1 and {MAX_METRICS_PAGE}, got {limit}", param="limit")
+    query = (
+        select(StepMetric)
+        .where(StepMetric.job_id == job_id, StepMetric.step > after_step)
+        .order_by(StepMetric.step)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def events_after(session: Session, job_id: str, after_seq: int, *, limit: int = 500) -> list[JobEvent]:
+    """A job's events with ``seq > after_seq`` in seq order (at most ``limit``)."""
+    query = (
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.seq > after_seq)
+        .order_by(JobEvent.seq)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
+    get_job(session, job_id)
+    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+
+def get_checkpoint(session: Session, job_id: str, step: int) -> Checkpoint:
+    get_job(session, job_id)
+    row = session.get(Checkpoint, (job_id, step))
+    if row is None:
+        raise NotFound(
+            f"job {job_id} has no checkpoint at step {step}; list them with GET /v1/jobs/{job_id}/checkpoints",
+            param="step",
+        )
+    return row
+
+
+def is_final_state_event(type_: str, data: dict[str, Any]) -> bool:
+    """True for the ``state`` event that ends a job's history (and its SSE stream)."""
+    return type_ == "state" and data.get("status") in FINISHED_VALUES
+
+
+def _by_idempotency_key(session: Session, key: str, fingerprint: str) -> Job | None:
+    job = session.scalar(select(Job).where(Job.idempotency_key == key))
+    if job is not None and job.idempotency_hash != fingerprint:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was already used for job {job.job_id} with a different body; "
+            "use a new key for a new job",
+            param="Idempotency-Key",
+        )
+    return job
+
+
+def _usable_file(session: Session, file_id: str, purpose: str, param: str) -> File:
+    try:
+        row = get_file(session, file_id)
+    except NotFound:
+        raise InvalidInput(
+            f"{param}: no file {file_id!r}; upload it with POST /v1/files (purpose={purpose}) and use its id",
+            param=param,
+        ) from None
+    if row.purpose != purpose:
+        raise InvalidInput(
+            f"{param}: file {file_id} was uploaded with purpose={row.purpose}; upload it again with "
+            f"purpose={purpose}",
+            param=param,
+        )
+    return row

@@ -1,0 +1,1 @@
+"""The ftq HTTP API (FastAPI): ``create_app()`` builds it; see ``api.app``."""

@@ -1,0 +1,59 @@
+"""The FastAPI application: ``create_app(settings)`` and the lifespan that owns its resources.
+
+Nothing is opened at import. The lifespan builds the store engine and sessionmaker, the Celery
+app used only to send ``jobs.run`` (core.queue), and a Redis client when ``FTQ_REDIS_URL`` is
+set (live SSE wake-ups); it hands them to requests as one typed ``AppState`` and closes them at
+shutdown. Serve with ``uvicorn --factory api.app:create_app`` or ``ftq api``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.errors import add_exception_handlers
+from api.files.routes import router as files_router
+from api.jobs.routes import router as jobs_router
+from api.state import AppState
+from api.system.routes import router as system_router
+from core.db import make_engine, make_sessionmaker
+from core.queue import make_celery
+from core.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = (settings or Settings()).resolved()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, AppState]]:
+        settings.files_dir.mkdir(parents=True, exist_ok=True)
+        settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(settings.database_url)  # type: ignore[arg-type]
+        celery = make_celery(settings)
+        redis = None
+        if settings.redis_url:
+            from redis.asyncio import Redis
+
+            redis = Redis.from_url(settings.redis_url)
+        state = AppState(settings, engine, make_sessionmaker(engine), celery, redis)
+        try:
+            yield {"ftq": state}
+        finally:
+            if redis is not None:
+                await redis.aclose()
+            celery.close()
+            engine.dispose()
+
+    app = FastAPI(
+        title="ftq",
+        summary="Fine-tuning jobs on a shared GPU box",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    add_exception_handlers(app)
+    app.include_router(files_router)
+    app.include_router(jobs_router)
+    app.include_router(system_router)
+    return app

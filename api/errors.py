@@ -1,0 +1,135 @@
+"""Every error becomes one JSON shape, mapped in one place.
+
+    {"error": {"code": str, "message": str, "param": str | null, "line"?: int, "details"?: [...]}}
+
+Domain errors (``core.errors``) map to status codes by type; request validation errors
+(422) are rewritten to name the field (``hyperparameters.learning_rate``) and say what to do,
+instead of pydantic's ``loc`` tuples; HTTP errors (unknown route, wrong method) keep their
+status and get the same envelope.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from core.errors import (
+    Conflict,
+    FtqError,
+    InvalidDataset,
+    InvalidInput,
+    NotFound,
+    TooLarge,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_ERROR: tuple[tuple[type[FtqError], int], ...] = (
+    (NotFound, 404),
+    (TooLarge, 413),
+    (InvalidInput, 422),
+    (Conflict, 409),
+    (Unavailable, 503),
+)
+_LOC_ROOTS = ("body", "query", "path", "header", "cookie")
+
+
+def error_body(code: str, message: str, *, param: str | None = None, **extra: Any) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message, "param": param}
+    error.update({k: v for k, v in extra.items() if v is not None})
+    return {"error": error}
+
+
+def status_for(exc: FtqError) -> int:
+    for cls, status in STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(FtqError, _domain_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+
+
+async def _domain_error(request: Request, exc: FtqError) -> JSONResponse:
+    status = status_for(exc)
+    if status >= 500:
+        log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+    line = exc.line if isinstance(exc, InvalidDataset) else None
+    return JSONResponse(error_body(exc.code, exc.message, param=exc.param, line=line), status_code=status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(
+        error_body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+    )
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    root = _body_model(request)
+    details = [_describe(err, root) for err in exc.errors()]
+    first = details[0] if details else {"param": None, "message": "invalid request"}
+    message = first["message"]
+    if len(details) > 1:
+        message += f" (and {len(details) - 1} more problem{'s' if len(details) > 2 else ''}: see details)"
+    return JSONResponse(
+        error_body("invalid_input", message, param=first["param"], details=details), status_code=422
+    )
+
+
+def _describe(err: dict[str, Any], root: type[BaseModel] | None) -> dict[str, Any]:
+    loc = [str(p) for p in err.get("loc", ())]
+    where = loc[0] if loc else ""
+    path = loc[1:] if where in _LOC_ROOTS else loc
+    param = ".".join(path) or where or None
+    label = param or "body"
+    kind = err.get("type", "")
+    msg = str(err.get("msg", "invalid"))
+    if kind == "extra_forbidden":
+        known = _known_fields(root, path[:-1]) if where == "body" else None
+        hint = f"; known fields here: {', '.join(known)}" if known else ""
+        text = f"{label}: unknown field, remove it or fix its spelling{hint}"
+    elif kind == "missing":
+        text = f"{label}: required; add it"
+    elif kind == "json_invalid":
+        text = f"body: not valid JSON ({err.get('ctx', {}).get('error', msg)}); send a JSON object"
+    elif kind in ("value_error", "assertion_error"):
+        text = f"{label}: {msg.removeprefix('Value error, ').removeprefix('Assertion failed, ')}"
+    else:
+        text = f"{label}: {msg}{_got(err)}"
+    return {"param": param, "message": text}
+
+
+def _got(err: dict[str, Any]) -> str:
+    value = err.get("input")
+    if isinstance(value, (str, int, float, bool)) and len(repr(value)) <= 80:
+        return f" (got {value!r})"
+    return ""
+
+
+def _body_model(request: Request) -> type[BaseModel] | None:
+    route = request.scope.get("route")
+    field = getattr(route, "body_field", None)
+    info = getattr(field, "field_info", None)
+    annotation = getattr(info, "annotation", None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _known_fields(model: type[BaseModel] | None, path: list[str]) -> list[str] | None:
+    """The field names of the (nested) model at ``path``, for 'unknown field' hints."""
+    for name in path:
+        if model is None or name not in model.model_fields:
+            return None
+        annotation = model.model_fields[name].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return sorted(model.model_fields) if model is not None else None

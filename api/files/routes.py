@@ -1,0 +1,86 @@
+"""``/v1/files``: upload, list, read and delete datasets."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from anyio import to_thread
+from fastapi import APIRouter, Query, Request, status
+
+from api.deps import SessionDep, SettingsDep, StateDep
+from api.files.schemas import FileDeleted, FileList, FileOut
+from api.files.upload import receive_upload
+from core.errors import InvalidInput
+from core.files import service
+from core.paging import MAX_LIMIT
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+_UPLOAD_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "JSONL dataset"},
+                        "purpose": {"type": "string", "enum": list(service.PURPOSES)},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    openapi_extra=_UPLOAD_BODY,
+    summary="Upload a dataset (JSONL: chat messages, prompt/completion, or text)",
+)
+async def upload_file(request: Request, state: StateDep) -> FileOut:
+    """Stream the upload to disk, validate every line, and keep it only if all are good.
+
+    Errors: 413 over FTQ_MAX_UPLOAD_BYTES; 422 naming the first bad line (``error.line``).
+    """
+    settings = state.settings
+    sink = await to_thread.run_sync(service.FileSink, settings.files_dir, settings.max_upload_bytes)
+    with sink:
+        form = await receive_upload(request, sink)
+        purpose = form.fields.get("purpose")
+        if purpose is None:
+            raise InvalidInput("purpose: required; send purpose=train or purpose=validation", param="purpose")
+
+        def store() -> FileOut:
+            with state.sessions() as session:
+                row = service.store_upload(
+                    session, sink, filename=form.filename or "", purpose=purpose, files_dir=settings.files_dir
+                )
+                return FileOut.of(row)
+
+        return await to_thread.run_sync(store)
+
+
+@router.get("", summary="List datasets, newest first")
+def list_files(
+    session: SessionDep,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
+    after: str | None = None,
+) -> FileList:
+    rows, next_cursor = service.list_files(session, purpose=purpose, limit=limit, after=after)
+    return FileList(data=[FileOut.of(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.get("/{file_id}", summary="Describe one dataset")
+def get_file(file_id: str, session: SessionDep) -> FileOut:
+    return FileOut.of(service.get_file(session, file_id))
+
+
+@router.delete("/{file_id}", summary="Delete a dataset (409 while a queued or running job uses it)")
+def delete_file(file_id: str, session: SessionDep, settings: SettingsDep) -> FileDeleted:
+    row = service.delete_file(session, file_id)
+    return FileDeleted(id=row.file_id)

@@ -1,0 +1,235 @@
+"""``/v1/jobs``: submit, list, read, cancel; metrics, events (SSE), checkpoints, adapter.
+
+Submission commits the job, then signals the workers (``core.queue.enqueue_job``). If the
+broker is down at that moment the job is still created (201) and stays ``queued``: the store
+is the source of truth, the message only a wake-up, and the worker's reaper re-sends it for
+queued jobs nobody claimed (as does a retry of the same request with its ``Idempotency-Key``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+from anyio import to_thread
+from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import FileResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from api.deps import SessionDep, StateDep
+from api.jobs import artifacts
+from api.jobs.schemas import CheckpointList, CheckpointOut, JobList, JobOut, MetricList, MetricOut
+from api.jobs.sse import event_stream
+from api.state import AppState
+from core.errors import Conflict, InvalidInput, NotFound
+from core.jobs import live, service
+from core.jobs.spec import JobSpec
+from core.jobs.states import JobStatus
+from core.paging import MAX_LIMIT
+from core.queue import enqueue_job
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_JOB_RESPONSES = {200: {"model": JobOut, "description": "Replay of an Idempotency-Key: the job made earlier"}}
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=_JOB_RESPONSES, summary="Submit a job")
+async def create_job(
+    spec: JobSpec,
+    response: Response,
+    state: StateDep,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
+) -> JobOut:
+    """Validate and queue a fine-tuning job.
+
+    201 with the new job. With an ``Idempotency-Key`` header, a repeat of the same body
+    answers 200 with the same job (header ``Idempotent-Replayed: true``); the same key with a
+    different body is a 409.
+    """
+
+    def create() -> tuple[JobOut, bool, int]:
+        with state.sessions() as session:
+            job, created = service.create_job(
+                session, spec, settings=state.settings, idempotency_key=idempotency_key
+            )
+            session.commit()
+            return JobOut.of(job), created, job.last_event_seq
+
+    job, created, seq = await to_thread.run_sync(create)
+    if job.status == JobStatus.queued.value:
+        await to_thread.run_sync(_enqueue, state, job.id)
+    if created:
+        await _notify(state, job.id, seq)
+    else:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+    return job
+
+
+@router.get("", summary="List jobs, newest first")
+def list_jobs(
+    session: SessionDep,
+    status_: Annotated[
+        str | None, Query(alias="status", description="One status or several, comma-separated")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 20,
+    after: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+) -> JobList:
+    jobs, next_cursor = service.list_jobs(session, statuses=_parse_statuses(status_), limit=limit, after=after)
+    return JobList(data=[JobOut.of(j) for j in jobs], next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", summary="Read one job")
+def get_job(job_id: str, session: SessionDep) -> JobOut:
+    return JobOut.of(service.get_job(session, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    responses={202: {"model": JobOut, "description": "Running: the worker stops it (checkpoint, then exit)"}},
+    summary="Cancel a job",
+)
+async def cancel_job(job_id: str, response: Response, state: StateDep) -> JobOut:
+    """A queued job is cancelled at once (200). A running one is asked to stop (202,
+    ``cancel_requested: true``); its state turns ``cancelled`` when the trainer has exited.
+    A finished job answers 409."""
+
+    def cancel() -> tuple[JobOut, bool, int]:
+        with state.sessions() as session:
+            job, finished_now = service.cancel_job(session, job_id)
+            session.commit()
+            return JobOut.of(job), finished_now, job.last_event_seq
+
+    job, finished_now, seq = await to_thread.run_sync(cancel)
+    if finished_now:
+        await _notify(state, job_id, seq)
+    else:
+        response.status_code = status.HTTP_202_ACCEPTED
+    return job
+
+
+@router.get("/{job_id}/metrics", summary="Step metrics in step order")
+def list_metrics(
+    job_id: str,
+    session: SessionDep,
+    after_step: Annotated[int, Query(ge=-1)] = -1,
+    limit: Annotated[int, Query(ge=1, le=service.MAX_METRICS_PAGE)] = 1000,
+) -> MetricList:
+    rows = service.list_metrics(session, job_id, after_step=after_step, limit=limit)
+    next_after = rows[-1].step if len(rows) == limit else None
+    return MetricList(data=[MetricOut.of(r) for r in rows], next_after_step=next_after)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "id: seq, event: type, data: json"}},
+    summary="Job events as Server-Sent Events (resumable with Last-Event-ID)",
+)
+def stream_events(
+    job_id: str,
+    session: SessionDep,
+    state: StateDep,
+    after: Annotated[int | None, Query(ge=0, description="Start after this seq (Last-Event-ID wins)")] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    service.get_job(session, job_id)
+    session.close()
+    start = after or 0
+    if last_event_id is not None and last_event_id.strip():
+        if not last_event_id.strip().isdigit():
+            raise InvalidInput(
+                f"Last-Event-ID: {last_event_id!r} is not an event id; send the id: of the last event received",
+                param="Last-Event-ID",
+            )
+        start = int(last_event_id)
+    return StreamingResponse(
+        event_stream(state, job_id, start),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/{job_id}/checkpoints", summary="The job's checkpoints")
+def list_checkpoints(job_id: str, session: SessionDep) -> CheckpointList:
+    return CheckpointList(data=[CheckpointOut.of(c) for c in service.list_checkpoints(session, job_id)])
+
+
+@router.get(
+    "/{job_id}/checkpoints/{step}/download",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/zip": {}, "application/gzip": {}}}},
+    summary="Download a checkpoint directory as an archive",
+)
+def download_checkpoint(
+    job_id: str, step: int, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
+) -> FileResponse:
+    checkpoint = service.get_checkpoint(session, job_id, step)
+    session.close()
+    return _archive_response(state, Path(checkpoint.path), format, f"{job_id}-step-{step}")
+
+
+@router.get(
+    "/{job_id}/adapter",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/zip": {}, "application/gzip": {}}}},
+    summary="Download the final adapter (adapter_model.safetensors + adapter_config.json)",
+)
+def download_adapter(
+    job_id: str, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
+) -> FileResponse:
+    """The files are at the archive's root; 409 until the job has succeeded."""
+    job = service.get_job(session, job_id)
+    if job.status != JobStatus.succeeded.value:
+        raise Conflict(
+            f"job {job_id} is {job.status}; the adapter can be downloaded once it has succeeded", param="job_id"
+        )
+    adapter = Path(job.output_dir or "") / "adapter"
+    if not adapter.is_dir():
+        final = [c for c in service.list_checkpoints(session, job_id) if c.final]
+        if not final:
+            raise NotFound(f"job {job_id} succeeded but its adapter is not on disk", param="job_id")
+        adapter = Path(final[-1].path)
+    session.close()
+    return _archive_response(state, adapter, format, f"{job_id}-adapter")
+
+
+def _archive_response(state: AppState, src: Path, fmt: artifacts.ArchiveFormat, stem: str) -> FileResponse:
+    path = artifacts.build_archive(src, fmt, state.settings.data_dir / "tmp")
+    return FileResponse(
+        path,
+        media_type=artifacts.MEDIA_TYPES[fmt],
+        filename=f"{stem}.{fmt}",
+        background=BackgroundTask(path.unlink, missing_ok=True),
+    )
+
+
+def _parse_statuses(raw: str | None) -> list[JobStatus] | None:
+    if not raw:
+        return None
+    try:
+        return [JobStatus(part.strip()) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidInput(
+            f"status: {raw!r} is not a job status; use {', '.join(s.value for s in JobStatus)} "
+            "(comma-separated for several)",
+            param="status",
+        ) from None
+
+
+def _enqueue(state: AppState, job_id: str) -> None:
+    try:
+        enqueue_job(state.celery, job_id)
+    except Exception as exc:  # the broker is down: the job stays queued for the reaper
+        log.warning("job %s committed but not signalled to the workers (broker: %s)", job_id, exc)
+
+
+async def _notify(state: AppState, job_id: str, seq: int) -> None:
+    if state.redis is None:
+        return
+    try:
+        await state.redis.publish(live.channel(job_id), live.message(seq))
+    except Exception as exc:  # viewers fall back to re-reading the store
+        log.warning("could not publish job %s event %s to Redis: %s", job_id, seq, exc)

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from core.jobs.models import Checkpoint, Job, StepMetric
+
+
+class Progress(BaseModel):
+    step: int
+    total_steps: int | None
+    """Known once the trainer's plan arrives (or at once when max_steps is set)."""
+
+
+class JobError(BaseModel):
+    code: str
+    message: str | None
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    status: str
+    """queued, running, succeeded, failed or cancelled."""
+    model: str
+    method: str
+    training_file: str
+    validation_file: str | None
+    progress: Progress
+    plan: dict[str, Any] | None
+    """The trainer's plan event: detected hardware and each optimization's decision and reason."""
+    error: JobError | None
+    spec: dict[str, Any]
+    attempts: int
+    worker: str | None
+    cancel_requested: bool
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    updated_at: dt.datetime
+
+    @classmethod
+    def of(cls, job: Job) -> JobOut:
+        return cls(
+            id=job.job_id,
+            name=job.name,
+            status=job.status,
+            model=job.model,
+            method=job.method,
+            training_file=job.training_file_id,
+            validation_file=job.validation_file_id,
+            progress=Progress(step=job.progress_step, total_steps=job.total_steps),
+            plan=job.plan,
+            error=JobError(code=job.error_code, message=job.error_message) if job.error_code else None,
+            spec=job.spec,
+            attempts=job.attempts,
+            worker=job.worker_id,
+            cancel_requested=job.cancel_requested,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            updated_at=job.updated_at,
+        )
+
+
+class JobList(BaseModel):
+    data: list[JobOut]
+    next_cursor: str | None
+    """Pass as ``after`` for the next (older) page; null on the last page."""
+
+
+class MetricOut(BaseModel):
+    step: int
+    epoch: float | None
+    loss: float | None
+    lr: float | None
+    grad_norm: float | None
+    tokens: int | None
+    sequences: int | None
+    step_ms: float | None
+    data_ms: float | None
+    forward_ms: float | None
+    backward_ms: float | None
+    optimizer_ms: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    gpu_mem_allocated: int | None
+    gpu_mem_reserved: int | None
+    gpu_mem_peak: int | None
+    host_rss: int | None
+    time: dt.datetime
+
+    @classmethod
+    def of(cls, row: StepMetric) -> MetricOut:
+        return cls.model_validate(row, from_attributes=True)
+
+
+class MetricList(BaseModel):
+    data: list[MetricOut]
+    next_after_step: int | None
+    """Pass as ``after_step`` for the next page; null when this page was not full."""
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    bytes: int
+    final: bool
+    created_at: dt.datetime
+
+    @classmethod
+    def of(cls, row: Checkpoint) -> CheckpointOut:
+        return cls(step=row.step, bytes=row.bytes, final=row.final, created_at=row.created_at)
+
+
+class CheckpointList(BaseModel):
+    data: list[CheckpointOut]

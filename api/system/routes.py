@@ -1,0 +1,89 @@
+"""``/v1/hardware``, ``/healthz`` (the process answers) and ``/readyz`` (its dependencies do)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from anyio import to_thread
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sqlalchemy import select, text
+
+from api.deps import SessionDep, StateDep
+from api.errors import error_body
+from api.state import AppState
+from api.system.schemas import HardwareList, Health, Readiness, WorkerOut
+from core.db import utcnow
+from core.workers.models import Worker
+
+router = APIRouter(tags=["system"])
+
+CHECK_TIMEOUT_S = 3.0
+
+
+@router.get("/v1/hardware", summary="Workers of this box: device, detected hardware, plan, liveness")
+def hardware(session: SessionDep, state: StateDep) -> HardwareList:
+    now = utcnow()
+    timeout = state.settings.heartbeat_timeout_s
+    rows = session.scalars(select(Worker).order_by(Worker.hostname, Worker.device, Worker.worker_id))
+    out = []
+    for row in rows:
+        age = max((now - row.heartbeat_at).total_seconds(), 0.0)
+        hw = row.hardware or {}
+        out.append(
+            WorkerOut(
+                id=row.worker_id,
+                hostname=row.hostname,
+                device=row.device,
+                hardware=hw,
+                plan=hw.get("plan"),
+                current_job=row.current_job_id,
+                started_at=row.started_at,
+                heartbeat_at=row.heartbeat_at,
+                heartbeat_age_s=round(age, 3),
+                alive=age < timeout,
+            )
+        )
+    return HardwareList(data=out)
+
+
+@router.get("/healthz", summary="The API process is up")
+async def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get(
+    "/readyz",
+    summary="The store and the broker (and Redis, if configured) are reachable",
+    responses={503: {"description": "error.message names what is down; checks has each result"}},
+)
+async def readyz(state: StateDep) -> Readiness:
+    checks = {
+        "store": lambda: to_thread.run_sync(_check_store, state),
+        "broker": lambda: to_thread.run_sync(_check_broker, state),
+    }
+    if state.redis is not None:
+        checks["redis"] = lambda: asyncio.wait_for(state.redis.ping(), CHECK_TIMEOUT_S)  # type: ignore[union-attr]
+    results: dict[str, str] = {}
+    for name, check in checks.items():
+        try:
+            await check()
+            results[name] = "ok"
+        except Exception as exc:
+            results[name] = f"unreachable: {type(exc).__name__}: {exc}"[:300]
+    down = [name for name, result in results.items() if result != "ok"]
+    if down:
+        message = "not ready: " + "; ".join(f"{name} {results[name]}" for name in down)
+        body = error_body("unavailable", message, param=None)
+        return JSONResponse({**body, "checks": results}, status_code=503)  # type: ignore[return-value]
+    return Readiness(status="ready", checks=results)
+
+
+def _check_store(state: AppState) -> None:
+    with state.engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+def _check_broker(state: AppState) -> None:
+    with state.celery.connection_for_write(connect_timeout=CHECK_TIMEOUT_S) as conn:
+        conn.ensure_connection(max_retries=1, timeout=CHECK_TIMEOUT_S)

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class WorkerOut(BaseModel):
+    id: str
+    hostname: str
+    device: str
+    hardware: dict[str, Any]
+    """What ``python -m trainer detect --json`` reported on the worker's device."""
+    plan: Any | None
+    """The optimization plan the trainer would choose there (``hardware["plan"]`` when reported)."""
+    current_job: str | None
+    started_at: dt.datetime
+    heartbeat_at: dt.datetime
+    heartbeat_age_s: float
+    alive: bool
+    """Heartbeat younger than FTQ_HEARTBEAT_TIMEOUT_S."""
+
+
+class HardwareList(BaseModel):
+    data: list[WorkerOut]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    status: str
+    checks: dict[str, str]
+    """``ok`` or why the dependency is unreachable, for store, broker and (if configured) redis."""

@@ -1,0 +1,281 @@
+"""One LoRA training step, stock transformers + peft vs ftq, on the standard workload.
+
+Run on a GPU: ``python -m bench.train_step [--shapes llama-8b qwen3-0.6b] [--json PATH]``.
+
+Variants, all in one process on the same model object (bench/workload.py builds it):
+- ``stock padded``: one sample per row, right-padded, ``attention_mask``, sdpa, HF's loss;
+- ``stock packed``: one [1, 16384] row with restarting ``position_ids`` (transformers builds a
+  dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
+- ``ftq``: ``trainer.attention`` (``ftq_packed`` with the Triton varlen kernel, metadata built
+  once per batch) and ``trainer.fused_loss`` (chunked linear + cross-entropy);
+- ``ftq, metadata cache off``: the same with the metadata rebuilt in every layer (the "before"
+  of the caching optimization, all else equal).
+Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
+(model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
+``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
+step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU = model FLOPs / step time / the
+bf16 matmul rate measured here (8192^3); model FLOPs for LoRA = 4 x dense matmul params per
+token (forward + input gradients; frozen weights get none; recompute not counted) + causal
+in-sample attention, 3.5 x its forward. ``--profile`` adds a torch.profiler summary of one ftq
+step (top GPU kernels, GPU busy time vs step time, kernel launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.workload import SHAPES, ModelShape, build_lora_model, packed_batch, packed_steps, padded_batch
+
+VARIANTS = ("stock padded", "stock packed", "ftq", "ftq, metadata cache off")
+
+
+@dataclass
+class Result:
+    shape: str
+    variant: str
+    status: str = "ok"
+    step_ms: float = float("nan")
+    forward_ms: float = float("nan")
+    backward_ms: float = float("nan")
+    optimizer_ms: float = float("nan")
+    tokens_per_s: float = float("nan")
+    peak_gib: float = float("nan")
+    mfu: float = float("nan")
+    syncs_per_step: int = -1
+    losses: list[float] = field(default_factory=list)
+
+
+def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+class Variant:
+    """How one variant runs a step's forward + loss on ``model``."""
+
+    def __init__(self, name: str, model, shape: ModelShape, device: torch.device):
+        self.name, self.model, self.shape, self.device = name, model, shape, device
+        self.attention = None
+        if name.startswith("ftq"):
+            from trainer.attention import PackedAttention
+
+            self.attention = PackedAttention(backend="triton", cache="cache off" not in name)
+            reason = self.attention.supported(device, model.get_base_model().config)
+            if reason:
+                raise RuntimeError(f"ftq attention cannot run here: {reason}")
+            self.attention.install(model)
+
+    def close(self) -> None:
+        if self.attention is not None:
+            self.attention.uninstall()
+
+    def loss(self, lengths: list[int], seed: int) -> tuple[torch.Tensor, int]:
+        vocab = self.shape.vocab
+        if self.name == "stock padded":
+            batch = padded_batch(lengths, vocab, self.device, seed)
+            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+            return out.loss, batch.real_tokens
+        batch = packed_batch(lengths, vocab, self.device, seed)
+        if self.name == "stock packed":
+            out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels)
+            return out.loss, sum(lengths)
+        from trainer.fused_loss import causal_lm_loss
+
+        meta = self.attention.metadata(lengths, self.device)
+        loss = causal_lm_loss(self.model, batch.input_ids, batch.targets, num_items=batch.num_label_tokens,
+                              **meta.model_kwargs())
+        return loss, sum(lengths)
+
+
+def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int, peak_tflops: float,
+                shape: ModelShape) -> Result:
+    result = Result(shape.name, variant.name)
+    device = variant.device
+
+    def step(i: int, events=None):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if events:
+                events[0].record()
+            loss, tokens = variant.loss(steps[i], seed=i)
+            if events:
+                events[1].record()
+        loss.backward()
+        if events:
+            events[2].record()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if events:
+            events[3].record()
+        return loss.detach(), tokens
+
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    # Host syncs: one untimed step under the sync debugger.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(warmup)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    result.syncs_per_step = sum("synchroniz" in str(w.message) for w in caught)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    timed = range(warmup + 1, len(steps))
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in timed]
+    losses, tokens = [], 0
+    wall = time.perf_counter()
+    for ev, i in zip(events, timed):
+        loss, n = step(i, ev)
+        losses.append(loss)
+        tokens += n
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    fwd = [e[0].elapsed_time(e[1]) for e in events]
+    bwd = [e[1].elapsed_time(e[2]) for e in events]
+    opt = [e[2].elapsed_time(e[3]) for e in events]
+    n = len(events)
+    result.forward_ms, result.backward_ms, result.optimizer_ms = sum(fwd) / n, sum(bwd) / n, sum(opt) / n
+    result.step_ms = wall * 1e3 / n
+    result.tokens_per_s = tokens / wall
+    result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    flops = sum(2 * shape.matmul_flops_per_token() * sum(steps[i]) + 3.5 * shape.attention_flops(steps[i])
+                for i in timed)
+    result.mfu = flops / wall / (peak_tflops * 1e12)
+    result.losses = [float(x) for x in losses]
+    return result
+
+
+def profile_step(variant: Variant, optimizer, lengths: list[int], out_path: str | None) -> str:
+    """One ftq step under torch.profiler: where the GPU time goes, and how busy the GPU is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = variant.loss(lengths, seed=10_000)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - wall
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu_us = sum(e.device_time_total for e in events)
+    launches = sum(e.count for e in events)
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    lines = [f"profiled step wall {wall * 1e3:.1f} ms (profiler on), GPU kernel time {gpu_us / 1e3:.1f} ms, "
+             f"{launches} kernel launches", "", "| kernel | calls | GPU ms | share |", "|---|---:|---:|---:|"]
+    for e in events[:20]:
+        lines.append(f"| {e.key[:90]} | {e.count} | {e.device_time_total / 1e3:.1f} | "
+                     f"{e.device_time_total / gpu_us:.1%} |")
+    text = "\n".join(lines)
+    if out_path:
+        with open(out_path, "w") as fh:
+            fh.write(text + "\n\n" + prof.key_averages().table(sort_by="device_time_total", row_limit=60))
+    return text
+
+
+def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, warmup: int, timed: int,
+                peak: float, profile_out: str | None) -> tuple[list[Result], str]:
+    model, optimizer = build_lora_model(shape, device)
+    model.train()
+    steps = packed_steps(warmup + 1 + timed)
+    results, profile_text = [], ""
+    for name in variants:
+        variant = None
+        try:
+            variant = Variant(name, model, shape, device)
+            results.append(run_variant(variant, optimizer, steps, warmup, peak, shape))
+            if profile_out and name == "ftq":
+                profile_text = profile_step(variant, optimizer, steps[0], profile_out)
+        except torch.OutOfMemoryError as exc:
+            results.append(Result(shape.name, name, status=f"OOM ({str(exc).splitlines()[0][:80]})"))
+        except Exception as exc:  # report and go on: one broken variant must not hide the others
+            results.append(Result(shape.name, name, status=f"error: {type(exc).__name__}: {str(exc)[:200]}"))
+        finally:
+            if variant is not None:
+                variant.close()
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        r = results[-1]
+        print(f"  {shape.name} / {name}: {r.status}, {r.tokens_per_s:,.0f} tok/s, {r.peak_gib:.1f} GiB, "
+              f"syncs {r.syncs_per_step}", flush=True)
+    del model, optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results, profile_text
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| shape | variant | tokens/s | step ms | fwd ms | bwd ms | optim ms | peak GiB | MFU | host syncs/step "
+             "| vs stock packed |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r.status != "ok":
+            lines.append(f"| {r.shape} | {r.variant} | {r.status} | | | | | | | | |")
+            continue
+        base = next((b for b in results if b.shape == r.shape and b.variant == "stock packed" and b.status == "ok"),
+                    None)
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "n/a"
+        lines.append(f"| {r.shape} | {r.variant} | {r.tokens_per_s:,.0f} | {r.step_ms:.0f} | {r.forward_ms:.0f} | "
+                     f"{r.backward_ms:.0f} | {r.optimizer_ms:.1f} | {r.peak_gib:.1f} | {r.mfu:.1%} | "
+                     f"{r.syncs_per_step} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", help="write all numbers to this JSON file")
+    parser.add_argument("--profile", help="write a profiler table of one ftq step per shape to PATH.<shape>.txt")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.train_step needs a CUDA device", file=sys.stderr)
+        return 2
+    from bench.attention import device_line
+
+    device = torch.device("cuda")
+    peak = matmul_peak_tflops(device)
+    print(f"device: {device_line()}\nbf16 matmul peak (8192^3, measured): {peak:.0f} TFLOP/s", flush=True)
+    results, profiles = [], {}
+    for key in args.shapes:
+        shape = SHAPES[key]
+        out = f"{args.profile}.{key}.txt" if args.profile else None
+        rs, prof = bench_shape(shape, args.variants, device, args.warmup, args.steps, peak, out)
+        results += rs
+        profiles[shape.name] = prof
+    print()
+    print(table(results))
+    for name, text in profiles.items():
+        if text:
+            print(f"\n### profile: {name}, one ftq step\n{text}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=device_line(), matmul_peak_tflops=peak, results=[r.__dict__ for r in results],
+                           profiles=profiles), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

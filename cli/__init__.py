@@ -1,0 +1,1 @@
+"""The ``ftq`` command line: ``up``, ``api``, ``worker``, ``db upgrade``."""

@@ -1,0 +1,53 @@
+"""``ftq``: start the service, or its parts.
+
+    ftq up                 API + one local worker on the embedded default (or the FTQ_* URLs)
+    ftq api                the REST API (uvicorn)
+    ftq worker [--gpu N]   one Celery worker pinned to GPU N
+    ftq db upgrade         apply the store's migrations
+
+Configuration comes from the environment (``FTQ_*``, see core/settings.py); flags override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from cli import db, serve, up
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ftq", description="Fine-tuning jobs on a shared GPU box.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up.add_parser(commands)
+    serve.add_api_parser(commands)
+    serve.add_worker_parser(commands)
+    db.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except CliError as exc:
+        print(f"ftq: {exc}", file=sys.stderr)
+        return 2
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""``ftq up``: the whole service on one machine, with one command.
+
+With no ``FTQ_DATABASE_URL`` / ``FTQ_BROKER_URL`` set it needs no server: a SQLite store and
+kombu's SQLAlchemy broker live under ``FTQ_DATA_DIR``. Order of start-up:
+
+1. apply the store's migrations;
+2. if ``FTQ_MODEL_ROOT`` is empty, write a tiny random-weight demo model ``tiny-llama`` there
+   (``python -m trainer make-tiny-model``), so a new user can submit a job at once
+   (``--no-demo-model`` skips it);
+3. start ``ftq api`` and one ``ftq worker`` as child processes, each in its own session so a
+   Ctrl-C reaches only this supervisor, and print the URL once ``/healthz`` answers.
+
+Ctrl-C or SIGTERM stops both: SIGTERM to each, the worker hands a running job back to the
+queue after its trainer checkpointed; a child still running after its grace period is killed.
+If either child dies, the other is stopped and ``ftq up`` exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from core.settings import Settings
+
+DEMO_MODEL = "tiny-llama"
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("up", help="start the API and a local worker (embedded store by default)")
+    parser.add_argument("--host", help="API bind address (default FTQ_HOST or 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="API port (default FTQ_PORT or 8000)")
+    parser.add_argument("--gpu", help="GPU index for the local worker (default: CUDA_VISIBLE_DEVICES, else CPU)")
+    parser.add_argument("--no-demo-model", action="store_true", help="do not seed an empty FTQ_MODEL_ROOT")
+    parser.set_defaults(run=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from cli.db import redact, upgrade_store
+
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides).resolved()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.model_root.mkdir(parents=True, exist_ok=True)
+    print(f"ftq: store {redact(settings.database_url or '')}, data in {settings.data_dir}", flush=True)
+    upgrade_store(settings)
+    if not args.no_demo_model:
+        seed_demo_model(settings.model_root)
+
+    env = child_env(settings)
+    base = [sys.executable, "-m", "cli", "--log-level", args.log_level]
+    worker_cmd = [*base, "worker"] + (["--gpu", args.gpu] if args.gpu is not None else [])
+    children = {
+        "api": subprocess.Popen([*base, "api"], env=env, start_new_session=True),
+        "worker": subprocess.Popen(worker_cmd, env=env, start_new_session=True),
+    }
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        url = f"http://{_client_host(settings.host)}:{settings.port}"
+        if _wait_healthy(url, children, stop):
+            print(f"ftq is up: {url}  (API docs: {url}/docs; Ctrl-C stops)", flush=True)
+        exited = _supervise(children, stop)
+    finally:
+        _stop_all(children, worker_grace_s=settings.cancel_grace_s + 30)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if exited:
+        print(f"ftq: {exited} exited unexpectedly (code {children[exited].returncode}); stopped the rest",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def seed_demo_model(model_root: Path) -> None:
+    """Write the tiny demo model into an empty model root (a warning, not a failure, if it cannot)."""
+    if any(model_root.iterdir()):
+        return
+    target = model_root / DEMO_MODEL
+    print(f"ftq: {model_root} is empty; writing a tiny random-weight demo model to {target}", flush=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "make-tiny-model", str(target), "--arch", "llama"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        print(f"ftq: warning: could not write the demo model (exit {done.returncode}):\n{tail}", file=sys.stderr)
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    """The environment for the children: the resolved settings, so both use the same store."""
+    env = dict(os.environ)
+    env.update(
+        FTQ_DATA_DIR=str(settings.data_dir),
+        FTQ_MODEL_ROOT=str(settings.model_root),
+        FTQ_DATABASE_URL=settings.database_url or "",
+        FTQ_BROKER_URL=settings.broker_url or "",
+        FTQ_HOST=settings.host,
+        FTQ_PORT=str(settings.port),
+    )
+    return env
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _wait_healthy(url: str, children: dict[str, subprocess.Popen[bytes]], stop: threading.Event,
+                  timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stop.is_set():
+        if any(child.poll() is not None for child in children.values()):
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        stop.wait(0.3)
+    return False
+
+
+def _supervise(children: dict[str, subprocess.Popen[bytes]], stop: threading.Event) -> str | None:
+    """Wait for a stop signal or a child's death; the name of a child that died, else None."""
+    while not stop.wait(0.5):
+        for name, child in children.items():
+            if child.poll() is not None:
+                return name
+    return None
+
+
+def _stop_all(children: dict[str, subprocess.Popen[bytes]], *, worker_grace_s: float) -> None:
+    for child in children.values():
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)  # the main process only: it shuts down its pool itself
+    for name, child in children.items():
+        try:
+            child.wait(timeout=worker_grace_s if name == "worker" else 20)
+        except subprocess.TimeoutExpired:
+            print(f"ftq: {name} did not stop in time; killing it", file=sys.stderr)
+            _signal(child, signal.SIGKILL)
+            child.wait()
+
+
+def _signal(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

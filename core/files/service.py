@@ -1,0 +1,181 @@
+"""Uploaded datasets: receive, validate, store, list, delete.
+
+An upload is streamed into a temporary file under ``<data_dir>/files/.incoming`` while it is
+hashed and counted (``FileSink``), then validated whole (``core.files.validate``). Only a
+valid file is moved to ``<data_dir>/files/<file_id>.jsonl`` and recorded; on any failure the
+temporary file is removed and no row exists, so a refused upload leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Literal
+
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session
+
+from core.db import new_id, utcnow
+from core.errors import Conflict, InvalidInput, NotFound, TooLarge
+from core.files.models import File
+from core.files.validate import validate_dataset
+from core.jobs.models import Job
+from core.jobs.states import ACTIVE_STATUSES
+from core.paging import page_newest_first, split_page
+
+Purpose = Literal["train", "validation"]
+PURPOSES = ("train", "validation")
+
+
+class FileSink:
+    """A temporary file that hashes and counts what is written and refuses more than ``max_bytes``.
+
+    Use as a context manager: leaving it without ``keep()`` removes the temporary file.
+    """
+
+    def __init__(self, files_dir: Path, max_bytes: int) -> None:
+        incoming = files_dir / ".incoming"
+        incoming.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=incoming, suffix=".part")
+        self.path = Path(name)
+        self._fh: IO[bytes] = os.fdopen(fd, "wb")
+        self._hash = hashlib.sha256()
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._kept = False
+
+    def write(self, chunk: bytes) -> None:
+        self.bytes += len(chunk)
+        if self.bytes > self.max_bytes:
+            raise TooLarge(
+                f"file: larger than the limit of {self.max_bytes} bytes (FTQ_MAX_UPLOAD_BYTES); "
+                "split the dataset or raise the limit",
+                param="file",
+            )
+        self._hash.update(chunk)
+        self._fh.write(chunk)
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def keep(self) -> None:
+        self._kept = True
+
+    def __enter__(self) -> FileSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if not self._kept:
+            self.path.unlink(missing_ok=True)
+
+
+def store_upload(
+    session: Session, sink: FileSink, *, filename: str, purpose: str, files_dir: Path
+) -> File:
+    """Validate the received file and record it; commits, so row and bytes always agree.
+
+    Raises:
+        InvalidInput: bad ``purpose`` or ``filename``.
+        InvalidDataset: the first bad line and why (the temporary file is removed by the sink).
+    """
+    check_purpose(purpose)
+    filename = _clean_filename(filename)
+    sink.close()
+    summary = validate_dataset(sink.path)
+    file_id = new_id("file")
+    final = files_dir / f"{file_id}.jsonl"
+    os.replace(sink.path, final)
+    sink.keep()
+    row = File(
+        file_id=file_id,
+        filename=filename,
+        purpose=purpose,
+        bytes=sink.bytes,
+        sha256=sink.sha256,
+        format=summary.format,
+        num_records=summary.num_records,
+        path=str(final),
+        stats=summary.stats,
+        created_at=utcnow(),
+    )
+    try:
+        session.add(row)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        final.unlink(missing_ok=True)
+        raise
+    return row
+
+
+def check_purpose(purpose: str) -> None:
+    if purpose not in PURPOSES:
+        raise InvalidInput(f"purpose: {purpose!r} is not one of train, validation", param="purpose")
+
+
+def get_file(session: Session, file_id: str) -> File:
+    row = session.get(File, file_id)
+    if row is None or row.deleted_at is not None:
+        raise NotFound(f"no file {file_id!r}; list uploaded files with GET /v1/files", param="file_id")
+    return row
+
+
+def list_files(
+    session: Session, *, purpose: str | None = None, limit: int = 50, after: str | None = None
+) -> tuple[list[File], str | None]:
+    query = select(File).where(File.deleted_at.is_(None))
+    if purpose is not None:
+        check_purpose(purpose)
+        query = query.where(File.purpose == purpose)
+    query = page_newest_first(query, File.created_at, File.file_id, limit=limit, after=after)
+    rows = list(session.scalars(query))
+    return split_page(rows, limit, "created_at", "file_id")
+
+
+def delete_file(session: Session, file_id: str) -> File:
+    """Remove a file's bytes and hide it; refused while a queued or running job uses it.
+
+    The row stays (marked deleted) because finished jobs still name it. Commits, then removes
+    the bytes, so a failed commit never leaves a row pointing at nothing.
+    """
+    row = get_file(session, file_id)
+    in_use = session.scalar(
+        select(
+            exists().where(
+                (Job.training_file_id == file_id) | (Job.validation_file_id == file_id),
+                Job.status.in_([s.value for s in ACTIVE_STATUSES]),
+            )
+        )
+    )
+    if in_use:
+        raise Conflict(
+            f"file {file_id} is used by a queued or running job; cancel the job or wait for it to finish",
+            param="file_id",
+        )
+    row.deleted_at = utcnow()
+    session.commit()
+    Path(row.path).unlink(missing_ok=True)
+    return row
+
+
+def paths_for(session: Session, file_ids: Iterable[str | None]) -> dict[str, str]:
+    """file id -> stored path for the given ids (for ``core.jobs.translate.to_train_config``)."""
+    ids = [i for i in file_ids if i]
+    rows = session.scalars(select(File).where(File.file_id.in_(ids))).all()
+    return {row.file_id: row.path for row in rows}
+
+
+def _clean_filename(filename: str) -> str:
+    name = Path(filename.replace("\\", "/")).name.strip()
+    if not name:
+        raise InvalidInput("file: the upload has no filename; send it as a named multipart file", param="file")
+    return name[:255]

@@ -1,0 +1,175 @@
+"""Dataset validation at upload: a file is accepted whole or refused at its first bad line.
+
+A dataset is JSONL (UTF-8, one JSON object per line; blank lines are skipped) and every
+record has the same one of three formats:
+
+``chat``               {"messages": [{"role": ..., "content": ...}, ...]}; roles system, user,
+                       assistant, tool; at least one assistant message with non-empty content
+``prompt_completion``  {"prompt": str, "completion": non-empty str}
+``text``               {"text": non-empty str}
+
+Other keys in a record (``id``, ``metadata``, a message's ``name`` or ``tool_calls``) are
+ignored, but a record with the keys of two formats is refused: the trainer could not know
+which one was meant. The names of the formats match ``trainer.config.DATA_FORMATS``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.errors import InvalidDataset
+
+FORMATS = ("chat", "prompt_completion", "text")
+ROLES = ("system", "user", "assistant", "tool")
+MAX_LINE_BYTES = 64 << 20
+"""A longer line is refused rather than read into memory (64 MiB)."""
+
+_FORMAT_KEYS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+
+
+@dataclass
+class DatasetSummary:
+    format: str
+    num_records: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_dataset(path: Path) -> DatasetSummary:
+    """Read ``path`` once and describe it, or raise ``InvalidDataset`` naming the first bad line."""
+    fmt: str | None = None
+    first_line = 0
+    chars: list[int] = []
+    messages = 0
+    with path.open("rb") as fh:
+        for number, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise InvalidDataset(f"line {number}: longer than {MAX_LINE_BYTES} bytes; split the record", line=number)
+            record = _parse_line(raw, number)
+            if record is None:
+                continue
+            line_fmt = _format_of(record, number)
+            if fmt is None:
+                fmt, first_line = line_fmt, number
+            elif line_fmt != fmt:
+                raise InvalidDataset(
+                    f"line {number}: a {line_fmt} record, but line {first_line} is {fmt}; "
+                    "a file holds one format, split it into separate files",
+                    line=number,
+                )
+            chars.append(_check_record(record, line_fmt, number))
+            if line_fmt == "chat":
+                messages += len(record["messages"])
+    if fmt is None:
+        raise InvalidDataset(
+            "the file has no records (it is empty or blank); upload JSONL with one JSON object per line",
+            line=1,
+        )
+    stats: dict[str, Any] = {
+        "chars_per_record": {"min": min(chars), "mean": round(sum(chars) / len(chars), 2), "max": max(chars)},
+        "total_chars": sum(chars),
+    }
+    if fmt == "chat":
+        stats["messages_per_record_mean"] = round(messages / len(chars), 2)
+    return DatasetSummary(format=fmt, num_records=len(chars), stats=stats)
+
+
+def _parse_line(raw: bytes, number: int) -> dict[str, Any] | None:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidDataset(
+            f"line {number}: not UTF-8 (byte {exc.start}); save the file as UTF-8", line=number
+        ) from None
+    if number == 1:
+        text = text.removeprefix("\ufeff")
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidDataset(
+            f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object",
+            line=number,
+        ) from None
+    if not isinstance(record, dict):
+        raise InvalidDataset(
+            f"line {number}: a JSON {type(record).__name__}, not an object; each line must be one JSON object",
+            line=number,
+        )
+    return record
+
+
+def _format_of(record: dict[str, Any], number: int) -> str:
+    found = [fmt for fmt, keys in _FORMAT_KEYS.items() if any(k in record for k in keys)]
+    if not found:
+        raise InvalidDataset(
+            f"line {number}: no known format; a record needs 'messages' (chat), 'prompt' and "
+            f"'completion', or 'text' (found keys: {', '.join(sorted(record)) or 'none'})",
+            line=number,
+        )
+    if len(found) > 1:
+        raise InvalidDataset(
+            f"line {number}: mixes the keys of {' and '.join(found)}; keep the keys of one format",
+            line=number,
+        )
+    return found[0]
+
+
+def _check_record(record: dict[str, Any], fmt: str, number: int) -> int:
+    """Check one record of a known format; return its length in characters."""
+    if fmt == "text":
+        return len(_nonempty_str(record, "text", number))
+    if fmt == "prompt_completion":
+        for key in ("prompt", "completion"):
+            if key not in record:
+                raise InvalidDataset(
+                    f"line {number}: a prompt/completion record needs both 'prompt' and 'completion'; "
+                    f"'{key}' is missing",
+                    line=number,
+                )
+        if not isinstance(record["prompt"], str):
+            raise InvalidDataset(f"line {number}: 'prompt' must be a string", line=number)
+        return len(record["prompt"]) + len(_nonempty_str(record, "completion", number))
+    return _check_messages(record["messages"], number)
+
+
+def _check_messages(messages: Any, number: int) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidDataset(f"line {number}: 'messages' must be a non-empty list of messages", line=number)
+    total = 0
+    has_answer = False
+    for i, msg in enumerate(messages):
+        where = f"line {number}: messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidDataset(f"{where} must be an object with 'role' and 'content'", line=number)
+        role = msg.get("role")
+        if role is None:
+            raise InvalidDataset(f"{where} has no 'role'; use one of {', '.join(ROLES)}", line=number)
+        if role not in ROLES:
+            raise InvalidDataset(f"{where}: role {role!r} is not one of {', '.join(ROLES)}", line=number)
+        content = msg.get("content")
+        if content is None and role == "assistant" and msg.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise InvalidDataset(f"{where} needs 'content' as a string", line=number)
+        total += len(content)
+        has_answer = has_answer or (role == "assistant" and bool(content.strip()))
+    if not has_answer:
+        raise InvalidDataset(
+            f"line {number}: no assistant message with content; the loss is computed on assistant "
+            "replies, so each conversation needs at least one",
+            line=number,
+        )
+    return total
+
+
+def _nonempty_str(record: dict[str, Any], key: str, number: int) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise InvalidDataset(f"line {number}: '{key}' must be a string", line=number)
+    if not value.strip():
+        raise InvalidDataset(f"line {number}: '{key}' is empty; remove the record or fill it", line=number)
+    return value

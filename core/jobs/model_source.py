@@ -1,0 +1,98 @@
+"""Where a job's base model comes from: a directory under the model root, or a hub id.
+
+Rules, in order:
+
+1. An absolute path, or a relative one, that names a directory under ``FTQ_MODEL_ROOT``
+   holding ``config.json`` is a local model. ``..`` segments and absolute paths outside the
+   root are refused: users may name only what the box's owner put there.
+2. Otherwise a value shaped like ``org/name`` is a hub id (if ``allow_hub_models``). With
+   ``HF_HUB_OFFLINE=1`` the box cannot download, so the model must already be in the local
+   Hugging Face cache.
+3. Anything else is refused with both options spelled out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from core.errors import InvalidInput
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str
+    """``local`` or ``hub``."""
+    name_or_path: str
+    """The absolute directory for ``local``, the hub id for ``hub``: what the trainer loads."""
+
+
+def resolve_model(model: str, *, model_root: Path, allow_hub: bool = True) -> ModelSource:
+    """Resolve the spec's ``model`` to what the trainer loads, or raise ``InvalidInput``."""
+    root = model_root.expanduser().resolve()
+    if ".." in PurePosixPath(model).parts or ".." in Path(model).parts:
+        raise InvalidInput(
+            f"model {model!r}: '..' is not allowed; name a directory under the model root ({root})",
+            param="model",
+        )
+    if os.path.isabs(model):
+        return ModelSource("local", str(_local_dir(Path(model), root, model)))
+    candidate = root / model
+    if candidate.is_dir():
+        return ModelSource("local", str(_local_dir(candidate, root, model)))
+    if HUB_ID.match(model):
+        if not allow_hub:
+            raise InvalidInput(
+                f"model {model!r}: hub models are disabled on this box (FTQ_ALLOW_HUB_MODELS=0) and "
+                f"{candidate} does not exist; put the model under {root} and name its directory",
+                param="model",
+            )
+        if _hub_offline() and not _in_hf_cache(model):
+            raise InvalidInput(
+                f"model {model!r}: HF_HUB_OFFLINE=1 and the model is not in the local Hugging Face "
+                f"cache, and {candidate} does not exist; download it on a connected machine "
+                f"(huggingface-cli download {model}) or put it under {root}",
+                param="model",
+            )
+        return ModelSource("hub", model)
+    raise InvalidInput(
+        f"model {model!r}: no directory {candidate} exists and it is not a hub id (org/name); "
+        f"name a directory under the model root {root} that holds config.json, or a hub id",
+        param="model",
+    )
+
+
+def _local_dir(path: Path, root: Path, given: str) -> Path:
+    resolved = path.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise InvalidInput(
+            f"model {given!r}: {resolved} is outside the model root {root}; name a directory under it",
+            param="model",
+        )
+    if not resolved.is_dir():
+        raise InvalidInput(
+            f"model {given!r}: {resolved} is not a directory; name a model directory under {root}",
+            param="model",
+        )
+    if not (resolved / "config.json").is_file():
+        raise InvalidInput(
+            f"model {given!r}: {resolved} has no config.json; name the directory of a saved "
+            "Hugging Face model (save_pretrained output)",
+            param="model",
+        )
+    return resolved
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return isinstance(found, str)

@@ -1,0 +1,165 @@
+"""The job spec: what a user may ask for in ``POST /v1/jobs``, validated at the door.
+
+Every model forbids unknown fields and every range check says what to change, so nothing
+reaches a GPU that could have been refused here. The validated spec is stored on the job as
+JSON (defaults filled in) and translated to ``trainer.config.TrainConfig`` by
+``core.jobs.translate.to_train_config``.
+
+Length of training: set ``hyperparameters.max_steps`` or ``hyperparameters.epochs``, not
+both. With neither, the job runs one epoch (``epochs=1``), the least surprising default for
+a dataset of unknown size.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Switch = Literal["auto", "on", "off"]
+Method = Literal["lora", "qlora", "full"]
+Scheduler = Literal["cosine", "linear", "constant"]
+
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
+ALL_LINEAR = "all-linear"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraSpec(_Strict):
+    """LoRA adapter shape; the update is scaled by ``alpha / r``."""
+
+    r: Annotated[int, Field(ge=1, le=1024, description="LoRA rank (1-1024).")] = 16
+    alpha: Annotated[int, Field(ge=1, le=4096, description="Scaling numerator (1-4096).")] = 16
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0, description="Dropout on the LoRA input, [0, 1).")] = 0.0
+    target_modules: Annotated[
+        list[str],
+        Field(
+            min_length=1,
+            max_length=64,
+            description='Module name suffixes to adapt (e.g. ["q_proj", "v_proj"]), or ["all-linear"].',
+        ),
+    ] = [ALL_LINEAR]
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, names: list[str]) -> list[str]:
+        if ALL_LINEAR in names and len(names) > 1:
+            raise ValueError('use ["all-linear"] alone, or list module names without it')
+        for name in names:
+            if name != ALL_LINEAR and not MODULE_NAME.match(name):
+                raise ValueError(
+                    f"{name!r} is not a module name; use names like 'q_proj' or 'self_attn.o_proj'"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError("remove the duplicate module names")
+        return names
+
+
+class Hyperparameters(_Strict):
+    max_steps: Annotated[int | None, Field(ge=1, le=10_000_000, description="Optimizer steps to run.")] = None
+    epochs: Annotated[
+        float | None,
+        Field(gt=0, le=1000, description="Passes over the training set (fractions allowed). Default 1 when max_steps is unset."),
+    ] = None
+    learning_rate: Annotated[float, Field(gt=0, le=1.0, description="Peak AdamW learning rate.")] = 2e-4
+    lr_scheduler: Annotated[Scheduler, Field(description="Decay after warm-up.")] = "cosine"
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000, description="Linear warm-up steps.")] = 0
+    batch_tokens: Annotated[
+        int, Field(ge=64, le=4_194_304, description="Packing budget: real tokens per packed micro-batch.")
+    ] = 16384
+    max_seq_len: Annotated[int, Field(ge=8, le=1_048_576, description="Samples are truncated to this.")] = 4096
+    grad_accum: Annotated[int, Field(ge=1, le=1024, description="Micro-batches per optimizer step.")] = 1
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1, description="Seeds torch, Python and the data order.")] = 0
+    weight_decay: Annotated[float, Field(ge=0.0, le=1.0, description="AdamW decoupled weight decay.")] = 0.0
+    max_grad_norm: Annotated[
+        float, Field(ge=0.0, le=1e6, description="Clip the global gradient norm; 0 disables clipping.")
+    ] = 1.0
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> Hyperparameters:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("set max_steps or epochs, not both (remove one of them)")
+        if self.batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"batch_tokens ({self.batch_tokens}) must be >= max_seq_len ({self.max_seq_len}) so the "
+                "longest sample fits in one packed batch; raise batch_tokens or lower max_seq_len"
+            )
+        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be < max_steps ({self.max_steps})"
+            )
+        return self
+
+    @property
+    def resolved_epochs(self) -> float | None:
+        """``epochs`` as the trainer gets it: 1 when neither length is set."""
+        if self.max_steps is None and self.epochs is None:
+            return 1.0
+        return self.epochs
+
+
+class OptimizationSwitches(_Strict):
+    """Per-optimization overrides; ``auto`` lets the trainer's hardware plan decide."""
+
+    packed_metadata_cache: Switch = "auto"
+    double_buffered_reload: Switch = "auto"
+    moe_grouped_routing: Switch = "auto"
+
+
+class JobSpec(_Strict):
+    """The body of ``POST /v1/jobs``."""
+
+    name: Annotated[str | None, Field(min_length=1, max_length=200, description="A label for people.")] = None
+    model: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=512,
+            description="Hub id (org/name) or a directory under FTQ_MODEL_ROOT holding config.json.",
+        ),
+    ]
+    training_file: Annotated[str, Field(description="Id of an uploaded file with purpose=train.")]
+    validation_file: Annotated[
+        str | None, Field(description="Id of an uploaded file with purpose=validation.")
+    ] = None
+    method: Annotated[Method, Field(description="lora, full; qlora needs a CUDA worker with bitsandbytes.")] = "lora"
+    lora: LoraSpec = LoraSpec()
+    hyperparameters: Hyperparameters = Hyperparameters()
+    checkpoint_every: Annotated[
+        int, Field(ge=0, le=10_000_000, description="Checkpoint every N steps; 0 keeps only the final one.")
+    ] = 0
+    optimizations: OptimizationSwitches = OptimizationSwitches()
+
+    @field_validator("training_file", "validation_file")
+    @classmethod
+    def _check_file_id(cls, value: str | None) -> str | None:
+        if value is not None and not FILE_ID.match(value):
+            raise ValueError(
+                f"{value!r} is not a file id; upload the dataset with POST /v1/files and use the "
+                "returned id (file-<24 hex>)"
+            )
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str) -> str:
+        if value != value.strip() or "\x00" in value:
+            raise ValueError("remove surrounding whitespace and control characters from the model name")
+        return value
+
+    @model_validator(mode="after")
+    def _check_method(self) -> JobSpec:
+        if self.method == "full" and "lora" in self.model_fields_set:
+            raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
+        if self.validation_file is not None and self.validation_file == self.training_file:
+            raise ValueError("validation_file must differ from training_file; upload a held-out set")
+        return self
+
+    def to_stored(self) -> dict:
+        """The spec as stored on the job: JSON, every default filled in."""
+        return self.model_dump(mode="json")

@@ -1,0 +1,175 @@
+"""GET /v1/jobs/{id}/events: resume with Last-Event-ID, live delivery (polling and Redis), end."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from core.jobs import live, service
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from tests.conftest import CHAT_RECORD
+from tests.integration.conftest import serve
+
+pytestmark = pytest.mark.integration
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """Yield each event as {id, event, data} and each comment as {comment}."""
+    event: dict[str, Any] = {}
+    for line in lines:
+        if line == "":
+            if event:
+                yield event
+            event = {}
+        elif line.startswith(":"):
+            yield {"comment": line[1:].strip()}
+        else:
+            key, _, value = line.partition(": ")
+            event[key] = json.loads(value) if key == "data" else value
+
+
+def make_job(client: TestClient) -> str:
+    file_id = client.post(
+        "/v1/files", files={"file": ("d.jsonl", json.dumps(CHAT_RECORD) + "\n")}, data={"purpose": "train"}
+    ).json()["id"]
+    return client.post("/v1/jobs", json={"model": "tiny", "training_file": file_id}).json()["id"]
+
+
+def add_steps(store, job_id: str, steps: range) -> int:
+    with store.sessions() as session:
+        rows = service.append_events(session, job_id, [("step", {"step": s, "loss": 1.0 / s}) for s in steps])
+        session.commit()
+        return rows[-1].seq
+
+
+def finish(store, job_id: str, status: JobStatus = JobStatus.succeeded) -> int:
+    with store.sessions() as session:
+        service.transition(session, job_id, JobStatus.running)
+        assert service.transition(session, job_id, status)
+        seq = service.append_events(session, job_id, [service.state_event(status)])[-1].seq
+        session.commit()
+        return seq
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    return [e for e in parse_sse(iter(text.splitlines())) if "id" in e]
+
+
+class TestResume:
+    def test_last_event_id_gets_exactly_the_missing_events_then_the_stream_ends(
+        self, client: TestClient, store
+    ) -> None:
+        job_id = make_job(client)  # seq 1: state queued
+        add_steps(store, job_id, range(1, 6))  # seq 2..6
+        final = finish(store, job_id)  # seq 7
+        response = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "3"})
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = events_of(response.text)
+        assert [int(e["id"]) for e in events] == [4, 5, 6, 7]
+        assert [e["event"] for e in events] == ["step", "step", "step", "state"]
+        assert events[0]["data"] == {"step": 3, "loss": pytest.approx(1 / 3)}
+        assert events[-1]["data"] == {"status": "succeeded"} and final == 7
+
+    def test_full_history_from_the_start_and_after_query(self, client: TestClient, store) -> None:
+        job_id = make_job(client)
+        add_steps(store, job_id, range(1, 3))
+        finish(store, job_id, JobStatus.failed)
+        everything = events_of(client.get(f"/v1/jobs/{job_id}/events").text)
+        assert [(int(e["id"]), e["event"]) for e in everything] == [
+            (1, "state"), (2, "step"), (3, "step"), (4, "state")
+        ]
+        after = events_of(client.get(f"/v1/jobs/{job_id}/events", params={"after": 2}).text)
+        assert [int(e["id"]) for e in after] == [3, 4]
+        # the browser's reconnect header wins over the URL it reconnects to
+        both = client.get(f"/v1/jobs/{job_id}/events", params={"after": 1}, headers={"Last-Event-ID": "3"})
+        assert [int(e["id"]) for e in events_of(both.text)] == [4]
+
+    def test_bad_last_event_id_is_422(self, client: TestClient, store) -> None:
+        job_id = make_job(client)
+        response = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "abc"})
+        assert response.status_code == 422
+        assert response.json()["error"]["param"] == "Last-Event-ID"
+
+
+def stream_in_thread(url: str, headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], threading.Thread]:
+    received: list[dict[str, Any]] = []
+
+    def run() -> None:
+        with httpx.Client(timeout=30) as http, http.stream("GET", url, headers=headers or {}) as response:
+            assert response.status_code == 200
+            received.extend(parse_sse(response.iter_lines()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return received, thread
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+class TestLive:
+    def test_polling_stream_delivers_new_events_in_order_and_ends(self, client: TestClient, store, settings: Settings) -> None:
+        job_id = make_job(client)
+        with serve(settings) as server:
+            received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events", {"Last-Event-ID": "1"})
+            time.sleep(0.2)
+            add_steps(store, job_id, range(1, 4))
+            wait_for(lambda: len([e for e in received if "id" in e]) == 3)
+            add_steps(store, job_id, range(4, 6))
+            finish(store, job_id)
+            thread.join(timeout=10)
+            assert not thread.is_alive(), "the stream did not end after the final state"
+        events = [e for e in received if "id" in e]
+        assert [int(e["id"]) for e in events] == [2, 3, 4, 5, 6, 7]
+        assert events[-1]["event"] == "state" and events[-1]["data"]["status"] == "succeeded"
+
+    def test_idle_stream_sends_heartbeats(self, client: TestClient, store, settings: Settings) -> None:
+        job_id = make_job(client)
+        fast = settings.model_copy(update={"sse_heartbeat_s": 0.2})
+        with serve(fast) as server:
+            received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events")
+            wait_for(lambda: sum(1 for e in received if e.get("comment") == "keep-alive") >= 2)
+            client.post(f"/v1/jobs/{job_id}/cancel")
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+        assert [e["data"]["status"] for e in received if e.get("event") == "state"] == ["queued", "cancelled"]
+
+    def test_redis_wakeups_deliver_without_polling(
+        self, client: TestClient, store, settings: Settings, redis_url: str
+    ) -> None:
+        job_id = make_job(client)
+        # a 3 s poll (30 s fallback with Redis) would blow the 2 s budget below: only wake-ups count
+        with_redis = settings.model_copy(update={"redis_url": redis_url, "sse_poll_interval_s": 3.0})
+        publisher = redis.Redis.from_url(redis_url)
+        try:
+            with serve(with_redis) as server:
+                received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events")
+                wait_for(lambda: any(e.get("event") == "state" for e in received))
+                time.sleep(0.1)
+                seq = add_steps(store, job_id, range(1, 3))
+                start = time.monotonic()
+                publisher.publish(live.channel(job_id), live.message(seq))
+                wait_for(lambda: len([e for e in received if e.get("event") == "step"]) == 2, timeout=2.0)
+                assert time.monotonic() - start < 2.0
+                # the API publishes its own state events (cancel of a queued job)
+                with httpx.Client() as http:
+                    assert http.post(f"{server.url}/v1/jobs/{job_id}/cancel").status_code == 200
+                thread.join(timeout=2.0)
+                assert not thread.is_alive()
+        finally:
+            publisher.close()
+        assert [int(e["id"]) for e in received if "id" in e] == [1, 2, 3, 4]

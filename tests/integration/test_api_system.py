@@ -1,0 +1,85 @@
+"""/healthz, /readyz (names what is down), /v1/hardware, OpenAPI."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from core.db import utcnow
+from core.settings import Settings
+from core.workers.models import Worker
+
+pytestmark = pytest.mark.integration
+
+
+def test_healthz_and_readyz_when_everything_is_up(client: TestClient, store) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ready", "checks": {"store": "ok", "broker": "ok"}}
+
+
+def test_readyz_checks_redis_when_configured(store, settings: Settings, redis_url: str) -> None:
+    with TestClient(create_app(settings.model_copy(update={"redis_url": redis_url, "broker_url": redis_url}))) as c:
+        response = c.get("/readyz")
+    assert response.status_code == 200, response.text
+    assert response.json()["checks"] == {"store": "ok", "broker": "ok", "redis": "ok"}
+
+
+@pytest.mark.parametrize("down", ["broker", "store"])
+def test_readyz_is_503_naming_what_is_down(store, settings: Settings, down: str) -> None:
+    dead = "127.0.0.1:1"  # nothing listens on port 1
+    update = (
+        {"broker_url": f"redis://{dead}/0"}
+        if down == "broker"
+        else {"database_url": f"postgresql+psycopg://postgres@{dead}/ftq"}
+    )
+    with TestClient(create_app(settings.model_copy(update=update))) as c:
+        response = c.get("/readyz")
+        assert c.get("/healthz").status_code == 200
+    assert response.status_code == 503
+    body = response.json()
+    assert body["error"]["code"] == "unavailable"
+    assert body["error"]["message"].startswith(f"not ready: {down} unreachable")
+    up = "store" if down == "broker" else "broker"
+    assert body["checks"][up] == "ok"
+    assert body["checks"][down].startswith("unreachable")
+
+
+def test_hardware_lists_workers_with_liveness(client: TestClient, store) -> None:
+    now = utcnow()
+    with store.sessions() as session:
+        session.add_all(
+            [
+                Worker(worker_id="w-gpu0", hostname="box", device="cuda:0",
+                       hardware={"device": "NVIDIA H200", "plan": [{"name": "packed_metadata_cache", "enabled": True}]},
+                       current_job_id=None, started_at=now, heartbeat_at=now),
+                Worker(worker_id="w-gpu1", hostname="box", device="cuda:1", hardware={"device": "NVIDIA H200"},
+                       current_job_id="job-x", started_at=now, heartbeat_at=now - dt.timedelta(minutes=10)),
+            ]
+        )
+        session.commit()
+    workers = client.get("/v1/hardware").json()["data"]
+    assert [(w["id"], w["device"], w["alive"], w["current_job"]) for w in workers] == [
+        ("w-gpu0", "cuda:0", True, None),
+        ("w-gpu1", "cuda:1", False, "job-x"),
+    ]
+    assert workers[0]["plan"] == [{"name": "packed_metadata_cache", "enabled": True}]
+    assert workers[1]["plan"] is None
+    assert workers[1]["heartbeat_age_s"] >= 599
+
+
+def test_openapi_and_docs_are_served(client: TestClient, store) -> None:
+    schema = client.get("/openapi.json").json()
+    assert {"/v1/files", "/v1/jobs", "/v1/jobs/{job_id}/events", "/v1/hardware", "/readyz"} <= set(schema["paths"])
+    assert "multipart/form-data" in schema["paths"]["/v1/files"]["post"]["requestBody"]["content"]
+    assert client.get("/docs").status_code == 200
+
+
+def test_unknown_route_uses_the_error_envelope(client: TestClient, store) -> None:
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404
+    assert response.json() == {"error": {"code": "not_found", "message": "Not Found", "param": None}}

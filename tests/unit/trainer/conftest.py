@@ -1,0 +1,39 @@
+"""Fixtures for trainer tests: tiny models on disk, dataset writers, torch global state restored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_state() -> Iterator[None]:
+    """Undo what a test may change in torch's process-wide state (as litgpt's conftest does)."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    grad = torch.is_grad_enabled()
+    rng = torch.get_rng_state()
+    yield
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_grad_enabled(grad)
+    torch.set_rng_state(rng)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama + tokenizer saved with save_pretrained (built once per session)."""
+    from trainer.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from trainer.tiny import build_tokenizer
+
+    return build_tokenizer()

@@ -1,0 +1,101 @@
+"""The reaper: stale running jobs are retried or failed; lost queued messages are re-sent."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import select
+
+from core.db import utcnow
+from core.jobs.models import Job, JobEvent
+from worker.reaper import reap
+
+
+def _reap(runtime, **kwargs):
+    return reap(runtime.sessionmaker, runtime.settings, enqueue=runtime.recorded.enqueued.append,
+                publish=runtime.publish, **kwargs)
+
+
+def _ago(seconds: float) -> dt.datetime:
+    return utcnow() - dt.timedelta(seconds=seconds)
+
+
+def _job(runtime, job_id):
+    with runtime.sessionmaker() as session:
+        return session.get(Job, job_id)
+
+
+def _last_event(runtime, job_id) -> JobEvent:
+    with runtime.sessionmaker() as session:
+        return session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq.desc())).first()
+
+
+class TestStaleRunningJobs:
+    def test_a_job_with_attempts_left_goes_back_to_the_queue_and_is_resent(self, runtime, make_job):
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="gone/gpu0", heartbeat_at=_ago(60))
+
+        report = _reap(runtime)
+
+        assert report.requeued == [job_id] and report.failed == []
+        job = _job(runtime, job_id)
+        assert (job.status, job.worker_id, job.heartbeat_at) == ("queued", None, None)
+        assert runtime.recorded.enqueued == [job_id]
+        event = _last_event(runtime, job_id)
+        assert event.data["status"] == "queued"
+        assert "retrying from the last checkpoint after lost worker gone/gpu0" in event.data["reason"]
+        assert (job_id, event.seq) in runtime.recorded.published
+
+    def test_a_job_out_of_attempts_fails_with_worker_lost(self, runtime, make_job):
+        job_id = make_job("fake:ok", status="running", attempts=2, worker_id="gone/gpu0", heartbeat_at=_ago(60))
+
+        report = _reap(runtime)
+
+        assert report.failed == [job_id] and runtime.recorded.enqueued == []
+        job = _job(runtime, job_id)
+        assert job.status == "failed" and job.error_code == "worker_lost" and job.finished_at is not None
+        assert "gave up after 2 attempts" in job.error_message
+
+    def test_a_job_with_a_fresh_heartbeat_is_left_alone(self, runtime, make_job):
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=_ago(1))
+        report = _reap(runtime)
+        assert report.requeued == report.failed == [] and _job(runtime, job_id).status == "running"
+
+    def test_a_running_job_that_never_beat_is_stale(self, runtime, make_job):
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=None)
+        assert _reap(runtime).requeued == [job_id]
+
+    def test_two_reapers_requeue_a_job_once(self, runtime, make_job):
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=_ago(60))
+        first, second = _reap(runtime), _reap(runtime)
+        assert first.requeued == [job_id] and second.requeued == []
+        assert runtime.recorded.enqueued == [job_id]
+
+
+class TestLostQueuedMessages:
+    def test_an_idle_worker_resends_a_job_waiting_too_long_once_per_period(self, runtime, make_job):
+        job_id = make_job("fake:ok", updated_at=_ago(300))
+
+        first = _reap(runtime, idle=True, resend_after_s=120)
+        second = _reap(runtime, idle=True, resend_after_s=120)
+
+        assert first.resent == [job_id] and second.resent == []
+        assert runtime.recorded.enqueued == [job_id]
+        assert _job(runtime, job_id).status == "queued"
+
+    def test_a_busy_worker_does_not_resend(self, runtime, make_job):
+        make_job("fake:ok", updated_at=_ago(300))
+        assert _reap(runtime, idle=False, resend_after_s=120).resent == []
+
+    def test_a_recently_queued_job_is_not_resent(self, runtime, make_job):
+        make_job("fake:ok", updated_at=_ago(5))
+        assert _reap(runtime, idle=True, resend_after_s=120).resent == []
+
+
+def test_a_reaped_job_runs_again_on_the_next_delivery(runtime, make_job, settings):
+    from worker.runner import run_job
+
+    job_id = make_job("fake:ok:2", status="running", attempts=1, worker_id="gone", heartbeat_at=_ago(60))
+    assert run_job(runtime, job_id) == "skipped"  # the redelivered message finds it running
+    _reap(runtime)
+    assert run_job(runtime, job_id) == "succeeded"
+    assert _job(runtime, job_id).attempts == 2

@@ -1,0 +1,116 @@
+"""Trainer events → store rows, and how many transactions a run costs."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import func, select
+
+from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from trainer.events import STEP_FIELDS, make_event
+from worker.recorder import EventRecorder, apply_events
+
+
+def _step(n: int, loss: float = 1.0) -> dict:
+    fields = {name: None for name in STEP_FIELDS}
+    fields.update(step=n, total_steps=10, loss=loss, tokens=64)
+    return make_event("step", **fields)
+
+
+class TestApplyEvents:
+    def test_maps_each_event_type_to_its_rows(self, runtime, make_job):
+        job_id = make_job("fake:ok")
+        events = [
+            make_event("plan", hardware={"device": "cpu"}, decisions=[], total_steps=10),
+            _step(1, 2.0),
+            _step(2, 1.5),
+            make_event("eval", step=2, loss=1.7, tokens=128),
+            make_event("log", level="info", message="hello"),
+            make_event("checkpoint", step=2, path="/x/step-000002", bytes=10, final=False),
+            make_event("done", status="succeeded", error_code=None, message=None, adapter_path="/x", steps=2),
+        ]
+        with runtime.sessionmaker.begin() as session:
+            last = apply_events(session, job_id, events)
+        with runtime.sessionmaker() as session:
+            job = session.get(Job, job_id)
+            stored = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)).all()
+            steps = session.scalars(select(StepMetric).where(StepMetric.job_id == job_id)).all()
+            checkpoint = session.get(Checkpoint, (job_id, 2))
+        assert [e.type for e in stored] == ["state", "plan", "step", "step", "eval", "log", "checkpoint"]
+        assert last == stored[-1].seq == job.last_event_seq == 7
+        assert job.plan["hardware"] == {"device": "cpu"} and "type" not in job.plan
+        assert (job.progress_step, job.total_steps) == (2, 10)
+        assert sorted((s.step, s.loss, s.tokens) for s in steps) == [(1, 2.0, 64), (2, 1.5, 64)]
+        assert checkpoint.path == "/x/step-000002" and checkpoint.bytes == 10 and not checkpoint.final
+        assert stored[2].data["loss"] == 2.0 and "time" in stored[2].data
+
+    def test_a_resumed_run_replaces_the_steps_after_its_checkpoint(self, runtime, make_job):
+        job_id = make_job("fake:ok")
+        with runtime.sessionmaker.begin() as session:
+            apply_events(session, job_id, [_step(1, 3.0), _step(2, 2.5), _step(3, 2.4)])
+        with runtime.sessionmaker.begin() as session:
+            apply_events(session, job_id, [_step(2, 2.0), _step(3, 1.9)])
+        with runtime.sessionmaker() as session:
+            rows = session.execute(
+                select(StepMetric.step, StepMetric.loss).where(StepMetric.job_id == job_id).order_by(StepMetric.step)
+            ).all()
+        assert [tuple(r) for r in rows] == [(1, 3.0), (2, 2.0), (3, 1.9)]
+
+    def test_nothing_stored_for_done_alone(self, runtime, make_job):
+        job_id = make_job("fake:ok")
+        done = make_event("done", status="failed", error_code="x", message="m", adapter_path=None, steps=0)
+        with runtime.sessionmaker.begin() as session:
+            assert apply_events(session, job_id, [done]) == 0
+
+
+class TestBatching:
+    def test_many_events_are_written_in_few_transactions(self, runtime, make_job, commits):
+        job_id = make_job("fake:ok")
+        published: list[int] = []
+        recorder = EventRecorder(runtime.sessionmaker, job_id, flush_interval_s=3600, max_batch=100,
+                                 publish=lambda _job, seq: published.append(seq))
+        commits.clear()
+        for n in range(1, 251):
+            recorder.add(_step(n))
+            if recorder.pending() >= recorder.max_batch:
+                recorder.flush()
+        recorder.flush()
+
+        assert len(commits) == 3 and recorder.batches_written == 3
+        assert published == [101, 201, 251]  # one wake-up per committed batch, the state event is seq 1
+        with runtime.sessionmaker() as session:
+            assert session.scalar(select(func.count()).select_from(StepMetric).where(StepMetric.job_id == job_id)) == 250
+
+    def test_wait_returns_when_a_batch_is_full_or_the_interval_is_over(self, runtime, make_job):
+        recorder = EventRecorder(runtime.sessionmaker, make_job("fake:ok"), flush_interval_s=0.3, max_batch=2)
+        started = time.monotonic()
+        recorder.wait()
+        assert 0.2 <= time.monotonic() - started < 2
+        assert recorder.flush_if_due() == 0  # due, but nothing to write
+        recorder.add(_step(1))
+        recorder.add(_step(2))
+        started = time.monotonic()
+        recorder.wait(timeout=5)
+        assert time.monotonic() - started < 0.2
+        assert recorder.flush_if_due() == 2
+
+    def test_a_failed_write_keeps_the_events_for_the_next_flush(self, runtime, make_job):
+        recorder = EventRecorder(runtime.sessionmaker, "job-does-not-exist", flush_interval_s=1)
+        recorder.add(_step(1))
+        try:
+            recorder.flush()
+        except Exception:  # noqa: BLE001 - the unknown job makes the write fail
+            pass
+        else:
+            raise AssertionError("writing events of an unknown job should fail")
+        assert recorder.pending() == 1
+
+    def test_a_whole_run_costs_a_handful_of_transactions(self, runtime, make_job, commits):
+        from worker.runner import run_job
+
+        job_id = make_job("fake:ok:300")
+        runtime.settings = runtime.settings.model_copy(update={"event_flush_interval_s": 30.0, "heartbeat_interval_s": 30.0})
+        commits.clear()
+        assert run_job(runtime, job_id) == "succeeded"
+        # claim + 2 full batches of 200 (303 events) + final flush + finish + one heartbeat
+        assert len(commits) <= 6, len(commits)

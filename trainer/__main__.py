@@ -1,0 +1,93 @@
+"""``python -m trainer``: ``run JOB.json`` | ``detect [--json] [--job JOB.json]`` | ``make-tiny-model DIR``.
+
+``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
+stream stays clean) and exits 0 when the run succeeded or was cancelled, 1 when it failed; a
+failure always ends with a ``done`` event carrying an error code and message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from trainer.events import Emitter
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="train as a job.json says, emitting JSON-lines events")
+    p_run.add_argument("job", help="path to job.json (trainer.config.TrainConfig)")
+    p_detect = sub.add_parser("detect", help="print the detected hardware and the optimization plan")
+    p_detect.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p_detect.add_argument("--job", help="plan for this job.json instead of default settings")
+    p_detect.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p_tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model + tokenizer to DIR")
+    p_tiny.add_argument("dir")
+    p_tiny.add_argument("--arch", default="llama", choices=("llama", "qwen3", "mistral", "gemma", "gpt_oss", "qwen3_moe"))
+    p_tiny.add_argument("--seed", type=int, default=0)
+    p_tiny.add_argument("--vocab-size", type=int, default=512)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return _run(args.job)
+    if args.command == "detect":
+        return _detect(args.json, args.job, args.device)
+    from trainer.tiny import make_tiny_model
+
+    print(make_tiny_model(args.dir, args.arch, seed=args.seed, vocab_size=args.vocab_size))
+    return 0
+
+
+def _run(job_path: str) -> int:
+    emit = Emitter(sys.stdout)
+    sys.stdout = sys.stderr  # anything a library prints must not interleave with events
+    try:
+        config = TrainConfig.load(job_path)
+    except (OSError, ValueError, TypeError) as exc:
+        emit("done", status="failed", error_code="config_error", message=f"{job_path}: {exc}", adapter_path=None, steps=0)
+        return 1
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    import trainer
+
+    result = trainer.run(config, emit)
+    return 1 if result.status == "failed" else 0
+
+
+def _detect(as_json: bool, job_path: str | None, device: str) -> int:
+    from trainer import hardware
+
+    if job_path:
+        from trainer.model import model_facts
+
+        config = TrainConfig.load(job_path)
+        facts = model_facts(config)
+    else:
+        config = TrainConfig(
+            model=ModelConfig("(any)"), data=DataConfig("(any)"), optim=OptimConfig(max_steps=1), output_dir=".", device=device
+        )
+        facts = None
+    hw = hardware.detect(config.device)
+    plan = hardware.plan(hw, config.optimizations, config, facts)
+    if as_json:
+        print(json.dumps({"hardware": hw.to_dict(), "plan": plan.to_dict()}, indent=2))
+        return 0
+    print(f"device     {hw.describe()}")
+    gpu_mem = f"{hw.gpu_memory / 2**30:.1f} GiB" if hw.gpu_memory else "-"
+    print(f"memory     gpu {gpu_mem}, host {hw.host_memory / 2**30:.1f} GiB, pinned {'yes' if hw.pinned_memory else 'no'}")
+    print(f"kernels    {', '.join(hw.attention_kernels)}; triton {'yes' if hw.triton else 'no'}; "
+          f"bitsandbytes {'yes' if hw.bitsandbytes else 'no'}; bf16 {'yes' if hw.bf16 else 'no'}")
+    print(f"peak       {hw.peak_flops / 1e12:.0f} TFLOP/s bf16" if hw.peak_flops else "peak       unknown (no MFU)")
+    print(f"dtype      {plan.dtype}")
+    print(f"attention  {plan.attention_backend}: {plan.attention.reason}")
+    print(f"loss       {plan.loss_kernel}: {plan.loss.reason}")
+    for d in plan.decisions:
+        print(f"{d.name:<24} {'on ' if d.enabled else 'off'}  {d.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

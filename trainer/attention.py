@@ -1,0 +1,437 @@
+"""Packed varlen attention for stock transformers models (Llama, Qwen3, Mistral, Gemma, GPT-OSS).
+
+Why: with packed position ids, stock transformers builds one dense ``T x T`` mask per forward
+and SDPA computes every block of it (97% masked at 16k tokens of ~250-token samples). This
+module registers an attention function, ``ftq_packed``, with transformers'
+``AttentionInterface``; ``PackedAttention.install(model)`` switches a loaded model to it with
+``model.set_attn_implementation`` (transformers 5.17 and 5.23 both accept registered names),
+and the model's own attention modules then call it in every layer.
+
+How the metadata reaches the layers: ``meta.model_kwargs()`` adds ``packed_metadata=meta`` (and
+the packed ``position_ids``) to the model call. transformers threads unknown forward kwargs
+(``**kwargs: Unpack[TransformersKwargs]``) from ``XForCausalLM.forward`` through the decoder
+model, every ``GradientCheckpointingLayer`` (which checkpoints ``partial(forward, **kwargs)``,
+so the recompute sees the very same object) and the attention module into the attention
+function; peft's ``LoraModel.forward`` passes them on unchanged. Tested for all five models,
+with gradient checkpointing and peft, in ``tests/unit/trainer/test_attention.py``.
+
+Why no ``AttentionMaskInterface`` entry: ``masking_utils._preprocess_mask_arguments`` returns
+``None`` at once for an implementation that has no mask function ("custom attention without
+equivalent mask creation"), before it looks at position ids. Registering a mask function would
+make transformers run ``find_packed_sequence_indices`` on every forward (a host sync, ``.all()``
+on a device tensor) to build a mask we do not use. The cost of that early exit: a 2D
+``attention_mask`` is dropped silently; so ``install`` adds a forward pre-hook to the decoder
+model that rejects any ``attention_mask`` next to ``packed_metadata`` (an all-ones mask is the
+classic way packing silently cross-attends in stock transformers, PR #46634) and sets
+``use_cache=False`` (stock transformers also skips packed detection whenever the model made
+itself a ``DynamicCache``, i.e. with the config's default ``use_cache=True``).
+
+Backends (one per batch, carried by the metadata, chosen by ``trainer.hardware``'s plan):
+
+- ``triton``: ``trainer.kernels.flash_varlen`` (CUDA; never computes a cross-sample block).
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.12, CUDA only).
+- ``flex``: flex attention with a document-causal ``BlockMask`` (compiled on CUDA; the first
+  step compiles for a long time, so it is never auto-picked; CPU runs eager, no sinks).
+- ``sdpa``: SDPA with the cached block-diagonal boolean mask (O(T^2) memory; the CPU path and
+  the reference the others are tested against).
+
+Model specifics: GQA (``Hq % Hkv == 0``), causal only (a bidirectional Gemma config is refused),
+``sliding_window`` per layer (Mistral, GPT-OSS), GPT-OSS attention sinks (``s_aux``: one extra
+logit per head in the softmax denominator, no value), Gemma's scaling (passed as ``scaling``).
+Attention logit soft-capping (Gemma 2) is refused: none of the varlen kernels implements it.
+
+Shapes (legend): ``B`` rows (1), ``T`` packed tokens, ``Hq``/``Hkv`` query/kv heads, ``D`` head dim.
+transformers passes ``query_BHTD`` / ``key_BHTD`` and expects ``[B, T, Hq, D]`` back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.packed_metadata import BACKENDS, AnyPackedMetadata, PackedMetadata, build_packed_metadata
+
+ATTN_IMPLEMENTATION = "ftq_packed"
+"""The name registered with transformers' ``AttentionInterface``."""
+
+AUTO_ORDER_CUDA = ("torch_varlen", "triton", "sdpa")
+"""Backends ``choose_backend`` tries on CUDA, fastest first (flex is opt-in: compile time)."""
+
+
+# -- availability --------------------------------------------------------------------------------
+
+
+def supported(backend: str, device: torch.device | str, config: Any = None) -> str | None:
+    """Why ``backend`` cannot run on ``device`` for a model with ``config``, or None when it can.
+
+    Args:
+        backend: one of ``BACKENDS``.
+        device: the training device.
+        config: the model's ``PretrainedConfig`` (optional; checks soft-capping, causality, head dim, sinks).
+    """
+    if backend not in BACKENDS:
+        return f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}"
+    device = torch.device(device)
+    if config is not None:
+        reason = _model_reason(config)
+        if reason is not None:
+            return reason
+    if backend == "sdpa":
+        return None
+    if backend == "flex":
+        if not _importable("torch.nn.attention.flex_attention"):
+            return f"torch {torch.__version__} has no flex attention"
+        if device.type == "cpu" and config is not None and _has_sinks(config):
+            return "flex attention cannot return the log-sum-exp on CPU, which attention sinks (GPT-OSS) need"
+        return None
+    if device.type != "cuda":
+        return f"the {backend} backend needs a CUDA device, training runs on {device.type}"
+    if backend == "torch_varlen":
+        varlen = _torch_varlen()
+        if varlen is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.12)"
+        params = inspect.signature(varlen).parameters
+        if config is not None and _uses_window(config) and "window_size" not in params:
+            return f"torch {torch.__version__}'s varlen_attn has no window_size, and the model uses a sliding window"
+        if config is not None and _has_sinks(config) and "return_aux" not in params:
+            return f"torch {torch.__version__}'s varlen_attn cannot return the log-sum-exp that attention sinks need"
+        return None
+    try:
+        kernel = importlib.import_module("trainer.kernels.flash_varlen")
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the kernel unusable
+        return f"the Triton varlen kernel does not import: {exc}"
+    return kernel.supported(device, _head_dim(config) if config is not None else None)
+
+
+def choose_backend(device: torch.device | str, config: Any = None) -> tuple[str, str]:
+    """The fastest backend that runs here, and a one-line reason (for the plan event).
+
+    CUDA: torch's varlen attention, else the Triton kernel, else SDPA with the block mask.
+    CPU: SDPA with the block mask (flex is eager there: no faster).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "sdpa", f"{device.type}: SDPA with the cached block-diagonal mask"
+    skipped = []
+    for backend in AUTO_ORDER_CUDA:
+        reason = supported(backend, device, config)
+        if reason is None:
+            why = "; ".join(skipped)
+            return backend, f"{backend} over cu_seqlens" + (f" ({why})" if why else "")
+        skipped.append(f"not {backend}: {reason}")
+    raise ValueError("no packed attention backend can run this model: " + "; ".join(skipped))
+
+
+# -- the optimization object ---------------------------------------------------------------------
+
+
+class PackedAttention:
+    """Packed attention with (or without) the per-batch metadata cache.
+
+    Args:
+        backend: one of ``BACKENDS`` (see ``choose_backend``).
+        cache: True builds the metadata once per batch; False is the rebuild-per-layer twin.
+
+    The loop::
+
+        attn = PackedAttention(backend, cache=True)
+        attn.install(model)                                  # once, after peft wrapping is fine too
+        meta = attn.metadata(batch.lengths, device)          # once per packed micro-batch
+        out = model(input_ids=ids, **meta.model_kwargs())    # no attention_mask
+    """
+
+    def __init__(self, backend: str = "sdpa", cache: bool = True) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.cache = cache
+        self._installed: list[tuple[Any, str | None, Any]] = []
+
+    def supported(self, device: torch.device | str, config: Any = None) -> str | None:
+        return supported(self.backend, device, config)
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Switch ``model`` (an HF model, or a peft model around one) to ``ftq_packed`` attention.
+
+        Raises:
+            ValueError: the model's config is one this attention cannot run (the reason says why).
+        """
+        register()
+        lm = unwrap_model(model)
+        reason = _model_reason(lm.config)
+        if reason is not None:
+            raise ValueError(f"packed attention cannot run {type(lm).__name__}: {reason}")
+        previous = lm.config._attn_implementation
+        lm.set_attn_implementation(ATTN_IMPLEMENTATION)
+        decoder = getattr(lm, lm.base_model_prefix, lm)
+        hook = decoder.register_forward_pre_hook(_guard_packed_call, with_kwargs=True)
+        self._installed.append((lm, previous, hook))
+
+    def uninstall(self) -> None:
+        """Restore the attention implementations ``install`` replaced (tests compare both)."""
+        while self._installed:
+            lm, previous, hook = self._installed.pop()
+            hook.remove()
+            lm.set_attn_implementation(previous or "sdpa")
+
+    def metadata(self, lengths: Any, device: torch.device | str) -> AnyPackedMetadata:
+        """Build one packed row's metadata (see ``trainer.packed_metadata.build_packed_metadata``)."""
+        return build_packed_metadata(lengths, device, backend=self.backend, cache=self.cache)
+
+
+def install(model: torch.nn.Module, backend: str = "sdpa", cache: bool = True) -> PackedAttention:
+    """Shorthand: ``PackedAttention(backend, cache)`` installed on ``model``."""
+    attn = PackedAttention(backend, cache)
+    attn.install(model)
+    return attn
+
+
+def register() -> None:
+    """Register ``ftq_packed`` with transformers' ``AttentionInterface`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+
+
+def unwrap_model(model: torch.nn.Module) -> Any:
+    """The transformers ``PreTrainedModel`` inside ``model`` (peft's ``PeftModel`` unwrapped)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(inner, "set_attn_implementation"):
+        raise ValueError(f"{type(model).__name__} is not a transformers model (no set_attn_implementation)")
+    return inner
+
+
+def _guard_packed_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook on the decoder model: a packed call takes no mask and no KV cache."""
+    if kwargs.get("packed_metadata") is None:
+        return None
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if mask is not None:
+        raise ValueError(
+            "packed batches must not pass attention_mask: sample boundaries come from packed_metadata, "
+            "and transformers would drop (or, stock, misread) the mask; call the model with "
+            "input_ids and **meta.model_kwargs() only"
+        )
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("packed batches cannot use a KV cache (past_key_values); pass none")
+    # With use_cache (the config default) the model creates a DynamicCache and every layer
+    # stores its keys/values in it for nothing; stock transformers also stops detecting packed
+    # rows when a cache exists (masking_utils._preprocess_mask_arguments).
+    return args, {**kwargs, "use_cache": False}
+
+
+# -- the attention function ----------------------------------------------------------------------
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    packed_metadata: AnyPackedMetadata | None = None,
+    position_ids: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over packed metadata.
+
+    Args:
+        query: [B, Hq, T, D]; key, value: [B, Hkv, T, D].
+        attention_mask: must be None (a 4D mask would be a custom mask this cannot honour).
+        sliding_window: transformers' window (a token sees ``sliding_window`` tokens, itself included).
+        s_aux: GPT-OSS per-head sink logits [Hq].
+        packed_metadata: from ``meta.model_kwargs()``.
+        position_ids: the layer's device position ids (the cache-off twin rebuilds from them).
+
+    Returns:
+        ``(out [B, T, Hq, D], None)``.
+    """
+    if packed_metadata is None:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION} attention needs packed_metadata: call the model with "
+            "**meta.model_kwargs() (trainer.packed_metadata.build_packed_metadata), or uninstall it"
+        )
+    if attention_mask is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes no attention_mask; boundaries come from packed_metadata")
+    if softcap is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention does not implement logit soft-capping (softcap={softcap})")
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention is causal only; {type(module).__name__} is bidirectional")
+    meta = packed_metadata.layer_view(position_ids)
+    batch, heads_q, total, head_dim = query.shape
+    if batch != 1 or total != meta.total:
+        raise ValueError(
+            f"packed attention expects one packed row of {meta.total} tokens, got query shape {tuple(query.shape)}"
+        )
+    if heads_q % key.shape[1]:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})")
+    if dropout and meta.backend != "sdpa":
+        raise ValueError(f"attention dropout ({dropout}) is only supported by the sdpa backend; set it to 0")
+    window = sliding_window if sliding_window is not None and sliding_window < meta.max_seqlen else None
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out_BTHD = _BACKEND_FUNCTIONS[meta.backend](meta, query, key, value, scale, window, s_aux, dropout)
+    return out_BTHD, None
+
+
+def _sdpa(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    _, heads_q, total, head_dim = q.shape
+    k, v = _repeat_kv(k, heads_q), _repeat_kv(v, heads_q)
+    if sinks is None:
+        mask = meta.dense_mask(window, q.device)
+    else:
+        # A sink is a key whose score is s_aux[h] and whose value is 0: one extra column,
+        # added through the (additive) mask on a zero key/value row.
+        base_11TT = meta.additive_mask(window, q.device, q.dtype)
+        sink_1HT1 = sinks.to(q.dtype).view(1, heads_q, 1, 1).expand(1, heads_q, total, 1)
+        mask = torch.cat([base_11TT.expand(1, heads_q, total, total), sink_1HT1], dim=-1)
+        zero = q.new_zeros(1, heads_q, 1, head_dim)
+        k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    out_BHTD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out_BHTD.transpose(1, 2)
+
+
+def _flex(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    block_mask = meta.block_mask(window, q.device)
+    heads_q = q.shape[1]
+    gqa = heads_q & (heads_q - 1) == 0  # flex's GQA wants a power-of-two head count
+    if not gqa:
+        k, v = _repeat_kv(k, heads_q), _repeat_kv(v, heads_q)
+    aux = AuxRequest(lse=True) if sinks is not None else None
+    result = _flex_function(q.device)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=aux)
+    if sinks is None:
+        return result.transpose(1, 2)
+    out_BHTD, aux_out = result
+    out_BHTD = out_BHTD * _sink_factor(aux_out.lse, sinks.view(1, -1, 1)).unsqueeze(-1).to(out_BHTD.dtype)
+    return out_BHTD.transpose(1, 2)
+
+
+def _varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # [1, H, T, D] -> [T, H, D]
+    return tuple(x[0].transpose(0, 1).contiguous() for x in (q, k, v))
+
+
+def _torch_varlen(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    cu_seqlens, max_seqlen = meta.varlen(q.device)
+    q_THD, k_THD, v_THD = _varlen_inputs(q, k, v)
+    kwargs: dict[str, Any] = {"scale": scale, "window_size": (window - 1 if window else -1, 0)}
+    if k_THD.shape[1] != q_THD.shape[1]:
+        kwargs["enable_gqa"] = True
+    if sinks is not None:
+        kwargs["return_aux"] = AuxRequest(lse=True)
+    out = varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    if sinks is None:
+        return out.unsqueeze(0)
+    out_THD, lse_TH = out
+    return (out_THD * _sink_factor(lse_TH, sinks.view(1, -1)).unsqueeze(-1).to(out_THD.dtype)).unsqueeze(0)
+
+
+def _triton(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    from trainer.kernels.flash_varlen import flash_varlen_attention
+
+    cu_seqlens, max_seqlen = meta.varlen(q.device)
+    q_THD, k_THD, v_THD = _varlen_inputs(q, k, v)
+    out_THD = flash_varlen_attention(
+        q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=True,
+        window=(window - 1, 0) if window else None, sinks=sinks, softmax_scale=scale,
+    )
+    return out_THD.unsqueeze(0)
+
+
+_BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "sdpa": _sdpa,
+    "flex": _flex,
+    "torch_varlen": _torch_varlen,
+    "triton": _triton,
+}
+
+
+def _sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink): the share the sink leaves to values."""
+    return torch.sigmoid(lse.float() - sinks.float())
+
+
+def _repeat_kv(x_BHTD: torch.Tensor, heads_q: int) -> torch.Tensor:
+    n_rep = heads_q // x_BHTD.shape[1]
+    return x_BHTD if n_rep == 1 else x_BHTD.repeat_interleave(n_rep, dim=1)
+
+
+_FLEX_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _flex_function(device: torch.device) -> Callable[..., Any]:
+    """flex_attention, compiled on CUDA (eager flex materialises every score), eager on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _FLEX_COMPILED:
+        _FLEX_COMPILED["cuda"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX_COMPILED["cuda"]
+
+
+# -- model checks --------------------------------------------------------------------------------
+
+
+def _model_reason(config: Any) -> str | None:
+    """Why ``config`` describes a model packed attention cannot run, or None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return (f"{text.model_type} soft-caps attention logits (attn_logit_softcapping={softcap}), which no "
+                "packed backend implements; set the switch to off for this model")
+    if getattr(text, "use_bidirectional_attention", False) or not getattr(text, "is_causal", True):
+        return f"{text.model_type} is configured for bidirectional attention; packed attention is causal only"
+    return None
+
+
+def _head_dim(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None and getattr(text, "num_attention_heads", None):
+        head_dim = text.hidden_size // text.num_attention_heads
+    return head_dim
+
+
+def _has_sinks(config: Any) -> bool:
+    return getattr(config, "model_type", None) == "gpt_oss"
+
+
+def _uses_window(config: Any) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "sliding_window", None) is not None and (
+        "sliding_attention" in (getattr(text, "layer_types", None) or ()) or text.model_type == "mistral"
+    )
+
+
+def _torch_varlen() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True

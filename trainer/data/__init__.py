@@ -1,0 +1,1 @@
+"""Package data for the trainer: ``corpus.txt``, the plain-English text tiny tokenizers are trained on."""

@@ -1,0 +1,178 @@
+"""Read JSONL training records and turn them into token ids with a loss mask.
+
+Three record formats, one per file (``auto`` detects it from the first record):
+
+- chat: ``{"messages": [{"role": ..., "content": ...}, ...]}``, rendered with the tokenizer's
+  chat template; loss only on the tokens each assistant turn adds.
+- prompt/completion: ``{"prompt": ..., "completion": ...}``; loss only on the completion (+ eos).
+- text: ``{"text": ...}``; loss on every token (+ eos).
+
+Labels use -100 for "no loss" (the ignore index of ``torch.nn.functional.cross_entropy``).
+
+Finding assistant tokens without generation markers: for assistant turn i, render
+``messages[:i]`` with the generation prompt (where the answer starts) and ``messages[:i+1]``
+(where it ends, eos included), and label that span of the full rendering. That needs the template
+to render a conversation's prefix as a prefix of the whole; a turn where it does not (some
+templates rewrite earlier turns, e.g. dropping reasoning) is left unlabelled rather than guessed,
+and a record with no locatable assistant tokens is an error naming its line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DatasetError
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized record: ``input_ids`` and ``labels`` of equal length (-100 = no loss)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
+
+
+def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """Parse a JSONL file into ``(line_number, record)`` pairs; blank lines are skipped.
+
+    Raises:
+        DatasetError: the file is missing, empty, or a line is not a JSON object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(record, dict):
+                raise DatasetError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+            records.append((number, record))
+    if not records:
+        raise DatasetError(f"{path}: the file has no records; write one JSON object per line")
+    return records
+
+
+def detect_format(record: dict[str, Any]) -> str | None:
+    """``chat``, ``prompt_completion`` or ``text`` from a record's keys; None if it matches none."""
+    if "messages" in record:
+        return "chat"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def validate_record(record: dict[str, Any], fmt: str) -> str | None:
+    """The reason ``record`` is not a valid ``fmt`` record, or None when it is."""
+    found = detect_format(record)
+    if found != fmt:
+        return f"expected a {fmt} record, found {found or 'none of messages / prompt+completion / text'}"
+    if fmt == "chat":
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            return "'messages' must be a non-empty list"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                return f"messages[{i}] must be an object with string 'role' and 'content'"
+            if m["role"] not in ROLES:
+                return f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}"
+        if not any(m["role"] == "assistant" for m in messages):
+            return "no assistant message: there is nothing to learn from this conversation"
+        return None
+    keys = ("prompt", "completion") if fmt == "prompt_completion" else ("text",)
+    for key in keys:
+        if not isinstance(record[key], str):
+            return f"'{key}' must be a string"
+    if not record[keys[-1]]:
+        return f"'{keys[-1]}' is empty"
+    return None
+
+
+def load_samples(path: str | Path, tokenizer: Any, fmt: str = "auto", max_seq_len: int = 4096) -> list[Sample]:
+    """Read, validate and tokenize a JSONL file; samples are truncated to ``max_seq_len`` tokens.
+
+    Samples left with no loss token after truncation (a prompt longer than ``max_seq_len``) are
+    dropped; if that drops all of them the file cannot train anything and is an error.
+
+    Raises:
+        DatasetError: naming the line and the problem.
+    """
+    records = read_records(path)
+    if fmt == "auto":
+        fmt = detect_format(records[0][1]) or ""
+        if not fmt:
+            raise DatasetError(
+                f"{path}, line {records[0][0]}: cannot tell the format; use 'messages', 'prompt'+'completion' or 'text'"
+            )
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(f"{path}: chat records need a tokenizer with a chat template; this tokenizer has none")
+    samples = []
+    for number, record in records:
+        problem = validate_record(record, fmt)
+        if problem:
+            raise DatasetError(f"{path}, line {number}: {problem}")
+        sample = tokenize_record(record, fmt, tokenizer)
+        if fmt == "chat" and sample.num_loss_tokens == 0:
+            raise DatasetError(
+                f"{path}, line {number}: the chat template does not render this conversation's prefixes as "
+                "prefixes of the whole, so no assistant tokens could be located"
+            )
+        sample = Sample(sample.input_ids[:max_seq_len], sample.labels[:max_seq_len])
+        if sample.num_loss_tokens > 0:
+            samples.append(sample)
+    if not samples:
+        raise DatasetError(
+            f"{path}: every record has its trainable tokens beyond max_seq_len={max_seq_len}; raise data.max_seq_len"
+        )
+    return samples
+
+
+def tokenize_record(record: dict[str, Any], fmt: str, tokenizer: Any) -> Sample:
+    """Tokenize one validated record of format ``fmt`` (no truncation)."""
+    if fmt == "chat":
+        return _tokenize_chat(record["messages"], tokenizer)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if fmt == "prompt_completion":
+        prompt = tokenizer(record["prompt"])["input_ids"]
+        completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + eos
+        return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion)
+    ids = tokenizer(record["text"])["input_ids"] + eos
+    return Sample(ids, list(ids))
+
+
+def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
+    def encode(conversation: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids = encode(messages, False)
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start_ids = encode(messages[:i], True)
+        end_ids = ids if i == len(messages) - 1 else encode(messages[: i + 1], False)
+        if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:
+            continue  # the template rewrites this prefix; leave the turn unlabelled rather than guess
+        labels[len(start_ids) : len(end_ids)] = ids[len(start_ids) : len(end_ids)]
+    return Sample(ids, labels)

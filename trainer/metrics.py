@@ -1,0 +1,123 @@
+"""Step timing, throughput, MFU and memory for ``step`` events, without stalling the GPU.
+
+On CUDA every phase (data, forward, backward, optimizer) is bracketed by CUDA events recorded on
+the current stream; the loop reads a step's timings, loss and grad norm only after it has queued
+the next step, so waiting on the old step's last event never leaves the GPU idle and no
+``synchronize()`` exists just to measure. On CPU the same interface uses ``time.perf_counter``.
+
+MFU counts model FLOPs (not hardware FLOPs: the gradient-checkpointing recompute is excluded):
+``6 * N * tokens`` for the matmul weights (N = parameters minus the input embedding table, which
+is a lookup) plus causal attention ``6 * layers * heads * head_dim * sum(len_i ** 2)`` over the
+packed samples (QK^T and AV, forward and backward, half of the square for causality).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class StepTimer:
+    """Times the phases of one optimizer step; ``finish()`` hands back a ``PendingTiming``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._spans: list[tuple[str, Any, Any]] = []
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._spans.append((name, start, end))
+
+    def finish(self) -> PendingTiming:
+        spans, self._spans = self._spans, []
+        return PendingTiming(spans, self._cuda)
+
+
+@dataclass
+class PendingTiming:
+    spans: list[tuple[str, Any, Any]]
+    cuda: bool
+
+    def read(self) -> dict[str, float]:
+        """``{step_ms, data_ms, forward_ms, backward_ms, optimizer_ms}``; on CUDA waits for the step's last event."""
+        if not self.spans:
+            return {"step_ms": 0.0, **{f"{p}_ms": 0.0 for p in PHASES}}
+        totals: dict[str, float] = defaultdict(float)
+        if self.cuda:
+            self.spans[-1][2].synchronize()
+            for name, start, end in self.spans:
+                totals[name] += start.elapsed_time(end)
+            step_ms = self.spans[0][1].elapsed_time(self.spans[-1][2])
+        else:
+            for name, start, end in self.spans:
+                totals[name] += (end - start) * 1000.0
+            step_ms = (self.spans[-1][2] - self.spans[0][1]) * 1000.0
+        return {"step_ms": step_ms, **{f"{p}_ms": totals.get(p, 0.0) for p in PHASES}}
+
+
+@dataclass(frozen=True)
+class FlopCounter:
+    """Model FLOPs of a packed step (see the module docstring)."""
+
+    matmul_params: int
+    layers: int
+    attention_width: int
+    """heads * head_dim."""
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> FlopCounter:
+        config = model.config
+        total = sum(p.numel() for p in model.parameters())
+        embedding = model.get_input_embeddings().weight.numel()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(total - embedding, config.num_hidden_layers, heads * head_dim)
+
+    def step_flops(self, lengths: list[int]) -> float:
+        tokens = sum(lengths)
+        attention = 6 * self.layers * self.attention_width * sum(n * n for n in lengths)
+        return 6.0 * self.matmul_params * tokens + attention
+
+
+def memory_stats(device: torch.device) -> dict[str, int | None]:
+    """GPU allocated/reserved/peak bytes (host-side counters, no sync) and host RSS."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    if device.type != "cuda":
+        return {"gpu_mem_allocated": None, "gpu_mem_reserved": None, "gpu_mem_peak": None, "host_rss": rss}
+    return {
+        "gpu_mem_allocated": torch.cuda.memory_allocated(device),
+        "gpu_mem_reserved": torch.cuda.memory_reserved(device),
+        "gpu_mem_peak": torch.cuda.max_memory_allocated(device),
+        "host_rss": rss,
+    }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def mfu(flops: float, step_ms: float, peak_flops: float | None) -> float | None:
+    """Achieved model FLOP/s over the device's peak; None where the peak is unknown (CPU)."""
+    if peak_flops is None or step_ms <= 0:
+        return None
+    return flops / (step_ms / 1000.0) / peak_flops

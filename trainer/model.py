@@ -1,0 +1,230 @@
+"""Load the base model and tokenizer, wrap them for the chosen method, and run a packed forward.
+
+- ``model_facts``: what the plan needs (model type, MoE, SDPA support) from the config alone.
+- ``load_tokenizer`` / ``load_model``: real ``from_pretrained``: a local directory, or a hub id
+  that Hugging Face resolves as usual (cache, then the hub when online).
+- ``prepare_for_training``: LoRA via peft (or every weight for ``full``), gradient checkpointing
+  with ``use_reentrant=False``.
+- ``packed_forward`` + ``loss_sum``: the only way the trainer calls the model. Packed rows must go
+  in with no attention mask and no KV cache: transformers derives the per-sample block-diagonal
+  mask from the restarting position ids only when both are absent, and an all-ones mask (what a
+  tokenizer or collator hands out by default) would silently let every sample see the previous
+  ones. ``packed_forward`` refuses such arguments instead of passing them on.
+
+  Some model classes do not hand their position ids to the mask builder at all (GPT-OSS in
+  transformers 5.23 builds its full and sliding masks from the shapes alone, so stock packing
+  leaks attention across samples there). For every config with ``layer_types`` the trainer
+  therefore builds the per-layer-type masks itself with transformers' own mask functions and the
+  packed position ids, and passes them as the ``{layer_type: mask}`` mapping those models accept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import LoraConfig, TrainConfig
+from trainer.dataset import IGNORE_INDEX
+from trainer.errors import ConfigError, ModelNotFoundError
+from trainer.hardware import ModelFacts, Plan
+from trainer.packing import PackedBatch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FORBIDDEN_PACKED_ARGS = ("attention_mask", "past_key_values", "use_cache", "labels")
+
+
+def _load_config(name_or_path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path)
+    if looks_local and not Path(name_or_path).expanduser().is_dir():
+        raise ModelNotFoundError(f"model {name_or_path!r}: no such directory; point model.name_or_path at a model dir")
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"model {name_or_path!r}: cannot load its config.json ({exc}); name a local model directory "
+            "or a hub id available in the Hugging Face cache"
+        ) from exc
+
+
+def model_facts(config: TrainConfig) -> ModelFacts:
+    """Read the model's config (no weights) and say what the plan needs to know."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = _load_config(config.model.name_or_path, config.model.trust_remote_code)
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+        supports_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
+    except KeyError:
+        supports_sdpa = False  # remote code or an unknown class: eager always works
+    return ModelFacts(model_type=hf_config.model_type, is_moe=bool(experts), supports_sdpa=supports_sdpa)
+
+
+def load_tokenizer(config: TrainConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    _load_config(config.model.name_or_path, config.model.trust_remote_code)  # same clear error as the model
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name_or_path, trust_remote_code=config.model.trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ModelNotFoundError(f"model {config.model.name_or_path!r}: its tokenizer has no eos token")
+    return tokenizer
+
+
+def load_model(config: TrainConfig, plan: Plan, device: torch.device) -> torch.nn.Module:
+    """``from_pretrained`` in the plan's dtype and attention backend, on ``device``, in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
+        dtype=_DTYPES[plan.dtype],
+        attn_implementation=plan.attention_backend,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+    if config.method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, **kwargs)
+    if config.method != "qlora":
+        model.to(device)
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """Apply the method (LoRA adapters or full fine-tuning) and gradient checkpointing."""
+    if config.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if config.method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    if config.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
+    return apply_lora(model, config.lora)
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters; only the adapters are trainable afterwards."""
+    import peft
+
+    targets: str | list[str] = "all-linear" if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    peft_config = peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with warnings.catch_warnings():
+            # peft <= 0.21 reads the deprecated `is_gradient_checkpointing` (transformers >= 5.2x warns).
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, peft_config)
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        raise ConfigError(f"lora.target_modules: {exc}") from exc
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """``(all parameters, trainable parameters)``."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return total, trainable
+
+
+def packed_forward(model: torch.nn.Module, batch: PackedBatch, **model_kwargs: Any) -> torch.Tensor:
+    """Logits [1, T, V] of a packed row, attention confined to each sample.
+
+    Raises:
+        ValueError: an ``attention_mask``, cache or ``labels`` argument was given; any of them would
+            disable transformers' per-sample masking or the trainer's own loss.
+    """
+    bad = sorted(set(model_kwargs) & set(_FORBIDDEN_PACKED_ARGS))
+    if bad:
+        raise ValueError(
+            f"packed_forward: {', '.join(bad)} must not be passed with packed rows: sample boundaries come from "
+            "position_ids, and transformers ignores them when an attention mask or a cache is present"
+        )
+    masks = packed_attention_masks(model, batch)
+    if masks is not None:
+        model_kwargs["attention_mask"] = masks
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **model_kwargs)
+    return out.logits
+
+
+def packed_attention_masks(model: torch.nn.Module, batch: PackedBatch) -> dict[str, Any] | None:
+    """Per-layer-type attention masks honouring the packed boundaries, or None to let the model build them.
+
+    Built for configs with ``layer_types`` (their models take a ``{layer_type: mask}`` mapping);
+    None for the others, whose models pass ``position_ids`` to the mask builder themselves (the
+    packed-vs-per-sample tests hold each supported architecture to that).
+    """
+    from transformers import masking_utils
+
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    builders = {
+        "full_attention": masking_utils.create_causal_mask,
+        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+    }
+    if not layer_types or not set(layer_types) <= set(builders):
+        return None
+    embed = model.get_input_embeddings().weight
+    # Only shape, dtype and device of the embeddings are read; expand() allocates nothing.
+    embeds_like = torch.empty(1, 1, 1, dtype=embed.dtype, device=batch.input_ids.device).expand(
+        1, batch.input_ids.shape[1], config.hidden_size
+    )
+    masks = {}
+    for layer_type in set(layer_types):
+        build = builders[layer_type]
+        params = inspect.signature(build).parameters
+        embeds_name = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"  # renamed within 5.x
+        kwargs: dict[str, Any] = {
+            "config": config,
+            embeds_name: embeds_like,
+            "attention_mask": None,
+            "past_key_values": None,
+            "position_ids": batch.position_ids,
+        }
+        if "cache_position" in params:  # older 5.x releases still take it
+            kwargs["cache_position"] = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+        masks[layer_type] = build(**kwargs)
+    return masks
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in float32; ``targets`` are pre-shifted, -100 = no loss.
+
+    Args:
+        logits: [1, T, V].
+        targets: [1, T].
+    Returns:
+        A scalar: divide by the step's target count for the mean.
+    """
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

@@ -1,0 +1,117 @@
+"""The worker's row in the ``worker`` table and its housekeeping loop.
+
+At start the worker asks the trainer what it would run on (``python -m trainer detect --json``,
+pinned to the worker's GPU) and stores the answer, which ``GET /v1/hardware`` serves. Then,
+every ``heartbeat_interval_s``, a background thread refreshes the row's ``heartbeat_at`` and runs
+the reaper (reaper.py). The thread lives in the pool process beside the task, so it keeps
+beating while a job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import subprocess
+import threading
+from typing import Any
+
+from sqlalchemy import select
+
+from core.db import utcnow
+from core.workers.models import Worker
+from worker.reaper import reap
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def detect_hardware(runtime: Runtime, timeout_s: float = 180.0) -> dict[str, Any]:
+    """The trainer's ``detect --json`` output on this worker's GPU; ``{"error": ...}`` if it fails."""
+    from worker.runner import trainer_env
+
+    argv = [*runtime.options.trainer_argv, "detect", "--json"]
+    try:
+        done = subprocess.run(argv, env=trainer_env(runtime), capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{' '.join(argv)} did not run: {exc}"}
+    if done.returncode != 0:
+        tail = done.stderr.decode("utf-8", errors="replace").strip().splitlines()[-5:]
+        return {"error": f"{' '.join(argv)} exited with {done.returncode}: " + " | ".join(tail)}
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError as exc:
+        return {"error": f"{' '.join(argv)} printed no JSON: {exc}"}
+    return report if isinstance(report, dict) else {"report": report}
+
+
+def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
+    """Insert or refresh this worker's row (the id is stable per host and GPU)."""
+    now = utcnow()
+    with runtime.sessionmaker.begin() as session:
+        row = session.execute(
+            select(Worker).where(Worker.worker_id == runtime.worker_id).with_for_update()
+        ).scalar_one_or_none()
+        if row is None:
+            row = Worker(worker_id=runtime.worker_id, started_at=now)
+            session.add(row)
+        row.hostname = socket.gethostname()
+        row.device = runtime.options.device
+        row.hardware = hardware
+        row.current_job_id = runtime.current_job_id
+        row.started_at = now
+        row.heartbeat_at = now
+
+
+class Presence:
+    """Registers the worker, then beats its heartbeat and runs the reaper until stopped."""
+
+    def __init__(self, runtime: Runtime, *, detect: bool = True) -> None:
+        self._runtime = runtime
+        self._detect = detect
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ftq-presence", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    def _loop(self) -> None:
+        runtime = self._runtime
+        try:
+            register(runtime, {})
+            if self._detect:
+                register(runtime, detect_hardware(runtime))
+        except Exception:  # noqa: BLE001 - the worker still runs jobs without its row
+            log.exception("could not register worker %s", runtime.worker_id)
+        interval = runtime.settings.heartbeat_interval_s
+        while not self._stopped.wait(interval * random.uniform(0.8, 1.2)):
+            self.tick()
+
+    def tick(self) -> None:
+        runtime = self._runtime
+        try:
+            register_heartbeat(runtime)
+            reap(
+                runtime.sessionmaker,
+                runtime.settings,
+                enqueue=runtime.enqueue,
+                publish=runtime.publish,
+                idle=runtime.current_job_id is None,
+                resend_after_s=runtime.options.resend_queued_after_s,
+            )
+        except Exception:  # noqa: BLE001 - try again next interval
+            log.exception("worker %s: housekeeping failed", runtime.worker_id)
+
+
+def register_heartbeat(runtime: Runtime) -> None:
+    with runtime.sessionmaker.begin() as session:
+        row = session.get(Worker, runtime.worker_id)
+        if row is not None:
+            row.heartbeat_at = utcnow()
+            row.current_job_id = runtime.current_job_id

@@ -1,0 +1,120 @@
+"""Jobs whose worker vanished, and queued jobs whose message was lost.
+
+A ``running`` job whose heartbeat is older than ``heartbeat_timeout_s`` lost its worker (killed,
+machine rebooted, network cut). With attempts left (``attempts < max_attempts``) it goes back to
+``queued`` and its message is sent again; the trainer then resumes from the newest checkpoint in
+the job's output directory by itself. Otherwise it fails with ``worker_lost``.
+
+The broker only signals, and a signal can be lost: the embedded SQLAlchemy transport deletes a
+message when a worker fetches it, so a worker killed mid-job takes the message with it, and a
+submit while the broker is down commits the job but sends nothing. So an *idle* worker also
+re-sends the message of every job that has been ``queued`` longer than ``resend_after_s`` (and
+bumps its ``updated_at`` so it is re-sent at most once per period). An idle worker with
+prefetch 1 would already hold any message still in the broker, so a job waiting that long
+beside an idle worker has no message. A duplicate message is harmless: the claim is a
+compare-and-set.
+
+Every worker runs ``reap`` every heartbeat interval (presence.py), and ``jobs.reap`` runs it
+on demand. Two reapers racing are safe: each transition is a compare-and-set.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import utcnow
+from core.jobs.models import Job
+from core.jobs.service import append_events, state_event, transition
+from core.jobs.states import JobStatus
+from core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReapReport:
+    requeued: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    resent: list[str] = field(default_factory=list)
+    published: dict[str, int] = field(default_factory=dict)
+    """job id → last event seq written, for live viewers."""
+
+
+def reap(
+    sessionmaker: sessionmaker[Session],
+    settings: Settings,
+    *,
+    enqueue: Callable[[str], None],
+    publish: Callable[[str, int], None] | None = None,
+    idle: bool = False,
+    resend_after_s: float | None = None,
+    now: dt.datetime | None = None,
+) -> ReapReport:
+    """Retry or fail running jobs with a stale heartbeat; if ``idle``, re-send lost queued jobs.
+
+    Messages are sent and events published only after the transaction commits.
+    """
+    now = now or utcnow()
+    report = ReapReport()
+    cutoff = now - dt.timedelta(seconds=settings.heartbeat_timeout_s)
+    with sessionmaker.begin() as session:
+        stale = session.execute(
+            select(Job.job_id, Job.attempts, Job.worker_id, Job.heartbeat_at)
+            .where(Job.status == JobStatus.running.value)
+            .where(or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff))
+            .order_by(Job.created_at)
+        ).all()
+        for job in stale:
+            silent = (now - job.heartbeat_at).total_seconds() if job.heartbeat_at else None
+            lost = f"lost worker {job.worker_id or '?'} (no heartbeat for " + (
+                f"{silent:.0f}s)" if silent is not None else "ever)"
+            )
+            if job.attempts < settings.max_attempts:
+                if transition(session, job.job_id, JobStatus.queued, only_from=[JobStatus.running],
+                              worker_id=None, heartbeat_at=None):
+                    reason = (f"retrying from the last checkpoint after {lost}; "
+                              f"attempt {job.attempts + 1} of {settings.max_attempts}")
+                    _record(session, report, job.job_id, state_event(JobStatus.queued, reason=reason))
+                    report.requeued.append(job.job_id)
+            else:
+                message = (f"{lost}; gave up after {job.attempts} attempts "
+                           f"(max_attempts={settings.max_attempts})")
+                if transition(session, job.job_id, JobStatus.failed, only_from=[JobStatus.running],
+                              error_code="worker_lost", error_message=message):
+                    _record(session, report, job.job_id,
+                            state_event(JobStatus.failed, error_code="worker_lost", message=message))
+                    report.failed.append(job.job_id)
+        if idle and resend_after_s is not None:
+            waited = now - dt.timedelta(seconds=resend_after_s)
+            lost_messages = session.execute(
+                select(Job.job_id)
+                .where(Job.status == JobStatus.queued.value, Job.updated_at < waited)
+                .order_by(Job.created_at)
+            ).scalars().all()
+            if lost_messages:
+                session.execute(
+                    update(Job)
+                    .where(Job.job_id.in_(lost_messages), Job.status == JobStatus.queued.value)
+                    .values(updated_at=now)
+                    .execution_options(synchronize_session=False)
+                )
+                report.resent.extend(lost_messages)
+    for job_id in report.requeued + report.resent:
+        enqueue(job_id)
+    if publish is not None:
+        for job_id, seq in report.published.items():
+            publish(job_id, seq)
+    if report.requeued or report.failed or report.resent:
+        log.warning("reaper: requeued %s, failed %s, re-sent %s", report.requeued, report.failed, report.resent)
+    return report
+
+
+def _record(session: Session, report: ReapReport, job_id: str, event: tuple[str, dict]) -> None:
+    (row,) = append_events(session, job_id, [event])
+    report.published[job_id] = row.seq

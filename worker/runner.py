@@ -1,0 +1,328 @@
+"""One job on this worker, from claim to final state.
+
+    claim     queued → running by compare-and-set (a redelivered message finds it taken)
+    config    the stored spec → job.json under <data_dir>/jobs/<job_id>/
+    run       the trainer in its own process group; events batched into the store;
+              a watchdog thread beats the heartbeat and turns a cancel, a worker shutdown or a
+              lost claim into SIGTERM to the group, then SIGKILL after cancel_grace_s
+    finish    the group is killed whatever happened; the exit becomes the job's state
+              (outcome.py); a job handed back by a shutdown is queued again and re-sent
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+
+from core.db import utcnow
+from core.jobs.models import Job
+from core.jobs.service import append_events, state_event, transition
+from core.jobs.states import JobStatus
+from core.workers.models import Worker
+from worker.outcome import Outcome, StopReason, classify
+from worker.process import TrainerExit, TrainerProcess
+from worker.recorder import EventRecorder
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+_SECRET_ENV = ("FTQ_DATABASE_URL", "FTQ_BROKER_URL", "FTQ_REDIS_URL")
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Claim:
+    job_id: str
+    attempt: int
+    output_dir: Path
+
+
+def run_job(runtime: Runtime, job_id: str) -> str:
+    """Run ``job_id`` if it is still queued; safe to call twice (the second call finds it claimed).
+
+    Returns the job's status after this call; ``skipped`` when it was not this worker's to run
+    (gone, finished, claimed elsewhere); ``deferred`` when the worker is shutting down (the
+    task puts the message back).
+    """
+    if runtime.shutdown_event.is_set():
+        log.info("not starting job %s: this worker is shutting down", job_id)
+        return "deferred"
+    claim = claim_job(runtime, job_id)
+    if claim is None:
+        return "skipped"
+    runtime.current_job_id = job_id
+    try:
+        outcome, done = _run_claimed(runtime, claim)
+        return finish_job(runtime, claim, outcome, done)
+    finally:
+        runtime.current_job_id = None
+
+
+def claim_job(runtime: Runtime, job_id: str) -> Claim | None:
+    """queued → running for this worker; None if the job is gone or someone else has it."""
+    output_dir = runtime.settings.jobs_dir / job_id
+    with runtime.sessionmaker.begin() as session:
+        status = session.execute(select(Job.status).where(Job.job_id == job_id)).scalar_one_or_none()
+        if status is None:
+            log.warning("job %s does not exist; dropping its message", job_id)
+            return None
+        if status != JobStatus.queued.value:
+            log.info("job %s is %s, not queued: not running it (a redelivered or stale message)", job_id, status)
+            return None
+        won = transition(
+            session,
+            job_id,
+            JobStatus.running,
+            only_from=[JobStatus.queued],
+            worker_id=runtime.worker_id,
+            attempts=Job.attempts + 1,
+            heartbeat_at=utcnow(),
+            output_dir=str(output_dir),
+            error_code=None,
+            error_message=None,
+        )
+        if not won:
+            log.info("job %s was claimed or cancelled by someone else first", job_id)
+            return None
+        attempt = session.execute(select(Job.attempts).where(Job.job_id == job_id)).scalar_one()
+        (event,) = append_events(
+            session, job_id, [state_event(JobStatus.running, worker_id=runtime.worker_id, attempt=attempt)]
+        )
+        _set_worker_job(session, runtime.worker_id, job_id)
+        seq = event.seq
+    runtime.publish(job_id, seq)
+    log.info("claimed job %s (attempt %d)", job_id, attempt)
+    return Claim(job_id=job_id, attempt=attempt, output_dir=output_dir)
+
+
+def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any] | None]:
+    claim.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with runtime.sessionmaker() as session:
+            job = session.get(Job, claim.job_id)
+            assert job is not None, f"job {claim.job_id} vanished after it was claimed"
+            config = runtime.config_builder(session, job, settings=runtime.settings, output_dir=str(claim.output_dir))
+    except Exception as exc:  # noqa: BLE001 - any reason the spec no longer translates fails the job
+        log.warning("job %s: cannot build the trainer config: %s", claim.job_id, exc)
+        return Outcome(JobStatus.failed, "invalid_job", f"the job could not be prepared for the trainer: {exc}"), None
+    job_json = claim.output_dir / "job.json"
+    config.save(job_json)
+
+    settings = runtime.settings
+    recorder = EventRecorder(
+        runtime.sessionmaker,
+        claim.job_id,
+        flush_interval_s=settings.event_flush_interval_s,
+        max_batch=runtime.options.max_batch_events,
+        publish=runtime.publish,
+    )
+    done: list[dict[str, Any]] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event["type"] == "done":
+            done.append(event)
+        else:
+            recorder.add(event)
+
+    trainer = TrainerProcess(
+        [*runtime.options.trainer_argv, "run", str(job_json)],
+        on_event=on_event,
+        env=trainer_env(runtime),
+        cwd=claim.output_dir,
+        stderr_path=claim.output_dir / "trainer.stderr.log",
+        tail_lines=runtime.options.stderr_tail_lines,
+    )
+    watchdog = Watchdog(runtime, claim, trainer)
+    error: Exception | None = None
+    try:
+        trainer.start()
+        watchdog.start()
+        while not trainer.has_exited():
+            recorder.wait(timeout=0.2)
+            _flush(recorder, only_if_due=True)
+    except Exception as exc:  # noqa: BLE001 - our own failure still ends the trainer and the job
+        log.exception("job %s: the worker failed while running the trainer", claim.job_id)
+        error = exc
+    finally:
+        watchdog.stop()
+        exit_ = trainer.finish() if _started(trainer) else TrainerExit(returncode=-1, stderr_tail=())
+        _flush(recorder, only_if_due=False, attempts=5)
+    if error is not None:
+        return Outcome(JobStatus.failed, "worker_error", f"the worker failed while running the trainer: {error!r}"), None
+    last_done = done[-1] if done else None
+    return classify(exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s), last_done
+
+
+def _started(trainer: TrainerProcess) -> bool:
+    try:
+        trainer.pid
+    except RuntimeError:
+        return False
+    return True
+
+
+def _flush(recorder: EventRecorder, *, only_if_due: bool, attempts: int = 1) -> None:
+    for attempt in range(attempts):
+        try:
+            recorder.flush_if_due() if only_if_due else recorder.flush()
+            return
+        except Exception as exc:  # noqa: BLE001 - the events stay buffered and are written next time
+            log.warning("could not write events of %s (attempt %d): %s", recorder.job_id, attempt + 1, exc)
+            time.sleep(min(2.0, 0.2 * 2**attempt))
+
+
+def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str, Any] | None) -> str:
+    """Apply ``outcome`` if the job is still this claim's; returns the job's status afterwards."""
+    job_id = claim.job_id
+    with runtime.sessionmaker.begin() as session:
+        row = session.execute(
+            select(Job.status, Job.worker_id, Job.attempts).where(Job.job_id == job_id).with_for_update()
+        ).one()
+        _set_worker_job(session, runtime.worker_id, None)
+        ours = row.status == JobStatus.running.value and row.worker_id == runtime.worker_id and row.attempts == claim.attempt
+        if outcome.status is None or not ours:
+            log.warning("job %s is %s under %s now; leaving it as it is", job_id, row.status, row.worker_id)
+            return row.status
+        target = outcome.status
+        values: dict[str, Any]
+        if target is JobStatus.queued:
+            # A hand-back on shutdown is no failed attempt: it must not use up max_attempts.
+            values = {"worker_id": None, "heartbeat_at": None, "attempts": Job.attempts - 1}
+        else:
+            values = {"error_code": outcome.error_code, "error_message": outcome.message if target is JobStatus.failed else None}
+        transition(session, job_id, target, only_from=[JobStatus.running], **values)
+        detail: dict[str, Any] = {"error_code": outcome.error_code, "message": outcome.message}
+        if done is not None:
+            detail.update(adapter_path=done.get("adapter_path"), steps=done.get("steps"))
+        (event,) = append_events(session, job_id, [state_event(target, **detail)])
+        seq = event.seq
+    runtime.publish(job_id, seq)
+    if target is JobStatus.queued:
+        runtime.enqueue(job_id)
+    log.info("job %s → %s%s", job_id, target.value, f" ({outcome.error_code})" if outcome.error_code else "")
+    return target.value
+
+
+def trainer_env(runtime: Runtime) -> dict[str, str]:
+    """The worker's environment, pinned to its GPU, without the service's connection URLs."""
+    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    if runtime.options.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = runtime.options.gpu
+    if (_PROJECT_ROOT / "trainer").is_dir():
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)
+    return env
+
+
+def _set_worker_job(session: Any, worker_id: str, job_id: str | None) -> None:
+    session.execute(
+        update(Worker)
+        .where(Worker.worker_id == worker_id)
+        .values(current_job_id=job_id, heartbeat_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+class Watchdog:
+    """Beats the job's heartbeat and stops the trainer when it must stop.
+
+    Every ``min(1 s, heartbeat_interval_s)`` it reads whether a cancel was asked for, the worker
+    is shutting down, or the claim was lost; the first reason sends SIGTERM to the trainer's
+    group (it checkpoints and exits) and, ``cancel_grace_s`` later, SIGKILL.
+    """
+
+    def __init__(self, runtime: Runtime, claim: Claim, trainer: TrainerProcess) -> None:
+        self._runtime = runtime
+        self._claim = claim
+        self._trainer = trainer
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"watchdog-{claim.job_id}", daemon=True)
+        self._kill_at: float | None = None
+        self.stop_reason: StopReason | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        settings = self._runtime.settings
+        poll_s = min(1.0, settings.heartbeat_interval_s)
+        next_beat = 0.0
+        while True:
+            now = time.monotonic()
+            try:
+                if now >= next_beat:
+                    reason = self._beat()
+                    next_beat = now + settings.heartbeat_interval_s
+                else:
+                    reason = self._poll()
+            except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the watchdog
+                log.warning("heartbeat of job %s failed: %s", self._claim.job_id, exc)
+                reason = None
+            if reason is None and self._runtime.shutdown_event.is_set():
+                reason = StopReason.shutdown
+            if reason is not None and self.stop_reason is None:
+                self._request_stop(reason)
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                log.warning("job %s: trainer still running %gs after SIGTERM; killing its process group",
+                            self._claim.job_id, settings.cancel_grace_s)
+                self._trainer.signal_group(signal.SIGKILL)
+                self._kill_at = None
+            if self._stopped.wait(poll_s):
+                return
+
+    def _request_stop(self, reason: StopReason) -> None:
+        log.info("job %s: stopping the trainer (%s)", self._claim.job_id, reason.value)
+        self.stop_reason = reason
+        self._trainer.signal_group(signal.SIGTERM)
+        self._kill_at = time.monotonic() + self._runtime.settings.cancel_grace_s
+
+    def _mine(self) -> Any:
+        return (
+            (Job.job_id == self._claim.job_id)
+            & (Job.status == JobStatus.running.value)
+            & (Job.worker_id == self._runtime.worker_id)
+            & (Job.attempts == self._claim.attempt)
+        )
+
+    def _beat(self) -> StopReason | None:
+        now = utcnow()
+        with self._runtime.sessionmaker.begin() as session:
+            owned = session.execute(
+                update(Job).where(self._mine()).values(heartbeat_at=now).execution_options(synchronize_session=False)
+            ).rowcount == 1
+            _set_worker_job(session, self._runtime.worker_id, self._claim.job_id)
+            cancel = session.execute(
+                select(Job.cancel_requested).where(Job.job_id == self._claim.job_id)
+            ).scalar_one_or_none()
+        return _reason(owned, bool(cancel))
+
+    def _poll(self) -> StopReason | None:
+        with self._runtime.sessionmaker() as session:
+            row = session.execute(
+                select(Job.cancel_requested, self._mine().label("owned")).where(Job.job_id == self._claim.job_id)
+            ).one_or_none()
+        if row is None:
+            return StopReason.lost
+        return _reason(bool(row.owned), bool(row.cancel_requested))
+
+
+def _reason(owned: bool, cancel: bool) -> StopReason | None:
+    if not owned:
+        return StopReason.lost
+    if cancel:
+        return StopReason.cancel
+    return None

@@ -8,19 +8,27 @@ shutdown. Serve with ``uvicorn --factory api.app:create_app`` or ``ftq api``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.jobs.routes import router as jobs_router
+from api.models.routes import router as models_router
 from api.state import AppState
 from api.system.routes import router as system_router
+from api.web.routes import router as web_router
 from core.db import make_engine, make_sessionmaker
+from core.migrate import schema_problem
 from core.queue import make_celery
 from core.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -31,6 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.files_dir.mkdir(parents=True, exist_ok=True)
         settings.jobs_dir.mkdir(parents=True, exist_ok=True)
         engine = make_engine(settings.database_url)  # type: ignore[arg-type]
+        _refuse_unmigrated_store(engine)
         celery = make_celery(settings)
         redis = None
         if settings.redis_url:
@@ -56,4 +65,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files_router)
     app.include_router(jobs_router)
     app.include_router(system_router)
+    app.include_router(models_router)
+    app.include_router(web_router)
     return app
+
+
+def _refuse_unmigrated_store(engine: Engine) -> None:
+    """Fail start-up on a reachable store whose schema is not at this code's head revision.
+
+    An unreachable store is only logged: the API still starts and ``/readyz`` reports it.
+    """
+    try:
+        problem = schema_problem(engine)
+    except OperationalError as exc:
+        log.warning("the store is unreachable at start-up (%s); /readyz will report it", exc.orig)
+        return
+    if problem is not None:
+        engine.dispose()
+        raise RuntimeError(problem)

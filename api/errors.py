@@ -83,7 +83,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if len(details) > 1:
         message += f" (and {len(details) - 1} more problem{'s' if len(details) > 2 else ''}: see details)"
     return JSONResponse(
-        error_body("invalid_input", message, param=first["param"], details=details), status_code=422
+        error_body("invalid_input", message, param=first["param"], details=details if len(details) > 1 else None),
+        status_code=422,
     )
 
 

@@ -9,7 +9,10 @@ Variants, all in one process on the same model object (bench/workload.py builds 
 - ``ftq``: ``trainer.attention`` (``ftq_packed`` with the Triton varlen kernel, metadata built
   once per batch) and ``trainer.fused_loss`` (chunked linear + cross-entropy);
 - ``ftq, metadata cache off``: the same with the metadata rebuilt in every layer (the "before"
-  of the caching optimization, all else equal).
+  of the caching optimization, all else equal);
+- ``ftq, bf16 LoRA weights``: an experiment, run last (it casts the adapters in place): peft
+  keeps LoRA weights in fp32 and casts every adapted layer's input to fp32 and back; this
+  variant times the step without those casts (fresh AdamW on bf16 adapters).
 Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
 (model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
@@ -34,7 +37,7 @@ import torch
 
 from bench.workload import SHAPES, ModelShape, build_lora_model, packed_batch, packed_steps, padded_batch
 
-VARIANTS = ("stock padded", "stock packed", "ftq", "ftq, metadata cache off")
+VARIANTS = ("stock padded", "stock packed", "ftq", "ftq, metadata cache off", "ftq, bf16 LoRA weights")
 
 
 @dataclass
@@ -202,6 +205,8 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
     for name in variants:
         variant = None
         try:
+            if name == "ftq, bf16 LoRA weights":
+                optimizer = _bf16_adapters(model)
             variant = Variant(name, model, shape, device)
             results.append(run_variant(variant, optimizer, steps, warmup, peak, shape))
             if profile_out and name == "ftq":
@@ -223,6 +228,14 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
     gc.collect()
     torch.cuda.empty_cache()
     return results, profile_text
+
+
+def _bf16_adapters(model):
+    """Cast the trainable (LoRA) weights to bf16 in place; returns a fresh AdamW over them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
 def table(results: list[Result]) -> str:

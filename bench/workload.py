@@ -66,6 +66,13 @@ class PaddedBatch:
     real_tokens: int
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device without a host sync: pinned memory, non-blocking copy (as the trainer does)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def packed_batch(lengths: list[int], vocab_size: int, device: torch.device, seed: int) -> PackedBatch:
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
@@ -79,9 +86,8 @@ def packed_batch(lengths: list[int], vocab_size: int, device: torch.device, seed
     targets[0, starts + torch.tensor(lengths) - 1] = -100
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     return PackedBatch(
-        input_ids=ids.to(device), position_ids=positions.to(device), labels=labels.to(device),
-        targets=targets.to(device),
-        cu_seqlens=cu.to(device), lengths=tuple(lengths), max_seqlen=max(lengths),
+        input_ids=_to(ids, device), position_ids=_to(positions, device), labels=_to(labels, device),
+        targets=_to(targets, device), cu_seqlens=_to(cu, device), lengths=tuple(lengths), max_seqlen=max(lengths),
         num_label_tokens=sum(n - 1 for n in lengths),
     )
 
@@ -96,7 +102,7 @@ def padded_batch(lengths: list[int], vocab_size: int, device: torch.device, seed
         ids[row, :n] = torch.randint(0, vocab_size, (n,), generator=gen)
         mask[row, :n] = 1
     labels = ids.masked_fill(mask == 0, -100)
-    return PaddedBatch(ids.to(device), mask.to(device), labels.to(device), sum(lengths))
+    return PaddedBatch(_to(ids, device), _to(mask, device), _to(labels, device), sum(lengths))
 
 
 @dataclass(frozen=True)

@@ -18,25 +18,47 @@ from trainer.events import Emitter
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="train as a job.json says, emitting JSON-lines events")
+    p_run = sub.add_parser(
+        "run", help="train as a job.json says, emitting JSON-lines events"
+    )
     p_run.add_argument("job", help="path to job.json (trainer.config.TrainConfig)")
-    p_detect = sub.add_parser("detect", help="print the detected hardware and the optimization plan")
-    p_detect.add_argument("--json", action="store_true", help="one JSON object instead of text")
-    p_detect.add_argument("--job", help="plan for this job.json instead of default settings")
+    p_detect = sub.add_parser(
+        "detect", help="print the detected hardware and the optimization plan"
+    )
+    p_detect.add_argument(
+        "--json", action="store_true", help="one JSON object instead of text"
+    )
+    p_detect.add_argument(
+        "--job", help="plan for this job.json instead of default settings"
+    )
     p_detect.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p_tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model + tokenizer to DIR")
+    p_tiny = sub.add_parser(
+        "make-tiny-model", help="write a tiny random-weight model + tokenizer to DIR"
+    )
     p_tiny.add_argument("dir")
-    p_tiny.add_argument("--arch", default="llama", choices=("llama", "qwen3", "mistral", "gemma", "gpt_oss", "qwen3_moe"))
+    p_tiny.add_argument(
+        "--arch",
+        default="llama",
+        choices=("llama", "qwen3", "mistral", "gemma", "gpt_oss", "qwen3_moe"),
+    )
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
     if args.command == "detect":
-        return _detect(args.json, args.job, args.device)
+        from trainer.errors import TrainerError
+
+        try:
+            return _detect(args.json, args.job, args.device)
+        except (TrainerError, ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     from trainer.tiny import make_tiny_model
 
-    print(make_tiny_model(args.dir, args.arch, seed=args.seed, vocab_size=args.vocab_size))
+    print(
+        make_tiny_model(args.dir, args.arch, seed=args.seed, vocab_size=args.vocab_size)
+    )
     return 0
 
 
@@ -46,7 +68,14 @@ def _run(job_path: str) -> int:
     try:
         config = TrainConfig.load(job_path)
     except (OSError, ValueError, TypeError) as exc:
-        emit("done", status="failed", error_code="config_error", message=f"{job_path}: {exc}", adapter_path=None, steps=0)
+        emit(
+            "done",
+            status="failed",
+            error_code="config_error",
+            message=f"{job_path}: {exc}",
+            adapter_path=None,
+            steps=0,
+        )
         return 1
     from transformers.utils import logging as hf_logging
 
@@ -67,7 +96,11 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
         facts = model_facts(config)
     else:
         config = TrainConfig(
-            model=ModelConfig("(any)"), data=DataConfig("(any)"), optim=OptimConfig(max_steps=1), output_dir=".", device=device
+            model=ModelConfig("(any)"),
+            data=DataConfig("(any)"),
+            optim=OptimConfig(max_steps=1),
+            output_dir=".",
+            device=device,
         )
         facts = None
     hw = hardware.detect(config.device)
@@ -77,10 +110,18 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
         return 0
     print(f"device     {hw.describe()}")
     gpu_mem = f"{hw.gpu_memory / 2**30:.1f} GiB" if hw.gpu_memory else "-"
-    print(f"memory     gpu {gpu_mem}, host {hw.host_memory / 2**30:.1f} GiB, pinned {'yes' if hw.pinned_memory else 'no'}")
-    print(f"kernels    {', '.join(hw.attention_kernels)}; triton {'yes' if hw.triton else 'no'}; "
-          f"bitsandbytes {'yes' if hw.bitsandbytes else 'no'}; bf16 {'yes' if hw.bf16 else 'no'}")
-    print(f"peak       {hw.peak_flops / 1e12:.0f} TFLOP/s bf16" if hw.peak_flops else "peak       unknown (no MFU)")
+    print(
+        f"memory     gpu {gpu_mem}, host {hw.host_memory / 2**30:.1f} GiB, pinned {'yes' if hw.pinned_memory else 'no'}"
+    )
+    print(
+        f"kernels    {', '.join(hw.attention_kernels)}; triton {'yes' if hw.triton else 'no'}; "
+        f"bitsandbytes {'yes' if hw.bitsandbytes else 'no'}; bf16 {'yes' if hw.bf16 else 'no'}"
+    )
+    print(
+        f"peak       {hw.peak_flops / 1e12:.0f} TFLOP/s bf16"
+        if hw.peak_flops
+        else "peak       unknown (no MFU)"
+    )
     print(f"dtype      {plan.dtype}")
     print(f"attention  {plan.attention_backend}: {plan.attention.reason}")
     print(f"loss       {plan.loss_kernel}: {plan.loss.reason}")

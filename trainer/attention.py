@@ -31,7 +31,8 @@ Backends (one per batch, carried by the metadata, chosen by ``trainer.hardware``
 - ``triton``: ``trainer.kernels.flash_varlen`` (CUDA; never computes a cross-sample block).
 - ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.12, CUDA only).
 - ``flex``: flex attention with a document-causal ``BlockMask`` (compiled on CUDA; the first
-  step compiles for a long time, so it is never auto-picked; CPU runs eager, no sinks).
+  step compiles for a long time, so it is never auto-picked; CPU runs it eagerly, forward only:
+  torch has no flex backward on CPU, and no log-sum-exp there for sinks).
 - ``sdpa``: SDPA with the cached block-diagonal boolean mask (O(T^2) memory; the CPU path and
   the reference the others are tested against).
 
@@ -54,7 +55,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.packed_metadata import BACKENDS, AnyPackedMetadata, PackedMetadata, build_packed_metadata
+from trainer.packed_metadata import (
+    BACKENDS,
+    AnyPackedMetadata,
+    PackedMetadata,
+    build_packed_metadata,
+)
 
 ATTN_IMPLEMENTATION = "ftq_packed"
 """The name registered with transformers' ``AttentionInterface``."""
@@ -66,7 +72,9 @@ AUTO_ORDER_CUDA = ("torch_varlen", "triton", "sdpa")
 # -- availability --------------------------------------------------------------------------------
 
 
-def supported(backend: str, device: torch.device | str, config: Any = None) -> str | None:
+def supported(
+    backend: str, device: torch.device | str, config: Any = None
+) -> str | None:
     """Why ``backend`` cannot run on ``device`` for a model with ``config``, or None when it can.
 
     Args:
@@ -75,7 +83,9 @@ def supported(backend: str, device: torch.device | str, config: Any = None) -> s
         config: the model's ``PretrainedConfig`` (optional; checks soft-capping, causality, head dim, sinks).
     """
     if backend not in BACKENDS:
-        return f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}"
+        return (
+            f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}"
+        )
     device = torch.device(device)
     if config is not None:
         reason = _model_reason(config)
@@ -86,11 +96,13 @@ def supported(backend: str, device: torch.device | str, config: Any = None) -> s
     if backend == "flex":
         if not _importable("torch.nn.attention.flex_attention"):
             return f"torch {torch.__version__} has no flex attention"
-        if device.type == "cpu" and config is not None and _has_sinks(config):
-            return "flex attention cannot return the log-sum-exp on CPU, which attention sinks (GPT-OSS) need"
+        if device.type != "cuda":
+            return f"flex attention has no backward pass on {device.type} (torch {torch.__version__}); use sdpa"
         return None
     if device.type != "cuda":
-        return f"the {backend} backend needs a CUDA device, training runs on {device.type}"
+        return (
+            f"the {backend} backend needs a CUDA device, training runs on {device.type}"
+        )
     if backend == "torch_varlen":
         varlen = _torch_varlen()
         if varlen is None:
@@ -124,7 +136,9 @@ def choose_backend(device: torch.device | str, config: Any = None) -> tuple[str,
             why = "; ".join(skipped)
             return backend, f"{backend} over cu_seqlens" + (f" ({why})" if why else "")
         skipped.append(f"not {backend}: {reason}")
-    raise ValueError("no packed attention backend can run this model: " + "; ".join(skipped))
+    raise ValueError(
+        "no packed attention backend can run this model: " + "; ".join(skipped)
+    )
 
 
 # -- the optimization object ---------------------------------------------------------------------
@@ -165,7 +179,9 @@ class PackedAttention:
         lm = unwrap_model(model)
         reason = _model_reason(lm.config)
         if reason is not None:
-            raise ValueError(f"packed attention cannot run {type(lm).__name__}: {reason}")
+            raise ValueError(
+                f"packed attention cannot run {type(lm).__name__}: {reason}"
+            )
         previous = lm.config._attn_implementation
         lm.set_attn_implementation(ATTN_IMPLEMENTATION)
         decoder = getattr(lm, lm.base_model_prefix, lm)
@@ -181,10 +197,14 @@ class PackedAttention:
 
     def metadata(self, lengths: Any, device: torch.device | str) -> AnyPackedMetadata:
         """Build one packed row's metadata (see ``trainer.packed_metadata.build_packed_metadata``)."""
-        return build_packed_metadata(lengths, device, backend=self.backend, cache=self.cache)
+        return build_packed_metadata(
+            lengths, device, backend=self.backend, cache=self.cache
+        )
 
 
-def install(model: torch.nn.Module, backend: str = "sdpa", cache: bool = True) -> PackedAttention:
+def install(
+    model: torch.nn.Module, backend: str = "sdpa", cache: bool = True
+) -> PackedAttention:
     """Shorthand: ``PackedAttention(backend, cache)`` installed on ``model``."""
     attn = PackedAttention(backend, cache)
     attn.install(model)
@@ -202,11 +222,15 @@ def unwrap_model(model: torch.nn.Module) -> Any:
     """The transformers ``PreTrainedModel`` inside ``model`` (peft's ``PeftModel`` unwrapped)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(inner, "set_attn_implementation"):
-        raise ValueError(f"{type(model).__name__} is not a transformers model (no set_attn_implementation)")
+        raise ValueError(
+            f"{type(model).__name__} is not a transformers model (no set_attn_implementation)"
+        )
     return inner
 
 
-def _guard_packed_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def _guard_packed_call(
+    module: torch.nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
     """Forward pre-hook on the decoder model: a packed call takes no mask and no KV cache."""
     if kwargs.get("packed_metadata") is None:
         return None
@@ -218,7 +242,9 @@ def _guard_packed_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> tu
             "input_ids and **meta.model_kwargs() only"
         )
     if kwargs.get("past_key_values") is not None:
-        raise ValueError("packed batches cannot use a KV cache (past_key_values); pass none")
+        raise ValueError(
+            "packed batches cannot use a KV cache (past_key_values); pass none"
+        )
     # With use_cache (the config default) the model creates a DynamicCache and every layer
     # stores its keys/values in it for nothing; stock transformers also stops detecting packed
     # rows when a cache exists (masking_utils._preprocess_mask_arguments).
@@ -262,11 +288,17 @@ def packed_attention_forward(
             "**meta.model_kwargs() (trainer.packed_metadata.build_packed_metadata), or uninstall it"
         )
     if attention_mask is not None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes no attention_mask; boundaries come from packed_metadata")
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION} attention takes no attention_mask; boundaries come from packed_metadata"
+        )
     if softcap is not None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} attention does not implement logit soft-capping (softcap={softcap})")
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION} attention does not implement logit soft-capping (softcap={softcap})"
+        )
     if not getattr(module, "is_causal", True):
-        raise ValueError(f"{ATTN_IMPLEMENTATION} attention is causal only; {type(module).__name__} is bidirectional")
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION} attention is causal only; {type(module).__name__} is bidirectional"
+        )
     meta = packed_metadata.layer_view(position_ids)
     batch, heads_q, total, head_dim = query.shape
     if batch != 1 or total != meta.total:
@@ -274,17 +306,35 @@ def packed_attention_forward(
             f"packed attention expects one packed row of {meta.total} tokens, got query shape {tuple(query.shape)}"
         )
     if heads_q % key.shape[1]:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})")
+        raise ValueError(
+            f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})"
+        )
     if dropout and meta.backend != "sdpa":
-        raise ValueError(f"attention dropout ({dropout}) is only supported by the sdpa backend; set it to 0")
-    window = sliding_window if sliding_window is not None and sliding_window < meta.max_seqlen else None
+        raise ValueError(
+            f"attention dropout ({dropout}) is only supported by the sdpa backend; set it to 0"
+        )
+    window = (
+        sliding_window
+        if sliding_window is not None and sliding_window < meta.max_seqlen
+        else None
+    )
     scale = scaling if scaling is not None else head_dim**-0.5
-    out_BTHD = _BACKEND_FUNCTIONS[meta.backend](meta, query, key, value, scale, window, s_aux, dropout)
+    out_BTHD = _BACKEND_FUNCTIONS[meta.backend](
+        meta, query, key, value, scale, window, s_aux, dropout
+    )
     return out_BTHD, None
 
 
-def _sdpa(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+def _sdpa(
+    meta: PackedMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
     _, heads_q, total, head_dim = q.shape
     k, v = _repeat_kv(k, heads_q), _repeat_kv(v, heads_q)
     if sinks is None:
@@ -293,16 +343,30 @@ def _sdpa(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # A sink is a key whose score is s_aux[h] and whose value is 0: one extra column,
         # added through the (additive) mask on a zero key/value row.
         base_11TT = meta.additive_mask(window, q.device, q.dtype)
-        sink_1HT1 = sinks.to(q.dtype).view(1, heads_q, 1, 1).expand(1, heads_q, total, 1)
-        mask = torch.cat([base_11TT.expand(1, heads_q, total, total), sink_1HT1], dim=-1)
+        sink_1HT1 = (
+            sinks.to(q.dtype).view(1, heads_q, 1, 1).expand(1, heads_q, total, 1)
+        )
+        mask = torch.cat(
+            [base_11TT.expand(1, heads_q, total, total), sink_1HT1], dim=-1
+        )
         zero = q.new_zeros(1, heads_q, 1, head_dim)
         k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
-    out_BHTD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    out_BHTD = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale
+    )
     return out_BHTD.transpose(1, 2)
 
 
-def _flex(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+def _flex(
+    meta: PackedMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
     from torch.nn.attention.flex_attention import AuxRequest
 
     block_mask = meta.block_mask(window, q.device)
@@ -311,46 +375,83 @@ def _flex(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if not gqa:
         k, v = _repeat_kv(k, heads_q), _repeat_kv(v, heads_q)
     aux = AuxRequest(lse=True) if sinks is not None else None
-    result = _flex_function(q.device)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=aux)
+    result = _flex_function(q.device)(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=aux
+    )
     if sinks is None:
         return result.transpose(1, 2)
     out_BHTD, aux_out = result
-    out_BHTD = out_BHTD * _sink_factor(aux_out.lse, sinks.view(1, -1, 1)).unsqueeze(-1).to(out_BHTD.dtype)
+    out_BHTD = out_BHTD * _sink_factor(aux_out.lse, sinks.view(1, -1, 1)).unsqueeze(
+        -1
+    ).to(out_BHTD.dtype)
     return out_BHTD.transpose(1, 2)
 
 
-def _varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _varlen_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     # [1, H, T, D] -> [T, H, D]
     return tuple(x[0].transpose(0, 1).contiguous() for x in (q, k, v))
 
 
-def _torch_varlen(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+def _torch_varlen(
+    meta: PackedMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     cu_seqlens, max_seqlen = meta.varlen(q.device)
     q_THD, k_THD, v_THD = _varlen_inputs(q, k, v)
-    kwargs: dict[str, Any] = {"scale": scale, "window_size": (window - 1 if window else -1, 0)}
+    kwargs: dict[str, Any] = {
+        "scale": scale,
+        "window_size": (window - 1 if window else -1, 0),
+    }
     if k_THD.shape[1] != q_THD.shape[1]:
         kwargs["enable_gqa"] = True
     if sinks is not None:
         kwargs["return_aux"] = AuxRequest(lse=True)
-    out = varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    out = varlen_attn(
+        q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs
+    )
     if sinks is None:
         return out.unsqueeze(0)
     out_THD, lse_TH = out
-    return (out_THD * _sink_factor(lse_TH, sinks.view(1, -1)).unsqueeze(-1).to(out_THD.dtype)).unsqueeze(0)
+    return (
+        out_THD
+        * _sink_factor(lse_TH, sinks.view(1, -1)).unsqueeze(-1).to(out_THD.dtype)
+    ).unsqueeze(0)
 
 
-def _triton(meta: PackedMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            window: int | None, sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
+def _triton(
+    meta: PackedMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
     from trainer.kernels.flash_varlen import flash_varlen_attention
 
     cu_seqlens, max_seqlen = meta.varlen(q.device)
     q_THD, k_THD, v_THD = _varlen_inputs(q, k, v)
     out_THD = flash_varlen_attention(
-        q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=True,
-        window=(window - 1, 0) if window else None, sinks=sinks, softmax_scale=scale,
+        q_THD,
+        k_THD,
+        v_THD,
+        cu_seqlens,
+        max_seqlen,
+        causal=True,
+        window=(window - 1, 0) if window else None,
+        sinks=sinks,
+        softmax_scale=scale,
     )
     return out_THD.unsqueeze(0)
 
@@ -395,9 +496,13 @@ def _model_reason(config: Any) -> str | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "attn_logit_softcapping", None)
     if softcap is not None:
-        return (f"{text.model_type} soft-caps attention logits (attn_logit_softcapping={softcap}), which no "
-                "packed backend implements; set the switch to off for this model")
-    if getattr(text, "use_bidirectional_attention", False) or not getattr(text, "is_causal", True):
+        return (
+            f"{text.model_type} soft-caps attention logits (attn_logit_softcapping={softcap}), which no "
+            "packed backend implements; set the switch to off for this model"
+        )
+    if getattr(text, "use_bidirectional_attention", False) or not getattr(
+        text, "is_causal", True
+    ):
         return f"{text.model_type} is configured for bidirectional attention; packed attention is causal only"
     return None
 
@@ -417,7 +522,8 @@ def _has_sinks(config: Any) -> bool:
 def _uses_window(config: Any) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "sliding_window", None) is not None and (
-        "sliding_attention" in (getattr(text, "layer_types", None) or ()) or text.model_type == "mistral"
+        "sliding_attention" in (getattr(text, "layer_types", None) or ())
+        or text.model_type == "mistral"
     )
 
 

@@ -78,7 +78,10 @@ def save_checkpoint(
         tmp / "trainer_state.pt",
     )
     (tmp / "trainer_state.json").write_text(
-        json.dumps({"step": state.step, "data_position": state.data_position, "final": final}, indent=2)
+        json.dumps(
+            {"step": state.step, "data_position": state.data_position, "final": final},
+            indent=2,
+        )
     )
     if final_dir.exists():
         shutil.rmtree(final_dir)
@@ -129,22 +132,31 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
         result = set_peft_model_state_dict(model, load_file(adapter))
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
-            raise RuntimeError(f"{adapter}: weights for modules this model lacks: {unexpected[:3]}")
+            raise RuntimeError(
+                f"{adapter}: weights for modules this model lacks: {unexpected[:3]}"
+            )
         return
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no adapter_model.safetensors or model weights to resume from")
+        raise FileNotFoundError(
+            f"{path}: no adapter_model.safetensors or model weights to resume from"
+        )
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k or "embed" in k}
     if unexpected or set(missing) - tied:
-        raise RuntimeError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise RuntimeError(
+            f"{path}: checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

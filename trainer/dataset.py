@@ -62,12 +62,18 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                raise DatasetError(
+                    f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})"
+                ) from None
             if not isinstance(record, dict):
-                raise DatasetError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+                raise DatasetError(
+                    f"{path}, line {number}: expected a JSON object, got {type(record).__name__}"
+                )
             records.append((number, record))
     if not records:
-        raise DatasetError(f"{path}: the file has no records; write one JSON object per line")
+        raise DatasetError(
+            f"{path}: the file has no records; write one JSON object per line"
+        )
     return records
 
 
@@ -92,12 +98,22 @@ def validate_record(record: dict[str, Any], fmt: str) -> str | None:
         if not isinstance(messages, list) or not messages:
             return "'messages' must be a non-empty list"
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return f"messages[{i}] must be an object with string 'role' and 'content'"
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                return (
+                    f"messages[{i}] must be an object with string 'role' and 'content'"
+                )
             if m["role"] not in ROLES:
-                return f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}"
+                return (
+                    f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}"
+                )
         if not any(m["role"] == "assistant" for m in messages):
-            return "no assistant message: there is nothing to learn from this conversation"
+            return (
+                "no assistant message: there is nothing to learn from this conversation"
+            )
         return None
     keys = ("prompt", "completion") if fmt == "prompt_completion" else ("text",)
     for key in keys:
@@ -108,7 +124,9 @@ def validate_record(record: dict[str, Any], fmt: str) -> str | None:
     return None
 
 
-def load_samples(path: str | Path, tokenizer: Any, fmt: str = "auto", max_seq_len: int = 4096) -> list[Sample]:
+def load_samples(
+    path: str | Path, tokenizer: Any, fmt: str = "auto", max_seq_len: int = 4096
+) -> list[Sample]:
     """Read, validate and tokenize a JSONL file; samples are truncated to ``max_seq_len`` tokens.
 
     Samples left with no loss token after truncation (a prompt longer than ``max_seq_len``) are
@@ -125,7 +143,9 @@ def load_samples(path: str | Path, tokenizer: Any, fmt: str = "auto", max_seq_le
                 f"{path}, line {records[0][0]}: cannot tell the format; use 'messages', 'prompt'+'completion' or 'text'"
             )
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise DatasetError(f"{path}: chat records need a tokenizer with a chat template; this tokenizer has none")
+        raise DatasetError(
+            f"{path}: chat records need a tokenizer with a chat template; this tokenizer has none"
+        )
     samples = []
     for number, record in records:
         problem = validate_record(record, fmt)
@@ -154,15 +174,21 @@ def tokenize_record(record: dict[str, Any], fmt: str, tokenizer: Any) -> Sample:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "prompt_completion":
         prompt = tokenizer(record["prompt"])["input_ids"]
-        completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + eos
+        completion = (
+            tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + eos
+        )
         return Sample(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion)
     ids = tokenizer(record["text"])["input_ids"] + eos
     return Sample(ids, list(ids))
 
 
 def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
-    def encode(conversation: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
+    def encode(
+        conversation: list[dict[str, str]], generation_prompt: bool
+    ) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=generation_prompt
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     ids = encode(messages, False)

@@ -37,6 +37,8 @@ def error_code(exc: BaseException) -> str:
     """The ``done`` event's error code for an exception that ended a run."""
     if isinstance(exc, TrainerError):
         return exc.code
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
+    if (
+        isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    ):  # torch.OutOfMemoryError
         return "out_of_memory"
     return "internal_error"

@@ -7,7 +7,8 @@ chunks; per chunk the forward computes the logits (fp32), the loss sum over labe
 when training, the gradient w.r.t. the hidden states (and w.r.t. the head weight only when it
 requires grad), then drops the chunk's logits. Backward only scales the stored gradients by
 the incoming scalar. Peak extra memory is one chunk's logits and their gradient, ~12 bytes x
-``chunk_size x V`` (0.75 GiB for 512 x 128k), plus ``T x H`` for the hidden-state gradient.
+``chunk_size x V`` (0.75 GiB for 512 x 128k), plus ``T x H`` for the hidden-state gradient:
+~21 GB of logits, fp32 logits and their gradient saved at 16k tokens x 128k vocabulary.
 Same algorithm as Liger-Kernel's ``fused_linear_cross_entropy``, in plain PyTorch (the matmuls
 dominate; a Triton softmax would save little).
 
@@ -48,8 +49,10 @@ CHUNK_BYTES = 256 * 2**20
 def default_chunk_size(vocab_size: int) -> int:
     """Tokens per chunk: a power of two keeping one chunk's fp32 logits near ``CHUNK_BYTES``.
 
-    512 tokens for 128k-151k vocabularies (256 MiB of logits), clamped to [128, 8192] so small
-    vocabularies do not launch thousands of tiny matmuls.
+    512 tokens for Llama 3's 128k vocabulary, 256 for Qwen 3's 152k (~250 MiB of fp32 logits
+    per chunk, ~0.75 GiB with the gradient and the low-precision copies); clamped to [128, 8192]
+    so small vocabularies do not launch thousands of tiny matmuls. At 16k tokens that is 32 or
+    64 chunks, each a large enough matmul to keep an H100/H200 busy.
     """
     tokens = CHUNK_BYTES // (4 * vocab_size)
     return int(min(8192, max(128, 2 ** math.floor(math.log2(max(tokens, 1))))))
@@ -57,14 +60,28 @@ def default_chunk_size(vocab_size: int) -> int:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
-                num_items: Any, chunk_size: int, softcap: float | None, ignore_index: int) -> torch.Tensor:
-        need_h = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[1]
+    def forward(
+        ctx: Any,
+        hidden_NH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        labels_N: torch.Tensor,
+        num_items: Any,
+        chunk_size: int,
+        softcap: float | None,
+        ignore_index: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        # grad mode is always off inside forward: the caller says whether a backward can follow
+        need_h = grad_enabled and ctx.needs_input_grad[0]
+        need_w = grad_enabled and ctx.needs_input_grad[1]
         n_tokens = hidden_NH.shape[0]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
         grad_h = torch.empty_like(hidden_NH) if need_h else None
-        grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
+        grad_w = (
+            torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+            if need_w
+            else None
+        )
         if num_items is None:
             num_items = (labels_N != ignore_index).sum().clamp(min=1).float()
         inv_items = 1.0 / num_items
@@ -86,7 +103,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 continue
             # d(loss)/d(logits) = softmax - onehot(label), zero on ignored rows, / num_items
             grad_CV = torch.exp(logits_CV - lse_C.unsqueeze(1))
-            grad_CV.scatter_add_(1, target_C.unsqueeze(1), torch.full_like(picked_C, -1.0).unsqueeze(1))
+            grad_CV.scatter_add_(
+                1, target_C.unsqueeze(1), torch.full_like(picked_C, -1.0).unsqueeze(1)
+            )
             grad_CV *= (valid_C.float() * inv_items).unsqueeze(1)
             if tanh_CV is not None:
                 grad_CV *= 1.0 - tanh_CV * tanh_CV
@@ -107,7 +126,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -115,7 +134,7 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    num_items: int | float | torch.Tensor | None = None,
+    num_items: float | torch.Tensor | None = None,
     chunk_size: int | None = None,
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
@@ -140,19 +159,34 @@ def fused_linear_cross_entropy(
         ValueError: mismatched shapes or dtypes, or a non-positive ``num_items``/``chunk_size``.
     """
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must match hidden {tuple(hidden.shape)} minus the last dim")
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must match hidden {tuple(hidden.shape)} minus the last dim"
+        )
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}"
+        )
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one of them")
+        raise ValueError(
+            f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one of them"
+        )
     if isinstance(num_items, (int, float)) and num_items <= 0:
-        raise ValueError(f"num_items must be > 0 (the step's label-token count), got {num_items}")
+        raise ValueError(
+            f"num_items must be > 0 (the step's label-token count), got {num_items}"
+        )
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     return _FusedLinearCrossEntropy.apply(
-        hidden_NH, weight, labels.reshape(-1), num_items, chunk_size, softcap, ignore_index
+        hidden_NH,
+        weight,
+        labels.reshape(-1),
+        num_items,
+        chunk_size,
+        softcap,
+        ignore_index,
+        torch.is_grad_enabled(),
     )
 
 
@@ -169,7 +203,11 @@ def supported(model: torch.nn.Module) -> str | None:
         return f"the LM head is a {type(head).__name__}, not a plain Linear (a peft-adapted head is not supported)"
     if head.bias is not None:
         return "the LM head has a bias, which the fused loss does not add"
-    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    text = (
+        lm.config.get_text_config()
+        if hasattr(lm.config, "get_text_config")
+        else lm.config
+    )
     for name in ("logit_scale", "logits_scaling", "output_multiplier_scale"):
         if getattr(text, name, None) not in (None, 1, 1.0):
             return f"{text.model_type} scales its logits ({name}={getattr(text, name)}), which the fused loss does not"
@@ -183,7 +221,7 @@ def causal_lm_loss(
     input_ids: torch.Tensor,
     targets: torch.Tensor,
     *,
-    num_items: int | float | torch.Tensor | None = None,
+    num_items: float | torch.Tensor | None = None,
     chunk_size: int | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor:
@@ -205,11 +243,21 @@ def causal_lm_loss(
         raise ValueError(f"fused linear cross-entropy cannot run this model: {reason}")
     lm = _unwrap(model)
     decoder = getattr(lm, lm.base_model_prefix)
-    hidden = decoder(input_ids=input_ids, use_cache=False, **model_kwargs).last_hidden_state
-    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    hidden = decoder(
+        input_ids=input_ids, use_cache=False, **model_kwargs
+    ).last_hidden_state
+    text = (
+        lm.config.get_text_config()
+        if hasattr(lm.config, "get_text_config")
+        else lm.config
+    )
     weight = lm.get_output_embeddings().weight
     return fused_linear_cross_entropy(
-        hidden.to(weight.dtype), weight, targets, num_items=num_items, chunk_size=chunk_size,
+        hidden.to(weight.dtype),
+        weight,
+        targets,
+        num_items=num_items,
+        chunk_size=chunk_size,
         softcap=getattr(text, "final_logit_softcapping", None),
     )
 

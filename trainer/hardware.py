@@ -20,7 +20,7 @@ import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from trainer.config import Optimizations, TrainConfig
@@ -138,7 +138,9 @@ class Plan:
         for d in self.decisions:
             if d.name == name:
                 return d
-        raise KeyError(f"no decision named {name!r}; have {[d.name for d in self.decisions]}")
+        raise KeyError(
+            f"no decision named {name!r}; have {[d.name for d in self.decisions]}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,7 +154,7 @@ class Plan:
         }
 
 
-@lru_cache(maxsize=None)
+@cache
 def detect(device: str = "auto") -> Hardware:
     """Probe the machine once per ``device`` choice (``auto``, ``cpu``, ``cuda``).
 
@@ -164,22 +166,24 @@ def detect(device: str = "auto") -> Hardware:
 
     has_cuda = torch.cuda.is_available()
     if device == "cuda" and not has_cuda:
-        raise PlanError("device=cuda: torch sees no CUDA device here; set device to auto or cpu")
+        raise PlanError(
+            "device=cuda: torch sees no CUDA device here; set device to auto or cpu"
+        )
     use_cuda = has_cuda and device != "cpu"
     kernels = ["sdpa"]
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
         kernels.append("flex_attention")
     if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
         kernels.append("varlen")
-    common = dict(
-        host_memory=psutil.virtual_memory().total,
-        triton=_importable("triton"),
-        attention_kernels=tuple(kernels),
-        bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None,
-        cpu_count=os.cpu_count() or 1,
-        torch_version=torch.__version__,
-        cuda_version=torch.version.cuda,
-    )
+    common = {
+        "host_memory": psutil.virtual_memory().total,
+        "triton": _importable("triton"),
+        "attention_kernels": tuple(kernels),
+        "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None,
+        "cpu_count": os.cpu_count() or 1,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+    }
     if not use_cuda:
         import platform
 
@@ -217,7 +221,12 @@ def peak_flops(gpu_name: str) -> float | None:
     return None
 
 
-def plan(hw: Hardware, opts: Optimizations, config: TrainConfig, model: ModelFacts | None = None) -> Plan:
+def plan(
+    hw: Hardware,
+    opts: Optimizations,
+    config: TrainConfig,
+    model: ModelFacts | None = None,
+) -> Plan:
     """Decide every optimization for a run (see the module docstring for the rules).
 
     Raises:
@@ -235,28 +244,49 @@ def plan(hw: Hardware, opts: Optimizations, config: TrainConfig, model: ModelFac
         "moe_grouped_routing": opts.moe_grouped_routing,
         "offload_activations": config.offload_activations,
     }
-    decisions = tuple(_decide(name, value, hw, config, model) for name, value in switches.items())
+    decisions = tuple(
+        _decide(name, value, hw, config, model) for name, value in switches.items()
+    )
     return Plan(
         device=hw.device,
         dtype=_dtype(hw, config),
         decisions=decisions,
         attention=_attention(hw, model),
-        loss=Decision("loss", True, "torch_cross_entropy", "full logits in float32; no fused loss in this build"),
+        loss=Decision(
+            "loss",
+            True,
+            "torch_cross_entropy",
+            "full logits in float32; no fused loss in this build",
+        ),
     )
 
 
-def _decide(name: str, value: str, hw: Hardware, config: TrainConfig, model: ModelFacts) -> Decision:
+def _decide(
+    name: str, value: str, hw: Hardware, config: TrainConfig, model: ModelFacts
+) -> Decision:
     if value == "off":
         return Decision(name, False, None, "off in the job")
     if name == "moe_grouped_routing" and not model.is_moe:
-        return Decision(name, False, None, f"{model.model_type} has no MoE blocks; the switch has no effect")
+        return Decision(
+            name,
+            False,
+            None,
+            f"{model.model_type} has no MoE blocks; the switch has no effect",
+        )
     missing = _requirement(name, hw, config)
     if missing is None and name not in BUILT_OPTIMIZATIONS:
         missing = "it is not implemented in this build of the trainer"
     if missing is None:
-        return Decision(name, True, hw.device, "available here" if value == "auto" else "on in the job")
+        return Decision(
+            name,
+            True,
+            hw.device,
+            "available here" if value == "auto" else "on in the job",
+        )
     if value == "on":
-        raise PlanError(f"{name}=on cannot run: {missing} (machine: {hw.describe()}). Set {name} to auto or off")
+        raise PlanError(
+            f"{name}=on cannot run: {missing} (machine: {hw.describe()}). Set {name} to auto or off"
+        )
     return Decision(name, False, None, missing)
 
 
@@ -277,11 +307,15 @@ def _requirement(name: str, hw: Hardware, config: TrainConfig) -> str | None:
 def _attention(hw: Hardware, model: ModelFacts) -> Decision:
     if not model.supports_sdpa:
         return Decision(
-            "attention", True, "eager",
+            "attention",
+            True,
+            "eager",
             f"{model.model_type} has no SDPA path in transformers; eager attention with the packed block mask",
         )
     return Decision(
-        "attention", True, "sdpa",
+        "attention",
+        True,
+        "sdpa",
         "torch SDPA with transformers' block-diagonal mask built from packed position ids",
     )
 
@@ -295,7 +329,7 @@ def _dtype(hw: Hardware, config: TrainConfig) -> str:
 def _importable(module: str) -> bool:
     try:
         importlib.import_module(module)
-    except Exception:  # a broken install is as unusable as a missing one
+    except Exception:  # noqa: BLE001 - a broken install is as unusable as a missing one
         return False
     return True
 

@@ -35,7 +35,10 @@ class StepTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             start.record()
             yield
             end.record()
@@ -102,7 +105,12 @@ def memory_stats(device: torch.device) -> dict[str, int | None]:
 
     rss = psutil.Process().memory_info().rss
     if device.type != "cuda":
-        return {"gpu_mem_allocated": None, "gpu_mem_reserved": None, "gpu_mem_peak": None, "host_rss": rss}
+        return {
+            "gpu_mem_allocated": None,
+            "gpu_mem_reserved": None,
+            "gpu_mem_peak": None,
+            "host_rss": rss,
+        }
     return {
         "gpu_mem_allocated": torch.cuda.memory_allocated(device),
         "gpu_mem_reserved": torch.cuda.memory_reserved(device),

@@ -35,18 +35,28 @@ from trainer.errors import ConfigError, ModelNotFoundError
 from trainer.hardware import ModelFacts, Plan
 from trainer.packing import PackedBatch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
 _FORBIDDEN_PACKED_ARGS = ("attention_mask", "past_key_values", "use_cache", "labels")
 
 
 def _load_config(name_or_path: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path)
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(
+        name_or_path
+    )
     if looks_local and not Path(name_or_path).expanduser().is_dir():
-        raise ModelNotFoundError(f"model {name_or_path!r}: no such directory; point model.name_or_path at a model dir")
+        raise ModelNotFoundError(
+            f"model {name_or_path!r}: no such directory; point model.name_or_path at a model dir"
+        )
     try:
-        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(
+            name_or_path, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(
             f"model {name_or_path!r}: cannot load its config.json ({exc}); name a local model directory "
@@ -59,34 +69,48 @@ def model_facts(config: TrainConfig) -> ModelFacts:
     from transformers import AutoModelForCausalLM
 
     hf_config = _load_config(config.model.name_or_path, config.model.trust_remote_code)
-    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(
+        hf_config, "num_experts", None
+    )
     try:
         model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
         supports_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
     except KeyError:
         supports_sdpa = False  # remote code or an unknown class: eager always works
-    return ModelFacts(model_type=hf_config.model_type, is_moe=bool(experts), supports_sdpa=supports_sdpa)
+    return ModelFacts(
+        model_type=hf_config.model_type,
+        is_moe=bool(experts),
+        supports_sdpa=supports_sdpa,
+    )
 
 
 def load_tokenizer(config: TrainConfig) -> Any:
     from transformers import AutoTokenizer
 
-    _load_config(config.model.name_or_path, config.model.trust_remote_code)  # same clear error as the model
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name_or_path, trust_remote_code=config.model.trust_remote_code)
+    _load_config(
+        config.model.name_or_path, config.model.trust_remote_code
+    )  # same clear error as the model
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model.name_or_path, trust_remote_code=config.model.trust_remote_code
+    )
     if tokenizer.eos_token_id is None:
-        raise ModelNotFoundError(f"model {config.model.name_or_path!r}: its tokenizer has no eos token")
+        raise ModelNotFoundError(
+            f"model {config.model.name_or_path!r}: its tokenizer has no eos token"
+        )
     return tokenizer
 
 
-def load_model(config: TrainConfig, plan: Plan, device: torch.device) -> torch.nn.Module:
+def load_model(
+    config: TrainConfig, plan: Plan, device: torch.device
+) -> torch.nn.Module:
     """``from_pretrained`` in the plan's dtype and attention backend, on ``device``, in train mode."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = dict(
-        dtype=_DTYPES[plan.dtype],
-        attn_implementation=plan.attention_backend,
-        trust_remote_code=config.model.trust_remote_code,
-    )
+    kwargs: dict[str, Any] = {
+        "dtype": _DTYPES[plan.dtype],
+        "attn_implementation": plan.attention_backend,
+        "trust_remote_code": config.model.trust_remote_code,
+    }
     if config.method == "qlora":
         from transformers import BitsAndBytesConfig
 
@@ -105,12 +129,16 @@ def load_model(config: TrainConfig, plan: Plan, device: torch.device) -> torch.n
     return model
 
 
-def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+def prepare_for_training(
+    model: torch.nn.Module, config: TrainConfig
+) -> torch.nn.Module:
     """Apply the method (LoRA adapters or full fine-tuning) and gradient checkpointing."""
     if config.gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=kwargs
+            )
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if config.method == "full":
@@ -120,7 +148,9 @@ def prepare_for_training(model: torch.nn.Module, config: TrainConfig) -> torch.n
     if config.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=config.gradient_checkpointing
+        )
     return apply_lora(model, config.lora)
 
 
@@ -128,7 +158,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     """Wrap ``model`` with peft LoRA adapters; only the adapters are trainable afterwards."""
     import peft
 
-    targets: str | list[str] = "all-linear" if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    targets: str | list[str] = (
+        "all-linear"
+        if lora.target_modules == ("all-linear",)
+        else list(lora.target_modules)
+    )
     peft_config = peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -139,9 +173,15 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():
             # peft <= 0.21 reads the deprecated `is_gradient_checkpointing` (transformers >= 5.2x warns).
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore",
+                message=".*is_gradient_checkpointing.*",
+                category=FutureWarning,
+            )
             return peft.get_peft_model(model, peft_config)
-    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+    except (
+        ValueError
+    ) as exc:  # peft: "Target modules {...} not found in the base model"
         raise ConfigError(f"lora.target_modules: {exc}") from exc
 
 
@@ -156,7 +196,9 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def packed_forward(model: torch.nn.Module, batch: PackedBatch, **model_kwargs: Any) -> torch.Tensor:
+def packed_forward(
+    model: torch.nn.Module, batch: PackedBatch, **model_kwargs: Any
+) -> torch.Tensor:
     """Logits [1, T, V] of a packed row, attention confined to each sample.
 
     Raises:
@@ -172,11 +214,18 @@ def packed_forward(model: torch.nn.Module, batch: PackedBatch, **model_kwargs: A
     masks = packed_attention_masks(model, batch)
     if masks is not None:
         model_kwargs["attention_mask"] = masks
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **model_kwargs)
+    out = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **model_kwargs,
+    )
     return out.logits
 
 
-def packed_attention_masks(model: torch.nn.Module, batch: PackedBatch) -> dict[str, Any] | None:
+def packed_attention_masks(
+    model: torch.nn.Module, batch: PackedBatch
+) -> dict[str, Any] | None:
     """Per-layer-type attention masks honouring the packed boundaries, or None to let the model build them.
 
     Built for configs with ``layer_types`` (their models take a ``{layer_type: mask}`` mapping);
@@ -195,14 +244,16 @@ def packed_attention_masks(model: torch.nn.Module, batch: PackedBatch) -> dict[s
         return None
     embed = model.get_input_embeddings().weight
     # Only shape, dtype and device of the embeddings are read; expand() allocates nothing.
-    embeds_like = torch.empty(1, 1, 1, dtype=embed.dtype, device=batch.input_ids.device).expand(
-        1, batch.input_ids.shape[1], config.hidden_size
-    )
+    embeds_like = torch.empty(
+        1, 1, 1, dtype=embed.dtype, device=batch.input_ids.device
+    ).expand(1, batch.input_ids.shape[1], config.hidden_size)
     masks = {}
     for layer_type in set(layer_types):
         build = builders[layer_type]
         params = inspect.signature(build).parameters
-        embeds_name = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"  # renamed within 5.x
+        embeds_name = (
+            "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
+        )  # renamed within 5.x
         kwargs: dict[str, Any] = {
             "config": config,
             embeds_name: embeds_like,
@@ -211,7 +262,9 @@ def packed_attention_masks(model: torch.nn.Module, batch: PackedBatch) -> dict[s
             "position_ids": batch.position_ids,
         }
         if "cache_position" in params:  # older 5.x releases still take it
-            kwargs["cache_position"] = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+            kwargs["cache_position"] = torch.arange(
+                batch.input_ids.shape[1], device=batch.input_ids.device
+            )
         masks[layer_type] = build(**kwargs)
     return masks
 
@@ -226,5 +279,8 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         A scalar: divide by the step's target count for the mean.
     """
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )

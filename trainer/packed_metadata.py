@@ -113,7 +113,10 @@ class PackedMetadata:
 
     def varlen(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens on device, max_seqlen)`` for the varlen kernels (Triton, torch varlen)."""
-        return self._cached(("varlen", None, device), lambda: (_move(self.cu_seqlens, device), self.max_seqlen))
+        return self._cached(
+            ("varlen", None, device),
+            lambda: (_move(self.cu_seqlens, device), self.max_seqlen),
+        )
 
     def dense_mask(self, window: int | None, device: torch.device) -> torch.Tensor:
         """Boolean ``[1, 1, T, T]`` mask, True where query i may attend key j (SDPA backend).
@@ -121,16 +124,26 @@ class PackedMetadata:
         j is in i's sample, ``j <= i``, and with a window ``i - j < window`` (transformers'
         ``sliding_window`` convention: a token sees ``window`` tokens, itself included).
         """
-        return self._cached(("dense_mask", window, device), lambda: self._build_dense_mask(window, device))
+        return self._cached(
+            ("dense_mask", window, device),
+            lambda: self._build_dense_mask(window, device),
+        )
 
-    def additive_mask(self, window: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def additive_mask(
+        self, window: int | None, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
         """``dense_mask`` as an additive float mask (0 / -inf) in ``dtype`` (SDPA with sinks)."""
         key = ("additive_mask", window, device, dtype)
-        return self._cached(key, lambda: _additive(self.dense_mask(window, device), dtype))
+        return self._cached(
+            key, lambda: _additive(self.dense_mask(window, device), dtype)
+        )
 
     def block_mask(self, window: int | None, device: torch.device) -> Any:
         """Document-causal flex-attention ``BlockMask`` (with the window when given)."""
-        return self._cached(("block_mask", window, device), lambda: self._build_block_mask(window, device))
+        return self._cached(
+            ("block_mask", window, device),
+            lambda: self._build_block_mask(window, device),
+        )
 
     def _cached(self, key: tuple[Any, ...], build: Any) -> Any:
         if key not in self._cache:
@@ -138,7 +151,9 @@ class PackedMetadata:
             self.counter.structures[key] += 1
         return self._cache[key]
 
-    def _build_dense_mask(self, window: int | None, device: torch.device) -> torch.Tensor:
+    def _build_dense_mask(
+        self, window: int | None, device: torch.device
+    ) -> torch.Tensor:
         seg_T = _move(self.segment_ids, device)
         pos_T = _move(self.position_ids[0], device)
         same_TT = seg_T[:, None] == seg_T[None, :]
@@ -160,8 +175,13 @@ class PackedMetadata:
             return allowed
 
         return create_block_mask(
-            document_causal, B=None, H=None, Q_LEN=self.total, KV_LEN=self.total,
-            device=device, _compile=device.type == "cuda",
+            document_causal,
+            B=None,
+            H=None,
+            Q_LEN=self.total,
+            KV_LEN=self.total,
+            device=device,
+            _compile=device.type == "cuda",
         )
 
 
@@ -201,7 +221,9 @@ class UncachedPackedMetadata:
             )
         pos_T = position_ids.reshape(-1)
         starts_T = pos_T == 0
-        start_idx = torch.nonzero(starts_T).flatten()  # host sync: output size depends on data
+        start_idx = torch.nonzero(
+            starts_T
+        ).flatten()  # host sync: output size depends on data
         end = torch.tensor([pos_T.numel()], device=pos_T.device, dtype=start_idx.dtype)
         cu_seqlens = torch.cat([start_idx, end]).to(torch.int32)
         lengths_N = cu_seqlens.diff()
@@ -210,9 +232,15 @@ class UncachedPackedMetadata:
         segment_ids = (torch.cumsum(starts_T.to(torch.int32), 0) - 1).to(torch.int32)
         self.counter.metadata += 1
         return PackedMetadata(
-            lengths=lengths, total=pos_T.numel(), max_seqlen=max_seqlen, device=pos_T.device,
-            backend=self.backend, position_ids=pos_T.view(1, -1), segment_ids=segment_ids,
-            cu_seqlens=cu_seqlens, counter=self.counter,
+            lengths=lengths,
+            total=pos_T.numel(),
+            max_seqlen=max_seqlen,
+            device=pos_T.device,
+            backend=self.backend,
+            position_ids=pos_T.view(1, -1),
+            segment_ids=segment_ids,
+            cu_seqlens=cu_seqlens,
+            counter=self.counter,
         )
 
 
@@ -242,32 +270,49 @@ def build_packed_metadata(
 
     Raises:
         ValueError: empty or non-positive lengths, or an unknown backend.
+        TypeError: ``lengths`` is a tensor (it must be host-side Python ints).
     """
     lengths = _check_lengths(lengths)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # match the tensors' device in cache keys
+        device = torch.device(
+            "cuda", torch.cuda.current_device()
+        )  # match the tensors' device in cache keys
     total = sum(lengths)
-    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).view(1, total)
+    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).view(
+        1, total
+    )
     if not cache:
         (pos_dev,), keep = _to_device([positions], device)
-        return UncachedPackedMetadata(lengths, total, device, backend, pos_dev, _keepalive=keep)
-    segments = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+        return UncachedPackedMetadata(
+            lengths, total, device, backend, pos_dev, _keepalive=keep
+        )
+    segments = torch.repeat_interleave(
+        torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths)
+    )
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     (pos_dev, seg_dev, cu_dev), keep = _to_device([positions, segments, cu], device)
     counter = BuildCounter(metadata=1)
     return PackedMetadata(
-        lengths=lengths, total=total, max_seqlen=max(lengths), device=device, backend=backend,
-        position_ids=pos_dev, segment_ids=seg_dev, cu_seqlens=cu_dev, counter=counter, _keepalive=keep,
+        lengths=lengths,
+        total=total,
+        max_seqlen=max(lengths),
+        device=device,
+        backend=backend,
+        position_ids=pos_dev,
+        segment_ids=seg_dev,
+        cu_seqlens=cu_dev,
+        counter=counter,
+        _keepalive=keep,
     )
 
 
 def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
     if isinstance(lengths, torch.Tensor):
-        raise ValueError(
+        raise TypeError(
             "lengths must be host-side Python ints (e.g. PackedBatch.lengths), not a tensor: reading a "
             "device tensor back costs a host sync, which is what this metadata exists to avoid"
         )
@@ -276,11 +321,15 @@ def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
         raise ValueError("lengths is empty: a packed batch needs at least one sample")
     bad = [n for n in out if n < 1]
     if bad:
-        raise ValueError(f"every sample length must be >= 1, got {bad[:5]}; drop empty samples before packing")
+        raise ValueError(
+            f"every sample length must be >= 1, got {bad[:5]}; drop empty samples before packing"
+        )
     return out
 
 
-def _to_device(host: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+def _to_device(
+    host: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
     """Copy host tensors to ``device`` without a host sync (pinned + non_blocking on CUDA)."""
     if device.type != "cuda":
         return [t.to(device) for t in host], ()

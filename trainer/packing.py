@@ -59,7 +59,11 @@ class PackedBatch:
             return t.to(device, non_blocking=non_blocking)
 
         return PackedBatch(
-            move(self.input_ids), move(self.position_ids), move(self.targets), self.lengths, self.num_targets
+            move(self.input_ids),
+            move(self.position_ids),
+            move(self.targets),
+            self.lengths,
+            self.num_targets,
         )
 
 
@@ -76,11 +80,19 @@ def pack_batch(samples: Sequence[Sample]) -> PackedBatch:
         targets.extend(sample.labels[1:])
         targets.append(IGNORE_INDEX)
     num_targets = sum(1 for t in targets if t != IGNORE_INDEX)
-    row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)  # noqa: E731
-    return PackedBatch(row(input_ids), row(positions), row(targets), [len(s) for s in samples], num_targets)
+    row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)
+    return PackedBatch(
+        row(input_ids),
+        row(positions),
+        row(targets),
+        [len(s) for s in samples],
+        num_targets,
+    )
 
 
-def pack_indices(lengths: Sequence[int], order: Sequence[int], batch_tokens: int) -> list[list[int]]:
+def pack_indices(
+    lengths: Sequence[int], order: Sequence[int], batch_tokens: int
+) -> list[list[int]]:
     """Greedily group sample indices, in ``order``, into batches of at most ``batch_tokens`` tokens."""
     batches: list[list[int]] = []
     current: list[int] = []
@@ -88,7 +100,9 @@ def pack_indices(lengths: Sequence[int], order: Sequence[int], batch_tokens: int
     for i in order:
         n = lengths[i]
         if n > batch_tokens:
-            raise ValueError(f"sample {i} has {n} tokens, more than batch_tokens={batch_tokens}; truncate it first")
+            raise ValueError(
+                f"sample {i} has {n} tokens, more than batch_tokens={batch_tokens}; truncate it first"
+            )
         if current and used + n > batch_tokens:
             batches.append(current)
             current, used = [], 0
@@ -168,7 +182,9 @@ class BatchSchedule:
                 if index >= self.total_micro_batches:
                     return
                 if index >= start:
-                    yield MicroBatchRef(index, epoch + (j + 1) / len(batches), sample_indices)
+                    yield MicroBatchRef(
+                        index, epoch + (j + 1) / len(batches), sample_indices
+                    )
                 index += 1
             epoch += 1
 

@@ -40,7 +40,11 @@ _HEAD_DIM = 16
 
 def corpus_text() -> str:
     """The plain-English text the tokenizer is trained on (about 300 KB, shipped with the package)."""
-    return resources.files("trainer.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+    return (
+        resources.files("trainer.data")
+        .joinpath("corpus.txt")
+        .read_text(encoding="utf-8")
+    )
 
 
 def build_tokenizer(vocab_size: int = 512) -> Any:
@@ -50,11 +54,20 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     0..5 (pad, bos, eos, then the three role markers); ``bos`` is prepended by the post-processor
     like Llama's tokenizer does.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 300:
-        raise ValueError(f"vocab_size: must be >= 300 (256 bytes + special tokens + merges), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size: must be >= 300 (256 bytes + special tokens + merges), got {vocab_size}"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -80,23 +93,25 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     )
 
 
-def build_config(arch: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Any:
+def build_config(
+    arch: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int
+) -> Any:
     """A transformers config of ``arch`` at toy size (hidden 64, 2 layers, 4 heads, 2 KV heads)."""
     import transformers
 
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=_HIDDEN,
-        intermediate_size=2 * _HIDDEN,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        num_key_value_heads=_KV_HEADS,
-        max_position_embeddings=4096,
-        pad_token_id=pad_id,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        tie_word_embeddings=False,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": 2 * _HIDDEN,
+        "num_hidden_layers": _LAYERS,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": _KV_HEADS,
+        "max_position_embeddings": 4096,
+        "pad_token_id": pad_id,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": False,
+    }
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     if arch == "mistral":
@@ -107,7 +122,11 @@ def build_config(arch: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: i
         return transformers.GemmaConfig(**common, head_dim=_HEAD_DIM)
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            **common, head_dim=_HEAD_DIM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+            **common,
+            head_dim=_HEAD_DIM,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
         )
     if arch == "gpt_oss":
         # A sliding window shorter than the test samples, so packing is checked against it too.
@@ -123,14 +142,20 @@ def build_config(arch: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: i
     raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHITECTURES)}")
 
 
-def build_tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 512) -> tuple[Any, Any]:
+def build_tiny_model(
+    arch: str = "llama", seed: int = 0, vocab_size: int = 512
+) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)``: a random-weight ``arch`` causal LM (float32) and its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer(vocab_size)
     config = build_config(
-        arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+        arch,
+        len(tokenizer),
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
     )
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
@@ -139,7 +164,9 @@ def build_tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 512) 
     return model, tokenizer
 
 
-def make_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 512) -> Path:
+def make_tiny_model(
+    directory: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 512
+) -> Path:
     """Build a tiny model and save model + tokenizer to ``directory`` (created if missing)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

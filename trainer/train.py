@@ -84,8 +84,14 @@ def run(config: TrainConfig, emit: Emit, stop: StopFlag | None = None) -> RunRes
             result = _train(config, emit, stop, progress)
         except BaseException as exc:  # noqa: BLE001 - every failure must end as a done event
             traceback.print_exc(file=sys.stderr)
-            message = f"{type(exc).__name__}: {exc}" if error_code(exc) == "internal_error" else str(exc)
-            result = RunResult("failed", progress["step"], None, error_code(exc), message)
+            message = (
+                f"{type(exc).__name__}: {exc}"
+                if error_code(exc) == "internal_error"
+                else str(exc)
+            )
+            result = RunResult(
+                "failed", progress["step"], None, error_code(exc), message
+            )
     emit(
         "done",
         status=result.status,
@@ -97,18 +103,31 @@ def run(config: TrainConfig, emit: Emit, stop: StopFlag | None = None) -> RunRes
     return result
 
 
-def _train(config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, int]) -> RunResult:
+def _train(
+    config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, int]
+) -> RunResult:
     # ---- set-up -------------------------------------------------------------------------------
     _seed_everything(config.seed)
     hw = hardware.detect(config.device)
     plan = hardware.plan(hw, config.optimizations, config, model_facts(config))
     device = torch.device(hw.device)
 
-    emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")
+    emit(
+        "log",
+        level="info",
+        message=f"loading tokenizer and data for {config.model.name_or_path}",
+    )
     tokenizer = load_tokenizer(config)
-    train_samples = load_samples(config.data.train_path, tokenizer, config.data.format, config.data.max_seq_len)
+    train_samples = load_samples(
+        config.data.train_path, tokenizer, config.data.format, config.data.max_seq_len
+    )
     val_samples = (
-        load_samples(config.data.validation_path, tokenizer, config.data.format, config.data.max_seq_len)
+        load_samples(
+            config.data.validation_path,
+            tokenizer,
+            config.data.format,
+            config.data.max_seq_len,
+        )
         if config.data.validation_path
         else None
     )
@@ -121,7 +140,11 @@ def _train(config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, 
         epochs=config.optim.epochs,
     )
 
-    emit("log", level="info", message=f"loading model ({plan.dtype}, {plan.attention_backend} attention) on {hw.describe()}")
+    emit(
+        "log",
+        level="info",
+        message=f"loading model ({plan.dtype}, {plan.attention_backend} attention) on {hw.describe()}",
+    )
     model = prepare_for_training(load_model(config, plan, device), config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -131,14 +154,23 @@ def _train(config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, 
         fused=device.type == "cuda",
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(config.optim.lr_scheduler, config.optim.warmup_steps, schedule.total_steps)
+        optimizer,
+        _lr_lambda(
+            config.optim.lr_scheduler, config.optim.warmup_steps, schedule.total_steps
+        ),
     )
 
     state = checkpoint.TrainingState(step=0, data_position=0)
-    resumed_from = checkpoint.latest_checkpoint(config.output_dir) if config.resume else None
+    resumed_from = (
+        checkpoint.latest_checkpoint(config.output_dir) if config.resume else None
+    )
     if resumed_from is not None:
         state = checkpoint.load_checkpoint(resumed_from, model, optimizer, scheduler)
-        emit("log", level="info", message=f"resumed from {resumed_from} at step {state.step}")
+        emit(
+            "log",
+            level="info",
+            message=f"resumed from {resumed_from} at step {state.step}",
+        )
     progress["step"] = state.step
 
     total, n_trainable = count_parameters(model)
@@ -159,35 +191,62 @@ def _train(config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, 
     # ---- train --------------------------------------------------------------------------------
     flops = metrics.FlopCounter.for_model(model)
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and plan.dtype != "float32" else nullcontext()
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda" and plan.dtype != "float32"
+        else nullcontext()
     )
     last_checkpoint_step = state.step if resumed_from is not None else -1
     pending: _PendingStep | None = None
     for step, refs in schedule.steps(state.step):
-        pending_now = _train_step(model, optimizer, scheduler, train_samples, step, refs, device, autocast, config, flops)
+        pending_now = _train_step(
+            model,
+            optimizer,
+            scheduler,
+            train_samples,
+            step,
+            refs,
+            device,
+            autocast,
+            config,
+            flops,
+        )
         if pending is not None:
             emit("step", **pending.read(schedule.total_steps, hw.peak_flops))
         pending = pending_now
         state = checkpoint.TrainingState(step=step, data_position=refs[-1].index + 1)
         progress["step"] = step
         is_last = step == schedule.total_steps
-        if stop.is_set() or is_last or (config.checkpoint_every and step % config.checkpoint_every == 0):
+        if (
+            stop.is_set()
+            or is_last
+            or (config.checkpoint_every and step % config.checkpoint_every == 0)
+        ):
             emit("step", **pending.read(schedule.total_steps, hw.peak_flops))
             pending = None
-            _write_checkpoint(config, model, optimizer, scheduler, state, emit, final=is_last)
+            _write_checkpoint(
+                config, model, optimizer, scheduler, state, emit, final=is_last
+            )
             last_checkpoint_step = step
             if val_samples is not None and not stop.is_set():
                 _evaluate(model, val_samples, config, device, autocast, step, emit)
         if stop.is_set():
-            emit("log", level="warning", message=f"{stop.reason}: stopped after step {step}")
+            emit(
+                "log",
+                level="warning",
+                message=f"{stop.reason}: stopped after step {step}",
+            )
             return RunResult("cancelled", step)
 
     # ---- clean-up -----------------------------------------------------------------------------
     if pending is not None:
         emit("step", **pending.read(schedule.total_steps, hw.peak_flops))
-    if last_checkpoint_step != state.step:  # resumed from a finished run: nothing new was trained
+    if (
+        last_checkpoint_step != state.step
+    ):  # resumed from a finished run: nothing new was trained
         _write_checkpoint(config, model, optimizer, scheduler, state, emit, final=True)
-    export = Path(config.output_dir) / ("model" if config.method == "full" else "adapter")
+    export = Path(config.output_dir) / (
+        "model" if config.method == "full" else "adapter"
+    )
     checkpoint.export_weights(model, export)
     emit("log", level="info", message=f"saved trained weights to {export}")
     return RunResult("succeeded", state.step, str(export))
@@ -258,7 +317,11 @@ def _train_step(
         lengths.extend(batch.lengths)
     with timer.phase("optimizer"):
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        max_norm = config.optim.max_grad_norm if config.optim.max_grad_norm > 0 else float("inf")
+        max_norm = (
+            config.optim.max_grad_norm
+            if config.optim.max_grad_norm > 0
+            else float("inf")
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -295,10 +358,14 @@ def _evaluate(
     total, targets = 0.0, 0
     try:
         with torch.no_grad():
-            for indices in pack_indices([len(s) for s in samples], range(len(samples)), config.data.batch_tokens):
+            for indices in pack_indices(
+                [len(s) for s in samples], range(len(samples)), config.data.batch_tokens
+            ):
                 batch = pack_batch([samples[i] for i in indices]).to(device)
                 with autocast:
-                    total += loss_sum(packed_forward(model, batch), batch.targets).item()
+                    total += loss_sum(
+                        packed_forward(model, batch), batch.targets
+                    ).item()
                 targets += batch.num_targets
     finally:
         model.train()
@@ -314,7 +381,9 @@ def _write_checkpoint(
     emit: Emit,
     final: bool,
 ) -> None:
-    path, size = checkpoint.save_checkpoint(config.output_dir, model, optimizer, scheduler, state, final=final)
+    path, size = checkpoint.save_checkpoint(
+        config.output_dir, model, optimizer, scheduler, state, final=final
+    )
     emit("checkpoint", step=state.step, path=str(path), bytes=size, final=final)
 
 
@@ -346,8 +415,10 @@ def _stop_on_signals(stop: StopFlag) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handler = lambda signum, _frame: stop.set(f"received {signal.Signals(signum).name}")  # noqa: E731
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handler = lambda signum, _frame: stop.set(f"received {signal.Signals(signum).name}")
+    previous = {
+        sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         yield
     finally:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from anyio import to_thread
 from fastapi import APIRouter, Query, Request, status
 
-from api.deps import SessionDep, SettingsDep, StateDep
+from api.deps import SessionDep, StateDep
 from api.files.schemas import FileDeleted, FileList, FileOut
 from api.files.upload import receive_upload
 from core.errors import InvalidInput
@@ -81,6 +81,6 @@ def get_file(file_id: str, session: SessionDep) -> FileOut:
 
 
 @router.delete("/{file_id}", summary="Delete a dataset (409 while a queued or running job uses it)")
-def delete_file(file_id: str, session: SessionDep, settings: SettingsDep) -> FileDeleted:
+def delete_file(file_id: str, session: SessionDep) -> FileDeleted:
     row = service.delete_file(session, file_id)
     return FileDeleted(id=row.file_id)

@@ -58,7 +58,8 @@ class _Reader:
     def on_headers_finished(self) -> None:
         _, options = parse_options_header(self._disposition)
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
-        self._is_file = b"filename" in options
+        # `curl -F file=<data.jsonl` sends the file as a plain field: still the dataset.
+        self._is_file = b"filename" in options or self._name == "file"
         if self._is_file:
             if self._name != "file":
                 raise InvalidInput(
@@ -67,7 +68,7 @@ class _Reader:
                 )
             if self.form.filename is not None:
                 raise InvalidInput("file: send one file per upload", param="file")
-            self.form.filename = options[b"filename"].decode("utf-8", "replace")
+            self.form.filename = options.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         if self._is_file:

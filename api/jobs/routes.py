@@ -180,20 +180,22 @@ def download_checkpoint(
 def download_adapter(
     job_id: str, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
 ) -> FileResponse:
-    """The files are at the archive's root; 409 until the job has succeeded."""
+    """The files are at the archive's root; 409 until the job has succeeded. For method
+    ``full`` this is the whole fine-tuned model (``save_pretrained`` output)."""
     job = service.get_job(session, job_id)
     if job.status != JobStatus.succeeded.value:
         raise Conflict(
             f"job {job_id} is {job.status}; the adapter can be downloaded once it has succeeded", param="job_id"
         )
-    adapter = Path(job.output_dir or "") / "adapter"
+    export = "model" if job.method == "full" else "adapter"  # where trainer.train exports it
+    adapter = Path(job.output_dir or "") / export
     if not adapter.is_dir():
         final = [c for c in service.list_checkpoints(session, job_id) if c.final]
         if not final:
             raise NotFound(f"job {job_id} succeeded but its adapter is not on disk", param="job_id")
         adapter = Path(final[-1].path)
     session.close()
-    return _archive_response(state, adapter, format, f"{job_id}-adapter")
+    return _archive_response(state, adapter, format, f"{job_id}-{export}")
 
 
 def _archive_response(state: AppState, src: Path, fmt: artifacts.ArchiveFormat, stem: str) -> FileResponse:

@@ -35,7 +35,8 @@ def hardware(session: SessionDep, state: StateDep) -> HardwareList:
                 id=row.worker_id,
                 hostname=row.hostname,
                 device=row.device,
-                hardware=hw,
+                # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
+                hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
                 plan=hw.get("plan"),
                 current_job=row.current_job_id,
                 started_at=row.started_at,

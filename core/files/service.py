@@ -19,7 +19,7 @@ from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
-from core.errors import Conflict, InvalidInput, NotFound, TooLarge
+from core.errors import Conflict, InvalidDataset, InvalidInput, NotFound, TooLarge
 from core.files.models import File
 from core.files.validate import validate_dataset
 from core.jobs.models import Job
@@ -90,7 +90,11 @@ def store_upload(
     check_purpose(purpose)
     filename = _clean_filename(filename)
     sink.close()
-    summary = validate_dataset(sink.path)
+    try:
+        summary = validate_dataset(sink.path)
+    except InvalidDataset as exc:
+        exc.param = exc.param or "file"
+        raise
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
     os.replace(sink.path, final)

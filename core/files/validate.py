@@ -46,7 +46,9 @@ def validate_dataset(path: Path) -> DatasetSummary:
     with path.open("rb") as fh:
         for number, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b""), start=1):
             if len(raw) > MAX_LINE_BYTES:
-                raise InvalidDataset(f"line {number}: longer than {MAX_LINE_BYTES} bytes; split the record", line=number)
+                raise InvalidDataset(
+                    f"line {number}: longer than {MAX_LINE_BYTES} bytes; split the record", line=number
+                )
             record = _parse_line(raw, number)
             if record is None:
                 continue

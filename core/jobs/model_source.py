@@ -94,5 +94,6 @@ def _hub_offline() -> bool:
 def _in_hf_cache(repo_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo_id, "config.json")
+    # HF_HUB_CACHE is re-read here: huggingface_hub fixes its default when first imported.
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE"))
     return isinstance(found, str)

@@ -6,8 +6,8 @@ JSON (defaults filled in) and translated to ``trainer.config.TrainConfig`` by
 ``core.jobs.translate.to_train_config``.
 
 Length of training: set ``hyperparameters.max_steps`` or ``hyperparameters.epochs``, not
-both. With neither, the job runs one epoch (``epochs=1``), the least surprising default for
-a dataset of unknown size.
+both. With neither, ``epochs`` is filled in as 1 (one pass), the least surprising default for
+a dataset of unknown size; the stored spec shows it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Hyperparameters(_Strict):
     max_steps: Annotated[int | None, Field(ge=1, le=10_000_000, description="Optimizer steps to run.")] = None
     epochs: Annotated[
         float | None,
-        Field(gt=0, le=1000, description="Passes over the training set (fractions allowed). Default 1 when max_steps is unset."),
+        Field(gt=0, le=1000, description="Passes over the data (fractions allowed); 1 when max_steps is unset."),
     ] = None
     learning_rate: Annotated[float, Field(gt=0, le=1.0, description="Peak AdamW learning rate.")] = 2e-4
     lr_scheduler: Annotated[Scheduler, Field(description="Decay after warm-up.")] = "cosine"
@@ -80,6 +80,13 @@ class Hyperparameters(_Strict):
         float, Field(ge=0.0, le=1e6, description="Clip the global gradient norm; 0 disables clipping.")
     ] = 1.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_one_epoch(cls, raw: object) -> object:
+        if isinstance(raw, dict) and raw.get("max_steps") is None and raw.get("epochs") is None:
+            return {**raw, "epochs": 1.0}
+        return raw
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Hyperparameters:
         if self.max_steps is not None and self.epochs is not None:
@@ -94,13 +101,6 @@ class Hyperparameters(_Strict):
                 f"warmup_steps ({self.warmup_steps}) must be < max_steps ({self.max_steps})"
             )
         return self
-
-    @property
-    def resolved_epochs(self) -> float | None:
-        """``epochs`` as the trainer gets it: 1 when neither length is set."""
-        if self.max_steps is None and self.epochs is None:
-            return 1.0
-        return self.epochs
 
 
 class OptimizationSwitches(_Strict):

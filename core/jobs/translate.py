@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from core.errors import InvalidInput
+from core.jobs.spec import JobSpec
 from trainer.config import (
     DataConfig,
     LoraConfig,
@@ -17,9 +19,6 @@ from trainer.config import (
     Optimizations,
     TrainConfig,
 )
-
-from core.errors import InvalidInput
-from core.jobs.spec import JobSpec
 
 
 def to_train_config(
@@ -68,7 +67,7 @@ def to_train_config(
                 max_grad_norm=hp.max_grad_norm,
                 grad_accum=hp.grad_accum,
                 max_steps=hp.max_steps,
-                epochs=hp.resolved_epochs,
+                epochs=hp.epochs,
             ),
             lora=LoraConfig(
                 r=spec.lora.r,

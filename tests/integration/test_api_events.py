@@ -94,6 +94,19 @@ class TestResume:
         both = client.get(f"/v1/jobs/{job_id}/events", params={"after": 1}, headers={"Last-Event-ID": "3"})
         assert [int(e["id"]) for e in events_of(both.text)] == [4]
 
+    def test_finished_job_without_a_final_state_event_still_ends(self, client: TestClient, store) -> None:
+        import datetime as dt
+
+        from core.db import utcnow
+
+        job_id = make_job(client)
+        with store.sessions() as session:
+            service.transition(session, job_id, JobStatus.running)
+            service.transition(session, job_id, JobStatus.failed, finished_at=utcnow() - dt.timedelta(seconds=30))
+            session.commit()
+        events = events_of(client.get(f"/v1/jobs/{job_id}/events").text)
+        assert [(e["event"], e["data"]["status"]) for e in events] == [("state", "queued")]
+
     def test_bad_last_event_id_is_422(self, client: TestClient, store) -> None:
         job_id = make_job(client)
         response = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "abc"})
@@ -122,7 +135,9 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 
 class TestLive:
-    def test_polling_stream_delivers_new_events_in_order_and_ends(self, client: TestClient, store, settings: Settings) -> None:
+    def test_polling_stream_delivers_new_events_in_order_and_ends(
+        self, client: TestClient, store, settings: Settings
+    ) -> None:
         job_id = make_job(client)
         with serve(settings) as server:
             received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events", {"Last-Event-ID": "1"})
@@ -173,3 +188,36 @@ class TestLive:
         finally:
             publisher.close()
         assert [int(e["id"]) for e in received if "id" in e] == [1, 2, 3, 4]
+
+
+def test_a_waiting_stream_holds_no_store_connection(client: TestClient, store, settings: Settings) -> None:
+    import asyncio
+    import contextlib
+
+    from api.jobs.sse import event_stream
+    from api.state import AppState
+    from core.db import make_engine, make_sessionmaker
+
+    job_id = make_job(client)
+    engine = make_engine(store.url)
+    state = AppState(settings.model_copy(update={"sse_poll_interval_s": 2.0}), engine,
+                     make_sessionmaker(engine), celery=None, redis=None)  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[bytes], int]:
+        stream = event_stream(state, job_id, 0)
+        first = [await anext(stream), await anext(stream)]  # "retry:" and the queued state event
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.5)  # the store was re-read, now it waits for the next poll
+        held = engine.pool.checkedout()
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await stream.aclose()
+        return first, held
+
+    try:
+        first, held = asyncio.run(run())
+    finally:
+        engine.dispose()
+    assert first[1].startswith(b"id: 1\nevent: state\n")
+    assert held == 0

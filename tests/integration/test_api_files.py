@@ -58,7 +58,11 @@ class TestUpload:
             (b"not json\n", 1, "not valid JSON"),
             (lines({"text": "a"}) + b"[1, 2]\n", 2, "not an object"),
             (lines({"text": "a"}, {"prompt": "p", "completion": "c"}), 2, "line 1 is text"),
-            (lines(CHAT_RECORD, {"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}), 2, "no 'role'"),
+            (
+                lines(CHAT_RECORD, {"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}),
+                2,
+                "no 'role'",
+            ),
             (lines({"messages": [{"role": "user", "content": "only a question"}]}), 1, "no assistant message"),
             (lines({"prompt": "p"}), 1, "'completion' is missing"),
             (b'{"text": "ok"}\n\xff\xfe\n', 2, "not UTF-8"),
@@ -74,6 +78,7 @@ class TestUpload:
         assert response.status_code == 422, response.text
         error = response.json()["error"]
         assert error["code"] == "invalid_dataset"
+        assert error["param"] == "file"
         assert error["line"] == line
         assert fragment in error["message"]
         assert_nothing_kept(store, settings)
@@ -121,6 +126,25 @@ class TestUpload:
         assert response.status_code == 422
         assert response.json()["error"]["param"] == "purpose"
         assert_nothing_kept(store, settings)
+
+
+    def test_odd_multipart_bodies_are_refused_with_what_to_send(
+        self, client: TestClient, store, settings: Settings
+    ) -> None:
+        good = lines({"text": "a"})
+        two = client.post("/v1/files", files=[("file", ("a.jsonl", good)), ("file", ("b.jsonl", good))],
+                          data={"purpose": "train"})
+        assert two.status_code == 422 and "one file per upload" in two.json()["error"]["message"]
+        named = client.post("/v1/files", files={"dataset": ("a.jsonl", good)}, data={"purpose": "train"})
+        assert named.status_code == 422 and "'file' field" in named.json()["error"]["message"]
+        raw = client.post("/v1/files", content=good, headers={"content-type": "application/jsonl"})
+        assert raw.status_code == 422 and "multipart/form-data" in raw.json()["error"]["message"]
+        assert_nothing_kept(store, settings)
+
+    def test_file_sent_as_a_plain_field_is_still_the_dataset(self, client: TestClient, store) -> None:
+        response = client.post("/v1/files", files={"file": (None, '{"text": "a"}\n')}, data={"purpose": "train"})
+        assert response.status_code == 201, response.text
+        assert (response.json()["filename"], response.json()["num_records"]) == ("upload.jsonl", 1)
 
 
 class TestListAndDelete:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import zipfile
 import tarfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +86,18 @@ class TestCreate:
         file_id = upload(client)
         response = client.post("/v1/jobs", json={"model": "tiny", "training_file": file_id})
         assert response.status_code == 201, response.text
-        assert response.json()["spec"]["hyperparameters"]["epochs"] is None
+        assert response.json()["spec"]["hyperparameters"]["epochs"] == 1.0
         assert response.json()["progress"]["total_steps"] is None
 
     @pytest.mark.parametrize(
         ("change", "param", "fragment"),
         [
             ({"colour": "blue"}, "colour", "unknown field"),
-            ({"hyperparameters": {"max_steps": 3, "learning_rat": 0.1}}, "hyperparameters.learning_rat", "learning_rate"),
+            (
+                {"hyperparameters": {"max_steps": 3, "learning_rat": 0.1}},
+                "hyperparameters.learning_rat",
+                "learning_rate",
+            ),
             ({"hyperparameters": {"learning_rate": -1}}, "hyperparameters.learning_rate", "greater than 0"),
             ({"hyperparameters": {"max_steps": 0}}, "hyperparameters.max_steps", "greater than or equal to 1"),
             ({"hyperparameters": {"max_steps": 5, "epochs": 1}}, "hyperparameters", "not both"),
@@ -102,7 +106,11 @@ class TestCreate:
             ({"lora": {"dropout": 1.0}}, "lora.dropout", "less than 1"),
             ({"lora": {"target_modules": ["all-linear", "q_proj"]}}, "lora.target_modules", "alone"),
             ({"method": "dpo"}, "method", "'lora', 'qlora' or 'full'"),
-            ({"optimizations": {"moe_grouped_routing": "yes"}}, "optimizations.moe_grouped_routing", "'auto', 'on' or 'off'"),
+            (
+                {"optimizations": {"moe_grouped_routing": "yes"}},
+                "optimizations.moe_grouped_routing",
+                "'auto', 'on' or 'off'",
+            ),
             ({"checkpoint_every": -1}, "checkpoint_every", "greater than or equal to 0"),
             ({"training_file": "data.jsonl"}, "training_file", "POST /v1/files"),
             ({"model": 5}, "model", "valid string"),
@@ -143,7 +151,13 @@ class TestCreate:
         ],
     )
     def test_model_outside_root_or_missing_is_422(
-        self, client: TestClient, store, model_root: Path, monkeypatch: pytest.MonkeyPatch, model: str, fragment: str | None
+        self,
+        client: TestClient,
+        store,
+        model_root: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        model: str,
+        fragment: str | None,
     ) -> None:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setenv("HF_HUB_CACHE", str(model_root.parent / "hf-cache"))
@@ -174,7 +188,8 @@ class TestCreate:
         assert response.status_code == 422
         assert response.json()["error"] == {
             "code": "invalid_input",
-            "message": f"training_file: no file '{missing}'; upload it with POST /v1/files (purpose=train) and use its id",
+            "message": f"training_file: no file '{missing}'; upload it with POST /v1/files "
+            "(purpose=train) and use its id",
             "param": "training_file",
         }
         validation = upload(client, purpose="validation")
@@ -361,3 +376,16 @@ class TestMetricsAndArtifacts:
             assert zf.read("state.json") == b'{"step": 2}'
         missing = client.get(f"/v1/jobs/{job_id}/checkpoints/9/download")
         assert missing.status_code == 404 and "no checkpoint at step 9" in missing.json()["error"]["message"]
+
+
+def test_broker_down_after_commit_still_creates_the_queued_job(store, settings: Settings, caplog) -> None:
+    from api.app import create_app
+
+    dead = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
+    with TestClient(create_app(dead)) as c:
+        file_id = upload(c)
+        response = c.post("/v1/jobs", json=spec(file_id))
+    assert response.status_code == 201, response.text
+    assert response.json()["status"] == "queued"
+    assert count(store, Job) == 1
+    assert "not signalled to the workers" in caplog.text

@@ -55,7 +55,8 @@ def test_hardware_lists_workers_with_liveness(client: TestClient, store) -> None
         session.add_all(
             [
                 Worker(worker_id="w-gpu0", hostname="box", device="cuda:0",
-                       hardware={"device": "NVIDIA H200", "plan": [{"name": "packed_metadata_cache", "enabled": True}]},
+                       hardware={"hardware": {"device": "NVIDIA H200"},
+                                 "plan": [{"name": "packed_metadata_cache", "enabled": True}]},
                        current_job_id=None, started_at=now, heartbeat_at=now),
                 Worker(worker_id="w-gpu1", hostname="box", device="cuda:1", hardware={"device": "NVIDIA H200"},
                        current_job_id="job-x", started_at=now, heartbeat_at=now - dt.timedelta(minutes=10)),
@@ -68,6 +69,7 @@ def test_hardware_lists_workers_with_liveness(client: TestClient, store) -> None
         ("w-gpu1", "cuda:1", False, "job-x"),
     ]
     assert workers[0]["plan"] == [{"name": "packed_metadata_cache", "enabled": True}]
+    assert workers[0]["hardware"] == {"device": "NVIDIA H200"}
     assert workers[1]["plan"] is None
     assert workers[1]["heartbeat_age_s"] >= 599
 
@@ -83,3 +85,10 @@ def test_unknown_route_uses_the_error_envelope(client: TestClient, store) -> Non
     response = client.get("/v1/nothing")
     assert response.status_code == 404
     assert response.json() == {"error": {"code": "not_found", "message": "Not Found", "param": None}}
+
+
+def test_startup_refuses_a_store_nobody_migrated(tmp_path, settings: Settings) -> None:
+    blank = settings.model_copy(update={"database_url": f"sqlite:///{tmp_path / 'blank.db'}"})
+    with pytest.raises(RuntimeError, match=r"has no schema, this ftq expects revision .*run `ftq db upgrade`"):
+        with TestClient(create_app(blank)):
+            pass

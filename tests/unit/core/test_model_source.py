@@ -60,3 +60,19 @@ def test_symlink_escaping_the_root_is_refused(root: Path, tmp_path: Path) -> Non
     (root / "escape").symlink_to(tmp_path / "outside")
     with pytest.raises(InvalidInput, match="outside the model root"):
         resolve_model("escape", model_root=root)
+
+
+def test_offline_hub_id_is_found_in_a_real_cache_layout(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "hf-cache"
+    repo = cache / "models--org--cached"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert resolve_model("org/cached", model_root=root).kind == "hub"
+    with pytest.raises(InvalidInput, match="not in the local Hugging Face cache"):
+        resolve_model("org/other", model_root=root)

@@ -22,8 +22,9 @@ class TestJobSpec:
         stored = spec.to_stored()
         assert stored["method"] == "lora"
         assert stored["lora"] == {"r": 16, "alpha": 16, "dropout": 0.0, "target_modules": ["all-linear"]}
-        assert stored["hyperparameters"]["max_steps"] is None and stored["hyperparameters"]["epochs"] is None
-        assert spec.hyperparameters.resolved_epochs == 1.0
+        assert stored["hyperparameters"]["max_steps"] is None and stored["hyperparameters"]["epochs"] == 1.0
+        assert spec.hyperparameters.epochs == 1.0
+        assert JobSpec(model="org/m", training_file=FILE, hyperparameters={"epochs": None}).hyperparameters.epochs == 1
         assert stored["optimizations"] == {
             "packed_metadata_cache": "auto", "double_buffered_reload": "auto", "moe_grouped_routing": "auto"
         }
@@ -38,9 +39,9 @@ class TestJobSpec:
         [(loc, msg)] = errors(hyperparameters={"max_steps": 10, "epochs": 2})
         assert loc == "hyperparameters" and "set max_steps or epochs, not both" in msg
         spec = JobSpec(model="org/m", training_file=FILE, hyperparameters={"epochs": 0.5})
-        assert spec.hyperparameters.resolved_epochs == 0.5
+        assert spec.hyperparameters.epochs == 0.5
         spec = JobSpec(model="org/m", training_file=FILE, hyperparameters={"max_steps": 7})
-        assert spec.hyperparameters.resolved_epochs is None
+        assert spec.hyperparameters.epochs is None
 
     @pytest.mark.parametrize(
         ("hp", "loc"),

@@ -30,13 +30,17 @@ class TestBuildPackedMetadata:
         mask = build_packed_metadata([3, 2, 4], "cpu").dense_mask(None, CPU)[0, 0]
         expected = torch.zeros(9, 9, dtype=torch.bool)
         for start, n in ((0, 3), (3, 2), (5, 4)):
-            expected[start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            expected[start : start + n, start : start + n] = torch.ones(
+                n, n, dtype=torch.bool
+            ).tril()
         assert torch.equal(mask, expected)
 
     def test_window_limits_each_query_to_window_tokens_including_itself(self) -> None:
         mask = build_packed_metadata([5], "cpu").dense_mask(2, CPU)[0, 0]
         # transformers' sliding_window=2: token i sees i-1 and i
-        expected = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(5, 5, dtype=torch.bool).tril(-2)
+        expected = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(
+            5, 5, dtype=torch.bool
+        ).tril(-2)
         assert torch.equal(mask, expected)
         assert mask.sum().item() == 9
 
@@ -50,14 +54,23 @@ class TestBuildPackedMetadata:
         meta = build_packed_metadata([2, 3], "cpu")
         kwargs = meta.model_kwargs()
         assert set(kwargs) == {"position_ids", "packed_metadata"}
-        assert kwargs["packed_metadata"] is meta and kwargs["position_ids"] is meta.position_ids
+        assert (
+            kwargs["packed_metadata"] is meta
+            and kwargs["position_ids"] is meta.position_ids
+        )
 
     @pytest.mark.parametrize(
-        ("lengths", "message"),
-        [([], "empty"), ([3, 0, 2], ">= 1"), (torch.tensor([3, 2]), "host-side Python ints")],
+        ("lengths", "error", "message"),
+        [
+            ([], ValueError, "empty"),
+            ([3, 0, 2], ValueError, ">= 1"),
+            (torch.tensor([3, 2]), TypeError, "host-side Python ints"),
+        ],
     )
-    def test_bad_lengths_are_refused_with_the_fix(self, lengths, message) -> None:
-        with pytest.raises(ValueError, match=message):
+    def test_bad_lengths_are_refused_with_the_fix(
+        self, lengths, error, message
+    ) -> None:
+        with pytest.raises(error, match=message):
             build_packed_metadata(lengths, "cpu")
 
     def test_unknown_backend_is_refused(self) -> None:
@@ -91,7 +104,9 @@ class TestCache:
         meta = build_packed_metadata([70, 30, 100, 56], "cpu")
         for window in (None, 40):
             block = meta.block_mask(window, CPU)
-            dense = block.to_dense()  # block granularity: True for every block with any allowed entry
+            dense = (
+                block.to_dense()
+            )  # block granularity: True for every block with any allowed entry
             q_blocks, k_blocks = dense.shape[-2:]
             size = block.BLOCK_SIZE[0]
             exact = meta.dense_mask(window, CPU)[0, 0]

@@ -12,7 +12,13 @@ from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 
 
 def _config(**kw: object) -> TrainConfig:
-    return TrainConfig(model=ModelConfig("m"), data=DataConfig("t.jsonl"), optim=OptimConfig(max_steps=3), output_dir="o", **kw)
+    return TrainConfig(
+        model=ModelConfig("m"),
+        data=DataConfig("t.jsonl"),
+        optim=OptimConfig(max_steps=3),
+        output_dir="o",
+        **kw,
+    )
 
 
 class TestTrainConfig:
@@ -32,7 +38,9 @@ class TestTrainConfig:
             OptimConfig(max_steps=3, epochs=1.0)
 
     def test_batch_tokens_below_max_seq_len_is_refused(self):
-        with pytest.raises(ValueError, match=r"data\.batch_tokens \(64\) must be >= data\.max_seq_len"):
+        with pytest.raises(
+            ValueError, match=r"data\.batch_tokens \(64\) must be >= data\.max_seq_len"
+        ):
             DataConfig("t.jsonl", max_seq_len=128, batch_tokens=64)
 
     def test_importing_config_and_events_loads_no_torch(self):

@@ -23,14 +23,22 @@ class TestChat:
             {"role": "assistant", "content": "Also a number."},
         ]
         sample = tokenize_record({"messages": messages}, "chat", tiny_tokenizer)
-        assert _labelled_text(tiny_tokenizer, sample) == "A number.<|eos|>\nAlso a number.<|eos|>\n"
+        assert (
+            _labelled_text(tiny_tokenizer, sample)
+            == "A number.<|eos|>\nAlso a number.<|eos|>\n"
+        )
         full = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
         assert tiny_tokenizer.decode(sample.input_ids) == full
         assert sample.labels[0] == IGNORE_INDEX  # bos
 
     def test_user_tokens_are_masked(self, tiny_tokenizer):
         sample = tokenize_record(
-            {"messages": [{"role": "user", "content": "secret prompt"}, {"role": "assistant", "content": "ok"}]},
+            {
+                "messages": [
+                    {"role": "user", "content": "secret prompt"},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            },
             "chat",
             tiny_tokenizer,
         )
@@ -40,7 +48,11 @@ class TestChat:
 
 class TestPromptCompletionAndText:
     def test_prompt_completion_learns_the_completion_and_eos_only(self, tiny_tokenizer):
-        sample = tokenize_record({"prompt": "The sky is", "completion": " blue."}, "prompt_completion", tiny_tokenizer)
+        sample = tokenize_record(
+            {"prompt": "The sky is", "completion": " blue."},
+            "prompt_completion",
+            tiny_tokenizer,
+        )
         assert _labelled_text(tiny_tokenizer, sample) == " blue.<|eos|>"
         assert sample.input_ids[0] == tiny_tokenizer.bos_token_id
 
@@ -52,9 +64,11 @@ class TestPromptCompletionAndText:
 
 class TestLoadSamples:
     def test_auto_detects_format_and_truncates(self, tmp_path, tiny_tokenizer):
-        path = write_jsonl(tmp_path / "d.jsonl", [{"text": "word " * 100}, {"text": "short"}])
+        path = write_jsonl(
+            tmp_path / "d.jsonl", [{"text": "word " * 100}, {"text": "short"}]
+        )
         samples = load_samples(path, tiny_tokenizer, "auto", max_seq_len=16)
-        assert [len(s) for s in samples][0] == 16 and len(samples[1]) < 16
+        assert len(samples[0]) == 16 and len(samples[1]) < 16
 
     def test_bad_json_line_is_named(self, tmp_path, tiny_tokenizer):
         path = tmp_path / "d.jsonl"
@@ -63,17 +77,28 @@ class TestLoadSamples:
             load_samples(path, tiny_tokenizer)
 
     def test_mixed_formats_name_the_line(self, tmp_path, tiny_tokenizer):
-        path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"prompt": "p", "completion": "c"}])
-        with pytest.raises(DatasetError, match=r"line 2: expected a text record, found prompt_completion"):
+        path = write_jsonl(
+            tmp_path / "d.jsonl", [{"text": "a"}, {"prompt": "p", "completion": "c"}]
+        )
+        with pytest.raises(
+            DatasetError,
+            match=r"line 2: expected a text record, found prompt_completion",
+        ):
             load_samples(path, tiny_tokenizer)
 
     def test_chat_without_assistant_is_refused(self, tmp_path, tiny_tokenizer):
-        path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+        path = write_jsonl(
+            tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]
+        )
         with pytest.raises(DatasetError, match="line 1: no assistant message"):
             load_samples(path, tiny_tokenizer)
 
-    def test_prompt_longer_than_max_seq_len_everywhere_is_an_error(self, tmp_path, tiny_tokenizer):
-        path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "word " * 50, "completion": "x"}])
+    def test_prompt_longer_than_max_seq_len_everywhere_is_an_error(
+        self, tmp_path, tiny_tokenizer
+    ):
+        path = write_jsonl(
+            tmp_path / "d.jsonl", [{"prompt": "word " * 50, "completion": "x"}]
+        )
         with pytest.raises(DatasetError, match="raise data.max_seq_len"):
             load_samples(path, tiny_tokenizer, max_seq_len=8)
 

@@ -14,12 +14,20 @@ from trainer.model import loss_sum, packed_forward
 from trainer.packing import pack_batch
 from trainer.tiny import build_tiny_model
 
-LENGTHS = (13, 7, 20, 5)  # longer than GPT-OSS's tiny sliding window (8), so both mask kinds are checked
+LENGTHS = (
+    13,
+    7,
+    20,
+    5,
+)  # longer than GPT-OSS's tiny sliding window (8), so both mask kinds are checked
 
 
 def _samples(seed: int = 0) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
-    return [Sample(ids, ids) for ids in (torch.randint(6, 512, (n,), generator=g).tolist() for n in LENGTHS)]
+    return [
+        Sample(ids, ids)
+        for ids in (torch.randint(6, 512, (n,), generator=g).tolist() for n in LENGTHS)
+    ]
 
 
 def _packed_and_separate(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,8 +41,16 @@ def _packed_and_separate(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, total / count
 
 
-CASES = [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("qwen3", "eager"), ("gpt_oss", "eager"),
-         ("mistral", "sdpa"), ("gemma", "sdpa"), ("qwen3_moe", "sdpa")]
+CASES = [
+    ("llama", "sdpa"),
+    ("llama", "eager"),
+    ("qwen3", "sdpa"),
+    ("qwen3", "eager"),
+    ("gpt_oss", "eager"),
+    ("mistral", "sdpa"),
+    ("gemma", "sdpa"),
+    ("qwen3_moe", "sdpa"),
+]
 
 
 class TestPackedEqualsPerSample:
@@ -80,7 +96,11 @@ class TestAllOnesMask:
     def test_packed_forward_refuses_a_mask_or_cache(self):
         model, _ = build_tiny_model("llama", seed=1)
         batch = pack_batch(_samples())
-        with pytest.raises(ValueError, match="attention_mask must not be passed with packed rows"):
-            packed_forward(model, batch, attention_mask=torch.ones_like(batch.input_ids))
+        with pytest.raises(
+            ValueError, match="attention_mask must not be passed with packed rows"
+        ):
+            packed_forward(
+                model, batch, attention_mask=torch.ones_like(batch.input_ids)
+            )
         with pytest.raises(ValueError, match="past_key_values"):
             packed_forward(model, batch, past_key_values=None)

@@ -16,7 +16,9 @@ def _sample(ids: list[int], labels: list[int] | None = None) -> Sample:
 
 class TestPackBatch:
     def test_positions_restart_and_targets_never_cross_samples(self):
-        batch = pack_batch([_sample([10, 11, 12]), _sample([20, 21]), _sample([30, 31, 32, 33])])
+        batch = pack_batch(
+            [_sample([10, 11, 12]), _sample([20, 21]), _sample([30, 31, 32, 33])]
+        )
         assert batch.input_ids.tolist() == [[10, 11, 12, 20, 21, 30, 31, 32, 33]]
         assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
         assert batch.targets.tolist() == [[11, 12, X, 21, X, 31, 32, 33, X]]
@@ -32,7 +34,11 @@ class TestPackBatch:
 
 class TestSchedule:
     def test_greedy_packing_respects_the_budget(self):
-        assert pack_indices([3, 2, 4, 5], [0, 1, 2, 3], batch_tokens=6) == [[0, 1], [2], [3]]
+        assert pack_indices([3, 2, 4, 5], [0, 1, 2, 3], batch_tokens=6) == [
+            [0, 1],
+            [2],
+            [3],
+        ]
         with pytest.raises(ValueError, match="more than batch_tokens"):
             pack_indices([7], [0], batch_tokens=6)
 
@@ -40,7 +46,9 @@ class TestSchedule:
         lengths = [5, 3, 8, 2, 7, 4, 6, 1] * 4
         a = BatchSchedule(lengths, 16, seed=3, epochs=2)
         b = BatchSchedule(lengths, 16, seed=3, epochs=2)
-        assert [r.sample_indices for r in a.micro_batches()] == [r.sample_indices for r in b.micro_batches()]
+        assert [r.sample_indices for r in a.micro_batches()] == [
+            r.sample_indices for r in b.micro_batches()
+        ]
         assert a.epoch_batches(0) != a.epoch_batches(1)
         every = sorted(i for batch in a.epoch_batches(1) for i in batch)
         assert every == list(range(len(lengths)))
@@ -51,11 +59,19 @@ class TestSchedule:
         assert schedule.total_micro_batches == 3 + 2
         assert schedule.total_steps == 3
         steps = list(schedule.steps())
-        assert [s for s, _ in steps] == [1, 2, 3] and [len(g) for _, g in steps] == [2, 2, 1]
+        assert [s for s, _ in steps] == [1, 2, 3] and [len(g) for _, g in steps] == [
+            2,
+            2,
+            1,
+        ]
         assert steps[-1][1][-1].epoch == pytest.approx(1 + 2 / 3)
 
     def test_resuming_replays_the_remaining_steps(self):
-        schedule = BatchSchedule([3, 5, 2, 6, 4, 1] * 3, 8, seed=1, grad_accum=2, max_steps=7)
+        schedule = BatchSchedule(
+            [3, 5, 2, 6, 4, 1] * 3, 8, seed=1, grad_accum=2, max_steps=7
+        )
         full = [(s, [r.sample_indices for r in g]) for s, g in schedule.steps()]
-        resumed = [(s, [r.sample_indices for r in g]) for s, g in schedule.steps(start_step=4)]
+        resumed = [
+            (s, [r.sample_indices for r in g]) for s, g in schedule.steps(start_step=4)
+        ]
         assert len(full) == 7 and resumed == full[4:]

@@ -22,7 +22,10 @@ def repetitive_chat(n: int = 40) -> list[dict]:
         {
             "messages": [
                 {"role": "user", "content": f"What is {i % 5} plus one?"},
-                {"role": "assistant", "content": f"The answer is {i % 5 + 1}. The model trains."},
+                {
+                    "role": "assistant",
+                    "content": f"The answer is {i % 5 + 1}. The model trains.",
+                },
             ]
         }
         for i in range(n)
@@ -31,26 +34,40 @@ def repetitive_chat(n: int = 40) -> list[dict]:
 
 def make_job(tmp_path: Path, model_dir: Path, **overrides: object):
     """A TrainConfig for a short CPU run on the repetitive chat set; ``overrides`` replace top-level fields."""
-    from trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+    from trainer.config import (
+        DataConfig,
+        LoraConfig,
+        ModelConfig,
+        OptimConfig,
+        TrainConfig,
+    )
 
     train = write_jsonl(tmp_path / "train.jsonl", repetitive_chat())
-    fields: dict[str, object] = dict(
-        model=ModelConfig(str(model_dir)),
-        data=DataConfig(str(train), max_seq_len=64, batch_tokens=256),
-        optim=OptimConfig(max_steps=30, learning_rate=1e-2, warmup_steps=2),
-        lora=LoraConfig(r=8, alpha=16),
-        output_dir=str(tmp_path / "out"),
-        gradient_checkpointing=False,
-    )
+    fields: dict[str, object] = {
+        "model": ModelConfig(str(model_dir)),
+        "data": DataConfig(str(train), max_seq_len=64, batch_tokens=256),
+        "optim": OptimConfig(max_steps=30, learning_rate=1e-2, warmup_steps=2),
+        "lora": LoraConfig(r=8, alpha=16),
+        "output_dir": str(tmp_path / "out"),
+        "gradient_checkpointing": False,
+    }
     fields.update(overrides)
     return TrainConfig(**fields)  # type: ignore[arg-type]
 
 
-def run_cli(*args: str, timeout: float = 120, **popen: object) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 120, **popen: object
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, **popen,
+        cwd=REPO_ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
     )
 
 

@@ -1,0 +1,66 @@
+// The dashboard's entry point: hash routing between the four views.
+//
+//   #/jobs[?status=running]   jobs list            (view-jobs.js)
+//   #/jobs/<id>               one job, live        (view-job.js)
+//   #/new                     submit a job         (view-new.js)
+//   #/gpus                    workers and queue    (view-gpus.js)
+//
+// A view is `render(main, params, query) -> cleanup`; the cleanup stops its
+// timers and streams when the route changes.
+
+import { renderJobs } from "./view-jobs.js";
+import { renderJob } from "./view-job.js";
+import { renderNew } from "./view-new.js";
+import { renderGpus } from "./view-gpus.js";
+import { h, clear } from "./dom.js";
+
+const ROUTES = [
+  { pattern: /^\/jobs\/?$/, nav: "jobs", title: "Jobs", render: renderJobs },
+  { pattern: /^\/jobs\/([^/]+)$/, nav: "jobs", title: "Job", render: renderJob },
+  { pattern: /^\/new\/?$/, nav: "new", title: "New job", render: renderNew },
+  { pattern: /^\/gpus\/?$/, nav: "gpus", title: "GPUs", render: renderGpus },
+];
+
+let cleanup = null;
+
+/** Split "#/jobs?status=running" into ["/jobs", URLSearchParams]. */
+export function parseHash(hash) {
+  const raw = hash.replace(/^#/, "") || "/jobs";
+  const [path, query = ""] = raw.split("?", 2);
+  return [path.startsWith("/") ? path : `/${path}`, new URLSearchParams(query)];
+}
+
+function route() {
+  const main = document.getElementById("main");
+  if (cleanup) {
+    try {
+      cleanup();
+    } catch (err) {
+      console.error("view cleanup failed", err);
+    }
+    cleanup = null;
+  }
+  const [path, query] = parseHash(window.location.hash);
+  for (const r of ROUTES) {
+    const match = path.match(r.pattern);
+    if (!match) continue;
+    document.querySelectorAll("[data-nav]").forEach((a) => {
+      if (a.dataset.nav === r.nav) a.setAttribute("aria-current", "page");
+      else a.removeAttribute("aria-current");
+    });
+    document.title = `${r.title} · ftq`;
+    clear(main);
+    const params = match.slice(1).map(decodeURIComponent);
+    cleanup = r.render(main, params, query) || null;
+    return;
+  }
+  clear(
+    main,
+    h("h1", { text: "Page not found" }),
+    h("p", {}, `Nothing lives at #${path}. `, h("a", { href: "#/jobs", text: "Go to the jobs list" }), "."),
+  );
+}
+
+window.addEventListener("hashchange", route);
+if (!window.location.hash) history.replaceState(null, "", "#/jobs");
+route();

@@ -1,0 +1,473 @@
+// One job, live: status and progress, charts of loss / tokens/s / step time /
+// memory, the trainer's hardware plan, checkpoints, events and log, cancel.
+//
+// No point lost, none drawn twice: on load the charts get the job's whole
+// history from /metrics (paged), then the event stream is attached. The
+// stream replays the job's events from the start (needed for the event and
+// log list) and the charts skip any step already drawn; after that,
+// EventSource reconnects on its own with Last-Event-ID, so a dropped
+// connection resumes exactly after the last event received. The stream is
+// closed on the job's final state event (otherwise EventSource would reconnect
+// to a finished stream forever).
+
+import { api, eventsUrl } from "./api.js";
+import { Chart } from "./charts.js";
+import {
+  h,
+  clear,
+  fmtBytes,
+  fmtCompact,
+  fmtDuration,
+  fmtMs,
+  fmtNumber,
+  fmtTime,
+  progressBar,
+  parseTime,
+  statusBadge,
+  errorBox,
+  jobTitle,
+  FINISHED,
+} from "./dom.js";
+
+const MAX_EVENTS = 300;
+const METRICS_PAGE = 1000;
+const COLORS = {
+  loss: "#2563eb",
+  eval: "#dc2626",
+  rate: "#059669",
+  data: "#94a3b8",
+  forward: "#2563eb",
+  backward: "#7c3aed",
+  optimizer: "#f59e0b",
+  other: "#cbd5e1",
+  allocated: "#2563eb",
+  reserved: "#7c3aed",
+  peak: "#dc2626",
+  rss: "#059669",
+};
+
+export function renderJob(main, [jobId]) {
+  const id = encodeURIComponent(jobId);
+  const controller = new AbortController();
+  const signal = controller.signal;
+  let job = null;
+  let lastStep = -1;
+  let stream = null;
+  let stopped = false;
+  let refetchTimer = 0;
+  const recent = []; // the last step rows, for the ETA and the summary
+
+  const charts = {
+    loss: new Chart({
+      title: "Loss",
+      testid: "chart-loss",
+      zero: false,
+      format: (v) => fmtNumber(v, 4),
+      series: [
+        { key: "loss", label: "train", color: COLORS.loss },
+        { key: "eval_loss", label: "eval", color: COLORS.eval, dots: true },
+      ],
+    }),
+    rate: new Chart({
+      title: "Throughput (tokens/s)",
+      testid: "chart-tokens",
+      format: (v) => fmtCompact(v),
+      series: [{ key: "tokens_per_s", label: "tokens/s", color: COLORS.rate }],
+    }),
+    time: new Chart({
+      title: "Step time split",
+      testid: "chart-step-time",
+      stacked: true,
+      format: (v) => fmtMs(v),
+      series: [
+        { key: "data_ms", label: "data", color: COLORS.data },
+        { key: "forward_ms", label: "forward", color: COLORS.forward },
+        { key: "backward_ms", label: "backward", color: COLORS.backward },
+        { key: "optimizer_ms", label: "optimizer", color: COLORS.optimizer },
+        { key: "other_ms", label: "other", color: COLORS.other },
+      ],
+    }),
+    memory: new Chart({
+      title: "Memory",
+      testid: "chart-memory",
+      format: (v) => fmtBytes(v),
+      binary: true,
+      series: [
+        { key: "gpu_mem_allocated", label: "allocated", color: COLORS.allocated },
+        { key: "gpu_mem_reserved", label: "reserved", color: COLORS.reserved },
+        { key: "gpu_mem_peak", label: "peak", color: COLORS.peak },
+        { key: "host_rss", label: "host RSS", color: COLORS.rss },
+      ],
+    }),
+  };
+
+  // --- Skeleton -------------------------------------------------------------------------
+  const title = h("h1", { "data-testid": "job-title", text: jobId });
+  const badge = h("span", { class: "status-slot" });
+  const live = h("span", { class: "live", "data-testid": "live-state", role: "status" });
+  const meta = h("dl", { class: "meta", "data-testid": "job-meta" });
+  const errorSlot = h("div");
+  const actions = h("div", { class: "actions", "data-testid": "job-actions" });
+  const progress = h("div", { class: "progress-area", "data-testid": "job-progress" });
+  const summary = h("dl", { class: "summary", "data-testid": "job-summary" });
+  const plan = h("div", { "data-testid": "plan" }, h("p", { class: "muted", text: "The trainer reports its plan when the job starts." }));
+  const checkpoints = h("div", { "data-testid": "checkpoints" });
+  const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
+  const spec = h("pre", { class: "spec", "data-testid": "job-spec" });
+  const problem = h("div");
+
+  clear(
+    main,
+    h("p", { class: "crumbs" }, h("a", { href: "#/jobs", text: "← Jobs" })),
+    h("div", { class: "view-head" }, h("div", { class: "title-line" }, title, badge, live), actions),
+    problem,
+    errorSlot,
+    meta,
+    progress,
+    summary,
+    h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element)),
+    h("div", { class: "columns" },
+      h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
+      h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
+    ),
+    h("section", { "aria-labelledby": "events-h" }, h("h2", { id: "events-h", text: "Events and log" }), h("div", { class: "events-wrap" }, eventList)),
+    h("details", { class: "spec-wrap" }, h("summary", { text: "Job spec (as submitted, defaults filled in)" }), spec),
+  );
+
+  // --- Rendering --------------------------------------------------------------------------
+  function renderJobInfo() {
+    title.textContent = jobTitle(job);
+    const cancelling = job.cancel_requested && job.status === "running";
+    clear(badge, statusBadge(job.status, cancelling ? " (cancelling)" : ""));
+    main.dataset.status = job.status;
+    const rows = [
+      ["Job id", h("span", { class: "mono", text: job.id })],
+      ["Model", h("span", { class: "mono", text: job.model })],
+      ["Method", job.method],
+      ["Training file", h("span", { class: "mono", text: job.training_file })],
+      ["Worker", job.worker || "–"],
+      ["Created", fmtTime(job.created_at)],
+      ["Started", fmtTime(job.started_at)],
+      ["Finished", fmtTime(job.finished_at)],
+      ["Run time", job.started_at ? fmtDuration(((job.finished_at ? parseTime(job.finished_at) : Date.now()) - parseTime(job.started_at)) / 1000) : "–"],
+    ];
+    if (job.attempts > 1) rows.push(["Attempts", String(job.attempts)]);
+    clear(meta, rows.map(([k, v]) => h("div", {}, h("dt", { text: k }), h("dd", {}, v))));
+    clear(errorSlot, job.error
+      ? h("div", { class: "error-box", role: "alert", "data-testid": "job-error" }, h("strong", { text: job.error.code }), job.error.message ? `: ${job.error.message}` : "")
+      : null);
+    spec.textContent = JSON.stringify(job.spec, null, 2);
+    if (job.plan) renderPlan(job.plan);
+    renderActions();
+    renderProgress();
+  }
+
+  function renderProgress() {
+    const step = Math.max(job.progress.step, lastStep, 0);
+    const total = job.progress.total_steps;
+    const last = recent[recent.length - 1];
+    let eta = null;
+    if (job.status === "running" && total && recent.length) {
+      const ms = recent.reduce((a, r) => a + (r.step_ms || 0), 0) / recent.length;
+      eta = ((total - step) * ms) / 1000;
+    }
+    clear(progress, progressBar(step, total), eta !== null ? h("span", { class: "muted", text: `about ${fmtDuration(eta)} left` }) : null);
+    const items = [
+      ["Loss", last ? fmtNumber(last.loss, 4) : "–"],
+      ["Tokens/s", last ? fmtCompact(last.tokens_per_s) : "–"],
+      ["Step time", last ? fmtMs(last.step_ms) : "–"],
+      ["Learning rate", last ? fmtNumber(last.lr, 3) : "–"],
+      ["Grad norm", last ? fmtNumber(last.grad_norm, 3) : "–"],
+      ["MFU", last && last.mfu !== null && last.mfu !== undefined ? `${(100 * last.mfu).toFixed(1)}%` : "–"],
+    ];
+    clear(summary, items.map(([k, v]) => h("div", {}, h("dt", { text: k }), h("dd", { "data-testid": `summary-${k.toLowerCase().replace(/[^a-z]+/g, "-")}`, text: v }))));
+  }
+
+  function renderActions() {
+    const nodes = [];
+    if (job.status === "succeeded") {
+      nodes.push(h("a", { class: "button", href: `/v1/jobs/${id}/adapter`, download: "", "data-testid": "download-adapter", text: "Download adapter (.zip)" }));
+    }
+    if (!FINISHED.has(job.status)) {
+      const confirmBox = h(
+        "div",
+        { class: "confirm", hidden: true, role: "group", "aria-label": "Confirm cancel" },
+        h("span", { text: job.status === "running" ? "Stop this job? It writes a checkpoint, then exits." : "Remove this job from the queue?" }),
+        h("button", { type: "button", class: "danger", "data-testid": "confirm-cancel", on: { click: doCancel }, text: "Yes, cancel it" }),
+        h("button", { type: "button", class: "secondary", on: { click: () => { confirmBox.hidden = true; cancelBtn.hidden = false; cancelBtn.focus(); } }, text: "Keep it" }),
+      );
+      const cancelBtn = h("button", {
+        type: "button",
+        class: "danger",
+        "data-testid": "cancel-job",
+        disabled: job.cancel_requested,
+        text: job.cancel_requested ? "Cancelling…" : "Cancel job",
+        on: { click: () => { cancelBtn.hidden = true; confirmBox.hidden = false; confirmBox.querySelector("button").focus(); } },
+      });
+      nodes.push(cancelBtn, confirmBox);
+    }
+    clear(actions, nodes);
+  }
+
+  async function doCancel() {
+    try {
+      job = await api(`/v1/jobs/${id}/cancel`, { method: "POST", signal });
+      renderJobInfo();
+    } catch (err) {
+      if (err.name !== "AbortError") clear(problem, errorBox(err, "cancel-error"));
+    }
+  }
+
+  function renderPlan(p) {
+    const hw = p.hardware || {};
+    const requested = job?.spec?.optimizations || {};
+    const decisions = [...(p.decisions || [])];
+    if (p.attention_backend) decisions.push({ name: "attention", enabled: true, backend: p.attention_backend, reason: p.attention_reason || "" });
+    if (p.loss_kernel) decisions.push({ name: "loss", enabled: true, backend: p.loss_kernel, reason: p.loss_reason || "" });
+    const model = p.model || {};
+    const facts = [
+      ["Device", `${hw.name || p.device || "?"} (${hw.device || p.device || "?"}${hw.capability ? `, sm${hw.capability.join("")}` : ""})`],
+      ["GPU memory", hw.gpu_memory ? fmtBytes(hw.gpu_memory) : "– (CPU)"],
+      ["Compute dtype", p.dtype || "–"],
+      ["Parameters", model.params ? `${fmtCompact(model.params)} (${fmtCompact(model.trainable_params)} trainable, ${(100 * model.trainable_params / model.params).toFixed(2)}%)` : "–"],
+      ["Layers", model.layers ?? "–"],
+      ["Torch", `${hw.torch_version || "?"}${hw.cuda_version ? ` / CUDA ${hw.cuda_version}` : ""}`],
+    ];
+    if (p.resumed_from_step !== null && p.resumed_from_step !== undefined) facts.push(["Resumed from", `step ${p.resumed_from_step}`]);
+    clear(
+      plan,
+      h("dl", { class: "meta compact" }, facts.map(([k, v]) => h("div", {}, h("dt", { text: k }), h("dd", { text: String(v) })))),
+      h(
+        "table",
+        { class: "plan", "data-testid": "plan-table" },
+        h("thead", {}, h("tr", {}, ["Optimization", "Requested", "Enabled", "Backend", "Reason"].map((t) => h("th", { scope: "col", text: t })))),
+        h(
+          "tbody",
+          {},
+          decisions.map((d) =>
+            h(
+              "tr",
+              { "data-testid": "plan-row", "data-name": d.name, "data-enabled": String(Boolean(d.enabled)) },
+              h("th", { scope: "row", class: "mono", text: d.name }),
+              h("td", { text: requested[d.name] || "–" }),
+              h("td", {}, h("span", { class: `pill ${d.enabled ? "on" : "off"}`, text: d.enabled ? "on" : "off" })),
+              h("td", { class: "mono", text: d.backend || "–" }),
+              h("td", { text: d.reason || "" }),
+            ),
+          ),
+        ),
+      ),
+    );
+    updateMemoryCapacity();
+  }
+
+  function updateMemoryCapacity() {
+    const capacity = job?.plan?.hardware?.gpu_memory;
+    const gpu = charts.memory.has("gpu_mem_allocated") || charts.memory.has("gpu_mem_reserved");
+    if (gpu && capacity) {
+      charts.memory.setCapacity(capacity, `GPU capacity ${fmtBytes(capacity)}`);
+      charts.memory.setNote("");
+    } else {
+      charts.memory.setCapacity(null);
+      charts.memory.setNote(!gpu && charts.memory.has("host_rss") ? "No GPU memory to show: the job runs on the CPU, so this is the trainer's host RSS." : "");
+    }
+  }
+
+  async function renderCheckpoints() {
+    const list = await api(`/v1/jobs/${id}/checkpoints`, { signal });
+    if (!list.data.length) {
+      clear(checkpoints, h("p", { class: "muted", text: job && job.spec.checkpoint_every ? `Every ${job.spec.checkpoint_every} steps, and at the end.` : "Written at the end of the run." }));
+      return;
+    }
+    clear(
+      checkpoints,
+      h(
+        "table",
+        { "data-testid": "checkpoint-table" },
+        h("thead", {}, h("tr", {}, ["Step", "Size", "Written", ""].map((t) => h("th", { scope: "col", text: t })))),
+        h(
+          "tbody",
+          {},
+          list.data.map((c) =>
+            h(
+              "tr",
+              { "data-testid": "checkpoint-row", "data-step": String(c.step) },
+              h("td", { class: "num", text: `${c.step}${c.final ? " (final)" : ""}` }),
+              h("td", { class: "num", text: fmtBytes(c.bytes) }),
+              h("td", { text: fmtTime(c.created_at) }),
+              h("td", {}, h("a", { href: `/v1/jobs/${id}/checkpoints/${c.step}/download`, download: "", "data-testid": "download-checkpoint", text: "Download" })),
+            ),
+          ),
+        ),
+      ),
+    );
+  }
+
+  // --- Data -----------------------------------------------------------------------------
+  function addStep(row) {
+    if (row.step <= lastStep) return false;
+    lastStep = row.step;
+    const parts = (row.data_ms || 0) + (row.forward_ms || 0) + (row.backward_ms || 0) + (row.optimizer_ms || 0);
+    const other = row.step_ms !== null && row.step_ms !== undefined ? Math.max(row.step_ms - parts, 0) : null;
+    charts.loss.upsert(row.step, row);
+    charts.rate.upsert(row.step, row);
+    charts.time.upsert(row.step, { ...row, other_ms: other });
+    charts.memory.upsert(row.step, row);
+    recent.push(row);
+    if (recent.length > 20) recent.shift();
+    return true;
+  }
+
+  async function loadHistory() {
+    let after = -1;
+    for (;;) {
+      const page = await api(`/v1/jobs/${id}/metrics?after_step=${after}&limit=${METRICS_PAGE}`, { signal });
+      page.data.forEach(addStep);
+      if (page.next_after_step === null || page.next_after_step === undefined) break;
+      after = page.next_after_step;
+    }
+    updateMemoryCapacity();
+  }
+
+  function logEvent(type, data, seq) {
+    const when = typeof data.time === "number" ? new Date(data.time * 1000).toLocaleTimeString() : "";
+    const li = h("li", { class: `event event-${type}${data.level ? ` level-${data.level}` : ""}`, "data-type": type, "data-seq": String(seq) },
+      h("span", { class: "event-time", text: when }),
+      h("span", { class: "event-type", text: type }),
+      h("span", { class: "event-text", text: describeEvent(type, data) }),
+    );
+    const nearBottom = eventList.parentElement.scrollHeight - eventList.parentElement.scrollTop - eventList.parentElement.clientHeight < 40;
+    eventList.append(li);
+    while (eventList.childElementCount > MAX_EVENTS) eventList.firstElementChild.remove();
+    if (nearBottom) eventList.parentElement.scrollTop = eventList.parentElement.scrollHeight;
+  }
+
+  function scheduleRefetch(delay = 300) {
+    clearTimeout(refetchTimer);
+    refetchTimer = setTimeout(async () => {
+      try {
+        job = await api(`/v1/jobs/${id}`, { signal });
+        renderJobInfo();
+        await renderCheckpoints();
+      } catch (err) {
+        if (err.name !== "AbortError") clear(problem, errorBox(err));
+      }
+    }, delay);
+  }
+
+  function onEvent(type, message) {
+    let data;
+    try {
+      data = JSON.parse(message.data);
+    } catch {
+      return;
+    }
+    const seq = Number(message.lastEventId) || 0;
+    if (type === "step") {
+      if (addStep(data)) {
+        if (data.total_steps) job.progress.total_steps = data.total_steps;
+        job.progress.step = Math.max(job.progress.step, data.step);
+        renderProgress();
+        if (charts.memory.points === 1) updateMemoryCapacity();
+      }
+      return;
+    }
+    logEvent(type, data, seq);
+    if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
+    if (type === "plan") {
+      job.plan = data;
+      if (data.total_steps) job.progress.total_steps = data.total_steps;
+      renderPlan(data);
+      renderProgress();
+    }
+    if (type === "checkpoint") scheduleRefetch();
+    if (type === "state") {
+      job.status = data.status;
+      clear(badge, statusBadge(job.status));
+      if (FINISHED.has(data.status)) {
+        closeStream("finished");
+        scheduleRefetch(0);
+      } else {
+        scheduleRefetch();
+      }
+    }
+  }
+
+  function openStream() {
+    if (stopped) return;
+    const source = new EventSource(eventsUrl(jobId, 0));
+    stream = source;
+    live.textContent = "connecting…";
+    source.onopen = () => {
+      live.textContent = "● live";
+      live.dataset.state = "live";
+    };
+    source.onerror = () => {
+      if (stream !== source) return;
+      if (source.readyState === EventSource.CLOSED) {
+        live.textContent = "live updates stopped; reload the page";
+        live.dataset.state = "closed";
+      } else {
+        live.textContent = "reconnecting…";
+        live.dataset.state = "reconnecting";
+      }
+    };
+    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval"]) {
+      source.addEventListener(type, (message) => onEvent(type, message));
+    }
+  }
+
+  function closeStream(reason) {
+    if (stream) stream.close();
+    stream = null;
+    live.textContent = reason === "finished" ? "" : reason;
+    live.dataset.state = reason;
+  }
+
+  async function load() {
+    try {
+      job = await api(`/v1/jobs/${id}`, { signal });
+      renderJobInfo();
+      await loadHistory();
+      renderProgress();
+      await renderCheckpoints();
+      main.dataset.historyLoaded = "true";
+      openStream();
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      clear(problem, errorBox(err, "job-load-error"));
+    }
+  }
+
+  load();
+  return () => {
+    stopped = true;
+    controller.abort();
+    clearTimeout(refetchTimer);
+    if (stream) stream.close();
+    Object.values(charts).forEach((c) => c.destroy());
+    delete main.dataset.status;
+    delete main.dataset.historyLoaded;
+  };
+}
+
+function describeEvent(type, d) {
+  switch (type) {
+    case "state": {
+      const extra = Object.entries(d).filter(([k, v]) => !["status", "time"].includes(k) && v !== null && v !== undefined).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`);
+      return `→ ${d.status}${extra.length ? ` (${extra.join(", ")})` : ""}`;
+    }
+    case "plan": {
+      const on = (d.decisions || []).filter((x) => x.enabled).map((x) => x.name);
+      return `${d.hardware?.name || d.device} · ${d.dtype || ""} · attention ${d.attention_backend || "?"} · ${on.length ? `on: ${on.join(", ")}` : "no optimizations on"} · ${d.total_steps ?? "?"} steps`;
+    }
+    case "log":
+      return `[${d.level || "info"}] ${d.message ?? ""}`;
+    case "checkpoint":
+      return `step ${d.step}${d.final ? " (final)" : ""}, ${fmtBytes(d.bytes)}`;
+    case "eval":
+      return `step ${d.step}: eval loss ${fmtNumber(d.loss, 4)} over ${d.tokens ?? "?"} tokens`;
+    default:
+      return JSON.stringify(d);
+  }
+}

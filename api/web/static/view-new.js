@@ -1,0 +1,409 @@
+// New job: pick a local model, upload (and at once validate) a dataset, set the
+// hyperparameters and the three optimization switches, submit.
+//
+// Every input carries `data-param` with the API's name for it
+// ("hyperparameters.learning_rate"), so a 422 from POST /v1/jobs is shown next
+// to the field it names (its `details` list every problem, not just the first).
+
+import { api, ApiError } from "./api.js";
+import { h, clear, fmtBytes, fmtCompact, errorBox } from "./dom.js";
+
+const MAX_BAD_LINE_SCAN = 32 << 20; // read at most 32 MiB of the local file to show a bad line
+const SWITCHES = [
+  ["packed_metadata_cache", "Packed-sequence metadata cache", "Build cu_seqlens, positions and the attention mask once per packed batch and reuse them in every layer."],
+  ["double_buffered_reload", "Double-buffered checkpoint reload", "With offloaded activation checkpointing, copy the next layer's saved input back while the current one back-propagates."],
+  ["moe_grouped_routing", "MoE routing by argsort + bincount", "Group tokens by expert with one sort per MoE layer (no effect on dense models)."],
+];
+
+// [param, label, default, attributes, help]
+const HYPER = [
+  ["hyperparameters.learning_rate", "Learning rate", "0.0002", { step: "any", min: "0" }, "Peak AdamW learning rate."],
+  ["hyperparameters.lr_scheduler", "LR schedule", "cosine", null, "Decay after warm-up."],
+  ["hyperparameters.warmup_steps", "Warm-up steps", "10", { min: "0", step: "1" }, "Linear warm-up; must be below max steps."],
+  ["hyperparameters.batch_tokens", "Tokens per batch", "16384", { min: "64", step: "1" }, "Packing budget: real tokens per micro-batch (no padding)."],
+  ["hyperparameters.max_seq_len", "Max sequence length", "4096", { min: "8", step: "1" }, "Longer samples are truncated; at most tokens per batch."],
+  ["hyperparameters.grad_accum", "Gradient accumulation", "1", { min: "1", step: "1" }, "Micro-batches per optimizer step."],
+  ["hyperparameters.seed", "Seed", "0", { min: "0", step: "1" }, "Seeds weights of the adapter and the data order."],
+  ["checkpoint_every", "Checkpoint every (steps)", "100", { min: "0", step: "1" }, "0 keeps only the final adapter."],
+];
+const LORA = [
+  ["lora.r", "LoRA rank r", "16", { min: "1", step: "1" }, "Adapter rank."],
+  ["lora.alpha", "LoRA alpha", "32", { min: "1", step: "1" }, "The update is scaled by alpha / r."],
+  ["lora.dropout", "LoRA dropout", "0", { min: "0", max: "0.99", step: "any" }, "Dropout on the adapter input."],
+  ["lora.target_modules", "Target modules", "all-linear", null, "Comma-separated module names (q_proj, v_proj) or all-linear."],
+];
+
+let nextId = 0;
+const uid = (base) => `${base}-${(nextId += 1)}`;
+
+export function renderNew(main) {
+  const controller = new AbortController();
+  const form = h("form", { class: "job-form", "data-testid": "new-job-form", novalidate: true });
+  const formError = h("div", { "data-testid": "form-error", "aria-live": "assertive" });
+
+  const model = modelPicker(controller.signal);
+  const train = datasetPicker({ purpose: "train", label: "Training data", param: "training_file", required: true, signal: controller.signal });
+  const valid = datasetPicker({ purpose: "validation", label: "Validation data (optional)", param: "validation_file", required: false, signal: controller.signal });
+
+  const name = field("name", "Job name (optional)", h("input", { type: "text", maxlength: "200", placeholder: "e.g. support-bot-v3" }));
+  const lengthUnit = h(
+    "select",
+    { "data-testid": "length-unit", "aria-label": "Train for" },
+    h("option", { value: "max_steps", text: "steps" }),
+    h("option", { value: "epochs", text: "epochs" }),
+  );
+  const lengthValue = h("input", { type: "number", min: "0", step: "any", value: "500", "data-param": "hyperparameters.max_steps", "data-testid": "field-length" });
+  lengthUnit.addEventListener("change", () => {
+    lengthValue.dataset.param = `hyperparameters.${lengthUnit.value}`;
+    lengthValue.value = lengthUnit.value === "epochs" ? "1" : "500";
+  });
+  const lengthId = uid("length");
+  lengthValue.id = lengthId;
+  const lengthField = h(
+    "div",
+    { class: "field", "data-field": "length" },
+    h("label", { for: lengthId, text: "Train for" }),
+    h("div", { class: "inline" }, lengthValue, lengthUnit),
+    h("p", { class: "help", text: "A number of optimizer steps, or passes over the training data." }),
+    h("p", { class: "field-error", role: "alert" }),
+  );
+
+  const hyperFields = HYPER.map(([param, label, value, attrs, help]) =>
+    param === "hyperparameters.lr_scheduler"
+      ? field(param, label, h("select", {}, ["cosine", "linear", "constant"].map((v) => h("option", { value: v, text: v, selected: v === value }))), help)
+      : field(param, label, h("input", { type: "number", value, ...attrs }), help),
+  );
+  const loraFields = LORA.map(([param, label, value, attrs, help]) =>
+    field(param, label, h("input", { type: attrs ? "number" : "text", value, ...(attrs || {}) }), help),
+  );
+  const switches = SWITCHES.map(([key, label, help]) => switchField(key, label, help));
+
+  const submit = h("button", { type: "submit", "data-testid": "submit-job", text: "Submit job" });
+  clear(
+    form,
+    h("fieldset", {}, h("legend", { text: "Model" }), model.element),
+    h("fieldset", {}, h("legend", { text: "Data" }), train.element, valid.element),
+    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
+    h("fieldset", { "data-param": "lora" }, h("legend", { text: "LoRA adapter" }), h("div", { class: "grid" }, ...loraFields), h("p", { class: "field-error", role: "alert" })),
+    h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), ...switches),
+    formError,
+    h("div", { class: "actions" }, submit),
+  );
+
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    clearErrors(form, formError);
+    let body;
+    try {
+      body = buildBody(form, model, train, valid, lengthUnit, lengthValue);
+    } catch (err) {
+      showErrors(form, formError, err);
+      return;
+    }
+    submit.disabled = true;
+    submit.textContent = "Submitting…";
+    try {
+      const job = await api("/v1/jobs", { method: "POST", json: body, signal: controller.signal });
+      window.location.hash = `#/jobs/${encodeURIComponent(job.id)}`;
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      showErrors(form, formError, err);
+    } finally {
+      submit.disabled = false;
+      submit.textContent = "Submit job";
+    }
+  });
+
+  clear(main, h("div", { class: "view-head" }, h("h1", { text: "New job" })), form);
+  return () => controller.abort();
+}
+
+/** A labelled input with help text and a slot for its error; the input gets data-param. */
+function field(param, label, input, help = null) {
+  const id = uid("f");
+  input.id = id;
+  input.dataset.param = param;
+  input.setAttribute("data-testid", `field-${param}`);
+  const helpEl = help ? h("p", { class: "help", id: `${id}-help`, text: help }) : null;
+  if (helpEl) input.setAttribute("aria-describedby", helpEl.id);
+  return h("div", { class: "field" }, h("label", { for: id, text: label }), input, helpEl, h("p", { class: "field-error", role: "alert" }));
+}
+
+function switchField(key, label, help) {
+  const param = `optimizations.${key}`;
+  const options = ["auto", "on", "off"].map((value) => {
+    const id = uid("sw");
+    return h(
+      "span",
+      { class: "radio" },
+      h("input", { type: "radio", id, name: param, value, checked: value === "auto", "data-testid": `opt-${key}-${value}` }),
+      h("label", { for: id, text: value }),
+    );
+  });
+  return h(
+    "fieldset",
+    { class: "switch", "data-param": param },
+    h("legend", {}, h("span", { class: "mono", text: key }), ` — ${label}`),
+    h("div", { class: "radios" }, options),
+    h("p", { class: "help", text: help }),
+    h("p", { class: "field-error", role: "alert" }),
+  );
+}
+
+function modelPicker(signal) {
+  const selectId = uid("model");
+  const select = h("select", { id: selectId, "data-param": "model", "data-testid": "model-select", required: true });
+  const otherId = uid("model-other");
+  const other = h("input", { id: otherId, type: "text", placeholder: "org/name (hub id) or a path under the model root", "data-testid": "model-other" });
+  const otherField = h("div", { class: "field", hidden: true }, h("label", { for: otherId, text: "Model name" }), other);
+  const info = h("p", { class: "help", "data-testid": "model-info", "aria-live": "polite", text: "Loading the models on this box…" });
+  let models = [];
+
+  function describe() {
+    const picked = models.find((m) => m.id === select.value);
+    otherField.hidden = select.value !== "__other__";
+    if (!picked) {
+      info.textContent = select.value === "__other__" ? "A hub id needs the model in the box's Hugging Face cache when it is offline." : "";
+      return;
+    }
+    const parts = [picked.architectures.join(", ") || picked.model_type || "unknown architecture"];
+    if (picked.params !== null) parts.push(`${fmtCompact(picked.params)} parameters`);
+    parts.push(`${fmtBytes(picked.bytes)} on disk`);
+    info.textContent = parts.join(" · ") + (picked.error ? ` · warning: ${picked.error}` : "");
+  }
+  select.addEventListener("change", describe);
+
+  api("/v1/models", { signal })
+    .then((list) => {
+      models = list.data;
+      select.replaceChildren(
+        ...models.map((m) => h("option", { value: m.id, text: `${m.id}${m.model_type ? ` (${m.model_type}${m.params !== null ? `, ${fmtCompact(m.params)}` : ""})` : ""}` })),
+        h("option", { value: "__other__", text: "Another model (hub id or path)…" }),
+      );
+      if (!models.length) {
+        select.value = "__other__";
+        describe();
+        info.textContent = `No models under ${list.model_root} yet: copy a Hugging Face model directory (with config.json) there, or name a hub id.`;
+      } else {
+        describe();
+      }
+    })
+    .catch((err) => {
+      if (err.name === "AbortError") return;
+      select.replaceChildren(h("option", { value: "__other__", text: "Another model (hub id or path)…" }));
+      describe();
+      info.textContent = `Could not list the models: ${err.message}`;
+    });
+
+  const element = h(
+    "div",
+    {},
+    h("div", { class: "field" }, h("label", { for: selectId, text: "Base model" }), select, info, h("p", { class: "field-error", role: "alert" })),
+    otherField,
+  );
+  return {
+    element,
+    value() {
+      return select.value === "__other__" ? other.value.trim() : select.value;
+    },
+  };
+}
+
+/**
+ * Upload-or-choose widget for one dataset. Uploading validates at once: the
+ * answer is shown here (records, format, stats), or the API's message plus the
+ * offending line read back from the local file.
+ */
+function datasetPicker({ purpose, label, param, required, signal }) {
+  const inputId = uid(`${purpose}-file`);
+  const input = h("input", { id: inputId, type: "file", accept: ".jsonl,.json,.txt,application/jsonl,application/json,text/plain", "data-testid": `upload-${purpose}` });
+  const chooseId = uid(`${purpose}-choose`);
+  const choose = h("select", { id: chooseId, "data-testid": `choose-${purpose}` }, h("option", { value: "", text: required ? "— upload a file above —" : "— none —" }));
+  const result = h("div", { class: "upload-result", "data-testid": `upload-result-${purpose}`, "aria-live": "polite" });
+  let fileId = null;
+  const known = new Map();
+
+  function showAccepted(file, heading) {
+    const stats = file.stats || {};
+    const chars = stats.chars_per_record;
+    clear(
+      result,
+      h("p", { class: "ok" }, h("strong", { text: `${heading} ${file.filename}` }), `: ${file.num_records} records, format ${file.format}, ${fmtBytes(file.bytes)}.`),
+      h(
+        "ul",
+        { class: "stats" },
+        chars ? h("li", { text: `Characters per record: min ${chars.min}, mean ${chars.mean}, max ${chars.max}` }) : null,
+        stats.total_chars !== undefined ? h("li", { text: `Total characters: ${stats.total_chars.toLocaleString()}` }) : null,
+        stats.messages_per_record_mean !== undefined ? h("li", { text: `Messages per record (mean): ${stats.messages_per_record_mean}` }) : null,
+        h("li", { class: "mono", text: `${file.id} · sha256 ${file.sha256.slice(0, 16)}…` }),
+      ),
+    );
+    result.dataset.state = "ok";
+    result.dataset.fileId = file.id;
+  }
+
+  async function refreshChoices(selected) {
+    try {
+      const page = await api(`/v1/files?purpose=${purpose}&limit=100`, { signal });
+      for (const f of page.data) known.set(f.id, f);
+      choose.replaceChildren(
+        h("option", { value: "", text: required ? "— choose an uploaded file —" : "— none —" }),
+        ...page.data.map((f) => h("option", { value: f.id, text: `${f.filename} (${f.num_records} records, ${f.format}) · ${f.id}` })),
+      );
+      choose.value = selected || "";
+    } catch (err) {
+      if (err.name !== "AbortError") choose.title = `Could not list uploaded files: ${err.message}`;
+    }
+  }
+
+  input.addEventListener("change", async () => {
+    const file = input.files[0];
+    if (!file) return;
+    fileId = null;
+    result.dataset.state = "busy";
+    delete result.dataset.fileId;
+    clear(result, h("p", { class: "muted", text: `Uploading and checking ${file.name} (${fmtBytes(file.size)})…` }));
+    const form = new FormData();
+    form.append("purpose", purpose);
+    form.append("file", file, file.name);
+    try {
+      const stored = await api("/v1/files", { method: "POST", body: form, signal });
+      fileId = stored.id;
+      known.set(stored.id, stored);
+      showAccepted(stored, "Accepted");
+      await refreshChoices(stored.id);
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      result.dataset.state = "error";
+      clear(result, h("p", { class: "bad", role: "alert", "data-testid": `upload-error-${purpose}`, text: `Refused ${file.name}: ${err.message}` }));
+      if (err instanceof ApiError && err.line) {
+        result.dataset.line = String(err.line);
+        const text = await badLine(file, err.line);
+        if (text !== null) {
+          result.append(
+            h("p", { class: "help", text: `Line ${err.line} of ${file.name}:` }),
+            h("pre", { class: "bad-line", "data-testid": `upload-bad-line-${purpose}`, text: text === "" ? "(empty line)" : text }),
+          );
+        }
+      }
+      input.value = "";
+    }
+  });
+
+  choose.addEventListener("change", () => {
+    fileId = choose.value || null;
+    const f = known.get(fileId);
+    if (f) showAccepted(f, "Using");
+    else {
+      clear(result);
+      delete result.dataset.state;
+    }
+  });
+
+  refreshChoices(null);
+  const element = h(
+    "div",
+    { class: "dataset", "data-param": param },
+    h("h3", { text: label }),
+    h(
+      "div",
+      { class: "grid" },
+      h("div", { class: "field" }, h("label", { for: inputId, text: "Upload a JSONL file" }), input, h("p", { class: "help", text: 'One JSON object per line: {"messages": [...]}, {"prompt", "completion"} or {"text"}.' })),
+      h("div", { class: "field" }, h("label", { for: chooseId, text: "or use an uploaded file" }), choose),
+    ),
+    result,
+    h("p", { class: "field-error", role: "alert" }),
+  );
+  return { element, value: () => fileId };
+}
+
+/** Line ``number`` (1-based) of a local file, cut to 500 characters; null if out of reach. */
+async function badLine(file, number) {
+  try {
+    const text = await file.slice(0, MAX_BAD_LINE_SCAN).text();
+    const lines = text.split(/\r?\n/);
+    if (number < 1 || number > lines.length) return null;
+    const line = lines[number - 1];
+    return line.length > 500 ? `${line.slice(0, 500)}… (${line.length} characters)` : line;
+  } catch {
+    return null;
+  }
+}
+
+class FormProblem extends Error {
+  constructor(param, message) {
+    super(message);
+    this.param = param;
+    this.details = [{ param, message }];
+  }
+}
+
+function buildBody(form, model, train, valid, lengthUnit, lengthValue) {
+  const modelName = model.value();
+  if (!modelName) throw new FormProblem("model", "model: pick a model, or type a hub id");
+  const trainingFile = train.value();
+  if (!trainingFile) throw new FormProblem("training_file", "training_file: upload a training dataset or choose an uploaded one");
+  const body = { model: modelName, training_file: trainingFile, hyperparameters: {}, lora: {}, optimizations: {} };
+  const validation = valid.value();
+  if (validation) body.validation_file = validation;
+
+  for (const el of form.querySelectorAll("input[data-param], select[data-param]")) {
+    const param = el.dataset.param;
+    if (param === "model" || el.type === "file") continue;
+    const raw = el.value.trim();
+    if (raw === "") continue;
+    let value = raw;
+    if (el.type === "number") {
+      value = Number(raw);
+      if (!Number.isFinite(value)) throw new FormProblem(param, `${param}: ${raw} is not a number`);
+    }
+    if (param === "lora.target_modules") value = raw.split(",").map((s) => s.trim()).filter(Boolean);
+    setPath(body, param, value);
+  }
+  for (const radio of form.querySelectorAll("input[type=radio]:checked")) setPath(body, radio.name, radio.value);
+  if (lengthUnit.value === "epochs") delete body.hyperparameters.max_steps;
+  else delete body.hyperparameters.epochs;
+  if (lengthValue.value.trim() === "") throw new FormProblem(lengthValue.dataset.param, `${lengthValue.dataset.param}: required; enter how long to train`);
+  return body;
+}
+
+function setPath(obj, path, value) {
+  const keys = path.split(".");
+  let node = obj;
+  for (const key of keys.slice(0, -1)) node = node[key] ??= {};
+  node[keys[keys.length - 1]] = value;
+}
+
+function clearErrors(form, formError) {
+  clear(formError);
+  for (const el of form.querySelectorAll(".field-error")) el.textContent = "";
+  for (const el of form.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
+}
+
+/** Put each problem next to the input (or group) its param names; the summary goes above the button. */
+function showErrors(form, formError, err) {
+  const details = err.details?.length ? err.details : [{ param: err.param, message: err.message }];
+  let first = null;
+  for (const { param, message } of details) {
+    const target = param ? locate(form, param) : null;
+    if (!target) continue;
+    const group = target.closest(".field, fieldset, .dataset");
+    const slot = group?.querySelector(":scope > .field-error") ?? group?.querySelector(".field-error");
+    if (slot) slot.textContent = slot.textContent ? `${slot.textContent} ${message}` : message;
+    if (target.matches("input, select")) target.setAttribute("aria-invalid", "true");
+    first ??= target;
+  }
+  clear(formError, errorBox(err, "submit-error"));
+  (first?.matches("input, select") ? first : formError.firstChild)?.focus?.();
+}
+
+/** The element for an API param: the exact input, else the closest enclosing group. */
+function locate(form, param) {
+  let path = param;
+  while (path) {
+    const el = form.querySelector(`[data-param="${CSS.escape(path)}"]`) || form.querySelector(`input[name="${CSS.escape(path)}"]`);
+    if (el) return el;
+    path = path.includes(".") ? path.slice(0, path.lastIndexOf(".")) : "";
+  }
+  return null;
+}

@@ -1,0 +1,123 @@
+"""``GET /v1/models``: model directories under the model root, with type, size and parameters."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.models.catalog import count_params, find_models
+from core.migrate import upgrade
+from core.settings import Settings
+
+
+def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A valid safetensors file of float32 zeros with the given tensor shapes."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 4
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def make_model(directory: Path, config: object, shapes: dict[str, list[int]] | None = None) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config) if not isinstance(config, str) else config)
+    if shapes is not None:
+        write_safetensors(directory / "model.safetensors", shapes)
+    return directory
+
+
+class TestFindModels:
+    def test_lists_model_dirs_with_type_size_and_exact_params(self, tmp_path: Path) -> None:
+        root = tmp_path / "models"
+        make_model(root / "tiny", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+                   {"embed": [10, 4], "lm_head": [10, 4], "norm": [4]})
+        make_model(root / "org" / "qwen", {"model_type": "qwen3"})
+        (root / "empty-dir").mkdir()
+        (root / ".hidden").mkdir()
+        (root / ".hidden" / "config.json").write_text("{}")
+
+        models = find_models(root)
+
+        assert [m.name for m in models] == ["org/qwen", "tiny"]
+        tiny = models[1]
+        assert tiny.model_type == "llama"
+        assert tiny.architectures == ("LlamaForCausalLM",)
+        assert tiny.params == 10 * 4 + 10 * 4 + 4
+        assert tiny.bytes == sum(p.stat().st_size for p in (root / "tiny").iterdir())
+        assert tiny.error is None
+        assert models[0].params is None and models[0].error is None
+
+    def test_a_model_dir_is_a_leaf_its_checkpoints_are_not_models(self, tmp_path: Path) -> None:
+        root = tmp_path / "models"
+        make_model(root / "base", {"model_type": "llama"})
+        make_model(root / "base" / "checkpoint-100", {"model_type": "llama"})
+        assert [m.name for m in find_models(root)] == ["base"]
+
+    def test_sharded_weights_are_summed(self, tmp_path: Path) -> None:
+        directory = make_model(tmp_path / "m", {"model_type": "llama"})
+        write_safetensors(directory / "model-00001-of-00002.safetensors", {"a": [3, 5]})
+        write_safetensors(directory / "model-00002-of-00002.safetensors", {"b": [7]})
+        assert count_params(directory) == (22, None)
+
+    def test_unreadable_files_are_reported_not_raised(self, tmp_path: Path) -> None:
+        root = tmp_path / "models"
+        directory = make_model(root / "broken", "{not json")
+        (directory / "model.safetensors").write_bytes(b"garbage that is not a header")
+        [model] = find_models(root)
+        assert model.params is None
+        assert "config.json unreadable" in (model.error or "")
+        assert "model.safetensors" in (model.error or "")
+
+    def test_missing_root_is_an_empty_list(self, tmp_path: Path) -> None:
+        assert find_models(tmp_path / "nowhere") == []
+
+    def test_symlink_out_of_the_root_is_not_followed(self, tmp_path: Path) -> None:
+        outside = make_model(tmp_path / "outside" / "secret", {"model_type": "llama"})
+        root = tmp_path / "models"
+        root.mkdir()
+        (root / "link").symlink_to(outside.parent, target_is_directory=True)
+        assert find_models(root) == []
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The app refuses an unmigrated store at start-up, so migrate one SQLite file per module."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'ftq.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def client(tmp_path: Path, store_url: str) -> Iterator[TestClient]:
+    root = tmp_path / "models"
+    make_model(root / "tiny", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, {"w": [2, 3]})
+    settings = Settings(data_dir=tmp_path / "data", model_root=root, database_url=store_url)
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def test_get_models_route(client: TestClient, tmp_path: Path) -> None:
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["model_root"] == str((tmp_path / "models").resolve())
+    [model] = body["data"]
+    assert model["id"] == "tiny"
+    assert model["object"] == "model"
+    assert model["model_type"] == "llama"
+    assert model["architectures"] == ["LlamaForCausalLM"]
+    assert model["params"] == 6
+    assert model["bytes"] > 0
+    assert model["error"] is None

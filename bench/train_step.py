@@ -3,7 +3,8 @@
 Run on a GPU: ``python -m bench.train_step [--shapes llama-8b qwen3-0.6b] [--json PATH]``.
 
 Variants, all in one process on the same model object (bench/workload.py builds it):
-- ``stock padded``: one sample per row, right-padded, ``attention_mask``, sdpa, HF's loss;
+- ``stock padded``: one sample per row, right-padded, ``attention_mask``, sdpa, HF's loss, in
+  micro-batches of at most 16,384 padded tokens with gradient accumulation;
 - ``stock packed``: one [1, 16384] row with restarting ``position_ids`` (transformers builds a
   dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
 - ``ftq``: ``trainer.attention`` (``ftq_packed`` with the Triton varlen kernel, metadata built
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.workload import SHAPES, ModelShape, build_lora_model, packed_batch, packed_steps, padded_batch
+from bench.workload import SHAPES, TOKENS_PER_STEP, ModelShape, build_lora_model, packed_batch, packed_steps, padded_batch
 
 VARIANTS = ("stock padded", "stock packed", "ftq", "ftq, metadata cache off", "ftq, bf16 LoRA weights")
 
@@ -88,22 +89,46 @@ class Variant:
         if self.attention is not None:
             self.attention.uninstall()
 
-    def loss(self, lengths: list[int], seed: int) -> tuple[torch.Tensor, int]:
+    def micro_batches(self, lengths: list[int], seed: int) -> list:
+        """The step as closures, each returning one micro-batch's (loss, real tokens) to backpropagate.
+
+        Packed variants: one micro-batch of 16,384 tokens. ``stock padded``: consecutive samples,
+        one per row, as many rows as keep ``rows x longest`` within 16,384 tokens (gradient
+        accumulation, as a padded HF Trainer run with a token budget does); each loss is HF's
+        per-micro-batch mean, weighted by its share of the step's label tokens.
+        """
         vocab = self.shape.vocab
         if self.name == "stock padded":
-            batch = padded_batch(lengths, vocab, self.device, seed)
-            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
-            return out.loss, batch.real_tokens
-        batch = packed_batch(lengths, vocab, self.device, seed)
-        if self.name == "stock packed":
-            out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels)
-            return out.loss, sum(lengths)
-        from trainer.fused_loss import causal_lm_loss
+            groups, current = [], []
+            for n in lengths:
+                if current and (len(current) + 1) * max(*current, n) > TOKENS_PER_STEP:
+                    groups.append(current)
+                    current = []
+                current.append(n)
+            groups.append(current)
+            total_labels = sum(n - 1 for n in lengths)
 
-        meta = self.attention.metadata(lengths, self.device)
-        loss = causal_lm_loss(self.model, batch.input_ids, batch.targets, num_items=batch.num_label_tokens,
-                              **meta.model_kwargs())
-        return loss, sum(lengths)
+            def padded(group, k):
+                batch = padded_batch(group, vocab, self.device, seed * 1000 + k)
+                out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 labels=batch.labels)
+                return out.loss * (sum(n - 1 for n in group) / total_labels), batch.real_tokens
+
+            return [lambda g=g, k=k: padded(g, k) for k, g in enumerate(groups)]
+
+        def packed():
+            batch = packed_batch(lengths, vocab, self.device, seed)
+            if self.name == "stock packed":
+                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels)
+                return out.loss, sum(lengths)
+            from trainer.fused_loss import causal_lm_loss
+
+            meta = self.attention.metadata(lengths, self.device)
+            loss = causal_lm_loss(self.model, batch.input_ids, batch.targets, num_items=batch.num_label_tokens,
+                                  **meta.model_kwargs())
+            return loss, sum(lengths)
+
+        return [packed]
 
 
 def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int, peak_tflops: float,
@@ -112,20 +137,29 @@ def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int
     device = variant.device
 
     def step(i: int, events=None):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if events:
-                events[0].record()
-            loss, tokens = variant.loss(steps[i], seed=i)
-            if events:
-                events[1].record()
-        loss.backward()
-        if events:
-            events[2].record()
+        """One optimizer step; ``events`` collects (start, forward done, backward done) per micro-batch."""
+        loss_sum, tokens = 0.0, 0
+        for micro_batch in variant.micro_batches(steps[i], seed=i):
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if events is not None else None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if marks:
+                    marks[0].record()
+                loss, n = micro_batch()
+                if marks:
+                    marks[1].record()
+            loss.backward()
+            if marks:
+                marks[2].record()
+                events["micro"].append(marks)
+            loss_sum, tokens = loss_sum + loss.detach(), tokens + n
+        if events is not None:
+            events["opt"].append([torch.cuda.Event(enable_timing=True) for _ in range(2)])
+            events["opt"][-1][0].record()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if events:
-            events[3].record()
-        return loss.detach(), tokens
+        if events is not None:
+            events["opt"][-1][1].record()
+        return loss_sum, tokens
 
     for i in range(warmup):
         step(i)
@@ -142,20 +176,19 @@ def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     timed = range(warmup + 1, len(steps))
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in timed]
+    events = {"micro": [], "opt": []}
     losses, tokens = [], 0
     wall = time.perf_counter()
-    for ev, i in zip(events, timed):
-        loss, n = step(i, ev)
+    for i in timed:
+        loss, n = step(i, events)
         losses.append(loss)
         tokens += n
     torch.cuda.synchronize()
     wall = time.perf_counter() - wall
-    fwd = [e[0].elapsed_time(e[1]) for e in events]
-    bwd = [e[1].elapsed_time(e[2]) for e in events]
-    opt = [e[2].elapsed_time(e[3]) for e in events]
-    n = len(events)
-    result.forward_ms, result.backward_ms, result.optimizer_ms = sum(fwd) / n, sum(bwd) / n, sum(opt) / n
+    n = len(timed)
+    result.forward_ms = sum(m[0].elapsed_time(m[1]) for m in events["micro"]) / n
+    result.backward_ms = sum(m[1].elapsed_time(m[2]) for m in events["micro"]) / n
+    result.optimizer_ms = sum(o[0].elapsed_time(o[1]) for o in events["opt"]) / n
     result.step_ms = wall * 1e3 / n
     result.tokens_per_s = tokens / wall
     result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -173,9 +206,10 @@ def profile_step(variant: Variant, optimizer, lengths: list[int], out_path: str 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = variant.loss(lengths, seed=10_000)
-        loss.backward()
+        for micro_batch in variant.micro_batches(lengths, seed=10_000):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = micro_batch()
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

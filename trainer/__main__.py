@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(job_path: str) -> int:
+    # Packed batches change shape every step; expandable segments keep the CUDA caching allocator
+    # from fragmenting (reserved memory grew to ~3x the peak without it on a 0.6B model, H200).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     emit = Emitter(sys.stdout)
     sys.stdout = sys.stderr  # anything a library prints must not interleave with events
     try:

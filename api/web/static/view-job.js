@@ -126,10 +126,8 @@ export function renderJob(main, [jobId]) {
     progress,
     summary,
     h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element)),
-    h("div", { class: "columns" },
-      h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
-      h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
-    ),
+    h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
+    h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
     h("section", { "aria-labelledby": "events-h" }, h("h2", { id: "events-h", text: "Events and log" }), h("div", { class: "events-wrap" }, eventList)),
     h("details", { class: "spec-wrap" }, h("summary", { text: "Job spec (as submitted, defaults filled in)" }), spec),
   );
@@ -283,7 +281,7 @@ export function renderJob(main, [jobId]) {
       checkpoints,
       h(
         "table",
-        { "data-testid": "checkpoint-table" },
+        { class: "checkpoints-table", "data-testid": "checkpoint-table" },
         h("thead", {}, h("tr", {}, ["Step", "Size", "Written", ""].map((t) => h("th", { scope: "col", text: t })))),
         h(
           "tbody",

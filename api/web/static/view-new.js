@@ -48,7 +48,7 @@ export function renderNew(main) {
   const name = field("name", "Job name (optional)", h("input", { type: "text", maxlength: "200", placeholder: "e.g. support-bot-v3" }));
   const lengthUnit = h(
     "select",
-    { "data-testid": "length-unit", "aria-label": "Train for" },
+    { "data-testid": "length-unit", "aria-label": "Length unit" },
     h("option", { value: "max_steps", text: "steps" }),
     h("option", { value: "epochs", text: "epochs" }),
   );

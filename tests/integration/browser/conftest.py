@@ -42,7 +42,6 @@ CHROMIUM_ARGS = [
 MODEL = "tiny-llama"
 WORDS = ("the cat sat on a mat and the dog ran in the park while birds sang songs of spring "
          "under a bright blue sky near the old stone bridge").split()
-FINISHED = ("succeeded", "failed", "cancelled")
 
 
 def _unavailable(reason: str) -> None:

@@ -140,3 +140,17 @@ class TestUncachedTwin:
         off = build_packed_metadata([2, 2], "cpu", cache=False)
         with pytest.raises(ValueError, match="model_kwargs"):
             off.layer_view(None)
+
+
+class TestWithThePacker:
+    def test_positions_match_the_packed_batch_built_from_the_same_samples(self) -> None:
+        from trainer.dataset import Sample
+        from trainer.packing import pack_batch
+
+        samples = [Sample(list(range(n)), list(range(n))) for n in (3, 2, 4)]
+        batch = pack_batch(samples)
+        meta = build_packed_metadata(batch.lengths, "cpu")
+        assert torch.equal(meta.position_ids, batch.position_ids)
+        assert (
+            meta.total == batch.num_tokens and meta.num_samples == batch.num_sequences
+        )

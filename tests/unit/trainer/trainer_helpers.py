@@ -50,6 +50,7 @@ def make_job(tmp_path: Path, model_dir: Path, **overrides: object):
         "lora": LoraConfig(r=8, alpha=16),
         "output_dir": str(tmp_path / "out"),
         "gradient_checkpointing": False,
+        "device": "cpu",  # unit tests hold CPU numbers (exact resume, no MFU) even on a GPU machine
     }
     fields.update(overrides)
     return TrainConfig(**fields)  # type: ignore[arg-type]

@@ -1,0 +1,284 @@
+"""The dashboard driven in headless Chromium against a real API, worker and trainer.
+
+Each test uses the page as a person would (labels, buttons) and checks the result both on
+the page and through the API.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.browser.conftest import MODEL, screenshot_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+SMALL = {"batch_tokens": 256, "max_seq_len": 128}
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def points(page: Any, testid: str = "chart-loss") -> int:
+    return int(page.get_attribute(f"[data-testid={testid}]", "data-points"))
+
+
+def submit_job(api: httpx.Client, chat_file: Path, max_steps: int, name: str) -> dict[str, Any]:
+    with chat_file.open("rb") as fh:
+        upload = api.post("/v1/files", data={"purpose": "train"}, files={"file": (chat_file.name, fh)})
+    assert upload.status_code == 201, upload.text
+    body = {
+        "name": name,
+        "model": MODEL,
+        "training_file": upload.json()["id"],
+        "hyperparameters": {"max_steps": max_steps, **SMALL},
+        "lora": {"r": 4, "alpha": 8},
+    }
+    response = api.post("/v1/jobs", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def job_status(api: httpx.Client, job_id: str) -> str:
+    return api.get(f"/v1/jobs/{job_id}").json()["status"]
+
+
+def test_a_bad_dataset_upload_shows_the_line_and_why(page: Any, tmp_path: Path) -> None:
+    bad = tmp_path / "broken.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n" + '{"messages": [oops\n')
+    page.goto("/#/new")
+    page.get_by_label("Upload a JSONL file").first.set_input_files(str(bad))
+
+    result = page.locator("[data-testid=upload-result-train][data-state=error]")
+    result.wait_for()
+    assert result.get_attribute("data-line") == "3"
+    message = page.get_by_test_id("upload-error-train").inner_text()
+    assert "broken.jsonl" in message and "line 3" in message and "not valid JSON" in message
+    assert page.get_by_test_id("upload-bad-line-train").inner_text() == '{"messages": [oops'
+
+    # A good file replaces the error with what the API learned about it.
+    good_file = tmp_path / "good.jsonl"
+    good_file.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": 2}) + "\n")
+    page.get_by_label("Upload a JSONL file").first.set_input_files(str(good_file))
+    page.locator("[data-testid=upload-result-train][data-state=ok]").wait_for()
+    accepted = page.get_by_test_id("upload-result-train").inner_text()
+    assert "2 records" in accepted and "format chat" in accepted
+    assert "Messages per record (mean): 2" in accepted
+
+
+def test_api_validation_errors_are_shown_next_to_their_fields(page: Any, chat_file: Path) -> None:
+    page.goto("/#/new")
+    page.locator("[data-testid=model-select] option[value='tiny-llama']").wait_for(state="attached")
+    page.get_by_label("Upload a JSONL file").first.set_input_files(str(chat_file))
+    page.locator("[data-testid=upload-result-train][data-state=ok]").wait_for()
+    page.get_by_label("Learning rate").fill("5")
+    page.get_by_role("button", name="Submit job").click()
+
+    page.get_by_test_id("submit-error").wait_for()
+    field = page.get_by_label("Learning rate")
+    assert field.get_attribute("aria-invalid") == "true"
+    beside = field.locator("xpath=..").locator(".field-error").inner_text()
+    assert "hyperparameters.learning_rate" in beside and "1" in beside
+    assert page.url.endswith("#/new")  # nothing was submitted
+
+    # A cross-field problem is shown on its group.
+    page.get_by_label("Learning rate").fill("0.001")
+    page.get_by_label("Train for").fill("5")
+    page.get_by_label("Warm-up steps").fill("9")
+    page.get_by_role("button", name="Submit job").click()
+    page.get_by_test_id("submit-error").filter(has_text="warmup_steps (9) must be < max_steps (5)").wait_for()
+
+
+def test_submit_through_the_form_and_watch_the_charts_grow(
+    page: Any, api: httpx.Client, chat_file: Path, no_leftover_jobs: None
+) -> None:
+    max_steps = 40
+    page.goto("/#/new")
+    page.get_by_label("Base model").select_option(MODEL)
+    page.get_by_label("Upload a JSONL file").first.set_input_files(str(chat_file))
+    page.locator("[data-testid=upload-result-train][data-state=ok]").wait_for()
+    page.get_by_label("Job name (optional)").fill("form-run")
+    page.get_by_label("Train for").fill(str(max_steps))
+    page.get_by_label("Tokens per batch").fill(str(SMALL["batch_tokens"]))
+    page.get_by_label("Max sequence length").fill(str(SMALL["max_seq_len"]))
+    page.get_by_label("Warm-up steps").fill("2")
+    page.get_by_label("Checkpoint every (steps)").fill("20")
+    page.get_by_label("LoRA rank r").fill("4")
+    page.get_by_test_id("opt-moe_grouped_routing-off").check()
+    page.get_by_role("button", name="Submit job").click()
+
+    page.wait_for_url("**/#/jobs/job-*")
+    job_id = page.url.rsplit("/", 1)[1]
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["name"] == "form-run"
+    assert job["spec"]["hyperparameters"]["max_steps"] == max_steps
+    assert job["spec"]["checkpoint_every"] == 20
+    assert job["spec"]["optimizations"]["moe_grouped_routing"] == "off"
+
+    # The loss chart grows live, step by step, over the event stream.
+    seen: list[int] = []
+
+    def grown_to(n: int) -> bool:
+        seen.append(points(page))
+        return seen[-1] >= n
+
+    wait_until(lambda: grown_to(3), 180, "the first steps on the loss chart")
+    # A reload mid-run loads the history from /metrics, then resumes the stream: no gap.
+    page.reload()
+    page.locator("main[data-history-loaded=true]").wait_for()
+    wait_until(lambda: grown_to(max_steps), 180, f"{max_steps} points on the loss chart")
+    page.locator("main[data-status=succeeded]").wait_for(timeout=60_000)
+
+    distinct = sorted(set(seen))
+    assert len(distinct) >= 3, f"the chart did not grow in steps: {seen}"
+    assert seen[-1] == max_steps
+    for testid in ("chart-loss", "chart-tokens", "chart-step-time", "chart-memory"):
+        assert points(page, testid) == max_steps, testid
+    metrics = api.get(f"/v1/jobs/{job_id}/metrics").json()["data"]
+    assert [m["step"] for m in metrics] == list(range(1, max_steps + 1))
+    assert f"step {max_steps}" in page.get_by_test_id("chart-loss").get_attribute("aria-label")
+
+    assert page.get_by_test_id("progress").inner_text().startswith(f"{max_steps} / {max_steps}")
+    plan_rows = page.get_by_test_id("plan-row")
+    names = [plan_rows.nth(i).get_attribute("data-name") for i in range(plan_rows.count())]
+    assert {"packed_metadata_cache", "double_buffered_reload", "moe_grouped_routing"} <= set(names)
+    moe = page.locator("[data-testid=plan-row][data-name=moe_grouped_routing]")
+    assert moe.get_attribute("data-enabled") == "false"
+    assert "off" in moe.inner_text()
+    steps = [r.get_attribute("data-step") for r in page.get_by_test_id("checkpoint-row").all()]
+    assert steps == ["20", "40"]
+    adapter = page.get_by_test_id("download-adapter")
+    assert adapter.get_attribute("href") == f"/v1/jobs/{job_id}/adapter"
+    assert api.get(adapter.get_attribute("href")).status_code == 200
+    assert "→ succeeded" in page.locator("[data-testid=event-log] [data-type=state]").last.inner_text()
+    assert page.get_by_test_id("cancel-job").count() == 0
+
+    if shots := screenshot_dir():
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path=str(shots / "dashboard-job.png"), full_page=True)
+
+
+def test_cancel_a_running_job_from_its_page_and_see_the_queue(
+    page: Any, api: httpx.Client, chat_file: Path, no_leftover_jobs: None
+) -> None:
+    running = submit_job(api, chat_file, max_steps=100_000, name="long-run")
+    waiting = [submit_job(api, chat_file, max_steps=10, name=f"waiting-{i}") for i in (1, 2)]
+
+    page.goto(f"/#/jobs/{running['id']}")
+    wait_until(lambda: points(page) >= 1, 180, "the long job's first step")
+
+    # The jobs list shows the running job's throughput as it goes.
+    page.get_by_role("link", name="Jobs", exact=True).click()
+    live_row = page.locator(f"[data-testid=job-row][data-job-id='{running['id']}'][data-status=running]")
+    wait_until(lambda: live_row.get_by_test_id("job-tokens-per-s").inner_text() not in ("", "–"), 30,
+               "tokens/s of the running job in the list")
+    assert page.locator("[data-testid=job-row][data-status=queued]").count() == 2
+    if shots := screenshot_dir():
+        page.screenshot(path=str(shots / "dashboard-jobs.png"), full_page=True)
+
+    # The GPUs view: the worker runs the long job; the two others wait, oldest first.
+    page.get_by_role("link", name="GPUs").click()
+    card = page.get_by_test_id("worker-card").first
+    card.get_by_test_id("worker-job").get_by_role("link", name="long-run").wait_for()
+    rows = page.get_by_test_id("queue-row")
+    rows.nth(1).wait_for()
+    assert [(r.get_attribute("data-job-id"), r.get_attribute("data-position")) for r in rows.all()] == [
+        (waiting[0]["id"], "1"),
+        (waiting[1]["id"], "2"),
+    ]
+    if shots := screenshot_dir():
+        page.screenshot(path=str(shots / "dashboard-gpus.png"), full_page=True)
+    for job in waiting:
+        assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    page.get_by_test_id("queue-empty").wait_for()
+
+    # Cancel from the job page: the button asks first, then the job stops cleanly.
+    card.get_by_test_id("worker-job").get_by_role("link", name="long-run").click()
+    page.wait_for_url(f"**/#/jobs/{running['id']}")
+    page.get_by_role("button", name="Cancel job").click()
+    page.get_by_role("button", name="Yes, cancel it").click()
+    page.locator("main[data-status=cancelled]").wait_for(timeout=120_000)
+    assert job_status(api, running["id"]) == "cancelled"
+    assert page.get_by_test_id("cancel-job").count() == 0
+    assert "cancelled" in page.get_by_test_id("job-status").inner_text()
+
+
+def test_jobs_list_shows_every_job_and_filters_by_status(page: Any, api: httpx.Client, chat_file: Path) -> None:
+    jobs = api.get("/v1/jobs", params={"limit": 200}).json()["data"]
+    if not any(j["status"] == "succeeded" for j in jobs):
+        pytest.skip("needs the jobs of the tests above (run the module)")
+    page.goto("/#/jobs")
+    rows = page.get_by_test_id("job-row")
+    rows.nth(len(jobs) - 1).wait_for()
+    assert [r.get_attribute("data-job-id") for r in rows.all()] == [j["id"] for j in jobs]
+    succeeded = page.locator("[data-testid=job-row][data-status=succeeded]").first
+    assert "40 / 40" in succeeded.get_by_test_id("progress").inner_text()
+    assert succeeded.get_by_test_id("job-tokens-per-s").inner_text() not in ("", "–")
+
+    page.get_by_label("Status").select_option("cancelled")
+    page.wait_for_url("**/#/jobs?status=cancelled")
+    cancelled = {j["id"] for j in jobs if j["status"] == "cancelled"}
+    page.locator("[data-testid=job-row][data-status=cancelled]").nth(len(cancelled) - 1).wait_for()
+    shown = {r.get_attribute("data-job-id") for r in page.get_by_test_id("job-row").all()}
+    assert shown == cancelled
+
+    page.get_by_test_id("job-row").first.get_by_role("link").click()
+    page.wait_for_url("**/#/jobs/job-*")
+    assert page.url.rsplit("/", 1)[1] in shown
+    page.locator("main[data-status=cancelled]").wait_for()
+
+
+def test_gpu_memory_is_drawn_against_the_cards_capacity(
+    page: Any, api: httpx.Client, dashboard_stack: Any, chat_file: Path
+) -> None:
+    """A GPU job's memory rows (written to the store as the worker would) against the plan's
+    card capacity; the CPU box cannot produce them itself."""
+    from sqlalchemy import update
+
+    from core.db import make_engine, make_sessionmaker
+    from core.jobs.models import Job, StepMetric
+
+    job = submit_job(api, chat_file, max_steps=10, name="gpu-shaped")
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    gib = 1 << 30
+    plan = {"device": "cuda", "dtype": "bfloat16", "decisions": [], "attention_backend": "varlen",
+            "hardware": {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "gpu_memory": 80 * gib,
+                         "capability": [9, 0]}}
+    engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
+    try:
+        with make_sessionmaker(engine)() as session:
+            session.execute(update(Job).where(Job.job_id == job["id"]).values(plan=plan, progress_step=5))
+            session.add_all(
+                StepMetric(job_id=job["id"], step=step, loss=3.0 - 0.1 * step, tokens_per_s=9000.0 + step,
+                           step_ms=400.0, data_ms=5.0, forward_ms=130.0, backward_ms=240.0, optimizer_ms=20.0,
+                           gpu_mem_allocated=(14 + step) * gib, gpu_mem_reserved=(18 + step) * gib,
+                           gpu_mem_peak=(20 + step) * gib, host_rss=3 * gib)
+                for step in range(1, 6)
+            )
+            session.commit()
+    finally:
+        engine.dispose()
+
+    page.goto(f"/#/jobs/{job['id']}")
+    page.locator("main[data-history-loaded=true]").wait_for()
+    assert points(page, "chart-memory") == 5
+    legend = page.get_by_test_id("chart-memory-legend")
+    legend.filter(has_text="GPU capacity 80.0 GiB").wait_for()
+    text = legend.inner_text()
+    assert "allocated 19.0 GiB" in text and "reserved 23.0 GiB" in text and "peak 25.0 GiB" in text
+    assert "host RSS 3.00 GiB" in text
+    assert "NVIDIA H100 80GB HBM3" in page.get_by_test_id("plan").inner_text()

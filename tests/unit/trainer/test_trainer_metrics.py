@@ -1,0 +1,70 @@
+"""Step metrics: phase timing, model FLOPs, MFU, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from trainer.metrics import FlopCounter, StepTimer, memory_stats, mfu
+from trainer.train import _lr_lambda
+
+
+class TestStepTimer:
+    def test_cpu_phases_add_up_across_micro_batches(self):
+        timer = StepTimer(torch.device("cpu"))
+        for _ in range(2):
+            with timer.phase("forward"):
+                time.sleep(0.01)
+            with timer.phase("backward"):
+                time.sleep(0.005)
+        times = timer.finish().read()
+        assert (
+            times["forward_ms"] >= 20
+            and times["backward_ms"] >= 10
+            and times["optimizer_ms"] == 0
+        )
+        assert times["step_ms"] >= times["forward_ms"] + times["backward_ms"]
+
+
+class TestFlops:
+    def test_matmul_and_causal_attention_terms(self):
+        counter = FlopCounter(matmul_params=1000, layers=2, attention_width=8)
+        # 6*N*T + 6*layers*width*sum(len^2): lengths 3 and 4 -> 6*1000*7 + 6*2*8*(9+16)
+        assert counter.step_flops([3, 4]) == 42_000 + 2_400
+
+    def test_mfu_is_none_without_a_known_peak(self):
+        assert mfu(1e12, 1000.0, None) is None
+        assert mfu(1e12, 1000.0, 2e12) == pytest.approx(0.5)
+
+    def test_cpu_memory_has_rss_and_no_gpu_fields(self):
+        stats = memory_stats(torch.device("cpu"))
+        assert stats["host_rss"] > 0 and stats["gpu_mem_peak"] is None
+
+
+class TestLrSchedule:
+    def test_warmup_then_cosine_to_zero(self):
+        f = _lr_lambda("cosine", warmup=2, total=6)
+        assert [round(f(i), 4) for i in range(6)] == [
+            0.5,
+            1.0,
+            1.0,
+            0.8536,
+            0.5,
+            0.1464,
+        ]
+
+    def test_linear_and_constant(self):
+        assert [_lr_lambda("linear", 0, 4)(i) for i in range(4)] == [
+            1.0,
+            0.75,
+            0.5,
+            0.25,
+        ]
+        assert [_lr_lambda("constant", 1, 4)(i) for i in range(4)] == [
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+        ]

@@ -197,6 +197,11 @@ def _train(
     )
     last_checkpoint_step = state.step if resumed_from is not None else -1
     pending: _PendingStep | None = None
+    if (
+        stop.is_set()
+    ):  # stopped while loading: nothing trained since the last checkpoint
+        emit("log", level="warning", message=f"{stop.reason}: stopped before training")
+        return RunResult("cancelled", state.step)
     for step, refs in schedule.steps(state.step):
         pending_now = _train_step(
             model,
@@ -229,7 +234,9 @@ def _train(
             last_checkpoint_step = step
             if val_samples is not None and not stop.is_set():
                 _evaluate(model, val_samples, config, device, autocast, step, emit)
-        if stop.is_set():
+        if (
+            stop.is_set() and not is_last
+        ):  # a stop during the last step lets the run finish
             emit(
                 "log",
                 level="warning",
@@ -240,9 +247,8 @@ def _train(
     # ---- clean-up -----------------------------------------------------------------------------
     if pending is not None:
         emit("step", **pending.read(schedule.total_steps, hw.peak_flops))
-    if (
-        last_checkpoint_step != state.step
-    ):  # resumed from a finished run: nothing new was trained
+    # Equal when resumed from a finished run: nothing new was trained, the checkpoint is there.
+    if last_checkpoint_step != state.step:
         _write_checkpoint(config, model, optimizer, scheduler, state, emit, final=True)
     export = Path(config.output_dir) / (
         "model" if config.method == "full" else "adapter"

@@ -66,6 +66,7 @@ export function fmtNumber(n, digits = 4) {
 
 export function fmtMs(ms) {
   if (ms === null || ms === undefined || Number.isNaN(ms)) return "–";
+  if (ms === 0) return "0 ms";
   return ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toFixed(ms < 10 ? 2 : 1)} ms`;
 }
 

@@ -6,9 +6,10 @@
 // stream replays the job's events from the start (needed for the event and
 // log list) and the charts skip any step already drawn; after that,
 // EventSource reconnects on its own with Last-Event-ID, so a dropped
-// connection resumes exactly after the last event received. The stream is
-// closed on the job's final state event (otherwise EventSource would reconnect
-// to a finished stream forever).
+// connection resumes exactly after the last event received (an event whose id
+// is not above the last one applied is counted in `data-duplicates` on the
+// live indicator and ignored). The stream is closed on the job's final state
+// event (otherwise EventSource would reconnect to a finished stream forever).
 
 import { api, eventsUrl } from "./api.js";
 import { Chart } from "./charts.js";
@@ -54,6 +55,9 @@ export function renderJob(main, [jobId]) {
   let lastStep = -1;
   let stream = null;
   let stopped = false;
+  let lastSeq = 0; // id: of the last event applied; a reconnect resumes after it
+  let opens = 0;
+  let duplicates = 0;
   let refetchTimer = 0;
   const recent = []; // the last step rows, for the ETA and the summary
 
@@ -104,7 +108,7 @@ export function renderJob(main, [jobId]) {
   // --- Skeleton -------------------------------------------------------------------------
   const title = h("h1", { "data-testid": "job-title", text: jobId });
   const badge = h("span", { class: "status-slot" });
-  const live = h("span", { class: "live", "data-testid": "live-state", role: "status" });
+  const live = h("span", { class: "live", "data-testid": "live-state", role: "status", "data-opens": "0", "data-duplicates": "0" });
   const meta = h("dl", { class: "meta", "data-testid": "job-meta" });
   const errorSlot = h("div");
   const actions = h("div", { class: "actions", "data-testid": "job-actions" });
@@ -361,6 +365,13 @@ export function renderJob(main, [jobId]) {
       return;
     }
     const seq = Number(message.lastEventId) || 0;
+    if (seq && seq <= lastSeq) {
+      // The server resumes after Last-Event-ID, so this should not happen; never apply twice.
+      duplicates += 1;
+      live.dataset.duplicates = String(duplicates);
+      return;
+    }
+    if (seq) lastSeq = seq;
     if (type === "step") {
       if (addStep(data)) {
         if (data.total_steps) job.progress.total_steps = data.total_steps;
@@ -397,6 +408,8 @@ export function renderJob(main, [jobId]) {
     stream = source;
     live.textContent = "connecting…";
     source.onopen = () => {
+      opens += 1;
+      live.dataset.opens = String(opens);
       live.textContent = "● live";
       live.dataset.state = "live";
     };

@@ -8,6 +8,9 @@ process handling (``Stack``) is the end-to-end suite's.
 ``playwright`` package through its executable path; nothing is downloaded. Without a
 Chromium the tests are skipped locally and fail under CI (``CI`` set).
 
+``cuttable_proxy``: a TCP forwarder in front of the API whose open connections a test can cut,
+to drop the dashboard's event stream the way a flaky network would.
+
 Screenshots: with ``FTQ_DASHBOARD_SCREENSHOTS=DIR`` the tests save the pages they drive
 there (``docs/`` holds the committed ones).
 """
@@ -17,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -140,3 +145,76 @@ def screenshot_dir() -> Path | None:
     path = Path(raw)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+class CuttableProxy:
+    """Forwards 127.0.0.1:<port> to the API; ``cut()`` closes every open connection at once."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+            self.cuts += 1
+        for sock in sockets:
+            _close(sock)
+
+    def close(self) -> None:
+        _close(self._listener)
+        self.cut()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            _close(src)
+            _close(dst)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+@pytest.fixture
+def cuttable_proxy(dashboard_stack: Stack) -> Iterator[CuttableProxy]:
+    proxy = CuttableProxy(int(dashboard_stack.url.rsplit(":", 1)[1]))
+    try:
+        yield proxy
+    finally:
+        proxy.close()

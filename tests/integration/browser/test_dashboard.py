@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.conftest import MODEL, screenshot_dir
+from tests.integration.browser.conftest import MODEL, CuttableProxy, screenshot_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -170,6 +170,28 @@ def test_submit_through_the_form_and_watch_the_charts_grow(
     if shots := screenshot_dir():
         page.evaluate("window.scrollTo(0, 0)")
         page.screenshot(path=str(shots / "dashboard-job.png"), full_page=True)
+
+
+def test_a_dropped_stream_resumes_with_no_event_lost_or_repeated(
+    page: Any, api: httpx.Client, chat_file: Path, cuttable_proxy: CuttableProxy, no_leftover_jobs: None
+) -> None:
+    max_steps = 40
+    job = submit_job(api, chat_file, max_steps=max_steps, name="flaky-network")
+    page.goto(f"{cuttable_proxy.url}/#/jobs/{job['id']}")
+    live = page.get_by_test_id("live-state")
+    wait_until(lambda: points(page) >= 3 and live.get_attribute("data-opens") == "1", 180, "the first steps")
+
+    cuttable_proxy.cut()  # the network drops: EventSource reconnects with Last-Event-ID
+    wait_until(lambda: live.get_attribute("data-opens") == "2", 60, "the event stream to reconnect")
+    assert points(page) < max_steps, "the job finished before the cut; the test proved nothing"
+    page.locator("main[data-status=succeeded]").wait_for(timeout=180_000)
+
+    assert points(page) == max_steps
+    assert live.get_attribute("data-duplicates") == "0"  # the server resumed after the last id
+    seqs = [int(s) for s in page.locator("[data-testid=event-log] li").evaluate_all("els => els.map(e => e.dataset.seq)")]
+    assert len(seqs) == len(set(seqs)) and seqs == sorted(seqs)
+    kinds = page.locator("[data-testid=event-log] li").evaluate_all("els => els.map(e => e.dataset.type)")
+    assert kinds.count("plan") == 1 and kinds[-1] == "state"
 
 
 def test_cancel_a_running_job_from_its_page_and_see_the_queue(

@@ -233,3 +233,30 @@ class TestResume:
         )
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+class TestFullFineTuning:
+    def test_full_method_trains_every_weight_for_one_epoch_and_saves_a_loadable_model(
+        self, tmp_path, tiny_model_dir
+    ):
+        from transformers import AutoModelForCausalLM
+
+        config = make_job(
+            tmp_path,
+            tiny_model_dir,
+            method="full",
+            optim=OptimConfig(epochs=1.0, learning_rate=1e-3),
+        )
+        recorder = Recorder()
+        result = run(config, recorder)
+        assert result.status == "succeeded", result.message
+        plan = recorder.of("plan")[0]
+        assert plan["model"]["trainable_params"] == plan["model"]["params"]
+        assert result.steps == plan["total_steps"] == len(recorder.of("step"))
+        assert recorder.of("step")[-1]["epoch"] == pytest.approx(1.0)
+        tuned = AutoModelForCausalLM.from_pretrained(result.adapter_path)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        assert not torch.equal(
+            tuned.model.layers[0].mlp.up_proj.weight,
+            base.model.layers[0].mlp.up_proj.weight,
+        )

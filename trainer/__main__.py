@@ -109,8 +109,11 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
         facts = None
     hw = hardware.detect(config.device)
     plan = hardware.plan(hw, config.optimizations, config, facts)
+    # Per switch: None when `on` can be honoured on this machine, else why not (the API reads it).
+    capabilities = hardware.capabilities(hw, config)
     if as_json:
-        print(json.dumps({"hardware": hw.to_dict(), "plan": plan.to_dict()}, indent=2))
+        report = {"hardware": hw.to_dict(), "plan": plan.to_dict(), "capabilities": capabilities}
+        print(json.dumps(report, indent=2))
         return 0
     print(f"device     {hw.describe()}")
     gpu_mem = f"{hw.gpu_memory / 2**30:.1f} GiB" if hw.gpu_memory else "-"
@@ -131,6 +134,8 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
     print(f"loss       {plan.loss_kernel}: {plan.loss.reason}")
     for d in plan.decisions:
         print(f"{d.name:<24} {'on ' if d.enabled else 'off'}  {d.reason}")
+    for name, why_not in capabilities.items():
+        print(f"{'can be on' if why_not is None else 'cannot be on':<12} {name}" + (f": {why_not}" if why_not else ""))
     return 0
 
 

@@ -12,6 +12,22 @@ attention backend, the loss kernel and the compute dtype. Rules for every switch
 What a switch needs is written once in ``_requirement``; which optimizations exist in this build
 is ``BUILT_OPTIMIZATIONS`` (the modules that implement them add their name there as they land),
 so a plan never claims something the trainer would not actually run.
+
+Attention: every model that ``trainer.attention`` can run (causal, no logit soft-capping) trains
+through ``ftq_packed`` attention over per-batch packed metadata, on the fastest backend here (CUDA:
+torch's ``varlen_attn``, else our Triton kernel, else SDPA with the block-diagonal mask; CPU: SDPA).
+``packed_metadata_cache`` only decides whether that metadata is built once per batch (``on``) or
+rebuilt in every layer from the device position ids (``off``, the honest "before"). A model packed
+attention cannot run (Gemma 2's soft-capping, a bidirectional config) keeps transformers' own
+attention with the packed block masks of ``trainer.model.packed_attention_masks``; then the cache
+has nothing to cache (``auto`` -> off with that reason, ``on`` -> ``PlanError``).
+
+Loss: ``fused_chunked_ce`` (``trainer.fused_loss``: chunked LM head + cross-entropy, no full
+logits) when ``ModelFacts.fused_loss`` is None, else ``torch_cross_entropy`` on the full logits.
+
+``capabilities(hw, config)`` answers, per switch, whether ``on`` can be honoured here at all (for
+any model); ``python -m trainer detect --json`` prints it, workers store it, and the API refuses a
+job whose forced ``on`` no live worker can honour.
 """
 
 from __future__ import annotations
@@ -26,7 +42,22 @@ from typing import Any
 from trainer.config import Optimizations, TrainConfig
 from trainer.errors import PlanError
 
-BUILT_OPTIMIZATIONS: frozenset[str] = frozenset()
+BUILT_OPTIMIZATIONS: frozenset[str] = frozenset({"packed_metadata_cache"})
+
+SWITCHES: tuple[str, ...] = (
+    "packed_metadata_cache",
+    "double_buffered_reload",
+    "moe_grouped_routing",
+    "offload_activations",
+)
+"""Every optimization switch the plan decides (``Optimizations`` fields + ``offload_activations``)."""
+
+PACKED_BACKENDS: tuple[str, ...] = ("triton", "torch_varlen", "sdpa", "flex")
+"""Attention backends of ``ftq_packed`` (``trainer.packed_metadata.BACKENDS``, kept here so the
+plan imports no torch)."""
+TRITON_HEAD_DIMS: tuple[int, ...] = (64, 128)
+"""Head dims our Triton kernel compiles for (``trainer.kernels.flash_varlen.SUPPORTED_HEAD_DIMS``)."""
+LOSS_FUSED, LOSS_PLAIN = "fused_chunked_ce", "torch_cross_entropy"
 """Optimization switches implemented in this build (names of ``trainer.config.Optimizations`` fields)."""
 
 # Dense bf16 tensor-core peak in FLOP/s by GPU name, from the vendors' data sheets (no sparsity).
@@ -81,6 +112,12 @@ class Hardware:
     cuda_version: str | None
     peak_flops: float | None
     """Dense bf16 peak FLOP/s of the GPU when known (for MFU), None on CPU or an unknown GPU."""
+    varlen_options: tuple[str, ...] = ()
+    """Keyword options of ``torch.nn.attention.varlen.varlen_attn`` (``window_size``, ``return_aux``):
+    a sliding window and attention sinks need them. Empty when torch has no varlen attention."""
+    triton_varlen: str | None = "not probed"
+    """Why our Triton varlen kernel (``trainer.kernels.flash_varlen``) cannot run on the training
+    device, or None when it can (any head dim it supports)."""
 
     def to_dict(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
@@ -97,11 +134,30 @@ class Hardware:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the plan needs to know about the model, read from its config before loading weights."""
+    """What the plan needs to know about the model, read from its config before loading weights.
+
+    ``trainer.model.model_facts`` fills it from the real config; the defaults describe a plain
+    causal LM that every kernel can run (what ``detect`` plans for when no job is given).
+    """
 
     model_type: str
     is_moe: bool = False
     supports_sdpa: bool = True
+    packed_attention: str | None = None
+    """Why ``ftq_packed`` attention cannot run this model (soft-capping, bidirectional), or None."""
+    head_dim: int | None = None
+    """Attention head dim (our Triton kernel supports 64 and 128); None when unknown."""
+    sliding_window: bool = False
+    """Some layer attends through a sliding window (Mistral, GPT-OSS)."""
+    attention_sinks: bool = False
+    """Attention sinks (GPT-OSS): the kernel must return the log-sum-exp."""
+    fused_loss: str | None = None
+    """Why ``trainer.fused_loss`` cannot stand in for the LM head + loss, or None."""
+
+
+ANY_MODEL = ModelFacts(model_type="any model", is_moe=True)
+"""The facts ``capabilities`` plans with: a model with MoE blocks that every kernel can run, so a
+switch is reported impossible only for reasons of the machine or of this build."""
 
 
 @dataclass(frozen=True)
@@ -122,12 +178,27 @@ class Plan:
     """Compute dtype: ``bfloat16`` on a bf16-capable GPU, else ``float32``."""
     decisions: tuple[Decision, ...]
     attention: Decision
+    """Backend ``triton`` / ``torch_varlen`` / ``sdpa`` (``ftq_packed`` attention, see
+    ``PACKED_BACKENDS``), or ``transformers_sdpa`` / ``transformers_eager`` (the model's own
+    attention with packed block masks, for models packed attention cannot run)."""
     loss: Decision
+    hf_attention: str = "sdpa"
+    """The model's own attention implementation (``sdpa``, or ``eager`` where it has no SDPA path)."""
 
     @property
     def attention_backend(self) -> str:
         assert self.attention.backend is not None
         return self.attention.backend
+
+    @property
+    def packed_attention(self) -> bool:
+        """The model trains through ``trainer.attention.PackedAttention`` (``ftq_packed``)."""
+        return self.attention_backend in PACKED_BACKENDS
+
+    @property
+    def load_attn_implementation(self) -> str:
+        """``attn_implementation`` for ``from_pretrained`` (``ftq_packed`` is installed afterwards)."""
+        return "eager" if self.attention_backend == "transformers_eager" else self.hf_attention
 
     @property
     def loss_kernel(self) -> str:
@@ -173,8 +244,6 @@ def detect(device: str = "auto") -> Hardware:
     kernels = ["sdpa"]
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
         kernels.append("flex_attention")
-    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
-        kernels.append("varlen")
     common = {
         "host_memory": psutil.virtual_memory().total,
         "triton": _importable("triton"),
@@ -184,6 +253,13 @@ def detect(device: str = "auto") -> Hardware:
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
     }
+    varlen_options = _varlen_options()
+    # On CUDA "varlen" is listed only when a tiny real call runs (a build may ship the module
+    # without the kernel for this GPU); on CPU it is listed when it imports (no CPU kernel exists).
+    if varlen_options is not None and (not use_cuda or _varlen_runs()):
+        kernels.append("varlen")
+    common["varlen_options"] = varlen_options or ()
+    common["attention_kernels"] = tuple(kernels)
     if not use_cuda:
         import platform
 
@@ -196,6 +272,7 @@ def detect(device: str = "auto") -> Hardware:
             pinned_memory=False,
             bf16=False,
             peak_flops=None,
+            triton_varlen="training runs on the CPU; the Triton kernel needs a CUDA GPU",
             **common,
         )
     index = torch.cuda.current_device()
@@ -209,6 +286,7 @@ def detect(device: str = "auto") -> Hardware:
         pinned_memory=_can_pin(),
         bf16=torch.cuda.is_bf16_supported(),
         peak_flops=peak_flops(props.name),
+        triton_varlen=_triton_varlen_missing(torch.device("cuda", index)),
         **common,
     )
 
@@ -227,7 +305,9 @@ def plan(
     config: TrainConfig,
     model: ModelFacts | None = None,
 ) -> Plan:
-    """Decide every optimization for a run (see the module docstring for the rules).
+    """Decide every optimization, the attention backend and the loss kernel for a run.
+
+    Pure: reads only its arguments (see the module docstring for the rules).
 
     Raises:
         PlanError: a switch is ``on`` but cannot run here, or ``method`` needs what is missing.
@@ -238,33 +318,50 @@ def plan(
             f"method=qlora needs a CUDA GPU with bitsandbytes installed; this machine is {hw.describe()}"
             f"{'' if hw.bitsandbytes else ' without bitsandbytes'}. Use method=lora, or install bitsandbytes on a GPU worker"
         )
-    switches = {
-        "packed_metadata_cache": opts.packed_metadata_cache,
-        "double_buffered_reload": opts.double_buffered_reload,
-        "moe_grouped_routing": opts.moe_grouped_routing,
-        "offload_activations": config.offload_activations,
-    }
+    attention = _attention(hw, model)
     decisions = tuple(
-        _decide(name, value, hw, config, model) for name, value in switches.items()
+        _decide(name, _switch_value(name, opts, config), hw, config, model, attention)
+        for name in SWITCHES
     )
     return Plan(
         device=hw.device,
         dtype=_dtype(hw, config),
         decisions=decisions,
-        attention=_attention(hw, model),
-        loss=Decision(
-            "loss",
-            True,
-            "torch_cross_entropy",
-            "full logits in float32; no fused loss in this build",
-        ),
+        attention=attention,
+        loss=_loss(model),
+        hf_attention="sdpa" if model.supports_sdpa else "eager",
     )
 
 
+def capabilities(hw: Hardware, config: TrainConfig) -> dict[str, str | None]:
+    """Per switch: None when ``on`` can be honoured on ``hw`` (for a model every kernel can run),
+    else the one-line reason it cannot. What ``detect --json`` reports and the API checks."""
+    attention = _attention(hw, ANY_MODEL)
+    return {
+        name: _why_not(name, hw, config, ANY_MODEL, attention) for name in SWITCHES
+    }
+
+
+def _switch_value(name: str, opts: Optimizations, config: TrainConfig) -> str:
+    return config.offload_activations if name == "offload_activations" else getattr(opts, name)
+
+
 def _decide(
-    name: str, value: str, hw: Hardware, config: TrainConfig, model: ModelFacts
+    name: str,
+    value: str,
+    hw: Hardware,
+    config: TrainConfig,
+    model: ModelFacts,
+    attention: Decision,
 ) -> Decision:
     if value == "off":
+        if name == "packed_metadata_cache" and attention.backend in PACKED_BACKENDS:
+            return Decision(
+                name,
+                False,
+                attention.backend,
+                "off in the job: metadata rebuilt in every layer from the device position ids",
+            )
         return Decision(name, False, None, "off in the job")
     if name == "moe_grouped_routing" and not model.is_moe:
         return Decision(
@@ -273,21 +370,35 @@ def _decide(
             None,
             f"{model.model_type} has no MoE blocks; the switch has no effect",
         )
-    missing = _requirement(name, hw, config)
-    if missing is None and name not in BUILT_OPTIMIZATIONS:
-        missing = "it is not implemented in this build of the trainer"
+    missing = _why_not(name, hw, config, model, attention)
     if missing is None:
-        return Decision(
-            name,
-            True,
-            hw.device,
-            "available here" if value == "auto" else "on in the job",
-        )
+        how = "on in the job" if value == "on" else "auto"
+        if name == "packed_metadata_cache":
+            return Decision(
+                name,
+                True,
+                attention.backend,
+                f"{how}: cu_seqlens, max_seqlen and positions built once per batch from host lengths, "
+                f"reused by every layer ({attention.backend} attention)",
+            )
+        return Decision(name, True, hw.device, "available here" if value == "auto" else "on in the job")
     if value == "on":
         raise PlanError(
             f"{name}=on cannot run: {missing} (machine: {hw.describe()}). Set {name} to auto or off"
         )
     return Decision(name, False, None, missing)
+
+
+def _why_not(
+    name: str, hw: Hardware, config: TrainConfig, model: ModelFacts, attention: Decision
+) -> str | None:
+    """Why switch ``name`` cannot be on here, or None."""
+    missing = _requirement(name, hw, config)
+    if missing is None and name == "packed_metadata_cache" and attention.backend not in PACKED_BACKENDS:
+        missing = f"packed attention cannot run this model ({model.packed_attention})"
+    if missing is None and name not in BUILT_OPTIMIZATIONS:
+        missing = "it is not implemented in this build of the trainer"
+    return missing
 
 
 def _requirement(name: str, hw: Hardware, config: TrainConfig) -> str | None:
@@ -305,18 +416,70 @@ def _requirement(name: str, hw: Hardware, config: TrainConfig) -> str | None:
 
 
 def _attention(hw: Hardware, model: ModelFacts) -> Decision:
-    if not model.supports_sdpa:
+    """The fastest packed attention backend for ``model`` on ``hw``, or the model's own attention."""
+    if model.packed_attention is not None:
+        own = "transformers_sdpa" if model.supports_sdpa else "transformers_eager"
         return Decision(
             "attention",
             True,
-            "eager",
-            f"{model.model_type} has no SDPA path in transformers; eager attention with the packed block mask",
+            own,
+            f"packed attention cannot run {model.model_type} ({model.packed_attention}); "
+            f"its own {own.split('_')[1]} attention with packed block masks built from position ids",
         )
+    if hw.device != "cuda":
+        return Decision(
+            "attention",
+            True,
+            "sdpa",
+            f"{hw.device}: SDPA with the packed block-diagonal mask (the varlen kernels need CUDA)",
+        )
+    skipped = []
+    why = _torch_varlen_missing(hw, model)
+    if why is None:
+        return Decision("attention", True, "torch_varlen", "torch varlen_attn over cu_seqlens (no cross-sample block)")
+    skipped.append(f"not torch_varlen: {why}")
+    why = hw.triton_varlen
+    if why is None and model.head_dim is not None and model.head_dim not in TRITON_HEAD_DIMS:
+        why = f"head dim {model.head_dim} is not one of {', '.join(map(str, TRITON_HEAD_DIMS))}"
+    if why is None:
+        return Decision(
+            "attention",
+            True,
+            "triton",
+            "our Triton flash attention over cu_seqlens (no cross-sample block; " + skipped[0] + ")",
+        )
+    skipped.append(f"not triton: {why}")
     return Decision(
         "attention",
         True,
         "sdpa",
-        "torch SDPA with transformers' block-diagonal mask built from packed position ids",
+        "SDPA with the packed block-diagonal mask (" + "; ".join(skipped) + ")",
+    )
+
+
+def _torch_varlen_missing(hw: Hardware, model: ModelFacts) -> str | None:
+    if "varlen" not in hw.attention_kernels:
+        return f"torch {hw.torch_version} has no torch.nn.attention.varlen (needs torch >= 2.12)"
+    if model.sliding_window and "window_size" not in hw.varlen_options:
+        return f"torch {hw.torch_version}'s varlen_attn has no window_size, and {model.model_type} uses a sliding window"
+    if model.attention_sinks and "return_aux" not in hw.varlen_options:
+        return f"torch {hw.torch_version}'s varlen_attn cannot return the log-sum-exp attention sinks need"
+    return None
+
+
+def _loss(model: ModelFacts) -> Decision:
+    if model.fused_loss is None:
+        return Decision(
+            "loss",
+            True,
+            LOSS_FUSED,
+            "fused chunked LM head + cross-entropy: the full logits are never materialised",
+        )
+    return Decision(
+        "loss",
+        True,
+        LOSS_PLAIN,
+        f"full logits in float32: the fused loss cannot run this model ({model.fused_loss})",
     )
 
 
@@ -324,6 +487,42 @@ def _dtype(hw: Hardware, config: TrainConfig) -> str:
     if config.model.dtype != "auto":
         return config.model.dtype
     return "bfloat16" if hw.device == "cuda" and hw.bf16 else "float32"
+
+
+def _varlen_options() -> tuple[str, ...] | None:
+    """Keyword options of torch's ``varlen_attn``, or None when this torch has none."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:  # noqa: BLE001 - a broken module is as unusable as a missing one
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return tuple(p for p in ("window_size", "return_aux", "enable_gqa") if p in params)
+
+
+def _varlen_runs() -> bool:
+    """torch's ``varlen_attn`` runs forward and backward on the current CUDA device."""
+    import torch
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        q = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        cu = torch.tensor([0, 3, 8], device="cuda", dtype=torch.int32)
+        varlen_attn(q, q, q, cu, cu, 5, 5).sum().backward()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - whatever fails, the kernel is not usable here
+        return False
+    return True
+
+
+def _triton_varlen_missing(device: Any) -> str | None:
+    try:
+        from trainer.kernels import flash_varlen
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the kernel unusable
+        return f"the Triton varlen kernel does not import: {exc}"
+    return flash_varlen.supported(device)
 
 
 def _importable(module: str) -> bool:

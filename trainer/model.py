@@ -5,13 +5,19 @@
   that Hugging Face resolves as usual (cache, then the hub when online).
 - ``prepare_for_training``: LoRA via peft (or every weight for ``full``), gradient checkpointing
   with ``use_reentrant=False``.
-- ``packed_forward`` + ``loss_sum``: the only way the trainer calls the model. Packed rows must go
-  in with no attention mask and no KV cache: transformers derives the per-sample block-diagonal
-  mask from the restarting position ids only when both are absent, and an all-ones mask (what a
-  tokenizer or collator hands out by default) would silently let every sample see the previous
-  ones. ``packed_forward`` refuses such arguments instead of passing them on.
+- ``packed_forward`` + ``loss_sum`` (full logits) and ``packed_loss`` (either loss kernel): the
+  only ways the trainer calls the model. Packed rows must go in with no attention mask and no KV
+  cache: an all-ones mask (what a tokenizer or collator hands out by default) would silently let
+  every sample see the previous ones. ``packed_forward`` refuses such arguments instead of
+  passing them on.
 
-  Some model classes do not hand their position ids to the mask builder at all (GPT-OSS in
+  The normal path (``trainer.hardware.Plan.packed_attention``): the model runs ``ftq_packed``
+  attention (``trainer.attention``) and the call carries ``packed_metadata`` built once per
+  micro-batch from the host lengths; no mask is built at all.
+
+  The fallback, only for models packed attention cannot run (attention logit soft-capping,
+  bidirectional configs): transformers' own attention, which derives the per-sample block
+  mask from the restarting position ids when no mask and no cache are given. Some model classes do not hand their position ids to the mask builder at all (GPT-OSS in
   transformers 5.23 builds its full and sliding masks from the shapes alone, so stock packing
   leaks attention across samples there). For every config with ``layer_types`` the trainer
   therefore builds the per-layer-type masks itself with transformers' own mask functions and the
@@ -32,7 +38,8 @@ import torch.nn.functional as F
 from trainer.config import LoraConfig, TrainConfig
 from trainer.dataset import IGNORE_INDEX
 from trainer.errors import ConfigError, ModelNotFoundError
-from trainer.hardware import ModelFacts, Plan
+from trainer.hardware import LOSS_FUSED, LOSS_PLAIN, ModelFacts, Plan
+from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import PackedBatch
 
 _DTYPES = {
@@ -68,6 +75,8 @@ def model_facts(config: TrainConfig) -> ModelFacts:
     """Read the model's config (no weights) and say what the plan needs to know."""
     from transformers import AutoModelForCausalLM
 
+    from trainer import attention
+
     hf_config = _load_config(config.model.name_or_path, config.model.trust_remote_code)
     experts = getattr(hf_config, "num_local_experts", None) or getattr(
         hf_config, "num_experts", None
@@ -81,7 +90,38 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         model_type=hf_config.model_type,
         is_moe=bool(experts),
         supports_sdpa=supports_sdpa,
+        # sdpa is the backend with no device or kernel requirement: only the model's reason is left
+        packed_attention=attention.supported("sdpa", "cpu", hf_config),
+        head_dim=attention._head_dim(hf_config),
+        sliding_window=attention._uses_window(hf_config),
+        attention_sinks=attention._has_sinks(hf_config),
+        fused_loss=_fused_loss_reason(hf_config, config),
     )
+
+
+def _fused_loss_reason(hf_config: Any, config: TrainConfig) -> str | None:
+    """``trainer.fused_loss.supported`` on the model as the trainer will wrap it, without weights.
+
+    The model is built on the meta device (no memory, no initialisation), so the check sees the
+    real head class, bias and logit scaling. A LoRA adapter on the head (``lm_head`` among
+    ``lora.target_modules``) makes it a peft layer, which the fused loss refuses.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from trainer import fused_loss
+
+    if config.method != "full" and any(
+        t.split(".")[-1] == "lm_head" for t in config.lora.target_modules
+    ):
+        return "lora.target_modules adapts lm_head, and the fused loss needs a plain Linear head"
+    try:
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(
+                hf_config, trust_remote_code=config.model.trust_remote_code
+            )
+    except Exception as exc:  # noqa: BLE001 - a model we cannot build abstractly gets the plain loss
+        return f"its class cannot be built from the config to check the head ({type(exc).__name__}: {exc})"
+    return fused_loss.supported(shell)
 
 
 def load_tokenizer(config: TrainConfig) -> Any:
@@ -108,7 +148,7 @@ def load_model(
 
     kwargs: dict[str, Any] = {
         "dtype": _DTYPES[plan.dtype],
-        "attn_implementation": plan.attention_backend,
+        "attn_implementation": plan.load_attn_implementation,
         "trust_remote_code": config.model.trust_remote_code,
     }
     if config.method == "qlora":
@@ -197,9 +237,17 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def packed_forward(
-    model: torch.nn.Module, batch: PackedBatch, **model_kwargs: Any
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    meta: AnyPackedMetadata | None = None,
+    **model_kwargs: Any,
 ) -> torch.Tensor:
     """Logits [1, T, V] of a packed row, attention confined to each sample.
+
+    Args:
+        meta: the row's packed metadata when the model runs ``ftq_packed`` attention
+            (``PackedAttention.metadata``); None for the model's own attention, which then gets
+            the packed block masks (see the module docstring).
 
     Raises:
         ValueError: an ``attention_mask``, cache or ``labels`` argument was given; any of them would
@@ -211,16 +259,59 @@ def packed_forward(
             f"packed_forward: {', '.join(bad)} must not be passed with packed rows: sample boundaries come from "
             "position_ids, and transformers ignores them when an attention mask or a cache is present"
         )
-    masks = packed_attention_masks(model, batch)
-    if masks is not None:
-        model_kwargs["attention_mask"] = masks
     out = model(
         input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
         use_cache=False,
+        **_boundary_kwargs(model, batch, meta),
         **model_kwargs,
     )
     return out.logits
+
+
+def packed_loss(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    meta: AnyPackedMetadata | None,
+    loss_kernel: str,
+    num_items: int,
+) -> torch.Tensor:
+    """Summed token cross-entropy of a packed row divided by ``num_items``, through ``loss_kernel``.
+
+    Args:
+        meta: as in ``packed_forward``.
+        loss_kernel: ``fused_chunked_ce`` (``trainer.fused_loss``: never materialises the logits)
+            or ``torch_cross_entropy`` (full logits, ``loss_sum``).
+        num_items: the label-token count of the whole optimizer step (a host int), so that the
+            micro-batches of a gradient-accumulation group add up to the step's mean exactly;
+            pass 1 for the plain sum.
+    """
+    num_items = max(int(num_items), 1)
+    if loss_kernel == LOSS_FUSED:
+        from trainer.fused_loss import causal_lm_loss
+
+        return causal_lm_loss(
+            model,
+            batch.input_ids,
+            batch.targets,
+            num_items=num_items,
+            **_boundary_kwargs(model, batch, meta),
+        )
+    if loss_kernel != LOSS_PLAIN:
+        raise ValueError(f"loss kernel {loss_kernel!r} is not one of {LOSS_FUSED}, {LOSS_PLAIN}")
+    return loss_sum(packed_forward(model, batch, meta), batch.targets) / num_items
+
+
+def _boundary_kwargs(
+    model: torch.nn.Module, batch: PackedBatch, meta: AnyPackedMetadata | None
+) -> dict[str, Any]:
+    """What tells the model where samples begin: packed metadata, or positions + block masks."""
+    if meta is not None:
+        return meta.model_kwargs()
+    kwargs: dict[str, Any] = {"position_ids": batch.position_ids}
+    masks = packed_attention_masks(model, batch)
+    if masks is not None:
+        kwargs["attention_mask"] = masks
+    return kwargs
 
 
 def packed_attention_masks(

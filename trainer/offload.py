@@ -101,7 +101,9 @@ def _itemsize(dtype: torch.dtype | str) -> int:
     if isinstance(dtype, torch.dtype):
         return dtype.itemsize
     if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(_DTYPE_BYTES)} or a torch.dtype")
+        raise ValueError(
+            f"dtype {dtype!r}: use one of {', '.join(_DTYPE_BYTES)} or a torch.dtype"
+        )
     return _DTYPE_BYTES[dtype]
 
 
@@ -121,7 +123,12 @@ def estimate(config: Any, tokens: int, dtype: torch.dtype | str) -> ActivationEs
             f"{type(config).__name__} has no num_hidden_layers/hidden_size; pass a decoder-only model config"
         )
     one = tokens * hidden * _itemsize(dtype)
-    return ActivationEstimate(checkpointed=layers * one, offloaded=(layers - 1) * one, buffer=one, second_buffer=one)
+    return ActivationEstimate(
+        checkpointed=layers * one,
+        offloaded=(layers - 1) * one,
+        buffer=one,
+        second_buffer=one,
+    )
 
 
 def activation_bytes(config: Any, tokens: int, dtype: torch.dtype | str) -> int:
@@ -137,7 +144,9 @@ def _is_wsl() -> bool:
         return False
 
 
-def supported(device: torch.device | str, host_free_bytes: int, needed_bytes: int) -> str | None:
+def supported(
+    device: torch.device | str, host_free_bytes: int, needed_bytes: int
+) -> str | None:
     """Why offloading cannot run here, or None when it can.
 
     Args:
@@ -165,7 +174,9 @@ def supported(device: torch.device | str, host_free_bytes: int, needed_bytes: in
     return None
 
 
-def double_buffer_supported(gpu_free_bytes: int, second_buffer_bytes: int) -> str | None:
+def double_buffer_supported(
+    gpu_free_bytes: int, second_buffer_bytes: int
+) -> str | None:
     """Why the second reload buffer does not fit on the GPU, or None when it does."""
     if second_buffer_bytes + DOUBLE_BUFFER_HEADROOM_BYTES > gpu_free_bytes:
         return (
@@ -174,6 +185,88 @@ def double_buffer_supported(gpu_free_bytes: int, second_buffer_bytes: int) -> st
             "of GPU memory is free; the reload stays single-buffered"
         )
     return None
+
+
+ACTIVATION_SHARE = 0.5
+"""``auto`` offloads when the checkpointed layer inputs would take more than this share of the GPU
+memory left after the weights: the rest is for one layer's recompute, the loss and the optimizer."""
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """What the plan decided for ``offload_activations`` and ``double_buffered_reload``, and why."""
+
+    offload: bool
+    double_buffer: bool
+    reason: str
+    extra_gpu_bytes: int
+    """GPU memory of the second reload buffer (0 unless double buffering): report it in the plan."""
+
+
+def choose(
+    offload: str,
+    double_buffer: str,
+    *,
+    device: torch.device | str,
+    est: ActivationEstimate,
+    gpu_free_bytes: int,
+    host_free_bytes: int,
+) -> OffloadChoice:
+    """Decide both switches (``auto | on | off`` each) from the estimate and the free memory.
+
+    Offload turns on when asked, or (``auto``) when the checkpointed layer inputs would not fit in
+    ``ACTIVATION_SHARE`` of ``gpu_free_bytes`` (free GPU memory after the weights); double
+    buffering goes with it unless asked off or the second buffer does not fit.
+
+    Raises:
+        ValueError: a switch is ``on`` but cannot run; the message names the reason and the fix.
+    """
+    gib = 1 / _GIB
+    if offload == "off":
+        return OffloadChoice(False, False, "offload_activations is off in the job", 0)
+    missing = supported(device, host_free_bytes, est.offloaded)
+    if missing is not None:
+        if offload == "on":
+            raise ValueError(
+                f"offload_activations=on cannot run: {missing}. Set it to auto or off"
+            )
+        return OffloadChoice(False, False, missing, 0)
+    budget = gpu_free_bytes * ACTIVATION_SHARE
+    if offload == "auto" and est.checkpointed <= budget:
+        return OffloadChoice(
+            False,
+            False,
+            f"layer inputs ({est.checkpointed * gib:.2f} GiB) fit in {budget * gib:.2f} GiB of GPU memory: "
+            "plain gradient checkpointing",
+            0,
+        )
+    why = (
+        "on in the job"
+        if offload == "on"
+        else (
+            f"layer inputs ({est.checkpointed * gib:.2f} GiB) would not fit in {budget * gib:.2f} GiB of GPU memory"
+        )
+    )
+    if double_buffer == "off":
+        return OffloadChoice(
+            True,
+            False,
+            f"{why}; synchronous reload (double_buffered_reload off in the job)",
+            0,
+        )
+    no_room = double_buffer_supported(gpu_free_bytes, est.second_buffer)
+    if no_room is not None:
+        if double_buffer == "on":
+            raise ValueError(
+                f"double_buffered_reload=on cannot run: {no_room}. Set it to auto or off"
+            )
+        return OffloadChoice(True, False, f"{why}; {no_room}", 0)
+    return OffloadChoice(
+        True,
+        True,
+        f"{why}; double-buffered reload, second buffer {est.second_buffer * gib:.3f} GiB",
+        est.second_buffer,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +364,9 @@ class ReloadSchedule:
     def slot_of(self, layer: int) -> int:
         return layer % self.num_slots
 
-    def forward(self, layer: int, numel: int, *, small: bool = False) -> tuple[Pass, Entry]:
+    def forward(
+        self, layer: int, numel: int, *, small: bool = False
+    ) -> tuple[Pass, Entry]:
         """Record ``layer``'s forward; a layer at or below the previous one starts a new pass.
 
         ``small``: the input is below the offloader's size threshold and stays on the GPU.
@@ -297,8 +392,11 @@ class ReloadSchedule:
             self.trace.append(Step("wait", entry.layer, read_slot))
         if self.double_buffer:
             previous = p.entries.get(entry.layer - 1)
-            if previous is not None and previous.offloaded and not previous.done and not (
-                previous.loaded and self.owner[previous.slot] is previous
+            if (
+                previous is not None
+                and previous.offloaded
+                and not previous.done
+                and not (previous.loaded and self.owner[previous.slot] is previous)
             ):
                 loads.append(self._load(previous))
         self.trace.append(Step("backward", entry.layer, read_slot))
@@ -318,12 +416,16 @@ class ReloadSchedule:
         slot = self.slot_of(entry.layer)
         victim = self.owner[slot]
         if victim is not None and victim is not entry:
-            victim.loaded = False  # another pass's pending prefetch: it will reload on demand
+            victim.loaded = (
+                False  # another pass's pending prefetch: it will reload on demand
+            )
         grow_to = None
         if entry.numel > self.capacity[slot]:
             grow_to = self.capacity[slot] = entry.numel
             self.trace.append(Step("grow", entry.layer, slot, grow_to))
-        wait: int | str | None = self.released_by[slot] if self.double_buffer else "main"
+        wait: int | str | None = (
+            self.released_by[slot] if self.double_buffer else "main"
+        )
         self.owner[slot] = entry
         entry.slot, entry.loaded = slot, True
         self.trace.append(Step("h2d", entry.layer, slot, wait))
@@ -360,8 +462,8 @@ class SyncStreams:
     def wait_stream(self, stream: Any, other: Any) -> None:
         pass
 
-    def on(self, stream: Any) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        dst.copy_(src)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         pass
@@ -369,7 +471,9 @@ class SyncStreams:
     def host_empty(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype, device="cpu")
 
-    def device_empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def device_empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
 
 
@@ -403,8 +507,11 @@ class CudaStreams:
     def wait_stream(self, stream: torch.cuda.Stream, other: torch.cuda.Stream) -> None:
         stream.wait_stream(other)
 
-    def on(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream
+    ) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
 
     def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         # The allocator will not hand this memory out again until the work queued on `stream`
@@ -416,9 +523,13 @@ class CudaStreams:
         # stream, so a block is not reused while a copy from it is still queued.
         return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
 
-    def device_empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def device_empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         buffer = torch.empty(numel, dtype=dtype, device=device)
-        buffer.record_stream(self._side)  # written on the side stream: freeing waits for its copies
+        buffer.record_stream(
+            self._side
+        )  # written on the side stream: freeing waits for its copies
         return buffer
 
 
@@ -455,7 +566,9 @@ class _OffloadedLayer(torch.autograd.Function):
     """One checkpointed layer call whose saved input lives in pinned host memory."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, anchor: torch.Tensor, hidden: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, call: _Call, anchor: torch.Tensor, hidden: torch.Tensor
+    ) -> Any:
         ctx.call = call
         kept = call.offloader._save_input(call, hidden)
         if kept is not None:
@@ -469,7 +582,9 @@ class _OffloadedLayer(torch.autograd.Function):
                 f"decoder layer returned {type(out).__name__}; offloading supports a tensor or a tuple output"
             )
         call.output_layout = tuple(isinstance(o, torch.Tensor) for o in out)
-        call.raw_outputs = tuple(None if isinstance(o, torch.Tensor) else o for o in out)
+        call.raw_outputs = tuple(
+            None if isinstance(o, torch.Tensor) else o for o in out
+        )
         tensors = tuple(o for o in out if isinstance(o, torch.Tensor))
         non_diff = [t for t in tensors if not t.is_floating_point()]
         if non_diff:
@@ -477,15 +592,25 @@ class _OffloadedLayer(torch.autograd.Function):
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, torch.Tensor | None]:
+    def backward(
+        ctx: Any, *grads: torch.Tensor | None
+    ) -> tuple[None, None, torch.Tensor | None]:
         call: _Call = ctx.call
         saved = ctx.saved_tensors
         x = call.offloader._restore_input(call, saved[0] if saved else None)
         x = x.detach().requires_grad_(True)
         with _replay_state(call), torch.enable_grad():
             out = call.forward(x, *call.args, **call.kwargs)
-        outs = (out,) if isinstance(out, torch.Tensor) else tuple(o for o in out if isinstance(o, torch.Tensor))
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+        outs = (
+            (out,)
+            if isinstance(out, torch.Tensor)
+            else tuple(o for o in out if isinstance(o, torch.Tensor))
+        )
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grads, strict=True)
+            if g is not None and o.requires_grad
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         call.offloader._release_input(call)
@@ -500,11 +625,17 @@ def _replay_state(call: _Call) -> Iterator[None]:
     devices = [call.offloader.device] if call.rng_device is not None else []
     with contextlib.ExitStack() as stack:
         if call.rng_cpu is not None:
-            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device_type or "cuda"))
+            stack.enter_context(
+                torch.random.fork_rng(
+                    devices=devices, device_type=device_type or "cuda"
+                )
+            )
             torch.set_rng_state(call.rng_cpu)
             if call.rng_device is not None:
                 torch.cuda.set_rng_state(call.rng_device, call.offloader.device)
-        stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on))
+        stack.enter_context(
+            torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on)
+        )
         yield
 
 
@@ -548,14 +679,18 @@ class ActivationOffloader:
 
     # -- public surface ---------------------------------------------------------------------
 
-    def apply(self, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> torch.nn.Module:
+    def apply(
+        self, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None
+    ) -> torch.nn.Module:
         """Wrap the decoder layers of ``model`` (found by ``decoder_layers`` unless given); returns ``model``.
 
         Raises:
             ValueError: already applied, or no unique decoder-layer list was found.
         """
         if self._layers:
-            raise ValueError("this offloader is already applied to a model; call remove() first")
+            raise ValueError(
+                "this offloader is already applied to a model; call remove() first"
+            )
         layers = list(layers) if layers is not None else decoder_layers(model)
         for layer in layers:
             if "forward" in vars(layer):
@@ -619,16 +754,24 @@ class ActivationOffloader:
                 kwargs = dict(kwargs)
                 hidden, rest = kwargs.pop("hidden_states"), ()
             else:
-                raise TypeError(f"{type(layer).__name__} called without a hidden-state argument")
+                raise TypeError(
+                    f"{type(layer).__name__} called without a hidden-state argument"
+                )
             _check_passthrough(type(layer).__name__, rest, kwargs)
-            call = _Call(offloader=self, layer=index, forward=inner, args=rest, kwargs=kwargs)
+            call = _Call(
+                offloader=self, layer=index, forward=inner, args=rest, kwargs=kwargs
+            )
             anchor = _anchor(hidden)
             out = _OffloadedLayer.apply(call, anchor, hidden)
             if call.output_layout is None:
                 return out
             tensors = iter(out if isinstance(out, tuple) else (out,))
-            return tuple(next(tensors) if is_tensor else raw for is_tensor, raw in zip(
-                call.output_layout, call.raw_outputs, strict=True))
+            return tuple(
+                next(tensors) if is_tensor else raw
+                for is_tensor, raw in zip(
+                    call.output_layout, call.raw_outputs, strict=True
+                )
+            )
 
         return forward
 
@@ -639,10 +782,16 @@ class ActivationOffloader:
         s = self._streams
         schedule = self.schedule
         small = hidden.numel() * hidden.element_size() < self.min_offload_bytes
-        call.pass_, call.entry = schedule.forward(call.layer, hidden.numel(), small=small)
+        call.pass_, call.entry = schedule.forward(
+            call.layer, hidden.numel(), small=small
+        )
         call.shape = hidden.shape
         device_type = hidden.device.type
-        call.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        call.autocast = (
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
         if self.preserve_rng_state:
             call.rng_cpu = torch.get_rng_state()
             if device_type == "cuda":
@@ -653,8 +802,7 @@ class ActivationOffloader:
         host = s.host_empty(hidden)
         s.record(self._input_ready, main)
         s.wait_event(side, self._input_ready)
-        with s.on(side):
-            host.copy_(hidden, non_blocking=True)
+        s.copy(host, hidden, side)
         s.keep_alive(hidden, side)
         call.entry.host = host
         return None
@@ -676,14 +824,19 @@ class ActivationOffloader:
         host: torch.Tensor = load.entry.host
         buffer = self._buffers[load.slot]
         if load.grow_to is not None or buffer is None or buffer.dtype != host.dtype:
-            size = max(load.grow_to or 0, load.entry.numel, 0 if buffer is None else buffer.numel())
-            buffer = self._buffers[load.slot] = s.device_empty(size, host.dtype, self.device)
+            size = max(
+                load.grow_to or 0,
+                load.entry.numel,
+                0 if buffer is None else buffer.numel(),
+            )
+            buffer = self._buffers[load.slot] = s.device_empty(
+                size, host.dtype, self.device
+            )
         if load.wait == "main":
             s.wait_stream(side, main)
         elif load.wait is not None:
             s.wait_event(side, self._released[load.slot])
-        with s.on(side):
-            buffer[: load.entry.numel].view(host.shape).copy_(host, non_blocking=True)
+        s.copy(buffer[: load.entry.numel].view(host.shape), host, side)
         s.record(self._copy_done[load.slot], side)
 
     def _release_input(self, call: _Call) -> None:
@@ -700,7 +853,9 @@ class NoOffload:
     enabled = False
     double_buffer = False
 
-    def apply(self, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> torch.nn.Module:
+    def apply(
+        self, model: torch.nn.Module, layers: list[torch.nn.Module] | None = None
+    ) -> torch.nn.Module:
         return model
 
     def remove(self, model: torch.nn.Module | None = None) -> None:
@@ -722,7 +877,9 @@ class NoOffload:
         return []
 
 
-def build(device: torch.device | str, *, offload: bool, double_buffer: bool) -> ActivationOffloader | NoOffload:
+def build(
+    device: torch.device | str, *, offload: bool, double_buffer: bool
+) -> ActivationOffloader | NoOffload:
     """The offloader the plan asked for, or its no-op twin when offload is off."""
     if not offload:
         return NoOffload()
@@ -776,11 +933,15 @@ def _anchor(hidden: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, device=hidden.device, dtype=hidden.dtype, requires_grad=True)
 
 
-def _check_passthrough(layer_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _check_passthrough(
+    layer_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """Refuse arguments the reentrant recompute would get wrong (a gradient it cannot return, a cache)."""
     for name in ("past_key_values", "layer_past"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"{layer_name}: {name} must be None when training with offloaded checkpoints")
+            raise ValueError(
+                f"{layer_name}: {name} must be None when training with offloaded checkpoints"
+            )
     values = list(args) + list(kwargs.values())
     while values:
         value = values.pop()

@@ -7,6 +7,12 @@ target count (known on the host before the step), so accumulation is exact howev
 into micro-batches. Clean-up: final checkpoint, the trained weights exported to
 ``output_dir/adapter`` (``output_dir/model`` for full fine-tuning), validation, one ``done`` event.
 
+Optimizations (``trainer.hardware.plan`` decides, ``_install_optimizations`` applies them once to
+the loaded model): ``ftq_packed`` attention with the packed-metadata cache on or off
+(``trainer.attention``; metadata built once per micro-batch from the host lengths in
+``_micro_batches``), and the loss kernel (``trainer.fused_loss`` or full logits, through
+``trainer.model.packed_loss`` with the step's label count, so accumulation is exact either way).
+
 Step results are read one step late (see ``trainer.metrics``): the loop queues step k, then reads
 the loss, grad norm and timings of step k-1 and emits its ``step`` event; the last one is flushed
 at the end. SIGTERM/SIGINT set a flag checked between steps: the run finishes the step it is in,
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 
 from trainer import checkpoint, hardware, metrics
+from trainer.attention import PackedAttention
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
 from trainer.errors import error_code
@@ -37,12 +44,12 @@ from trainer.model import (
     count_parameters,
     load_model,
     load_tokenizer,
-    loss_sum,
     model_facts,
-    packed_forward,
+    packed_loss,
     prepare_for_training,
 )
-from trainer.packing import BatchSchedule, MicroBatchRef, pack_batch
+from trainer.packed_metadata import AnyPackedMetadata
+from trainer.packing import BatchSchedule, MicroBatchRef, PackedBatch, pack_batch
 
 Emit = Callable[..., Any]
 
@@ -146,6 +153,7 @@ def _train(
         message=f"loading model ({plan.dtype}, {plan.attention_backend} attention) on {hw.describe()}",
     )
     model = prepare_for_training(load_model(config, plan, device), config)
+    opt = _install_optimizations(model, plan)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable,
@@ -214,6 +222,7 @@ def _train(
             autocast,
             config,
             flops,
+            opt,
         )
         if pending is not None:
             emit("step", **pending.read(schedule.total_steps, hw.peak_flops))
@@ -233,7 +242,7 @@ def _train(
             )
             last_checkpoint_step = step
             if val_samples is not None and not stop.is_set():
-                _evaluate(model, val_samples, config, device, autocast, step, emit)
+                _evaluate(model, val_samples, config, device, autocast, step, emit, opt)
         if (
             stop.is_set() and not is_last
         ):  # a stop during the last step lets the run finish
@@ -258,14 +267,54 @@ def _train(
     return RunResult("succeeded", state.step, str(export))
 
 
+@dataclass(frozen=True)
+class _Optimizations:
+    """What ``_install_optimizations`` applied to the model, as the step needs it."""
+
+    attention: PackedAttention | None
+    """Packed attention on the model (cache on or off), or None: the model's own attention."""
+    loss_kernel: str
+    """``fused_chunked_ce`` or ``torch_cross_entropy`` (``trainer.model.packed_loss``)."""
+
+    def micro_batch(
+        self, batch: PackedBatch, device: torch.device
+    ) -> tuple[PackedBatch, AnyPackedMetadata | None]:
+        """Move ``batch`` to ``device`` and build its metadata from the host lengths (no sync)."""
+        meta = (
+            self.attention.metadata(batch.lengths, device)
+            if self.attention is not None
+            else None
+        )
+        return batch.to(device, non_blocking=True), meta
+
+
+def _install_optimizations(model: torch.nn.Module, plan: hardware.Plan) -> _Optimizations:
+    """Apply the plan's decisions to the loaded (and LoRA-wrapped) model, once.
+
+    Packed attention: every model it can run gets it (the cache switch picks the cached metadata
+    or the rebuild-per-layer twin); the others keep their own attention with packed block masks
+    (``trainer.model.packed_attention_masks``). Activation offload (``offload_activations``,
+    ``double_buffered_reload``) and MoE grouped routing (``moe_grouped_routing``) plug in here
+    when they are built: each reads its decision and wraps the model like ``install`` does.
+    """
+    attention = None
+    if plan.packed_attention:
+        attention = PackedAttention(
+            plan.attention_backend,
+            cache=plan.decision("packed_metadata_cache").enabled,
+        )
+        attention.install(model)
+    return _Optimizations(attention=attention, loss_kernel=plan.loss_kernel)
+
+
 @dataclass
 class _PendingStep:
     """A queued step whose device-side results are read only when the next step is queued."""
 
     step: int
     epoch: float
-    loss_sum: torch.Tensor
-    num_targets: int
+    loss: torch.Tensor
+    """The step's mean token loss (a device scalar, read one step late)."""
     grad_norm: torch.Tensor
     lr: float
     tokens: int
@@ -281,7 +330,7 @@ class _PendingStep:
             "step": self.step,
             "total_steps": total_steps,
             "epoch": round(self.epoch, 4),
-            "loss": self.loss_sum.item() / max(self.num_targets, 1),
+            "loss": self.loss.item(),
             "lr": self.lr,
             "grad_norm": self.grad_norm.item(),
             "tokens": self.tokens,
@@ -304,21 +353,27 @@ def _train_step(
     autocast: Any,
     config: TrainConfig,
     flops: metrics.FlopCounter,
+    opt: _Optimizations,
 ) -> _PendingStep:
-    """Queue one optimizer step over the micro-batches ``refs``; returns it unread."""
+    """Queue one optimizer step over the micro-batches ``refs``; returns it unread.
+
+    Every micro-batch's loss is its token-loss sum divided by the label count of the whole
+    step (a host int from the packer), so the accumulated gradient is the step's mean exactly.
+    Nothing here reads a device value back: the losses and the grad norm stay on the device.
+    """
     timer = metrics.StepTimer(device)
     metrics.reset_peak_memory(device)
     batches = [pack_batch([samples[i] for i in ref.sample_indices]) for ref in refs]
     step_targets = sum(b.num_targets for b in batches)
     total_loss = torch.zeros((), device=device)
     lengths: list[int] = []
-    for batch in batches:
+    for host_batch in batches:
         with timer.phase("data"):
-            batch = batch.to(device, non_blocking=True)
+            batch, meta = opt.micro_batch(host_batch, device)
         with timer.phase("forward"), autocast:
-            loss = loss_sum(packed_forward(model, batch), batch.targets)
+            loss = packed_loss(model, batch, meta, opt.loss_kernel, step_targets)
         with timer.phase("backward"):
-            (loss / max(step_targets, 1)).backward()
+            loss.backward()
         total_loss += loss.detach()
         lengths.extend(batch.lengths)
     with timer.phase("optimizer"):
@@ -336,8 +391,7 @@ def _train_step(
     return _PendingStep(
         step=step,
         epoch=refs[-1].epoch,
-        loss_sum=total_loss,
-        num_targets=step_targets,
+        loss=total_loss,
         grad_norm=grad_norm,
         lr=lr,
         tokens=sum(lengths),
@@ -356,6 +410,7 @@ def _evaluate(
     autocast: Any,
     step: int,
     emit: Emit,
+    opt: _Optimizations,
 ) -> None:
     """Token-weighted validation loss over the whole validation set, as an ``eval`` event."""
     from trainer.packing import pack_indices
@@ -367,10 +422,12 @@ def _evaluate(
             for indices in pack_indices(
                 [len(s) for s in samples], range(len(samples)), config.data.batch_tokens
             ):
-                batch = pack_batch([samples[i] for i in indices]).to(device)
+                batch, meta = opt.micro_batch(
+                    pack_batch([samples[i] for i in indices]), device
+                )
                 with autocast:
-                    total += loss_sum(
-                        packed_forward(model, batch), batch.targets
+                    total += packed_loss(
+                        model, batch, meta, opt.loss_kernel, num_items=1
                     ).item()
                 targets += batch.num_targets
     finally:

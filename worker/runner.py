@@ -1,7 +1,8 @@
 """One job on this worker, from claim to final state.
 
     claim     queued → running by compare-and-set (a redelivered message finds it taken)
-    config    the stored spec → job.json under <data_dir>/jobs/<job_id>/
+    config    the stored spec → job.json under <data_dir>/jobs/<job_id>/; on a retry,
+              checkpoints newer than the store's newest are set aside (no metrics gap)
     run       the trainer in its own process group; events batched into the store;
               a watchdog thread beats the heartbeat and turns a cancel, a worker shutdown or a
               lost claim into SIGTERM to the group, then SIGKILL after cancel_grace_s
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -20,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from core.db import utcnow
-from core.jobs.models import Job
+from core.jobs.models import Checkpoint, Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.workers.models import Worker
@@ -34,6 +36,8 @@ from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+"""A trainer checkpoint directory (trainer/checkpoint.py): ``checkpoints/step-NNNNNN``."""
 _SECRET_ENV = ("FTQ_DATABASE_URL", "FTQ_BROKER_URL", "FTQ_REDIS_URL")
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +119,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         return Outcome(JobStatus.failed, "invalid_job", f"the job could not be prepared for the trainer: {exc}"), None
     job_json = claim.output_dir / "job.json"
     config.save(job_json)
+    set_aside_unrecorded_checkpoints(runtime, claim)
 
     settings = runtime.settings
     recorder = EventRecorder(
@@ -159,6 +164,41 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         return Outcome(JobStatus.failed, "worker_error", f"the worker failed while running the trainer: {error!r}"), None
     last_done = done[-1] if done else None
     return classify(exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s), last_done
+
+
+def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str]:
+    """Move checkpoints newer than the newest one in the store out of the trainer's way.
+
+    A worker that died (SIGKILL, power cut) loses the events it had not yet written, while
+    the trainer may have saved a checkpoint after them. Resuming from that checkpoint would
+    leave a hole in the job's metrics. So a retry resumes from the newest checkpoint the store
+    knows, and the trainer re-emits the steps after it; the newer directories are moved to
+    ``<output_dir>/unrecorded-checkpoints/`` (kept, not deleted). Returns the names moved.
+    """
+    root = claim.output_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    with runtime.sessionmaker() as session:
+        recorded = session.execute(
+            select(func.max(Checkpoint.step)).where(Checkpoint.job_id == claim.job_id)
+        ).scalar_one_or_none() or 0
+    moved = []
+    for path in sorted(root.iterdir()):
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) > recorded:
+            target = claim.output_dir / "unrecorded-checkpoints" / f"{path.name}-attempt{claim.attempt}"
+            target.parent.mkdir(exist_ok=True)
+            path.rename(target)
+            moved.append(path.name)
+    if moved:
+        message = (f"checkpoints {', '.join(moved)} were written after the last stored event (the previous "
+                   f"worker was lost); resuming from step {recorded} so the metrics have no gap")
+        log.warning("job %s: %s", claim.job_id, message)
+        with runtime.sessionmaker.begin() as session:
+            (event,) = append_events(session, claim.job_id, [("log", {"level": "warning", "message": message})])
+            seq = event.seq
+        runtime.publish(claim.job_id, seq)
+    return moved
 
 
 def _started(trainer: TrainerProcess) -> bool:

@@ -9,6 +9,7 @@ CUDA. Inputs are fresh random draws per case (never zeros); errors are relative 
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 
 import pytest
@@ -114,6 +115,9 @@ def test_forward_and_backward_match_float64_reference(case):
     want = [ref] + [x.grad for x in ref_leaves]
     for name, x, r in zip(names, got, want):
         assert torch.isfinite(x).all(), f"{name} has non-finite values"
+        if r.abs().max() < 1e-6:  # e.g. dq with one-token samples: softmax over one key ignores q
+            assert (x.double() - r).abs().max() < 1e-2, f"{name}: reference is 0, got max |x| {x.abs().max():.2e}"
+            continue
         rel_l2, max_rel = _errors(x, r)
         tol_l2 = REL_L2[dtype] if name != "dsinks" else 2 * REL_L2[dtype]
         assert rel_l2 < tol_l2, f"{name}: relative L2 error {rel_l2:.2e} >= {tol_l2:.0e}"
@@ -141,8 +145,10 @@ def test_forward_and_backward_make_no_host_sync():
     sinks = torch.randn(16, device=dev, requires_grad=True)
     grad = torch.randn(4096, 16, 128, device=dev, dtype=torch.bfloat16)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():  # torch warns that the sync debugger is a prototype
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         out = flash_varlen_attention(*leaves, cu, max(lengths), sinks=sinks)
         out.backward(grad)
     finally:

@@ -82,6 +82,7 @@ class Stack:
     """The same model with a garbage weights file: its trainer fails to load it."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+    commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30, **kwargs)
@@ -96,10 +97,21 @@ class Stack:
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = self.data_dir.parent / f"{self.name}-{name}.log"
         self.logs[name] = log
-        with log.open("wb") as sink:
+        self.commands[name] = (argv, env)
+        with log.open("ab") as sink:
             self.procs[name] = subprocess.Popen(
                 argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and its own process group (a Celery worker's pool), as a crash would."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def restart(self, name: str) -> None:
+        argv, env = self.commands[name]
+        self.start(name, argv, env)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the API answers and the worker has registered itself."""
@@ -189,7 +201,7 @@ def _embedded_stack(base: Path, model_root: Path) -> Iterator[Stack]:
     assert codes["up"] == 0, f"ftq up did not stop cleanly: {codes}\n{stack.log_tail()}"
 
 
-def _postgres_stack(base: Path, model_root: Path) -> Iterator[Stack]:
+def _postgres_stack(base: Path, model_root: Path, extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
     import psycopg
     import redis
 
@@ -209,6 +221,7 @@ def _postgres_stack(base: Path, model_root: Path) -> Iterator[Stack]:
         FTQ_REDIS_URL=f"{REDIS_URL}/{redis_db}",
         FTQ_PORT=str(port),
     )
+    env.update(extra_env or {})
     try:
         subprocess.run([sys.executable, "-m", "cli", "db", "upgrade"], env=env, check=True, capture_output=True,
                        timeout=120)
@@ -239,3 +252,9 @@ def _empty_redis_db(redis: Any) -> int:
         _unavailable(f"Redis is not reachable at {REDIS_URL}: {exc}")
     _unavailable(f"Redis at {REDIS_URL} has no empty db among 1-14 for the end-to-end queue")
     raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def fast_reaping_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
+    """The PostgreSQL + Redis stack with a 4 s heartbeat timeout, for worker-loss tests."""
+    yield from _postgres_stack(tmp_path_factory.mktemp("reaping"), model_root, {"FTQ_HEARTBEAT_TIMEOUT_S": "4"})

@@ -5,13 +5,21 @@ top-2, 2 layers, float32) run once with the grouped forward and once with transf
 per-expert loop; logits, loss and every gradient (all weights in ``full`` mode; LoRA adapters on
 attention and on the 3-D expert weights in ``lora`` mode) must agree to a relative 1e-5 of the
 reference's largest magnitude. On CPU the grouped path runs its loop fallback; the grouped_mm
-path is held to the same reference on a GPU by tests/gpu/test_moe_gpu.py.
+path is held to the same reference on a GPU by tests/gpu/test_moe_gpu.py. The Triton gate kernel
+runs on CPU in Triton's interpreter, in a child process (``TRITON_INTERPRET=1`` must be set before
+the kernels are decorated, at import): this file run as a script prints the errors as JSON.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +31,7 @@ REL_TOL = 1e-5
 """fp32: the grouped path sums the same products in another order (bmm over K vs per-expert index_add)."""
 
 ARCHS = ("gpt_oss", "qwen3_moe", "mixtral")
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(arch: str, experts: int = 8):
@@ -273,3 +282,49 @@ class TestInstallAndSupported:
 
     def test_expert_lora_targets(self):
         assert moe_routing.expert_lora_targets(_model("gpt_oss")) == ["experts.gate_up_proj", "experts.down_proj"]
+
+
+class TestFusedGateInInterpreter:
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+    def test_triton_gate_matches_eager_loop_outputs_and_gradients(self):
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert set(results) == set(ARCHS)
+        for arch, errors in results.items():
+            assert errors.pop("fused_blocks") == 1, arch
+            for what, err in errors.items():
+                assert err <= REL_TOL, f"{arch} {what}: relative error {err:.2e} > {REL_TOL:.0e}"
+
+
+def _interpreter_main() -> None:
+    """One experts module per family, fused gate (interpreted) vs eager: relative errors as JSON."""
+    results = {}
+    for arch in ARCHS:
+        eager = _model(arch).model.layers[0].mlp.experts
+        if arch == "gpt_oss":  # exercise the clamps and the bias path
+            with torch.no_grad():
+                eager.gate_up_proj.mul_(100.0)
+                eager.gate_up_proj_bias.normal_()
+        fused = copy.deepcopy(eager)
+        report = install(torch.nn.ModuleDict({"e": fused}), True, fused_gate=True)
+        install(torch.nn.ModuleDict({"e": eager}), False)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(50, 64, generator=gen, requires_grad=True)
+        index = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(50)])
+        weights = torch.softmax(torch.randn(50, 2, generator=gen), -1).requires_grad_()
+        out_f, out_e = fused(x, index, weights), eager(x, index, weights)
+        grad = torch.randn(out_e.shape, generator=gen)
+        names = ["x", "weights"] + [n for n, _ in eager.named_parameters()]
+        grads_f = torch.autograd.grad(out_f, [x, weights, *fused.parameters()], grad)
+        grads_e = torch.autograd.grad(out_e, [x, weights, *eager.parameters()], grad)
+        rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+        errors = {"output": rel(out_f, out_e), "fused_blocks": report.fused_gate_blocks}
+        errors.update({f"grad {n}": rel(a, b) for n, a, b in zip(names, grads_f, grads_e)})
+        results[arch] = errors
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _interpreter_main()

@@ -24,6 +24,7 @@ from trainer.offload import (
     NoOffload,
     ReloadSchedule,
     Step,
+    SyncStreams,
     activation_bytes,
     build,
     decoder_layers,
@@ -32,7 +33,9 @@ from trainer.offload import (
     supported,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)
 
 COMMON = {
     "hidden_size": 32,
@@ -56,10 +59,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _model(family: str, mode: str, *, dropout: float = 0.0, layers: int = 4, rng: bool = True) -> Any:
+def _model(
+    family: str, mode: str, *, dropout: float = 0.0, layers: int = 4, rng: bool = True
+) -> Any:
     """A tiny random-weight model with LoRA (random B, so A gets gradients too) in ``mode``."""
     import peft
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = {**COMMON, "num_hidden_layers": layers, "attention_dropout": dropout}
@@ -69,8 +79,16 @@ def _model(family: str, mode: str, *, dropout: float = 0.0, layers: int = 4, rng
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.config.use_cache = False
     if mode == "checkpoint":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM")
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
     model = peft.get_peft_model(model, lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,7 +96,9 @@ def _model(family: str, mode: str, *, dropout: float = 0.0, layers: int = 4, rng
                 p.normal_(0, 0.02)
     model.train()
     if mode.startswith("offload"):
-        offloader = ActivationOffloader("cpu", double_buffer=mode == "offload-double", preserve_rng_state=rng)
+        offloader = ActivationOffloader(
+            "cpu", double_buffer=mode == "offload-double", preserve_rng_state=rng
+        )
         offloader.apply(model)
         model.offloader = offloader
     return model
@@ -93,10 +113,14 @@ def _batch(lengths: tuple[int, ...], seed: int) -> dict[str, torch.Tensor]:
 
 def _loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(**batch, use_cache=False).logits
-    return F.cross_entropy(logits[0, :-1].float(), batch["input_ids"][0, 1:], reduction="sum")
+    return F.cross_entropy(
+        logits[0, :-1].float(), batch["input_ids"][0, 1:], reduction="sum"
+    )
 
 
-def _step(model: Any, seed: int = 1) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def _step(
+    model: Any, seed: int = 1
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Two micro-batches (gradient accumulation), seeded per forward; returns losses and LoRA grads."""
     losses = []
     for i, lengths in enumerate((LENGTHS_1, LENGTHS_2)):
@@ -110,46 +134,83 @@ def _step(model: Any, seed: int = 1) -> tuple[list[torch.Tensor], dict[str, torc
 
 def _assert_bitwise(a: tuple, b: tuple) -> None:
     (loss_a, grads_a), (loss_b, grads_b) = a, b
-    assert all(torch.equal(x, y) for x, y in zip(loss_a, loss_b, strict=True)), (loss_a, loss_b)
+    assert all(torch.equal(x, y) for x, y in zip(loss_a, loss_b, strict=True)), (
+        loss_a,
+        loss_b,
+    )
     assert grads_a.keys() == grads_b.keys()
     assert len(grads_a) > 0
     for name in grads_a:
         assert torch.count_nonzero(grads_a[name]) > 0, f"{name} got no gradient"
         assert torch.equal(grads_a[name], grads_b[name]), (
-            name, (grads_a[name] - grads_b[name]).abs().max().item())
+            name,
+            (grads_a[name] - grads_b[name]).abs().max().item(),
+        )
 
 
 class TestEquivalence:
     @pytest.mark.parametrize("family", ["llama", "qwen3"])
-    def test_all_modes_give_bitwise_equal_loss_and_lora_grads_with_grad_accumulation(self, family: str) -> None:
+    def test_all_modes_give_bitwise_equal_loss_and_lora_grads_with_grad_accumulation(
+        self, family: str
+    ) -> None:
         results = {mode: _step(_model(family, mode)) for mode in MODES}
         for mode in MODES[1:]:
             _assert_bitwise(results["none"], results[mode])
 
+    @pytest.mark.parametrize("mode", ["offload-double", "offload-single"])
+    def test_copies_deferred_until_their_events_give_the_same_grads(
+        self, mode: str
+    ) -> None:
+        streams = LateSideStreams()
+        _assert_bitwise(
+            _step(_model("llama", "none")),
+            _step(_model("llama", mode, streams=streams)),
+        )
+        assert (
+            streams.most_pending >= 3
+        )  # the forward's offload copies really waited in the queue
+
     def test_dropout_recompute_replays_the_forward_masks(self) -> None:
         reference = _step(_model("llama", "none", dropout=0.2))
-        _assert_bitwise(reference, _step(_model("llama", "offload-double", dropout=0.2)))
-        _assert_bitwise(reference, _step(_model("llama", "offload-single", dropout=0.2)))
+        _assert_bitwise(
+            reference, _step(_model("llama", "offload-double", dropout=0.2))
+        )
+        _assert_bitwise(
+            reference, _step(_model("llama", "offload-single", dropout=0.2))
+        )
 
     def test_dropout_without_rng_replay_differs(self) -> None:
         """The dropout test above can fail: without the RNG replay the recompute draws new masks."""
         losses_ref, grads_ref = _step(_model("llama", "none", dropout=0.2))
         losses, grads = _step(_model("llama", "offload-double", dropout=0.2, rng=False))
-        assert all(torch.equal(a, b) for a, b in zip(losses, losses_ref, strict=True))  # forward untouched
+        assert all(
+            torch.equal(a, b) for a, b in zip(losses, losses_ref, strict=True)
+        )  # forward untouched
         assert any(not torch.equal(grads[n], grads_ref[n]) for n in grads)
 
     def test_odd_layer_count(self) -> None:
-        _assert_bitwise(_step(_model("llama", "none", layers=3)), _step(_model("llama", "offload-double", layers=3)))
+        _assert_bitwise(
+            _step(_model("llama", "none", layers=3)),
+            _step(_model("llama", "offload-double", layers=3)),
+        )
 
     def test_two_forwards_then_one_backward(self) -> None:
         """Two passes alive at once: each owns its host copies, and a stolen prefetch reloads."""
 
         def run(model: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-            loss = _loss(model, _batch(LENGTHS_1, 3)) + _loss(model, _batch(LENGTHS_2, 4))
+            loss = _loss(model, _batch(LENGTHS_1, 3)) + _loss(
+                model, _batch(LENGTHS_2, 4)
+            )
             loss.backward()
-            return [loss.detach()], {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            return [loss.detach()], {
+                n: p.grad.clone()
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
 
-        _assert_bitwise(run(_model("llama", "none")), run(_model("llama", "offload-double")))
+        _assert_bitwise(
+            run(_model("llama", "none")), run(_model("llama", "offload-double"))
+        )
 
     def test_packed_metadata_kwargs_reach_the_recompute(self) -> None:
         """ftq's packed attention passes a metadata object as a layer kwarg; it is kept as-is."""
@@ -164,7 +225,11 @@ class TestEquivalence:
             logits = model(input_ids=ids, use_cache=False, **meta.model_kwargs()).logits
             loss = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
             loss.backward()
-            return [loss.detach()], {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            return [loss.detach()], {
+                n: p.grad.clone()
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
 
         _assert_bitwise(run("checkpoint"), run("offload-double"))
 
@@ -190,7 +255,9 @@ class TestTupleOutputs:
                 super().__init__()
                 self.linear = torch.nn.Linear(8, 8)
 
-            def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, None]:
+            def forward(
+                self, hidden_states: torch.Tensor, scale: float = 1.0
+            ) -> tuple[torch.Tensor, None]:
                 return torch.tanh(self.linear(hidden_states)) * scale, None
 
         def run(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -222,15 +289,28 @@ class TestSchedule:
         entries = [s.forward(i, 100) for i in range(4)]
         self._backward_all(s, entries)
         assert s.trace == [
-            Step("offload", 0), Step("offload", 1), Step("offload", 2), Step("keep", 3),
+            Step("offload", 0),
+            Step("offload", 1),
+            Step("offload", 2),
+            Step("keep", 3),
             # backward of the kept last layer prefetches layer 2 into buffer 0 (never read: no wait)
-            Step("grow", 2, 0, 100), Step("h2d", 2, 0, None), Step("backward", 3, None),
+            Step("grow", 2, 0, 100),
+            Step("h2d", 2, 0, None),
+            Step("backward", 3, None),
             # layer 2: main waits for its copy, layer 1 is copied into buffer 1 meanwhile
-            Step("wait", 2, 0), Step("grow", 1, 1, 100), Step("h2d", 1, 1, None), Step("backward", 2, 0),
+            Step("wait", 2, 0),
+            Step("grow", 1, 1, 100),
+            Step("h2d", 1, 1, None),
+            Step("backward", 2, 0),
             Step("release", 2, 0),
             # layer 0's copy into buffer 0 waits for the event recorded after layer 2's backward
-            Step("wait", 1, 1), Step("h2d", 0, 0, 2), Step("backward", 1, 1), Step("release", 1, 1),
-            Step("wait", 0, 0), Step("backward", 0, 0), Step("release", 0, 0),
+            Step("wait", 1, 1),
+            Step("h2d", 0, 0, 2),
+            Step("backward", 1, 1),
+            Step("release", 1, 1),
+            Step("wait", 0, 0),
+            Step("backward", 0, 0),
+            Step("release", 0, 0),
         ]
 
     def test_second_pass_waits_on_the_previous_pass_release_events(self) -> None:
@@ -240,18 +320,30 @@ class TestSchedule:
         self._backward_all(s, [s.forward(i, 100) for i in range(4)])
         loads = [step for step in s.trace if step.op == "h2d"]
         # buffer 0 was last read by layer 0, buffer 1 by layer 1 (previous micro-batch)
-        assert loads == [Step("h2d", 2, 0, 0), Step("h2d", 1, 1, 1), Step("h2d", 0, 0, 2)]
+        assert loads == [
+            Step("h2d", 2, 0, 0),
+            Step("h2d", 1, 1, 1),
+            Step("h2d", 0, 0, 2),
+        ]
         assert not [step for step in s.trace if step.op == "grow"]
 
     def test_single_buffer_reloads_synchronously_after_the_main_stream(self) -> None:
         s = ReloadSchedule(3, double_buffer=False)
         self._backward_all(s, [s.forward(i, 10) for i in range(3)])
         assert s.trace == [
-            Step("offload", 0), Step("offload", 1), Step("keep", 2),
+            Step("offload", 0),
+            Step("offload", 1),
+            Step("keep", 2),
             Step("backward", 2, None),
-            Step("grow", 1, 0, 10), Step("h2d", 1, 0, "main"), Step("wait", 1, 0), Step("backward", 1, 0),
+            Step("grow", 1, 0, 10),
+            Step("h2d", 1, 0, "main"),
+            Step("wait", 1, 0),
+            Step("backward", 1, 0),
             Step("release", 1, 0),
-            Step("h2d", 0, 0, "main"), Step("wait", 0, 0), Step("backward", 0, 0), Step("release", 0, 0),
+            Step("h2d", 0, 0, "main"),
+            Step("wait", 0, 0),
+            Step("backward", 0, 0),
+            Step("release", 0, 0),
         ]
 
     def test_buffers_grow_on_a_longer_batch_and_never_shrink(self) -> None:
@@ -259,8 +351,12 @@ class TestSchedule:
         for numel in (100, 250, 50):
             self._backward_all(s, [s.forward(i, numel) for i in range(4)])
         grows = [step for step in s.trace if step.op == "grow"]
-        assert grows == [Step("grow", 2, 0, 100), Step("grow", 1, 1, 100),
-                         Step("grow", 2, 0, 250), Step("grow", 1, 1, 250)]
+        assert grows == [
+            Step("grow", 2, 0, 100),
+            Step("grow", 1, 1, 100),
+            Step("grow", 2, 0, 250),
+            Step("grow", 1, 1, 250),
+        ]
         assert s.capacity == [250, 250]
 
     def test_small_inputs_and_the_last_layer_stay_on_the_gpu(self) -> None:
@@ -279,16 +375,30 @@ class TestSchedule:
         s.done(b[2][1])
         del s.trace[:]
         plan = s.backward(pa, a1)
-        assert [(load.entry.layer, load.slot) for load in plan.loads] == [(1, 1), (0, 0)]
+        assert [(load.entry.layer, load.slot) for load in plan.loads] == [
+            (1, 1),
+            (0, 0),
+        ]
         assert s.trace[0] == Step("h2d", 1, 1, None)
 
     def test_model_run_follows_the_schedule(self) -> None:
         """The executor drives the same schedule: a real backward leaves exactly the planned trace."""
         model = _model("llama", "offload-double")
         _loss(model, _batch(LENGTHS_1, 0)).backward()
-        ops = [(step.op, step.layer, step.slot) for step in model.offloader.trace if step.op in ("h2d", "backward")]
-        assert ops == [("h2d", 2, 0), ("backward", 3, None), ("h2d", 1, 1), ("backward", 2, 0),
-                       ("h2d", 0, 0), ("backward", 1, 1), ("backward", 0, 0)]
+        ops = [
+            (step.op, step.layer, step.slot)
+            for step in model.offloader.trace
+            if step.op in ("h2d", "backward")
+        ]
+        assert ops == [
+            ("h2d", 2, 0),
+            ("backward", 3, None),
+            ("h2d", 1, 1),
+            ("backward", 2, 0),
+            ("h2d", 0, 0),
+            ("backward", 1, 1),
+            ("backward", 0, 0),
+        ]
         hidden_numel = sum(LENGTHS_1) * COMMON["hidden_size"]
         assert model.offloader.buffer_bytes == [hidden_numel * 4, hidden_numel * 4]
         assert model.offloader.extra_gpu_bytes == hidden_numel * 4
@@ -306,7 +416,9 @@ class TestSurface:
         twin = build("cpu", offload=False, double_buffer=True)
         assert isinstance(twin, NoOffload) and twin.apply(model) is model
         assert twin.extra_gpu_bytes == 0 and twin.trace == [] and not twin.enabled
-        assert isinstance(build("cpu", offload=True, double_buffer=False), ActivationOffloader)
+        assert isinstance(
+            build("cpu", offload=True, double_buffer=False), ActivationOffloader
+        )
 
     def test_apply_twice_is_refused(self) -> None:
         model = _model("llama", "offload-double")
@@ -316,7 +428,9 @@ class TestSurface:
             ActivationOffloader("cpu").apply(model)
 
     def test_decoder_layers_needs_one_layer_list(self) -> None:
-        with pytest.raises(ValueError, match="expected one decoder-layer list, found none"):
+        with pytest.raises(
+            ValueError, match="expected one decoder-layer list, found none"
+        ):
             decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
     def test_argument_that_requires_grad_is_refused(self) -> None:
@@ -324,7 +438,13 @@ class TestSurface:
         layer = decoder_layers(model)[0]
         x = torch.randn(1, 3, COMMON["hidden_size"])
         with pytest.raises(ValueError, match="only the hidden state may require grad"):
-            layer(x, position_embeddings=(torch.ones(1, 3, 8, requires_grad=True), torch.ones(1, 3, 8)))
+            layer(
+                x,
+                position_embeddings=(
+                    torch.ones(1, 3, 8, requires_grad=True),
+                    torch.ones(1, 3, 8),
+                ),
+            )
         with pytest.raises(ValueError, match="past_key_values must be None"):
             layer(x, past_key_values=object())
 
@@ -336,7 +456,11 @@ class TestEstimates:
         config = LlamaConfig(hidden_size=4096, num_hidden_layers=32)
         est = estimate(config, 16_384, torch.bfloat16)
         assert est.buffer == est.second_buffer == 16_384 * 4096 * 2 == 128 << 20
-        assert est.checkpointed == activation_bytes(config, 16_384, "bfloat16") == 32 * est.buffer
+        assert (
+            est.checkpointed
+            == activation_bytes(config, 16_384, "bfloat16")
+            == 32 * est.buffer
+        )
         assert est.offloaded == 31 * est.buffer
 
     def test_bad_inputs_say_what_to_fix(self) -> None:
@@ -345,7 +469,9 @@ class TestEstimates:
         with pytest.raises(ValueError, match="num_hidden_layers/hidden_size"):
             estimate(object(), 16, "bfloat16")
         with pytest.raises(ValueError, match="dtype 'int8'"):
-            activation_bytes(type("C", (), {"num_hidden_layers": 2, "hidden_size": 4})(), 16, "int8")
+            activation_bytes(
+                type("C", (), {"num_hidden_layers": 2, "hidden_size": 4})(), 16, "int8"
+            )
 
     def test_supported_needs_cuda(self) -> None:
         assert "needs a CUDA GPU" in supported("cpu", 1 << 40, 1 << 30)
@@ -353,3 +479,147 @@ class TestEstimates:
     def test_double_buffer_needs_room_for_the_second_buffer(self) -> None:
         assert double_buffer_supported(8 << 30, 128 << 20) is None
         assert "second reload buffer" in double_buffer_supported(600 << 20, 128 << 20)
+
+
+class TestOverlapSummary:
+    """bench.offload.overlap_summary reads the GPU test's and the benchmark's traces; hand-made trace here."""
+
+    def test_counts_only_side_stream_copies_under_main_stream_kernels(
+        self, tmp_path: Any
+    ) -> None:
+        import json
+
+        from bench.offload import overlap_summary
+
+        def event(
+            cat: str, name: str, stream: int, ts: float, dur: float
+        ) -> dict[str, Any]:
+            return {
+                "ph": "X",
+                "cat": cat,
+                "name": name,
+                "ts": ts,
+                "dur": dur,
+                "args": {"stream": stream},
+            }
+
+        trace = tmp_path / "trace.json"
+        trace.write_text(
+            json.dumps(
+                {
+                    "traceEvents": [
+                        event("kernel", "gemm", 7, 0, 100),
+                        event("kernel", "gemm", 7, 150, 100),
+                        event("kernel", "small", 13, 0, 5),
+                        event(
+                            "gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 13, 50, 100
+                        ),  # 50..100 under a kernel
+                        event(
+                            "gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 13, 260, 40
+                        ),  # after all kernels
+                        event(
+                            "gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 7, 0, 10
+                        ),  # the main stream's own
+                        event(
+                            "gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 13, 10, 20
+                        ),
+                        {"ph": "i", "name": "marker", "ts": 5},
+                    ]
+                }
+            )
+        )
+        summary = overlap_summary(trace)
+        assert summary["main_stream"] == 7
+        assert summary["h2d"]["copies"] == 2
+        assert summary["h2d"]["copy_ms"] == pytest.approx(0.140)
+        assert summary["h2d"]["overlapped_ms"] == pytest.approx(0.050)
+        assert summary["h2d"]["overlapped_fraction"] == pytest.approx(0.050 / 0.140)
+        assert summary["d2h"]["overlapped_fraction"] == pytest.approx(1.0)
+
+    def test_trace_without_kernels_is_refused(self, tmp_path: Any) -> None:
+        import json
+
+        from bench.offload import overlap_summary
+
+        trace = tmp_path / "trace.json"
+        trace.write_text(json.dumps({"traceEvents": []}))
+        with pytest.raises(ValueError, match="no GPU kernels"):
+            overlap_summary(trace)
+
+
+class TestChoose:
+    """The plan's decision; ``supported`` is patched so the CUDA branches run on CPU."""
+
+    EST = estimate(
+        type("C", (), {"num_hidden_layers": 32, "hidden_size": 4096})(),
+        16_384,
+        "bfloat16",
+    )
+
+    @pytest.fixture(autouse=True)
+    def cuda_supported(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from trainer import offload
+
+        def fake(device: Any, host_free: int, needed: int) -> str | None:
+            return None if host_free >= needed else "not enough host memory"
+
+        monkeypatch.setattr(offload, "supported", fake)
+
+    def _choose(
+        self, offload: str, double: str, gpu_free: int, host_free: int = 1 << 40
+    ) -> Any:
+        from trainer.offload import choose
+
+        return choose(
+            offload,
+            double,
+            device="cuda",
+            est=self.EST,
+            gpu_free_bytes=gpu_free,
+            host_free_bytes=host_free,
+        )
+
+    def test_auto_keeps_plain_checkpointing_when_inputs_fit(self) -> None:
+        got = self._choose(
+            "auto", "auto", gpu_free=40 << 30
+        )  # 4 GiB of inputs, 20 GiB budget
+        assert (got.offload, got.double_buffer, got.extra_gpu_bytes) == (
+            False,
+            False,
+            0,
+        )
+        assert "fit in 20.00 GiB" in got.reason
+
+    def test_auto_offloads_with_double_buffer_when_inputs_do_not_fit(self) -> None:
+        got = self._choose("auto", "auto", gpu_free=6 << 30)
+        assert (got.offload, got.double_buffer, got.extra_gpu_bytes) == (
+            True,
+            True,
+            128 << 20,
+        )
+        assert "would not fit" in got.reason and "second buffer 0.125 GiB" in got.reason
+
+    def test_double_buffer_off_or_without_room_reloads_synchronously(self) -> None:
+        assert self._choose("on", "off", gpu_free=40 << 30).double_buffer is False
+        tight = self._choose("on", "auto", gpu_free=600 << 20)
+        assert (tight.offload, tight.double_buffer) == (
+            True,
+            False,
+        ) and "second reload buffer" in tight.reason
+        with pytest.raises(ValueError, match="double_buffered_reload=on cannot run"):
+            self._choose("on", "on", gpu_free=600 << 20)
+
+    def test_host_memory_says_no(self) -> None:
+        assert (
+            self._choose("auto", "auto", gpu_free=1 << 30, host_free=1 << 30).offload
+            is False
+        )
+        with pytest.raises(
+            ValueError,
+            match="offload_activations=on cannot run: not enough host memory",
+        ):
+            self._choose("on", "auto", gpu_free=1 << 30, host_free=1 << 30)
+
+    def test_off_is_off(self) -> None:
+        got = self._choose("off", "on", gpu_free=1 << 30)
+        assert (got.offload, got.double_buffer) == (False, False)

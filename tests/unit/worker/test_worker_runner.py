@@ -250,3 +250,21 @@ def test_a_shutting_down_worker_does_not_claim_new_jobs(runtime, make_job):
     runtime.shutdown_event.set()
     assert run_job(runtime, job_id) == "deferred"
     assert _job(runtime, job_id).status == "queued" and _job(runtime, job_id).attempts == 0
+
+
+def test_a_retry_resumes_from_the_newest_checkpoint_the_store_knows(runtime, make_job, settings):
+    from core.jobs.models import Checkpoint
+
+    job_id = make_job("fake:ok:1", attempts=1)
+    checkpoints = settings.jobs_dir / job_id / "checkpoints"
+    for step in (5, 10):
+        (checkpoints / f"step-{step:06d}").mkdir(parents=True)
+    with runtime.sessionmaker.begin() as session:
+        session.add(Checkpoint(job_id=job_id, step=5, path=str(checkpoints / "step-000005"), bytes=1))
+
+    assert run_job(runtime, job_id) == "succeeded"
+
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000005"]
+    assert (settings.jobs_dir / job_id / "unrecorded-checkpoints" / "step-000010-attempt2").is_dir()
+    logs = [e.data["message"] for e in _events(runtime, job_id) if e.type == "log"]
+    assert any("resuming from step 5 so the metrics have no gap" in m for m in logs)

@@ -1,0 +1,250 @@
+"""Offloaded checkpointing with CUDA streams: same gradients as plain checkpointing, and real overlap.
+
+Run on the lent GPU: ``python -m pytest -m gpu tests/gpu/test_offload_gpu.py``. Skipped without
+CUDA. The overlap test writes its trace summaries (and the double-buffered chrome trace) to
+``$OUT`` when set, else to pytest's tmp dir, and prints the path.
+
+Tolerances: fp32 with eager attention and TF32 off, the offloaded recompute runs the same
+kernels on the same bytes as transformers' checkpoint recompute, so gradients are expected
+bit-identical; the assertion allows a max relative difference of 1e-6 (cuBLAS may pick another
+algorithm for a differently aligned buffer), and the summary records whether they were bitwise.
+The copy-bound bf16 case (layers too cheap to hide a copy) is the race test: a copy that
+overwrote a buffer still being read would change the gradients by far more than 1e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.offload import profile_step
+from trainer.offload import ActivationOffloader, CudaStreams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings(
+        "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+    ),
+]
+
+SMALL = {
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 512,
+    "vocab_size": 512,
+}
+COPY_BOUND = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+COMPUTE_BOUND = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "intermediate_size": 8192,
+    "vocab_size": 1024,
+}
+
+
+@pytest.fixture(autouse=True)
+def no_tf32() -> Iterator[None]:
+    matmul, cudnn = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = (
+        matmul,
+        cudnn,
+    )
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = (
+        Path(os.environ["OUT"])
+        if os.environ.get("OUT")
+        else tmp_path_factory.mktemp("offload-gpu")
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _model(
+    config: dict[str, Any],
+    mode: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attn: str = "eager",
+) -> Any:
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**config)
+    cfg._attn_implementation = attn
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    model.config.use_cache = False
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}
+    )
+    lora = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    model = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    model.train()
+    if mode != "checkpoint":
+        model.offloader = ActivationOffloader(
+            device, double_buffer=mode == "offload-double"
+        )
+        model.offloader.apply(model)
+    return model
+
+
+def _batches(
+    lengths_per_batch: list[list[int]], vocab: int, device: torch.device | str
+) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for lengths in lengths_per_batch:
+        ids = torch.randint(0, vocab, (1, sum(lengths)), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        out.append({"input_ids": ids.to(device), "position_ids": positions.to(device)})
+    return out
+
+
+def _run(
+    model: Any, batches: list[dict[str, Any]]
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Gradient accumulation over ``batches``; returns losses and LoRA grads."""
+    losses = []
+    for batch in batches:
+        logits = model(**batch, use_cache=False).logits
+        loss = F.cross_entropy(
+            logits[0, :-1].float(), batch["input_ids"][0, 1:], reduction="sum"
+        )
+        loss.backward()
+        losses.append(loss.detach().cpu())
+    grads = {
+        n: p.grad.detach().float().cpu()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return losses, grads
+
+
+def _compare(ref: tuple, got: tuple) -> tuple[float, bool]:
+    (loss_a, grads_a), (loss_b, grads_b) = ref, got
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    worst, bitwise = (
+        0.0,
+        all(torch.equal(a, b) for a, b in zip(loss_a, loss_b, strict=True)),
+    )
+    for name, a in grads_a.items():
+        bitwise &= torch.equal(a, grads_b[name])
+        worst = max(
+            worst,
+            (a - grads_b[name]).abs().max().item() / (a.abs().max().item() or 1.0),
+        )
+    return worst, bitwise
+
+
+class TestGradients:
+    def test_offload_matches_plain_checkpointing_fp32(self, report_dir: Path) -> None:
+        batches = _batches(
+            [[300, 17, 511, 200], [700, 64, 450]], SMALL["vocab_size"], "cuda"
+        )
+        ref = _run(_model(SMALL, "checkpoint", "cuda", torch.float32), batches)
+        summary = {}
+        for mode in ("offload-single", "offload-double"):
+            worst, bitwise = _compare(
+                ref, _run(_model(SMALL, mode, "cuda", torch.float32), batches)
+            )
+            summary[mode] = {"max_rel_diff": worst, "bitwise": bitwise}
+            assert worst <= 1e-6, (mode, worst)
+        (report_dir / "offload_gpu_grads.json").write_text(
+            json.dumps(summary, indent=2)
+        )
+        print(f"gradient summary: {report_dir / 'offload_gpu_grads.json'}: {summary}")
+
+    def test_copy_bound_race_stress_bf16(self) -> None:
+        """Copies longer than each layer's compute: a missing event would corrupt a buffer."""
+        batches = _batches([[4096] * 2, [1000] * 5], COPY_BOUND["vocab_size"], "cuda")
+        ref = _run(
+            _model(COPY_BOUND, "checkpoint", "cuda", torch.bfloat16, attn="sdpa"),
+            batches,
+        )
+        for mode in ("offload-double", "offload-single"):
+            worst, _ = _compare(
+                ref,
+                _run(
+                    _model(COPY_BOUND, mode, "cuda", torch.bfloat16, attn="sdpa"),
+                    batches,
+                ),
+            )
+            assert worst <= 1e-2, (mode, worst)
+
+    def test_cuda_run_follows_the_cpu_schedule(self) -> None:
+        """The same code path: the CUDA run's schedule trace equals the CPU twin's."""
+        batches = [[50, 30], [90, 10, 20]]
+        traces = []
+        for device in ("cpu", "cuda"):
+            model = _model(SMALL, "offload-double", device, torch.float32)
+            _run(model, _batches(batches, SMALL["vocab_size"], device))
+            traces.append(model.offloader.trace)
+        assert isinstance(model.offloader._streams, CudaStreams)
+        assert traces[0] == traces[1] and len(traces[0]) > 0
+
+
+class TestOverlap:
+    def test_reload_copies_overlap_backward_only_when_double_buffered(
+        self, report_dir: Path
+    ) -> None:
+        lengths = [[512] * 16]  # 8,192 tokens: ~32 MiB per layer input in bf16
+        batches = _batches(lengths, COMPUTE_BOUND["vocab_size"], "cuda")
+        summaries = {}
+        for mode in ("offload-single", "offload-double"):
+            model = _model(COMPUTE_BOUND, mode, "cuda", torch.bfloat16, attn="sdpa")
+            _run(model, batches)  # warm-up: buffers, pinned blocks, kernels selected
+            trace = report_dir / f"offload_gpu_trace_{mode}.json"
+            summaries[mode] = profile_step(lambda m=model: _run(m, batches), trace)
+            if mode == "offload-single":
+                trace.unlink()
+            del model
+            torch.cuda.empty_cache()
+        path = report_dir / "offload_gpu_overlap.json"
+        path.write_text(json.dumps(summaries, indent=2))
+        print(f"overlap summary: {path}: {json.dumps(summaries)}")
+        layers = COMPUTE_BOUND["num_hidden_layers"]
+        for mode, summary in summaries.items():
+            assert summary["h2d"]["copies"] >= layers - 2, (
+                mode,
+                summary,
+            )  # every offloaded input came back
+            assert summary["d2h"]["copies"] >= layers - 1, (mode, summary)
+        assert summaries["offload-double"]["h2d"]["overlapped_fraction"] >= 0.5, (
+            summaries
+        )
+        assert summaries["offload-single"]["h2d"]["overlapped_fraction"] <= 0.05, (
+            summaries
+        )

@@ -5,6 +5,9 @@
     ftq worker [--gpu N]   one Celery worker pinned to GPU N
     ftq db upgrade         apply the store's migrations
 
+    ftq submit JOB.yaml    client commands, against FTQ_API_URL (default the local API):
+    ftq jobs | show ID | logs ID [--follow] | cancel ID | download ID
+
 Configuration comes from the environment (``FTQ_*``, see core/settings.py); flags override it.
 """
 
@@ -15,7 +18,8 @@ import logging
 import sys
 from typing import Sequence
 
-from cli import db, serve, up
+from cli import db, jobs, serve, up
+from cli.errors import CliError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_api_parser(commands)
     serve.add_worker_parser(commands)
     db.add_parser(commands)
+    jobs.add_parsers(commands)
     return parser
 
 
@@ -43,10 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"ftq: {exc}", file=sys.stderr)
         return 2
-
-
-class CliError(Exception):
-    """A problem the user can fix; printed without a traceback."""
 
 
 if __name__ == "__main__":

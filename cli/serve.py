@@ -42,7 +42,7 @@ def run_api(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from cli.main import CliError
+    from cli.errors import CliError
     from worker.app import create_worker_app, worker_argv
     from worker.runtime import WorkerOptions
 
@@ -68,7 +68,7 @@ def require_migrated_store(settings: Settings) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
     from cli.db import redact
-    from cli.main import CliError
+    from cli.errors import CliError
     from core.db import make_engine
 
     url = settings.database_url or ""

@@ -3,7 +3,7 @@
 Why: transformers' eager experts loop (``experts_implementation="eager"``, the seed's "before")
 visits experts one by one and finds each one's tokens with ``torch.where`` on a ``[E, K, T]``
 one-hot mask: a ``nonzero`` per hit expert, i.e. one device->host sync per expert per layer
-(E + 1 syncs; 225 per step measured on a GPT-OSS-20B layer), plus ~10 small launches per expert.
+(issue 4 measured 225 host syncs on one GPT-OSS-20B-shaped layer), plus ~10 small launches per expert.
 Unsloth's rewrite (unsloth-zoo #535) groups once with argsort + ``bincount`` but keeps the loop,
 and ``bincount`` itself syncs on CUDA (it sizes its output from the max); its backward then
 loses, because per-expert slices make autograd allocate full-size zero gradients per expert.
@@ -21,9 +21,9 @@ For assignments ``[[1, 0], [2, 1], [0, 2]]`` (T=3, K=2, E=3): flat ``[1,0,2,1,0,
 ``sort_idx_S = [1, 4, 0, 3, 2, 5]``, tokens ``[0, 2, 0, 1, 1, 2]``, ``counts_E = [2, 2, 2]``,
 ``offsets_E = [2, 4, 6]``.
 
-Counts come from ``searchsorted`` on the already-sorted ids, not ``bincount`` (syncs on CUDA)
-nor an atomic ``scatter_add_`` (nondeterministic order under deterministic mode checks): one
-small kernel, fixed output size, deterministic. The argsort, the gathers and the grouped GEMM
+Counts come from ``searchsorted`` on the already-sorted ids, not ``bincount`` (syncs on CUDA to
+size its output) nor an atomic ``scatter_add_``: one small kernel, fixed ``[E]`` output,
+deterministic. The argsort, the gathers and the grouped GEMM
 (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``, bf16 on CUDA sm80+) take device
 tensors only, so the grouped path has **no host sync** (``tests/gpu/test_moe_gpu.py`` checks it
 under ``torch.cuda.set_sync_debug_mode("error")``). Where grouped_mm cannot run (CPU, fp32 on a
@@ -35,9 +35,15 @@ Backward efficiency (the reason the plain rewrite lost): every step is one op ov
 permuted tensor. Dispatch ``x[token_S]`` and combine are custom autograd functions whose
 backward is a single gather by the inverse permutation (no zero-filled ``[T, H]`` per expert,
 no atomic scatter); grouped_mm's backward is grouped_mm; the loop fallback is one autograd
-function that writes each expert's slice of one preallocated gradient. The weighted combine is
-a ``bmm`` of the ``[T, 1, K]`` routing weights with the ``[T, K, H]`` expert outputs (fp32
-accumulation inside the kernel, deterministic, no atomics).
+function that writes each expert's slice of one preallocated gradient. The weighted
+scatter-add back to token order is a gather by the inverse permutation summed over K in fp32
+(deterministic, no atomics).
+
+On CUDA (with Triton installed) three steps run as Triton kernels instead of chains of
+element-wise torch ops, each reading its rows once and computing in fp32: the gate activation
+with its bias (GPT-OSS's clamped SwiGLU, SiLU-gated experts), the combine with GPT-OSS's down
+bias, and the backward passes of both and of the dispatch. ``install(..., triton=False)`` keeps
+torch ops (the reference those kernels are tested against, in Triton's interpreter on CPU).
 
 Surface: ``install(model, enabled)`` patches every recognised experts module (transformers'
 ``@use_experts_implementation`` classes: GPT-OSS, Qwen3-MoE, Mixtral and the same layout
@@ -60,7 +66,7 @@ from typing import Any
 
 import torch
 
-try:  # Triton is optional (CPU boxes may lack it): only the fused gate kernel needs it.
+try:  # Triton is optional (CPU boxes may lack it): only the gate and combine kernels need it.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on boxes without triton
@@ -76,8 +82,10 @@ FAMILIES = {
 
 _PATCHED = "_ftq_moe_routing"
 """Instance attribute marking a patched module (its value: ``grouped`` or ``eager``)."""
-_FUSED_GATE = "_ftq_fused_gate"
-"""Instance attribute: ``(activation, interleaved)`` for the Triton gate kernel, or None for torch ops."""
+_TRITON = "_ftq_triton"
+"""Instance attribute: run dispatch-backward, gate and combine as Triton kernels (else torch ops)."""
+_GATE = "_ftq_gate"
+"""Instance attribute: ``(activation, interleaved)`` when the Triton gate kernel implements the module's gate."""
 
 ACT_GPT_OSS = 0
 """GPT-OSS: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``; gate/up interleaved."""
@@ -100,6 +108,8 @@ class RoutingMetadata:
     """Token of each grouped row (``sort_idx_S // K``)."""
     expert_S: torch.Tensor
     """Expert of each grouped row (sorted ascending)."""
+    slot_expert_S: torch.Tensor
+    """Expert of each flat slot ``t*K + j`` (the assignments, flattened; the combine's bias rows)."""
     counts_E: torch.Tensor
     """Rows per expert, int32, on the device."""
     offsets_E: torch.Tensor
@@ -150,6 +160,7 @@ def build_routing(top_k_index_TK: torch.Tensor, num_experts: int, *, host_offset
         inverse_S=inverse_S,
         token_S=torch.div(sort_idx_S, top_k, rounding_mode="floor"),
         expert_S=expert_S,
+        slot_expert_S=flat_S,
         counts_E=counts_E,
         offsets_E=offsets_E,
         num_tokens=num_tokens,
@@ -163,48 +174,66 @@ class _Dispatch(torch.autograd.Function):
     """``x_TH[token_S]``: token rows copied into grouped order; backward = one gather + sum over K."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
-        ctx.meta = meta
+    def forward(ctx, x_TH: torch.Tensor, meta: RoutingMetadata, use_triton: bool) -> torch.Tensor:
+        ctx.meta, ctx.use_triton = meta, use_triton
         return x_TH.index_select(0, meta.token_S)
 
     @staticmethod
-    def backward(ctx, grad_SH: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad_SH: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         meta: RoutingMetadata = ctx.meta
+        if ctx.use_triton:
+            return _gather_sum(grad_SH, meta, None, None), None, None
         # Row s of the grouped order came from token sort_idx_S[s] // K; reading the grouped
         # gradient back in flat slot order puts a token's K rows next to each other.
         grad_TKH = grad_SH.index_select(0, meta.inverse_S).view(meta.num_tokens, meta.top_k, -1)
-        return grad_TKH.sum(dim=1, dtype=torch.float32).to(grad_SH.dtype), None
+        return grad_TKH.sum(dim=1, dtype=torch.float32).to(grad_SH.dtype), None, None
 
 
 class _Combine(torch.autograd.Function):
-    """``out[t] = sum_j w[t, j] * y[inverse[t*K + j]]``: the weighted scatter-add back to token order.
+    """``out[t] = sum_j w[t, j] * (y[inverse[t*K + j]] + b[e_tj])``: the weighted scatter-add back to token order.
 
-    Written as a gather by the inverse permutation and one ``bmm`` (deterministic, fp32 accumulation
-    in the kernel); backward is a gather for ``dy`` and a ``bmm`` for the routing weights.
+    Written as a gather by the inverse permutation, never an atomic scatter: deterministic, fp32
+    accumulation. Torch ops: ``index_select`` + one ``bmm`` (the bias must be added to ``y``
+    before; ``bias_EH`` only with Triton). Triton: one kernel reads each expert-output row once
+    and adds the bias row of its expert on the fly. Backward: ``dy`` is a gather of the output
+    gradient scaled by the slot's weight; ``dw`` a dot product per slot.
     """
 
     @staticmethod
-    def forward(ctx, y_SH: torch.Tensor, weights_TK: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
-        ctx.meta = meta
-        ctx.save_for_backward(y_SH, weights_TK)
+    def forward(ctx, y_SH, weights_TK, bias_EH, meta: RoutingMetadata, use_triton: bool) -> torch.Tensor:
+        ctx.meta, ctx.use_triton = meta, use_triton
+        ctx.save_for_backward(y_SH, weights_TK, bias_EH)
+        if use_triton:
+            return _gather_sum(y_SH, meta, weights_TK, bias_EH)
+        assert bias_EH is None, "the torch-ops combine takes the bias already added to y"
         T, K = meta.num_tokens, meta.top_k
         y_TKH = y_SH.index_select(0, meta.inverse_S).view(T, K, -1)
         return torch.bmm(weights_TK.to(y_SH.dtype).view(T, 1, K), y_TKH).view(T, -1)
 
     @staticmethod
-    def backward(ctx, grad_TH: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx, grad_TH: torch.Tensor):
         meta: RoutingMetadata = ctx.meta
-        y_SH, weights_TK = ctx.saved_tensors
+        y_SH, weights_TK, bias_EH = ctx.saved_tensors
         T, K = meta.num_tokens, meta.top_k
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            # Row s of the grouped order belongs to flat slot sort_idx_S[s]: weight w.flat[slot], token slot // K.
-            w_S = weights_TK.reshape(-1).index_select(0, meta.sort_idx_S).to(grad_TH.dtype)
-            grad_y = grad_TH.index_select(0, meta.token_S) * w_S[:, None]
-        if ctx.needs_input_grad[1]:
-            y_TKH = y_SH.index_select(0, meta.inverse_S).view(T, K, -1)
-            grad_w = torch.bmm(y_TKH, grad_TH.view(T, -1, 1)).view(T, K).to(weights_TK.dtype)
-        return grad_y, grad_w, None
+        need_y, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_y = grad_w = grad_b = None
+        if need_y or need_b:
+            if ctx.use_triton:
+                grad_y = _scale_rows(grad_TH, meta, weights_TK)
+            else:
+                # Row s of the grouped order is flat slot sort_idx_S[s]: weight w.flat[slot], token slot // K.
+                w_S = weights_TK.reshape(-1).index_select(0, meta.sort_idx_S).to(grad_TH.dtype)
+                grad_y = grad_TH.index_select(0, meta.token_S) * w_S[:, None]
+        if need_w:
+            if ctx.use_triton:
+                grad_w = _slot_dots(grad_TH, y_SH, meta, bias_EH).to(weights_TK.dtype)
+            else:
+                y_TKH = y_SH.index_select(0, meta.inverse_S).view(T, K, -1)
+                grad_w = torch.bmm(y_TKH, grad_TH.view(T, -1, 1)).view(T, K).to(weights_TK.dtype)
+        if need_b:
+            # What autograd does for bias.index_select(0, expert_S): scatter-add the rows back.
+            grad_b = torch.zeros_like(bias_EH).index_add_(0, meta.expert_S, grad_y.to(bias_EH.dtype))
+        return grad_y if need_y else None, grad_w, grad_b, None, None
 
 
 class _LoopGroupedMM(torch.autograd.Function):
@@ -294,23 +323,28 @@ def grouped_experts_forward(
     grouped = grouped_mm_available(hidden_states.device, up_w.dtype)
     meta = build_routing(top_k_index, self.num_experts, host_offsets=not grouped)
 
-    x_SH = _Dispatch.apply(hidden_states, meta)
+    use_triton = getattr(self, _TRITON, False)
+    gate = getattr(self, _GATE, None) if use_triton else None
+    has_bias = getattr(self, "has_bias", False)
+    post_norm = getattr(self, "has_post_expert_norm", False)
+
+    x_SH = _Dispatch.apply(hidden_states, meta, use_triton)
     h_SN = grouped_linear(x_SH, _as_EKN(self, up_w), meta)
-    fused = getattr(self, _FUSED_GATE, None)
-    if fused is not None:
-        bias = self.gate_up_proj_bias if getattr(self, "has_bias", False) else None
-        act, interleaved = fused
+    if gate is not None:
+        act, interleaved = gate
+        bias = self.gate_up_proj_bias if has_bias else None
         h_SI = fused_gate(h_SN, meta.expert_S, bias, act, interleaved, *_clamp_params(self, act))
     else:
-        if getattr(self, "has_bias", False):
+        if has_bias:
             h_SN = h_SN + _bias(self, "gate_up_proj_bias" if has_gate else "up_proj_bias", meta)
         h_SI = self._apply_gate(h_SN) if has_gate else self.act_fn(h_SN)
     y_SH = grouped_linear(h_SI, _as_EKN(self, self.down_proj), meta)
-    if getattr(self, "has_bias", False):
-        y_SH = y_SH + _bias(self, "down_proj_bias", meta)
-    if getattr(self, "has_post_expert_norm", False):
+    down_bias = self.down_proj_bias if has_bias else None
+    if down_bias is not None and (post_norm or not use_triton):
+        y_SH, down_bias = y_SH + _bias(self, "down_proj_bias", meta), None
+    if post_norm:
         y_SH = self.post_expert_norm(y_SH)
-    return _Combine.apply(y_SH, top_k_weights, meta).to(hidden_states.dtype)
+    return _Combine.apply(y_SH, top_k_weights, down_bias, meta, use_triton).to(hidden_states.dtype)
 
 
 def _as_EKN(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -335,8 +369,8 @@ def _is_transformers_experts(module: torch.nn.Module) -> bool:
         and hasattr(module, "down_proj")
         and (hasattr(module, "gate_up_proj") or hasattr(module, "up_proj"))
         and hasattr(module, "is_transposed")
-        and isinstance(getattr(module, "down_proj"), torch.Tensor)
-        and getattr(module, "down_proj").dim() == 3
+        and isinstance(module.down_proj, torch.Tensor)
+        and module.down_proj.dim() == 3
     )
 
 
@@ -374,19 +408,21 @@ class InstallResult:
     families: tuple[str, ...]
     backend: str
     """``grouped_mm`` (no host sync), ``loop`` (one host sync per layer) or ``eager`` (transformers' loop)."""
+    triton: bool = False
+    """Dispatch backward and combine run as Triton kernels."""
     fused_gate_blocks: int = 0
-    """Blocks whose gate activation runs as the Triton kernel."""
+    """Blocks whose gate activation (and gate/up bias) runs as the Triton kernel."""
 
     def describe(self) -> str:
         if not self.enabled:
             return f"transformers' eager per-expert loop on {self.blocks} MoE blocks ({', '.join(self.families)})"
         how = "grouped_mm" if self.backend == "grouped_mm" else "per-expert slices, one host sync per layer"
-        if self.fused_gate_blocks:
-            how += ", Triton gate"
+        if self.triton:
+            how += f", Triton combine{' + gate' if self.fused_gate_blocks else ''}"
         return f"grouped routing on {self.blocks} MoE blocks ({', '.join(self.families)}), {how}"
 
 
-def install(model: torch.nn.Module, enabled: bool, fused_gate: bool | None = None) -> InstallResult:
+def install(model: torch.nn.Module, enabled: bool, triton: bool | None = None) -> InstallResult:
     """Patch every recognised experts module to the grouped forward, or (``enabled=False``) to eager.
 
     Per-instance ``forward`` overrides: safe to call again (the last call wins), and they survive
@@ -395,13 +431,15 @@ def install(model: torch.nn.Module, enabled: bool, fused_gate: bool | None = Non
     Args:
         model: any module holding transformers experts modules (a causal LM, a peft model, one block).
         enabled: grouped routing (True) or transformers' eager loop (False).
-        fused_gate: run the gate activation (+ GPT-OSS's gate/up bias) as one Triton kernel
-            forward and one backward instead of ~10 element-wise torch ops. None (default): where
-            it can run (CUDA weights and Triton installed) and the gate is one it knows (GPT-OSS's
-            clamped SwiGLU, SiLU-gated experts); True insists (ValueError if it cannot).
+        triton: run the combine (+ GPT-OSS's down bias), the dispatch's backward and, where the
+            module's gate is one the kernel knows (GPT-OSS's clamped SwiGLU, SiLU-gated experts),
+            the gate activation (+ gate/up bias) as Triton kernels instead of chains of
+            element-wise torch ops. None (default): when it can run (CUDA weights, Triton
+            installed); True insists; False keeps torch ops (the reference the kernels are tested against).
 
     Raises:
-        ValueError: the model has no recognised experts module (check ``supported`` first).
+        ValueError: the model has no recognised experts module (check ``supported`` first), or
+            ``triton=True`` where Triton cannot run.
     """
     found = experts_modules(model)
     if not found:
@@ -409,23 +447,26 @@ def install(model: torch.nn.Module, enabled: bool, fused_gate: bool | None = Non
     families: list[str] = []
     fused_blocks = 0
     for name, module in found:
+        device = module.down_proj.device
+        runs = _triton_runs(device)
+        if triton and enabled and not runs:
+            missing = "a CUDA device" if _has_triton() else "Triton (pip install triton) and a CUDA device"
+            raise ValueError(
+                f"triton=True: the Triton MoE kernels need {missing}; {name} is on {device}. "
+                "Pass triton=None (use them where they run) or False"
+            )
+        use_triton = enabled and runs and triton is not False
         fn = grouped_experts_forward if enabled else _eager_forward(module)
         module.forward = types.MethodType(fn, module)
         setattr(module, _PATCHED, "grouped" if enabled else "eager")
-        kind = _gate_kind(module) if enabled and fused_gate is not False else None
-        if kind is not None and fused_gate is None and not _fused_gate_runs(module):
-            kind = None
-        if fused_gate and kind is None:
-            raise ValueError(
-                f"fused_gate=True: {name} ({type(module).__name__}) has a gate the Triton kernel does not implement, "
-                "or Triton / a CUDA device is missing; pass fused_gate=None to fall back to torch ops"
-            )
-        setattr(module, _FUSED_GATE, kind)
-        fused_blocks += kind is not None
+        gate = _gate_kind(module) if use_triton else None
+        setattr(module, _TRITON, use_triton)
+        setattr(module, _GATE, gate)
+        fused_blocks += gate is not None
         family = FAMILIES.get(type(module).__name__, type(module).__name__)
         if family not in families:
             families.append(family)
-    weight = next(p for p in found[0][1].parameters())
+    weight = found[0][1].down_proj
     if not enabled:
         backend = "eager"
     elif grouped_mm_available(weight.device, weight.dtype):
@@ -433,7 +474,9 @@ def install(model: torch.nn.Module, enabled: bool, fused_gate: bool | None = Non
     else:
         backend = "loop"
     return InstallResult(
-        enabled=enabled, blocks=len(found), families=tuple(families), backend=backend, fused_gate_blocks=fused_blocks
+        enabled=enabled, blocks=len(found), families=tuple(families), backend=backend,
+        triton=any(getattr(m, _TRITON, False) for _, m in found),
+        fused_gate_blocks=fused_blocks,
     )
 
 
@@ -493,9 +536,12 @@ def _gate_kind(module: torch.nn.Module) -> tuple[int, bool] | None:
     return None
 
 
-def _fused_gate_runs(module: torch.nn.Module) -> bool:
-    weight = module.down_proj
-    return triton is not None and (weight.device.type == "cuda" or _interpreting())
+def _has_triton() -> bool:
+    return triton is not None
+
+
+def _triton_runs(device: torch.device) -> bool:
+    return triton is not None and (device.type == "cuda" or _interpreting())
 
 
 def _interpreting() -> bool:
@@ -518,9 +564,13 @@ if triton is not None:
     @triton.jit
     def _cols(I, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        if INTERLEAVED:
-            return cols, 2 * cols, 2 * cols + 1
-        return cols, cols, cols + I
+        if INTERLEAVED:  # GPT-OSS: gate, up, gate, up, ...
+            g_col = 2 * cols
+            u_col = 2 * cols + 1
+        else:  # chunk(2): all gates, then all ups
+            g_col = cols
+            u_col = cols + I
+        return cols, g_col, u_col
 
     @triton.jit
     def _load_gate_up(h_ptr, expert_ptr, bias_ptr, row, g_col, u_col, mask, I, HAS_BIAS: tl.constexpr):
@@ -629,3 +679,103 @@ def fused_gate(
         ``[S, I]`` in ``h_SN``'s dtype.
     """
     return _FusedGate.apply(h_SN, expert_S, bias_EN, act, interleaved, float(limit), float(alpha))
+
+
+# --- Routing kernels: combine, its backward, the dispatch's backward -------------------------------
+#
+# Why: in torch ops the combine is a gather of [S, H] into token order, a bias gather + add, then a
+# bmm with K = 4 (a batched GEMM of 16k 1x4 by 4x2880 products); its backward and the dispatch's
+# backward are gathers that materialise another [S, H] each before reducing. These kernels read
+# each [S, H] row where it lies (rows addressed through ``inverse_S`` / ``token_S``), accumulate
+# in fp32 and write the result once: out[t] = sum_j w[t, j] * (src[inverse[t*K + j]] + b[e_tj]).
+
+_ROW_BLOCK = 1024
+"""Columns per program for the row kernels (hidden sizes 2,048 - 7,168: 2-7 programs per row)."""
+
+if triton is not None:
+
+    @triton.jit
+    def gather_sum_kernel(src_ptr, inverse_ptr, w_ptr, bias_ptr, slot_expert_ptr, out_ptr, H,
+                          K: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(inverse_ptr + t * K + j).to(tl.int64)
+            v = tl.load(src_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                e = tl.load(slot_expert_ptr + t * K + j).to(tl.int64)
+                v += tl.load(bias_ptr + e * H + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                v *= tl.load(w_ptr + t * K + j).to(tl.float32)
+            acc += v
+        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def scale_rows_kernel(grad_ptr, token_ptr, sort_idx_ptr, w_ptr, out_ptr, H, BLOCK: tl.constexpr):
+        s = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        t = tl.load(token_ptr + s).to(tl.int64)
+        w = tl.load(w_ptr + tl.load(sort_idx_ptr + s)).to(tl.float32)
+        g = tl.load(grad_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + s * H + cols, (g * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def slot_dots_kernel(grad_ptr, src_ptr, inverse_ptr, bias_ptr, slot_expert_ptr, out_ptr, H,
+                         K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, H_BLOCKS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        for j in tl.static_range(K):
+            row = tl.load(inverse_ptr + t * K + j).to(tl.int64)
+            if HAS_BIAS:
+                e = tl.load(slot_expert_ptr + t * K + j).to(tl.int64)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in range(H_BLOCKS):  # a constexpr trip count (Triton's interpreter cannot range over an argument)
+                cols = i * BLOCK + tl.arange(0, BLOCK)
+                mask = cols < H
+                g = tl.load(grad_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(src_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    v += tl.load(bias_ptr + e * H + cols, mask=mask, other=0.0).to(tl.float32)
+                acc += g * v
+            tl.store(out_ptr + t * K + j, tl.sum(acc, axis=0))
+
+
+def _gather_sum(src_SH: torch.Tensor, meta: RoutingMetadata, weights_TK: torch.Tensor | None,
+                bias_EH: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * (src[inverse[t*K + j]] + bias[e_tj])`` (w = 1 without weights)."""
+    src_SH = src_SH.contiguous()
+    H = src_SH.shape[1]
+    out_TH = src_SH.new_empty(meta.num_tokens, H)
+    weights = weights_TK.contiguous() if weights_TK is not None else src_SH
+    bias = bias_EH.contiguous() if bias_EH is not None else src_SH
+    grid = (meta.num_tokens, -(-H // _ROW_BLOCK))
+    gather_sum_kernel[grid](src_SH, meta.inverse_S, weights, bias, meta.slot_expert_S, out_TH, H,
+                            K=meta.top_k, HAS_W=weights_TK is not None, HAS_BIAS=bias_EH is not None,
+                            BLOCK=_ROW_BLOCK)
+    return out_TH
+
+
+def _scale_rows(grad_TH: torch.Tensor, meta: RoutingMetadata, weights_TK: torch.Tensor) -> torch.Tensor:
+    """``out[s] = w.flat[sort_idx[s]] * grad[token[s]]``: the combine's gradient in grouped order."""
+    grad_TH = grad_TH.contiguous()
+    H = grad_TH.shape[1]
+    out_SH = grad_TH.new_empty(meta.num_slots, H)
+    grid = (meta.num_slots, -(-H // _ROW_BLOCK))
+    scale_rows_kernel[grid](grad_TH, meta.token_S, meta.sort_idx_S, weights_TK.contiguous(), out_SH, H,
+                            BLOCK=_ROW_BLOCK)
+    return out_SH
+
+
+def _slot_dots(grad_TH: torch.Tensor, src_SH: torch.Tensor, meta: RoutingMetadata,
+               bias_EH: torch.Tensor | None) -> torch.Tensor:
+    """``out[t, j] = <grad[t], src[inverse[t*K + j]] + bias[e_tj]>`` in fp32: the routing weights' gradient."""
+    grad_TH, src_SH = grad_TH.contiguous(), src_SH.contiguous()
+    H = grad_TH.shape[1]
+    out_TK = torch.empty(meta.num_tokens, meta.top_k, device=grad_TH.device, dtype=torch.float32)
+    bias = bias_EH.contiguous() if bias_EH is not None else src_SH
+    slot_dots_kernel[(meta.num_tokens,)](grad_TH, src_SH, meta.inverse_S, bias, meta.slot_expert_S, out_TK, H,
+                                         K=meta.top_k, HAS_BIAS=bias_EH is not None, BLOCK=_ROW_BLOCK,
+                                         H_BLOCKS=-(-H // _ROW_BLOCK))
+    return out_TK

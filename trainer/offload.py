@@ -595,7 +595,12 @@ class _OffloadedLayer(torch.autograd.Function):
     def backward(
         ctx: Any, *grads: torch.Tensor | None
     ) -> tuple[None, None, torch.Tensor | None]:
-        call: _Call = ctx.call
+        call: _Call | None = ctx.call
+        if call is None:
+            raise RuntimeError(
+                "an offloaded layer ran backward twice; offloaded checkpointing supports one backward per "
+                "forward (no retain_graph=True); turn offload_activations off for this use"
+            )
         saved = ctx.saved_tensors
         x = call.offloader._restore_input(call, saved[0] if saved else None)
         x = x.detach().requires_grad_(True)

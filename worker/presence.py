@@ -57,11 +57,20 @@ def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
             row = Worker(worker_id=runtime.worker_id, started_at=now)
             session.add(row)
         row.hostname = socket.gethostname()
-        row.device = runtime.options.device
+        row.device = _device(runtime, hardware)
         row.hardware = hardware
         row.current_job_id = runtime.current_job_id
         row.started_at = now
         row.heartbeat_at = now
+
+
+def _device(runtime: Runtime, hardware: dict[str, Any]) -> str:
+    """``cuda:N`` for a pinned worker; else what the trainer detected (a worker left unpinned
+    on a GPU box trains on the first visible GPU, not on the CPU)."""
+    if runtime.options.gpu is not None:
+        return runtime.options.device
+    detected = hardware.get("hardware", {}).get("device") if isinstance(hardware.get("hardware"), dict) else None
+    return str(detected) if detected else runtime.options.device
 
 
 class Presence:

@@ -64,7 +64,11 @@ def run_job(runtime: Runtime, job_id: str) -> str:
         return "skipped"
     runtime.current_job_id = job_id
     try:
-        outcome, done = _run_claimed(runtime, claim)
+        try:
+            outcome, done = _run_claimed(runtime, claim)
+        except Exception as exc:  # noqa: BLE001 - a claimed job must not stay running until reaped
+            log.exception("job %s: the worker failed before the trainer could run", job_id)
+            outcome, done = Outcome(JobStatus.failed, "worker_error", f"the worker failed to run the job: {exc!r}"), None
         return finish_job(runtime, claim, outcome, done)
     finally:
         runtime.current_job_id = None

@@ -260,6 +260,7 @@ function datasetPicker({ purpose, label, param, required, signal }) {
     const file = input.files[0];
     if (!file) return;
     fileId = null;
+    choose.value = "";
     result.dataset.state = "busy";
     delete result.dataset.fileId;
     clear(result, h("p", { class: "muted", text: `Uploading and checking ${file.name} (${fmtBytes(file.size)})…` }));

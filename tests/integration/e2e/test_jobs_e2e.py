@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -166,18 +169,27 @@ def test_cancel_a_queued_job_and_a_running_one(stack, chat_dataset: Path):
         assert not (stack.data_dir / "jobs" / waiting["id"] / "job.json").exists()
 
 
-def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, chat_dataset: Path):
+def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, chat_dataset: Path, tmp_path: Path):
     with stack.client() as client:
-        file_id = upload(client, chat_dataset)
-        broken = submit(client, file_id, model=stack.corrupt_model)
-        after = submit(client, file_id, hyperparameters={**SHORT, "max_steps": 5})
+        broken = submit(client, upload(client, chat_dataset), model=stack.corrupt_model)
 
-        events = follow(client, broken["id"])
+        # The next job goes in through the CLI: it uploads the local dataset, submits, and
+        # follows the stream (exit 0 only on success) while the broken job fails before it.
+        job_file = tmp_path / "job.yaml"
+        job_file.write_text(json.dumps({"model": stack.model, "training_file": str(chat_dataset),
+                                        "hyperparameters": {**SHORT, "max_steps": 5}}))
+        cli = subprocess.run([sys.executable, "-m", "cli", "submit", str(job_file), "--follow"],
+                             env={**os.environ, "FTQ_API_URL": stack.url}, capture_output=True, text=True,
+                             timeout=300)
+
         job = client.get(f"/v1/jobs/{broken['id']}").json()
         assert job["status"] == "failed", f"{job}\n{stack.log_tail()}"
         assert job["error"]["code"] and job["error"]["message"]
-        assert "safetensors" in job["error"]["message"].lower() or "header" in job["error"]["message"].lower(), job["error"]
-        assert events[-1][2]["status"] == "failed"
+        message = job["error"]["message"].lower()
+        assert "safetensors" in message or "header" in message, job["error"]
+        assert follow(client, broken["id"])[-1][2]["status"] == "failed"
 
-        follow(client, after["id"])
-        assert client.get(f"/v1/jobs/{after['id']}").json()["status"] == "succeeded", stack.log_tail()
+        assert cli.returncode == 0, f"{cli.stdout}\n{cli.stderr}\n{stack.log_tail()}"
+        after_id, *lines = cli.stdout.splitlines()
+        assert lines[0] == "state: queued" and lines[-1].startswith("state: succeeded")
+        assert client.get(f"/v1/jobs/{after_id}").json()["status"] == "succeeded"

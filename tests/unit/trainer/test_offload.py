@@ -59,8 +59,62 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+class LateSideStreams(SyncStreams):
+    """A CPU twin whose side stream runs as LATE as the events allow, like a busy copy engine.
+
+    Side-stream copies are queued and run only when the main stream waits on an event recorded
+    after them (or on the whole side stream). Main-stream work is synchronous, so waits of the
+    side stream on main events are already satisfied. A missing ``copy_done`` wait shows up as
+    a recompute from a stale buffer, i.e. different gradients.
+    """
+
+    class Event:
+        position: int | None = None
+
+    def __init__(self) -> None:
+        self.queue: list[Any] = []
+        self.ran = 0
+        self.most_pending = 0
+
+    def main(self) -> str:
+        return "main"
+
+    def side(self) -> str:
+        return "side"
+
+    def event(self) -> LateSideStreams.Event:
+        return LateSideStreams.Event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.position = len(self.queue) if stream == "side" else None
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if stream == "main" and event.position is not None:
+            self._run_until(event.position)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        if stream == "main" and other == "side":
+            self._run_until(len(self.queue))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        assert stream == "side"
+        self.queue.append(lambda: dst.copy_(src))
+        self.most_pending = max(self.most_pending, len(self.queue) - self.ran)
+
+    def _run_until(self, position: int) -> None:
+        while self.ran < position:
+            self.queue[self.ran]()
+            self.ran += 1
+
+
 def _model(
-    family: str, mode: str, *, dropout: float = 0.0, layers: int = 4, rng: bool = True
+    family: str,
+    mode: str,
+    *,
+    dropout: float = 0.0,
+    layers: int = 4,
+    rng: bool = True,
+    streams: Any = None,
 ) -> Any:
     """A tiny random-weight model with LoRA (random B, so A gets gradients too) in ``mode``."""
     import peft
@@ -97,7 +151,10 @@ def _model(
     model.train()
     if mode.startswith("offload"):
         offloader = ActivationOffloader(
-            "cpu", double_buffer=mode == "offload-double", preserve_rng_state=rng
+            "cpu",
+            double_buffer=mode == "offload-double",
+            preserve_rng_state=rng,
+            streams=streams,
         )
         offloader.apply(model)
         model.offloader = offloader
@@ -232,6 +289,29 @@ class TestEquivalence:
             }
 
         _assert_bitwise(run("checkpoint"), run("offload-double"))
+
+    def test_transformers_checkpointing_is_bypassed_not_nested(self) -> None:
+        model = _model("llama", "checkpoint")
+        calls = []
+        for layer in decoder_layers(model):
+            inner = layer._gradient_checkpointing_func
+            layer._gradient_checkpointing_func = lambda *a, inner=inner, **k: (
+                calls.append(1) or inner(*a, **k)
+            )
+        _loss(model, _batch(LENGTHS_1, 0)).backward()
+        assert len(calls) == COMMON["num_hidden_layers"]  # the hook works
+        calls.clear()
+        model.zero_grad()
+        ActivationOffloader("cpu").apply(model)
+        _loss(model, _batch(LENGTHS_1, 0)).backward()
+        assert calls == []
+
+    def test_second_backward_through_the_same_graph_is_refused(self) -> None:
+        model = _model("llama", "offload-double")
+        loss = _loss(model, _batch(LENGTHS_1, 0))
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward twice"):
+            loss.backward()
 
     def test_no_grad_forward_runs_the_plain_layer(self) -> None:
         model = _model("llama", "offload-double")

@@ -81,7 +81,7 @@ class TestDetect:
 
 
 class TestPlan:
-    def test_cpu_auto_turns_everything_off_with_reasons(self):
+    def test_cpu_auto_turns_off_what_needs_a_gpu_with_reasons(self):
         p = plan(CPU, Optimizations(), _config(), ModelFacts("llama"))
         assert (p.device, p.dtype, p.attention_backend) == ("cpu", "float32", "sdpa")
         reasons = {d.name: (d.enabled, d.reason) for d in p.decisions}
@@ -93,10 +93,7 @@ class TestPlan:
             reasons["moe_grouped_routing"][0] is False
             and "no MoE blocks" in reasons["moe_grouped_routing"][1]
         )
-        assert reasons["packed_metadata_cache"] == (
-            False,
-            "it is not implemented in this build of the trainer",
-        )
+        assert reasons["packed_metadata_cache"][0] is True
         assert set(p.to_dict()) >= {"decisions", "attention_backend", "loss_kernel"}
 
     def test_on_that_cannot_run_names_the_hardware_and_the_fix(self):
@@ -108,23 +105,26 @@ class TestPlan:
 
     def test_off_is_always_honoured(self):
         p = plan(H100, Optimizations(packed_metadata_cache="off"), _config())
-        assert p.decision("packed_metadata_cache").reason == "off in the job"
+        assert p.decision("packed_metadata_cache").reason.startswith("off in the job")
 
-    def test_gpu_gets_bf16_and_eager_for_models_without_sdpa(self):
+    def test_gpu_gets_bf16_and_eager_loading_for_models_without_sdpa(self):
         p = plan(
             H100,
             Optimizations(),
             _config(),
             ModelFacts("gpt_oss", is_moe=True, supports_sdpa=False),
         )
-        assert p.dtype == "bfloat16" and p.attention_backend == "eager"
+        assert p.dtype == "bfloat16" and p.load_attn_implementation == "eager"
+        assert p.packed_attention  # installed over the eager model after loading
 
-    def test_built_optimizations_are_enabled_on_auto(self, monkeypatch):
-        monkeypatch.setattr(
-            hardware, "BUILT_OPTIMIZATIONS", frozenset({"packed_metadata_cache"})
+    def test_unbuilt_optimizations_stay_off_on_auto_and_refuse_on(self, monkeypatch):
+        monkeypatch.setattr(hardware, "BUILT_OPTIMIZATIONS", frozenset())
+        p = plan(H100, Optimizations(), _config())
+        assert p.decision("packed_metadata_cache").reason == (
+            "it is not implemented in this build of the trainer"
         )
-        p = plan(H100, Optimizations(packed_metadata_cache="on"), _config())
-        assert p.decision("packed_metadata_cache").enabled
+        with pytest.raises(PlanError, match="not implemented in this build"):
+            plan(H100, Optimizations(packed_metadata_cache="on"), _config())
 
     def test_qlora_without_bitsandbytes_is_a_plan_error(self):
         with pytest.raises(

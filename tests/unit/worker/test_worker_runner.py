@@ -268,3 +268,13 @@ def test_a_retry_resumes_from_the_newest_checkpoint_the_store_knows(runtime, mak
     assert (settings.jobs_dir / job_id / "unrecorded-checkpoints" / "step-000010-attempt2").is_dir()
     logs = [e.data["message"] for e in _events(runtime, job_id) if e.type == "log"]
     assert any("resuming from step 5 so the metrics have no gap" in m for m in logs)
+
+
+def test_a_worker_fault_before_the_trainer_starts_fails_the_job_at_once(runtime, make_job, settings):
+    job_id = make_job("fake:ok:1")
+    (settings.jobs_dir / job_id).mkdir(parents=True)
+    (settings.jobs_dir / job_id / "job.json").mkdir()  # job.json cannot be written
+
+    assert run_job(runtime, job_id) == "failed"
+    job = _job(runtime, job_id)
+    assert job.error_code == "worker_error" and "IsADirectoryError" in job.error_message

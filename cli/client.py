@@ -1,0 +1,69 @@
+"""The HTTP side of the client commands: one ``httpx.Client`` on the API, errors made readable.
+
+The API is found at ``FTQ_API_URL`` (default ``http://FTQ_HOST:FTQ_PORT``, i.e. the local
+``ftq up``). ``FTQ_API_KEY``, when set, is sent as ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from cli.errors import CliError
+
+
+def api_url() -> str:
+    url = os.environ.get("FTQ_API_URL")
+    if url:
+        return url.rstrip("/")
+    host = os.environ.get("FTQ_HOST", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{host}:{os.environ.get('FTQ_PORT', '8000')}"
+
+
+def connect(base_url: str | None = None) -> httpx.Client:
+    headers = {}
+    key = os.environ.get("FTQ_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.Client(base_url=base_url or api_url(), headers=headers, timeout=httpx.Timeout(30, read=120))
+
+
+def call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """Send a request; a transport failure or an API error becomes a ``CliError`` with its message."""
+    try:
+        response = client.request(method, path, **kwargs)
+    except httpx.TransportError as exc:
+        raise CliError(f"cannot reach the ftq API at {client.base_url} ({exc}); start it with `ftq up` "
+                       "or set FTQ_API_URL") from exc
+    check(response)
+    return response
+
+
+def check(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        error = response.json()["error"]
+        where = f" ({error['param']})" if error.get("param") else ""
+        detail = f"{error['message']}{where}"
+    except (ValueError, KeyError, TypeError):
+        detail = response.text[:500]
+    raise CliError(f"{response.request.method} {response.request.url.path} → {response.status_code}: {detail}")
+
+
+def sse_events(response: httpx.Response) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """``(id, event, data)`` for each event of a Server-Sent-Events response."""
+    fields: dict[str, str] = {}
+    for line in response.iter_lines():
+        if not line:
+            if "id" in fields and "data" in fields:
+                yield int(fields["id"]), fields.get("event", "message"), json.loads(fields["data"])
+            fields = {}
+        elif not line.startswith(":"):
+            key, _, value = line.partition(":")
+            fields[key] = value.removeprefix(" ")

@@ -1,0 +1,235 @@
+"""Client commands: ``submit``, ``jobs``, ``show``, ``logs``, ``cancel``, ``download``.
+
+``ftq submit job.yaml`` sends the file's body as ``POST /v1/jobs`` (YAML or JSON, the API's
+job fields). ``training_file`` / ``validation_file`` may name a local JSONL file instead of
+a file id: it is uploaded first (purpose ``train`` / ``validation``), so one file describes a
+whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from cli.client import call, check, connect, sse_events
+from cli.errors import CliError
+
+FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+def add_parsers(commands: Any) -> None:
+    p = commands.add_parser("submit", help="submit a job from a YAML/JSON file")
+    p.add_argument("job_file", type=Path, help="the job: model, training_file (id or local path), ...")
+    p.add_argument("--follow", action="store_true", help="then stream its progress until it ends")
+    p.set_defaults(run=run_submit)
+
+    p = commands.add_parser("jobs", help="list jobs, newest first")
+    p.add_argument("--status", help="only these statuses, comma-separated (e.g. queued,running)")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(run=run_jobs)
+
+    p = commands.add_parser("show", help="one job as JSON")
+    p.add_argument("job_id")
+    p.set_defaults(run=run_show)
+
+    p = commands.add_parser("logs", help="a job's events; --follow streams them live with a progress line")
+    p.add_argument("job_id")
+    p.add_argument("--follow", "-f", action="store_true", help="keep streaming until the job ends")
+    p.set_defaults(run=run_logs)
+
+    p = commands.add_parser("cancel", help="cancel a queued or running job")
+    p.add_argument("job_id")
+    p.set_defaults(run=run_cancel)
+
+    p = commands.add_parser("download", help="download a job's final adapter (or a checkpoint)")
+    p.add_argument("job_id")
+    p.add_argument("--step", type=int, help="a checkpoint's step instead of the final adapter")
+    p.add_argument("--format", choices=["zip", "tar.gz"], default="zip")
+    p.add_argument("-o", "--output", type=Path, help="file to write (default <job>-adapter.<format>)")
+    p.set_defaults(run=run_download)
+
+
+def load_job_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CliError(f"{path}: no such file; write the job as YAML or JSON (see `ftq submit --help`)")
+    import yaml
+
+    text = path.read_text(encoding="utf-8")
+    try:
+        body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise CliError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise CliError(f"{path}: the job must be a mapping of fields (model, training_file, ...)")
+    return body
+
+
+def submit(client: httpx.Client, body: dict[str, Any], *, base_dir: Path) -> dict[str, Any]:
+    """Upload local dataset paths named in ``body``, then create the job; returns the job."""
+    body = dict(body)
+    for key, purpose in (("training_file", "train"), ("validation_file", "validation")):
+        value = body.get(key)
+        if isinstance(value, str) and not FILE_ID.match(value):
+            path = (base_dir / value).expanduser()
+            if not path.is_file():
+                raise CliError(f"{key}: {value!r} is neither a file id nor a readable file")
+            body[key] = upload(client, path, purpose)["id"]
+    # One key per submission: a retried request after a dropped connection makes no second job.
+    headers = {"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}
+    return call(client, "POST", "/v1/jobs", json=body, headers=headers).json()
+
+
+def upload(client: httpx.Client, path: Path, purpose: str) -> dict[str, Any]:
+    with path.open("rb") as f:
+        return call(client, "POST", "/v1/files", files={"file": (path.name, f)}, data={"purpose": purpose}).json()
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    body = load_job_file(args.job_file)
+    with connect() as client:
+        job = submit(client, body, base_dir=args.job_file.parent)
+        print(job["id"])
+        if args.follow:
+            return follow(client, job["id"], sys.stdout)
+    return 0
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"limit": args.limit}
+    if args.status:
+        params["status"] = args.status
+    with connect() as client:
+        jobs = call(client, "GET", "/v1/jobs", params=params).json()["data"]
+    print(format_jobs(jobs))
+    return 0
+
+
+def format_jobs(jobs: list[dict[str, Any]]) -> str:
+    rows = [("ID", "STATUS", "STEP", "MODEL", "CREATED")]
+    for job in jobs:
+        progress = job["progress"]
+        step = f"{progress['step']}/{progress['total_steps'] or '?'}"
+        rows.append((job["id"], job["status"], step, job["model"], job["created_at"][:19].replace("T", " ")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    with connect() as client:
+        print(json.dumps(call(client, "GET", f"/v1/jobs/{args.job_id}").json(), indent=2))
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    with connect() as client:
+        job = call(client, "POST", f"/v1/jobs/{args.job_id}/cancel").json()
+    print(f"{job['id']}: {job['status']}" + (" (stopping: checkpoint, then exit)" if job["status"] == "running" else ""))
+    return 0
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    with connect() as client:
+        if args.follow:
+            return follow(client, args.job_id, sys.stdout)
+        job = call(client, "GET", f"/v1/jobs/{args.job_id}").json()
+        if job["status"] in FINISHED:
+            return follow(client, args.job_id, sys.stdout)
+        # A live job's stream never ends by itself: print what is there and stop.
+        with client.stream("GET", f"/v1/jobs/{args.job_id}/events", timeout=httpx.Timeout(30, read=2)) as response:
+            check(response)
+            try:
+                for _, kind, data in sse_events(response):
+                    print(describe(kind, data))
+            except httpx.ReadTimeout:
+                pass
+    return 0
+
+
+def follow(client: httpx.Client, job_id: str, out: TextIO) -> int:
+    """Stream a job's events until it ends, with a progress line; exit 0 only if it succeeded.
+
+    A dropped connection is resumed with ``Last-Event-ID``, so no event is missed or repeated.
+    """
+    last_id: int | None = None
+    status = None
+    progress = sys.stderr.isatty() and out is sys.stdout
+    while status is None:
+        headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
+        try:
+            with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+                check(response)
+                for seq, kind, data in sse_events(response):
+                    last_id = seq
+                    if kind == "step":
+                        if progress:
+                            sys.stderr.write("\r" + progress_line(data))
+                            sys.stderr.flush()
+                        continue
+                    if progress:
+                        sys.stderr.write("\r\033[K")
+                    print(describe(kind, data), file=out, flush=True)
+                    if kind == "state" and data.get("status") in FINISHED:
+                        status = data["status"]
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout):
+            time.sleep(1)  # the server went away mid-stream: resume after the last event seen
+    return 0 if status == "succeeded" else 1
+
+
+def progress_line(step: dict[str, Any]) -> str:
+    total = step.get("total_steps")
+    done = step["step"]
+    bar = ""
+    if total:
+        filled = int(30 * done / total)
+        bar = "[" + "#" * filled + "-" * (30 - filled) + "] "
+    loss = step.get("loss")
+    rate = step.get("tokens_per_s")
+    return (f"{bar}step {done}/{total or '?'}"
+            + (f"  loss {loss:.4f}" if loss is not None else "")
+            + (f"  {rate:,.0f} tok/s" if rate is not None else ""))
+
+
+def describe(kind: str, data: dict[str, Any]) -> str:
+    """One line per event for people."""
+    if kind == "state":
+        extra = data.get("error_code") or data.get("reason") or data.get("message")
+        return f"state: {data.get('status')}" + (f" ({extra})" if extra else "")
+    if kind == "step":
+        return progress_line(data)
+    if kind == "log":
+        return f"{data.get('level', 'info')}: {data.get('message')}"
+    if kind == "checkpoint":
+        return f"checkpoint: step {data.get('step')}{' (final)' if data.get('final') else ''}"
+    if kind == "plan":
+        on = [d["name"] for d in data.get("decisions", []) if d.get("enabled")]
+        device = (data.get("hardware") or {}).get("device")
+        return f"plan: {device}, {data.get('total_steps')} steps, optimizations on: {', '.join(on) or 'none'}"
+    if kind == "eval":
+        return f"eval: step {data.get('step')} loss {data.get('loss')}"
+    return f"{kind}: {json.dumps(data)}"
+
+
+def run_download(args: argparse.Namespace) -> int:
+    if args.step is None:
+        path, default = f"/v1/jobs/{args.job_id}/adapter", f"{args.job_id}-adapter.{args.format}"
+    else:
+        path, default = f"/v1/jobs/{args.job_id}/checkpoints/{args.step}/download", f"{args.job_id}-step-{args.step}.{args.format}"
+    target = args.output or Path(default)
+    with connect() as client, client.stream("GET", path, params={"format": args.format}) as response:
+        if not response.is_success:
+            response.read()
+            check(response)
+        with target.open("wb") as f:
+            for chunk in response.iter_bytes():
+                f.write(chunk)
+    print(f"wrote {target} ({target.stat().st_size:,} bytes)")
+    return 0

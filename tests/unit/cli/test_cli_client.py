@@ -1,0 +1,87 @@
+"""The client commands against the real API app (in process, SQLite store, no worker)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from cli.errors import CliError
+from cli.jobs import describe, follow, format_jobs, load_job_file, progress_line, submit
+from core.migrate import upgrade
+from core.settings import Settings
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.fixture
+def api(tmp_path: Path, model_root: Path):
+    settings = Settings(data_dir=tmp_path / "data", model_root=model_root, allow_hub_models=False,
+                        sse_poll_interval_s=0.05).resolved()
+    upgrade(settings.database_url)
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.fixture
+def job_file(tmp_path: Path) -> Path:
+    (tmp_path / "train.jsonl").write_text(json.dumps(CHAT) + "\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny", "training_file": "train.jsonl",
+                                    "hyperparameters": {"max_steps": 5, "batch_tokens": 256, "max_seq_len": 64}}))
+    return path
+
+
+class TestSubmit:
+    def test_uploads_a_local_dataset_then_creates_the_job(self, api, job_file):
+        job = submit(api, load_job_file(job_file), base_dir=job_file.parent)
+        assert job["status"] == "queued" and job["training_file"].startswith("file-")
+        files = api.get("/v1/files").json()["data"]
+        assert [f["filename"] for f in files] == ["train.jsonl"]
+
+    def test_an_api_refusal_is_a_readable_error(self, api, job_file):
+        body = {**load_job_file(job_file), "hyperparameters": {"max_steps": 0}}
+        with pytest.raises(CliError, match=r"POST /v1/jobs → 422: .*max_steps"):
+            submit(api, body, base_dir=job_file.parent)
+
+    def test_a_missing_dataset_path_is_named(self, api, job_file):
+        with pytest.raises(CliError, match="'nope.jsonl' is neither a file id nor a readable file"):
+            submit(api, {"model": "tiny", "training_file": "nope.jsonl"}, base_dir=job_file.parent)
+
+    @pytest.mark.parametrize(("name", "text", "message"), [
+        ("job.yaml", "model: [unclosed", "not valid YAML"),
+        ("job.json", "{", "not valid JSON"),
+        ("job.yaml", "- a list", "must be a mapping"),
+    ])
+    def test_a_bad_job_file_says_what_is_wrong(self, tmp_path, name, text, message):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(CliError, match=message):
+            load_job_file(path)
+
+
+class TestFollowAndList:
+    def test_follow_prints_each_state_and_ends_with_the_job(self, api, job_file):
+        job = submit(api, load_job_file(job_file), base_dir=job_file.parent)
+        assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+        out = io.StringIO()
+        assert follow(api, job["id"], out) == 1  # only success exits 0
+        assert out.getvalue().splitlines() == ["state: queued", "state: cancelled (cancelled while queued)"]
+
+    def test_jobs_table(self, api, job_file):
+        job = submit(api, load_job_file(job_file), base_dir=job_file.parent)
+        table = format_jobs(api.get("/v1/jobs").json()["data"]).splitlines()
+        assert table[0].split() == ["ID", "STATUS", "STEP", "MODEL", "CREATED"]
+        assert table[1].split()[:4] == [job["id"], "queued", "0/5", "tiny"]
+
+
+def test_event_lines_for_people():
+    assert progress_line({"step": 3, "total_steps": 6, "loss": 1.23456, "tokens_per_s": 12345.6}) == (
+        "[###############---------------] step 3/6  loss 1.2346  12,346 tok/s")
+    assert describe("checkpoint", {"step": 6, "final": True}) == "checkpoint: step 6 (final)"
+    assert describe("state", {"status": "failed", "error_code": "out_of_memory"}) == "state: failed (out_of_memory)"

@@ -133,6 +133,7 @@ def run(tokens: int, iters: int, lora: bool, device: torch.device) -> list[dict]
                 block(x[None])[0].backward(grad)
 
             row["host_syncs"] = count_syncs(step)
+            x.grad = None
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

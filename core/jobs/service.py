@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
 from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
+from core.workers.models import Worker
 
 MAX_METRICS_PAGE = 10_000
 FINISHED_VALUES = frozenset(s.value for s in FINISHED_STATUSES)
@@ -114,6 +116,7 @@ def create_job(
         Unsupported: ``method`` is ``qlora``.
         InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a model that
             cannot be resolved, or a spec the trainer's config refuses.
+        Unsupported: an optimization forced ``on`` that no live worker can honour.
     """
     fingerprint = spec_hash(spec)
     if idempotency_key is not None:
@@ -126,6 +129,7 @@ def create_job(
             "Use method lora or full",
             param="method",
         )
+    _check_forced_switches(session, spec, settings)
     paths = {
         spec.training_file: _usable_file(session, spec.training_file, "train", "training_file").path
     }
@@ -171,6 +175,46 @@ def create_job(
     append_events(session, job_id, [state_event(JobStatus.queued)])
     session.refresh(job)
     return job, True
+
+
+def _check_forced_switches(session: Session, spec: JobSpec, settings: Settings) -> None:
+    """Refuse a switch forced ``on`` that no live worker's trainer can honour.
+
+    Each worker stores ``python -m trainer detect --json`` in ``worker.hardware``; its
+    ``capabilities`` map each switch to None (``on`` can run there) or the reason it cannot.
+    A worker is live when its heartbeat is younger than ``heartbeat_timeout_s``. With no live
+    worker that reported capabilities (none started yet, or an older trainer) the job is
+    accepted and waits: the trainer's own plan refuses an impossible ``on`` when the job starts
+    (``done`` with ``config_error``), so nothing impossible runs either way.
+
+    Raises:
+        Unsupported: some switch is ``on`` and every reporting live worker says it cannot be.
+    """
+    forced = [name for name, value in spec.optimizations.model_dump().items() if value == "on"]
+    if not forced:
+        return
+    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
+    reports = [
+        (worker.worker_id, worker.hardware.get("capabilities"))
+        for worker in session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff))
+        if isinstance(worker.hardware, dict)
+    ]
+    reports = [(worker_id, caps) for worker_id, caps in reports if isinstance(caps, dict)]
+    if not reports:
+        return
+    for name in forced:
+        reasons = {
+            worker_id: caps.get(name, "its trainer does not know this switch")
+            for worker_id, caps in reports
+        }
+        if any(reason is None for reason in reasons.values()):
+            continue
+        why = "; ".join(f"worker {worker_id}: {reason}" for worker_id, reason in sorted(reasons.items()))
+        raise Unsupported(
+            f"optimizations.{name}: on cannot be honoured by any live worker ({why}). "
+            f"Set optimizations.{name} to auto or off",
+            param=f"optimizations.{name}",
+        )
 
 
 def get_job(session: Session, job_id: str) -> Job:

@@ -184,11 +184,11 @@ class TestGradients:
                 ref, _run(_model(SMALL, mode, "cuda", torch.float32), batches)
             )
             summary[mode] = {"max_rel_diff": worst, "bitwise": bitwise}
-            assert worst <= 1e-6, (mode, worst)
         (report_dir / "offload_gpu_grads.json").write_text(
             json.dumps(summary, indent=2)
         )
         print(f"gradient summary: {report_dir / 'offload_gpu_grads.json'}: {summary}")
+        assert all(s["max_rel_diff"] <= 1e-6 for s in summary.values()), summary
 
     def test_copy_heavy_race_stress_bf16(self) -> None:
         """Copies about as long as each layer's compute: a missing event would corrupt a buffer."""

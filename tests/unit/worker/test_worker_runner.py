@@ -11,7 +11,6 @@ from pathlib import Path
 from sqlalchemy import select, update
 
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
-from core.jobs.states import JobStatus
 from trainer.config import TrainConfig
 from trainer.events import STEP_FIELDS
 from worker.runner import run_job

@@ -249,8 +249,10 @@ class _LoopGroupedMM(torch.autograd.Function):
         ctx.meta = meta
         ctx.save_for_backward(x_SK, w_EKN)
         out_SN = x_SK.new_empty(x_SK.shape[0], w_EKN.shape[-1])
-        for e, start, end in meta.groups():
-            torch.mm(x_SK[start:end], w_EKN[e], out=out_SN[start:end])
+        # In the weight's dtype like grouped_mm (an outer autocast would clash with ``out=``).
+        with torch.autocast(x_SK.device.type, enabled=False):
+            for e, start, end in meta.groups():
+                torch.mm(x_SK[start:end], w_EKN[e], out=out_SN[start:end])
         return out_SN
 
     @staticmethod
@@ -259,11 +261,13 @@ class _LoopGroupedMM(torch.autograd.Function):
         x_SK, w_EKN = ctx.saved_tensors
         grad_x = torch.empty_like(x_SK) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(w_EKN.shape, dtype=w_EKN.dtype, device=w_EKN.device) if ctx.needs_input_grad[1] else None
-        for e, start, end in meta.groups():
-            if grad_x is not None:
-                torch.mm(grad_SN[start:end], w_EKN[e].T, out=grad_x[start:end])
-            if grad_w is not None:
-                torch.mm(x_SK[start:end].T, grad_SN[start:end], out=grad_w[e])
+        grad_SN = grad_SN.to(x_SK.dtype)
+        with torch.autocast(x_SK.device.type, enabled=False):
+            for e, start, end in meta.groups():
+                if grad_x is not None:
+                    torch.mm(grad_SN[start:end], w_EKN[e].T, out=grad_x[start:end])
+                if grad_w is not None:
+                    torch.mm(x_SK[start:end].T, grad_SN[start:end], out=grad_w[e])
         return grad_x, grad_w, None
 
 

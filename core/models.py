@@ -3,8 +3,9 @@
 from core.db import Base
 from core.files.models import File
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.users.models import ApiKey, User
 from core.workers.models import Worker
 
 metadata = Base.metadata
 
-__all__ = ["Base", "Checkpoint", "File", "Job", "JobEvent", "StepMetric", "Worker", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "File", "Job", "JobEvent", "StepMetric", "User", "Worker", "metadata"]

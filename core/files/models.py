@@ -3,7 +3,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, String
+from sqlalchemy import BigInteger, ForeignKey, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from core.db import Base, JSONType, UTCDateTime, utcnow
@@ -15,6 +15,8 @@ class File(Base):
     __tablename__ = "file"
 
     file_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    owner_id: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="RESTRICT"), index=True)
+    """Who uploaded it; None only for files uploaded before users existed."""
     filename: Mapped[str] = mapped_column(String(255))
     purpose: Mapped[str] = mapped_column(String(16))
     bytes: Mapped[int] = mapped_column(BigInteger)

@@ -24,6 +24,12 @@ class Job(Base):
     """The validated ``core.jobs.spec.JobSpec`` as JSON (what the user asked for, defaults filled)."""
     training_file_id: Mapped[str] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
+    owner_id: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="RESTRICT"), index=True)
+    """Who submitted it; None only for jobs created before users existed."""
+    priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
+    """``low``, ``normal`` or ``high``: the order in which waiting jobs are claimed."""
+    gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """GPUs the job asks for."""
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     idempotency_hash: Mapped[str | None] = mapped_column(String(64))
     """sha256 of the stored spec sent with ``idempotency_key``: a replay must match it."""

@@ -12,16 +12,18 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
+from api.auth import auth_gate
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.jobs.routes import router as jobs_router
 from api.models.routes import router as models_router
 from api.state import AppState
 from api.system.routes import router as system_router
+from api.users.routes import router as users_router
 from api.web.routes import router as web_router
 from core.db import make_engine, make_sessionmaker
 from core.migrate import schema_problem
@@ -60,12 +62,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Fine-tuning jobs on a shared GPU box",
         version="0.1.0",
         lifespan=lifespan,
+        dependencies=[Depends(auth_gate)],  # every /v1 route needs a key (api/auth.py)
     )
     add_exception_handlers(app)
     app.include_router(files_router)
     app.include_router(jobs_router)
     app.include_router(system_router)
     app.include_router(models_router)
+    app.include_router(users_router)
     app.include_router(web_router)
     return app
 

@@ -21,17 +21,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import (
     Conflict,
+    Forbidden,
     FtqError,
     InvalidDataset,
     InvalidInput,
     NotFound,
     TooLarge,
+    Unauthenticated,
     Unavailable,
 )
 
 log = logging.getLogger(__name__)
 
 STATUS_BY_ERROR: tuple[tuple[type[FtqError], int], ...] = (
+    (Unauthenticated, 401),
+    (Forbidden, 403),
     (NotFound, 404),
     (TooLarge, 413),
     (InvalidInput, 422),
@@ -65,7 +69,11 @@ async def _domain_error(request: Request, exc: FtqError) -> JSONResponse:
     if status >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, exc.message)
     line = exc.line if isinstance(exc, InvalidDataset) else None
-    return JSONResponse(error_body(exc.code, exc.message, param=exc.param, line=line), status_code=status)
+    # RFC 9110: a 401 names the scheme that would work.
+    headers = {"WWW-Authenticate": 'Bearer realm="ftq"'} if status == 401 else None
+    return JSONResponse(
+        error_body(exc.code, exc.message, param=exc.param, line=line), status_code=status, headers=headers
+    )
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -7,6 +7,8 @@
     │   ├── TooLarge        an upload over the size limit
     │   └── Unsupported     a valid request this box cannot run
     ├── Conflict            the object is in a state that forbids the action
+    ├── Unauthenticated     no valid API key (missing, unknown, revoked, disabled user)
+    ├── Forbidden           a valid caller who may not do this (someone else's job, admin-only)
     └── Unavailable         a dependency (store, broker) cannot be reached
 """
 
@@ -40,6 +42,18 @@ class InvalidDataset(InvalidInput):
 
 class Conflict(FtqError):
     code = "conflict"
+
+
+class Unauthenticated(FtqError):
+    """The request carries no valid API key (HTTP 401)."""
+
+    code = "unauthenticated"
+
+
+class Forbidden(FtqError):
+    """The caller is known but may not do this (HTTP 403); the message names who may."""
+
+    code = "forbidden"
 
 
 class Unavailable(FtqError):

@@ -151,6 +151,8 @@ class ModelFacts:
     """Some layer attends through a sliding window (Mistral, GPT-OSS)."""
     attention_sinks: bool = False
     """Attention sinks (GPT-OSS): the kernel must return the log-sum-exp."""
+    grouped_query: bool = False
+    """Fewer key/value heads than query heads (GQA): torch's varlen_attn needs ``enable_gqa``."""
     fused_loss: str | None = None
     """Why ``trainer.fused_loss`` cannot stand in for the LM head + loss, or None."""
 
@@ -464,6 +466,8 @@ def _torch_varlen_missing(hw: Hardware, model: ModelFacts) -> str | None:
         return f"torch {hw.torch_version}'s varlen_attn has no window_size, and {model.model_type} uses a sliding window"
     if model.attention_sinks and "return_aux" not in hw.varlen_options:
         return f"torch {hw.torch_version}'s varlen_attn cannot return the log-sum-exp attention sinks need"
+    if model.grouped_query and "enable_gqa" not in hw.varlen_options:
+        return f"torch {hw.torch_version}'s varlen_attn has no enable_gqa, and {model.model_type} uses grouped-query attention"
     return None
 
 

@@ -95,8 +95,16 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         head_dim=attention._head_dim(hf_config),
         sliding_window=attention._uses_window(hf_config),
         attention_sinks=attention._has_sinks(hf_config),
+        grouped_query=_grouped_query(hf_config),
         fused_loss=_fused_loss_reason(hf_config, config),
     )
+
+
+def _grouped_query(hf_config: Any) -> bool:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return bool(heads and kv_heads and kv_heads < heads)
 
 
 def _fused_loss_reason(hf_config: Any, config: TrainConfig) -> str | None:

@@ -45,13 +45,20 @@ with its bias (GPT-OSS's clamped SwiGLU, SiLU-gated experts), the combine with G
 bias, and the backward passes of both and of the dispatch. ``install(..., triton=False)`` keeps
 torch ops (the reference those kernels are tested against, in Triton's interpreter on CPU).
 
-Surface: ``install(model, enabled)`` patches every recognised experts module (transformers'
-``@use_experts_implementation`` classes: GPT-OSS, Qwen3-MoE, Mixtral and the same layout
-elsewhere) to ``grouped_experts_forward``, or with ``enabled=False`` to transformers' eager loop
-whatever ``config._experts_implementation`` says (the honest "before"); ``supported(model or
-config, device)`` says why it cannot run. LoRA works unchanged: attention LoRA does not touch the
-experts, and peft's ``target_parameters`` LoRA on ``experts.gate_up_proj`` / ``down_proj``
-parametrizes those attributes, which the grouped forward reads like any other weight.
+Surface (what the trainer calls, after the model is on its device, before or after peft)::
+
+    reason = supported(model)              # None, or why not (no MoE blocks, EP-split experts, ...)
+    result = install(model, enabled)       # InstallResult; result.describe() for the plan's reason:
+                                           # "grouped routing on 24 MoE blocks (gpt_oss), grouped_mm, Triton combine + gate"
+    targets = expert_lora_targets(model)   # peft target_parameters for LoRA on the 3-D expert weights
+
+``install`` patches every recognised experts module (transformers' ``@use_experts_implementation``
+classes: GPT-OSS, Qwen3-MoE, Mixtral, and the same layout elsewhere) to
+``grouped_experts_forward``, or with ``enabled=False`` to transformers' eager loop whatever
+``config._experts_implementation`` says (the honest "before"). LoRA works unchanged: attention
+LoRA does not touch the experts, and peft's ``target_parameters`` LoRA on
+``experts.gate_up_proj`` / ``down_proj`` parametrizes those attributes, which the grouped
+forward reads like any other weight (``all-linear`` never reaches them: they are not ``nn.Linear``).
 
 Shape legend: T tokens, K experts per token, S = T*K routed slots, E experts, H hidden size,
 I expert intermediate size, N a GEMM's output width.
@@ -395,7 +402,7 @@ def expert_lora_targets(model: torch.nn.Module) -> list[str]:
     """
     targets: list[str] = []
     for name, module in experts_modules(model):
-        leaf = name.rsplit(".", 1)[-1]
+        leaf = [part for part in name.split(".") if part != "base_layer"][-1]  # also once peft wrapped it
         for weight in ("gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", "down_proj"):
             target = f"{leaf}.{weight}"
             if target not in targets:

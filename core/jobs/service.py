@@ -228,13 +228,17 @@ def list_jobs(
     session: Session,
     *,
     statuses: Iterable[JobStatus] | None = None,
+    owner_id: str | None = None,
     limit: int = 20,
     after: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Jobs newest first, optionally only those in ``statuses``; returns the page and the next cursor."""
+    """Jobs newest first, optionally only those in ``statuses`` / of ``owner_id``; returns the
+    page and the next cursor."""
     query = select(Job)
     if statuses:
         query = query.where(Job.status.in_([s.value for s in statuses]))
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
     query = page_newest_first(query, Job.created_at, Job.job_id, limit=limit, after=after)
     return split_page(list(session.scalars(query)), limit, "created_at", "job_id")
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 Switch = Literal["auto", "on", "off"]
 Method = Literal["lora", "qlora", "full"]
+Priority = Literal["low", "normal", "high"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -134,6 +135,13 @@ class JobSpec(_Strict):
         int, Field(ge=0, le=10_000_000, description="Checkpoint every N steps; 0 keeps only the final one.")
     ] = 0
     optimizations: OptimizationSwitches = OptimizationSwitches()
+    priority: Annotated[
+        Priority, Field(description="Queue order: high before normal before low, oldest first within each.")
+    ] = "normal"
+    gpus: Annotated[
+        int,
+        Field(ge=1, le=64, description="Devices the job needs; the trainer uses one, so only 1 is accepted today."),
+    ] = 1
 
     @field_validator("training_file", "validation_file")
     @classmethod

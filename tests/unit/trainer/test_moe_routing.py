@@ -302,13 +302,16 @@ class TestInstallAndSupported:
         assert not install(_model("mixtral"), True).triton  # auto: torch ops on CPU
 
     def test_expert_lora_targets(self):
-        assert moe_routing.expert_lora_targets(_model("gpt_oss")) == ["experts.gate_up_proj", "experts.down_proj"]
+        targets = ["experts.gate_up_proj", "experts.down_proj"]
+        assert moe_routing.expert_lora_targets(_model("gpt_oss")) == targets
+        assert moe_routing.expert_lora_targets(_lora(_model("qwen3_moe"))) == targets
 
 
 class TestTritonKernelsInInterpreter:
     @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
     def test_triton_kernels_match_eager_loop_outputs_and_gradients(self):
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
         proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
                               check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
 )
 
-LLAMA = ModelFacts("llama", head_dim=128)
+LLAMA = ModelFacts("llama", head_dim=128, grouped_query=True)
 GPT_OSS = ModelFacts(
     "gpt_oss",
     is_moe=True,
@@ -29,6 +29,7 @@ GPT_OSS = ModelFacts(
     head_dim=64,
     sliding_window=True,
     attention_sinks=True,
+    grouped_query=True,
 )
 SOFTCAPPED = ModelFacts(
     "gemma2",
@@ -134,6 +135,14 @@ class TestCudaBackendChoice:
         assert p.attention_backend == "triton" and "attention sinks" in p.attention.reason
         # Llama needs neither option.
         assert plan(no_lse, Optimizations(), _config(), LLAMA).attention_backend == "torch_varlen"
+
+    def test_varlen_without_enable_gqa_yields_to_triton_for_gqa_models(self):
+        """Seen on the lent H200's torch: varlen_attn there takes no enable_gqa."""
+        old = dataclasses.replace(H200_VARLEN, varlen_options=("window_size", "return_aux"))
+        p = plan(old, Optimizations(), _config(), LLAMA)
+        assert p.attention_backend == "triton" and "has no enable_gqa" in p.attention.reason
+        mha = dataclasses.replace(LLAMA, grouped_query=False)
+        assert plan(old, Optimizations(), _config(), mha).attention_backend == "torch_varlen"
 
     def test_sdpa_block_mask_last_with_both_reasons(self):
         odd_head = dataclasses.replace(LLAMA, head_dim=96)

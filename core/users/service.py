@@ -1,0 +1,268 @@
+"""Users and their API keys: create, issue, verify, revoke. Each takes a session; the caller commits.
+
+A key reads ``ftq_<prefix>_<secret>``: ``prefix`` is 8 hex characters, unique, stored in clear
+so a key can be found (and named: ``ftq users revoke PREFIX``) without a scan; ``secret`` is
+32 random bytes (URL-safe base64). The store keeps only the SHA-256 of the whole key, so a copy
+of the database lets nobody in. Verification compares hashes in constant time, and records
+``last_used_at`` at most once a minute so every request is not a write.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from core.db import new_id, utcnow
+from core.errors import Conflict, InvalidInput, NotFound, Unauthenticated
+from core.users.models import ApiKey, User
+
+KEY_SCHEME = "ftq"
+PREFIX_HEX = 8
+SECRET_BYTES = 32
+LAST_USED_RESOLUTION = dt.timedelta(minutes=1)
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+RESERVED_NAMES = frozenset({"me"})  # ``?owner=me`` means the caller
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: a snapshot of the user, detached from any session."""
+
+    user_id: str
+    name: str
+    is_admin: bool
+    api_key_id: str | None = None
+
+    def may_act_on(self, owner_id: str | None) -> bool:
+        """Owners act on their own jobs and files; admins on everyone's (and on unowned rows)."""
+        return self.is_admin or (owner_id is not None and owner_id == self.user_id)
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    """A new key: ``secret`` is the whole key, shown once and never stored."""
+
+    key: ApiKey
+    secret: str
+
+
+def hash_key(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def split_key(raw: str) -> tuple[str, str] | None:
+    """``(prefix, secret)`` of a well-formed key, else None."""
+    scheme, sep, rest = raw.partition("_")
+    prefix, sep2, secret = rest.partition("_")
+    if scheme != KEY_SCHEME or not sep or not sep2 or len(prefix) != PREFIX_HEX or not secret:
+        return None
+    if any(c not in "0123456789abcdef" for c in prefix):
+        return None
+    return prefix, secret
+
+
+# --- users ------------------------------------------------------------------------------------
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.match(name) or name in RESERVED_NAMES:
+        raise InvalidInput(
+            f"name: {name!r} is not a user name; use 1-64 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (and not 'me')",
+            param="name",
+        )
+    return name
+
+
+def check_max_running(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise InvalidInput(
+            f"max_running_jobs: must be 0 or more (0 stops the user's jobs from starting), got {value}; "
+            "omit it to use FTQ_MAX_RUNNING_JOBS_PER_USER",
+            param="max_running_jobs",
+        )
+    return value
+
+
+def create_user(
+    session: Session, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None
+) -> User:
+    """Record a new user (no key yet: see ``issue_key``).
+
+    Raises:
+        InvalidInput: a name that is not a user name, or a negative cap.
+        Conflict: the name is taken.
+    """
+    check_name(name)
+    check_max_running(max_running_jobs)
+    if session.scalar(select(User).where(User.name == name)) is not None:
+        raise Conflict(f"name: a user named {name!r} exists; pick another name, or issue it a new key",
+                       param="name")
+    user = User(
+        user_id=new_id("user"), name=name, is_admin=is_admin, max_running_jobs=max_running_jobs,
+        created_at=utcnow(),
+    )
+    session.add(user)
+    try:
+        session.flush()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict(f"name: a user named {name!r} exists; pick another name", param="name") from None
+    return user
+
+
+def get_user(session: Session, name: str) -> User:
+    user = session.scalar(select(User).where(User.name == name))
+    if user is None:
+        raise NotFound(f"no user {name!r}; list users with GET /v1/users (or `ftq users list`)", param="name")
+    return user
+
+
+def list_users(session: Session) -> list[User]:
+    return list(session.scalars(select(User).order_by(User.name)))
+
+
+def count_users(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(User)) or 0)
+
+
+def names_by_id(session: Session, user_ids: set[str | None]) -> dict[str, str]:
+    """``{user_id: name}`` for the given ids (one query), for responses that show owners."""
+    wanted = {u for u in user_ids if u is not None}
+    if not wanted:
+        return {}
+    rows = session.execute(select(User.user_id, User.name).where(User.user_id.in_(wanted)))
+    return {user_id: name for user_id, name in rows}
+
+
+def update_user(
+    session: Session,
+    name: str,
+    *,
+    max_running_jobs: int | None = None,
+    clear_max_running: bool = False,
+    is_admin: bool | None = None,
+    disabled: bool | None = None,
+) -> User:
+    """Change a user's cap, admin flag or disabled state (a disabled user's keys stop working)."""
+    user = get_user(session, name)
+    if clear_max_running:
+        user.max_running_jobs = None
+    elif max_running_jobs is not None:
+        user.max_running_jobs = check_max_running(max_running_jobs)
+    if is_admin is not None:
+        user.is_admin = is_admin
+    if disabled is not None:
+        user.disabled_at = (user.disabled_at or utcnow()) if disabled else None
+    session.flush()
+    return user
+
+
+def caller_of(user: User, api_key_id: str | None = None) -> Caller:
+    return Caller(user_id=user.user_id, name=user.name, is_admin=user.is_admin, api_key_id=api_key_id)
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+def issue_key(session: Session, user: User, *, name: str | None = None) -> IssuedKey:
+    """Make a new key for ``user``; the returned ``secret`` is the only copy of the whole key."""
+    for _ in range(5):  # 8 hex chars: a prefix collision is rare, but it is a unique column
+        prefix = secrets.token_hex(PREFIX_HEX // 2)
+        if session.scalar(select(ApiKey.api_key_id).where(ApiKey.prefix == prefix)) is None:
+            break
+    else:  # pragma: no cover - five collisions in a row means the random source is broken
+        raise RuntimeError("could not find an unused API key prefix")
+    raw = f"{KEY_SCHEME}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
+    key = ApiKey(
+        api_key_id=new_id("key"), user_id=user.user_id, prefix=prefix, key_hash=hash_key(raw),
+        name=name, created_at=utcnow(),
+    )
+    session.add(key)
+    session.flush()
+    return IssuedKey(key=key, secret=raw)
+
+
+def list_keys(session: Session, user: User) -> list[ApiKey]:
+    return list(session.scalars(select(ApiKey).where(ApiKey.user_id == user.user_id).order_by(ApiKey.created_at)))
+
+
+def find_key(session: Session, id_or_prefix: str) -> ApiKey:
+    """A key by its id (``key-…``) or its prefix (the 8 hex characters after ``ftq_``)."""
+    key = session.get(ApiKey, id_or_prefix) or session.scalar(
+        select(ApiKey).where(ApiKey.prefix == id_or_prefix)
+    )
+    if key is None:
+        raise NotFound(
+            f"no API key {id_or_prefix!r}; give a key id (key-…) or its prefix (the 8 characters after ftq_), "
+            "see GET /v1/users/me/keys or `ftq users list`",
+            param="key_id",
+        )
+    return key
+
+
+def revoke_key(session: Session, key: ApiKey) -> ApiKey:
+    """Revoke ``key`` (idempotent: revoking a revoked key keeps its first revocation time)."""
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key
+
+
+def verify_key(session: Session, raw: str) -> Caller:
+    """The caller a key belongs to; the caller commits (``last_used_at`` may have moved).
+
+    Raises:
+        Unauthenticated: a malformed, unknown or revoked key, or a disabled user; the message
+            says which and what to do, never anything about other keys.
+    """
+    parts = split_key(raw.strip())
+    if parts is None:
+        raise Unauthenticated(
+            "the API key is malformed: keys look like ftq_<8 hex>_<secret>; copy the whole key "
+            "(`ftq users key NAME` issues a new one)",
+            param="Authorization",
+        )
+    key = session.scalar(select(ApiKey).where(ApiKey.prefix == parts[0]))
+    # Compare against a hash even when no key has this prefix, so timing says nothing.
+    expected = key.key_hash if key is not None else hash_key("")
+    if not hmac.compare_digest(hash_key(raw.strip()), expected) or key is None:
+        raise Unauthenticated(
+            "the API key is not valid; check that it was copied whole, or ask an admin for a new one",
+            param="Authorization",
+        )
+    if key.revoked_at is not None:
+        raise Unauthenticated(
+            f"the API key {key.prefix} was revoked at {key.revoked_at.isoformat()}; ask an admin for a new one",
+            param="Authorization",
+        )
+    user = session.get(User, key.user_id)
+    if user is None or user.disabled_at is not None:
+        raise Unauthenticated(
+            f"the user of API key {key.prefix} is disabled; ask an admin to enable it", param="Authorization"
+        )
+    now = utcnow()
+    if key.last_used_at is None or now - key.last_used_at >= LAST_USED_RESOLUTION:
+        session.execute(
+            update(ApiKey)
+            .where(ApiKey.api_key_id == key.api_key_id)
+            .values(last_used_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    return caller_of(user, key.api_key_id)
+
+
+def create_user_with_key(
+    session: Session, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None
+) -> tuple[User, IssuedKey]:
+    """``create_user`` then ``issue_key``: what ``ftq users create`` and ``POST /v1/users`` do."""
+    user = create_user(session, name, is_admin=is_admin, max_running_jobs=max_running_jobs)
+    return user, issue_key(session, user, name="initial")

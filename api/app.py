@@ -20,6 +20,7 @@ from api.auth import auth_gate
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.jobs.routes import router as jobs_router
+from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
 from api.state import AppState
 from api.system.routes import router as system_router
@@ -67,6 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     add_exception_handlers(app)
     app.include_router(files_router)
     app.include_router(jobs_router)
+    app.include_router(queue_router)
     app.include_router(system_router)
     app.include_router(models_router)
     app.include_router(users_router)

@@ -65,7 +65,9 @@ from trainer.packed_metadata import (
 ATTN_IMPLEMENTATION = "ftq_packed"
 """The name registered with transformers' ``AttentionInterface``."""
 
-AUTO_ORDER_CUDA = ("torch_varlen", "triton", "sdpa")
+# Our Triton kernel first: measured on the H200 (docs/benchmarks.md) at ~189 TFLOP/s fwd+bwd on the
+# 16k-token packed workload; torch's varlen_attn (torch >= 2.11) lacks GQA before 2.12.
+AUTO_ORDER_CUDA = ("triton", "torch_varlen", "sdpa")
 """Backends ``choose_backend`` tries on CUDA, fastest first (flex is opt-in: compile time)."""
 
 
@@ -110,6 +112,8 @@ def supported(
         params = inspect.signature(varlen).parameters
         if config is not None and _uses_window(config) and "window_size" not in params:
             return f"torch {torch.__version__}'s varlen_attn has no window_size, and the model uses a sliding window"
+        if config is not None and _is_gqa(config) and "enable_gqa" not in params:
+            return f"torch {torch.__version__}'s varlen_attn has no enable_gqa, and the model uses grouped KV heads"
         if config is not None and _has_sinks(config) and "return_aux" not in params:
             return f"torch {torch.__version__}'s varlen_attn cannot return the log-sum-exp that attention sinks need"
         return None
@@ -525,6 +529,13 @@ def _uses_window(config: Any) -> bool:
         "sliding_attention" in (getattr(text, "layer_types", None) or ())
         or text.model_type == "mistral"
     )
+
+
+def _is_gqa(config: Any) -> bool:
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return heads is not None and kv_heads != heads
 
 
 def _torch_varlen() -> Callable[..., Any] | None:

@@ -14,6 +14,9 @@ prefetch 1 would already hold any message still in the broker, so a job waiting 
 beside an idle worker has no message. A duplicate message is harmless: the claim is a
 compare-and-set.
 
+A failed job frees a slot of its owner's cap on running jobs, so the next eligible waiting job
+is signalled too (its message may have been dropped while the owner was at the cap).
+
 Every worker runs ``reap`` every heartbeat interval (presence.py), and ``jobs.reap`` runs it
 on demand. Two reapers racing are safe: each transition is a compare-and-set.
 """
@@ -29,6 +32,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
+from core.jobs import scheduling
 from core.jobs.models import Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
@@ -42,6 +46,8 @@ class ReapReport:
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     resent: list[str] = field(default_factory=list)
+    signalled: list[str] = field(default_factory=list)
+    """Waiting jobs signalled because a failed job freed its owner's slot (scheduling.py)."""
     published: dict[str, int] = field(default_factory=dict)
     """job id → last event seq written, for live viewers."""
 
@@ -90,6 +96,8 @@ def reap(
                     _record(session, report, job.job_id,
                             state_event(JobStatus.failed, error_code="worker_lost", message=message))
                     report.failed.append(job.job_id)
+        if report.failed:
+            report.signalled.extend(scheduling.signal_targets(session, settings, freed=len(report.failed)))
         if idle and resend_after_s is not None:
             waited = now - dt.timedelta(seconds=resend_after_s)
             lost_messages = session.execute(
@@ -105,7 +113,7 @@ def reap(
                     .execution_options(synchronize_session=False)
                 )
                 report.resent.extend(lost_messages)
-    for job_id in report.requeued + report.resent:
+    for job_id in report.requeued + report.resent + report.signalled:
         enqueue(job_id)
     if publish is not None:
         for job_id, seq in report.published.items():

@@ -1,13 +1,15 @@
 """One job on this worker, from claim to final state.
 
-    claim     queued → running by compare-and-set (a redelivered message finds it taken)
+    claim     the next eligible job (priority, age, owner's cap: core/jobs/scheduling.py),
+              queued → running by compare-and-set (a redelivered message finds it taken)
     config    the stored spec → job.json under <data_dir>/jobs/<job_id>/; on a retry,
               checkpoints newer than the store's newest are set aside (no metrics gap)
     run       the trainer in its own process group; events batched into the store;
               a watchdog thread beats the heartbeat and turns a cancel, a worker shutdown or a
               lost claim into SIGTERM to the group, then SIGKILL after cancel_grace_s
     finish    the group is killed whatever happened; the exit becomes the job's state
-              (outcome.py); a job handed back by a shutdown is queued again and re-sent
+              (outcome.py); a job handed back by a shutdown is queued again and re-sent;
+              a job that ended frees a slot, so the next eligible job is signalled again
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from core.db import utcnow
+from core.jobs import scheduling
 from core.jobs.models import Checkpoint, Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
@@ -50,65 +53,81 @@ class Claim:
 
 
 def run_job(runtime: Runtime, job_id: str) -> str:
-    """Run ``job_id`` if it is still queued; safe to call twice (the second call finds it claimed).
+    """Claim the next eligible job and run it; ``job_id`` is only the message that woke us.
 
-    Returns the job's status after this call; ``skipped`` when it was not this worker's to run
-    (gone, finished, claimed elsewhere); ``deferred`` when the worker is shutting down (the
-    task puts the message back).
+    The store decides what runs (core/jobs/scheduling.py): the claimed job may be another one
+    than ``job_id`` (higher priority, older, or ``job_id`` is someone else's already), or none.
+    Safe to call twice: a redelivered message claims the next job or nothing.
+
+    Returns the claimed job's status after this call; ``skipped`` when nothing was eligible;
+    ``deferred`` when the worker is shutting down (the task puts the message back).
     """
     if runtime.shutdown_event.is_set():
         log.info("not starting job %s: this worker is shutting down", job_id)
         return "deferred"
-    claim = claim_job(runtime, job_id)
+    claim = claim_next_job(runtime, signalled=job_id)
     if claim is None:
         return "skipped"
-    runtime.current_job_id = job_id
+    runtime.current_job_id = claim.job_id
     try:
         try:
             outcome, done = _run_claimed(runtime, claim)
         except Exception as exc:  # noqa: BLE001 - a claimed job must not stay running until reaped
-            log.exception("job %s: the worker failed before the trainer could run", job_id)
+            log.exception("job %s: the worker failed before the trainer could run", claim.job_id)
             outcome, done = Outcome(JobStatus.failed, "worker_error", f"the worker failed to run the job: {exc!r}"), None
         return finish_job(runtime, claim, outcome, done)
     finally:
         runtime.current_job_id = None
 
 
-def claim_job(runtime: Runtime, job_id: str) -> Claim | None:
-    """queued → running for this worker; None if the job is gone or someone else has it."""
-    output_dir = runtime.settings.jobs_dir / job_id
-    with runtime.sessionmaker.begin() as session:
-        status = session.execute(select(Job.status).where(Job.job_id == job_id)).scalar_one_or_none()
-        if status is None:
-            log.warning("job %s does not exist; dropping its message", job_id)
-            return None
-        if status != JobStatus.queued.value:
-            log.info("job %s is %s, not queued: not running it (a redelivered or stale message)", job_id, status)
-            return None
-        won = transition(
-            session,
-            job_id,
-            JobStatus.running,
-            only_from=[JobStatus.queued],
-            worker_id=runtime.worker_id,
-            attempts=Job.attempts + 1,
-            heartbeat_at=utcnow(),
-            output_dir=str(output_dir),
-            error_code=None,
-            error_message=None,
-        )
-        if not won:
-            log.info("job %s was claimed or cancelled by someone else first", job_id)
-            return None
-        attempt = session.execute(select(Job.attempts).where(Job.job_id == job_id)).scalar_one()
-        (event,) = append_events(
-            session, job_id, [state_event(JobStatus.running, worker_id=runtime.worker_id, attempt=attempt)]
-        )
-        _set_worker_job(session, runtime.worker_id, job_id)
-        seq = event.seq
-    runtime.publish(job_id, seq)
-    log.info("claimed job %s (attempt %d)", job_id, attempt)
-    return Claim(job_id=job_id, attempt=attempt, output_dir=output_dir)
+MAX_CLAIM_TRIES = 8
+"""Claims lost to other workers before giving up on this message (each try re-reads the queue)."""
+
+
+def claim_next_job(runtime: Runtime, *, signalled: str | None = None) -> Claim | None:
+    """queued → running for the next eligible job, for this worker; None if nothing is eligible.
+
+    Each try is its own transaction: pick the first eligible job in claim order, then the
+    conditional claim (scheduling.try_claim). A try lost to another worker, or to the owner's
+    cap filling meanwhile, picks again.
+    """
+    for _ in range(MAX_CLAIM_TRIES):
+        with runtime.sessionmaker.begin() as session:
+            picked = scheduling.next_eligible(session, runtime.settings)
+            if not picked:
+                log.info("message for %s: no queued job is eligible to run now", signalled)
+                return None
+            job_id = picked[0]
+            output_dir = runtime.settings.jobs_dir / job_id
+            won = scheduling.try_claim(
+                session,
+                job_id,
+                runtime.settings,
+                values=dict(
+                    worker_id=runtime.worker_id,
+                    attempts=Job.attempts + 1,
+                    heartbeat_at=utcnow(),
+                    output_dir=str(output_dir),
+                    error_code=None,
+                    error_message=None,
+                ),
+            )
+            if not won:
+                log.info("job %s was claimed, cancelled or capped meanwhile; picking again", job_id)
+                continue
+            attempt = session.execute(select(Job.attempts).where(Job.job_id == job_id)).scalar_one()
+            (event,) = append_events(
+                session, job_id, [state_event(JobStatus.running, worker_id=runtime.worker_id, attempt=attempt)]
+            )
+            _set_worker_job(session, runtime.worker_id, job_id)
+            seq = event.seq
+        runtime.publish(job_id, seq)
+        via = "" if signalled in (None, job_id) else f" (woken by the message for {signalled})"
+        log.info("claimed job %s (attempt %d)%s", job_id, attempt, via)
+        return Claim(job_id=job_id, attempt=attempt, output_dir=output_dir)
+    log.warning("message for %s: lost %d claims in a row to other workers; leaving the rest to them",
+                signalled, MAX_CLAIM_TRIES)
+    return None
 
 
 def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any] | None]:
@@ -251,8 +270,28 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
     runtime.publish(job_id, seq)
     if target is JobStatus.queued:
         runtime.enqueue(job_id)
+    else:
+        signal_waiting(runtime)
     log.info("job %s → %s%s", job_id, target.value, f" ({outcome.error_code})" if outcome.error_code else "")
     return target.value
+
+
+def signal_waiting(runtime: Runtime) -> list[str]:
+    """Send ``jobs.run`` for the next eligible job after this worker's job ended.
+
+    Its message may have been dropped earlier by a worker that found it capped (its owner
+    had a job running), so the slot this job freed must wake someone. A duplicate message is
+    harmless. Best effort: the reaper's periodic re-send covers a failure here.
+    """
+    try:
+        with runtime.sessionmaker() as session:
+            targets = scheduling.signal_targets(session, runtime.settings)
+        for job_id in targets:
+            runtime.enqueue(job_id)
+    except Exception as exc:  # noqa: BLE001 - the job's own outcome is stored already
+        log.warning("could not signal the waiting jobs: %s", exc)
+        return []
+    return targets
 
 
 def trainer_env(runtime: Runtime) -> dict[str, str]:

@@ -1,4 +1,9 @@
-"""``/v1/files``: upload, list, read and delete datasets."""
+"""``/v1/files``: upload, list, read and delete datasets.
+
+Every file belongs to its uploader. Everyone sees every file's description (with ``owner``);
+only the owner or an admin deletes one, and a job may train only on its submitter's files
+(``core.users.access``).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,15 @@ from typing import Annotated, Any
 from anyio import to_thread
 from fastapi import APIRouter, Query, Request, status
 
+from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.files.schemas import FileDeleted, FileList, FileOut
 from api.files.upload import receive_upload
 from core.errors import InvalidInput
 from core.files import service
 from core.paging import MAX_LIMIT
+from core.users import access
+from core.users.service import names_by_id
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -41,7 +49,7 @@ _UPLOAD_BODY: dict[str, Any] = {
     openapi_extra=_UPLOAD_BODY,
     summary="Upload a dataset (JSONL: chat messages, prompt/completion, or text)",
 )
-async def upload_file(request: Request, state: StateDep) -> FileOut:
+async def upload_file(request: Request, state: StateDep, caller: CallerDep) -> FileOut:
     """Stream the upload to disk, validate every line, and keep it only if all are good.
 
     Errors: 413 over FTQ_MAX_UPLOAD_BYTES; 422 naming the first bad line (``error.line``).
@@ -57,9 +65,14 @@ async def upload_file(request: Request, state: StateDep) -> FileOut:
         def store() -> FileOut:
             with state.sessions() as session:
                 row = service.store_upload(
-                    session, sink, filename=form.filename or "", purpose=purpose, files_dir=settings.files_dir
+                    session,
+                    sink,
+                    filename=form.filename or "",
+                    purpose=purpose,
+                    files_dir=settings.files_dir,
+                    owner_id=caller.user_id,
                 )
-                return FileOut.of(row)
+                return FileOut.of(row, owner=caller.name)
 
         return await to_thread.run_sync(store)
 
@@ -67,20 +80,30 @@ async def upload_file(request: Request, state: StateDep) -> FileOut:
 @router.get("", summary="List datasets, newest first")
 def list_files(
     session: SessionDep,
+    caller: CallerDep,
     purpose: str | None = None,
+    owner: Annotated[str | None, Query(description="Only this user's files; `me` for the caller's")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
     after: str | None = None,
 ) -> FileList:
-    rows, next_cursor = service.list_files(session, purpose=purpose, limit=limit, after=after)
-    return FileList(data=[FileOut.of(r) for r in rows], next_cursor=next_cursor)
+    owner_id = access.owner_filter(session, caller, owner)
+    rows, next_cursor = service.list_files(session, purpose=purpose, owner_id=owner_id, limit=limit, after=after)
+    names = names_by_id(session, {r.owner_id for r in rows})
+    return FileList(data=[FileOut.of(r, owner=names.get(r.owner_id or "")) for r in rows], next_cursor=next_cursor)
 
 
 @router.get("/{file_id}", summary="Describe one dataset")
 def get_file(file_id: str, session: SessionDep) -> FileOut:
-    return FileOut.of(service.get_file(session, file_id))
+    row = service.get_file(session, file_id)
+    return FileOut.of(row, owner=access.owner_name(session, row.owner_id))
 
 
-@router.delete("/{file_id}", summary="Delete a dataset (409 while a queued or running job uses it)")
-def delete_file(file_id: str, session: SessionDep) -> FileDeleted:
+@router.delete(
+    "/{file_id}",
+    summary="Delete a dataset (the owner or an admin; 409 while a queued or running job uses it)",
+)
+def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileDeleted:
+    owner_id = service.get_file(session, file_id).owner_id
+    access.require_owner(session, caller, owner_id, what=f"file {file_id}", action="delete", param="file_id")
     row = service.delete_file(session, file_id)
     return FileDeleted(id=row.file_id)

@@ -19,10 +19,12 @@ class FileOut(BaseModel):
     """``chat``, ``prompt_completion`` or ``text``."""
     num_records: int
     stats: dict[str, Any]
+    owner: str | None
+    """The uploader's user name (null for files uploaded before users existed)."""
     created_at: dt.datetime
 
     @classmethod
-    def of(cls, row: File) -> FileOut:
+    def of(cls, row: File, *, owner: str | None = None) -> FileOut:
         return cls(
             id=row.file_id,
             filename=row.filename,
@@ -32,6 +34,7 @@ class FileOut(BaseModel):
             format=row.format,
             num_records=row.num_records,
             stats=row.stats or {},
+            owner=owner,
             created_at=row.created_at,
         )
 

@@ -15,19 +15,32 @@ from typing import Annotated
 from anyio import to_thread
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import FileResponse, StreamingResponse
+from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 
+from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.jobs import artifacts
-from api.jobs.schemas import CheckpointList, CheckpointOut, JobList, JobOut, MetricList, MetricOut
+from api.jobs.schemas import (
+    CheckpointList,
+    CheckpointOut,
+    JobList,
+    JobOut,
+    MetricList,
+    MetricOut,
+    queue_info,
+)
 from api.jobs.sse import event_stream
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import live, service
+from core.jobs import eta, live, service
+from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
 from core.paging import MAX_LIMIT
 from core.queue import enqueue_job
+from core.users import access
+from core.users.service import names_by_id
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -40,22 +53,35 @@ async def create_job(
     spec: JobSpec,
     response: Response,
     state: StateDep,
+    caller: CallerDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> JobOut:
-    """Validate and queue a fine-tuning job.
+    """Validate and queue a fine-tuning job owned by the caller.
 
     201 with the new job. With an ``Idempotency-Key`` header, a repeat of the same body
     answers 200 with the same job (header ``Idempotent-Replayed: true``); the same key with a
-    different body is a 409.
+    different body, or a key another user already used, is a 409. The job may use only the
+    caller's own files (an admin's, any): 403 otherwise.
     """
 
     def create() -> tuple[JobOut, bool, int]:
         with state.sessions() as session:
+            access.require_usable_files(
+                session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
+            )
             job, created = service.create_job(
                 session, spec, settings=state.settings, idempotency_key=idempotency_key
             )
+            if created:
+                job.owner_id = caller.user_id
+                session.flush()
+            elif job.owner_id != caller.user_id:
+                raise Conflict(
+                    f"Idempotency-Key {idempotency_key!r} was already used by another user; use a new key",
+                    param="Idempotency-Key",
+                )
             session.commit()
-            return JobOut.of(job), created, job.last_event_seq
+            return _out(session, job), created, job.last_event_seq
 
     job, created, seq = await to_thread.run_sync(create)
     if job.status == JobStatus.queued.value:
@@ -71,19 +97,31 @@ async def create_job(
 @router.get("", summary="List jobs, newest first")
 def list_jobs(
     session: SessionDep,
+    caller: CallerDep,
     status_: Annotated[
         str | None, Query(alias="status", description="One status or several, comma-separated")
     ] = None,
+    owner: Annotated[str | None, Query(description="Only this user's jobs; `me` for the caller's")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 20,
     after: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
 ) -> JobList:
-    jobs, next_cursor = service.list_jobs(session, statuses=_parse_statuses(status_), limit=limit, after=after)
-    return JobList(data=[JobOut.of(j) for j in jobs], next_cursor=next_cursor)
+    """Everyone's jobs (everyone on the box sees all of them), each with its ``owner``."""
+    owner_id = access.owner_filter(session, caller, owner)
+    jobs, next_cursor = service.list_jobs(
+        session, statuses=_parse_statuses(status_), owner_id=owner_id, limit=limit, after=after
+    )
+    names = names_by_id(session, {j.owner_id for j in jobs})
+    return JobList(data=[JobOut.of(j, owner=names.get(j.owner_id or "")) for j in jobs], next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", summary="Read one job")
-def get_job(job_id: str, session: SessionDep) -> JobOut:
-    return JobOut.of(service.get_job(session, job_id))
+def get_job(job_id: str, session: SessionDep, state: StateDep) -> JobOut:
+    """A queued job also has ``queue``: its position and estimated start (see ``GET /v1/queue``)."""
+    job = service.get_job(session, job_id)
+    out = _out(session, job)
+    if job.status == JobStatus.queued.value:
+        out.queue = queue_info(eta.snapshot(session, state.settings).entry(job_id))
+    return out
 
 
 @router.post(
@@ -91,16 +129,20 @@ def get_job(job_id: str, session: SessionDep) -> JobOut:
     responses={202: {"model": JobOut, "description": "Running: the worker stops it (checkpoint, then exit)"}},
     summary="Cancel a job",
 )
-async def cancel_job(job_id: str, response: Response, state: StateDep) -> JobOut:
+async def cancel_job(job_id: str, response: Response, state: StateDep, caller: CallerDep) -> JobOut:
     """A queued job is cancelled at once (200). A running one is asked to stop (202,
     ``cancel_requested: true``); its state turns ``cancelled`` when the trainer has exited.
-    A finished job answers 409."""
+    A finished job answers 409; someone else's job 403 (unless the caller is an admin)."""
 
     def cancel() -> tuple[JobOut, bool, int]:
         with state.sessions() as session:
+            owner_id = service.get_job(session, job_id).owner_id
+            access.require_owner(
+                session, caller, owner_id, what=f"job {job_id}", action="cancel", param="job_id"
+            )
             job, finished_now = service.cancel_job(session, job_id)
             session.commit()
-            return JobOut.of(job), finished_now, job.last_event_seq
+            return _out(session, job), finished_now, job.last_event_seq
 
     job, finished_now, seq = await to_thread.run_sync(cancel)
     if finished_now:
@@ -206,6 +248,10 @@ def _archive_response(state: AppState, src: Path, fmt: artifacts.ArchiveFormat, 
         filename=f"{stem}.{fmt}",
         background=BackgroundTask(path.unlink, missing_ok=True),
     )
+
+
+def _out(session: Session, job: Job) -> JobOut:
+    return JobOut.of(job, owner=access.owner_name(session, job.owner_id))
 
 
 def _parse_statuses(raw: str | None) -> list[JobStatus] | None:

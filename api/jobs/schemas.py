@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from core.jobs.eta import QueueEntry
 from core.jobs.models import Checkpoint, Job, StepMetric
 
 
@@ -17,6 +18,17 @@ class Progress(BaseModel):
 class JobError(BaseModel):
     code: str
     message: str | None
+
+
+class QueueInfo(BaseModel):
+    """Where a queued job waits (core/jobs/eta.py has the estimate's model)."""
+
+    position: int
+    """1-based place among the queued jobs in claim order (priority, then age)."""
+    ahead: list[str]
+    """Ids of the queued jobs before it."""
+    estimated_start_at: dt.datetime | None
+    """From the running jobs' pace and the live workers; null when unknown."""
 
 
 class JobOut(BaseModel):
@@ -34,6 +46,13 @@ class JobOut(BaseModel):
     """The trainer's plan event: detected hardware and each optimization's decision and reason."""
     error: JobError | None
     spec: dict[str, Any]
+    owner: str | None
+    """The submitter's user name (null for jobs made before users existed)."""
+    priority: str
+    """low, normal or high: the order in which waiting jobs are claimed."""
+    gpus: int
+    queue: QueueInfo | None = None
+    """Only on ``GET /v1/jobs/{id}`` of a queued job: its position and estimated start."""
     attempts: int
     worker: str | None
     cancel_requested: bool
@@ -43,7 +62,7 @@ class JobOut(BaseModel):
     updated_at: dt.datetime
 
     @classmethod
-    def of(cls, job: Job) -> JobOut:
+    def of(cls, job: Job, *, owner: str | None = None) -> JobOut:
         return cls(
             id=job.job_id,
             name=job.name,
@@ -56,6 +75,9 @@ class JobOut(BaseModel):
             plan=job.plan,
             error=JobError(code=job.error_code, message=job.error_message) if job.error_code else None,
             spec=job.spec,
+            owner=owner,
+            priority=job.priority,
+            gpus=job.gpus,
             attempts=job.attempts,
             worker=job.worker_id,
             cancel_requested=job.cancel_requested,
@@ -117,3 +139,9 @@ class CheckpointOut(BaseModel):
 
 class CheckpointList(BaseModel):
     data: list[CheckpointOut]
+
+
+def queue_info(entry: QueueEntry | None) -> QueueInfo | None:
+    if entry is None:
+        return None
+    return QueueInfo(position=entry.position, ahead=list(entry.ahead), estimated_start_at=entry.estimated_start_at)

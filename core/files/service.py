@@ -79,9 +79,16 @@ class FileSink:
 
 
 def store_upload(
-    session: Session, sink: FileSink, *, filename: str, purpose: str, files_dir: Path
+    session: Session,
+    sink: FileSink,
+    *,
+    filename: str,
+    purpose: str,
+    files_dir: Path,
+    owner_id: str | None = None,
 ) -> File:
-    """Validate the received file and record it; commits, so row and bytes always agree.
+    """Validate the received file and record it as ``owner_id``'s; commits, so row and bytes
+    always agree.
 
     Raises:
         InvalidInput: bad ``purpose`` or ``filename``.
@@ -109,6 +116,7 @@ def store_upload(
         num_records=summary.num_records,
         path=str(final),
         stats=summary.stats,
+        owner_id=owner_id,
         created_at=utcnow(),
     )
     try:
@@ -134,9 +142,16 @@ def get_file(session: Session, file_id: str) -> File:
 
 
 def list_files(
-    session: Session, *, purpose: str | None = None, limit: int = 50, after: str | None = None
+    session: Session,
+    *,
+    purpose: str | None = None,
+    owner_id: str | None = None,
+    limit: int = 50,
+    after: str | None = None,
 ) -> tuple[list[File], str | None]:
     query = select(File).where(File.deleted_at.is_(None))
+    if owner_id is not None:
+        query = query.where(File.owner_id == owner_id)
     if purpose is not None:
         check_purpose(purpose)
         query = query.where(File.purpose == purpose)

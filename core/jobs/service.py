@@ -18,6 +18,7 @@ from core.files.models import File
 from core.files.service import get_file
 from core.jobs.model_source import resolve_model
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.jobs.scheduling import check_gpus
 from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
 from core.jobs.translate import to_train_config
@@ -116,7 +117,8 @@ def create_job(
         Unsupported: ``method`` is ``qlora``.
         InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a model that
             cannot be resolved, or a spec the trainer's config refuses.
-        Unsupported: an optimization forced ``on`` that no live worker can honour.
+        Unsupported: an optimization forced ``on`` that no live worker can honour, or
+            ``gpus`` this box cannot give a job (``core.jobs.scheduling.check_gpus``).
     """
     fingerprint = spec_hash(spec)
     if idempotency_key is not None:
@@ -130,6 +132,7 @@ def create_job(
             param="method",
         )
     _check_forced_switches(session, spec, settings)
+    check_gpus(session, spec.gpus, settings)
     paths = {
         spec.training_file: _usable_file(session, spec.training_file, "train", "training_file").path
     }
@@ -151,6 +154,8 @@ def create_job(
         spec=spec.to_stored(),
         training_file_id=spec.training_file,
         validation_file_id=spec.validation_file,
+        priority=spec.priority,
+        gpus=spec.gpus,
         idempotency_key=idempotency_key,
         idempotency_hash=fingerprint if idempotency_key is not None else None,
         progress_step=0,

@@ -104,9 +104,10 @@ def _model(
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype=dtype)
     model.config.use_cache = False
-    model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False}
-    )
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers 5.17 (the GPU image)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(
         r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"
     )

@@ -29,7 +29,7 @@ from core.settings import Settings
 
 ADMIN_URL = os.environ.get("FTQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("FTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-TABLES = ("step_metric", "checkpoint", "job_event", "job", "file", "worker")
+TABLES = ("step_metric", "checkpoint", "job_event", "job", "file", "worker", "api_key", "user")
 
 
 @dataclass
@@ -88,7 +88,7 @@ def store(request: pytest.FixtureRequest, _engines: dict[str, Engine]) -> Iterat
     yield Store(backend, url, engine, make_sessionmaker(engine))
     with engine.begin() as conn:
         for table in TABLES:
-            conn.execute(text(f"DELETE FROM {table}"))
+            conn.execute(text(f'DELETE FROM "{table}"'))
 
 
 @pytest.fixture(scope="session")
@@ -123,11 +123,32 @@ def settings(store: Store, tmp_path: Path, model_root: Path) -> Settings:
     ).resolved()
 
 
+def make_user(store: Store, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None) -> str:
+    """Create a user in ``store`` and return its API key (through the service, as the CLI does)."""
+    from core.users.service import create_user_with_key
+
+    with store.sessions() as session:
+        _user, issued = create_user_with_key(session, name, is_admin=is_admin, max_running_jobs=max_running_jobs)
+        session.commit()
+        return issued.secret
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 @pytest.fixture
-def client(settings: Settings) -> Iterator[TestClient]:
+def admin_key(store: Store) -> str:
+    """The API key of ``admin``, an admin user every API test starts with."""
+    return make_user(store, "admin", is_admin=True)
+
+
+@pytest.fixture
+def client(settings: Settings, admin_key: str) -> Iterator[TestClient]:
+    """A client of the app that sends ``admin``'s key on every request."""
     from api.app import create_app
 
-    with TestClient(create_app(settings)) as test_client:
+    with TestClient(create_app(settings), headers=bearer(admin_key)) as test_client:
         yield test_client
 
 

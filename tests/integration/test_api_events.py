@@ -127,6 +127,11 @@ def stream_in_thread(url: str, headers: dict[str, str] | None = None) -> tuple[l
     return received, thread
 
 
+def auth(client: TestClient) -> dict[str, str]:
+    """The test client's Authorization header, for requests made with a plain httpx client."""
+    return {"Authorization": client.headers["Authorization"]}
+
+
 def wait_for(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -140,7 +145,7 @@ class TestLive:
     ) -> None:
         job_id = make_job(client)
         with serve(settings) as server:
-            received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events", {"Last-Event-ID": "1"})
+            received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events", {**auth(client), "Last-Event-ID": "1"})
             time.sleep(0.2)
             add_steps(store, job_id, range(1, 4))
             wait_for(lambda: len([e for e in received if "id" in e]) == 3)
@@ -156,7 +161,7 @@ class TestLive:
         job_id = make_job(client)
         fast = settings.model_copy(update={"sse_heartbeat_s": 0.2})
         with serve(fast) as server:
-            received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events")
+            received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events", auth(client))
             wait_for(lambda: sum(1 for e in received if e.get("comment") == "keep-alive") >= 2)
             client.post(f"/v1/jobs/{job_id}/cancel")
             thread.join(timeout=10)
@@ -172,7 +177,7 @@ class TestLive:
         publisher = redis.Redis.from_url(redis_url)
         try:
             with serve(with_redis) as server:
-                received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events")
+                received, thread = stream_in_thread(f"{server.url}/v1/jobs/{job_id}/events", auth(client))
                 wait_for(lambda: any(e.get("event") == "state" for e in received))
                 time.sleep(0.1)
                 seq = add_steps(store, job_id, range(1, 3))
@@ -182,7 +187,7 @@ class TestLive:
                 assert time.monotonic() - start < 2.0
                 # the API publishes its own state events (cancel of a queued job)
                 with httpx.Client() as http:
-                    assert http.post(f"{server.url}/v1/jobs/{job_id}/cancel").status_code == 200
+                    assert http.post(f"{server.url}/v1/jobs/{job_id}/cancel", headers=auth(client)).status_code == 200
                 thread.join(timeout=2.0)
                 assert not thread.is_alive()
         finally:

@@ -20,6 +20,7 @@ from core.jobs.states import JobStatus
 from core.queue import QUEUE, TASK_RUN_JOB
 from core.settings import Settings
 from tests.conftest import CHAT_RECORD
+from tests.integration.conftest import bearer
 
 pytestmark = pytest.mark.integration
 
@@ -378,11 +379,13 @@ class TestMetricsAndArtifacts:
         assert missing.status_code == 404 and "no checkpoint at step 9" in missing.json()["error"]["message"]
 
 
-def test_broker_down_after_commit_still_creates_the_queued_job(store, settings: Settings, caplog) -> None:
+def test_broker_down_after_commit_still_creates_the_queued_job(
+    store, settings: Settings, admin_key: str, caplog
+) -> None:
     from api.app import create_app
 
     dead = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
-    with TestClient(create_app(dead)) as c:
+    with TestClient(create_app(dead), headers=bearer(admin_key)) as c:
         file_id = upload(c)
         response = c.post("/v1/jobs", json=spec(file_id))
     assert response.status_code == 201, response.text

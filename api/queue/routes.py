@@ -1,0 +1,25 @@
+"""``GET /v1/queue``: the waiting jobs in the order workers will claim them, with start estimates."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy import select
+
+from api.deps import SessionDep, StateDep
+from api.queue.schemas import QueueOut
+from core.jobs import eta
+from core.users.models import User
+
+router = APIRouter(tags=["jobs"])
+
+
+@router.get("/v1/queue", summary="Queued jobs in claim order, with positions and estimated start times")
+def get_queue(session: SessionDep, state: StateDep) -> QueueOut:
+    """Claim order is priority (high, normal, low), then submission time. A job whose owner
+    already runs as many jobs as their cap allows keeps its position but is passed over until
+    one of them ends; ``estimated_start_at`` accounts for that (model: core/jobs/eta.py)."""
+    snap = eta.snapshot(session, state.settings)
+    owner_ids = {e.job.owner_id for e in snap.entries} | {r.owner_id for r in snap.running}
+    owner_ids.discard(None)
+    owners = dict(session.execute(select(User.user_id, User.name).where(User.user_id.in_(owner_ids))).all()) if owner_ids else {}
+    return QueueOut.of(snap, owners, state.settings.max_running_jobs_per_user)

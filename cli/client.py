@@ -1,7 +1,9 @@
 """The HTTP side of the client commands: one ``httpx.Client`` on the API, errors made readable.
 
-The API is found at ``FTQ_API_URL`` (default ``http://FTQ_HOST:FTQ_PORT``, i.e. the local
-``ftq up``). ``FTQ_API_KEY``, when set, is sent as ``Authorization: Bearer``.
+The API is found at ``FTQ_API_URL``, else the config file's ``api_url``, else
+``http://FTQ_HOST:FTQ_PORT`` (the local ``ftq up``). The key, ``FTQ_API_KEY`` or the config
+file's ``api_key`` (``cli/config.py``; ``ftq login`` writes it), is sent as
+``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from typing import Any
 
 import httpx
 
+from cli import config
 from cli.errors import CliError
 
 
 def api_url() -> str:
     url = os.environ.get("FTQ_API_URL")
+    if url:
+        return url.rstrip("/")
+    url = config.configured_url()
     if url:
         return url.rstrip("/")
     host = os.environ.get("FTQ_HOST", "127.0.0.1")
@@ -27,7 +33,7 @@ def api_url() -> str:
 
 def connect(base_url: str | None = None) -> httpx.Client:
     headers = {}
-    key = os.environ.get("FTQ_API_KEY")
+    key = config.api_key()
     if key:
         headers["Authorization"] = f"Bearer {key}"
     return httpx.Client(base_url=base_url or api_url(), headers=headers, timeout=httpx.Timeout(30, read=120))
@@ -53,7 +59,11 @@ def check(response: httpx.Response) -> None:
         detail = f"{error['message']}{where}"
     except (ValueError, KeyError, TypeError):
         detail = response.text[:500]
-    raise CliError(f"{response.request.method} {response.request.url.path} → {response.status_code}: {detail}")
+    hint = ""
+    if response.status_code == 401:
+        hint = (f" (key from {'FTQ_API_KEY' if os.environ.get('FTQ_API_KEY') else config.config_path()}; "
+                "set FTQ_API_KEY or run `ftq login --key KEY`; an admin makes keys with `ftq users create NAME`)")
+    raise CliError(f"{response.request.method} {response.request.url.path} → {response.status_code}: {detail}{hint}")
 
 
 def sse_events(response: httpx.Response) -> Iterator[tuple[int, str, dict[str, Any]]]:

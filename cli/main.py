@@ -7,6 +7,10 @@
 
     ftq submit JOB.yaml    client commands, against FTQ_API_URL (default the local API):
     ftq jobs | show ID | logs ID [--follow] | cancel ID | download ID
+    ftq login --key KEY    save the key (and --url) to ~/.config/ftq/config.toml (mode 0600)
+
+    ftq users create NAME [--admin] [--max-running N] | list | key NAME | revoke PREFIX | set NAME ...
+                           on the box, straight to the store; prints new keys once
 
 Configuration comes from the environment (``FTQ_*``, see core/settings.py); flags override it.
 """
@@ -18,7 +22,7 @@ import logging
 import sys
 from typing import Sequence
 
-from cli import db, jobs, serve, up
+from cli import db, jobs, serve, up, users
 from cli.errors import CliError
 
 
@@ -31,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_worker_parser(commands)
     db.add_parser(commands)
     jobs.add_parsers(commands)
+    users.add_parsers(commands)
     return parser
 
 

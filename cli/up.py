@@ -3,7 +3,8 @@
 With no ``FTQ_DATABASE_URL`` / ``FTQ_BROKER_URL`` set it needs no server: a SQLite store and
 kombu's SQLAlchemy broker live under ``FTQ_DATA_DIR``. Order of start-up:
 
-1. apply the store's migrations;
+1. apply the store's migrations; on the first start (no users in the store) create the user
+   ``admin``, print its API key once and save it to the client config file (``cli/users.py``);
 2. if ``FTQ_MODEL_ROOT`` is empty, write a tiny random-weight demo model ``tiny-llama`` there
    (``python -m trainer make-tiny-model``), so a new user can submit a job at once
    (``--no-demo-model`` skips it);
@@ -45,6 +46,7 @@ def add_parser(commands: Any) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from cli.db import redact, upgrade_store
+    from cli.users import bootstrap_admin
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides).resolved()
@@ -52,6 +54,7 @@ def run_up(args: argparse.Namespace) -> int:
     settings.model_root.mkdir(parents=True, exist_ok=True)
     print(f"ftq: store {redact(settings.database_url or '')}, data in {settings.data_dir}", flush=True)
     upgrade_store(settings)
+    bootstrap_admin(settings)  # first start only: an admin key, printed once and saved for the CLI
     if not args.no_demo_model:
         seed_demo_model(settings.model_root)
 

@@ -112,7 +112,11 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
     # Per switch: None when `on` can be honoured on this machine, else why not (the API reads it).
     capabilities = hardware.capabilities(hw, config)
     if as_json:
-        report = {"hardware": hw.to_dict(), "plan": plan.to_dict(), "capabilities": capabilities}
+        report = {
+            "hardware": hw.to_dict(),
+            "plan": plan.to_dict(),
+            "capabilities": capabilities,
+        }
         print(json.dumps(report, indent=2))
         return 0
     print(f"device     {hw.describe()}")
@@ -135,7 +139,10 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
     for d in plan.decisions:
         print(f"{d.name:<24} {'on ' if d.enabled else 'off'}  {d.reason}")
     for name, why_not in capabilities.items():
-        print(f"{'can be on' if why_not is None else 'cannot be on':<12} {name}" + (f": {why_not}" if why_not else ""))
+        print(
+            f"{'can be on' if why_not is None else 'cannot be on':<12} {name}"
+            + (f": {why_not}" if why_not else "")
+        )
     return 0
 
 

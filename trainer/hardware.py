@@ -200,7 +200,7 @@ class Plan:
     @property
     def load_attn_implementation(self) -> str:
         """``attn_implementation`` for ``from_pretrained`` (``ftq_packed`` is installed afterwards)."""
-        return "eager" if self.attention_backend == "transformers_eager" else self.hf_attention
+        return self.hf_attention
 
     @property
     def loss_kernel(self) -> str:
@@ -224,6 +224,7 @@ class Plan:
             "attention_reason": self.attention.reason,
             "loss_kernel": self.loss_kernel,
             "loss_reason": self.loss.reason,
+            "model_attention": self.hf_attention,
         }
 
 
@@ -339,13 +340,15 @@ def capabilities(hw: Hardware, config: TrainConfig) -> dict[str, str | None]:
     """Per switch: None when ``on`` can be honoured on ``hw`` (for a model every kernel can run),
     else the one-line reason it cannot. What ``detect --json`` reports and the API checks."""
     attention = _attention(hw, ANY_MODEL)
-    return {
-        name: _why_not(name, hw, config, ANY_MODEL, attention) for name in SWITCHES
-    }
+    return {name: _why_not(name, hw, config, ANY_MODEL, attention) for name in SWITCHES}
 
 
 def _switch_value(name: str, opts: Optimizations, config: TrainConfig) -> str:
-    return config.offload_activations if name == "offload_activations" else getattr(opts, name)
+    return (
+        config.offload_activations
+        if name == "offload_activations"
+        else getattr(opts, name)
+    )
 
 
 def _decide(
@@ -383,7 +386,12 @@ def _decide(
                 f"{how}: cu_seqlens, max_seqlen and positions built once per batch from host lengths, "
                 f"reused by every layer ({attention.backend} attention)",
             )
-        return Decision(name, True, hw.device, "available here" if value == "auto" else "on in the job")
+        return Decision(
+            name,
+            True,
+            hw.device,
+            "available here" if value == "auto" else "on in the job",
+        )
     if value == "on":
         raise PlanError(
             f"{name}=on cannot run: {missing} (machine: {hw.describe()}). Set {name} to auto or off"
@@ -396,7 +404,11 @@ def _why_not(
 ) -> str | None:
     """Why switch ``name`` cannot be on here, or None."""
     missing = _requirement(name, hw, config)
-    if missing is None and name == "packed_metadata_cache" and attention.backend not in PACKED_BACKENDS:
+    if (
+        missing is None
+        and name == "packed_metadata_cache"
+        and attention.backend not in PACKED_BACKENDS
+    ):
         missing = f"packed attention cannot run this model ({model.packed_attention})"
     if missing is None and name not in BUILT_OPTIMIZATIONS:
         missing = "it is not implemented in this build of the trainer"
@@ -438,17 +450,28 @@ def _attention(hw: Hardware, model: ModelFacts) -> Decision:
     skipped = []
     why = _torch_varlen_missing(hw, model)
     if why is None:
-        return Decision("attention", True, "torch_varlen", "torch varlen_attn over cu_seqlens (no cross-sample block)")
+        return Decision(
+            "attention",
+            True,
+            "torch_varlen",
+            "torch varlen_attn over cu_seqlens (no cross-sample block)",
+        )
     skipped.append(f"not torch_varlen: {why}")
     why = hw.triton_varlen
-    if why is None and model.head_dim is not None and model.head_dim not in TRITON_HEAD_DIMS:
+    if (
+        why is None
+        and model.head_dim is not None
+        and model.head_dim not in TRITON_HEAD_DIMS
+    ):
         why = f"head dim {model.head_dim} is not one of {', '.join(map(str, TRITON_HEAD_DIMS))}"
     if why is None:
         return Decision(
             "attention",
             True,
             "triton",
-            "our Triton flash attention over cu_seqlens (no cross-sample block; " + skipped[0] + ")",
+            "our Triton flash attention over cu_seqlens (no cross-sample block; "
+            + skipped[0]
+            + ")",
         )
     skipped.append(f"not triton: {why}")
     return Decision(
@@ -512,7 +535,9 @@ def _varlen_runs() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn
 
-        q = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q = torch.randn(
+            8, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True
+        )
         cu = torch.tensor([0, 3, 8], device="cuda", dtype=torch.int32)
         varlen_attn(q, q, q, cu, cu, 5, 5).sum().backward()
         torch.cuda.synchronize()

@@ -101,7 +101,11 @@ def model_facts(config: TrainConfig) -> ModelFacts:
 
 
 def _grouped_query(hf_config: Any) -> bool:
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = (
+        hf_config.get_text_config()
+        if hasattr(hf_config, "get_text_config")
+        else hf_config
+    )
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return bool(heads and kv_heads and kv_heads < heads)
@@ -305,7 +309,9 @@ def packed_loss(
             **_boundary_kwargs(model, batch, meta),
         )
     if loss_kernel != LOSS_PLAIN:
-        raise ValueError(f"loss kernel {loss_kernel!r} is not one of {LOSS_FUSED}, {LOSS_PLAIN}")
+        raise ValueError(
+            f"loss kernel {loss_kernel!r} is not one of {LOSS_FUSED}, {LOSS_PLAIN}"
+        )
     return loss_sum(packed_forward(model, batch, meta), batch.targets) / num_items
 
 

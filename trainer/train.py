@@ -288,7 +288,9 @@ class _Optimizations:
         return batch.to(device, non_blocking=True), meta
 
 
-def _install_optimizations(model: torch.nn.Module, plan: hardware.Plan) -> _Optimizations:
+def _install_optimizations(
+    model: torch.nn.Module, plan: hardware.Plan
+) -> _Optimizations:
     """Apply the plan's decisions to the loaded (and LoRA-wrapped) model, once.
 
     Packed attention: every model it can run gets it (the cache switch picks the cached metadata

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 
 from core.db import utcnow
 from core.jobs.models import Job
 from core.workers.models import Worker
-from sqlalchemy import func, select
-
 from tests.conftest import CHAT_RECORD
 
 pytestmark = pytest.mark.integration

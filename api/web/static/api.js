@@ -1,8 +1,16 @@
-// Every request of the dashboard goes through api(): one place to add the
-// `Authorization: Bearer <key>` header once users and API keys exist (the key
-// would live in localStorage under KEY_STORAGE), and one shape for errors.
+// Every request of the dashboard goes through api(): one shape for errors, one
+// place for authentication.
+//
+// Authentication is the HttpOnly session cookie set by POST /v1/session (see
+// login()): page scripts never see the key, and nothing secret is kept in
+// localStorage. The browser sends the cookie with fetch, EventSource and
+// download links alike. Every request also carries X-Requested-With, which the
+// API requires of cookie-authenticated requests that change something (CSRF).
+// A 401 anywhere means the session ended (logged out, key revoked): the app
+// shows the login view (event "ftq:unauthenticated").
 
-const KEY_STORAGE = "ftq.apiKey";
+const CSRF_HEADER = { "X-Requested-With": "ftq-dashboard" };
+let me = null; // the logged-in user (GET /v1/users/me), cached for the session
 
 /** An API answer with a 4xx/5xx status, carrying the server's error envelope. */
 export class ApiError extends Error {
@@ -17,16 +25,6 @@ export class ApiError extends Error {
   }
 }
 
-export function authHeaders() {
-  let key = null;
-  try {
-    key = window.localStorage.getItem(KEY_STORAGE);
-  } catch {
-    // Storage can be disabled (privacy settings); then requests go without a key.
-  }
-  return key ? { Authorization: `Bearer ${key}` } : {};
-}
-
 /**
  * Call the ftq API and return the parsed JSON body.
  *
@@ -36,7 +34,7 @@ export function authHeaders() {
  * @throws {Error}        when the server cannot be reached
  */
 export async function api(path, { method = "GET", json, body, signal, headers = {} } = {}) {
-  const init = { method, signal, headers: { Accept: "application/json", ...authHeaders(), ...headers } };
+  const init = { method, signal, headers: { Accept: "application/json", ...CSRF_HEADER, ...headers } };
   if (json !== undefined) {
     init.body = JSON.stringify(json);
     init.headers["Content-Type"] = "application/json";
@@ -60,6 +58,10 @@ export async function api(path, { method = "GET", json, body, signal, headers = 
     } catch {
       data = null;
     }
+  }
+  if (response.status === 401 && !path.startsWith("/v1/session")) {
+    me = null;
+    window.dispatchEvent(new CustomEvent("ftq:unauthenticated"));
   }
   if (!response.ok) {
     throw new ApiError(response.status, data?.error ?? { message: text.slice(0, 300) || response.statusText });
@@ -86,10 +88,39 @@ export async function apiAll(path, { max = 1000, signal } = {}) {
   return items;
 }
 
+/** Trade an API key for the session cookie; returns the user. */
+export async function login(apiKey) {
+  const session = await api("/v1/session", { method: "POST", json: { api_key: apiKey } });
+  me = session.user;
+  return me;
+}
+
+/** Drop the session cookie. */
+export async function logout() {
+  me = null;
+  await api("/v1/session", { method: "DELETE" });
+}
+
+/** The logged-in user, or null when there is no valid session. */
+export async function currentUser({ refresh = false } = {}) {
+  if (me && !refresh) return me;
+  try {
+    me = await api("/v1/users/me");
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 401) return null;
+    throw err;
+  }
+  return me;
+}
+
+/** May the logged-in user cancel or delete this job/file? (The server enforces it anyway.) */
+export function mayAct(owner) {
+  return Boolean(me && (me.is_admin || me.name === owner));
+}
+
 /**
  * URL of a job's Server-Sent-Events stream starting after event ``after``.
- * EventSource cannot send headers: when API keys arrive, the stream needs a
- * cookie or a short-lived token in this URL; keep building it here.
+ * EventSource cannot send headers: the session cookie authenticates it.
  */
 export function eventsUrl(jobId, after = 0) {
   return `/v1/jobs/${encodeURIComponent(jobId)}/events?after=${after}`;

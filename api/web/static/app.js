@@ -4,6 +4,11 @@
 //   #/jobs/<id>               one job, live        (view-job.js)
 //   #/new                     submit a job         (view-new.js)
 //   #/gpus                    workers and queue    (view-gpus.js)
+//   #/login[?next=#/...]      paste an API key     (view-login.js)
+//
+// Every view but login needs a session: without one (GET /v1/users/me is 401,
+// or any request answers 401 later) the app goes to #/login and comes back
+// to where it was after the login.
 //
 // A view is `render(main, params, query) -> cleanup`; the cleanup stops its
 // timers and streams when the route changes.
@@ -12,6 +17,8 @@ import { renderJobs } from "./view-jobs.js";
 import { renderJob } from "./view-job.js";
 import { renderNew } from "./view-new.js";
 import { renderGpus } from "./view-gpus.js";
+import { renderLogin } from "./view-login.js";
+import { currentUser, logout } from "./api.js";
 import { h, clear } from "./dom.js";
 
 const ROUTES = [
@@ -19,6 +26,7 @@ const ROUTES = [
   { pattern: /^\/jobs\/([^/]+)$/, nav: "jobs", title: "Job", render: renderJob },
   { pattern: /^\/new\/?$/, nav: "new", title: "New job", render: renderNew },
   { pattern: /^\/gpus\/?$/, nav: "gpus", title: "GPUs", render: renderGpus },
+  { pattern: /^\/login\/?$/, nav: "login", title: "Log in", render: renderLogin, open: true },
 ];
 
 let cleanup = null;
@@ -30,7 +38,45 @@ export function parseHash(hash) {
   return [path.startsWith("/") ? path : `/${path}`, new URLSearchParams(query)];
 }
 
-function route() {
+/** Show who is logged in (and the logout button) in the header. */
+function showUser(user) {
+  const slot = document.querySelector("[data-testid=whoami]");
+  if (!slot) return;
+  if (!user) {
+    clear(slot);
+    return;
+  }
+  const out = h("button", { type: "button", class: "secondary small", "data-testid": "logout", text: "Log out" });
+  out.addEventListener("click", async () => {
+    try {
+      await logout();
+    } finally {
+      showUser(null);
+      window.location.hash = "#/login";
+    }
+  });
+  clear(slot, h("span", { "data-testid": "whoami-name", text: user.is_admin ? `${user.name} (admin)` : user.name }), " ", out);
+}
+
+function toLogin() {
+  const [path] = parseHash(window.location.hash);
+  if (path.startsWith("/login")) return;
+  showUser(null);
+  window.location.hash = `#/login?next=${encodeURIComponent(window.location.hash || "#/jobs")}`;
+}
+
+async function route() {
+  const [path0] = parseHash(window.location.hash);
+  if (!path0.startsWith("/login")) {
+    let user = null;
+    try {
+      user = await currentUser();
+    } catch {
+      user = { name: "?" }; // the API is unreachable: let the view show that
+    }
+    if (!user) return toLogin();
+    showUser(user.name === "?" ? null : user);
+  }
   const main = document.getElementById("main");
   if (cleanup) {
     try {
@@ -62,5 +108,6 @@ function route() {
 }
 
 window.addEventListener("hashchange", route);
+window.addEventListener("ftq:unauthenticated", toLogin);
 if (!window.location.hash) history.replaceState(null, "", "#/jobs");
 route();

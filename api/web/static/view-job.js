@@ -11,7 +11,7 @@
 // live indicator and ignored). The stream is closed on the job's final state
 // event (otherwise EventSource would reconnect to a finished stream forever).
 
-import { api, eventsUrl } from "./api.js";
+import { api, eventsUrl, mayAct } from "./api.js";
 import { Chart } from "./charts.js";
 import {
   h,
@@ -144,6 +144,7 @@ export function renderJob(main, [jobId]) {
     main.dataset.status = job.status;
     const rows = [
       ["Job id", h("span", { class: "mono", text: job.id })],
+      ["Owner", h("span", { "data-testid": "job-owner", text: job.owner || "–" })],
       ["Model", h("span", { class: "mono", text: job.model })],
       ["Method", job.method],
       ["Training file", h("span", { class: "mono", text: job.training_file })],
@@ -190,7 +191,8 @@ export function renderJob(main, [jobId]) {
     if (job.status === "succeeded") {
       nodes.push(h("a", { class: "button", href: `/v1/jobs/${id}/adapter`, download: "", "data-testid": "download-adapter", text: "Download adapter (.zip)" }));
     }
-    if (!FINISHED.has(job.status)) {
+    // Only the owner or an admin may cancel (the API answers 403 to anyone else anyway).
+    if (!FINISHED.has(job.status) && mayAct(job.owner)) {
       const confirmBox = h(
         "div",
         { class: "confirm", hidden: true, role: "group", "aria-label": "Confirm cancel" },

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.e2e.conftest import STACK_ENV, Stack, free_port
+from tests.integration.e2e.conftest import STACK_ENV, Stack, free_port, read_bootstrap_key
 
 CHROMIUM = os.environ.get("FTQ_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -73,9 +73,12 @@ def dashboard_stack(tmp_path_factory: pytest.TempPathFactory, chromium_path: str
     port = free_port()
     stack = Stack("dashboard", f"http://127.0.0.1:{port}", base / "data", models)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTQ_")}
-    env.update(STACK_ENV, FTQ_DATA_DIR=str(stack.data_dir), FTQ_MODEL_ROOT=str(models), FTQ_PORT=str(port))
+    env.update(STACK_ENV, FTQ_DATA_DIR=str(stack.data_dir), FTQ_MODEL_ROOT=str(models), FTQ_PORT=str(port),
+               FTQ_CONFIG=str(base / "client-config.toml"))
+    stack.env = env
     stack.start("up", [sys.executable, "-m", "cli", "up", "--no-demo-model"], env)
     try:
+        stack.api_key = read_bootstrap_key(stack)  # the admin key the first `ftq up` printed
         stack.wait_ready()
         yield stack
     finally:
@@ -101,9 +104,23 @@ def browser(chromium_path: str) -> Iterator[Any]:
 
 
 @pytest.fixture
+def anonymous_page(browser: Any, dashboard_stack: Stack) -> Iterator[Any]:
+    """A fresh page at the stack's URL, not logged in; page errors fail the test."""
+    yield from _page(browser, dashboard_stack, None)
+
+
+@pytest.fixture
 def page(browser: Any, dashboard_stack: Stack) -> Iterator[Any]:
-    """A fresh page at the stack's URL; page errors (uncaught exceptions) fail the test."""
+    """A fresh page logged in as the admin (``POST /v1/session`` from the browser context, so
+    the HttpOnly cookie is in its jar); page errors (uncaught exceptions) fail the test."""
+    yield from _page(browser, dashboard_stack, dashboard_stack.api_key)
+
+
+def _page(browser: Any, dashboard_stack: Stack, api_key: str | None) -> Iterator[Any]:
     context = browser.new_context(base_url=dashboard_stack.url, viewport={"width": 1400, "height": 1000})
+    if api_key is not None:
+        login = context.request.post("/v1/session", data={"api_key": api_key})
+        assert login.ok, login.text()
     page = context.new_page()
     page.set_default_timeout(30_000)
     errors: list[str] = []

@@ -7,6 +7,10 @@ Two stores, one fixture (``stack``, parametrized):
               ``ftq worker`` started separately, as in production.
 ``embedded``  ``ftq up`` with no URL set: SQLite store and SQLAlchemy broker in a tmp data dir.
 
+Both authenticate as an admin made the way a user would: the embedded stack reads the key
+that ``ftq up`` created on its first start and saved to the client config (``FTQ_CONFIG`` in
+tmp); the PostgreSQL stack runs ``ftq users create e2e --admin`` and reads the printed key.
+
 The model root holds a tiny random-weight Llama made by ``python -m trainer make-tiny-model``
 and a copy whose weights file is garbage (a trainer that must fail). Without PostgreSQL or
 Redis the ``postgres`` stack is skipped locally and fails under CI (``CI`` set).
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +39,7 @@ import pytest
 
 PG_ADMIN_URL = os.environ.get("FTQ_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("FTQ_TEST_REDIS", "redis://127.0.0.1:6379")
+KEY_PATTERN = re.compile(r"ftq_[0-9a-f]{8}_[A-Za-z0-9_-]{20,}")
 MODEL = "tiny-llama"
 CORRUPT_MODEL = "corrupt-llama"
 WORDS = ("the cat sat on a mat and the dog ran in the park while birds sang songs of spring "
@@ -83,9 +89,27 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
+    api_key: str = ""
+    """An admin's API key, sent by ``client()``."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The stack's environment (store URLs, FTQ_CONFIG): for ``ftq users ...`` and client commands."""
 
     def client(self, **kwargs: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+        headers = {"Authorization": f"Bearer {self.api_key}", **kwargs.pop("headers", {})}
+        return httpx.Client(base_url=self.url, timeout=30, headers=headers, **kwargs)
+
+    def ftq(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run ``ftq ARGS`` against this stack's store and API (no API key from the environment)."""
+        env = {k: v for k, v in self.env.items() if k != "FTQ_API_KEY"}
+        env["FTQ_API_URL"] = self.url
+        return subprocess.run([sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+
+    def create_user(self, name: str, *extra: str) -> str:
+        """``ftq users create NAME ...`` on the stack's store; the key it printed."""
+        done = self.ftq("users", "create", name, *extra)
+        assert done.returncode == 0, done.stderr
+        return printed_key(done.stdout)
 
     def log_tail(self, lines: int = 60) -> str:
         parts = []
@@ -172,10 +196,30 @@ def chat_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def printed_key(output: str) -> str:
+    keys = KEY_PATTERN.findall(output)
+    assert len(keys) == 1, f"expected the key printed once, found {len(keys)} in:\n{output}"
+    return keys[0]
+
+
 def _base_env(data_dir: Path, model_root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTQ_")}
-    env.update(STACK_ENV, FTQ_DATA_DIR=str(data_dir), FTQ_MODEL_ROOT=str(model_root))
+    env.update(STACK_ENV, FTQ_DATA_DIR=str(data_dir), FTQ_MODEL_ROOT=str(model_root),
+               FTQ_CONFIG=str(data_dir.parent / "client-config.toml"))
     return env
+
+
+def read_bootstrap_key(stack: Stack, timeout_s: float = 120.0) -> str:
+    """The admin key ``ftq up`` saved to the client config on its first start."""
+    import tomllib
+
+    path = Path(stack.env["FTQ_CONFIG"])
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in stack.procs.values()):
+            raise AssertionError(f"ftq up wrote no client config at {path}\n{stack.log_tail()}")
+        time.sleep(0.2)
+    return tomllib.loads(path.read_text())["api_key"]
 
 
 @pytest.fixture(scope="module", params=["postgres", "embedded"])
@@ -192,8 +236,10 @@ def _embedded_stack(base: Path, model_root: Path) -> Iterator[Stack]:
     stack = Stack("embedded", f"http://127.0.0.1:{port}", base / "data", model_root)
     env = _base_env(stack.data_dir, model_root)
     env["FTQ_PORT"] = str(port)
+    stack.env = env
     stack.start("up", [sys.executable, "-m", "cli", "up", "--no-demo-model"], env)
     try:
+        stack.api_key = read_bootstrap_key(stack)
         stack.wait_ready()
         yield stack
     finally:
@@ -222,9 +268,11 @@ def _postgres_stack(base: Path, model_root: Path, extra_env: dict[str, str] | No
         FTQ_PORT=str(port),
     )
     env.update(extra_env or {})
+    stack.env = env
     try:
         subprocess.run([sys.executable, "-m", "cli", "db", "upgrade"], env=env, check=True, capture_output=True,
                        timeout=120)
+        stack.api_key = stack.create_user("e2e", "--admin")
         stack.start("api", [sys.executable, "-m", "cli", "api"], env)
         stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", f"e2e-{db_name}"], env)
         stack.wait_ready()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
+import stat
 import subprocess
 import sys
 import time
@@ -178,9 +178,12 @@ def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, c
         job_file = tmp_path / "job.yaml"
         job_file.write_text(json.dumps({"model": stack.model, "training_file": str(chat_dataset),
                                         "hyperparameters": {**SHORT, "max_steps": 5}}))
+        # The embedded stack's CLI finds its key in the config file the first `ftq up` wrote.
+        env = {**stack.env, "FTQ_API_URL": stack.url}
+        if stack.name != "embedded":
+            env["FTQ_API_KEY"] = stack.api_key
         cli = subprocess.run([sys.executable, "-m", "cli", "submit", str(job_file), "--follow"],
-                             env={**os.environ, "FTQ_API_URL": stack.url}, capture_output=True, text=True,
-                             timeout=300)
+                             env=env, capture_output=True, text=True, timeout=300)
 
         job = client.get(f"/v1/jobs/{broken['id']}").json()
         assert job["status"] == "failed", f"{job}\n{stack.log_tail()}"
@@ -193,3 +196,53 @@ def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, c
         after_id, *lines = cli.stdout.splitlines()
         assert lines[0] == "state: queued" and lines[-1].startswith("state: succeeded")
         assert client.get(f"/v1/jobs/{after_id}").json()["status"] == "succeeded"
+
+
+def test_first_ftq_up_printed_an_admin_key_once_and_saved_it_for_the_cli(stack):
+    if stack.name != "embedded":
+        pytest.skip("only `ftq up` creates a first admin; `ftq api` never does")
+    from tests.integration.e2e.conftest import printed_key
+
+    log = stack.logs["up"].read_text()
+    assert printed_key(log) == stack.api_key
+    assert "shown once" in log and "ftq users create" in log
+    config = Path(stack.env["FTQ_CONFIG"])
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    with stack.client() as client:
+        me = client.get("/v1/users/me").json()
+    assert (me["name"], me["is_admin"]) == ("admin", True)
+
+
+def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_path: Path):
+    """``ftq users create`` prints a working key once; owners and admins act, others get 403."""
+    alice, bob = stack.create_user("alice", "--max-running", "2"), stack.create_user("bob")
+    listed = stack.ftq("users", "list")
+    assert listed.returncode == 0 and "alice" in listed.stdout and alice not in listed.stdout
+    with stack.client(headers={"Authorization": f"Bearer {alice}"}) as as_alice, \
+            stack.client(headers={"Authorization": f"Bearer {bob}"}) as as_bob:
+        job = submit(as_alice, upload(as_alice, chat_dataset), hyperparameters=LONG)
+        assert job["owner"] == "alice"
+        assert job["id"] in [j["id"] for j in as_bob.get("/v1/jobs").json()["data"]]
+        refused = as_bob.post(f"/v1/jobs/{job['id']}/cancel")
+        assert refused.status_code == 403 and "alice" in refused.json()["error"]["message"]
+
+        # bob logs in with the CLI: the key goes to a 0600 config file the client commands read
+        config = tmp_path / "bob.toml"
+        env_config = {"FTQ_CONFIG": str(config)}
+        stack.env, saved = {**stack.env, **env_config}, stack.env
+        try:
+            login = stack.ftq("login", "--key", bob, "--url", stack.url)
+            assert login.returncode == 0, login.stderr
+            assert stat.S_IMODE(config.stat().st_mode) == 0o600
+            mine = stack.ftq("jobs")
+            assert mine.returncode == 0 and job["id"] in mine.stdout
+            cancel = stack.ftq("cancel", job["id"])
+            assert cancel.returncode == 2 and "403" in cancel.stderr
+        finally:
+            stack.env = saved
+
+        assert as_alice.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+        revoke = stack.ftq("users", "revoke", bob.split("_")[1])
+        assert revoke.returncode == 0, revoke.stderr
+        assert as_bob.get("/v1/jobs").status_code == 401
+        wait_job(as_alice, job["id"], lambda j: j["status"] == "cancelled", what="cancelled")

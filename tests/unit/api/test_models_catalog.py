@@ -14,6 +14,7 @@ from api.app import create_app
 from api.models.catalog import count_params, find_models
 from core.migrate import upgrade
 from core.settings import Settings
+from tests.conftest import create_api_key
 
 
 def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
@@ -99,12 +100,17 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
+@pytest.fixture(scope="module")
+def api_key(store_url: str) -> str:
+    return create_api_key(store_url)
+
+
 @pytest.fixture
-def client(tmp_path: Path, store_url: str) -> Iterator[TestClient]:
+def client(tmp_path: Path, store_url: str, api_key: str) -> Iterator[TestClient]:
     root = tmp_path / "models"
     make_model(root / "tiny", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, {"w": [2, 3]})
     settings = Settings(data_dir=tmp_path / "data", model_root=root, database_url=store_url)
-    with TestClient(create_app(settings)) as test_client:
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {api_key}"}) as test_client:
         yield test_client
 
 

@@ -15,6 +15,7 @@ from cli.errors import CliError
 from cli.jobs import describe, follow, format_jobs, load_job_file, progress_line, submit
 from core.migrate import upgrade
 from core.settings import Settings
+from tests.conftest import create_api_key
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -24,7 +25,8 @@ def api(tmp_path: Path, model_root: Path):
     settings = Settings(data_dir=tmp_path / "data", model_root=model_root, allow_hub_models=False,
                         sse_poll_interval_s=0.05).resolved()
     upgrade(settings.database_url)
-    with TestClient(create_app(settings)) as client:
+    key = create_api_key(settings.database_url)
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {key}"}) as client:
         yield client
 
 

@@ -101,7 +101,9 @@ def _train(
             return dataclasses.replace(
                 real,
                 fused_loss="switched off by the test",
-                packed_attention="switched off by the test" if mode == "stock" else None,
+                packed_attention="switched off by the test"
+                if mode == "stock"
+                else None,
             )
 
         monkeypatch.setattr(train_module, "model_facts", facts)
@@ -170,7 +172,9 @@ class TestStepUsesTheInstalledAttention:
         original = attention.PackedAttention.metadata
 
         def spy(self, lengths, device):
-            assert isinstance(lengths, list) and all(isinstance(n, int) for n in lengths)
+            assert isinstance(lengths, list) and all(
+                isinstance(n, int) for n in lengths
+            )
             meta = original(self, lengths, device)
             built[self.cache].append(meta)
             return meta

@@ -70,14 +70,19 @@ class TestCpu:
         assert "never materialised" in p.loss.reason
 
     def test_on_caches_and_says_so(self):
-        d = _cache(plan(CPU, Optimizations(packed_metadata_cache="on"), _config(), LLAMA))
+        d = _cache(
+            plan(CPU, Optimizations(packed_metadata_cache="on"), _config(), LLAMA)
+        )
         assert d.enabled and d.reason.startswith("on in the job: ")
 
     def test_off_is_the_rebuild_per_layer_twin_on_the_same_backend(self):
         p = plan(CPU, Optimizations(packed_metadata_cache="off"), _config(), LLAMA)
         d = _cache(p)
         assert (d.enabled, d.backend) == (False, "sdpa") and p.packed_attention
-        assert d.reason == "off in the job: metadata rebuilt in every layer from the device position ids"
+        assert (
+            d.reason
+            == "off in the job: metadata rebuilt in every layer from the device position ids"
+        )
 
     def test_plain_loss_when_the_fused_loss_cannot_run_this_model(self):
         facts = dataclasses.replace(LLAMA, fused_loss="the LM head has a bias")
@@ -99,7 +104,10 @@ class TestModelPackedAttentionCannotRun:
     def test_eager_models_keep_eager(self):
         facts = dataclasses.replace(SOFTCAPPED, supports_sdpa=False)
         p = plan(CPU, Optimizations(), _config(), facts)
-        assert (p.attention_backend, p.load_attn_implementation) == ("transformers_eager", "eager")
+        assert (p.attention_backend, p.load_attn_implementation) == (
+            "transformers_eager",
+            "eager",
+        )
 
     def test_on_is_a_plan_error_naming_the_hardware_and_the_fix(self):
         with pytest.raises(
@@ -107,10 +115,17 @@ class TestModelPackedAttentionCannotRun:
             match=r"packed_metadata_cache=on cannot run: packed attention cannot run this model "
             r"\(gemma2 soft-caps .*\) \(machine: NVIDIA H200 \(cuda, sm90\)\)\. Set packed_metadata_cache to auto or off",
         ):
-            plan(H200_VARLEN, Optimizations(packed_metadata_cache="on"), _config(), SOFTCAPPED)
+            plan(
+                H200_VARLEN,
+                Optimizations(packed_metadata_cache="on"),
+                _config(),
+                SOFTCAPPED,
+            )
 
     def test_off_is_honoured(self):
-        d = _cache(plan(CPU, Optimizations(packed_metadata_cache="off"), _config(), SOFTCAPPED))
+        d = _cache(
+            plan(CPU, Optimizations(packed_metadata_cache="off"), _config(), SOFTCAPPED)
+        )
         assert (d.enabled, d.reason) == (False, "off in the job")
 
 
@@ -118,31 +133,57 @@ class TestCudaBackendChoice:
     def test_torch_varlen_first_when_it_runs(self):
         for facts in (LLAMA, GPT_OSS):
             p = plan(H200_VARLEN, Optimizations(), _config(), facts)
-            assert p.attention_backend == "torch_varlen" and _cache(p).backend == "torch_varlen"
+            assert (
+                p.attention_backend == "torch_varlen"
+                and _cache(p).backend == "torch_varlen"
+            )
             assert p.dtype == "bfloat16"
 
     def test_our_triton_kernel_when_torch_has_no_varlen(self):
         p = plan(H200_TRITON, Optimizations(), _config(), LLAMA)
         assert p.attention_backend == "triton"
-        assert "not torch_varlen: torch 2.11.0 has no torch.nn.attention.varlen" in p.attention.reason
+        assert (
+            "not torch_varlen: torch 2.11.0 has no torch.nn.attention.varlen"
+            in p.attention.reason
+        )
 
     def test_varlen_without_window_or_lse_yields_to_triton_for_gpt_oss(self):
-        no_window = dataclasses.replace(H200_VARLEN, varlen_options=("return_aux",))
+        no_window = dataclasses.replace(
+            H200_VARLEN, varlen_options=("return_aux", "enable_gqa")
+        )
         p = plan(no_window, Optimizations(), _config(), GPT_OSS)
-        assert p.attention_backend == "triton" and "uses a sliding window" in p.attention.reason
-        no_lse = dataclasses.replace(H200_VARLEN, varlen_options=("window_size",))
+        assert (
+            p.attention_backend == "triton"
+            and "uses a sliding window" in p.attention.reason
+        )
+        no_lse = dataclasses.replace(
+            H200_VARLEN, varlen_options=("window_size", "enable_gqa")
+        )
         p = plan(no_lse, Optimizations(), _config(), GPT_OSS)
-        assert p.attention_backend == "triton" and "attention sinks" in p.attention.reason
+        assert (
+            p.attention_backend == "triton" and "attention sinks" in p.attention.reason
+        )
         # Llama needs neither option.
-        assert plan(no_lse, Optimizations(), _config(), LLAMA).attention_backend == "torch_varlen"
+        assert (
+            plan(no_lse, Optimizations(), _config(), LLAMA).attention_backend
+            == "torch_varlen"
+        )
 
     def test_varlen_without_enable_gqa_yields_to_triton_for_gqa_models(self):
         """Seen on the lent H200's torch: varlen_attn there takes no enable_gqa."""
-        old = dataclasses.replace(H200_VARLEN, varlen_options=("window_size", "return_aux"))
+        old = dataclasses.replace(
+            H200_VARLEN, varlen_options=("window_size", "return_aux")
+        )
         p = plan(old, Optimizations(), _config(), LLAMA)
-        assert p.attention_backend == "triton" and "has no enable_gqa" in p.attention.reason
+        assert (
+            p.attention_backend == "triton"
+            and "has no enable_gqa" in p.attention.reason
+        )
         mha = dataclasses.replace(LLAMA, grouped_query=False)
-        assert plan(old, Optimizations(), _config(), mha).attention_backend == "torch_varlen"
+        assert (
+            plan(old, Optimizations(), _config(), mha).attention_backend
+            == "torch_varlen"
+        )
 
     def test_sdpa_block_mask_last_with_both_reasons(self):
         odd_head = dataclasses.replace(LLAMA, head_dim=96)
@@ -150,10 +191,17 @@ class TestCudaBackendChoice:
         assert p.attention_backend == "sdpa"
         assert "not torch_varlen: " in p.attention.reason
         assert "not triton: head dim 96 is not one of 64, 128" in p.attention.reason
-        no_triton = dataclasses.replace(H200_TRITON, triton_varlen="Triton is not installed (pip install triton)")
+        no_triton = dataclasses.replace(
+            H200_TRITON, triton_varlen="Triton is not installed (pip install triton)"
+        )
         p = plan(no_triton, Optimizations(packed_metadata_cache="on"), _config(), LLAMA)
-        assert p.attention_backend == "sdpa" and "Triton is not installed" in p.attention.reason
-        assert _cache(p).enabled  # the cache helps every backend: on is honoured with SDPA too
+        assert (
+            p.attention_backend == "sdpa"
+            and "Triton is not installed" in p.attention.reason
+        )
+        assert _cache(
+            p
+        ).enabled  # the cache helps every backend: on is honoured with SDPA too
 
 
 class TestCapabilities:
@@ -161,22 +209,37 @@ class TestCapabilities:
         caps = capabilities(CPU, _config())
         assert set(caps) == set(hardware.SWITCHES)
         assert caps["packed_metadata_cache"] is None
-        assert caps["double_buffered_reload"] == "offloading activations needs a CUDA GPU"
+        assert (
+            caps["double_buffered_reload"] == "offloading activations needs a CUDA GPU"
+        )
         assert caps["offload_activations"] == "offloading activations needs a CUDA GPU"
-        assert caps["moe_grouped_routing"] == "it is not implemented in this build of the trainer"
+        assert (
+            caps["moe_grouped_routing"]
+            == "it is not implemented in this build of the trainer"
+        )
 
     def test_gpu_worker_reports_only_what_this_build_lacks(self):
         caps = capabilities(H200_TRITON, _config())
         assert caps["packed_metadata_cache"] is None
-        for name in ("double_buffered_reload", "offload_activations", "moe_grouped_routing"):
+        for name in (
+            "double_buffered_reload",
+            "offload_activations",
+            "moe_grouped_routing",
+        ):
             if name in hardware.BUILT_OPTIMIZATIONS:
                 assert caps[name] is None
             else:
-                assert caps[name] == "it is not implemented in this build of the trainer"
+                assert (
+                    caps[name] == "it is not implemented in this build of the trainer"
+                )
 
     def test_plan_and_capabilities_are_json(self):
         p = plan(H200_VARLEN, Optimizations(), _config(), GPT_OSS)
-        out = json.loads(json.dumps({"plan": p.to_dict(), "capabilities": capabilities(CPU, _config())}))
+        out = json.loads(
+            json.dumps(
+                {"plan": p.to_dict(), "capabilities": capabilities(CPU, _config())}
+            )
+        )
         assert out["plan"]["attention_backend"] == "torch_varlen"
         assert out["plan"]["loss_kernel"] == "fused_chunked_ce"
 
@@ -233,13 +296,18 @@ class TestRuns:
 
         result = run(config, lambda t, **p: events.append(make_event(t, **p)))
         done = events[-1]
-        assert done["type"] == "done" and (done["status"], done["error_code"]) == ("failed", "config_error")
+        assert done["type"] == "done" and (done["status"], done["error_code"]) == (
+            "failed",
+            "config_error",
+        )
         assert "packed_metadata_cache=on cannot run" in done["message"]
         assert "Set packed_metadata_cache to auto or off" in done["message"]
         assert "soft-caps attention logits" in done["message"]
         assert result.steps == 0 and not [e for e in events if e["type"] == "step"]
 
-    def test_auto_trains_such_a_model_through_its_own_attention(self, tmp_path, one_thread):
+    def test_auto_trains_such_a_model_through_its_own_attention(
+        self, tmp_path, one_thread
+    ):
         model_dir = _tiny_gemma2(tmp_path / "gemma2")
         events: list[dict] = []
         config = make_job(tmp_path, model_dir, optim=OptimConfig(max_steps=2))
@@ -271,7 +339,10 @@ class TestRuns:
         report = json.loads(out.stdout)
         assert report["plan"]["attention_backend"] == "transformers_eager"
         text = run_cli("detect", "--job", str(tmp_path / "job.json"))
-        assert "attention  transformers_eager: packed attention cannot run gemma2" in text.stdout
+        assert (
+            "attention  transformers_eager: packed attention cannot run gemma2"
+            in text.stdout
+        )
         assert any(
             line.split() == ["can", "be", "on", "packed_metadata_cache"]
             for line in text.stdout.splitlines()

@@ -29,6 +29,8 @@ from bench.offload import profile_step
 from trainer.offload import ActivationOffloader, CudaStreams
 
 pytestmark = [
+    # torch 2.11's profiler warns on every start that it clears events between cycles
+    pytest.mark.filterwarnings("ignore:.*Profiler clears events.*:UserWarning"),
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.filterwarnings(

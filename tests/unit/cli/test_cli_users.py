@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import stat
 from pathlib import Path
@@ -146,10 +148,8 @@ class TestLoginAndBootstrap:
         app = create_app(box)
         with TestClient(app) as test_client:
             def connect(base_url=None):
-                import os
-
                 test_client.headers["Authorization"] = f"Bearer {os.environ['FTQ_API_KEY']}"
-                return test_client
+                return contextlib.nullcontext(test_client)  # the test owns the client's lifespan
 
             monkeypatch.setattr(cli_client, "connect", connect)
             assert main(["login", "--key", key + "x"]) == 2

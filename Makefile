@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ftq-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install up test services
+.PHONY: install up test services browser
 
 install: $(STAMP)
 
@@ -27,6 +27,9 @@ up: install
 services:
 	scripts/services.sh
 
+browser:
+	scripts/browser.sh
+
 # pytest exits 5 when it collected no test: that fails `make test` like any other non-zero code.
-test: install services
+test: install services browser
 	$(PY) -m pytest

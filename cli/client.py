@@ -31,9 +31,10 @@ def api_url() -> str:
     return f"http://{host}:{os.environ.get('FTQ_PORT', '8000')}"
 
 
-def connect(base_url: str | None = None) -> httpx.Client:
+def connect(base_url: str | None = None, api_key: str | None = None) -> httpx.Client:
+    """A client on the API (``base_url`` or ``api_url()``) sending ``api_key`` or the configured key."""
     headers = {}
-    key = config.api_key()
+    key = api_key or config.api_key()
     if key:
         headers["Authorization"] = f"Bearer {key}"
     return httpx.Client(base_url=base_url or api_url(), headers=headers, timeout=httpx.Timeout(30, read=120))

@@ -181,17 +181,13 @@ def run_set(args: argparse.Namespace) -> int:
 
 
 def run_login(args: argparse.Namespace) -> int:
-    import os
-
     from cli import client, config
 
-    if args.url:
-        os.environ["FTQ_API_URL"] = args.url
-    os.environ["FTQ_API_KEY"] = args.key.strip()
-    with client.connect() as http:
+    key = args.key.strip()
+    with client.connect(args.url.rstrip("/") if args.url else None, api_key=key) as http:
         me = client.call(http, "GET", "/v1/users/me").json()
         url = str(http.base_url).rstrip("/")
-    values = {"api_key": args.key.strip()}
+    values = {"api_key": key}
     if args.url:
         values["api_url"] = url
     path = config.save_config(values)

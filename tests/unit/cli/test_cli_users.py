@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import stat
 from pathlib import Path
@@ -147,8 +146,8 @@ class TestLoginAndBootstrap:
         (Path(box.data_dir).parent / "xdg" / "ftq" / "config.toml").unlink()
         app = create_app(box)
         with TestClient(app) as test_client:
-            def connect(base_url=None):
-                test_client.headers["Authorization"] = f"Bearer {os.environ['FTQ_API_KEY']}"
+            def connect(base_url=None, api_key=None):
+                test_client.headers["Authorization"] = f"Bearer {api_key}"
                 return contextlib.nullcontext(test_client)  # the test owns the client's lifespan
 
             monkeypatch.setattr(cli_client, "connect", connect)

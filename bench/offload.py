@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -228,7 +229,11 @@ def _offloader(variant: str, device: torch.device) -> ActivationOffloader | None
 def compare_grads(
     reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]
 ) -> tuple[float, bool]:
-    """(max over parameters of max|a-b| / max|a|, all bit-identical)."""
+    """(max over parameters of max|a-b| / max|a|, all bit-identical); NaN when any gradient is NaN.
+
+    NaN-aware on purpose: Python's ``max(0.0, nan)`` is ``0.0``, which once reported NaN
+    gradients as "max rel diff 0.0e+00 but not bitwise".
+    """
     if reference.keys() != other.keys():
         raise ValueError("the two runs trained different parameters")
     worst, bitwise = 0.0, True
@@ -236,7 +241,8 @@ def compare_grads(
         got = other[name]
         bitwise &= torch.equal(ref, got)
         scale = ref.abs().max().item() or 1.0
-        worst = max(worst, (ref.float() - got.float()).abs().max().item() / scale)
+        rel = (ref.float() - got.float()).abs().max().item() / scale
+        worst = math.nan if math.isnan(rel) or math.isnan(worst) else max(worst, rel)
     return worst, bitwise
 
 

@@ -30,10 +30,12 @@ def add_parsers(commands: Any) -> None:
     p = commands.add_parser("submit", help="submit a job from a YAML/JSON file")
     p.add_argument("job_file", type=Path, help="the job: model, training_file (id or local path), ...")
     p.add_argument("--follow", action="store_true", help="then stream its progress until it ends")
+    p.add_argument("--priority", choices=["low", "normal", "high"], help="queue priority (overrides the file's)")
     p.set_defaults(run=run_submit)
 
     p = commands.add_parser("jobs", help="list jobs, newest first")
     p.add_argument("--status", help="only these statuses, comma-separated (e.g. queued,running)")
+    p.add_argument("--owner", help="only this user's jobs ('me' for yours)")
     p.add_argument("--limit", type=int, default=20)
     p.set_defaults(run=run_jobs)
 
@@ -95,18 +97,32 @@ def upload(client: httpx.Client, path: Path, purpose: str) -> dict[str, Any]:
 
 def run_submit(args: argparse.Namespace) -> int:
     body = load_job_file(args.job_file)
+    if args.priority:
+        body["priority"] = args.priority
     with connect() as client:
         job = submit(client, body, base_dir=args.job_file.parent)
         print(job["id"])
+        if job.get("queue"):
+            print(queue_line(job["queue"]), file=sys.stderr)
         if args.follow:
             return follow(client, job["id"], sys.stdout)
     return 0
+
+
+def queue_line(queue: dict[str, Any]) -> str:
+    """``queued at position 2 (1 ahead), estimated start 2026-11-22 04:10 UTC`` for people."""
+    ahead = len(queue.get("ahead") or [])
+    start = queue.get("estimated_start_at")
+    when = f"estimated start {start[:16].replace('T', ' ')} UTC" if start else "start time unknown"
+    return f"queued at position {queue['position']} ({ahead} ahead), {when}"
 
 
 def run_jobs(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"limit": args.limit}
     if args.status:
         params["status"] = args.status
+    if args.owner:
+        params["owner"] = args.owner
     with connect() as client:
         jobs = call(client, "GET", "/v1/jobs", params=params).json()["data"]
     print(format_jobs(jobs))
@@ -114,11 +130,12 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 
 def format_jobs(jobs: list[dict[str, Any]]) -> str:
-    rows = [("ID", "STATUS", "STEP", "MODEL", "CREATED")]
+    rows = [("ID", "STATUS", "STEP", "OWNER", "MODEL", "CREATED")]
     for job in jobs:
         progress = job["progress"]
         step = f"{progress['step']}/{progress['total_steps'] or '?'}"
-        rows.append((job["id"], job["status"], step, job["model"], job["created_at"][:19].replace("T", " ")))
+        rows.append((job["id"], job["status"], step, job.get("owner") or "-", job["model"],
+                     job["created_at"][:19].replace("T", " ")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 

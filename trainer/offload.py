@@ -18,12 +18,24 @@ The algorithm, per pass (one micro-batch's forward and its backward), ``L`` wrap
     forward, layer L-1:      input kept on the GPU: backward needs it first, nothing to overlap.
     backward, layer i:       [load i now if it was not prefetched]; main waits ``copy_done[slot(i)]``;
                              PREFETCH: side waits ``released[slot(i-1)]`` (recorded after the
-                             backward of the layer that last read that buffer, i.e. i+1) and
+                             backward of the layer that last read that buffer, i.e. i+1) -- or
+                             the whole main stream when the buffer was just (re)allocated -- and
                              copies layer i-1's input H2D into buffer ``slot(i-1)``, records
                              ``copy_done[slot(i-1)]``; main recomputes layer i from buffer
                              ``slot(i)`` with grad and runs its backward; main records
                              ``released[slot(i)]``.
     slot(i) = i % 2 (double buffer), 0 (single buffer)
+
+Stream safety (every tensor one stream makes and another uses): the forward's input is read by
+the side stream's D2H after ``input_ready`` and freed with ``record_stream(side)``; pinned host
+blocks are recycled by torch's host allocator only after the copies that used them (it records
+an event on the copy's stream); a buffer written by side is read by main only after
+``copy_done``, and overwritten by side only after ``released`` (recorded on main after the whole
+recompute AND backward of its reader, which both run inside that layer's ``Function.backward``,
+so no autograd-saved view of the buffer outlives it); a buffer is allocated from main's pool and
+its first copy waits for all of main (the bug the H200 showed before this wait existed: the
+first prefetch wrote into a block whose previous tensor's kernels were still queued on main,
+giving 1e11-sized or NaN LoRA gradients at 8B/14B scale while every small test passed).
 
 The prefetch is explicit (issued by layer i's backward for layer i-1, one layer ahead), not an
 accident of queueing. With ``double_buffer=False`` (the switch's ``off``) the same offload
@@ -283,7 +295,9 @@ class Step(NamedTuple):
       - ``grow``: buffer ``slot`` is (re)allocated to ``after`` elements before a copy into it.
       - ``h2d``: copy of ``layer``'s input into buffer ``slot``; the side stream first waits on
         ``after``: an int = ``released[slot]`` recorded after that layer's backward, ``"main"`` =
-        the whole main stream (single buffer), None = the buffer was never read (no wait).
+        the whole main stream (single buffer, or a buffer just (re)allocated: its memory comes
+        from the main stream's pool and may still be in use by main's queued kernels), None = the
+        buffer was allocated earlier and never read since (no wait).
       - ``wait``: the main stream waits on ``copy_done[slot]`` before recomputing ``layer``.
       - ``backward``: ``layer`` recomputes and back-propagates reading buffer ``slot`` (None: the
         kept GPU input).
@@ -423,9 +437,16 @@ class ReloadSchedule:
         if entry.numel > self.capacity[slot]:
             grow_to = self.capacity[slot] = entry.numel
             self.trace.append(Step("grow", entry.layer, slot, grow_to))
-        wait: int | str | None = (
-            self.released_by[slot] if self.double_buffer else "main"
-        )
+        # A (re)allocated buffer comes from the MAIN stream's pool: the caching allocator may hand
+        # out a block whose previous tensor main freed while kernels reading or writing it are
+        # still queued. The side-stream copy into it must wait for the whole main stream, or it
+        # lands first and main's pending kernels overwrite it (or read its new bytes): the
+        # garbage/NaN gradients seen on the H200 at 8B/14B scale.
+        wait: int | str | None
+        if grow_to is not None or not self.double_buffer:
+            wait = "main"
+        else:
+            wait = self.released_by[slot]
         self.owner[slot] = entry
         entry.slot, entry.loaded = slot, True
         self.trace.append(Step("h2d", entry.layer, slot, wait))
@@ -828,6 +849,7 @@ class ActivationOffloader:
         main, side = s.main(), s.side()
         host: torch.Tensor = load.entry.host
         buffer = self._buffers[load.slot]
+        allocated = False
         if load.grow_to is not None or buffer is None or buffer.dtype != host.dtype:
             size = max(
                 load.grow_to or 0,
@@ -837,7 +859,9 @@ class ActivationOffloader:
             buffer = self._buffers[load.slot] = s.device_empty(
                 size, host.dtype, self.device
             )
-        if load.wait == "main":
+            allocated = True
+        if load.wait == "main" or allocated:
+            # also for a buffer re-made for another dtype: fresh memory from main's pool (see _load)
             s.wait_stream(side, main)
         elif load.wait is not None:
             s.wait_event(side, self._released[load.slot])

@@ -39,6 +39,7 @@ from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
 from core.paging import MAX_LIMIT
 from core.queue import enqueue_job
+from core.settings import Settings
 from core.users import access
 from core.users.service import names_by_id
 
@@ -81,7 +82,7 @@ async def create_job(
                     param="Idempotency-Key",
                 )
             session.commit()
-            return _out(session, job), created, job.last_event_seq
+            return _out(session, job, state.settings), created, job.last_event_seq
 
     job, created, seq = await to_thread.run_sync(create)
     if job.status == JobStatus.queued.value:
@@ -117,11 +118,7 @@ def list_jobs(
 @router.get("/{job_id}", summary="Read one job")
 def get_job(job_id: str, session: SessionDep, state: StateDep) -> JobOut:
     """A queued job also has ``queue``: its position and estimated start (see ``GET /v1/queue``)."""
-    job = service.get_job(session, job_id)
-    out = _out(session, job)
-    if job.status == JobStatus.queued.value:
-        out.queue = queue_info(eta.snapshot(session, state.settings).entry(job_id))
-    return out
+    return _out(session, service.get_job(session, job_id), state.settings)
 
 
 @router.post(
@@ -250,8 +247,12 @@ def _archive_response(state: AppState, src: Path, fmt: artifacts.ArchiveFormat, 
     )
 
 
-def _out(session: Session, job: Job) -> JobOut:
-    return JobOut.of(job, owner=access.owner_name(session, job.owner_id))
+def _out(session: Session, job: Job, settings: Settings | None = None) -> JobOut:
+    """The job as the API shows it; with ``settings``, a queued job also gets its ``queue``."""
+    out = JobOut.of(job, owner=access.owner_name(session, job.owner_id))
+    if settings is not None and job.status == JobStatus.queued.value:
+        out.queue = queue_info(eta.snapshot(session, settings).entry(job.job_id))
+    return out
 
 
 def _parse_statuses(raw: str | None) -> list[JobStatus] | None:

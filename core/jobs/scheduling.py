@@ -205,7 +205,7 @@ def _cap(override: int | None, default: int) -> int:
 
 def _lock_owner(session: Session, owner_id: Owner) -> int | None:
     """Serialise claims of one owner on PostgreSQL; returns the owner's cap override."""
-    postgres = False
+    postgres = session.get_bind().dialect.name == "postgresql"
     if owner_id is None:
         if postgres:
             session.execute(select(func.pg_advisory_xact_lock(ANONYMOUS_LOCK_KEY)))

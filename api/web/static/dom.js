@@ -91,6 +91,13 @@ export function parseTime(iso) {
   return Date.parse(hasZone ? iso : `${iso}Z`);
 }
 
+/** An estimated start (ISO or null) for people: "in 4m 10s", "any moment now", "unknown". */
+export function fmtEta(iso, now = Date.now()) {
+  if (!iso) return "unknown";
+  const s = (parseTime(iso) - now) / 1000;
+  return s <= 5 ? "any moment now" : `in ${fmtDuration(s)}`;
+}
+
 export function fmtAge(iso) {
   const s = secondsSince(iso);
   return s === null ? "–" : `${fmtDuration(s)} ago`;

@@ -1,11 +1,13 @@
 // GPUs: every worker of the box (one per GPU) with its device, liveness,
 // current job and that job's memory against the card's capacity; then the
-// queue, oldest first, with each waiting job's position.
+// queue (GET /v1/queue) in claim order with each waiting job's position and
+// estimated start.
 //
-// Queue order is submission order: workers claim the oldest queued job first.
+// Claim order is priority (high, normal, low), then age; a job whose owner is
+// at their cap on running jobs keeps its place but waits (core/jobs/scheduling.py).
 
-import { api, apiAll } from "./api.js";
-import { h, clear, fmtAge, fmtBytes, fmtCompact, fmtDuration, jobTitle, progressBar, errorBox, poller, parseTime, statusBadge } from "./dom.js";
+import { api } from "./api.js";
+import { h, clear, fmtAge, fmtBytes, fmtCompact, fmtDuration, fmtEta, fmtTime, jobTitle, progressBar, errorBox, poller, statusBadge } from "./dom.js";
 
 const POLL_MS = 3000;
 
@@ -32,7 +34,7 @@ export function renderGpus(main) {
     return { job, metric };
   }
 
-  function workerCard(worker, current) {
+  function workerCard(worker, current, finishAt) {
     const report = worker.hardware || {};
     const hw = report.hardware || report;
     const capacity = hw.gpu_memory || null;
@@ -62,6 +64,7 @@ export function renderGpus(main) {
           h("p", {}, "Running ", h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }), " ", statusBadge(job.status)),
           progressBar(job.progress.step, job.progress.total_steps),
           metric ? h("p", { text: `${fmtCompact(metric.tokens_per_s)} tokens/s` }) : null,
+          h("p", { class: "muted", "data-testid": "worker-job-eta", text: `Estimated finish: ${finishAt ? `${fmtEta(finishAt)} (${fmtTime(finishAt)})` : "unknown"}` }),
           used !== null && used !== undefined && capacity
             ? h(
                 "div",
@@ -82,7 +85,8 @@ export function renderGpus(main) {
 
   async function refresh() {
     try {
-      const [workers, queued] = await Promise.all([api("/v1/hardware"), apiAll("/v1/jobs?status=queued", { max: 1000 })]);
+      const [workers, queue] = await Promise.all([api("/v1/hardware"), api("/v1/queue")]);
+      const finishAt = Object.fromEntries(queue.running.map((r) => [r.id, r.estimated_finish_at]));
       const currents = await Promise.all(
         workers.data.map((w) => (w.current_job ? currentJob(w.current_job).catch(() => null) : null)),
       );
@@ -90,10 +94,10 @@ export function renderGpus(main) {
       clear(
         workersEl,
         workers.data.length
-          ? workers.data.map((w, i) => workerCard(w, currents[i]))
+          ? workers.data.map((w, i) => workerCard(w, currents[i], w.current_job ? finishAt[w.current_job] : null))
           : h("p", { class: "muted", text: "No worker has registered. Start one with `ftq worker` (or `ftq up`)." }),
       );
-      renderQueue(queued);
+      renderQueue(queue);
       updated.textContent = `Updated ${new Date().toLocaleTimeString()}`;
       clear(problem);
     } catch (err) {
@@ -101,29 +105,34 @@ export function renderGpus(main) {
     }
   }
 
-  function renderQueue(queued) {
-    const ordered = [...queued].sort((a, b) => parseTime(a.created_at) - parseTime(b.created_at) || a.id.localeCompare(b.id));
-    if (!ordered.length) {
+  function renderQueue(queue) {
+    const waiting = queue.data;
+    if (!waiting.length) {
       clear(queueEl, h("p", { class: "muted", "data-testid": "queue-empty", text: "Nothing is waiting." }));
       return;
     }
+    const cap = queue.max_running_jobs_per_user;
     clear(
       queueEl,
+      h("p", { class: "muted", "data-testid": "queue-rules", text: `Claim order: priority (high, normal, low), then age. ${cap ? `Each user runs at most ${cap} job${cap === 1 ? "" : "s"} at once (unless their own cap differs); their next job waits.` : "No per-user cap."} Estimates assume ${queue.live_workers} live worker${queue.live_workers === 1 ? "" : "s"}.` }),
       h(
         "table",
         { "data-testid": "queue-table" },
-        h("thead", {}, h("tr", {}, ["Position", "Job", "Model", "Waiting"].map((t) => h("th", { scope: "col", text: t })))),
+        h("thead", {}, h("tr", {}, ["Position", "Job", "Priority", "Owner", "Model", "Waiting", "Estimated start"].map((t) => h("th", { scope: "col", text: t })))),
         h(
           "tbody",
           {},
-          ordered.map((job, i) =>
+          waiting.map((job) =>
             h(
               "tr",
-              { "data-testid": "queue-row", "data-job-id": job.id, "data-position": String(i + 1) },
-              h("td", { class: "num", text: String(i + 1) }),
-              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) })),
+              { "data-testid": "queue-row", "data-job-id": job.id, "data-position": String(job.position) },
+              h("td", { class: "num", text: String(job.position) }),
+              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: job.id })),
+              h("td", { "data-testid": "queue-priority", text: job.priority }),
+              h("td", { text: job.owner || "–" }),
               h("td", { class: "mono", text: job.model }),
               h("td", { text: fmtAge(job.created_at) }),
+              h("td", { "data-testid": "queue-eta", title: job.estimated_start_at ? fmtTime(job.estimated_start_at) : "no estimate: no live worker, or no pace to go by", text: fmtEta(job.estimated_start_at) }),
             ),
           ),
         ),

@@ -19,6 +19,7 @@ import {
   fmtBytes,
   fmtCompact,
   fmtDuration,
+  fmtEta,
   fmtMs,
   fmtNumber,
   fmtTime,
@@ -27,6 +28,7 @@ import {
   statusBadge,
   errorBox,
   jobTitle,
+  poller,
   FINISHED,
 } from "./dom.js";
 
@@ -155,6 +157,19 @@ export function renderJob(main, [jobId]) {
       ["Run time", job.started_at ? fmtDuration(((job.finished_at ? parseTime(job.finished_at) : Date.now()) - parseTime(job.started_at)) / 1000) : "–"],
     ];
     if (job.attempts > 1) rows.push(["Attempts", String(job.attempts)]);
+    rows.splice(2, 0, ["Priority", h("span", { "data-testid": "job-priority", text: job.priority || "normal" })]);
+    if (job.status === "queued" && job.queue) {
+      const q = job.queue;
+      rows.splice(3, 0, [
+        "Queue",
+        h(
+          "span",
+          { "data-testid": "job-queue", "data-position": String(q.position) },
+          `position ${q.position} (${q.ahead.length} ahead) · estimated start `,
+          h("span", { "data-testid": "job-queue-eta", title: q.estimated_start_at ? fmtTime(q.estimated_start_at) : "no estimate yet: no live worker, or no pace to go by", text: fmtEta(q.estimated_start_at) }),
+        ),
+      ]);
+    }
     clear(meta, rows.map(([k, v]) => h("div", {}, h("dt", { text: k }), h("dd", {}, v))));
     clear(errorSlot, job.error
       ? h("div", { class: "error-box", role: "alert", "data-testid": "job-error" }, h("strong", { text: job.error.code }), job.error.message ? `: ${job.error.message}` : "")
@@ -452,9 +467,20 @@ export function renderJob(main, [jobId]) {
     }
   }
 
+  // While the job waits, its position and start estimate move as other jobs start and end.
+  const queuePoll = poller(async () => {
+    if (!job || job.status !== "queued") return;
+    const fresh = await api(`/v1/jobs/${id}`, { signal });
+    if (job.status === "queued" && fresh.status === "queued") {
+      job.queue = fresh.queue;
+      renderJobInfo();
+    }
+  }, 5000);
+
   load();
   return () => {
     stopped = true;
+    queuePoll.stop();
     controller.abort();
     clearTimeout(refetchTimer);
     if (stream) stream.close();

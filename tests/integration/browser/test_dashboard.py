@@ -317,3 +317,54 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
     assert "allocated 19.0 GiB" in text and "reserved 23.0 GiB" in text and "peak 25.0 GiB" in text
     assert "host RSS 3.00 GiB" in text
     assert "NVIDIA H100 80GB HBM3" in page.get_by_test_id("plan").inner_text()
+
+
+def test_login_logout_owners_and_who_may_cancel(
+    anonymous_page: Any, api: httpx.Client, dashboard_stack: Any, chat_file: Path, no_leftover_jobs: None
+) -> None:
+    page = anonymous_page
+    page.goto("/#/jobs")
+    page.get_by_test_id("login-form").wait_for()
+    assert "next=" in page.url
+    page.get_by_label("API key").fill("ftq_00000000_not-a-real-key-at-all")
+    page.get_by_role("button", name="Log in").click()
+    assert "not valid" in page.get_by_test_id("login-error").inner_text()
+    page.get_by_label("API key").fill(dashboard_stack.api_key)
+    page.get_by_role("button", name="Log in").click()
+    page.get_by_test_id("jobs-table").wait_for()
+    assert page.get_by_test_id("whoami-name").inner_text() == "admin (admin)"
+    # The key lives only in the HttpOnly cookie: no page script can read it back.
+    stored = page.evaluate("() => JSON.stringify([Object.entries(localStorage), Object.entries(sessionStorage)])")
+    assert dashboard_stack.api_key not in stored
+    assert "ftq_session" not in page.evaluate("() => document.cookie")
+
+    dave = dashboard_stack.create_user("dave")
+    admins = submit_job(api, chat_file, max_steps=100_000, name="admins-job")
+    with dashboard_stack.client(headers={"Authorization": f"Bearer {dave}"}) as as_dave:
+        daves = submit_job(as_dave, chat_file, max_steps=10, name="daves-job")
+
+    page.get_by_test_id("logout").click()
+    page.get_by_test_id("login-form").wait_for()
+    assert page.evaluate("() => fetch('/v1/jobs').then((r) => r.status)") == 401
+    page.get_by_label("API key").fill(dave)
+    page.get_by_role("button", name="Log in").click()
+    page.get_by_test_id("jobs-table").wait_for()
+    admin_row = page.locator(f"[data-testid=job-row][data-job-id='{admins['id']}']")
+    assert admin_row.get_by_test_id("job-owner").inner_text() == "admin"
+
+    # Someone else's job: the owner is shown and there is no cancel button (the API says 403 anyway).
+    page.goto(f"/#/jobs/{admins['id']}")
+    page.get_by_test_id("job-owner").filter(has_text="admin").wait_for()
+    page.locator("main[data-status]").wait_for()
+    assert page.get_by_test_id("cancel-job").count() == 0
+    # One's own queued job can be cancelled.
+    page.goto(f"/#/jobs/{daves['id']}")
+    page.get_by_test_id("job-owner").filter(has_text="dave").wait_for()
+    page.get_by_test_id("cancel-job").wait_for()
+
+    page.goto("/#/jobs")
+    page.get_by_label("Owner").select_option("me")
+    page.wait_for_url("**/#/jobs?owner=me")
+    page.locator(f"[data-testid=job-row][data-job-id='{daves['id']}']").wait_for()
+    wait_until(lambda: {r.get_attribute("data-job-id") for r in page.get_by_test_id("job-row").all()} == {daves["id"]},
+               10, "only dave's jobs under 'Mine'")

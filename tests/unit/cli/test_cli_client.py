@@ -78,8 +78,8 @@ class TestFollowAndList:
     def test_jobs_table(self, api, job_file):
         job = submit(api, load_job_file(job_file), base_dir=job_file.parent)
         table = format_jobs(api.get("/v1/jobs").json()["data"]).splitlines()
-        assert table[0].split() == ["ID", "STATUS", "STEP", "MODEL", "CREATED"]
-        assert table[1].split()[:4] == [job["id"], "queued", "0/5", "tiny"]
+        assert table[0].split() == ["ID", "STATUS", "STEP", "OWNER", "MODEL", "CREATED"]
+        assert table[1].split()[:5] == [job["id"], "queued", "0/5", "admin", "tiny"]
 
 
 def test_event_lines_for_people():

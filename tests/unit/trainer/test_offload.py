@@ -326,6 +326,56 @@ class TestEquivalence:
         _assert_bitwise(_step(_model("llama", "none")), _step(model))
 
 
+class RecordingStreams(SyncStreams):
+    """The CPU twin, logging every stream operation in order (names instead of streams)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+
+    def main(self) -> str:
+        return "main"
+
+    def side(self) -> str:
+        return "side"
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self.log.append(("wait_event", stream))
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        self.log.append(("wait_stream", stream, other))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        self.log.append(("copy", stream))
+        super().copy(dst, src, stream)
+
+    def device_empty(
+        self, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        self.log.append(("device_empty",))
+        return super().device_empty(numel, dtype, device)
+
+
+class TestStreamSafety:
+    @pytest.mark.parametrize("mode", ["offload-double", "offload-single"])
+    def test_copy_into_a_fresh_buffer_waits_for_the_whole_main_stream(
+        self, mode: str
+    ) -> None:
+        """A new buffer comes from the main stream's pool, whose queued kernels may still use that
+        memory: the side-stream copy into it must wait for all of main first. (Missing in the
+        double-buffered path, this gave 1e11/NaN LoRA gradients on an H200 at 8B/14B scale.)"""
+        streams = RecordingStreams()
+        model = _model("llama", mode, streams=streams)
+        # two micro-batches; the second is longer, so both buffers grow again
+        _step(model)
+        allocations = [i for i, op in enumerate(streams.log) if op[0] == "device_empty"]
+        assert len(allocations) == (4 if mode == "offload-double" else 2)
+        for i in allocations:
+            after = streams.log[i + 1 :]
+            first_copy = next(j for j, op in enumerate(after) if op[0] == "copy")
+            waits = after[:first_copy]
+            assert ("wait_stream", "side", "main") in waits, streams.log[i:]
+
+
 class TestTupleOutputs:
     def test_tuple_output_with_none_is_reassembled(self) -> None:
         from transformers.modeling_layers import GradientCheckpointingLayer
@@ -373,14 +423,15 @@ class TestSchedule:
             Step("offload", 1),
             Step("offload", 2),
             Step("keep", 3),
-            # backward of the kept last layer prefetches layer 2 into buffer 0 (never read: no wait)
+            # backward of the kept last layer prefetches layer 2 into buffer 0, just allocated from
+            # the main stream's pool: the copy waits for the whole main stream (the H200 race)
             Step("grow", 2, 0, 100),
-            Step("h2d", 2, 0, None),
+            Step("h2d", 2, 0, "main"),
             Step("backward", 3, None),
             # layer 2: main waits for its copy, layer 1 is copied into buffer 1 meanwhile
             Step("wait", 2, 0),
             Step("grow", 1, 1, 100),
-            Step("h2d", 1, 1, None),
+            Step("h2d", 1, 1, "main"),
             Step("backward", 2, 0),
             Step("release", 2, 0),
             # layer 0's copy into buffer 0 waits for the event recorded after layer 2's backward

@@ -1,0 +1,114 @@
+"""The worker claims the next eligible job, not the message's; freed slots re-signal; the ETA replay."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from sqlalchemy import select
+
+from core.db import utcnow
+from core.jobs.eta import Busy, pace_of, replay_starts
+from core.jobs.models import Job
+from core.jobs.scheduling import Waiting
+from worker.reaper import reap
+from worker.runner import run_job
+
+T0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+
+
+def _status(runtime, job_id: str) -> str:
+    with runtime.sessionmaker() as session:
+        return session.execute(select(Job.status).where(Job.job_id == job_id)).scalar_one()
+
+
+def _at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+class TestWorkerClaim:
+    def test_a_message_runs_the_highest_priority_job_not_the_one_it_names(self, runtime, make_job):
+        named = make_job("fake:ok:1", created_at=_at(0))
+        urgent = make_job("fake:ok:1", created_at=_at(5), priority="high")
+        assert run_job(runtime, named) == "succeeded"
+        assert (_status(runtime, urgent), _status(runtime, named)) == ("succeeded", "queued")
+
+    def test_a_message_with_nothing_eligible_is_dropped(self, runtime, make_job):
+        make_job("fake:ok", status="running", worker_id="other", heartbeat_at=utcnow(), attempts=1)
+        waiting = make_job("fake:ok:1")  # no owner: shares the anonymous cap of 1 with the running job
+        assert run_job(runtime, waiting) == "skipped"
+        assert _status(runtime, waiting) == "queued"
+
+    def test_a_finished_job_signals_the_job_that_waited_for_its_slot(self, runtime, make_job):
+        first = make_job("fake:ok:1", created_at=_at(0))
+        second = make_job("fake:ok:1", created_at=_at(1))
+        assert run_job(runtime, first) == "succeeded"
+        assert runtime.recorded.enqueued == [second]
+        assert _status(runtime, second) == "queued"
+
+    def test_nothing_is_signalled_when_nothing_waits(self, runtime, make_job):
+        assert run_job(runtime, make_job("fake:ok:1")) == "succeeded"
+        assert runtime.recorded.enqueued == []
+
+    def test_the_reaper_signals_the_next_job_when_it_fails_a_lost_one(self, runtime, make_job, settings):
+        stale = utcnow() - dt.timedelta(seconds=600)
+        lost = make_job("fake:ok", status="running", attempts=settings.max_attempts, worker_id="gone",
+                        heartbeat_at=stale)
+        waiting = make_job("fake:ok:1")
+        report = reap(runtime.sessionmaker, settings, enqueue=runtime.enqueue)
+        assert report.failed == [lost] and report.signalled == [waiting]
+        assert runtime.recorded.enqueued == [waiting]
+
+
+def waiting(job_id: str, owner: str | None = None, gpus: int = 1) -> Waiting:
+    return Waiting(job_id, owner, "normal", gpus, "m", 10, T0)
+
+
+class TestReplay:
+    def test_idle_slots_start_jobs_now_and_busy_ones_when_their_job_ends(self):
+        jobs = [waiting("a", "x"), waiting("b", "y"), waiting("c", "z")]
+        starts = replay_starts([0.0, 30.0], [Busy("w", 30.0)], jobs, {"x": 0, "y": 0, "z": 0},
+                               {"a": 100.0, "b": 10.0, "c": 5.0})
+        assert starts == {"a": 0.0, "b": 30.0, "c": 40.0}
+
+    def test_a_capped_owner_waits_for_their_running_job_and_others_pass(self):
+        jobs = [waiting("a1", "alice"), waiting("b1", "bob")]
+        starts = replay_starts([0.0, 0.0], [Busy("alice", 50.0)], jobs, {"alice": 1, "bob": 1},
+                               {"a1": 10.0, "b1": 10.0})
+        assert starts == {"b1": 0.0, "a1": 50.0}
+
+    def test_a_slot_waits_for_the_next_job_end_when_every_waiting_job_is_capped(self):
+        jobs = [waiting("a2", "alice")]
+        starts = replay_starts([0.0, 80.0], [Busy("alice", 80.0)], jobs, {"alice": 1}, {"a2": 1.0})
+        assert starts == {"a2": 80.0}
+
+    def test_an_unknown_end_makes_later_starts_on_that_slot_unknown(self):
+        jobs = [waiting("a"), waiting("b"), waiting("c")]
+        starts = replay_starts([0.0], [], jobs, {None: 0}, {"a": 10.0, "b": None, "c": 1.0})
+        assert starts == {"a": 0.0, "b": 10.0, "c": None}
+
+    def test_an_owner_capped_behind_an_unknown_end_stays_unknown(self):
+        jobs = [waiting("a2", "alice"), waiting("b1", "bob")]
+        starts = replay_starts([0.0], [Busy("alice", None)], jobs, {"alice": 1, "bob": 1}, {"b1": 5.0, "a2": 5.0})
+        assert starts == {"b1": 0.0, "a2": None}
+
+    def test_no_slot_means_no_estimate(self):
+        assert replay_starts([], [], [waiting("a")], {None: 0}, {"a": 1.0}) == {"a": None}
+
+    def test_a_job_needing_more_devices_than_a_worker_has_never_starts(self):
+        starts = replay_starts([0.0], [], [waiting("big", gpus=2), waiting("small")], {None: 0},
+                               {"big": 1.0, "small": 1.0})
+        assert starts == {"big": None, "small": 0.0}
+
+
+class TestPace:
+    def test_wall_time_between_rows_over_steps(self):
+        rows = [(10, _at(0), 500.0), (14, _at(12), 500.0), (12, _at(5), 500.0)]
+        assert pace_of(rows) == pytest.approx(3.0)
+
+    def test_one_row_uses_its_step_time(self):
+        assert pace_of([(1, _at(0), 1500.0)]) == pytest.approx(1.5)
+
+    def test_no_rows_is_unknown(self):
+        assert pace_of([]) is None
+        assert pace_of([(1, _at(0), None)]) is None

@@ -42,7 +42,14 @@ from typing import Any
 from trainer.config import Optimizations, TrainConfig
 from trainer.errors import PlanError
 
-BUILT_OPTIMIZATIONS: frozenset[str] = frozenset({"packed_metadata_cache"})
+BUILT_OPTIMIZATIONS: frozenset[str] = frozenset(
+    {
+        "packed_metadata_cache",
+        "offload_activations",
+        "double_buffered_reload",
+        "moe_grouped_routing",
+    }
+)
 
 SWITCHES: tuple[str, ...] = (
     "packed_metadata_cache",
@@ -155,9 +162,20 @@ class ModelFacts:
     """Fewer key/value heads than query heads (GQA): torch's varlen_attn needs ``enable_gqa``."""
     fused_loss: str | None = None
     """Why ``trainer.fused_loss`` cannot stand in for the LM head + loss, or None."""
+    num_layers: int | None = None
+    """Decoder layers (the activation estimate for ``offload_activations``); None when unknown."""
+    hidden_size: int | None = None
+    param_count: int | None = None
+    """Parameters of the base model (its weights' GPU memory); None when unknown."""
+    moe_blocks: int = 0
+    """Experts modules ``trainer.moe_routing`` recognises (0 for a dense model)."""
+    moe_family: str | None = None
+    """``gpt_oss``, ``qwen3_moe``, ``mixtral`` or the experts class name."""
+    moe_routing: str | None = None
+    """Why grouped routing cannot run this MoE model (quantized or custom experts), or None."""
 
 
-ANY_MODEL = ModelFacts(model_type="any model", is_moe=True)
+ANY_MODEL = ModelFacts(model_type="any model", is_moe=True, moe_blocks=1)
 """The facts ``capabilities`` plans with: a model with MoE blocks that every kernel can run, so a
 switch is reported impossible only for reasons of the machine or of this build."""
 
@@ -322,13 +340,23 @@ def plan(
             f"{'' if hw.bitsandbytes else ' without bitsandbytes'}. Use method=lora, or install bitsandbytes on a GPU worker"
         )
     attention = _attention(hw, model)
+    dtype = _dtype(hw, config)
     decisions = tuple(
         _decide(name, _switch_value(name, opts, config), hw, config, model, attention)
         for name in SWITCHES
     )
+    offload, double = _offload_decisions(
+        {d.name: d for d in decisions}, opts, hw, config, model, dtype
+    )
+    decisions = tuple(
+        {"offload_activations": offload, "double_buffered_reload": double}.get(
+            d.name, d
+        )
+        for d in decisions
+    )
     return Plan(
         device=hw.device,
-        dtype=_dtype(hw, config),
+        dtype=dtype,
         decisions=decisions,
         attention=attention,
         loss=_loss(model),
@@ -360,6 +388,13 @@ def _decide(
     attention: Decision,
 ) -> Decision:
     if value == "off":
+        if name == "moe_grouped_routing" and model.is_moe and model.moe_blocks:
+            return Decision(
+                name,
+                False,
+                "eager",
+                f"off in the job: transformers' eager per-expert loop on {model.moe_blocks} MoE blocks",
+            )
         if name == "packed_metadata_cache" and attention.backend in PACKED_BACKENDS:
             return Decision(
                 name,
@@ -368,13 +403,8 @@ def _decide(
                 "off in the job: metadata rebuilt in every layer from the device position ids",
             )
         return Decision(name, False, None, "off in the job")
-    if name == "moe_grouped_routing" and not model.is_moe:
-        return Decision(
-            name,
-            False,
-            None,
-            f"{model.model_type} has no MoE blocks; the switch has no effect",
-        )
+    if name == "moe_grouped_routing":
+        return _moe_decision(value, hw, config, model)
     missing = _why_not(name, hw, config, model, attention)
     if missing is None:
         how = "on in the job" if value == "on" else "auto"
@@ -397,6 +427,215 @@ def _decide(
             f"{name}=on cannot run: {missing} (machine: {hw.describe()}). Set {name} to auto or off"
         )
     return Decision(name, False, None, missing)
+
+
+def _moe_decision(
+    value: str, hw: Hardware, config: TrainConfig, model: ModelFacts
+) -> Decision:
+    """``moe_grouped_routing`` (not ``off``): on for every recognised MoE block of the model.
+
+    The backend is what ``trainer.moe_routing.install`` will pick: ``grouped_mm`` (no host sync)
+    for bf16 weights on a CUDA GPU of sm80+, else the per-expert-slice loop (one host sync per
+    layer); its Triton combine/gate kernels only on CUDA with Triton installed.
+    """
+    name = "moe_grouped_routing"
+    missing = None
+    if not model.is_moe:
+        missing = f"no MoE blocks in this model ({model.model_type})"
+    elif model.moe_routing is not None:
+        missing = model.moe_routing
+    elif name not in BUILT_OPTIMIZATIONS:
+        missing = "it is not implemented in this build of the trainer"
+    if missing is not None:
+        if value == "on":
+            raise PlanError(
+                f"{name}=on cannot run: {missing} (machine: {hw.describe()}). Set {name} to auto or off"
+            )
+        return Decision(name, False, None, missing)
+    grouped = (
+        hw.device == "cuda"
+        and hw.capability is not None
+        and hw.capability >= (8, 0)
+        and _dtype(hw, config) == "bfloat16"
+        and config.method != "qlora"
+    )
+    backend = "grouped_mm" if grouped else "loop"
+    how = (
+        "grouped_mm"
+        if grouped
+        else "per-expert slices, one host sync per layer (grouped_mm needs bf16 on a CUDA GPU of sm80+)"
+    )
+    if hw.device == "cuda" and hw.triton:
+        how += ", Triton combine + gate"
+    blocks = model.moe_blocks or "every"
+    family = f" ({model.moe_family})" if model.moe_family else ""
+    return Decision(
+        name,
+        True,
+        backend,
+        f"{'on in the job' if value == 'on' else 'auto'}: grouped routing on {blocks} MoE blocks{family}, {how}",
+    )
+
+
+_GIB = 1 << 30
+_WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
+
+
+def _offload_decisions(
+    first: dict[str, Decision],
+    opts: Optimizations,
+    hw: Hardware,
+    config: TrainConfig,
+    model: ModelFacts,
+    dtype: str,
+) -> tuple[Decision, Decision]:
+    """``offload_activations`` and ``double_buffered_reload`` together (the second needs the first).
+
+    ``first`` holds the per-switch decisions (machine requirements already applied: a CUDA GPU,
+    pinned memory, gradient checkpointing). Where both can run, the activation estimate decides:
+    ``auto`` offloads when plain checkpointing's layer inputs (``L x T x H`` at
+    ``data.batch_tokens`` tokens) exceed ``trainer.offload.ACTIVATION_SHARE`` of the GPU memory
+    left after the weights; host memory must hold the offloaded inputs plus headroom. Double
+    buffering goes with offload unless asked off or its second buffer does not fit; the reason
+    names that buffer's extra GPU memory.
+
+    Double buffering is allowed on ``auto``: its stream race (a reload buffer fresh from the main
+    stream's pool written before main's queued kernels were done with that memory, 1e11/NaN LoRA
+    gradients at 8B) is fixed and was confirmed bit-identical to plain checkpointing on an H200
+    (docs/bench-output/offload-h200.txt, docs/gpu-test-output/test_offload-h200.txt).
+    """
+    offload, double = first["offload_activations"], first["double_buffered_reload"]
+    offload_value = config.offload_activations
+    double_value = opts.double_buffered_reload
+    if not offload.enabled:
+        return offload, double if not double.enabled else Decision(
+            double.name,
+            False,
+            None,
+            "offload_activations is off, so there is nothing to reload",
+        )
+    from trainer import offload as offload_module  # torch: only for a CUDA plan
+
+    forced = offload_value == "on"
+    if not (model.num_layers and model.hidden_size):
+        if not forced:
+            return (
+                Decision(
+                    offload.name,
+                    False,
+                    None,
+                    "the model's layer count and hidden size are unknown: "
+                    "cannot estimate its activations; plain gradient checkpointing",
+                ),
+                _no_reload(
+                    double, double_value, "offload_activations stays off (auto)"
+                ),
+            )
+        est = None
+    else:
+        est = offload_module.estimate(
+            _Shape(model.num_layers, model.hidden_size), config.data.batch_tokens, dtype
+        )
+    weights = int(
+        (model.param_count or 0)
+        * (0.5 if config.method == "qlora" else _WEIGHT_BYTES.get(dtype, 2.0))
+    )
+    gpu_free = max(0, (hw.gpu_memory or 0) - weights)
+    if est is not None:
+        host_need = est.offloaded + offload_module.HOST_HEADROOM_BYTES
+        if host_need > hw.host_memory:
+            why = (
+                f"offload needs {est.offloaded / _GIB:.1f} GiB of pinned host memory plus "
+                f"{offload_module.HOST_HEADROOM_BYTES / _GIB:.0f} GiB headroom and the host has "
+                f"{hw.host_memory / _GIB:.1f} GiB"
+            )
+            if forced:
+                raise PlanError(
+                    f"offload_activations=on cannot run: {why} (machine: {hw.describe()}). Lower "
+                    "data.batch_tokens, or set offload_activations to auto or off"
+                )
+            return (
+                Decision(
+                    offload.name, False, None, f"{why}; plain gradient checkpointing"
+                ),
+                _no_reload(
+                    double, double_value, "offload_activations stays off (auto)"
+                ),
+            )
+        budget = gpu_free * offload_module.ACTIVATION_SHARE
+        sizes = f"layer inputs {est.checkpointed / _GIB:.2f} GiB at {config.data.batch_tokens} tokens"
+        if not forced and est.checkpointed <= budget:
+            return (
+                Decision(
+                    offload.name,
+                    False,
+                    None,
+                    f"auto: {sizes} fit in {budget / _GIB:.2f} GiB of GPU "
+                    "memory after the weights; plain gradient checkpointing",
+                ),
+                _no_reload(
+                    double,
+                    double_value,
+                    "offload_activations stays off (auto): the activations fit",
+                ),
+            )
+        why = (
+            f"on in the job ({sizes})"
+            if forced
+            else f"auto: {sizes} would not fit in {budget / _GIB:.2f} GiB of GPU memory after the weights"
+        )
+        why += f", {est.offloaded / _GIB:.2f} GiB to pinned host memory"
+    else:
+        why = "on in the job (model shape unknown: no estimate)"
+    offload = Decision(offload.name, True, "cuda", why)
+    if double_value == "off":
+        return offload, Decision(
+            double.name,
+            False,
+            "sync",
+            "off in the job: synchronous reload into one buffer",
+        )
+    if not double.enabled:  # a machine requirement said no (already PlanError when on)
+        return offload, double
+    if est is not None:
+        no_room = offload_module.double_buffer_supported(
+            max(0, gpu_free - est.buffer), est.second_buffer
+        )
+        if no_room is not None:
+            if double_value == "on":
+                raise PlanError(
+                    f"double_buffered_reload=on cannot run: {no_room} (machine: {hw.describe()}). "
+                    "Set double_buffered_reload to auto or off"
+                )
+            return offload, Decision(double.name, False, "sync", no_room)
+        extra = f"{est.second_buffer / _GIB:.3f} GiB"
+    else:
+        extra = "one layer input (size unknown)"
+    return offload, Decision(
+        double.name,
+        True,
+        "double",
+        f"{'on in the job' if double_value == 'on' else 'auto'}: layer i-1's input copied into a second "
+        f"GPU buffer while layer i recomputes; extra GPU memory for the second buffer: {extra}",
+    )
+
+
+def _no_reload(double: Decision, value: str, why: str) -> Decision:
+    """``double_buffered_reload`` when offload stays off: nothing to reload (``on`` is an error)."""
+    if value == "on":
+        raise PlanError(
+            f"double_buffered_reload=on needs offloaded activations, and {why}. Set "
+            "offload_activations to on, or double_buffered_reload to auto or off"
+        )
+    return Decision(double.name, False, None, f"{why}, so there is nothing to reload")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The two sizes ``trainer.offload.estimate`` reads from a model config."""
+
+    num_hidden_layers: int
+    hidden_size: int
 
 
 def _why_not(

@@ -86,9 +86,21 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         supports_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
     except KeyError:
         supports_sdpa = False  # remote code or an unknown class: eager always works
+    shell, shell_error = _meta_shell(hf_config, config)
+    text = (
+        hf_config.get_text_config()
+        if hasattr(hf_config, "get_text_config")
+        else hf_config
+    )
     return ModelFacts(
         model_type=hf_config.model_type,
         is_moe=bool(experts),
+        num_layers=getattr(text, "num_hidden_layers", None),
+        hidden_size=getattr(text, "hidden_size", None),
+        param_count=None
+        if shell is None
+        else sum(p.numel() for p in shell.parameters()),
+        **_moe_facts(hf_config, shell, shell_error, bool(experts)),
         supports_sdpa=supports_sdpa,
         # sdpa is the backend with no device or kernel requirement: only the model's reason is left
         packed_attention=attention.supported("sdpa", "cpu", hf_config),
@@ -96,8 +108,51 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         sliding_window=attention._uses_window(hf_config),
         attention_sinks=attention._has_sinks(hf_config),
         grouped_query=_grouped_query(hf_config),
-        fused_loss=_fused_loss_reason(hf_config, config),
+        fused_loss=_fused_loss_reason(config, shell, shell_error),
     )
+
+
+def _meta_shell(hf_config: Any, config: TrainConfig) -> tuple[Any, str | None]:
+    """The model built on the meta device (no memory, no initialisation), or None and why not.
+
+    The plan's checks read the real classes from it: the LM head (fused loss), the experts
+    modules (grouped routing), the parameter count (weights' memory, offload estimate).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(
+                hf_config, trust_remote_code=config.model.trust_remote_code
+            )
+    except Exception as exc:  # noqa: BLE001 - a model we cannot build abstractly gets the safe paths
+        return (
+            None,
+            f"its class cannot be built from the config ({type(exc).__name__}: {exc})",
+        )
+    return shell, None
+
+
+def _moe_facts(
+    hf_config: Any, shell: Any, shell_error: str | None, is_moe: bool
+) -> dict[str, Any]:
+    """``moe_blocks``, ``moe_family`` and ``moe_routing`` (why grouped routing cannot run) for the plan."""
+    if not is_moe:
+        return {}
+    from trainer import moe_routing
+
+    why = moe_routing.supported(hf_config)
+    if why is not None:
+        return {"moe_routing": why}
+    if shell is None:
+        return {"moe_routing": shell_error}
+    found = moe_routing.experts_modules(shell)
+    if not found:
+        return {"moe_routing": moe_routing.supported(shell)}
+    family = moe_routing.FAMILIES.get(
+        type(found[0][1]).__name__, type(found[0][1]).__name__
+    )
+    return {"moe_blocks": len(found), "moe_family": family}
 
 
 def _grouped_query(hf_config: Any) -> bool:
@@ -111,28 +166,23 @@ def _grouped_query(hf_config: Any) -> bool:
     return bool(heads and kv_heads and kv_heads < heads)
 
 
-def _fused_loss_reason(hf_config: Any, config: TrainConfig) -> str | None:
+def _fused_loss_reason(
+    config: TrainConfig, shell: Any, shell_error: str | None
+) -> str | None:
     """``trainer.fused_loss.supported`` on the model as the trainer will wrap it, without weights.
 
-    The model is built on the meta device (no memory, no initialisation), so the check sees the
-    real head class, bias and logit scaling. A LoRA adapter on the head (``lm_head`` among
+    ``shell`` is the model on the meta device (``_meta_shell``), so the check sees the real head
+    class, bias and logit scaling. A LoRA adapter on the head (``lm_head`` among
     ``lora.target_modules``) makes it a peft layer, which the fused loss refuses.
     """
-    from transformers import AutoModelForCausalLM
-
     from trainer import fused_loss
 
     if config.method != "full" and any(
         t.split(".")[-1] == "lm_head" for t in config.lora.target_modules
     ):
         return "lora.target_modules adapts lm_head, and the fused loss needs a plain Linear head"
-    try:
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(
-                hf_config, trust_remote_code=config.model.trust_remote_code
-            )
-    except Exception as exc:  # noqa: BLE001 - a model we cannot build abstractly gets the plain loss
-        return f"its class cannot be built from the config to check the head ({type(exc).__name__}: {exc})"
+    if shell is None:
+        return f"{shell_error} to check the head"
     return fused_loss.supported(shell)
 
 
@@ -207,13 +257,39 @@ def prepare_for_training(
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters; only the adapters are trainable afterwards."""
+    """Wrap ``model`` with peft LoRA adapters; only the adapters are trainable afterwards.
+
+    ``all-linear`` means every linear projection but the head AND, on a MoE model, the 3-D expert
+    weights (``experts.gate_up_proj`` / ``down_proj``, via peft ``target_parameters`` from
+    ``trainer.moe_routing.expert_lora_targets``): they are most of a MoE model's weights, but
+    not ``nn.Linear``, so ``all-linear`` alone would leave them frozen. Explicit module names
+    adapt exactly those modules (experts only if named through their own config elsewhere).
+
+    Dropout: peft's parameter LoRA cannot apply dropout (``B @ A @ dropout(x)`` cannot be folded
+    into the weight it parametrizes) and refuses ``lora_dropout != 0``, and one peft config has
+    one dropout for every target. So ``all-linear`` on a MoE model needs ``lora.dropout == 0``;
+    a nonzero dropout is refused with the two ways out, rather than silently leaving the
+    experts untrained.
+
+    Raises:
+        ConfigError: a target module is missing, or the dropout/expert conflict above.
+    """
     import peft
 
-    targets: str | list[str] = (
-        "all-linear"
-        if lora.target_modules == ("all-linear",)
-        else list(lora.target_modules)
+    from trainer import moe_routing
+
+    all_linear = lora.target_modules == ("all-linear",)
+    targets: str | list[str] = "all-linear" if all_linear else list(lora.target_modules)
+    expert_targets = moe_routing.expert_lora_targets(model) if all_linear else []
+    if expert_targets and lora.dropout:
+        raise ConfigError(
+            f"lora.dropout={lora.dropout} with target_modules all-linear on a MoE model: LoRA on the "
+            f"expert weights ({', '.join(expert_targets)}) cannot use dropout. Set lora.dropout to 0, "
+            "or list lora.target_modules explicitly (e.g. q_proj, k_proj, v_proj, o_proj) to leave "
+            "the experts frozen"
+        )
+    extra: dict[str, Any] = (
+        {"target_parameters": expert_targets} if expert_targets else {}
     )
     peft_config = peft.LoraConfig(
         r=lora.r,
@@ -221,6 +297,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
         lora_dropout=lora.dropout,
         target_modules=targets,
         task_type="CAUSAL_LM",
+        **extra,
     )
     try:
         with warnings.catch_warnings():

@@ -766,6 +766,11 @@ class ActivationOffloader:
     def trace(self) -> list[Step]:
         return [] if self.schedule is None else self.schedule.trace
 
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers wrapped by ``apply`` (0 before)."""
+        return len(self._layers)
+
     # -- the wrapper --------------------------------------------------------------------------
 
     def _wrap(self, layer: torch.nn.Module, index: int) -> Callable[..., Any]:
@@ -904,6 +909,10 @@ class NoOffload:
     @property
     def trace(self) -> list[Step]:
         return []
+
+    @property
+    def num_layers(self) -> int:
+        return 0
 
 
 def build(

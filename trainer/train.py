@@ -10,8 +10,10 @@ into micro-batches. Clean-up: final checkpoint, the trained weights exported to
 Optimizations (``trainer.hardware.plan`` decides, ``_install_optimizations`` applies them once to
 the loaded model): ``ftq_packed`` attention with the packed-metadata cache on or off
 (``trainer.attention``; metadata built once per micro-batch from the host lengths in
-``_micro_batches``), and the loss kernel (``trainer.fused_loss`` or full logits, through
-``trainer.model.packed_loss`` with the step's label count, so accumulation is exact either way).
+``_micro_batches``), the loss kernel (``trainer.fused_loss`` or full logits, through
+``trainer.model.packed_loss`` with the step's label count, so accumulation is exact either way),
+MoE grouped routing (``trainer.moe_routing``) and offloaded activation checkpointing with the
+double-buffered reload (``trainer.offload``).
 
 Step results are read one step late (see ``trainer.metrics``): the loop queues step k, then reads
 the loss, grad norm and timings of step k-1 and emits its ``step`` event; the last one is flushed
@@ -21,6 +23,7 @@ writes a checkpoint and ends ``cancelled``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import signal
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, hardware, metrics
+from trainer import checkpoint, hardware, metrics, moe_routing, offload
 from trainer.attention import PackedAttention
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
@@ -48,6 +51,7 @@ from trainer.model import (
     packed_loss,
     prepare_for_training,
 )
+from trainer.offload import ActivationOffloader, NoOffload
 from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import BatchSchedule, MicroBatchRef, PackedBatch, pack_batch
 
@@ -154,6 +158,8 @@ def _train(
     )
     model = prepare_for_training(load_model(config, plan, device), config)
     opt = _install_optimizations(model, plan)
+    for line in opt.describe():
+        emit("log", level="info", message=line)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable,
@@ -275,6 +281,28 @@ class _Optimizations:
     """Packed attention on the model (cache on or off), or None: the model's own attention."""
     loss_kernel: str
     """``fused_chunked_ce`` or ``torch_cross_entropy`` (``trainer.model.packed_loss``)."""
+    offloader: ActivationOffloader | NoOffload = dataclasses.field(
+        default_factory=NoOffload
+    )
+    """Offloaded checkpointing on the decoder layers (double-buffered or synchronous), or the no-op twin."""
+    moe: moe_routing.InstallResult | None = None
+    """What ``trainer.moe_routing.install`` did (grouped or eager), or None for a dense model."""
+
+    def describe(self) -> list[str]:
+        """One line per installed piece, for the run's log."""
+        lines = []
+        if self.moe is not None:
+            lines.append(f"MoE routing: {self.moe.describe()}")
+        if self.offloader.enabled:
+            how = (
+                "double-buffered reload"
+                if self.offloader.double_buffer
+                else "synchronous reload"
+            )
+            lines.append(
+                f"activation offload: {self.offloader.num_layers} decoder layers, {how}"
+            )
+        return lines
 
     def micro_batch(
         self, batch: PackedBatch, device: torch.device
@@ -295,9 +323,18 @@ def _install_optimizations(
 
     Packed attention: every model it can run gets it (the cache switch picks the cached metadata
     or the rebuild-per-layer twin); the others keep their own attention with packed block masks
-    (``trainer.model.packed_attention_masks``). Activation offload (``offload_activations``,
-    ``double_buffered_reload``) and MoE grouped routing (``moe_grouped_routing``) plug in here
-    when they are built: each reads its decision and wraps the model like ``install`` does.
+    (``trainer.model.packed_attention_masks``).
+
+    MoE routing (``moe_grouped_routing``): on a model with recognised experts modules, every one
+    is patched to the grouped argsort path (enabled) or to transformers' eager per-expert loop
+    (off: the honest "before", whatever ``config._experts_implementation`` says). Triton pieces
+    only where they run (CUDA); expert LoRA (peft ``target_parameters``) is read through the
+    same forward.
+
+    Activation offload (``offload_activations``, ``double_buffered_reload``): an
+    ``ActivationOffloader`` wraps the decoder layers after peft (so the adapters are inside the
+    recompute), replacing transformers' checkpoint wrapper for those layers; with offload off
+    the model keeps plain gradient checkpointing.
     """
     attention = None
     if plan.packed_attention:
@@ -306,7 +343,19 @@ def _install_optimizations(
             cache=plan.decision("packed_metadata_cache").enabled,
         )
         attention.install(model)
-    return _Optimizations(attention=attention, loss_kernel=plan.loss_kernel)
+    moe = None
+    if moe_routing.experts_modules(model):
+        enabled = plan.decision("moe_grouped_routing").enabled
+        moe = moe_routing.install(model, enabled, triton=None if enabled else False)
+    offloader = offload.build(
+        torch.device(plan.device),
+        offload=plan.decision("offload_activations").enabled,
+        double_buffer=plan.decision("double_buffered_reload").enabled,
+    )
+    offloader.apply(model)
+    return _Optimizations(
+        attention=attention, loss_kernel=plan.loss_kernel, offloader=offloader, moe=moe
+    )
 
 
 @dataclass

@@ -103,14 +103,14 @@ def claim_next_job(runtime: Runtime, *, signalled: str | None = None) -> Claim |
                 session,
                 job_id,
                 runtime.settings,
-                values=dict(
-                    worker_id=runtime.worker_id,
-                    attempts=Job.attempts + 1,
-                    heartbeat_at=utcnow(),
-                    output_dir=str(output_dir),
-                    error_code=None,
-                    error_message=None,
-                ),
+                values={
+                    "worker_id": runtime.worker_id,
+                    "attempts": Job.attempts + 1,
+                    "heartbeat_at": utcnow(),
+                    "output_dir": str(output_dir),
+                    "error_code": None,
+                    "error_message": None,
+                },
             )
             if not won:
                 log.info("job %s was claimed, cancelled or capped meanwhile; picking again", job_id)

@@ -52,7 +52,7 @@ class JobOut(BaseModel):
     """low, normal or high: the order in which waiting jobs are claimed."""
     gpus: int
     queue: QueueInfo | None = None
-    """Only on ``GET /v1/jobs/{id}`` of a queued job: its position and estimated start."""
+    """Only for a queued job, on ``GET /v1/jobs/{id}`` and its submission: position and estimated start."""
     attempts: int
     worker: str | None
     cancel_requested: bool

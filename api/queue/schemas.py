@@ -10,6 +10,7 @@ from core.jobs.eta import QueueEntry, QueueSnapshot, RunningEntry
 
 class QueuedJobOut(BaseModel):
     id: str
+    name: str | None
     position: int
     """1-based place in claim order (priority, then age)."""
     ahead: list[str]
@@ -27,6 +28,7 @@ class QueuedJobOut(BaseModel):
         job = entry.job
         return cls(
             id=job.job_id,
+            name=job.name,
             position=entry.position,
             ahead=list(entry.ahead),
             estimated_start_at=entry.estimated_start_at,

@@ -32,7 +32,14 @@ from sqlalchemy.orm import Session
 
 from core.db import utcnow
 from core.jobs.models import Job, StepMetric
-from core.jobs.scheduling import DEVICES_PER_WORKER, Owner, Waiting, cap_allows, caps_of, queued_in_claim_order
+from core.jobs.scheduling import (
+    DEVICES_PER_WORKER,
+    Owner,
+    Waiting,
+    cap_allows,
+    caps_of,
+    queued_in_claim_order,
+)
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers.models import Worker

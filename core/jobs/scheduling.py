@@ -67,6 +67,7 @@ class Waiting:
     model: str
     total_steps: int | None
     created_at: dt.datetime
+    name: str | None = None
 
 
 def claim_order() -> tuple[Any, ...]:
@@ -77,7 +78,7 @@ def claim_order() -> tuple[Any, ...]:
 
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
-        select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at)
+        select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
     ).all()

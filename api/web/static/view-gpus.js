@@ -127,7 +127,7 @@ export function renderGpus(main) {
               "tr",
               { "data-testid": "queue-row", "data-job-id": job.id, "data-position": String(job.position) },
               h("td", { class: "num", text: String(job.position) }),
-              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: job.id })),
+              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) })),
               h("td", { "data-testid": "queue-priority", text: job.priority }),
               h("td", { text: job.owner || "–" }),
               h("td", { class: "mono", text: job.model }),

@@ -233,6 +233,9 @@ def test_cancel_a_running_job_from_its_page_and_see_the_queue(
         (waiting[0]["id"], "1"),
         (waiting[1]["id"], "2"),
     ]
+    # Both wait for the long job (one running job per user): their start is estimated from its pace.
+    wait_until(lambda: rows.nth(0).get_by_test_id("queue-eta").inner_text().startswith("in "), 30,
+               "the first waiting job's estimated start")
     if shots := screenshot_dir():
         page.screenshot(path=str(shots / "dashboard-gpus.png"), full_page=True)
     for job in waiting:

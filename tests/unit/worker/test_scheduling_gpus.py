@@ -32,7 +32,7 @@ class TestParseGpus:
         assert parse_gpus("all", visible=lambda: ["0", "1", "3"]) == ["0", "1", "3"]
 
     def test_all_without_gpus_is_one_cpu_worker(self):
-        assert parse_gpus("all", visible=lambda: []) == [None]
+        assert parse_gpus("all", visible=list) == [None]
 
     def test_a_list(self):
         assert parse_gpus("0, 1,3") == ["0", "1", "3"]
@@ -61,7 +61,7 @@ class TestWorkerChildren:
         assert "not allowed with argument" in capsys.readouterr().err
 
     def test_several_gpus_start_a_supervisor_over_one_worker_each(self, monkeypatch, tmp_path):
-        import cli.serve as serve
+        from cli import serve
 
         started: list[list[ChildSpec]] = []
         monkeypatch.setenv("FTQ_DATA_DIR", str(tmp_path))

@@ -18,7 +18,7 @@ def test_a_job_files_priority_is_submitted(api, job_file):  # noqa: F811
 
 
 def test_the_priority_flag_overrides_the_file(api, job_file, monkeypatch, capsys):  # noqa: F811
-    import cli.jobs as jobs
+    from cli import jobs
 
     job_file.write_text(yaml.safe_dump({**load_job_file(job_file), "priority": "low"}))
     monkeypatch.setattr(jobs, "connect", lambda: contextlib.nullcontext(api))

@@ -307,6 +307,14 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
                 message=".*is_gradient_checkpointing.*",
                 category=FutureWarning,
             )
+            # peft 0.21 converts all-linear on Qwen3-MoE-style fused experts itself (gate_up_proj
+            # at rank 2r), then checks that rank/alpha pattern against module names only and
+            # warns it was ignored; it is applied (the expert wrappers get the 2r rank).
+            warnings.filterwarnings(
+                "ignore",
+                message=r"The following (rank|alpha)_pattern keys did not match any targeted module",
+                category=RuntimeWarning,
+            )
             return peft.get_peft_model(model, peft_config)
     except (
         ValueError

@@ -38,7 +38,9 @@ SMALL_GPU = dataclasses.replace(
 
 
 def _tokens(n: int, **kw: object):
-    return _config(data=DataConfig("t", max_seq_len=n, batch_tokens=n), **kw)
+    return dataclasses.replace(
+        _config(**kw), data=DataConfig("t", max_seq_len=n, batch_tokens=n)
+    )
 
 
 def _pair(p: hardware.Plan) -> tuple[hardware.Decision, hardware.Decision]:
@@ -208,7 +210,9 @@ class TestMoeDecision:
         assert "Triton" not in d.reason
 
     def test_fp32_on_a_gpu_cannot_use_grouped_mm(self):
-        cfg = _config(model=dataclasses.replace(_config().model, dtype="float32"))
+        cfg = dataclasses.replace(
+            _config(), model=dataclasses.replace(_config().model, dtype="float32")
+        )
         d = plan(H100, Optimizations(), cfg, GPT_OSS_20B).decision(
             "moe_grouped_routing"
         )
@@ -282,11 +286,9 @@ class TestModelFacts:
     def test_facts_for_the_plan(self, tiny, arch, family):
         from trainer.model import model_facts
 
-        facts = model_facts(
-            _config(
-                model=dataclasses.replace(_config().model, name_or_path=str(tiny[arch]))
-            )
-        )
+        config = _config()
+        model = dataclasses.replace(config.model, name_or_path=str(tiny[arch]))
+        facts = model_facts(dataclasses.replace(config, model=model))
         assert (facts.num_layers, facts.hidden_size) == (2, 64)
         assert facts.param_count and facts.param_count > 10_000
         assert (facts.moe_blocks, facts.moe_family, facts.moe_routing) == (

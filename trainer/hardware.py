@@ -25,6 +25,14 @@ has nothing to cache (``auto`` -> off with that reason, ``on`` -> ``PlanError``)
 Loss: ``fused_chunked_ce`` (``trainer.fused_loss``: chunked LM head + cross-entropy, no full
 logits) when ``ModelFacts.fused_loss`` is None, else ``torch_cross_entropy`` on the full logits.
 
+Activation offload and the reload (``_offload_decisions``): ``offload_activations`` ``auto`` is on
+when plain checkpointing's layer inputs (``trainer.offload.estimate`` at ``data.batch_tokens``)
+would not fit in ``ACTIVATION_SHARE`` of the GPU memory left after the weights, and host memory
+holds them; ``double_buffered_reload`` goes with it unless asked off or the second buffer (whose
+size the reason names) does not fit. MoE routing (``_moe_decision``): on for every recognised MoE
+block, backend ``grouped_mm`` (bf16, CUDA sm80+) or ``loop``, Triton pieces only on CUDA; ``on``
+for a dense model is a ``PlanError``.
+
 ``capabilities(hw, config)`` answers, per switch, whether ``on`` can be honoured here at all (for
 any model); ``python -m trainer detect --json`` prints it, workers store it, and the API refuses a
 job whose forced ``on`` no live worker can honour.

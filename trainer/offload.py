@@ -201,84 +201,8 @@ def double_buffer_supported(
 
 ACTIVATION_SHARE = 0.5
 """``auto`` offloads when the checkpointed layer inputs would take more than this share of the GPU
-memory left after the weights: the rest is for one layer's recompute, the loss and the optimizer."""
-
-
-@dataclass(frozen=True)
-class OffloadChoice:
-    """What the plan decided for ``offload_activations`` and ``double_buffered_reload``, and why."""
-
-    offload: bool
-    double_buffer: bool
-    reason: str
-    extra_gpu_bytes: int
-    """GPU memory of the second reload buffer (0 unless double buffering): report it in the plan."""
-
-
-def choose(
-    offload: str,
-    double_buffer: str,
-    *,
-    device: torch.device | str,
-    est: ActivationEstimate,
-    gpu_free_bytes: int,
-    host_free_bytes: int,
-) -> OffloadChoice:
-    """Decide both switches (``auto | on | off`` each) from the estimate and the free memory.
-
-    Offload turns on when asked, or (``auto``) when the checkpointed layer inputs would not fit in
-    ``ACTIVATION_SHARE`` of ``gpu_free_bytes`` (free GPU memory after the weights); double
-    buffering goes with it unless asked off or the second buffer does not fit.
-
-    Raises:
-        ValueError: a switch is ``on`` but cannot run; the message names the reason and the fix.
-    """
-    gib = 1 / _GIB
-    if offload == "off":
-        return OffloadChoice(False, False, "offload_activations is off in the job", 0)
-    missing = supported(device, host_free_bytes, est.offloaded)
-    if missing is not None:
-        if offload == "on":
-            raise ValueError(
-                f"offload_activations=on cannot run: {missing}. Set it to auto or off"
-            )
-        return OffloadChoice(False, False, missing, 0)
-    budget = gpu_free_bytes * ACTIVATION_SHARE
-    if offload == "auto" and est.checkpointed <= budget:
-        return OffloadChoice(
-            False,
-            False,
-            f"layer inputs ({est.checkpointed * gib:.2f} GiB) fit in {budget * gib:.2f} GiB of GPU memory: "
-            "plain gradient checkpointing",
-            0,
-        )
-    why = (
-        "on in the job"
-        if offload == "on"
-        else (
-            f"layer inputs ({est.checkpointed * gib:.2f} GiB) would not fit in {budget * gib:.2f} GiB of GPU memory"
-        )
-    )
-    if double_buffer == "off":
-        return OffloadChoice(
-            True,
-            False,
-            f"{why}; synchronous reload (double_buffered_reload off in the job)",
-            0,
-        )
-    no_room = double_buffer_supported(gpu_free_bytes, est.second_buffer)
-    if no_room is not None:
-        if double_buffer == "on":
-            raise ValueError(
-                f"double_buffered_reload=on cannot run: {no_room}. Set it to auto or off"
-            )
-        return OffloadChoice(True, False, f"{why}; {no_room}", 0)
-    return OffloadChoice(
-        True,
-        True,
-        f"{why}; double-buffered reload, second buffer {est.second_buffer * gib:.3f} GiB",
-        est.second_buffer,
-    )
+memory left after the weights: the rest is for one layer's recompute, the loss and the optimizer.
+The decision itself is ``trainer.hardware.plan``'s (pure, from the model facts and the hardware)."""
 
 
 # ---------------------------------------------------------------------------------------------

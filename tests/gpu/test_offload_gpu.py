@@ -9,8 +9,16 @@ kernels on the same bytes as transformers' checkpoint recompute, so gradients ar
 bit-identical; the assertion allows a max relative difference of 1e-6 (cuBLAS may pick another
 algorithm for a differently aligned buffer), and the summary records whether they were bitwise.
 The copy-heavy bf16 case (little compute per copied byte, so copies and kernels interleave
-tightly) is the race test: a copy that overwrote a buffer still being read, or a recompute that
+tightly) is a race stress test: a copy that overwrote a buffer still being read, or a recompute that
 read a buffer before its copy landed, would change the gradients by far more than 1e-2.
+
+It did NOT catch the race the H200 benchmark found at 8B/14B (1e11/NaN LoRA gradients with the
+double-buffered reload): the first copy into a reload buffer fresh from the main stream's pool
+did not wait for main's queued kernels still using that memory. Two tests reproduce it and
+failed against the pre-fix code on the H200 (docs/gpu-test-output/test_offload-h200.txt): a
+deterministic one (``PoisonedStreams``: main writes NaN into each new buffer behind a sleep) and
+one at scale (12 layers, hidden 2048, 8k packed tokens, bf16, LoRA, packed attention) compared
+NaN-aware with plain checkpointing.
 """
 
 from __future__ import annotations

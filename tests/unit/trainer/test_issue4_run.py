@@ -13,9 +13,13 @@
 
    Tolerance: the same fp32 function with different summation orders (grouped vs per-expert
    accumulation order in the combine, chunked vs whole log-sum-exp). Measured over 4 steps at lr
-   1e-2: losses within 1e-6, LoRA weights within 2e-6 on both models. Allowed: atol 2e-5 +
-   rtol 1e-5 (the bound issue 3's run test uses; a mis-routed token or a stale reload moves the
-   loss by > 1e-3).
+   1e-2: per-step losses within 9.6e-7 on both models; final LoRA weights within 1.1e-5
+   (GPT-OSS) and 4.3e-5 (Qwen3-MoE: 2 of 2,048 elements of one expert lora_A). The weights
+   differ more than the losses because AdamW normalises each update: an element whose gradient
+   is near zero (an expert that got few tokens) gets a rounding-sized gradient difference turned
+   into a visible fraction of an lr-sized step. Allowed: losses atol 2e-5 + rtol 1e-5 (issue 3's
+   bound), weights atol 1e-4 (1% of one lr step) + rtol 1e-5. A mis-routed token or a stale
+   reload moves the loss by > 1e-3.
 
 2. Offload forced on with and without the double buffer vs plain checkpointing, on tiny Llama:
    the recompute runs the same kernels on the same bytes, so losses and weights are bit-identical.
@@ -145,8 +149,13 @@ def _losses(recorder: Recorder) -> torch.Tensor:
     return torch.tensor([s["loss"] for s in recorder.of("step")], dtype=torch.float64)
 
 
-ALL_ON = Optimizations("on", "on", "on")
+ALL_ON = Optimizations(
+    packed_metadata_cache="on", double_buffered_reload="auto", moe_grouped_routing="on"
+)
+"""The reload switches stay ``auto`` (an ``on`` is refused on a CPU); ``_force_offload`` turns them on."""
 ALL_OFF = Optimizations("off", "off", "off")
+WEIGHT_ATOL = 1e-4
+"""See the module docstring: 1% of one AdamW step at lr 1e-2."""
 
 
 class TestMoeAllOnEqualsAllOff:
@@ -206,9 +215,17 @@ class TestMoeAllOnEqualsAllOff:
         assert on_w.keys() == off_w.keys()
         experts = [n for n in on_w if "experts" in n]
         assert experts, f"the expert weights must be adapted: {sorted(on_w)}"
+        worst = max((on_w[n] - off_w[n]).abs().max().item() for n in on_w)
+        print(
+            f"{arch}: losses max diff {(losses_on - losses_off).abs().max().item():.2e}, weights {worst:.2e}"
+        )
         for name in on_w:
             torch.testing.assert_close(
-                on_w[name], off_w[name], rtol=1e-5, atol=2e-5, msg=name
+                on_w[name],
+                off_w[name],
+                rtol=1e-5,
+                atol=WEIGHT_ATOL,
+                msg=lambda m, n=name: f"{n}: {m}",
             )
         # the expert adapters trained (lora_B starts at zero)
         assert any(n for n in experts if "lora_B" in n and on_w[n].abs().max() > 0)

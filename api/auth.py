@@ -46,6 +46,17 @@ def needs_key(path: str) -> bool:
     return path.startswith("/v1/") and path.rstrip("/") not in OPEN_PATHS
 
 
+def route_path(request: Request) -> str:
+    """The path as the router matched it: the route's template, else the URL path without the
+    ASGI ``root_path`` (which a proxy deployment, ``uvicorn --root-path /ftq``, puts in front of
+    it, so ``request.url.path`` would read ``/ftq/v1/...`` and never look like ``/v1/``)."""
+    template = getattr(request.scope.get("route"), "path", None)
+    if isinstance(template, str):
+        return template
+    path, root = request.scope["path"], request.scope.get("root_path") or ""
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def credentials(request: Request) -> tuple[str | None, bool]:
     """``(raw key, came from the cookie)``: the Authorization header wins over the cookie."""
     header = request.headers.get("authorization")
@@ -98,7 +109,7 @@ async def auth_gate(
     _cookie: Annotated[object, Depends(_cookie_scheme)] = None,
 ) -> None:
     """App-wide: refuse a ``/v1`` request without a valid key (401) before its route runs."""
-    if needs_key(request.url.path):
+    if needs_key(route_path(request)):
         await authenticate(request)
 
 

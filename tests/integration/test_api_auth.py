@@ -85,6 +85,15 @@ class TestUnauthenticated:
         client.patch("/v1/users/bob", json={"disabled": False})
         assert client.get("/v1/jobs", headers=bearer(key)).status_code == 200
 
+    def test_behind_a_proxy_root_path_every_route_still_needs_a_key(self, settings, store) -> None:
+        """``uvicorn --root-path /ftq`` puts the prefix in front of the URL path the app sees."""
+        from api.app import create_app
+
+        with TestClient(create_app(settings), root_path="/ftq") as proxied:
+            for path in ["/ftq/v1/jobs", "/ftq/v1/jobs/job-x/adapter", "/ftq/v1/hardware", "/ftq/v1/queue"]:
+                assert_401(proxied.get(path), "needs an API key")
+            assert proxied.get("/ftq/healthz").status_code == 200
+
     def test_probes_docs_and_dashboard_shell_stay_open(self, client: TestClient, store) -> None:
         del client.headers["Authorization"]
         for path in ["/healthz", "/readyz", "/docs", "/openapi.json", "/", "/static/app.js"]:

@@ -28,7 +28,8 @@ def build_archive(src: Path, fmt: ArchiveFormat, tmp_dir: Path) -> Path:
     fd, name = tempfile.mkstemp(dir=tmp_dir, suffix="." + fmt)
     os.close(fd)
     out = Path(name)
-    files = sorted(p for p in src.rglob("*") if p.is_file())
+    # Links are left out: they could point anywhere on the box.
+    files = sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink())
     try:
         if fmt == "zip":
             with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as zf:

@@ -178,7 +178,7 @@ def stream_events(
     session.close()
     start = after or 0
     if last_event_id is not None and last_event_id.strip():
-        if not last_event_id.strip().isdigit():
+        if not (last_event_id.strip().isascii() and last_event_id.strip().isdigit()):
             raise InvalidInput(
                 f"Last-Event-ID: {last_event_id!r} is not an event id; send the id: of the last event received",
                 param="Last-Event-ID",
@@ -206,8 +206,9 @@ def download_checkpoint(
     job_id: str, step: int, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
 ) -> FileResponse:
     checkpoint = service.get_checkpoint(session, job_id, step)
+    root = _job_root(state, service.get_job(session, job_id))
     session.close()
-    return _archive_response(state, Path(checkpoint.path), format, f"{job_id}-step-{step}")
+    return _archive_response(state, Path(checkpoint.path), format, f"{job_id}-step-{step}", root)
 
 
 @router.get(
@@ -233,11 +234,22 @@ def download_adapter(
         if not final:
             raise NotFound(f"job {job_id} succeeded but its adapter is not on disk", param="job_id")
         adapter = Path(final[-1].path)
+    root = _job_root(state, job)
     session.close()
-    return _archive_response(state, adapter, format, f"{job_id}-{export}")
+    return _archive_response(state, adapter, format, f"{job_id}-{export}", root)
 
 
-def _archive_response(state: AppState, src: Path, fmt: artifacts.ArchiveFormat, stem: str) -> FileResponse:
+def _job_root(state: AppState, job: Job) -> Path:
+    return Path(job.output_dir) if job.output_dir else state.settings.jobs_dir / job.job_id
+
+
+def _archive_response(
+    state: AppState, src: Path, fmt: artifacts.ArchiveFormat, stem: str, root: Path
+) -> FileResponse:
+    # Checkpoint paths come from the trainer's stdout: serve only what lies in the job's own
+    # directory, whatever a stray or hostile event line said.
+    if not src.resolve().is_relative_to(root.resolve()):
+        raise NotFound(f"{stem}: the files are not in the job's directory", param="job_id")
     path = artifacts.build_archive(src, fmt, state.settings.data_dir / "tmp")
     return FileResponse(
         path,

@@ -259,13 +259,13 @@ def test_last_used_at_moves_at_most_once_a_minute(client: TestClient, store) -> 
 
 class TestSessionCookie:
     def test_login_sets_an_httponly_strict_cookie_that_works_for_sse_and_downloads(
-        self, client: TestClient, store, tmp_path: Path
+        self, client: TestClient, store, settings
     ) -> None:
         bob = make_user(store, "bob")
         job_id = submit(client, bob)
         finish(store, job_id)
-        ckpt = tmp_path / "ckpt"
-        ckpt.mkdir()
+        ckpt = settings.jobs_dir / job_id / "checkpoints" / "step-000001"
+        ckpt.mkdir(parents=True)
         (ckpt / "state.json").write_text("{}")
         with store.sessions() as session:
             session.add(Checkpoint(job_id=job_id, step=1, path=str(ckpt), bytes=2, final=False))

@@ -109,9 +109,10 @@ class TestResume:
 
     def test_bad_last_event_id_is_422(self, client: TestClient, store) -> None:
         job_id = make_job(client)
-        response = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "abc"})
-        assert response.status_code == 422
-        assert response.json()["error"]["param"] == "Last-Event-ID"
+        for bad in ("abc", "\u00b2".encode("latin-1")):  # "²" is a digit to str.isdigit(), not to int()
+            response = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": bad})
+            assert response.status_code == 422, bad
+            assert response.json()["error"]["param"] == "Last-Event-ID"
 
 
 def stream_in_thread(url: str, headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], threading.Thread]:

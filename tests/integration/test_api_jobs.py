@@ -362,19 +362,30 @@ class TestMetricsAndArtifacts:
             assert sorted(tf.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
         assert list((settings.data_dir / "tmp").iterdir()) == []
 
-    def test_checkpoints_list_and_download(self, client: TestClient, store, tmp_path: Path) -> None:
+    def test_checkpoints_list_and_download(
+        self, client: TestClient, store, settings: Settings, tmp_path: Path
+    ) -> None:
         job_id = self._job(client)
-        ckpt = tmp_path / "step-000002"
-        ckpt.mkdir()
+        ckpt = settings.jobs_dir / job_id / "checkpoints" / "step-000002"
+        ckpt.mkdir(parents=True)
         (ckpt / "state.json").write_text('{"step": 2}')
+        (ckpt / "elsewhere").symlink_to(tmp_path)  # links are never followed into the archive
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "secret.txt").write_text("not the job's")
         with store.sessions() as session:
             session.add(Checkpoint(job_id=job_id, step=2, path=str(ckpt), bytes=11, final=False))
+            # a row whose path (reported by the trainer) lies outside the job's directory
+            session.add(Checkpoint(job_id=job_id, step=3, path=str(outside), bytes=1, final=False))
             session.commit()
         listed = client.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
-        assert [(c["step"], c["bytes"], c["final"]) for c in listed] == [(2, 11, False)]
+        assert [(c["step"], c["bytes"], c["final"]) for c in listed] == [(2, 11, False), (3, 1, False)]
         response = client.get(f"/v1/jobs/{job_id}/checkpoints/2/download")
         with zipfile.ZipFile(io.BytesIO(response.content)) as zf:
+            assert zf.namelist() == ["state.json"]
             assert zf.read("state.json") == b'{"step": 2}'
+        refused = client.get(f"/v1/jobs/{job_id}/checkpoints/3/download")
+        assert refused.status_code == 404 and "not in the job's directory" in refused.json()["error"]["message"]
         missing = client.get(f"/v1/jobs/{job_id}/checkpoints/9/download")
         assert missing.status_code == 404 and "no checkpoint at step 9" in missing.json()["error"]["message"]
 

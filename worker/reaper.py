@@ -3,7 +3,8 @@
 A ``running`` job whose heartbeat is older than ``heartbeat_timeout_s`` lost its worker (killed,
 machine rebooted, network cut). With attempts left (``attempts < max_attempts``) it goes back to
 ``queued`` and its message is sent again; the trainer then resumes from the newest checkpoint in
-the job's output directory by itself. Otherwise it fails with ``worker_lost``.
+the job's output directory by itself. Otherwise it fails with ``worker_lost``. A job whose cancel
+was requested before its worker vanished is not retried: it ends ``cancelled``.
 
 The broker only signals, and a signal can be lost: the embedded SQLAlchemy transport deletes a
 message when a worker fetches it, so a worker killed mid-job takes the message with it, and a
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 class ReapReport:
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    """Stale jobs whose cancel had been requested: ended, not retried."""
     resent: list[str] = field(default_factory=list)
     signalled: list[str] = field(default_factory=list)
     """Waiting jobs signalled because a failed job freed its owner's slot (scheduling.py)."""
@@ -71,7 +74,7 @@ def reap(
     cutoff = now - dt.timedelta(seconds=settings.heartbeat_timeout_s)
     with sessionmaker.begin() as session:
         stale = session.execute(
-            select(Job.job_id, Job.attempts, Job.worker_id, Job.heartbeat_at)
+            select(Job.job_id, Job.attempts, Job.worker_id, Job.heartbeat_at, Job.cancel_requested)
             .where(Job.status == JobStatus.running.value)
             .where(or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff))
             .order_by(Job.created_at)
@@ -81,7 +84,12 @@ def reap(
             lost = f"lost worker {job.worker_id or '?'} (no heartbeat for " + (
                 f"{silent:.0f}s)" if silent is not None else "ever)"
             )
-            if job.attempts < settings.max_attempts:
+            if job.cancel_requested:
+                message = f"{lost} after the cancel was requested; the job is cancelled, not retried"
+                if transition(session, job.job_id, JobStatus.cancelled, only_from=[JobStatus.running]):
+                    _record(session, report, job.job_id, state_event(JobStatus.cancelled, message=message))
+                    report.cancelled.append(job.job_id)
+            elif job.attempts < settings.max_attempts:
                 if transition(session, job.job_id, JobStatus.queued, only_from=[JobStatus.running],
                               worker_id=None, heartbeat_at=None):
                     reason = (f"retrying from the last checkpoint after {lost}; "
@@ -96,8 +104,9 @@ def reap(
                     _record(session, report, job.job_id,
                             state_event(JobStatus.failed, error_code="worker_lost", message=message))
                     report.failed.append(job.job_id)
-        if report.failed:
-            report.signalled.extend(scheduling.signal_targets(session, settings, freed=len(report.failed)))
+        if report.failed or report.cancelled:
+            freed = len(report.failed) + len(report.cancelled)
+            report.signalled.extend(scheduling.signal_targets(session, settings, freed=freed))
         if idle and resend_after_s is not None:
             waited = now - dt.timedelta(seconds=resend_after_s)
             lost_messages = session.execute(
@@ -118,8 +127,9 @@ def reap(
     if publish is not None:
         for job_id, seq in report.published.items():
             publish(job_id, seq)
-    if report.requeued or report.failed or report.resent:
-        log.warning("reaper: requeued %s, failed %s, re-sent %s", report.requeued, report.failed, report.resent)
+    if report.requeued or report.failed or report.cancelled or report.resent:
+        log.warning("reaper: requeued %s, failed %s, cancelled %s, re-sent %s",
+                    report.requeued, report.failed, report.cancelled, report.resent)
     return report
 
 

@@ -11,6 +11,13 @@ transaction: every event gets a ``job_event`` row with the next ``seq``, and
 
 After the commit the highest seq is published on Redis for live viewers. A resumed run
 re-emits the steps after its checkpoint: their rows replace the lost attempt's.
+
+A recorder given its claim (``worker_id``, ``attempt``) first locks the job row on the condition
+that the claim still holds; a worker whose job was reaped and claimed by another must not write
+into the new attempt's history, so the batch is dropped and ``lost`` is set (the runner kills
+its trainer). An event the store rejects (a malformed event, a value the column refuses) is
+dropped by itself: the batch is retried one event per transaction, so one bad event cannot
+block every later one. Only a connection failure keeps the events for the next flush.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import time
 from typing import Any, Callable
 
 from sqlalchemy import delete, update
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.db import utcnow
 from core.jobs.models import Checkpoint, Job, StepMetric
 from core.jobs.service import append_events
+from core.jobs.states import JobStatus
 from trainer.events import STEP_FIELDS
 
 log = logging.getLogger(__name__)
@@ -37,29 +47,44 @@ _METRIC_COLUMNS = tuple(f for f in STEP_FIELDS if f not in ("step", "total_steps
 def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) -> int:
     """Write ``events`` (parsed trainer events) for ``job_id`` into ``session``; return the last seq.
 
-    The caller owns the transaction. Events of a type that is not stored (``done``) are skipped.
+    The caller owns the transaction. Events of a type that is not stored (``done``) are skipped;
+    so is (with a warning) an event whose fields do not map to its rows (a ``step`` without
+    ``step``): the trainer's output is not trusted to be well formed. NULs are stripped from
+    strings (PostgreSQL's JSONB and text columns reject them).
     """
-    stored = [e for e in events if e.get("type") in STORED_EVENT_TYPES]
-    if not stored:
-        return 0
     job_values: dict[str, Any] = {}
     steps: dict[int, StepMetric] = {}
     checkpoints: dict[int, Checkpoint] = {}
-    for event in stored:
+    stored: list[dict[str, Any]] = []
+    for raw in events:
+        if raw.get("type") not in STORED_EVENT_TYPES:
+            continue
+        event = _strip_nul(raw)
         kind = event["type"]
-        if kind == "plan":
-            job_values["plan"] = _payload(event)
-            if event.get("total_steps") is not None:
-                job_values["total_steps"] = int(event["total_steps"])
-        elif kind == "step":
-            row = _step_row(job_id, event)
+        try:
+            values: dict[str, Any] = {}
+            if kind == "plan":
+                values["plan"] = _payload(event)
+                if event.get("total_steps") is not None:
+                    values["total_steps"] = int(event["total_steps"])
+            elif kind == "step":
+                row = _step_row(job_id, event)
+                if event.get("total_steps") is not None:
+                    values["total_steps"] = int(event["total_steps"])
+            elif kind == "checkpoint":
+                row = _checkpoint_row(job_id, event)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("job %s: dropped a malformed %r event (%r): %s", job_id, kind, exc, _preview(event))
+            continue
+        job_values.update(values)
+        if kind == "step":
             steps[row.step] = row
             job_values["progress_step"] = max(row.step, job_values.get("progress_step", 0))
-            if event.get("total_steps") is not None:
-                job_values["total_steps"] = int(event["total_steps"])
         elif kind == "checkpoint":
-            row = _checkpoint_row(job_id, event)
             checkpoints[row.step] = row
+        stored.append(event)
+    if not stored:
+        return 0
     if steps:
         session.execute(delete(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step.in_(list(steps))))
         session.add_all(steps.values())
@@ -72,6 +97,21 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
             update(Job).where(Job.job_id == job_id).values(**job_values).execution_options(synchronize_session=False)
         )
     return rows[-1].seq
+
+
+def _strip_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "")
+    if isinstance(value, dict):
+        return {_strip_nul(k): _strip_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip_nul(v) for v in value]
+    return value
+
+
+def _preview(event: dict[str, Any]) -> str:
+    text = repr(event)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _payload(event: dict[str, Any]) -> dict[str, Any]:
@@ -115,8 +155,16 @@ class EventRecorder:
         flush_interval_s: float,
         max_batch: int = 200,
         publish: Callable[[str, int], None] | None = None,
+        worker_id: str | None = None,
+        attempt: int | None = None,
     ) -> None:
+        """``worker_id`` and ``attempt`` name the claim; given, every write first checks it still holds."""
         self._sessionmaker = sessionmaker
+        self.worker_id = worker_id
+        self.attempt = attempt
+        self.lost = False
+        """Set once a flush found the job no longer this claim's; later events are dropped."""
+        self.events_dropped = 0
         self.job_id = job_id
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
@@ -153,23 +201,89 @@ class EventRecorder:
         return 0
 
     def flush(self) -> int:
-        """Write every buffered event in one transaction, then publish; return how many were written."""
+        """Write every buffered event, then publish; return how many events were handled.
+
+        One transaction for the batch; if it fails for any reason but a connection failure, one
+        transaction per event, dropping the events the store rejects. A connection failure puts
+        the unwritten events back (front of the buffer) and re-raises.
+        """
         with self._ready:
             batch, self._buffer = self._buffer, []
         self._last_flush = time.monotonic()
         if not batch:
             return 0
+        if self.lost:
+            self.events_dropped += len(batch)
+            return 0
         try:
-            with self._sessionmaker.begin() as session:
-                seq = apply_events(session, self.job_id, batch)
-        except Exception:
-            with self._ready:
-                self._buffer = batch + self._buffer
-            raise
+            self._commit(batch)
+        except _ClaimLost:
+            self._lose(batch)
+            return 0
+        except Exception as exc:
+            if _is_connection_error(exc):
+                self._put_back(batch)
+                raise
+            log.warning("job %s: a batch of %d events was refused (%s); writing them one by one",
+                        self.job_id, len(batch), exc)
+            self._one_by_one(batch)
+        return len(batch)
+
+    def _one_by_one(self, batch: list[dict[str, Any]]) -> None:
+        for index, event in enumerate(batch):
+            try:
+                self._commit([event])
+            except _ClaimLost:
+                self._lose(batch[index:])
+                return
+            except Exception as exc:
+                if _is_connection_error(exc):
+                    self._put_back(batch[index:])
+                    raise
+                self.events_dropped += 1
+                log.warning("job %s: dropped a %r event the store refused: %s %s",
+                            self.job_id, event.get("type"), exc, _preview(event))
+
+    def _commit(self, events: list[dict[str, Any]]) -> None:
+        with self._sessionmaker.begin() as session:
+            if self.worker_id is not None and not self._still_ours(session):
+                raise _ClaimLost
+            seq = apply_events(session, self.job_id, events)
         self.batches_written += 1
-        self.events_written += len(batch)
+        self.events_written += len(events)
         if seq:
             self.last_seq = seq
             if self._publish is not None:
                 self._publish(self.job_id, seq)
-        return len(batch)
+
+    def _still_ours(self, session: Session) -> bool:
+        """Lock the job row if this claim still holds it (the same test as runner.Watchdog)."""
+        return session.execute(
+            update(Job)
+            .where(Job.job_id == self.job_id, Job.status == JobStatus.running.value,
+                   Job.worker_id == self.worker_id, Job.attempts == self.attempt)
+            .values(updated_at=utcnow())
+            .execution_options(synchronize_session=False)
+        ).rowcount == 1
+
+    def _lose(self, events: list[dict[str, Any]]) -> None:
+        if not self.lost:
+            log.warning("job %s is no longer attempt %s of worker %s; dropping its events from now on",
+                        self.job_id, self.attempt, self.worker_id)
+        self.lost = True
+        self.events_dropped += len(events)
+
+    def _put_back(self, events: list[dict[str, Any]]) -> None:
+        with self._ready:
+            self._buffer = events + self._buffer
+
+
+class _ClaimLost(Exception):
+    """The job is no longer the recorder's claim (reaped, claimed by another worker)."""
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    """The store could not be reached: the events are fine, so keep them for the next flush."""
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return True
+    return bool(getattr(exc, "connection_invalidated", False))

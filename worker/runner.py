@@ -151,6 +151,8 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         flush_interval_s=settings.event_flush_interval_s,
         max_batch=runtime.options.max_batch_events,
         publish=runtime.publish,
+        worker_id=runtime.worker_id,
+        attempt=claim.attempt,
     )
     done: list[dict[str, Any]] = []
 
@@ -176,6 +178,8 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         while not trainer.has_exited():
             recorder.wait(timeout=0.2)
             _flush(recorder, only_if_due=True)
+            if recorder.lost:
+                watchdog.lose("its events were refused: the job is another claim's now")
     except Exception as exc:  # noqa: BLE001 - our own failure still ends the trainer and the job
         log.exception("job %s: the worker failed while running the trainer", claim.job_id)
         error = exc
@@ -319,9 +323,15 @@ class Watchdog:
     """Beats the job's heartbeat and stops the trainer when it must stop.
 
     Every ``min(1 s, heartbeat_interval_s)`` it reads whether a cancel was asked for, the worker
-    is shutting down, or the claim was lost; the first reason sends SIGTERM to the trainer's
-    group (it checkpoints and exits) and, ``cancel_grace_s`` later, SIGKILL.
+    is shutting down, or the claim was lost. A cancel or a shutdown sends SIGTERM to the
+    trainer's group (it checkpoints and exits) and, ``cancel_grace_s`` later, SIGKILL. A lost
+    claim sends SIGKILL at once: another attempt may already use the output directory, so this
+    trainer must not write a checkpoint there. A heartbeat that has not succeeded for
+    ``LOST_AFTER`` of ``heartbeat_timeout_s`` (the store is unreachable) counts as lost too: the
+    reaper will soon requeue the job, and the job must not run twice.
     """
+
+    LOST_AFTER = 0.8
 
     def __init__(self, runtime: Runtime, claim: Claim, trainer: TrainerProcess) -> None:
         self._runtime = runtime
@@ -330,10 +340,23 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"watchdog-{claim.job_id}", daemon=True)
         self._kill_at: float | None = None
+        self._lock = threading.Lock()
+        self._last_beat_ok = time.monotonic()
         self.stop_reason: StopReason | None = None
 
     def start(self) -> None:
+        self._last_beat_ok = time.monotonic()
         self._thread.start()
+
+    def lose(self, why: str) -> None:
+        """Stop the trainer because the job is no longer ours: SIGKILL to its group, no checkpoint."""
+        with self._lock:
+            if self.stop_reason is StopReason.lost:
+                return
+            log.warning("job %s: stopping the trainer (lost: %s)", self._claim.job_id, why)
+            self.stop_reason = StopReason.lost
+            self._kill_at = None
+        self._trainer.signal_group(signal.SIGKILL)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -350,16 +373,23 @@ class Watchdog:
                 if now >= next_beat:
                     reason = self._beat()
                     next_beat = now + settings.heartbeat_interval_s
+                    self._last_beat_ok = time.monotonic()
                 else:
                     reason = self._poll()
             except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the watchdog
                 log.warning("heartbeat of job %s failed: %s", self._claim.job_id, exc)
                 reason = None
-            if reason is None and self._runtime.shutdown_event.is_set():
+            silent_s = time.monotonic() - self._last_beat_ok
+            if silent_s > self.LOST_AFTER * settings.heartbeat_timeout_s:
+                self.lose(f"no successful heartbeat for {silent_s:.1f}s, the reaper may requeue it "
+                          f"after heartbeat_timeout_s={settings.heartbeat_timeout_s:g}s")
+            if reason is StopReason.lost:
+                self.lose("the store says another worker or attempt holds it")
+            elif reason is None and self._runtime.shutdown_event.is_set():
                 reason = StopReason.shutdown
             if reason is not None and self.stop_reason is None:
                 self._request_stop(reason)
-            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+            if self._kill_at is not None and time.monotonic() >= self._kill_at and self.stop_reason is not StopReason.lost:
                 log.warning("job %s: trainer still running %gs after SIGTERM; killing its process group",
                             self._claim.job_id, settings.cancel_grace_s)
                 self._trainer.signal_group(signal.SIGKILL)
@@ -368,8 +398,11 @@ class Watchdog:
                 return
 
     def _request_stop(self, reason: StopReason) -> None:
+        with self._lock:
+            if self.stop_reason is not None:
+                return
+            self.stop_reason = reason
         log.info("job %s: stopping the trainer (%s)", self._claim.job_id, reason.value)
-        self.stop_reason = reason
         self._trainer.signal_group(signal.SIGTERM)
         self._kill_at = time.monotonic() + self._runtime.settings.cancel_grace_s
 

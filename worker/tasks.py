@@ -40,5 +40,5 @@ def register_tasks(app: Celery, runtime_of: Any) -> None:
             idle=runtime.current_job_id is None,
             resend_after_s=runtime.options.resend_queued_after_s,
         )
-        return {"requeued": report.requeued, "failed": report.failed, "resent": report.resent,
-                "signalled": report.signalled}
+        return {"requeued": report.requeued, "failed": report.failed, "cancelled": report.cancelled,
+                "resent": report.resent, "signalled": report.signalled}

@@ -12,6 +12,7 @@ model. Every run appends a line to ``<output_dir>/runs.txt`` and writes its envi
     stubborn    ignores SIGTERM; starts a grandchild (pid in grandchild.pid); steps forever
     cooperative steps forever; on SIGTERM a checkpoint and done cancelled
     silent_ok   prints nothing but noise and exits 0 (no done event)
+    messy       like ok, with a step event that has no step and a log message holding a NUL
 
 ``detect --json`` prints a small hardware report.
 """
@@ -57,6 +58,15 @@ def run(job_json: str) -> int:
             step(n, steps)
         emit("log", level="info", message="training finished")
         emit("checkpoint", step=steps, path=str(out / "checkpoints" / f"step-{steps:06d}"), bytes=42, final=True)
+        emit("done", status="succeeded", error_code=None, message=None, adapter_path=str(out / "adapter"),
+             steps=steps)
+        return 0
+    if mode == "messy":
+        step(1, steps)
+        print(json.dumps({"type": "step"}), flush=True)
+        emit("log", level="info", message="tokenizer said \u0000 here")
+        for n in range(2, steps + 1):
+            step(n, steps)
         emit("done", status="succeeded", error_code=None, message=None, adapter_path=str(out / "adapter"),
              steps=steps)
         return 0

@@ -55,6 +55,20 @@ class TestStaleRunningJobs:
         assert job.status == "failed" and job.error_code == "worker_lost" and job.finished_at is not None
         assert "gave up after 2 attempts" in job.error_message
 
+    def test_a_job_whose_cancel_was_requested_ends_cancelled_not_requeued(self, runtime, make_job):
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="gone/gpu0", heartbeat_at=_ago(60),
+                          cancel_requested=True)
+
+        report = _reap(runtime)
+
+        assert report.cancelled == [job_id] and report.requeued == [] and job_id not in runtime.recorded.enqueued
+        job = _job(runtime, job_id)
+        assert job.status == "cancelled" and job.finished_at is not None
+        event = _last_event(runtime, job_id)
+        assert event.data["status"] == "cancelled"
+        assert "lost worker gone/gpu0" in event.data["message"] and "after the cancel was requested" in event.data["message"]
+        assert (job_id, event.seq) in runtime.recorded.published
+
     def test_a_job_with_a_fresh_heartbeat_is_left_alone(self, runtime, make_job):
         job_id = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=_ago(1))
         report = _reap(runtime)

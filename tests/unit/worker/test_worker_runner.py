@@ -217,6 +217,88 @@ class TestCancel:
         assert _job(runtime, job_id).status == "queued"
         assert runtime.recorded.enqueued == []
 
+    def test_a_worker_whose_job_was_claimed_by_another_writes_nothing_into_it(self, runtime, make_job):
+        job_id = make_job("fake:cooperative")
+        seen: dict = {}
+
+        def take_over() -> None:  # the reaper requeued it and another worker claimed it, in one go
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if _job(runtime, job_id).progress_step >= 2:
+                    with runtime.sessionmaker.begin() as session:
+                        session.execute(update(Job).where(Job.job_id == job_id).values(worker_id="other/gpu0", attempts=2))
+                        seen["events"] = session.scalar(select(Job.last_event_seq).where(Job.job_id == job_id))
+                        seen["progress"] = session.scalar(select(Job.progress_step).where(Job.job_id == job_id))
+                    return
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=take_over, daemon=True)
+        thread.start()
+        assert run_job(runtime, job_id) == "running"
+        thread.join()
+
+        job = _job(runtime, job_id)
+        assert (job.status, job.worker_id, job.attempts) == ("running", "other/gpu0", 2)
+        assert job.last_event_seq == seen["events"] and len(_events(runtime, job_id)) == seen["events"]
+        assert job.progress_step == seen["progress"]
+        with runtime.sessionmaker() as session:
+            assert session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all() == []
+            steps = session.scalars(select(StepMetric.step).where(StepMetric.job_id == job_id)).all()
+        assert max(steps) == seen["progress"]
+
+    def test_a_worker_cut_off_from_the_store_kills_its_trainer_and_leaves_the_job(
+        self, runtime, make_job, monkeypatch
+    ):
+        from worker.runner import Watchdog
+
+        runtime.settings = runtime.settings.model_copy(update={"heartbeat_timeout_s": 1.5})
+        job_id = make_job("fake:cooperative")
+        cut_off = threading.Event()
+        real_beat, real_poll = Watchdog._beat, Watchdog._poll
+
+        def unreachable(real):
+            def call(self):
+                if cut_off.is_set():
+                    raise ConnectionError("could not connect to server")
+                return real(self)
+            return call
+
+        monkeypatch.setattr(Watchdog, "_beat", unreachable(real_beat))
+        monkeypatch.setattr(Watchdog, "_poll", unreachable(real_poll))
+
+        def cut_off_when_running() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and _job(runtime, job_id).progress_step < 2:
+                time.sleep(0.02)
+            cut_off.set()
+
+        threading.Thread(target=cut_off_when_running, daemon=True).start()
+        result: list[str] = []
+        runner = threading.Thread(target=lambda: result.append(run_job(runtime, job_id)), daemon=True)
+        runner.start()
+        runner.join(timeout=25)
+        try:
+            assert not runner.is_alive(), "the trainer kept running while its heartbeat failed"
+        finally:
+            runtime.shutdown_event.set()
+            runner.join(timeout=20)
+        assert result == ["running"]
+        job = _job(runtime, job_id)
+        assert job.status == "running" and job.worker_id == "test-host/gpu3"
+        types = [e.type for e in _events(runtime, job_id)]
+        assert "checkpoint" not in types and types.count("state") == 2  # queued, running: no transition
+
+
+def test_bad_trainer_lines_are_dropped_and_the_rest_recorded(runtime, make_job):
+    job_id = make_job("fake:messy:4")
+
+    assert run_job(runtime, job_id) == "succeeded"
+
+    events = _events(runtime, job_id)
+    assert [e.type for e in events] == ["state", "state", "plan"] + ["step", "log"] + ["step"] * 3 + ["state"]
+    assert events[4].data["message"] == "tokenizer said  here"
+    assert _job(runtime, job_id).progress_step == 4
+
 
 class TestHeartbeat:
     def test_a_running_job_beats_its_heartbeat(self, runtime, make_job):

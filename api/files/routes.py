@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query, Request, status
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.files.schemas import FileDeleted, FileList, FileOut
+from api.files.tokens import router as tokens_router
 from api.files.upload import receive_upload
 from core.errors import InvalidInput
 from core.files import service
@@ -107,3 +108,6 @@ def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileDel
     access.require_owner(session, caller, owner_id, what=f"file {file_id}", action="delete", param="file_id")
     row = service.delete_file(session, file_id)
     return FileDeleted(id=row.file_id)
+
+# Token statistics live in their own module (they need a model's tokenizer).
+router.include_router(tokens_router)

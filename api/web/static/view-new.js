@@ -42,8 +42,13 @@ export function renderNew(main) {
   const formError = h("div", { "data-testid": "form-error", "aria-live": "assertive" });
 
   const model = modelPicker(controller.signal);
-  const train = datasetPicker({ purpose: "train", label: "Training data", param: "training_file", required: true, signal: controller.signal });
-  const valid = datasetPicker({ purpose: "validation", label: "Validation data (optional)", param: "validation_file", required: false, signal: controller.signal });
+  const tokenContext = { model: () => model.value(), maxSeqLen: () => form.querySelector('[data-param="hyperparameters.max_seq_len"]')?.value };
+  const train = datasetPicker({ purpose: "train", label: "Training data", param: "training_file", required: true, signal: controller.signal, tokenContext });
+  const valid = datasetPicker({ purpose: "validation", label: "Validation data (optional)", param: "validation_file", required: false, signal: controller.signal, tokenContext });
+  model.onChange(() => {
+    train.refreshTokens();
+    valid.refreshTokens();
+  });
 
   const name = field("name", "Job name (optional)", h("input", { type: "text", maxlength: "200", placeholder: "e.g. support-bot-v3" }));
   const lengthUnit = h(
@@ -172,6 +177,10 @@ function modelPicker(signal) {
     info.textContent = parts.join(" · ") + (picked.error ? ` · warning: ${picked.error}` : "");
   }
   select.addEventListener("change", describe);
+  const listeners = [];
+  const notify = () => listeners.forEach((fn) => fn());
+  select.addEventListener("change", notify);
+  other.addEventListener("change", notify);
 
   api("/v1/models", { signal })
     .then((list) => {
@@ -187,6 +196,7 @@ function modelPicker(signal) {
       } else {
         describe();
       }
+      notify();
     })
     .catch((err) => {
       if (err.name === "AbortError") return;
@@ -206,6 +216,9 @@ function modelPicker(signal) {
     value() {
       return select.value === "__other__" ? other.value.trim() : select.value;
     },
+    onChange(fn) {
+      listeners.push(fn);
+    },
   };
 }
 
@@ -214,7 +227,7 @@ function modelPicker(signal) {
  * answer is shown here (records, format, stats), or the API's message plus the
  * offending line read back from the local file.
  */
-function datasetPicker({ purpose, label, param, required, signal }) {
+function datasetPicker({ purpose, label, param, required, signal, tokenContext }) {
   const inputId = uid(`${purpose}-file`);
   const input = h("input", { id: inputId, type: "file", accept: ".jsonl,.json,.txt,application/jsonl,application/json,text/plain", "data-testid": `upload-${purpose}` });
   const chooseId = uid(`${purpose}-choose`);
@@ -222,6 +235,35 @@ function datasetPicker({ purpose, label, param, required, signal }) {
   const result = h("div", { class: "upload-result", "data-testid": `upload-result-${purpose}`, "aria-live": "polite" });
   let fileId = null;
   const known = new Map();
+  let tokenRequest = 0;
+
+  /** Token statistics of the accepted file under the picked model, tokenized as training does. */
+  async function refreshTokens() {
+    const request = ++tokenRequest;
+    result.querySelector('[data-testid="dataset-token-stats"]')?.remove();
+    const modelName = tokenContext.model();
+    if (!fileId || result.dataset.state !== "ok" || !modelName) return;
+    const line = h("p", { class: "help", "data-testid": "dataset-token-stats", "data-state": "loading", text: `Counting tokens with ${modelName}'s tokenizer…` });
+    result.append(line);
+    const params = new URLSearchParams({ model: modelName });
+    const maxSeqLen = Number.parseInt(tokenContext.maxSeqLen() || "", 10);
+    if (maxSeqLen > 0) params.set("max_seq_len", String(maxSeqLen));
+    try {
+      const s = await api(`/v1/files/${encodeURIComponent(fileId)}/tokens?${params}`, { signal });
+      if (request !== tokenRequest) return;
+      const t = s.tokens;
+      const over = s.over_max_seq_len;
+      line.textContent =
+        `${s.records.toLocaleString()} records · ${t.total.toLocaleString()} tokens (${t.min}/${t.mean}/${t.max} per record) · ` +
+        `${s.loss_tokens.total.toLocaleString()} loss tokens · ${over.records} longer than max_seq_len ${over.max_seq_len}` +
+        (s.note ? ` (${s.note})` : "");
+      line.dataset.state = "ok";
+    } catch (err) {
+      if (err.name === "AbortError" || request !== tokenRequest) return;
+      line.textContent = `Could not count tokens with ${modelName}: ${err.message}`;
+      line.dataset.state = "error";
+    }
+  }
 
   function showAccepted(file, heading) {
     const stats = file.stats || {};
@@ -240,6 +282,7 @@ function datasetPicker({ purpose, label, param, required, signal }) {
     );
     result.dataset.state = "ok";
     result.dataset.fileId = file.id;
+    refreshTokens();
   }
 
   async function refreshChoices(selected) {
@@ -315,7 +358,7 @@ function datasetPicker({ purpose, label, param, required, signal }) {
     result,
     h("p", { class: "field-error", role: "alert" }),
   );
-  return { element, value: () => fileId };
+  return { element, value: () => fileId, refreshTokens };
 }
 
 /** Line ``number`` (1-based) of a local file, cut to 500 characters; null if out of reach. */

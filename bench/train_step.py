@@ -9,11 +9,17 @@ Variants, all in one process on the same model object (bench/workload.py builds 
   dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
 - ``ftq``: ``trainer.attention`` (``ftq_packed`` with the Triton varlen kernel, metadata built
   once per batch) and ``trainer.fused_loss`` (chunked linear + cross-entropy);
-- ``ftq, metadata cache off``: the same with the metadata rebuilt in every layer (the "before"
+  once per batch), ``trainer.fused_loss`` (chunked linear + cross-entropy), ``trainer.lora_fused``
+  (LoRA in bf16 with the update fused into the base matmul; adapters stay fp32 master weights)
+  and ``trainer.fused_ops`` (fused RMSNorm and SwiGLU kernels) where they are in the build;
+- ``ftq + offload``: ftq with the layer inputs offloaded to pinned host memory and reloaded
+  double-buffered (``trainer.offload``): the memory-lean configuration;
+- ``ftq, metadata cache off``: ftq with the metadata rebuilt in every layer (the "before"
   of the caching optimization, all else equal);
-- ``ftq, bf16 LoRA weights``: an experiment, run last (it casts the adapters in place): peft
-  keeps LoRA weights in fp32 and casts every adapted layer's input to fp32 and back; this
-  variant times the step without those casts (fresh AdamW on bf16 adapters).
+- ``ftq, peft LoRA``: ftq with peft's own LoRA forward (fp32 adapters: every adapted layer's
+  input cast to fp32 and back) — the gain of ``trainer.lora_fused``;
+- ``ftq, unfused norm/SwiGLU``: ftq with transformers' own RMSNorm and MLP — the gain of
+  ``trainer.fused_ops``.
 Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
 (model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
@@ -38,7 +44,8 @@ import torch
 
 from bench.workload import SHAPES, TOKENS_PER_STEP, ModelShape, build_lora_model, packed_batch, packed_steps, padded_batch
 
-VARIANTS = ("stock padded", "stock packed", "ftq", "ftq, metadata cache off", "ftq, bf16 LoRA weights")
+VARIANTS = ("stock padded", "stock packed", "ftq", "ftq + offload", "ftq, metadata cache off", "ftq, peft LoRA",
+            "ftq, unfused norm/SwiGLU")
 
 
 @dataclass
@@ -76,18 +83,41 @@ class Variant:
     def __init__(self, name: str, model, shape: ModelShape, device: torch.device):
         self.name, self.model, self.shape, self.device = name, model, shape, device
         self.attention = None
-        if name.startswith("ftq"):
-            from trainer.attention import PackedAttention
+        self.undo: list = []
+        self.installed: list[str] = []
+        if not name.startswith("ftq"):
+            return
+        from trainer import offload
+        from trainer.attention import PackedAttention
 
-            self.attention = PackedAttention(backend="triton", cache="cache off" not in name)
-            reason = self.attention.supported(device, model.get_base_model().config)
-            if reason:
-                raise RuntimeError(f"ftq attention cannot run here: {reason}")
-            self.attention.install(model)
+        self.attention = PackedAttention(backend="triton", cache="cache off" not in name)
+        reason = self.attention.supported(device, model.get_base_model().config)
+        if reason:
+            raise RuntimeError(f"ftq attention cannot run here: {reason}")
+        self.attention.install(model)
+        self.undo.append(self.attention.uninstall)
+        if name != "ftq, peft LoRA":
+            from trainer import lora_fused
+
+            self.undo.append(lora_fused.install(model).uninstall)
+            self.installed.append("lora_fused")
+        if name != "ftq, unfused norm/SwiGLU":
+            try:
+                from trainer import fused_ops
+            except ImportError:
+                pass
+            else:
+                self.undo.append(fused_ops.install(model).uninstall)
+                self.installed.append("fused_ops")
+        if name == "ftq + offload":
+            offloader = offload.build(device, offload=True, double_buffer=True)
+            offloader.apply(model)
+            self.undo.append(lambda: offloader.remove(model))
+            self.installed.append("offload double-buffered")
 
     def close(self) -> None:
-        if self.attention is not None:
-            self.attention.uninstall()
+        while self.undo:
+            self.undo.pop()()
 
     def micro_batches(self, lengths: list[int], seed: int) -> list:
         """The step as closures, each returning one micro-batch's (loss, real tokens) to backpropagate.
@@ -239,9 +269,9 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
     for name in variants:
         variant = None
         try:
-            if name == "ftq, bf16 LoRA weights":
-                optimizer = _bf16_adapters(model)
             variant = Variant(name, model, shape, device)
+            if variant.installed:
+                print(f"  {shape.name} / {name}: installed {', '.join(variant.installed)}", flush=True)
             results.append(run_variant(variant, optimizer, steps, warmup, peak, shape))
             if profile_out and name == "ftq":
                 profile_text = profile_step(variant, optimizer, steps[0], profile_out)
@@ -262,14 +292,6 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
     gc.collect()
     torch.cuda.empty_cache()
     return results, profile_text
-
-
-def _bf16_adapters(model):
-    """Cast the trainable (LoRA) weights to bf16 in place; returns a fresh AdamW over them."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.to(torch.bfloat16)
-    return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
 def table(results: list[Result]) -> str:

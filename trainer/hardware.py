@@ -73,6 +73,8 @@ plan imports no torch)."""
 TRITON_HEAD_DIMS: tuple[int, ...] = (64, 128)
 """Head dims our Triton kernel compiles for (``trainer.kernels.flash_varlen.SUPPORTED_HEAD_DIMS``)."""
 LOSS_FUSED, LOSS_PLAIN = "fused_chunked_ce", "torch_cross_entropy"
+LORA_FUSED, LORA_PEFT = "ftq_fused_lora", "peft"
+"""LoRA linear kernels: ``trainer.lora_fused`` (compute dtype, update fused into the base matmul) or peft's."""
 """Optimization switches implemented in this build (names of ``trainer.config.Optimizations`` fields)."""
 
 # Dense bf16 tensor-core peak in FLOP/s by GPU name, from the vendors' data sheets (no sparsity).
@@ -211,6 +213,8 @@ class Plan:
     attention with packed block masks, for models packed attention cannot run)."""
     loss: Decision
     hf_attention: str = "sdpa"
+    lora: Decision = Decision("lora_kernel", False, None, "not planned")
+    """How LoRA linear layers run: ``ftq_fused_lora`` (``trainer.lora_fused``) or ``peft``."""
     """The model's own attention implementation (``sdpa``, or ``eager`` where it has no SDPA path)."""
 
     @property
@@ -251,6 +255,8 @@ class Plan:
             "loss_kernel": self.loss_kernel,
             "loss_reason": self.loss.reason,
             "model_attention": self.hf_attention,
+            "lora_kernel": self.lora.backend,
+            "lora_reason": self.lora.reason,
         }
 
 
@@ -369,6 +375,7 @@ def plan(
         attention=attention,
         loss=_loss(model),
         hf_attention="sdpa" if model.supports_sdpa else "eager",
+        lora=_lora_kernel(config),
     )
 
 
@@ -754,6 +761,24 @@ def _loss(model: ModelFacts) -> Decision:
         True,
         LOSS_PLAIN,
         f"full logits in float32: the fused loss cannot run this model ({model.fused_loss})",
+    )
+
+
+def _lora_kernel(config: TrainConfig) -> Decision:
+    if config.method == "full":
+        return Decision("lora_kernel", False, None, "method full: no adapters")
+    if config.lora.dropout:
+        return Decision(
+            "lora_kernel",
+            False,
+            LORA_PEFT,
+            f"peft's LoRA forward: lora.dropout={config.lora.dropout} (the fused path has no dropout)",
+        )
+    return Decision(
+        "lora_kernel",
+        True,
+        LORA_FUSED,
+        "LoRA in the compute dtype with the update fused into the base matmul: no fp32 copies of activations",
     )
 
 

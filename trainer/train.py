@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, hardware, metrics, moe_routing, offload
+from trainer import checkpoint, hardware, lora_fused, metrics, moe_routing, offload
 from trainer.attention import PackedAttention
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
@@ -287,10 +287,14 @@ class _Optimizations:
     """Offloaded checkpointing on the decoder layers (double-buffered or synchronous), or the no-op twin."""
     moe: moe_routing.InstallResult | None = None
     """What ``trainer.moe_routing.install`` did (grouped or eager), or None for a dense model."""
+    lora: lora_fused.InstallResult | None = None
+    """The LoRA layers ``trainer.lora_fused`` patched, or None: peft's own forward."""
 
     def describe(self) -> list[str]:
         """One line per installed piece, for the run's log."""
         lines = []
+        if self.lora is not None:
+            lines.append(f"LoRA kernel: {self.lora.describe()}")
         if self.moe is not None:
             lines.append(f"MoE routing: {self.moe.describe()}")
         if self.offloader.enabled:
@@ -335,6 +339,9 @@ def _install_optimizations(
     ``ActivationOffloader`` wraps the decoder layers after peft (so the adapters are inside the
     recompute), replacing transformers' checkpoint wrapper for those layers; with offload off
     the model keeps plain gradient checkpointing.
+
+    LoRA kernel (``plan.lora``): peft's LoRA linear layers run through ``trainer.lora_fused``
+    (compute dtype, update fused into the base matmul) unless the plan keeps peft's forward.
     """
     attention = None
     if plan.packed_attention:
@@ -353,8 +360,13 @@ def _install_optimizations(
         double_buffer=plan.decision("double_buffered_reload").enabled,
     )
     offloader.apply(model)
+    lora = lora_fused.install(model) if plan.lora.enabled else None
     return _Optimizations(
-        attention=attention, loss_kernel=plan.loss_kernel, offloader=offloader, moe=moe
+        attention=attention,
+        loss_kernel=plan.loss_kernel,
+        offloader=offloader,
+        moe=moe,
+        lora=lora,
     )
 
 

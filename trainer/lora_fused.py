@@ -1,0 +1,231 @@
+"""LoRA linear layers computed in the compute dtype, with the low-rank update fused into the base matmul.
+
+Why: peft's ``lora.Linear.forward`` casts every adapted layer's input to the adapters' dtype
+(fp32 by default), so under bf16 autocast each of the 7 adapted projections per decoder layer
+pays a full ``[tokens, in]`` bf16 -> fp32 copy, autocast's copy back to bf16, a separate
+``* scaling`` pass and a separate ``result + ...`` pass over ``[tokens, out]`` — each again in
+backward, and the fp32 copies are what autograd saves. On the Llama-3.1-8B benchmark step these
+casts alone were 18% of GPU time (docs/benchmarks.md). Here:
+
+* forward: ``out = x @ W^T (+ bias)``, then ``out += (x @ A^T) @ (s * B)^T`` in place (one
+  ``addmm_`` into the base output; the ``[tokens, r]`` middle is tiny), every matmul in the
+  compute dtype (autocast's, else the base weight's). Only the small adapter matrices are cast;
+  the fp32 master weights and their fp32 gradients stay as they are (AdamW still updates fp32).
+* backward: ``dx = g @ W + (g @ (s * B)) @ A`` (one ``addmm_``), ``dA = (g @ sB)^T @ x``,
+  ``dB = s * g^T @ (x @ A^T)``; saved for backward: the input (the same tensor every consumer
+  of it saves) and ``x @ A^T``, nothing of size ``[tokens, out]``.
+
+A base layer that is not a plain ``nn.Linear`` (a bitsandbytes 4-bit layer under QLoRA) keeps
+its own forward and backward; only the update is fused, as one out-of-place ``addmm`` onto the
+base output.
+
+``install`` patches each peft LoRA layer's ``forward`` on the instance. The patched forward
+falls back to peft's own whenever the layer is not in the plain state this covers: adapters
+disabled or merged, several active adapters, per-call ``adapter_names``, a LoRA variant
+(DoRA, ...) or a nonzero dropout. Numerics: the same matmuls as peft under autocast, with the
+update accumulated in the matmul's fp32 accumulator instead of a separate bf16 multiply and add.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+KERNEL_NAME = "ftq_fused_lora"
+
+
+def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the matmuls run in: autocast's when it is on for ``x``'s device, else the base weight's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight_dtype if weight_dtype.is_floating_point else x.dtype
+
+
+class _FusedLoraLinear(torch.autograd.Function):
+    """``x @ W^T + b + s * (x @ A^T) @ B^T`` for a plain linear base (``W`` frozen or not)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(dtype)
+        w = weight.to(dtype)
+        a = lora_a.to(dtype)
+        sb = (lora_b * scaling).to(dtype)
+        xa = x2 @ a.t()
+        out = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+        out.addmm_(xa, sb.t())
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
+        ctx.scaling, ctx.dtype, ctx.shape, ctx.x_dtype = scaling, dtype, shape, x.dtype
+        ctx.has_bias = bias is not None
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        dtype, s = ctx.dtype, ctx.scaling
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        a = lora_a.to(dtype)
+        sb = (lora_b * s).to(dtype)
+        gb = g @ sb  # [tokens, r]
+        dx = dw = dbias = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = g @ weight.to(dtype)
+            dx.addmm_(gb, a)
+            dx = dx.view(ctx.shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (g.t() @ x2).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = g.sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[3]:
+            da = (gb.t() @ x2).to(lora_a.dtype)
+        if ctx.needs_input_grad[4]:
+            db = (g.t() @ xa).mul_(s).to(lora_b.dtype)
+        return dx, dw, dbias, da, db, None, None
+
+
+class _LoraUpdate(torch.autograd.Function):
+    """``base_out + s * (x @ A^T) @ B^T`` for a base layer with its own autograd (e.g. 4-bit)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        base_out: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        x_shape, out_shape = x.shape, base_out.shape
+        x2 = x.reshape(-1, x_shape[-1]).to(dtype)
+        xa = x2 @ lora_a.to(dtype).t()
+        out = torch.addmm(
+            base_out.reshape(-1, out_shape[-1]).to(dtype),
+            xa,
+            (lora_b * scaling).to(dtype).t(),
+        )
+        ctx.save_for_backward(x2, lora_a, lora_b, xa)
+        ctx.scaling, ctx.dtype, ctx.x_shape = scaling, dtype, x_shape
+        ctx.base_dtype, ctx.x_dtype = base_out.dtype, x.dtype
+        return out.view(*out_shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, lora_a, lora_b, xa = ctx.saved_tensors
+        dtype, s = ctx.dtype, ctx.scaling
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        gb = g @ (lora_b * s).to(dtype)
+        dbase = grad_out.to(ctx.base_dtype) if ctx.needs_input_grad[0] else None
+        dx = (gb @ lora_a.to(dtype)).view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[1] else None
+        da = (gb.t() @ x2).to(lora_a.dtype) if ctx.needs_input_grad[2] else None
+        db = (g.t() @ xa).mul_(s).to(lora_b.dtype) if ctx.needs_input_grad[3] else None
+        return dbase, dx, da, db, None, None
+
+
+def _plain_adapter(layer: nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """The one active adapter when ``layer`` is in the plain state the fused path covers, else None."""
+    if kwargs or layer.disable_adapters or layer.merged:
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name in getattr(layer, "lora_variant", {}):
+        return None
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, nn.Identity) and not (
+        isinstance(dropout, nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    ):
+        return None
+    return name
+
+
+def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The patched ``forward`` of a peft LoRA linear layer (see the module docstring)."""
+    name = _plain_adapter(layer, kwargs) if not args else None
+    if name is None:
+        return layer._ftq_peft_forward(x, *args, **kwargs)
+    base = layer.get_base_layer()
+    lora_a = layer.lora_A[name].weight
+    lora_b = layer.lora_B[name].weight
+    scaling = float(layer.scaling[name])
+    if type(base) is nn.Linear:
+        dtype = _compute_dtype(x, base.weight.dtype)
+        out = _FusedLoraLinear.apply(x, base.weight, base.bias, lora_a, lora_b, scaling, dtype)
+        return out
+    base_out = base(x)
+    dtype = _compute_dtype(x, base_out.dtype)
+    return _LoraUpdate.apply(base_out, x, lora_a, lora_b, scaling, dtype).to(base_out.dtype)
+
+
+@dataclass
+class InstallResult:
+    """What ``install`` patched; ``uninstall`` restores peft's forwards."""
+
+    layers: list[nn.Module] = field(default_factory=list)
+    fused_base: int = 0
+    """Layers whose base is a plain ``nn.Linear`` (base + update in one function)."""
+
+    def uninstall(self) -> None:
+        for layer in self.layers:
+            if "forward" in vars(layer):
+                del layer.forward
+            layer.__dict__.pop("_ftq_peft_forward", None)
+        self.layers = []
+
+    def describe(self) -> str:
+        other = len(self.layers) - self.fused_base
+        return (
+            f"{len(self.layers)} LoRA linear layers fused in the compute dtype "
+            f"({self.fused_base} with the base matmul, {other} update-only over their own base)"
+        )
+
+
+def lora_linear_layers(model: nn.Module) -> list[nn.Module]:
+    """Every peft LoRA layer of ``model`` that adapts a linear map (``lora_A``/``lora_B`` are linears)."""
+    try:
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:  # peft missing: nothing to patch
+        return []
+    found = []
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or not hasattr(module, "lora_A"):
+            continue
+        if getattr(module, "fan_in_fan_out", False):
+            continue  # Conv1D-style (GPT-2) weights: stored transposed
+        if not all(isinstance(m, nn.Linear) for m in module.lora_A.values()):
+            continue  # embeddings, convolutions
+        base = module.get_base_layer()
+        if not hasattr(base, "in_features") or isinstance(base, nn.Embedding):
+            continue
+        if hasattr(module, "parameter_name"):
+            continue  # peft's parameter LoRA (expert weights): trainer.moe_routing handles those
+        found.append(module)
+    return found
+
+
+def install(model: nn.Module) -> InstallResult:
+    """Patch every plain peft LoRA linear layer of ``model`` to the fused path (idempotent)."""
+    result = InstallResult()
+    for layer in lora_linear_layers(model):
+        if "_ftq_peft_forward" not in vars(layer):
+            layer._ftq_peft_forward = layer.forward
+            layer.forward = types.MethodType(fused_forward, layer)
+        result.layers.append(layer)
+        if type(layer.get_base_layer()) is nn.Linear:
+            result.fused_base += 1
+    return result

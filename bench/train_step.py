@@ -61,6 +61,8 @@ class Result:
     peak_gib: float = float("nan")
     mfu: float = float("nan")
     syncs_per_step: int = -1
+    sync_sites: list[str] = field(default_factory=list)
+    """Where the counted host syncs come from (file:line of the Python call that synchronized)."""
     losses: list[float] = field(default_factory=list)
 
 
@@ -202,7 +204,9 @@ def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int
             step(warmup)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    result.syncs_per_step = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    result.syncs_per_step = len(syncs)
+    result.sync_sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     timed = range(warmup + 1, len(steps))
@@ -287,7 +291,7 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
             torch.cuda.empty_cache()
         r = results[-1]
         print(f"  {shape.name} / {name}: {r.status}, {r.tokens_per_s:,.0f} tok/s, {r.peak_gib:.1f} GiB, "
-              f"syncs {r.syncs_per_step}", flush=True)
+              f"syncs {r.syncs_per_step} {r.sync_sites or ''}", flush=True)
     del model, optimizer
     gc.collect()
     torch.cuda.empty_cache()
@@ -305,7 +309,7 @@ def table(results: list[Result]) -> str:
                     None)
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "n/a"
         lines.append(f"| {r.shape} | {r.variant} | {r.tokens_per_s:,.0f} | {r.step_ms:.0f} | {r.forward_ms:.0f} | "
-                     f"{r.backward_ms:.0f} | {r.optimizer_ms:.1f} | {r.peak_gib:.1f} | {r.mfu:.1%} | "
+                     f"{r.backward_ms:.0f} | {r.optimizer_ms:.1f} | {r.peak_gib:.2f} | {r.mfu:.1%} | "
                      f"{r.syncs_per_step} | {ratio} |")
     return "\n".join(lines)
 

@@ -215,6 +215,8 @@ class Plan:
     hf_attention: str = "sdpa"
     lora: Decision = Decision("lora_kernel", False, None, "not planned")
     """How LoRA linear layers run: ``ftq_fused_lora`` (``trainer.lora_fused``) or ``peft``."""
+    fused_ops: Decision = Decision("fused_ops", False, None, "not planned")
+    """RMSNorm / SwiGLU / RoPE kernels (``trainer.fused_ops``): ``triton`` on a CUDA GPU, else off."""
     """The model's own attention implementation (``sdpa``, or ``eager`` where it has no SDPA path)."""
 
     @property
@@ -257,6 +259,8 @@ class Plan:
             "model_attention": self.hf_attention,
             "lora_kernel": self.lora.backend,
             "lora_reason": self.lora.reason,
+            "fused_ops": self.fused_ops.backend,
+            "fused_ops_reason": self.fused_ops.reason,
         }
 
 
@@ -376,6 +380,7 @@ def plan(
         loss=_loss(model),
         hf_attention="sdpa" if model.supports_sdpa else "eager",
         lora=_lora_kernel(config),
+        fused_ops=_fused_ops(hw),
     )
 
 
@@ -779,6 +784,19 @@ def _lora_kernel(config: TrainConfig) -> Decision:
         True,
         LORA_FUSED,
         "LoRA in the compute dtype with the update fused into the base matmul: no fp32 copies of activations",
+    )
+
+
+def _fused_ops(hw: Hardware) -> Decision:
+    if hw.device != "cuda":
+        return Decision("fused_ops", False, None, "CPU: transformers' own RMSNorm, SwiGLU and RoPE ops")
+    if not hw.triton:
+        return Decision("fused_ops", False, None, "triton is not installed: transformers' own ops")
+    return Decision(
+        "fused_ops",
+        True,
+        "triton",
+        "Triton RMSNorm, SwiGLU and RoPE kernels: one pass each instead of several elementwise ops",
     )
 
 

@@ -205,7 +205,12 @@ def load_tokenizer(config: TrainConfig) -> Any:
 def load_model(
     config: TrainConfig, plan: Plan, device: torch.device
 ) -> torch.nn.Module:
-    """``from_pretrained`` in the plan's dtype and attention backend, on ``device``, in train mode."""
+    """``from_pretrained`` in the plan's dtype and attention backend, on ``device``, in train mode.
+
+    ``qlora`` loads every linear layer but the head as a bitsandbytes NF4 ``Linear4bit``
+    (``quantization_config``), quantized one tensor at a time while loading, straight onto
+    ``device``; the rest (embeddings, norms, head) stays in the plan's dtype.
+    """
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {
@@ -214,15 +219,8 @@ def load_model(
         "trust_remote_code": config.model.trust_remote_code,
     }
     if config.method == "qlora":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        kwargs["device_map"] = {"": device}
+        kwargs["quantization_config"] = nf4_config(_DTYPES[plan.dtype])
+        kwargs["device_map"] = {"": _indexed(device)}
     model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, **kwargs)
     if config.method != "qlora":
         model.to(device)
@@ -231,29 +229,81 @@ def load_model(
     return model
 
 
+def nf4_config(compute_dtype: torch.dtype) -> Any:
+    """The QLoRA quantization (Dettmers et al. 2023): NF4 weights, double-quantized block scales.
+
+    NF4 with blocks of 64 and 8-bit double-quantized absmax costs ~4.13 bits per weight; the
+    4-bit matmuls dequantize to ``compute_dtype`` (the plan's dtype: bf16 on a bf16 GPU).
+    """
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with an index on CUDA: a device map needs to name one GPU (``cuda`` alone is ambiguous)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def prepare_for_training(
     model: torch.nn.Module, config: TrainConfig
 ) -> torch.nn.Module:
     """Apply the method (LoRA adapters or full fine-tuning) and gradient checkpointing."""
     if config.gradient_checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(
-                activation_checkpointing_kwargs=kwargs
-            )
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_gradient_checkpointing(model)
     if config.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
         return model
     if config.method == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=config.gradient_checkpointing
-        )
+        freeze_quantized_base(model)
     return apply_lora(model, config.lora)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward, non-reentrant.
+
+    Non-reentrant checkpointing gives the LoRA weights inside a layer their gradients even when
+    the layer's input needs none (frozen embeddings), so no input-requires-grad hook is needed.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def freeze_quantized_base(model: torch.nn.Module) -> torch.nn.Module:
+    """Ready a 4-bit base for LoRA: every base weight frozen, every dtype left as loaded.
+
+    This replaces peft's ``prepare_model_for_kbit_training``, which does three things that hurt
+    here: it casts every bf16 weight that is not 4-bit (embeddings, head, norms) to fp32 (+3.1
+    GB for Qwen3-14B's embeddings and head, and fp32 hidden states out of every fp32 norm); it
+    re-enables gradient checkpointing with its own arguments, i.e. reentrant, replacing ours;
+    and for reentrant checkpointing it hooks the embeddings to make their output require grad.
+    The fp32 upcast is a float16-era stability measure: bf16 has fp32's range, the frozen norms
+    compute their statistics in fp32 inside the module anyway, and the loss is fp32
+    (``trainer.fused_loss``). LoRA weights are peft's fp32 master weights (AdamW state in fp32),
+    computed in the bf16 compute dtype by ``trainer.lora_fused`` (or peft under autocast).
+
+    Raises:
+        ValueError: ``model`` has no 4-bit layers (it was not loaded with ``nf4_config``).
+    """
+    if not any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+        raise ValueError(
+            "method=qlora: the loaded model has no bitsandbytes 4-bit weights; load it with "
+            "quantization_config=trainer.model.nf4_config(...)"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:

@@ -38,7 +38,15 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, hardware, lora_fused, metrics, moe_routing, offload
+from trainer import (
+    checkpoint,
+    fused_ops,
+    hardware,
+    lora_fused,
+    metrics,
+    moe_routing,
+    offload,
+)
 from trainer.attention import PackedAttention
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
@@ -289,12 +297,16 @@ class _Optimizations:
     """What ``trainer.moe_routing.install`` did (grouped or eager), or None for a dense model."""
     lora: lora_fused.InstallResult | None = None
     """The LoRA layers ``trainer.lora_fused`` patched, or None: peft's own forward."""
+    fused: fused_ops.InstallResult | None = None
+    """The RMSNorm / MLP / RoPE pieces ``trainer.fused_ops`` patched, or None: transformers' ops."""
 
     def describe(self) -> list[str]:
         """One line per installed piece, for the run's log."""
         lines = []
         if self.lora is not None:
             lines.append(f"LoRA kernel: {self.lora.describe()}")
+        if self.fused is not None:
+            lines.append(f"fused elementwise: {self.fused.describe()}")
         if self.moe is not None:
             lines.append(f"MoE routing: {self.moe.describe()}")
         if self.offloader.enabled:
@@ -342,6 +354,8 @@ def _install_optimizations(
 
     LoRA kernel (``plan.lora``): peft's LoRA linear layers run through ``trainer.lora_fused``
     (compute dtype, update fused into the base matmul) unless the plan keeps peft's forward.
+    Fused elementwise kernels (``plan.fused_ops``): RMSNorm, SwiGLU and RoPE through Triton on a
+    CUDA GPU (``trainer.fused_ops``).
     """
     attention = None
     if plan.packed_attention:
@@ -361,12 +375,14 @@ def _install_optimizations(
     )
     offloader.apply(model)
     lora = lora_fused.install(model) if plan.lora.enabled else None
+    fused = fused_ops.install(model, triton=True) if plan.fused_ops.enabled else None
     return _Optimizations(
         attention=attention,
         loss_kernel=plan.loss_kernel,
         offloader=offloader,
         moe=moe,
         lora=lora,
+        fused=fused,
     )
 
 

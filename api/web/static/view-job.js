@@ -243,6 +243,8 @@ export function renderJob(main, [jobId]) {
     const decisions = [...(p.decisions || [])];
     if (p.attention_backend) decisions.push({ name: "attention", enabled: true, backend: p.attention_backend, reason: p.attention_reason || "" });
     if (p.loss_kernel) decisions.push({ name: "loss", enabled: true, backend: p.loss_kernel, reason: p.loss_reason || "" });
+    if (p.lora_reason) decisions.push({ name: "LoRA kernel", enabled: p.lora_kernel === "ftq_fused_lora", backend: p.lora_kernel, reason: p.lora_reason });
+    if (p.fused_ops_reason) decisions.push({ name: "fused elementwise", enabled: Boolean(p.fused_ops), backend: p.fused_ops, reason: p.fused_ops_reason });
     const model = p.model || {};
     const facts = [
       ["Device", `${hw.name || p.device || "?"} (${hw.device || p.device || "?"}${hw.capability ? `, sm${hw.capability.join("")}` : ""})`],

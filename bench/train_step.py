@@ -8,10 +8,9 @@ Variants, all in one process on the same model object (bench/workload.py builds 
 - ``stock packed``: one [1, 16384] row with restarting ``position_ids`` (transformers builds a
   dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
 - ``ftq``: ``trainer.attention`` (``ftq_packed`` with the Triton varlen kernel, metadata built
-  once per batch) and ``trainer.fused_loss`` (chunked linear + cross-entropy);
   once per batch), ``trainer.fused_loss`` (chunked linear + cross-entropy), ``trainer.lora_fused``
   (LoRA in bf16 with the update fused into the base matmul; adapters stay fp32 master weights)
-  and ``trainer.fused_ops`` (fused RMSNorm and SwiGLU kernels) where they are in the build;
+  and ``trainer.fused_ops`` (Triton RMSNorm, SwiGLU and RoPE kernels);
 - ``ftq + offload``: ftq with the layer inputs offloaded to pinned host memory and reloaded
   double-buffered (``trainer.offload``): the memory-lean configuration;
 - ``ftq, metadata cache off``: ftq with the metadata rebuilt in every layer (the "before"
@@ -37,8 +36,10 @@ import gc
 import json
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -197,16 +198,23 @@ def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int
         step(i)
     torch.cuda.synchronize()
     # Host syncs: one untimed step under the sync debugger.
-    with warnings.catch_warnings(record=True) as caught:
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):  # the Python stack that led to it, innermost last
+            frames = traceback.extract_stack()[:-1]
+            sites.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[::-1][:8]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step(warmup)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    result.syncs_per_step = len(syncs)
-    result.sync_sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    result.syncs_per_step = len(sites)
+    result.sync_sites = sorted(set(sites))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     timed = range(warmup + 1, len(steps))

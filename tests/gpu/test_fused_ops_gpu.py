@@ -261,10 +261,10 @@ def _small_model(arch: str, checkpointing: str) -> nn.Module:
 
 
 def _step(
-    model: nn.Module, ids: torch.Tensor
+    model: nn.Module, ids: torch.Tensor, autocast: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     return loss.detach().float(), {
@@ -288,6 +288,15 @@ class TestLoraStep:
             device="cuda",
             generator=torch.Generator("cuda").manual_seed(0),
         )
+        # float32 reference: the same weights upcast (bf16 values are exact in fp32), no autocast;
+        # the adapters are fp32 already and are put back untouched.
+        adapters = {n: p.data.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.float()
+        loss_exact, exact = _step(model, ids, autocast=False)
+        model.to(torch.bfloat16)
+        for n, p in model.named_parameters():
+            if n in adapters:
+                p.data = adapters[n]
         loss0, grads0 = _step(model, ids)
 
         calls = {"norm": 0, "swiglu": 0}
@@ -312,9 +321,18 @@ class TestLoraStep:
         # forward + recompute in backward: every norm but the final one twice, every MLP twice
         assert calls == {"norm": 2 * len(result.norms) - 1, "swiglu": 16}
 
-        assert (
-            torch.isfinite(loss1)
-            and abs(loss1.item() - loss0.item()) / abs(loss0.item()) < STEP_REL_L2
-        )
-        worst = max(grads0, key=lambda n: _rel_l2(grads1[n], grads0[n]))
-        assert _rel_l2(grads1[worst], grads0[worst]) < STEP_REL_L2, worst
+        try:
+            assert (
+                torch.isfinite(loss1)
+                and abs(loss1.item() - loss0.item()) / abs(loss0.item()) < STEP_REL_L2
+            )
+            # Both bf16 runs round differently; each is held against the float32 result: the
+            # fused one may be at most NO_WORSE_THAN_EAGER x as far from it as eager (floor
+            # STEP_REL_L2 / 2), and within 2 x STEP_REL_L2 of eager.
+            for n in grads0:
+                eager_err = _rel_l2(grads0[n], exact[n])
+                assert _rel_l2(grads1[n], exact[n]) <= max(NO_WORSE_THAN_EAGER * eager_err, STEP_REL_L2 / 2), n
+                assert _rel_l2(grads1[n], grads0[n]) < 2 * STEP_REL_L2, n
+            assert abs(loss1 - loss_exact) <= max(NO_WORSE_THAN_EAGER * abs(loss0 - loss_exact), 1e-3 * loss_exact)
+        finally:
+            result.uninstall()  # the RoPE patch is module-wide: do not leak it into later tests

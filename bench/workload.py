@@ -4,7 +4,9 @@ Every speed claim in docs/benchmarks.md uses this one workload (issue 3): lognor
 lengths (median 250, sigma 1, seed 0, clipped to [16, 4096]) packed into steps of exactly
 16,384 real tokens; synthetic token ids; random-weight models built from transformers config
 classes (nothing is downloaded), LoRA r=16 alpha=16 on q,k,v,o,gate,up,down, gradient
-checkpointing, bf16, AdamW on the LoRA weights.
+checkpointing, bf16, AdamW on the LoRA weights. MoE shapes (GPT-OSS-20B) put LoRA on the
+attention projections and, through peft ``target_parameters``, on the 3-D expert weights
+(``trainer.moe_routing.expert_lora_targets``: they are not ``nn.Linear``).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def padded_batch(lengths: list[int], vocab_size: int, device: torch.device, seed
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    family: str  # "llama" | "qwen3"
+    family: str  # "llama" | "qwen3" | "gpt_oss"
     hidden: int
     layers: int
     heads: int
@@ -116,38 +118,96 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense MLP)."""
+    experts_per_token: int = 0
+    sliding_window: int | None = None
+    """Window of the sliding-attention layers (GPT-OSS: every other layer, the config's default)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """LoRA ``target_modules``; a MoE shape adds the expert weights as ``target_parameters``."""
+        return LORA_TARGETS[:4] if self.is_moe else LORA_TARGETS
 
     def config(self, attn_implementation: str = "sdpa"):
         from transformers import LlamaConfig, Qwen3Config
 
-        common = dict(hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                      num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                      intermediate_size=self.intermediate, vocab_size=self.vocab, max_position_embeddings=32768,
-                      tie_word_embeddings=False)
-        cls = Qwen3Config if self.family == "qwen3" else LlamaConfig
-        config = cls(**common)
+        common = {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                  "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                  "intermediate_size": self.intermediate, "vocab_size": self.vocab,
+                  "max_position_embeddings": 32768, "tie_word_embeddings": False}
+        if self.family == "gpt_oss":
+            from transformers import GptOssConfig
+
+            # The config class's own max positions (yarn RoPE) and alternating sliding/full layers.
+            del common["max_position_embeddings"]
+            config = GptOssConfig(**common, num_local_experts=self.experts,
+                                  num_experts_per_tok=self.experts_per_token, sliding_window=self.sliding_window)
+            # GPT-OSS has no SDPA path in transformers (its attention sinks): eager is its plain default.
+            if attn_implementation == "sdpa":
+                attn_implementation = "eager"
+        else:
+            cls = Qwen3Config if self.family == "qwen3" else LlamaConfig
+            config = cls(**common)
         config._attn_implementation = attn_implementation
         return config
 
     def matmul_flops_per_token(self) -> float:
-        """Forward FLOPs per token of the dense matmuls (projections, MLP, LM head), excluding attention scores."""
+        """Forward FLOPs per token of the dense matmuls (projections, MLP, LM head), excluding attention scores.
+
+        MoE: the router plus the ``experts_per_token`` experts a token visits (gate, up, down each).
+        """
         attn_proj = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
+        if self.is_moe:
+            mlp = self.experts_per_token * mlp + self.hidden * self.experts
         return 2.0 * (self.layers * (attn_proj + mlp) + self.hidden * self.vocab)
 
+    def windowed_layers(self) -> int:
+        """Layers attending through ``sliding_window`` (GPT-OSS's default: layers 0, 2, 4, ...)."""
+        return (self.layers + 1) // 2 if self.sliding_window else 0
+
     def attention_flops(self, lengths: list[int]) -> float:
-        """Forward FLOPs of causal attention within samples: QK^T and PV over the lower triangle."""
-        pairs = sum(n * (n + 1) / 2 for n in lengths)
-        return 4.0 * self.layers * self.heads * self.head_dim * pairs
+        """Forward FLOPs of causal attention within samples: QK^T and PV over the lower triangle.
+
+        A sliding-window layer sees at most ``sliding_window`` keys per query (itself included).
+        """
+        full_pairs = sum(n * (n + 1) / 2 for n in lengths)
+        per_layer = (self.layers - self.windowed_layers()) * full_pairs
+        if self.sliding_window:
+            w = self.sliding_window
+            window_pairs = sum(n * (n + 1) / 2 if n <= w else w * (w + 1) / 2 + (n - w) * w for n in lengths)
+            per_layer += self.windowed_layers() * window_pairs
+        return 4.0 * self.heads * self.head_dim * per_layer
+
+    def param_count(self) -> int:
+        """Parameters of the base model (embeddings, head, projections, MLP or experts; norms and biases
+        ignored): what the weights cost in GPU memory, for the plan's offload estimate."""
+        attn_proj = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate
+        if self.is_moe:
+            mlp = self.experts * mlp + self.hidden * self.experts
+        return self.layers * (attn_proj + mlp) + 2 * self.hidden * self.vocab
 
 
 QWEN3_0_6B = ModelShape("Qwen3-0.6B", "qwen3", 1024, 28, 16, 8, 128, 3072, 151_936)
 LLAMA_3_1_8B = ModelShape("Llama-3.1-8B", "llama", 4096, 32, 32, 8, 128, 14_336, 128_256)
+GPT_OSS_20B = ModelShape("GPT-OSS-20B", "gpt_oss", 2880, 24, 64, 8, 64, 2880, 201_088, experts=32,
+                         experts_per_token=4, sliding_window=128)
+"""transformers ``GptOssConfig`` at the 20B checkpoint's sizes: 32 experts, top-4, window 128 on alternating layers."""
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama-8b": LLAMA_3_1_8B}
+"""The dense shapes of bench.train_step (GPT-OSS-20B is bench.ablation's: stock has no SDPA path for it)."""
 
 
 def build_lora_model(shape: ModelShape, device: torch.device, attn_implementation: str = "sdpa"):
-    """Random-weight bf16 model with LoRA adapters, gradient checkpointing on; returns (model, optimizer)."""
+    """Random-weight bf16 model with LoRA adapters, gradient checkpointing on; returns (model, optimizer).
+
+    Built and initialised directly on ``device``: no CPU copy of the weights, no CPU init.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -161,7 +221,13 @@ def build_lora_model(shape: ModelShape, device: torch.device, attn_implementatio
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+    extra = {}
+    if shape.is_moe:
+        from trainer import moe_routing
+
+        extra["target_parameters"] = moe_routing.expert_lora_targets(model)  # peft >= 0.17
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=list(shape.lora_targets),
+                      task_type="CAUSAL_LM", **extra)
     model = get_peft_model(model, lora)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")

@@ -3,8 +3,9 @@
 - ``model_facts``: what the plan needs (model type, MoE, SDPA support) from the config alone.
 - ``load_tokenizer`` / ``load_model``: real ``from_pretrained``: a local directory, or a hub id
   that Hugging Face resolves as usual (cache, then the hub when online).
-- ``prepare_for_training``: LoRA via peft (or every weight for ``full``), gradient checkpointing
-  with ``use_reentrant=False``.
+- ``prepare_for_training``: LoRA via peft (or every weight for ``full``; for ``qlora`` over the
+  NF4 base ``load_model`` quantized, see ``freeze_quantized_base``), gradient checkpointing with
+  ``use_reentrant=False``.
 - ``packed_forward`` + ``loss_sum`` (full logits) and ``packed_loss`` (either loss kernel): the
   only ways the trainer calls the model. Packed rows must go in with no attention mask and no KV
   cache: an all-ones mask (what a tokenizer or collator hands out by default) would silently let
@@ -220,7 +221,7 @@ def load_model(
     }
     if config.method == "qlora":
         kwargs["quantization_config"] = nf4_config(_DTYPES[plan.dtype])
-        kwargs["device_map"] = {"": _indexed(device)}
+        kwargs["device_map"] = {"": _device_map_target(device)}
     model = AutoModelForCausalLM.from_pretrained(config.model.name_or_path, **kwargs)
     if config.method != "qlora":
         model.to(device)
@@ -245,11 +246,11 @@ def nf4_config(compute_dtype: torch.dtype) -> Any:
     )
 
 
-def _indexed(device: torch.device) -> torch.device:
-    """``device`` with an index on CUDA: a device map needs to name one GPU (``cuda`` alone is ambiguous)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+def _device_map_target(device: torch.device) -> int | str:
+    """``device`` as a device map names it: a GPU by its index (``cuda`` alone names none), else its type."""
+    if device.type == "cuda":
+        return torch.cuda.current_device() if device.index is None else device.index
+    return device.type
 
 
 def prepare_for_training(
@@ -284,14 +285,19 @@ def freeze_quantized_base(model: torch.nn.Module) -> torch.nn.Module:
     """Ready a 4-bit base for LoRA: every base weight frozen, every dtype left as loaded.
 
     This replaces peft's ``prepare_model_for_kbit_training``, which does three things that hurt
-    here: it casts every bf16 weight that is not 4-bit (embeddings, head, norms) to fp32 (+3.1
-    GB for Qwen3-14B's embeddings and head, and fp32 hidden states out of every fp32 norm); it
-    re-enables gradient checkpointing with its own arguments, i.e. reentrant, replacing ours;
-    and for reentrant checkpointing it hooks the embeddings to make their output require grad.
-    The fp32 upcast is a float16-era stability measure: bf16 has fp32's range, the frozen norms
-    compute their statistics in fp32 inside the module anyway, and the loss is fp32
-    (``trainer.fused_loss``). LoRA weights are peft's fp32 master weights (AdamW state in fp32),
-    computed in the bf16 compute dtype by ``trainer.lora_fused`` (or peft under autocast).
+    here. It casts every bf16 weight that is not 4-bit (embeddings, head, norms) to fp32: +3.1 GB
+    for Qwen3-14B's embeddings and head, and fp32 hidden states out of every fp32 norm. It
+    re-enables gradient checkpointing without ``use_reentrant``, replacing ours: torch then runs
+    the reentrant variant, warning on every call. And it hooks the embeddings so that their
+    output requires grad, without which reentrant checkpointing would give the LoRA weights no
+    gradients; non-reentrant checkpointing needs no such hook. The fp32 upcast is a
+    float16-era stability measure: bf16 has fp32's range, the frozen norms compute their
+    statistics in fp32 inside the module anyway, and the loss is fp32 (``trainer.fused_loss``).
+
+    LoRA weights stay what peft makes them, fp32 master weights (AdamW state in fp32, so
+    updates far below a weight's bf16 spacing are not lost), and are computed in the bf16
+    compute dtype: by ``trainer.lora_fused`` (update-only path over the 4-bit base) or by peft
+    under autocast.
 
     Raises:
         ValueError: ``model`` has no 4-bit layers (it was not loaded with ``nf4_config``).

@@ -165,7 +165,7 @@ class Variant:
 
 
 def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int, peak_tflops: float,
-                shape: ModelShape) -> Result:
+                shape: ModelShape, keep_gc: bool = False) -> Result:
     result = Result(shape.name, variant.name)
     device = variant.device
 
@@ -194,6 +194,18 @@ def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int
             events["opt"][-1][1].record()
         return loss_sum, tokens
 
+    if not keep_gc:  # a gen-2 collection over the model's Python objects stalls a host-bound step
+        gc.collect()
+        gc.disable()
+    try:
+        return _timed(variant, step, steps, warmup, peak_tflops, shape, result)
+    finally:
+        gc.enable()
+
+
+def _timed(variant: Variant, step, steps: list[list[int]], warmup: int, peak_tflops: float, shape: ModelShape,
+           result: Result) -> Result:
+    device = variant.device
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()
@@ -273,7 +285,7 @@ def profile_step(variant: Variant, optimizer, lengths: list[int], out_path: str 
 
 
 def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, warmup: int, timed: int,
-                peak: float, profile_out: str | None) -> tuple[list[Result], str]:
+                peak: float, profile_out: str | None, keep_gc: bool = False) -> tuple[list[Result], str]:
     model, optimizer = build_lora_model(shape, device)
     model.train()
     steps = packed_steps(warmup + 1 + timed)
@@ -284,7 +296,7 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
             variant = Variant(name, model, shape, device)
             if variant.installed:
                 print(f"  {shape.name} / {name}: installed {', '.join(variant.installed)}", flush=True)
-            results.append(run_variant(variant, optimizer, steps, warmup, peak, shape))
+            results.append(run_variant(variant, optimizer, steps, warmup, peak, shape, keep_gc=keep_gc))
             if profile_out and name == "ftq":
                 profile_text = profile_step(variant, optimizer, steps[0], profile_out)
         except torch.OutOfMemoryError as exc:
@@ -329,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write all numbers to this JSON file")
+    parser.add_argument("--keep-gc", action="store_true",
+                        help="leave Python's garbage collector on while timing (default: collected, then off)")
     parser.add_argument("--profile", help="write a profiler table of one ftq step per shape to PATH.<shape>.txt")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -343,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.shapes:
         shape = SHAPES[key]
         out = f"{args.profile}.{key}.txt" if args.profile else None
-        rs, prof = bench_shape(shape, args.variants, device, args.warmup, args.steps, peak, out)
+        rs, prof = bench_shape(shape, args.variants, device, args.warmup, args.steps, peak, out, args.keep_gc)
         results += rs
         profiles[shape.name] = prof
     print()

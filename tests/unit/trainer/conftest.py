@@ -24,6 +24,19 @@ def restore_torch_state() -> Iterator[None]:
     torch.set_rng_state(rng)
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread: tiny CPU matmuls skip thread hand-offs (slow on CI's 2 busy cores) and
+    reductions sum in one order, so "equal" can mean bit for bit. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama + tokenizer saved with save_pretrained (built once per session)."""

@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,13 +38,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 ARCHS = ("llama", "qwen3", "mistral")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One thread: CPU reductions then sum in one order, so "equal" means bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,8 +10,6 @@ Tolerances (max abs difference relative to the reference's largest magnitude):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -21,13 +19,7 @@ from trainer.config import LoraConfig
 from trainer.model import apply_lora
 from trainer.tiny import build_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

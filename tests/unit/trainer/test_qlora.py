@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer_hardware import CPU, H100
 from trainer_helpers import make_job
 
 from trainer import hardware, lora_fused
 from trainer.config import Optimizations, TrainConfig
 from trainer.errors import PlanError
-from trainer.hardware import Hardware
 from trainer.model import (
     freeze_quantized_base,
     load_model,
@@ -28,36 +28,8 @@ from trainer.model import (
 )
 from trainer.packing import PackedBatch, pack_batch
 
-CPU_WITH_BNB = Hardware(
-    device="cpu",
-    name="x86_64",
-    capability=None,
-    gpu_count=0,
-    gpu_memory=None,
-    host_memory=2**34,
-    pinned_memory=False,
-    bf16=False,
-    triton=False,
-    attention_kernels=("sdpa",),
-    bitsandbytes=True,
-    cpu_count=2,
-    torch_version="2.13",
-    cuda_version=None,
-    peak_flops=None,
-)
-H100_WITH_BNB = dataclasses.replace(
-    CPU_WITH_BNB,
-    device="cuda",
-    name="NVIDIA H100 80GB HBM3",
-    capability=(9, 0),
-    gpu_count=1,
-    gpu_memory=80 * 2**30,
-    pinned_memory=True,
-    bf16=True,
-    triton=True,
-    cuda_version="13.0",
-    peak_flops=989e12,
-)
+CPU_WITH_BNB = dataclasses.replace(CPU, bitsandbytes=True)
+H100_WITH_BNB = dataclasses.replace(H100, bitsandbytes=True, cuda_version="13.0")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 needs_bnb = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None,

@@ -26,7 +26,9 @@ COPY core ./core
 COPY migrations ./migrations
 COPY trainer ./trainer
 COPY worker ./worker
-RUN pip install . \
+# The qlora extra (bitsandbytes) lets a worker on a GPU take method: qlora; the API and
+# workers without a GPU carry it unused (their detect reports no CUDA, so qlora stays refused).
+RUN pip install ".[qlora]" \
     && useradd --create-home --uid 1000 ftq \
     && mkdir -p /data /models \
     && chown ftq:ftq /data

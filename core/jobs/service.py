@@ -114,7 +114,8 @@ def create_job(
 
     Raises:
         Conflict: ``idempotency_key`` was used with a different spec.
-        Unsupported: ``method`` is ``qlora``.
+        Unsupported: ``method`` is ``qlora`` and no live worker reports a CUDA GPU with
+            bitsandbytes (``_check_method``).
         InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a model that
             cannot be resolved, or a spec the trainer's config refuses.
         Unsupported: an optimization forced ``on`` that no live worker can honour, or
@@ -125,12 +126,7 @@ def create_job(
         existing = _by_idempotency_key(session, idempotency_key, fingerprint)
         if existing is not None:
             return existing, False
-    if spec.method == "qlora":
-        raise Unsupported(
-            "method: qlora needs bitsandbytes on a CUDA worker; no worker of this box reports it. "
-            "Use method lora or full",
-            param="method",
-        )
+    _check_method(session, spec, settings)
     _check_forced_switches(session, spec, settings)
     check_gpus(session, spec.gpus, settings)
     paths = {
@@ -198,12 +194,7 @@ def _check_forced_switches(session: Session, spec: JobSpec, settings: Settings) 
     forced = [name for name, value in spec.optimizations.model_dump().items() if value == "on"]
     if not forced:
         return
-    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
-    reports = [
-        (worker.worker_id, worker.hardware.get("capabilities"))
-        for worker in session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff))
-        if isinstance(worker.hardware, dict)
-    ]
+    reports = [(worker_id, report.get("capabilities")) for worker_id, report in _live_reports(session, settings)]
     reports = [(worker_id, caps) for worker_id, caps in reports if isinstance(caps, dict)]
     if not reports:
         return
@@ -220,6 +211,61 @@ def _check_forced_switches(session: Session, spec: JobSpec, settings: Settings) 
             f"Set optimizations.{name} to auto or off",
             param=f"optimizations.{name}",
         )
+
+
+def _check_method(session: Session, spec: JobSpec, settings: Settings) -> None:
+    """Refuse ``method: qlora`` unless a live worker reports a CUDA GPU with bitsandbytes.
+
+    Reads ``hardware.device`` and ``hardware.bitsandbytes`` of the ``detect --json`` report each
+    worker stores (``worker.presence``), from the workers ``_check_forced_switches`` reads: those
+    with a heartbeat younger than ``heartbeat_timeout_s``. Every live worker can claim a job of
+    one GPU, so any one of them able to load a 4-bit base is enough. Unlike a forced switch, a
+    box with no such report refuses (no live worker, or none whose detect has finished): a 4-bit
+    base exists only with bitsandbytes on CUDA, so the caller gets the fix now rather than a
+    queued job that can only fail at its start. A worker gains the report when it restarts.
+
+    Raises:
+        Unsupported: ``method`` is ``qlora`` and no live worker reports both.
+    """
+    if spec.method != "qlora":
+        return
+    reports = _live_reports(session, settings)
+    gaps = {worker_id: _qlora_gap(report) for worker_id, report in reports}
+    if any(gap is None for gap in gaps.values()):
+        return
+    fix = "Use method lora, or install bitsandbytes on a GPU worker (pip install 'ftq[qlora]') and restart it"
+    if not gaps:
+        raise Unsupported(
+            "method: qlora needs a worker with a CUDA GPU and bitsandbytes; no worker is live "
+            f"(none has sent a heartbeat in the last {settings.heartbeat_timeout_s:g} s). {fix}",
+            param="method",
+        )
+    why = "; ".join(f"worker {worker_id}: {gap}" for worker_id, gap in sorted(gaps.items()))
+    raise Unsupported(
+        f"method: qlora needs a worker with a CUDA GPU and bitsandbytes; no live worker has both ({why}). {fix}",
+        param="method",
+    )
+
+
+def _qlora_gap(report: dict[str, Any]) -> str | None:
+    """None when a worker's report shows a CUDA device with bitsandbytes, else what it lacks."""
+    hardware = report.get("hardware")
+    if not isinstance(hardware, dict):
+        return "no hardware report (its trainer detect failed or has not finished)"
+    has_cuda = hardware.get("device") == "cuda"
+    has_bnb = hardware.get("bitsandbytes") is True
+    if has_cuda and has_bnb:
+        return None
+    missing = " or ".join(what for what, present in (("CUDA", has_cuda), ("bitsandbytes", has_bnb)) if not present)
+    return f"{hardware.get('name', 'unknown device')} ({hardware.get('device', 'unknown')}) without {missing}"
+
+
+def _live_reports(session: Session, settings: Settings) -> list[tuple[str, dict[str, Any]]]:
+    """``(worker_id, detect report)`` of each worker whose heartbeat is younger than
+    ``heartbeat_timeout_s``; a worker that registered before its detect finished has ``{}``."""
+    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
+    workers = session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.worker_id))
+    return [(worker.worker_id, worker.hardware if isinstance(worker.hardware, dict) else {}) for worker in workers]
 
 
 def get_job(session: Session, job_id: str) -> Job:

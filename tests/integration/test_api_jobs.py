@@ -205,11 +205,15 @@ class TestCreate:
         assert client.post("/v1/jobs", json=spec(train)).status_code == 422
         assert count(store, Job) == 0
 
-    def test_qlora_is_refused_with_the_reason(self, client: TestClient, store) -> None:
+    def test_qlora_without_a_live_worker_is_refused_with_the_fix(self, client: TestClient, store) -> None:
+        # Workers that report CUDA + bitsandbytes: tests/integration/test_api_jobs_plan.py.
         response = client.post("/v1/jobs", json=spec(upload(client), method="qlora"))
-        assert response.status_code == 422
-        assert response.json()["error"]["code"] == "unsupported"
-        assert "bitsandbytes on a CUDA worker" in response.json()["error"]["message"]
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("unsupported", "method")
+        assert "needs a worker with a CUDA GPU and bitsandbytes; no worker is live" in error["message"]
+        assert "Use method lora, or install bitsandbytes on a GPU worker (pip install 'ftq[qlora]')" in error["message"]
+        assert count(store, Job) == 0
 
     def test_full_is_accepted_but_not_with_lora_settings(self, client: TestClient, store) -> None:
         file_id = upload(client)

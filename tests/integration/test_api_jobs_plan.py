@@ -1,4 +1,5 @@
-"""POST /v1/jobs refuses an optimization forced ``on`` that no live worker can honour (issue 3).
+"""POST /v1/jobs refuses an optimization forced ``on`` that no live worker can honour (issue 3),
+and ``method: qlora`` unless a live worker reports a CUDA GPU with bitsandbytes.
 
 The workers' ``hardware`` column holds real ``python -m trainer detect --json`` output from this
 (CPU) machine, as ``worker.presence`` stores it; a GPU worker's report is that output with the
@@ -20,7 +21,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from core.db import utcnow
-from core.jobs.models import Job
+from core.jobs.models import Job, JobEvent
 from core.workers.models import Worker
 from tests.conftest import CHAT_RECORD
 
@@ -136,3 +137,60 @@ class TestForcedOnAtSubmission:
             **optimizations(double_buffered_reload="auto", moe_grouped_routing="off"),
         )
         assert client.post("/v1/jobs", json=body).status_code == 201
+
+
+def cuda_report(cpu_report: dict[str, Any], *, bitsandbytes: bool) -> dict[str, Any]:
+    """A GPU worker's report: this machine's with the device fields a CUDA build gives."""
+    hardware = {**cpu_report["hardware"], "device": "cuda", "name": "NVIDIA H200", "capability": [9, 0]}
+    return {**cpu_report, "hardware": {**hardware, "bitsandbytes": bitsandbytes}}
+
+
+class TestQloraAtSubmission:
+    def test_a_workers_report_says_its_device_and_bitsandbytes(self, cpu_report) -> None:
+        # The two fields the API reads (core.jobs.service._qlora_gap).
+        assert cpu_report["hardware"]["device"] == "cpu"
+        assert isinstance(cpu_report["hardware"]["bitsandbytes"], bool)
+
+    def test_refusal_names_each_live_worker_what_it_lacks_and_the_fix(
+        self, client: TestClient, store, cpu_report
+    ) -> None:
+        add_worker(store, "box-cpu", cpu_report)
+        add_worker(store, "box-gpu0", cuda_report(cpu_report, bitsandbytes=False))
+        add_worker(store, "box-gpu1", {})  # registered, its detect not finished yet
+        older = cuda_report(cpu_report, bitsandbytes=True)
+        del older["hardware"]["bitsandbytes"]
+        add_worker(store, "box-gpu2", older)  # a trainer that does not report bitsandbytes
+        file_id = upload(client)
+        response = client.post("/v1/jobs", json=spec(file_id, method="qlora"))
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("unsupported", "method")
+        message = error["message"]
+        assert "no live worker has both" in message
+        assert "worker box-cpu: " in message and "(cpu) without CUDA" in message
+        assert "worker box-gpu0: NVIDIA H200 (cuda) without bitsandbytes;" in message
+        assert "worker box-gpu1: no hardware report" in message
+        assert "worker box-gpu2: NVIDIA H200 (cuda) without bitsandbytes)" in message
+        assert "Use method lora, or install bitsandbytes on a GPU worker (pip install 'ftq[qlora]')" in message
+        assert (count(store, Job), count(store, JobEvent)) == (0, 0)
+        assert client.post("/v1/jobs", json=spec(file_id, method="lora")).status_code == 201
+
+    def test_a_live_cuda_worker_with_bitsandbytes_accepts_qlora(
+        self, client: TestClient, store, cpu_report
+    ) -> None:
+        add_worker(store, "box-cpu", cpu_report)
+        add_worker(store, "box-gpu0", cuda_report(cpu_report, bitsandbytes=True))
+        response = client.post("/v1/jobs", json=spec(upload(client), method="qlora"))
+        assert response.status_code == 201, response.text
+        job = response.json()
+        assert (job["status"], job["spec"]["method"]) == ("queued", "qlora")
+        assert count(store, Job) == 1
+
+    def test_a_cuda_worker_with_bitsandbytes_counts_only_while_live(
+        self, client: TestClient, store, cpu_report
+    ) -> None:
+        add_worker(store, "box-gpu0", cuda_report(cpu_report, bitsandbytes=True), age_s=3600)
+        response = client.post("/v1/jobs", json=spec(upload(client), method="qlora"))
+        assert response.status_code == 422, response.text
+        assert "no worker is live" in response.json()["error"]["message"]
+        assert count(store, Job) == 0

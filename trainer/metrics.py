@@ -13,6 +13,7 @@ packed samples (QK^T and AV, forward and backward, half of the square for causal
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -53,6 +54,13 @@ class StepTimer:
         return PendingTiming(spans, self._cuda)
 
 
+def param_numel(p: torch.Tensor) -> int:
+    """How many weights ``p`` stands for: a bitsandbytes 4-bit weight stores two per byte and keeps
+    its logical shape in ``quant_state``, so ``numel()`` would count half of them."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
+
+
 @dataclass
 class PendingTiming:
     spans: list[tuple[str, Any, Any]]
@@ -87,8 +95,8 @@ class FlopCounter:
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FlopCounter:
         config = model.config
-        total = sum(p.numel() for p in model.parameters())
-        embedding = model.get_input_embeddings().weight.numel()
+        total = sum(param_numel(p) for p in model.parameters())
+        embedding = param_numel(model.get_input_embeddings().weight)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(total - embedding, config.num_hidden_layers, heads * head_dim)

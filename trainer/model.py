@@ -379,10 +379,12 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """``(all parameters, trainable parameters)``."""
+    """``(all parameters, trainable parameters)``; a 4-bit weight counts its logical elements."""
+    from trainer.metrics import param_numel
+
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel()
+        n = param_numel(p)
         total += n
         if p.requires_grad:
             trainable += n

@@ -68,3 +68,17 @@ class TestLrSchedule:
             1.0,
             1.0,
         ]
+
+
+def test_param_numel_counts_a_4bit_weight_by_its_logical_shape() -> None:
+    """bitsandbytes packs two 4-bit weights per byte: numel() is half; quant_state has the shape."""
+    import types
+
+    import torch
+
+    from trainer.metrics import param_numel
+
+    packed = torch.nn.Parameter(torch.zeros(32 * 64 // 2, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = types.SimpleNamespace(shape=torch.Size([32, 64]))
+    assert packed.numel() == 1024 and param_numel(packed) == 2048
+    assert param_numel(torch.nn.Parameter(torch.zeros(3, 5))) == 15

@@ -136,6 +136,8 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
     print(f"dtype      {plan.dtype}")
     print(f"attention  {plan.attention_backend}: {plan.attention.reason}")
     print(f"loss       {plan.loss_kernel}: {plan.loss.reason}")
+    print(f"lora       {plan.lora.backend or '-'}: {plan.lora.reason}")
+    print(f"ops        {plan.fused_ops.backend or 'transformers'}: {plan.fused_ops.reason}")
     for d in plan.decisions:
         print(f"{d.name:<24} {'on ' if d.enabled else 'off'}  {d.reason}")
     for name, why_not in capabilities.items():

@@ -43,7 +43,15 @@ from pathlib import Path
 
 import torch
 
-from bench.workload import SHAPES, TOKENS_PER_STEP, ModelShape, build_lora_model, packed_batch, packed_steps, padded_batch
+from bench.workload import (
+    SHAPES,
+    TOKENS_PER_STEP,
+    ModelShape,
+    build_lora_model,
+    packed_batch,
+    packed_steps,
+    padded_batch,
+)
 
 VARIANTS = ("stock padded", "stock packed", "ftq", "ftq + offload", "ftq, metadata cache off", "ftq, peft LoRA",
             "ftq, unfused norm/SwiGLU")
@@ -90,6 +98,13 @@ class Variant:
         self.installed: list[str] = []
         if not name.startswith("ftq"):
             return
+        try:
+            self._install(name, model, device)
+        except BaseException:
+            self.close()  # undo what was installed: it must not leak into the next variant
+            raise
+
+    def _install(self, name: str, model, device: torch.device) -> None:
         from trainer import offload
         from trainer.attention import PackedAttention
 
@@ -167,7 +182,6 @@ class Variant:
 def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int, peak_tflops: float,
                 shape: ModelShape, keep_gc: bool = False) -> Result:
     result = Result(shape.name, variant.name)
-    device = variant.device
 
     def step(i: int, events=None):
         """One optimizer step; ``events`` collects (start, forward done, backward done) per micro-batch."""

@@ -136,8 +136,7 @@ class InstallResult:
         """Restore the original ``forward`` of every module this install patched."""
         for module in (*self.norms, *self.mlps):
             _unpatch(module)
-        for modeling, original in self.rope:
-            modeling.apply_rotary_pos_emb = original
+        _restore_rope([modeling.__name__ for modeling, _ in self.rope])
         self.norms, self.mlps, self.rope = [], [], []
 
     def describe(self) -> str:
@@ -207,7 +206,12 @@ def _patch_rope(model: nn.Module, result: InstallResult) -> None:
             continue
         seen.add(modeling.__name__)
         original = getattr(modeling, "apply_rotary_pos_emb", None)
-        if original is None or original is rope.apply_rotary_pos_emb:
+        if original is rope.apply_rotary_pos_emb:  # patched by an earlier install: share its record
+            record = _ROPE_ORIGINALS[modeling.__name__]
+            if record not in result.rope:
+                result.rope.append(record)
+            continue
+        if original is None:
             continue
         if not _same_rope(original):
             result.skipped.setdefault(
@@ -216,6 +220,7 @@ def _patch_rope(model: nn.Module, result: InstallResult) -> None:
             )
             continue
         modeling.apply_rotary_pos_emb = rope.apply_rotary_pos_emb
+        _ROPE_ORIGINALS[modeling.__name__] = (modeling, original)
         result.rope.append((modeling, original))
 
 
@@ -241,12 +246,25 @@ def _same_rope(fn: Any) -> bool:
     return True
 
 
+_ROPE_ORIGINALS: dict[str, tuple[types.ModuleType, Any]] = {}
+"""transformers' own ``apply_rotary_pos_emb`` of every modeling file patched in this process."""
+
+
 def uninstall(model: nn.Module) -> int:
-    """Restore every module of ``model`` that ``install`` patched; returns how many there were."""
+    """Restore every module of ``model`` that ``install`` patched, and transformers' RoPE functions
+    (a process-wide patch); returns how many modules there were."""
     patched = [m for m in model.modules() if _PATCH_ATTR in vars(m)]
     for module in patched:
         _unpatch(module)
+    _restore_rope(list(_ROPE_ORIGINALS))
     return len(patched)
+
+
+def _restore_rope(names: list[str]) -> None:
+    for name in names:
+        modeling, original = _ROPE_ORIGINALS.pop(name, (None, None))
+        if modeling is not None:
+            modeling.apply_rotary_pos_emb = original
 
 
 def _why_not_triton(model: nn.Module, triton: bool | None) -> str | None:

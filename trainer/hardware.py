@@ -792,6 +792,13 @@ def _fused_ops(hw: Hardware) -> Decision:
         return Decision("fused_ops", False, None, "CPU: transformers' own RMSNorm, SwiGLU and RoPE ops")
     if not hw.triton:
         return Decision("fused_ops", False, None, "triton is not installed: transformers' own ops")
+    if hw.capability is not None and hw.capability < (8, 0):
+        return Decision(
+            "fused_ops",
+            False,
+            None,
+            f"sm{hw.capability[0]}{hw.capability[1]}: the Triton RMSNorm/SwiGLU/RoPE kernels need sm80 or newer",
+        )
     return Decision(
         "fused_ops",
         True,

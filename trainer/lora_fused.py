@@ -71,6 +71,7 @@ class _FusedLoraLinear(torch.autograd.Function):
         ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
         ctx.scaling, ctx.dtype, ctx.shape, ctx.x_dtype = scaling, dtype, shape, x.dtype
         ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -89,7 +90,7 @@ class _FusedLoraLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = (g.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = g.sum(0).to(weight.dtype)
+            dbias = g.sum(0).to(ctx.bias_dtype)
         if ctx.needs_input_grad[3]:
             da = (gb.t() @ x2).to(lora_a.dtype)
         if ctx.needs_input_grad[4]:
@@ -144,14 +145,26 @@ def _plain_adapter(layer: nn.Module, kwargs: dict[str, Any]) -> str | None:
     if len(active) != 1:
         return None
     name = active[0]
-    if name in getattr(layer, "lora_variant", {}):
-        return None
+    if name in getattr(layer, "lora_variant", {}) or layer.lora_B[name].bias is not None:
+        return None  # DoRA & co., or peft's lora_bias: peft's forward has them
     dropout = layer.lora_dropout[name]
     if not isinstance(dropout, nn.Identity) and not (
         isinstance(dropout, nn.Dropout) and (dropout.p == 0 or not dropout.training)
     ):
         return None
     return name
+
+
+def _plain_linear(base: nn.Module) -> bool:
+    """``base`` is an ``nn.Linear`` whose forward is exactly ``F.linear`` (no hooks, no override), so
+    its weight can be used directly; anything else (a 4-bit layer, a hooked or offloaded one) is
+    called as it is and only the update is fused."""
+    return (
+        type(base) is nn.Linear
+        and not base._forward_hooks
+        and not base._forward_pre_hooks
+        and "forward" not in vars(base)
+    )
 
 
 def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -163,7 +176,7 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     lora_a = layer.lora_A[name].weight
     lora_b = layer.lora_B[name].weight
     scaling = float(layer.scaling[name])
-    if type(base) is nn.Linear:
+    if _plain_linear(base):
         dtype = _compute_dtype(x, base.weight.dtype)
         out = _FusedLoraLinear.apply(x, base.weight, base.bias, lora_a, lora_b, scaling, dtype)
         return out
@@ -182,9 +195,10 @@ class InstallResult:
 
     def uninstall(self) -> None:
         for layer in self.layers:
-            if "forward" in vars(layer):
-                del layer.forward
-            layer.__dict__.pop("_ftq_peft_forward", None)
+            previous = layer.__dict__.pop("_ftq_peft_forward", None)
+            layer.__dict__.pop("forward", None)
+            if previous is not None and layer.__dict__.pop("_ftq_had_forward", False):
+                layer.forward = previous  # an instance-level forward someone set before install
         self.layers = []
 
     def describe(self) -> str:
@@ -223,9 +237,10 @@ def install(model: nn.Module) -> InstallResult:
     result = InstallResult()
     for layer in lora_linear_layers(model):
         if "_ftq_peft_forward" not in vars(layer):
+            layer._ftq_had_forward = "forward" in vars(layer)
             layer._ftq_peft_forward = layer.forward
             layer.forward = types.MethodType(fused_forward, layer)
         result.layers.append(layer)
-        if type(layer.get_base_layer()) is nn.Linear:
+        if _plain_linear(layer.get_base_layer()):
             result.fused_base += 1
     return result

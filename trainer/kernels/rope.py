@@ -9,8 +9,9 @@ rotates in float32 and writes once; backward is the transposed rotation of the g
 first half is read. Nothing is saved but the tables.
 
 Layout: q/k as the attention modules hold them, ``[B, H, T, D]`` with any strides whose last
-dim is contiguous (transformers' ``view(...).transpose(1, 2)``); outputs are allocated with the
-same strides, so downstream code sees what it would have seen.
+dim is contiguous (transformers' ``view(...).transpose(1, 2)``); outputs keep a dense input's
+strides (``empty_like``), so downstream code sees what it would have seen, and are contiguous
+for an overlapping input such as a gradient expanded along the batch.
 
 Numerics: float32 inside, one rounding to the input dtype; transformers rounds each of the
 three bf16 ops, so results differ by a bf16 ulp or so (tested against a float64 reference).
@@ -78,7 +79,9 @@ if triton is not None:
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    # Same strides as a dense x (transformers' transposed view stays transposed); a contiguous
+    # output for an overlapping one (an expanded gradient), which must not be written in place.
+    out = torch.empty_like(x)
     B, H, T, D = x.shape
     block_t = 32
     grid = (triton.cdiv(T, block_t), B * H)

@@ -55,3 +55,22 @@ def test_cpu_install_does_not_patch_rope() -> None:
         assert not result.triton and result.rope == []
     finally:
         result.uninstall()
+
+
+def test_module_uninstall_restores_rope_and_installs_share_one_record() -> None:
+    first, _ = build_tiny_model("llama")
+    second, _ = build_tiny_model("llama", seed=1)
+    modeling = sys.modules[type(first.model.layers[0].self_attn).__module__]
+    original = modeling.apply_rotary_pos_emb
+    a, b = fused_ops.InstallResult(triton=True), fused_ops.InstallResult(triton=True)
+    fused_ops._patch_rope(first, a)
+    fused_ops._patch_rope(second, b)
+    assert len(a.rope) == len(b.rope) == 1
+    try:
+        fused_ops.uninstall(second)  # the module-level undo restores the process-wide patch too
+        assert modeling.apply_rotary_pos_emb is original
+        a.uninstall()  # nothing left to restore: still the original
+        assert modeling.apply_rotary_pos_emb is original
+    finally:
+        a.uninstall()
+        b.uninstall()

@@ -10,6 +10,8 @@ Tolerances (max abs difference relative to the reference's largest magnitude):
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -181,3 +183,51 @@ def test_install_is_idempotent_and_uninstall_restores() -> None:
     second.uninstall()
     assert "forward" not in vars(layer) and "_ftq_peft_forward" not in vars(layer)
     assert "fused in the compute dtype" in first.describe()
+
+
+def test_lora_bias_keeps_pefts_forward() -> None:
+    """peft's ``lora_bias=True`` gives lora_B a bias, which the fused path does not carry."""
+    import peft
+
+    model, _ = build_tiny_model("llama")
+    with warnings.catch_warnings():  # "base layer has no bias, merging won't be possible": not used here
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True)
+        )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn_like(p) * 0.1
+    ids = torch.randint(0, 500, (1, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        lora_fused.install(model)
+        got = model(input_ids=ids).logits
+    layer = lora_fused.lora_linear_layers(model)[0]
+    assert lora_fused._plain_adapter(layer, {}) is None
+    assert torch.equal(got, want)
+
+
+def test_a_hooked_base_is_called_not_bypassed() -> None:
+    """A forward hook on the base linear must still run: only the update is fused then."""
+    model = _lora_model("llama")
+    ids = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(7))
+    layer = lora_fused.lora_linear_layers(model)[0]
+    layer.get_base_layer().register_forward_hook(lambda mod, args, out: out + 0.5)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        result = lora_fused.install(model)
+        got = model(input_ids=ids).logits
+    assert result.fused_base == len(result.layers) - 1  # the hooked one takes the update-only path
+    assert _rel(got, want) < 1e-5
+
+
+def test_uninstall_puts_back_an_instance_forward_set_before() -> None:
+    model = _lora_model("llama")
+    layer = lora_fused.lora_linear_layers(model)[0]
+    own = layer.forward  # bound class forward, set on the instance as a wrapper would
+    layer.forward = own
+    result = lora_fused.install(model)
+    assert layer.forward.__func__ is lora_fused.fused_forward
+    result.uninstall()
+    assert vars(layer)["forward"] is own

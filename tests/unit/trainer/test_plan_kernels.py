@@ -37,3 +37,9 @@ def test_fused_ops_only_on_a_cuda_gpu_with_triton() -> None:
     assert not cpu.fused_ops.enabled and "CPU" in cpu.fused_ops.reason
     no_triton = plan(dataclasses.replace(H100, triton=False), Optimizations(), _config())
     assert not no_triton.fused_ops.enabled and "triton is not installed" in no_triton.fused_ops.reason
+
+
+def test_fused_ops_off_below_sm80() -> None:
+    v100 = dataclasses.replace(H100, name="Tesla V100-SXM2-32GB", capability=(7, 0))
+    p = plan(v100, Optimizations(), _config())
+    assert not p.fused_ops.enabled and "sm70" in p.fused_ops.reason and "sm80" in p.fused_ops.reason

@@ -24,11 +24,13 @@ from trainer.kernels.rope import apply_rotary, apply_rotary_pos_emb, reference_r
 REPO_ROOT = Path(__file__).resolve().parents[3]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-# (B, H, T, D, dtype, transposed layout like transformers' view(...).transpose(1, 2), one shared table)
+# (B, H, T, D, dtype, transposed layout like transformers' view(...).transpose(1, 2), one shared
+# table, the incoming gradient expanded along the batch: stride 0, its output must not overlap)
 CASES = [
-    (1, 4, 37, 64, "float32", True, False),
-    (2, 3, 70, 128, "float32", False, False),
-    (2, 2, 33, 32, "float16", True, True),
+    (1, 4, 37, 64, "float32", True, False, False),
+    (2, 3, 70, 128, "float32", False, False, False),
+    (2, 2, 33, 32, "float16", True, True, False),
+    (3, 2, 20, 64, "float32", True, False, True),
 ]
 TOLERANCE = {"float32": 1e-6, "float16": 5e-3}
 
@@ -42,7 +44,7 @@ def _tables(B: int, T: int, D: int, dtype: torch.dtype, gen: torch.Generator) ->
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _case_errors(B, H, T, D, dtype_name, transposed, shared) -> list[float]:
+def _case_errors(B, H, T, D, dtype_name, transposed, shared, expanded_grad) -> list[float]:
     from trainer.kernels.rope import _Rotary
 
     dtype = getattr(torch, dtype_name)
@@ -54,6 +56,8 @@ def _case_errors(B, H, T, D, dtype_name, transposed, shared) -> list[float]:
     x.requires_grad_()
     cos, sin = _tables(1 if shared else B, T, D, dtype, gen)
     grad = torch.randn(x.shape, generator=gen).to(dtype)
+    if expanded_grad:
+        grad = grad[:1].expand_as(grad)
     c, s = (cos.expand(B, -1, -1), sin.expand(B, -1, -1)) if shared else (cos, sin)
     out = _Rotary.apply(x, c, s)
     (dx,) = torch.autograd.grad(out, x, grad)

@@ -8,6 +8,9 @@ dashboard can show how many tokens a run would see and how many records ``max_se
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +25,13 @@ from core.jobs.model_source import ModelSource, resolve_model
 MAX_RECORDS = 100_000
 """Records tokenized at most per request: enough for any dataset a dashboard user uploads by
 hand, and a bound on how long one request holds a worker thread."""
+
+TOKENIZER_CACHE_SIZE = 4
+"""Tokenizers kept loaded between requests (loading one takes ~0.1-2 s; a dashboard user asks
+again for the same model with every dataset or length they try)."""
+
+_cache: OrderedDict[tuple[Any, ...], tuple[Any, threading.Lock]] = OrderedDict()
+_cache_lock = threading.Lock()
 
 router = APIRouter(tags=["files"])
 """Included by ``api.files.routes.router``, which adds the ``/v1/files`` prefix."""
@@ -49,11 +59,10 @@ async def file_tokens(
         source = resolve_model(
             model, model_root=settings.model_root, allow_hub=settings.allow_hub_models
         )
-        tokenizer = _load_tokenizer(model, source)
-        return dataset_token_stats(path, fmt, tokenizer, max_seq_len=max_seq_len) | {
-            "file_id": file_id,
-            "model": model,
-        }
+        tokenizer, lock = cached_tokenizer(model, source)
+        with lock:  # a fast tokenizer must not be used by two threads at once ("Already borrowed")
+            stats = dataset_token_stats(path, fmt, tokenizer, max_seq_len=max_seq_len)
+        return stats | {"file_id": file_id, "model": model}
 
     return await to_thread.run_sync(compute)
 
@@ -96,6 +105,41 @@ def _summary(values: list[int]) -> dict[str, float | int]:
         "mean": round(sum(values) / len(values), 2),
         "max": max(values),
     }
+
+
+def cached_tokenizer(model: str, source: ModelSource) -> tuple[Any, threading.Lock]:
+    """The tokenizer of ``source`` and the lock to hold while using it, loaded once per version.
+
+    A local model's key includes each file's size and modification time, so replacing the
+    tokenizer files on disk loads them again; a hub model is keyed by its id.
+    """
+    key = (source.kind, source.name_or_path, _files_fingerprint(source))
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
+    loaded = (_load_tokenizer(model, source), threading.Lock())  # outside the lock: may be slow
+    with _cache_lock:
+        entry = _cache.setdefault(key, loaded)
+        _cache.move_to_end(key)
+        while len(_cache) > TOKENIZER_CACHE_SIZE:
+            _cache.popitem(last=False)
+    return entry
+
+
+def _files_fingerprint(source: ModelSource) -> tuple[Any, ...]:
+    if source.kind != "local":
+        return ()
+    try:
+        entries = sorted(os.scandir(source.name_or_path), key=lambda e: e.name)
+    except OSError:
+        return ()
+    return tuple(
+        (e.name, st.st_size, st.st_mtime_ns)
+        for e in entries
+        if e.is_file() and (st := e.stat())
+    )
 
 
 def _load_tokenizer(model: str, source: ModelSource) -> Any:

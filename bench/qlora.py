@@ -18,7 +18,6 @@ Run on a GPU (smoke: build time and memory, then the ``bench.train_step`` varian
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from typing import Any
@@ -171,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.qlora needs a CUDA device", file=sys.stderr)
         return 2
     from bench.attention import device_line
-    from bench.train_step import Result, Variant, matmul_peak_tflops, run_variant, table
-    from bench.workload import packed_steps
+    from bench.train_step import matmul_peak_tflops, run_variants, table
 
     device = torch.device("cuda")
     shape = SHAPES[args.shape]
@@ -193,36 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB",
         flush=True,
     )
-    steps = packed_steps(args.warmup + 1 + args.steps)
-    results = []
-    for name in args.variants:
-        variant = None
-        try:
-            variant = Variant(name, model, shape, device)
-            print(
-                f"  {name}: installed {', '.join(variant.installed) or 'nothing'}",
-                flush=True,
-            )
-            results.append(
-                run_variant(variant, optimizer, steps, args.warmup, peak, shape)
-            )
-        except torch.OutOfMemoryError as exc:
-            results.append(
-                Result(
-                    shape.name, name, status=f"OOM ({str(exc).splitlines()[0][:80]})"
-                )
-            )
-        finally:
-            if variant is not None:
-                variant.close()
-            optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-        r = results[-1]
-        print(
-            f"  {name}: {r.status}, loss {r.losses}, {r.tokens_per_s:,.0f} tok/s, peak {r.peak_gib:.1f} GiB",
-            flush=True,
-        )
+    results, _ = run_variants(model, optimizer, shape, list(args.variants), device, args.warmup, args.steps, peak)
     print()
     print(table(results))
     return 0

@@ -301,6 +301,18 @@ def profile_step(variant: Variant, optimizer, lengths: list[int], out_path: str 
 def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, warmup: int, timed: int,
                 peak: float, profile_out: str | None, keep_gc: bool = False) -> tuple[list[Result], str]:
     model, optimizer = build_lora_model(shape, device)
+    try:
+        return run_variants(model, optimizer, shape, variants, device, warmup, timed, peak, profile_out, keep_gc)
+    finally:
+        del model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def run_variants(model, optimizer, shape: ModelShape, variants: list[str], device: torch.device, warmup: int,
+                 timed: int, peak: float, profile_out: str | None = None,
+                 keep_gc: bool = False) -> tuple[list[Result], str]:
+    """Each variant in turn on ``model`` (installed, timed, undone); one failing variant does not stop the rest."""
     model.train()
     steps = packed_steps(warmup + 1 + timed)
     results, profile_text = [], ""
@@ -326,9 +338,6 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
         r = results[-1]
         print(f"  {shape.name} / {name}: {r.status}, {r.tokens_per_s:,.0f} tok/s, {r.peak_gib:.1f} GiB, "
               f"syncs {r.syncs_per_step} {r.sync_sites or ''}", flush=True)
-    del model, optimizer
-    gc.collect()
-    torch.cuda.empty_cache()
     return results, profile_text
 
 

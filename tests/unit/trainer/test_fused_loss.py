@@ -9,8 +9,6 @@ Tolerances (max abs error relative to the reference's largest magnitude):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,14 +20,7 @@ from trainer.fused_loss import (
     supported,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one thread avoids thread hand-offs dominating on CI's 2 busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TOLERANCES = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-4, 2e-2)}

@@ -12,7 +12,6 @@ against no checkpointing at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,9 +32,10 @@ from trainer.offload import (
     supported,
 )
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 COMMON = {
     "hidden_size": 32,
@@ -50,13 +50,6 @@ LENGTHS_2 = (7, 3, 12, 6)
 """The second micro-batch is longer: the reload buffers must grow."""
 MODES = ("none", "checkpoint", "offload-single", "offload-double")
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class LateSideStreams(SyncStreams):

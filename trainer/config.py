@@ -124,14 +124,32 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class Optimizations:
-    """Per-optimization overrides; ``auto`` lets ``trainer.hardware.plan`` decide."""
+    """Per-optimization switches, each ``auto`` (the plan decides), ``on`` or ``off``.
 
-    packed_metadata_cache: str = "auto"
-    """Build packed-batch boundary metadata once per batch and reuse it in every layer."""
-    double_buffered_reload: str = "auto"
-    """Reload offloaded activation checkpoints into two alternating GPU buffers."""
-    moe_grouped_routing: str = "auto"
-    """Group tokens by expert with one argsort + counts per MoE layer."""
+    The one list of switches: the job spec (``core.jobs.spec``), the plan
+    (``trainer.planning``) and the dashboard's form (through the API's schema) derive from
+    these fields, their defaults and their descriptions (``switch_docs``).
+    """
+
+    packed_metadata_cache: str = field(
+        default="auto",
+        metadata={"doc": "Build packed-batch boundary metadata once per batch and reuse it in every layer."},
+    )
+    double_buffered_reload: str = field(
+        default="auto",
+        metadata={"doc": "Reload offloaded activation checkpoints into two alternating GPU buffers."},
+    )
+    moe_grouped_routing: str = field(
+        default="auto",
+        metadata={"doc": "Group tokens by expert with one argsort + counts per MoE layer."},
+    )
+    offload_activations: str = field(
+        default="auto",
+        metadata={
+            "doc": "Offload checkpointed layer inputs to pinned host memory "
+            "(auto: when they would not fit on the GPU)."
+        },
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -157,8 +175,6 @@ class TrainConfig:
     """Write a resumable checkpoint every N optimizer steps; 0 writes only the final one."""
     gradient_checkpointing: bool = True
     """Recompute each decoder layer in backward instead of keeping its activations."""
-    offload_activations: str = "auto"
-    """Offload checkpointed layer inputs to pinned host memory: ``auto``, ``on`` or ``off``."""
     resume: bool = True
     """Resume from the newest checkpoint in ``output_dir`` when one exists."""
     device: str = "auto"
@@ -171,8 +187,6 @@ class TrainConfig:
             raise ValueError(f"method: {self.method!r} is not one of {', '.join(METHODS)}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
-        if self.offload_activations not in SWITCH_VALUES:
-            raise ValueError(f"offload_activations: {self.offload_activations!r} is not one of auto, on, off")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
 
@@ -186,6 +200,16 @@ class TrainConfig:
             "lora": LoraConfig,
             "optimizations": Optimizations,
         }
+        if "offload_activations" in raw:  # job.json files written before it joined optimizations
+            raw = dict(raw)
+            legacy = raw.pop("offload_activations")
+            opts = dict(raw.get("optimizations") or {})
+            if opts.setdefault("offload_activations", legacy) != legacy:
+                raise ValueError(
+                    "offload_activations: set it once, under optimizations "
+                    f"(top level says {legacy!r}, optimizations says {opts['offload_activations']!r})"
+                )
+            raw["optimizations"] = opts
         _reject_unknown(cls, raw, "")
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
@@ -212,6 +236,15 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+
+SWITCHES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Optimizations))
+"""Every optimization switch, in the order the plan decides and the form shows them."""
+
+
+def switch_docs() -> dict[str, str]:
+    """Switch name -> its one-line description (for the job spec's schema and the form)."""
+    return {f.name: f.metadata["doc"] for f in dataclasses.fields(Optimizations)}
 
 
 def _reject_unknown(cls: type, raw: dict[str, Any], prefix: str) -> None:

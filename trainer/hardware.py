@@ -393,7 +393,7 @@ def capabilities(hw: Hardware, config: TrainConfig) -> dict[str, str | None]:
 
 def _switch_value(name: str, opts: Optimizations, config: TrainConfig) -> str:
     return (
-        config.offload_activations
+        config.optimizations.offload_activations
         if name == "offload_activations"
         else getattr(opts, name)
     )
@@ -525,7 +525,7 @@ def _offload_decisions(
     (docs/bench-output/offload-h200.txt, docs/gpu-test-output/test_offload-h200.txt).
     """
     offload, double = first["offload_activations"], first["double_buffered_reload"]
-    offload_value = config.offload_activations
+    offload_value = config.optimizations.offload_activations
     double_value = opts.double_buffered_reload
     if not offload.enabled:
         return offload, double if not double.enabled else Decision(
@@ -683,7 +683,7 @@ def _requirement(name: str, hw: Hardware, config: TrainConfig) -> str | None:
             return "pinned host memory cannot be allocated on this machine"
         if not config.gradient_checkpointing:
             return "it offloads checkpointed layer inputs, and gradient_checkpointing is off"
-        if name == "double_buffered_reload" and config.offload_activations == "off":
+        if name == "double_buffered_reload" and config.optimizations.offload_activations == "off":
             return "offload_activations is off, so there is nothing to reload"
     return None
 

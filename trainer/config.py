@@ -128,24 +128,34 @@ class Optimizations:
 
     The one list of switches: the job spec (``core.jobs.spec``), the plan
     (``trainer.planning``) and the dashboard's form (through the API's schema) derive from
-    these fields, their defaults and their descriptions (``switch_docs``).
+    these fields, their defaults, titles and descriptions (``switch_docs``).
     """
 
     packed_metadata_cache: str = field(
         default="auto",
-        metadata={"doc": "Build packed-batch boundary metadata once per batch and reuse it in every layer."},
+        metadata={
+            "title": "Packed-sequence metadata cache",
+            "doc": "Build packed-batch boundary metadata once per batch and reuse it in every layer.",
+        },
     )
     double_buffered_reload: str = field(
         default="auto",
-        metadata={"doc": "Reload offloaded activation checkpoints into two alternating GPU buffers."},
+        metadata={
+            "title": "Double-buffered checkpoint reload",
+            "doc": "Reload offloaded activation checkpoints into two alternating GPU buffers.",
+        },
     )
     moe_grouped_routing: str = field(
         default="auto",
-        metadata={"doc": "Group tokens by expert with one argsort + counts per MoE layer."},
+        metadata={
+            "title": "MoE routing by argsort + bincount",
+            "doc": "Group tokens by expert with one argsort + counts per MoE layer (no effect on dense models).",
+        },
     )
     offload_activations: str = field(
         default="auto",
         metadata={
+            "title": "Offloaded activation checkpoints",
             "doc": "Offload checkpointed layer inputs to pinned host memory "
             "(auto: when they would not fit on the GPU)."
         },
@@ -242,9 +252,9 @@ SWITCHES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Optimizatio
 """Every optimization switch, in the order the plan decides and the form shows them."""
 
 
-def switch_docs() -> dict[str, str]:
-    """Switch name -> its one-line description (for the job spec's schema and the form)."""
-    return {f.name: f.metadata["doc"] for f in dataclasses.fields(Optimizations)}
+def switch_docs() -> dict[str, tuple[str, str]]:
+    """Switch name -> (title, one-line description), for the job spec's schema and the form."""
+    return {f.name: (f.metadata["title"], f.metadata["doc"]) for f in dataclasses.fields(Optimizations)}
 
 
 def _reject_unknown(cls: type, raw: dict[str, Any], prefix: str) -> None:

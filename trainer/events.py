@@ -3,11 +3,13 @@
 Standard library only: the worker parses these lines without torch. Every event has
 ``type`` and ``time`` (Unix seconds, float). Types and their fields:
 
-``plan``        hardware: dict (``trainer.hardware.Hardware`` as a dict), decisions: list of
-                {name, enabled, backend, reason}, attention_backend, loss_kernel, total_steps,
+``plan``        device, dtype, model_attention, decisions: list of {name, requested, enabled,
+                backend, reason} (the kernel choices ``attention``, ``loss``, ``lora_kernel``,
+                ``fused_ops``, then each switch of ``trainer.config.SWITCHES``), hardware: dict
+                (``trainer.hardware.Hardware`` as a dict), total_steps,
                 model: {name, params, trainable_params, layers}, resumed_from_step (int | None)
-``step``        one per optimizer step, the fields of ``STEP_FIELDS`` (None where unknown, e.g.
-                ``mfu`` on CPU or GPU memory without CUDA)
+``step``        one per optimizer step, the fields of ``StepEvent`` (``STEP_FIELDS``), no more,
+                no fewer: ``make_event`` refuses any other payload
 ``eval``        step, loss, tokens (validation set)
 ``log``         level ("debug" | "info" | "warning" | "error"), message
 ``checkpoint``  step, path (directory), bytes, final (bool)
@@ -16,49 +18,93 @@ Standard library only: the worker parses these lines without torch. Every event 
 
 The trainer always tries to end with one ``done`` event; a process that dies without one is
 a crash, and the worker says so from the exit code and stderr.
+
+``StepEvent`` is the one definition of a step's fields. What lives in other processes follows
+it: the worker's ``step_metric`` rows (``worker.recorder``), the store's columns
+(``core.jobs.models.StepMetric`` and its migration), the API's ``MetricOut``, the SSE ``step``
+payload and the dashboard's chart series; ``tests/unit/test_contracts.py`` fails when one drifts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import IO, Any
 
 EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done")
 
-STEP_FIELDS = (
-    "step",
-    "total_steps",
-    "epoch",
-    "loss",
-    "lr",
-    "grad_norm",
-    "tokens",
-    "sequences",
-    "step_ms",
-    "data_ms",
-    "forward_ms",
-    "backward_ms",
-    "optimizer_ms",
-    "tokens_per_s",
-    "mfu",
-    "gpu_mem_allocated",
-    "gpu_mem_reserved",
-    "gpu_mem_peak",
-    "host_rss",
-)
-"""Fields of a ``step`` event. Memory in bytes, times in milliseconds, mfu as a fraction."""
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One optimizer step, as the trainer reports it (one ``step`` event).
+
+    None where a value is unknown or not finite: ``mfu`` without a known peak (CPU), GPU
+    memory without CUDA, a NaN loss (``encode`` writes every non-finite float as null).
+    """
+
+    step: int
+    """Optimizer steps completed, counting this one (1-based)."""
+    total_steps: int
+    """Optimizer steps the run will take (steps)."""
+    epoch: float
+    """Passes over the training set so far (fraction, rounded to 4 places)."""
+    loss: float | None
+    """Mean token cross-entropy of the step (nats per target token)."""
+    lr: float
+    """Learning rate the step used (scheduler value)."""
+    grad_norm: float | None
+    """Global gradient L2 norm, before clipping (``clip_grad_norm_``'s result)."""
+    tokens: int
+    """Real (non-padding) tokens in the step's packed micro-batches (tokens)."""
+    sequences: int
+    """Samples packed into the step (sequences)."""
+    step_ms: float
+    """Wall time of the whole step (milliseconds)."""
+    data_ms: float
+    """Moving the packed micro-batches and their metadata to the device (milliseconds)."""
+    forward_ms: float
+    """Forward passes (milliseconds)."""
+    backward_ms: float
+    """Backward passes (milliseconds)."""
+    optimizer_ms: float
+    """Gradient clipping, optimizer and scheduler step (milliseconds)."""
+    tokens_per_s: float | None
+    """``tokens`` over the step time (tokens per second); None for a zero-length step."""
+    mfu: float | None
+    """Model FLOPs utilisation (fraction of the device's dense bf16 peak); None when unknown."""
+    gpu_mem_allocated: int | None
+    """GPU memory held by tensors at the step's end (bytes); None without CUDA."""
+    gpu_mem_reserved: int | None
+    """GPU memory held by the caching allocator at the step's end (bytes); None without CUDA."""
+    gpu_mem_peak: int | None
+    """Peak GPU memory held by tensors during the step (bytes); None without CUDA."""
+    host_rss: int | None
+    """Resident set size of the trainer process (bytes)."""
+
+
+STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent))
+"""Fields of a ``step`` event, in ``StepEvent``'s order."""
 
 DONE_STATUSES = ("succeeded", "failed", "cancelled")
 
 
 def make_event(type_: str, **payload: Any) -> dict[str, Any]:
+    """The event ``type_`` with ``payload`` and the current time.
+
+    Raises:
+        ValueError: an unknown type, a ``done`` without a known status, or a ``step`` whose
+            fields are not exactly ``STEP_FIELDS`` (the message names the first field at fault).
+    """
     if type_ not in EVENT_TYPES:
         raise ValueError(f"unknown event type {type_!r}; expected one of {', '.join(EVENT_TYPES)}")
     if type_ == "done" and payload.get("status") not in DONE_STATUSES:
         raise ValueError(f"done.status must be one of {DONE_STATUSES}, got {payload.get('status')!r}")
+    if type_ == "step":
+        _check_step(payload)
     return {"type": type_, "time": time.time(), **payload}
 
 
@@ -97,6 +143,18 @@ class Emitter:
             self._stream.write(line + "\n")
             self._stream.flush()
         return event
+
+
+def _check_step(payload: dict[str, Any]) -> None:
+    unknown = [name for name in payload if name not in _STEP_FIELD_SET]
+    if unknown:
+        raise ValueError(f"step.{unknown[0]}: not a field of StepEvent (fields: {', '.join(STEP_FIELDS)})")
+    missing = [name for name in STEP_FIELDS if name not in payload]
+    if missing:
+        raise ValueError(f"step.{missing[0]}: missing; a step event carries every field of StepEvent")
+
+
+_STEP_FIELD_SET = frozenset(STEP_FIELDS)
 
 
 def _finite(value: Any) -> Any:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import io
 import json
+import textwrap
 
 import pytest
 
-from trainer.events import Emitter, encode, make_event, parse_line
+from trainer.events import STEP_FIELDS, Emitter, StepEvent, encode, make_event, parse_line
+
+
+def _step_event(**values: object) -> StepEvent:
+    fields = {name: None for name in STEP_FIELDS}
+    fields.update(step=1, total_steps=10, epoch=0.1, lr=1e-3, tokens=64, sequences=2, step_ms=10.0,
+                  data_ms=1.0, forward_ms=4.0, backward_ms=4.0, optimizer_ms=1.0)
+    fields.update(values)
+    return StepEvent(**fields)
 
 
 class TestEvents:
@@ -28,9 +40,8 @@ class TestEvents:
         assert parse_line(lines[1])["steps"] == 3
 
     def test_non_finite_floats_become_null(self):
-        line = encode(
-            make_event("step", loss=float("nan"), grad_norm=float("inf"), lr=1e-3)
-        )
+        step = _step_event(loss=float("nan"), grad_norm=float("inf"), lr=1e-3)
+        line = encode(make_event("step", **dataclasses.asdict(step)))
         event = json.loads(line)
         assert (
             event["loss"] is None and event["grad_norm"] is None and event["lr"] == 1e-3
@@ -49,3 +60,37 @@ class TestEvents:
     def test_done_needs_a_known_status(self):
         with pytest.raises(ValueError, match="done.status"):
             make_event("done", status="exploded")
+
+
+class TestStepEvent:
+    def test_step_fields_are_the_dataclass_fields_in_order(self):
+        assert STEP_FIELDS == tuple(f.name for f in dataclasses.fields(StepEvent))
+        assert STEP_FIELDS[:3] == ("step", "total_steps", "epoch") and STEP_FIELDS[-1] == "host_rss"
+
+    def test_every_field_has_a_one_line_docstring(self):
+        body = ast.parse(textwrap.dedent(inspect.getsource(StepEvent))).body[0].body
+        documented = [
+            field.target.id
+            for field, doc in zip(body, body[1:])
+            if isinstance(field, ast.AnnAssign)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and "\n" not in doc.value.value
+        ]
+        assert tuple(documented) == STEP_FIELDS
+
+    def test_a_step_built_from_the_dataclass_round_trips(self):
+        step = _step_event(loss=2.5, mfu=0.4)
+        event = parse_line(encode(make_event("step", **dataclasses.asdict(step))))
+        assert StepEvent(**{k: v for k, v in event.items() if k not in ("type", "time")}) == step
+
+    def test_an_unknown_step_field_is_refused_by_name(self):
+        payload = dataclasses.asdict(_step_event()) | {"loss_scale": 1.0}
+        with pytest.raises(ValueError, match=r"step\.loss_scale: not a field of StepEvent"):
+            make_event("step", **payload)
+
+    def test_a_missing_step_field_is_refused_by_name(self):
+        payload = dataclasses.asdict(_step_event())
+        del payload["gpu_mem_peak"]
+        with pytest.raises(ValueError, match=r"step\.gpu_mem_peak: missing"):
+            make_event("step", **payload)

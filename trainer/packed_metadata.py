@@ -275,11 +275,7 @@ def build_packed_metadata(
     lengths = _check_lengths(lengths)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(
-            "cuda", torch.cuda.current_device()
-        )  # match the tensors' device in cache keys
+    device = _resolve_device(device)
     total = sum(lengths)
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).view(
         1, total
@@ -308,6 +304,14 @@ def build_packed_metadata(
         counter=counter,
         _keepalive=keep,
     )
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes the current one, to match the tensors' device in cache keys."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:

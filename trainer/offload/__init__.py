@@ -1,0 +1,27 @@
+"""Offloaded activation checkpointing (``trainer.offload.offloader``: the algorithm)."""
+
+from trainer.offload.offloader import (
+    ACTIVATION_SHARE,
+    DOUBLE_BUFFER_HEADROOM_BYTES,
+    HOST_HEADROOM_BYTES,
+    WSL_PINNED_LIMIT_BYTES,
+    ActivationEstimate,
+    ActivationOffloader,
+    BackwardPlan,
+    CudaStreams,
+    Entry,
+    Load,
+    NoOffload,
+    Pass,
+    ReloadSchedule,
+    Step,
+    SyncStreams,
+    activation_bytes,
+    build,
+    decoder_layers,
+    double_buffer_supported,
+    estimate,
+    host_available_bytes,
+    streams_for,
+    supported,
+)

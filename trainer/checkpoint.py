@@ -1,4 +1,4 @@
-"""Resumable checkpoints: ``output_dir/checkpoints/step-NNNNNN/``.
+"""Resumable checkpoints: ``output_dir/checkpoints/step-NNNNNN/`` (``trainer.layout``).
 
 Each holds the trained weights as ``save_pretrained`` writes them (for LoRA the peft adapter:
 ``adapter_model.safetensors`` + ``adapter_config.json``, loadable with ``PeftModel.from_pretrained``;
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ from typing import Any
 
 import torch
 
-_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+from trainer import layout
+from trainer.layout import checkpoint_dir
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,16 @@ class TrainingState:
     """Micro-batches consumed (the next one to train is this index)."""
 
 
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step-{step:06d}"
-
-
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step in ``output_dir``, or None."""
-    root = Path(output_dir) / "checkpoints"
+    root = layout.checkpoints_dir(output_dir)
     if not root.is_dir():
         return None
     found = [
-        (int(m.group(1)), p)
+        (step, p)
         for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.json").is_file()
+        if (step := layout.parse_checkpoint_step(p.name)) is not None
+        and (p / "trainer_state.json").is_file()
     ]
     return max(found)[1] if found else None
 

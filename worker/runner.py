@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ from core.jobs.models import Checkpoint, Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.workers.models import Worker
+from trainer import layout
 from worker.outcome import Outcome, StopReason, classify
 from worker.process import TrainerExit, TrainerProcess
 from worker.recorder import EventRecorder
@@ -39,8 +39,6 @@ from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d{6,})$")
-"""A trainer checkpoint directory (trainer/checkpoint.py): ``checkpoints/step-NNNNNN``."""
 _SECRET_ENV = ("FTQ_DATABASE_URL", "FTQ_BROKER_URL", "FTQ_REDIS_URL")
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,7 +200,7 @@ def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str
     knows, and the trainer re-emits the steps after it; the newer directories are moved to
     ``<output_dir>/unrecorded-checkpoints/`` (kept, not deleted). Returns the names moved.
     """
-    root = claim.output_dir / "checkpoints"
+    root = layout.checkpoints_dir(claim.output_dir)
     if not root.is_dir():
         return []
     with runtime.sessionmaker() as session:
@@ -211,9 +209,9 @@ def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str
         ).scalar_one_or_none() or 0
     moved = []
     for path in sorted(root.iterdir()):
-        match = _STEP_DIR.match(path.name)
-        if match and int(match.group(1)) > recorded:
-            target = claim.output_dir / "unrecorded-checkpoints" / f"{path.name}-attempt{claim.attempt}"
+        step = layout.parse_checkpoint_step(path.name)
+        if step is not None and step > recorded:
+            target = layout.unrecorded_checkpoints_dir(claim.output_dir) / f"{path.name}-attempt{claim.attempt}"
             target.parent.mkdir(exist_ok=True)
             path.rename(target)
             moved.append(path.name)

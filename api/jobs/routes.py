@@ -42,6 +42,7 @@ from core.queue import enqueue_job
 from core.settings import Settings
 from core.users import access
 from core.users.service import names_by_id
+from trainer import layout
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -227,8 +228,8 @@ def download_adapter(
         raise Conflict(
             f"job {job_id} is {job.status}; the adapter can be downloaded once it has succeeded", param="job_id"
         )
-    export = "model" if job.method == "full" else "adapter"  # where trainer.train exports it
-    adapter = Path(job.output_dir or "") / export
+    export = layout.export_name(job.method)
+    adapter = layout.export_dir(job.output_dir or "", job.method)
     if not adapter.is_dir():
         final = [c for c in service.list_checkpoints(session, job_id) if c.final]
         if not final:

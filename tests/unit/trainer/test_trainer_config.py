@@ -43,6 +43,9 @@ class TestTrainConfig:
         ):
             DataConfig("t.jsonl", max_seq_len=128, batch_tokens=64)
 
-    def test_importing_config_and_events_loads_no_torch(self):
-        code = "import trainer, trainer.config, trainer.events, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    def test_importing_what_the_worker_uses_loads_no_torch(self):
+        code = (
+            "import trainer, trainer.config, trainer.events, trainer.layout, sys; "
+            "assert 'torch' not in sys.modules, 'torch imported'"
+        )
         subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)

@@ -29,9 +29,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from trainer import layout  # noqa: E402
 from trainer.events import STEP_FIELDS, Emitter  # noqa: E402
 
 emit = Emitter()
+
+
+def decision(name: str, enabled: bool, backend: str | None, reason: str) -> dict:
+    return {"name": name, "requested": "auto", "enabled": enabled, "backend": backend, "reason": reason}
+
+
+PLAN = {
+    "device": "cpu",
+    "dtype": "float32",
+    "model_attention": "sdpa",
+    "decisions": [
+        decision("attention", True, "sdpa", "CPU: SDPA with the packed block mask"),
+        decision("loss", True, "torch", "fake"),
+        decision("lora_kernel", False, "peft", "CPU"),
+        decision("fused_ops", False, None, "CPU"),
+        decision("packed_metadata_cache", True, "sdpa", "fake"),
+    ],
+}
+"""A plan event's ``plan.to_dict()`` part, in the agreed shape (trainer.events)."""
 
 
 def step(n: int, total: int | None) -> None:
@@ -50,15 +70,15 @@ def run(job_json: str) -> int:
     (out / "cuda.txt").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     _, mode, *rest = config["model"]["name_or_path"].split(":")
     steps = int(rest[0]) if rest else 3
-    emit("plan", hardware={"device": "cpu"}, decisions=[], attention_backend="sdpa", loss_kernel="torch",
-         total_steps=steps, model={"name": "fake", "params": 1, "trainable_params": 1, "layers": 1},
+    emit("plan", hardware={"device": "cpu"}, **PLAN, total_steps=steps,
+         model={"name": "fake", "params": 1, "trainable_params": 1, "layers": 1},
          resumed_from_step=None)
     if mode == "ok":
         for n in range(1, steps + 1):
             step(n, steps)
         emit("log", level="info", message="training finished")
-        emit("checkpoint", step=steps, path=str(out / "checkpoints" / f"step-{steps:06d}"), bytes=42, final=True)
-        emit("done", status="succeeded", error_code=None, message=None, adapter_path=str(out / "adapter"),
+        emit("checkpoint", step=steps, path=str(layout.checkpoint_dir(out, steps)), bytes=42, final=True)
+        emit("done", status="succeeded", error_code=None, message=None, adapter_path=str(layout.export_dir(out, "lora")),
              steps=steps)
         return 0
     if mode == "messy":
@@ -67,7 +87,7 @@ def run(job_json: str) -> int:
         emit("log", level="info", message="tokenizer said \u0000 here")
         for n in range(2, steps + 1):
             step(n, steps)
-        emit("done", status="succeeded", error_code=None, message=None, adapter_path=str(out / "adapter"),
+        emit("done", status="succeeded", error_code=None, message=None, adapter_path=str(layout.export_dir(out, "lora")),
              steps=steps)
         return 0
     if mode == "fail":
@@ -98,7 +118,7 @@ def run(job_json: str) -> int:
             n += 1
             step(n, None)
             time.sleep(0.02)
-        emit("checkpoint", step=n, path=str(out / "checkpoints" / f"step-{n:06d}"), bytes=42, final=False)
+        emit("checkpoint", step=n, path=str(layout.checkpoint_dir(out, n)), bytes=42, final=False)
         emit("done", status="cancelled", error_code=None, message="stopped at step %d" % n, adapter_path=None,
              steps=n)
         return 0
@@ -115,7 +135,7 @@ def _step_forever(total: int) -> int:
 
 def main() -> int:
     if sys.argv[1:3] == ["detect", "--json"]:
-        print(json.dumps({"hardware": {"device": "cpu", "name": "fake"}, "plan": []}))
+        print(json.dumps({"hardware": {"device": "cpu", "name": "fake"}, "plan": PLAN}))
         return 0
     if sys.argv[1] == "run":
         return run(sys.argv[2])

@@ -60,7 +60,7 @@ class TestSuccess:
         job = _job(runtime, job_id)
         assert job.status == "succeeded"
         assert (job.attempts, job.worker_id, job.progress_step, job.total_steps) == (1, "test-host/gpu3", 5, 5)
-        assert job.plan["attention_backend"] == "sdpa"
+        assert {d["name"]: d["backend"] for d in job.plan["decisions"]}["attention"] == "sdpa"
         assert job.started_at is not None and job.finished_at is not None
         types = [(e.seq, e.type) for e in _events(runtime, job_id)]
         assert [t for _, t in types] == ["state", "state", "plan"] + ["step"] * 5 + ["log", "checkpoint", "state"]

@@ -25,6 +25,7 @@ from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
 from core.workers.models import Worker
+from trainer.config import SWITCHES
 
 MAX_METRICS_PAGE = 10_000
 FINISHED_VALUES = frozenset(s.value for s in FINISHED_STATUSES)
@@ -182,7 +183,8 @@ def _check_forced_switches(session: Session, spec: JobSpec, settings: Settings) 
     """Refuse a switch forced ``on`` that no live worker's trainer can honour.
 
     Each worker stores ``python -m trainer detect --json`` in ``worker.hardware``; its
-    ``capabilities`` map each switch to None (``on`` can run there) or the reason it cannot.
+    ``capabilities`` map each switch (``trainer.config.SWITCHES``) to None (``on`` can run
+    there) or the reason it cannot.
     A worker is live when its heartbeat is younger than ``heartbeat_timeout_s``. With no live
     worker that reported capabilities (none started yet, or an older trainer) the job is
     accepted and waits: the trainer's own plan refuses an impossible ``on`` when the job starts
@@ -191,7 +193,7 @@ def _check_forced_switches(session: Session, spec: JobSpec, settings: Settings) 
     Raises:
         Unsupported: some switch is ``on`` and every reporting live worker says it cannot be.
     """
-    forced = [name for name, value in spec.optimizations.model_dump().items() if value == "on"]
+    forced = [name for name in SWITCHES if getattr(spec.optimizations, name) == "on"]
     if not forced:
         return
     reports = [(worker_id, report.get("capabilities")) for worker_id, report in _live_reports(session, settings)]

@@ -8,16 +8,22 @@ JSON (defaults filled in) and translated to ``trainer.config.TrainConfig`` by
 Length of training: set ``hyperparameters.max_steps`` or ``hyperparameters.epochs``, not
 both. With neither, ``epochs`` is filled in as 1 (one pass), the least surprising default for
 a dataset of unknown size; the stored spec shows it.
+
+The optimization switches are not listed here: ``OptimizationSwitches`` is built from
+``trainer.config.Optimizations`` (``SWITCHES``, ``switch_docs``), the one list, so a switch the
+trainer gains is accepted here, shown in the API's schema and on the dashboard's form at once.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-Switch = Literal["auto", "on", "off"]
+from trainer.config import SWITCH_VALUES, SWITCHES, switch_docs
+
+Switch = Literal[SWITCH_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off"
 Method = Literal["lora", "qlora", "full"]
 Priority = Literal["low", "normal", "high"]
 Scheduler = Literal["cosine", "linear", "constant"]
@@ -104,12 +110,22 @@ class Hyperparameters(_Strict):
         return self
 
 
-class OptimizationSwitches(_Strict):
-    """Per-optimization overrides; ``auto`` lets the trainer's hardware plan decide."""
+def _switch_fields() -> dict[str, Any]:
+    docs = switch_docs()
+    return {
+        name: (Switch, Field(default="auto", title=docs[name][0], description=docs[name][1]))
+        for name in SWITCHES
+    }
 
-    packed_metadata_cache: Switch = "auto"
-    double_buffered_reload: Switch = "auto"
-    moe_grouped_routing: Switch = "auto"
+
+OptimizationSwitches = create_model(
+    "OptimizationSwitches",
+    __base__=_Strict,
+    __doc__="Per-optimization overrides; ``auto`` lets the trainer's hardware plan decide.",
+    __module__=__name__,
+    **_switch_fields(),
+)
+"""One field per ``trainer.config.SWITCHES``, each ``auto`` | ``on`` | ``off`` (default ``auto``)."""
 
 
 class JobSpec(_Strict):

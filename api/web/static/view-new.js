@@ -1,19 +1,21 @@
 // New job: pick a local model, upload (and at once validate) a dataset, set the
-// hyperparameters and the three optimization switches, submit.
+// hyperparameters and the optimization switches, submit.
 //
 // Every input carries `data-param` with the API's name for it
 // ("hyperparameters.learning_rate"), so a 422 from POST /v1/jobs is shown next
 // to the field it names (its `details` list every problem, not just the first).
+//
+// The switches are not listed here: the API's OpenAPI schema has them
+// (components.schemas.OptimizationSwitches, built from the trainer's one list,
+// trainer.config.Optimizations), each with its title, description, values and
+// default, so a switch the trainer gains shows up on this form by itself.
 
 import { api, ApiError } from "./api.js";
 import { h, clear, fmtBytes, fmtCompact, errorBox } from "./dom.js";
 
 const MAX_BAD_LINE_SCAN = 32 << 20; // read at most 32 MiB of the local file to show a bad line
-const SWITCHES = [
-  ["packed_metadata_cache", "Packed-sequence metadata cache", "Build cu_seqlens, positions and the attention mask once per packed batch and reuse them in every layer."],
-  ["double_buffered_reload", "Double-buffered checkpoint reload", "With offloaded activation checkpointing, copy the next layer's saved input back while the current one back-propagates."],
-  ["moe_grouped_routing", "MoE routing by argsort + bincount", "Group tokens by expert with one sort per MoE layer (no effect on dense models)."],
-];
+const SWITCH_SCHEMA = "OptimizationSwitches";
+let switchList = null; // the switches read from /openapi.json (a promise), once per page load
 
 // [param, label, default, attributes, help]
 const HYPER = [
@@ -81,7 +83,10 @@ export function renderNew(main) {
   const loraFields = LORA.map(([param, label, value, attrs, help]) =>
     field(param, label, h("input", { type: attrs ? "number" : "text", value, ...(attrs || {}) }), help),
   );
-  const switches = SWITCHES.map(([key, label, help]) => switchField(key, label, help));
+  const switches = h("div", { class: "switches", "data-testid": "switches" }, h("p", { class: "muted", text: "Loading the optimization switches…" }));
+  loadSwitches()
+    .then((list) => clear(switches, list.map(switchField)))
+    .catch((err) => clear(switches, errorBox(err, "switches-error")));
 
   const submit = h("button", { type: "submit", "data-testid": "submit-job", text: "Submit job" });
   clear(
@@ -90,7 +95,7 @@ export function renderNew(main) {
     h("fieldset", {}, h("legend", { text: "Data" }), train.element, valid.element),
     h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "lora" }, h("legend", { text: "LoRA adapter" }), h("div", { class: "grid" }, ...loraFields), h("p", { class: "field-error", role: "alert" })),
-    h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), ...switches),
+    h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), switches),
     formError,
     h("div", { class: "actions" }, submit),
   );
@@ -134,23 +139,47 @@ function field(param, label, input, help = null) {
   return h("div", { class: "field" }, h("label", { for: id, text: label }), input, helpEl, h("p", { class: "field-error", role: "alert" }));
 }
 
-function switchField(key, label, help) {
+/**
+ * The job spec's optimization switches, from the API's OpenAPI schema:
+ * [{key, title, description, values, value}] in the trainer's order.
+ */
+function loadSwitches() {
+  if (!switchList) {
+    switchList = api("/openapi.json").then((schema) => {
+      const properties = schema?.components?.schemas?.[SWITCH_SCHEMA]?.properties;
+      if (!properties) throw new Error(`the API's schema has no ${SWITCH_SCHEMA}; the form cannot offer the switches`);
+      return Object.entries(properties).map(([key, p]) => ({
+        key,
+        title: p.title || key,
+        description: p.description || "",
+        values: p.enum || ["auto", "on", "off"],
+        value: p.default ?? "auto",
+      }));
+    });
+    switchList.catch(() => {
+      switchList = null; // try again next time the form opens
+    });
+  }
+  return switchList;
+}
+
+function switchField({ key, title, description, values, value: initial }) {
   const param = `optimizations.${key}`;
-  const options = ["auto", "on", "off"].map((value) => {
+  const options = values.map((value) => {
     const id = uid("sw");
     return h(
       "span",
       { class: "radio" },
-      h("input", { type: "radio", id, name: param, value, checked: value === "auto", "data-testid": `opt-${key}-${value}` }),
+      h("input", { type: "radio", id, name: param, value, checked: value === initial, "data-testid": `opt-${key}-${value}` }),
       h("label", { for: id, text: value }),
     );
   });
   return h(
     "fieldset",
-    { class: "switch", "data-param": param },
-    h("legend", {}, h("span", { class: "mono", text: key }), ` — ${label}`),
+    { class: "switch", "data-param": param, "data-testid": "switch" },
+    h("legend", {}, h("span", { class: "mono", text: key }), ` — ${title}`),
     h("div", { class: "radios" }, options),
-    h("p", { class: "help", text: help }),
+    h("p", { class: "help", text: description }),
     h("p", { class: "field-error", role: "alert" }),
   );
 }

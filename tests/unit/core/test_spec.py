@@ -26,7 +26,8 @@ class TestJobSpec:
         assert spec.hyperparameters.epochs == 1.0
         assert JobSpec(model="org/m", training_file=FILE, hyperparameters={"epochs": None}).hyperparameters.epochs == 1
         assert stored["optimizations"] == {
-            "packed_metadata_cache": "auto", "double_buffered_reload": "auto", "moe_grouped_routing": "auto"
+            "packed_metadata_cache": "auto", "double_buffered_reload": "auto", "moe_grouped_routing": "auto",
+            "offload_activations": "auto",
         }
 
     def test_unknown_fields_are_refused_at_every_level(self) -> None:

@@ -7,7 +7,7 @@ import pytest
 from core.errors import InvalidInput
 from core.jobs.spec import JobSpec
 from core.jobs.translate import to_train_config
-from trainer.config import TrainConfig
+from trainer.config import SWITCHES, TrainConfig
 
 TRAIN, VALID = "file-" + "1" * 24, "file-" + "2" * 24
 
@@ -34,6 +34,14 @@ def test_every_field_lands_where_the_trainer_reads_it() -> None:
     assert config.optimizations.double_buffered_reload == "off"
     assert (config.seed, config.checkpoint_every, config.job_id, config.output_dir) == (7, 10, "job-1", "/out/job-1")
     assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("value", ["on", "off"])
+def test_every_switch_of_the_spec_reaches_the_trainer(value: str) -> None:
+    spec = JobSpec(model="m/m", training_file=TRAIN, optimizations={name: value for name in SWITCHES})
+    config = to_train_config(spec, job_id="j", files={TRAIN: "/t"}, output_dir="/o", model_path="m/m")
+    assert {name: getattr(config.optimizations, name) for name in SWITCHES} == dict.fromkeys(SWITCHES, value)
+    assert "offload_activations" in SWITCHES
 
 
 def test_no_length_means_one_epoch() -> None:

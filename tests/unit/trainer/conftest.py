@@ -50,3 +50,22 @@ def tiny_tokenizer():
     from trainer.tiny import build_tokenizer
 
     return build_tokenizer()
+
+
+class _TinyModels(dict):
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, arch: str) -> Path:
+        from trainer.tiny import make_tiny_model
+
+        self[arch] = make_tiny_model(self.tmp_path_factory.mktemp(f"tiny-{arch}"), arch, seed=3)
+        return self[arch]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight models with tokenizers on disk by architecture (``trainer.tiny``, seed
+    3), each built on first use, once per session: ``tiny_models["qwen3_moe"]``."""
+    return _TinyModels(tmp_path_factory)

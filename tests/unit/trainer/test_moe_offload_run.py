@@ -1,4 +1,4 @@
-"""Issue 4's pieces wired into real training runs on CPU: nothing changes but speed.
+"""MoE grouped routing and activation offload in real training runs on CPU: nothing changes but speed.
 
 1. Tiny GPT-OSS and Qwen3-MoE (``trainer.tiny``), LoRA ``all-linear`` (attention, router and, via
    peft ``target_parameters``, the expert weights), 4 optimizer steps of 2 micro-batches through
@@ -17,9 +17,9 @@
    (GPT-OSS) and 4.3e-5 (Qwen3-MoE: 2 of 2,048 elements of one expert lora_A). The weights
    differ more than the losses because AdamW normalises each update: an element whose gradient
    is near zero (an expert that got few tokens) gets a rounding-sized gradient difference turned
-   into a visible fraction of an lr-sized step. Allowed: losses atol 2e-5 + rtol 1e-5 (issue 3's
-   bound), weights atol 1e-4 (1% of one lr step) + rtol 1e-5. A mis-routed token or a stale
-   reload moves the loss by > 1e-3.
+   into a visible fraction of an lr-sized step. Allowed: losses atol 2e-5 + rtol 1e-5 (the
+   bound of ``test_optimizations_run``), weights atol 1e-4 (1% of one lr step) + rtol 1e-5. A
+   mis-routed token or a stale reload moves the loss by > 1e-3.
 
 2. Offload forced on with and without the double buffer vs plain checkpointing, on tiny Llama:
    the recompute runs the same kernels on the same bytes, so losses and weights are bit-identical.
@@ -28,18 +28,13 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import make_job
+from trainer_helpers import Recorder, train_lora
 
 from trainer import hardware
-from trainer import train as train_module
-from trainer.config import LoraConfig, OptimConfig, Optimizations
-from trainer.events import make_event
-from trainer.model import model_facts
-from trainer.train import run
+from trainer.config import LoraConfig, Optimizations
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
@@ -47,33 +42,6 @@ pytestmark = [
 ]
 
 STEPS = 4
-
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from trainer.tiny import make_tiny_model
-
-    return {
-        arch: make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, seed=3)
-        for arch in ("llama", "gpt_oss", "qwen3_moe")
-    }
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def __call__(self, type_: str, **payload: object) -> dict:
-        event = make_event(type_, **payload)
-        self.events.append(event)
-        return event
-
-    def of(self, type_: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == type_]
-
-    def logs(self) -> list[str]:
-        return [e["message"] for e in self.of("log")]
 
 
 def _force_offload(monkeypatch: pytest.MonkeyPatch, double: bool) -> None:
@@ -97,8 +65,8 @@ def _force_offload(monkeypatch: pytest.MonkeyPatch, double: bool) -> None:
 
 
 def _train(
-    tmp_path: Path,
-    model_dir: Path,
+    tmp_path,
+    model_dir,
     monkeypatch: pytest.MonkeyPatch,
     name: str,
     *,
@@ -110,32 +78,17 @@ def _train(
 
     ``offload``: None (plain checkpointing), ``single`` or ``double`` (forced, CPU twin).
     """
-    (tmp_path / name).mkdir(parents=True)
-    config = make_job(
-        tmp_path / name,
-        model_dir,
-        optim=OptimConfig(max_steps=STEPS, learning_rate=1e-2, grad_accum=2),
-        optimizations=optimizations,
-        lora=LoraConfig(r=4, alpha=8),
-        gradient_checkpointing=True,
-    )
     if offload is not None:
         _force_offload(monkeypatch, double=offload == "double")
-    if plain_loss:
-
-        def facts(cfg):
-            return dataclasses.replace(
-                model_facts(cfg), fused_loss="switched off by the test"
-            )
-
-        monkeypatch.setattr(train_module, "model_facts", facts)
-    recorder = Recorder()
-    result = run(config, recorder)
-    monkeypatch.undo()
-    assert result.status == "succeeded", result.message
-    from safetensors.torch import load_file
-
-    return recorder, load_file(Path(result.adapter_path) / "adapter_model.safetensors")
+    return train_lora(
+        tmp_path / name,
+        model_dir,
+        monkeypatch,
+        steps=STEPS,
+        facts={"fused_loss": "switched off by the test"} if plain_loss else None,
+        optimizations=optimizations,
+        lora=LoraConfig(r=4, alpha=8),
+    )
 
 
 def _losses(recorder: Recorder) -> torch.Tensor:
@@ -156,11 +109,11 @@ class TestMoeAllOnEqualsAllOff:
         ("arch", "family"), [("gpt_oss", "gpt_oss"), ("qwen3_moe", "qwen3_moe")]
     )
     def test_same_losses_and_final_lora_weights(
-        self, arch, family, tiny, tmp_path, monkeypatch
+        self, arch, family, tiny_models, tmp_path, monkeypatch
     ):
         on, on_w = _train(
             tmp_path,
-            tiny[arch],
+            tiny_models[arch],
             monkeypatch,
             "on",
             optimizations=ALL_ON,
@@ -168,7 +121,7 @@ class TestMoeAllOnEqualsAllOff:
         )
         off, off_w = _train(
             tmp_path,
-            tiny[arch],
+            tiny_models[arch],
             monkeypatch,
             "off",
             optimizations=ALL_OFF,
@@ -226,17 +179,17 @@ class TestMoeAllOnEqualsAllOff:
 
 class TestOffloadRunEqualsPlainCheckpointing:
     def test_single_and_double_buffered_reload_are_bit_identical(
-        self, tiny, tmp_path, monkeypatch
+        self, tiny_models, tmp_path, monkeypatch
     ):
         opts = Optimizations()
         plain, plain_w = _train(
-            tmp_path, tiny["llama"], monkeypatch, "plain", optimizations=opts
+            tmp_path, tiny_models["llama"], monkeypatch, "plain", optimizations=opts
         )
         assert not any(m.startswith("activation offload") for m in plain.logs())
         for mode in ("single", "double"):
             rec, weights = _train(
                 tmp_path,
-                tiny["llama"],
+                tiny_models["llama"],
                 monkeypatch,
                 mode,
                 optimizations=opts,

@@ -1,4 +1,4 @@
-"""Issue 3's optimizations wired into real training runs: all on vs all off give the same training.
+"""Packed attention, its metadata cache and the fused loss in real training runs: all on vs all off give the same training.
 
 Tiny random-weight Llama, Qwen3 and GPT-OSS (``trainer.tiny``; GPT-OSS with attention sinks and a
 sliding window of 8 tokens, shorter than the samples) train for a few steps on CPU through
@@ -20,101 +20,42 @@ the loss by > 1e-4, ``test_trainer_packed_attention``; a miscounted label by far
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-from trainer_helpers import make_job
+from trainer_helpers import Recorder, make_job, train_lora
 
-from trainer import train as train_module
 from trainer.config import OptimConfig, Optimizations
-from trainer.events import make_event
-from trainer.model import model_facts
 from trainer.train import run
 
-# peft 0.21 reads the attribute transformers 5.2x deprecated; not ours to fix.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
-)
+pytestmark = [
+    # peft 0.21 reads the attribute transformers 5.2x deprecated; not ours to fix.
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    # tiny models: with several threads on CI's 2 busy cores a step is dominated by thread
+    # hand-offs (measured 2-3 s vs 0.15 s per step here)
+    pytest.mark.usefixtures("one_thread"),
+]
 
 ARCHS = ("llama", "qwen3", "gpt_oss")
 STEPS = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: with several threads on CI's 2 busy cores a step is dominated by thread
-    hand-offs (measured 2-3 s vs 0.15 s per step here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def __call__(self, type_: str, **payload: object) -> dict:
-        event = make_event(type_, **payload)
-        self.events.append(event)
-        return event
-
-    def of(self, type_: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == type_]
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from trainer.tiny import make_tiny_model
-
-    return {
-        arch: make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, seed=3)
-        for arch in ARCHS
-    }
-
-
-def _train(
-    tmp_path: Path,
-    model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    mode: str,
-    **overrides: object,
-) -> tuple[Recorder, dict[str, torch.Tensor]]:
+def _train(tmp_path, model_dir, monkeypatch, mode: str) -> tuple[Recorder, dict[str, torch.Tensor]]:
     """Run ``STEPS`` optimizer steps (2 micro-batches each) in ``mode``; the events and LoRA weights."""
+    facts = None
+    if mode != "on":
+        facts = {
+            "fused_loss": "switched off by the test",
+            "packed_attention": "switched off by the test" if mode == "stock" else None,
+        }
     switch = "on" if mode == "on" else "off"
-    (tmp_path / mode).mkdir(parents=True)
-    config = make_job(
+    return train_lora(
         tmp_path / mode,
         model_dir,
-        optim=OptimConfig(max_steps=STEPS, learning_rate=1e-2, grad_accum=2),
+        monkeypatch,
+        steps=STEPS,
+        facts=facts,
         optimizations=Optimizations(packed_metadata_cache=switch),
-        gradient_checkpointing=True,
-        **overrides,
     )
-    if mode != "on":
-
-        def facts(cfg):
-            real = model_facts(cfg)
-            return dataclasses.replace(
-                real,
-                fused_loss="switched off by the test",
-                packed_attention="switched off by the test"
-                if mode == "stock"
-                else None,
-            )
-
-        monkeypatch.setattr(train_module, "model_facts", facts)
-    recorder = Recorder()
-    result = run(config, recorder)
-    monkeypatch.undo()
-    assert result.status == "succeeded", result.message
-    from safetensors.torch import load_file
-
-    weights = load_file(Path(result.adapter_path) / "adapter_model.safetensors")
-    return recorder, weights
 
 
 class TestAllOnEqualsAllOff:

@@ -56,6 +56,111 @@ def make_job(tmp_path: Path, model_dir: Path, **overrides: object):
     return TrainConfig(**fields)  # type: ignore[arg-type]
 
 
+class Recorder:
+    """An ``emit`` for ``trainer.train.run`` that keeps the events in memory."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def __call__(self, type_: str, **payload: object) -> dict:
+        from trainer.events import make_event
+
+        event = make_event(type_, **payload)
+        self.events.append(event)
+        return event
+
+    def of(self, type_: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == type_]
+
+    def logs(self) -> list[str]:
+        return [e["message"] for e in self.of("log")]
+
+
+def train_lora(out_dir: Path, model_dir: Path, monkeypatch, *, steps: int, facts: dict | None = None,
+               **overrides: object) -> tuple[Recorder, dict]:
+    """``steps`` optimizer steps of 2 micro-batches at lr 1e-2 with gradient checkpointing through
+    ``trainer.train.run``; returns the events and the saved LoRA weights.
+
+    ``facts``: ``ModelFacts`` fields the plan is handed instead of the model's (e.g. a reason in
+    ``fused_loss`` switches the fused loss off). ``monkeypatch`` is undone after the run, so
+    whatever the caller patched for this run (the plan) is undone too. ``overrides`` replace
+    top-level ``TrainConfig`` fields, as in ``make_job``.
+    """
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from trainer import train as train_module
+    from trainer.config import OptimConfig
+    from trainer.model import model_facts
+
+    out_dir.mkdir(parents=True)
+    config = make_job(
+        out_dir,
+        model_dir,
+        optim=OptimConfig(max_steps=steps, learning_rate=1e-2, grad_accum=2),
+        gradient_checkpointing=True,
+        **overrides,
+    )
+    if facts:
+        monkeypatch.setattr(
+            train_module, "model_facts", lambda cfg: dataclasses.replace(model_facts(cfg), **facts)
+        )
+    recorder = Recorder()
+    result = train_module.run(config, recorder)
+    monkeypatch.undo()
+    assert result.status == "succeeded", result.message
+    return recorder, load_file(Path(result.adapter_path) / "adapter_model.safetensors")
+
+
+def rel_l2(a, b) -> float:
+    """Relative L2 error of tensor ``a`` against reference ``b``, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def lora_model(arch: str, seed: int = 0):
+    """A tiny ``arch`` with peft LoRA on q,k,v,o,gate,up,down; norm weights and LoRA B made random."""
+    import torch
+
+    from trainer.config import LoraConfig
+    from trainer.model import apply_lora
+    from trainer.tiny import build_tiny_model
+
+    model, _ = build_tiny_model(arch, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # HF starts norm weights at 1 (Gemma 0): make the weight's rounding matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    model = apply_lora(model, LoraConfig(r=4, alpha=8))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, which would make every dA zero
+            p.data = torch.randn(p.shape, generator=g) * 0.05
+    return model
+
+
+def loss_and_grads(model, ids, autocast: bool) -> tuple:
+    """The causal-LM loss on ``ids`` (labels = inputs) and every trainable parameter's gradient,
+    in fp32 or under CPU bf16 autocast."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g.abs().sum() > 0 for g in grads.values()), "every LoRA weight must get a gradient"
+    return loss.detach(), grads
+
+
+def random_ids(seed: int = 0):
+    """A (2, 24) batch of token ids in [6, 500), seeded."""
+    import torch
+
+    return torch.randint(6, 500, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
 def run_cli(
     *args: str, timeout: float = 120, **popen: object
 ) -> subprocess.CompletedProcess:

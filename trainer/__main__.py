@@ -91,7 +91,7 @@ def _run(job_path: str) -> int:
 
 
 def _detect(as_json: bool, job_path: str | None, device: str) -> int:
-    from trainer import hardware
+    from trainer import hardware, planning
 
     if job_path:
         from trainer.model import model_facts
@@ -108,9 +108,9 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
         )
         facts = None
     hw = hardware.detect(config.device)
-    plan = hardware.plan(hw, config.optimizations, config, facts)
+    plan = planning.plan(hw, config, facts)
     # Per switch: None when `on` can be honoured on this machine, else why not (the API reads it).
-    capabilities = hardware.capabilities(hw, config)
+    capabilities = planning.capabilities(hw, config)
     if as_json:
         report = {
             "hardware": hw.to_dict(),
@@ -134,12 +134,9 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
         else "peak       unknown (no MFU)"
     )
     print(f"dtype      {plan.dtype}")
-    print(f"attention  {plan.attention_backend}: {plan.attention.reason}")
-    print(f"loss       {plan.loss_kernel}: {plan.loss.reason}")
-    print(f"lora       {plan.lora.backend or '-'}: {plan.lora.reason}")
-    print(f"ops        {plan.fused_ops.backend or 'transformers'}: {plan.fused_ops.reason}")
     for d in plan.decisions:
-        print(f"{d.name:<24} {'on ' if d.enabled else 'off'}  {d.reason}")
+        backend = f" [{d.backend}]" if d.backend else ""
+        print(f"{d.name:<24} {d.requested:<4} -> {'on ' if d.enabled else 'off'}{backend}  {d.reason}")
     for name, why_not in capabilities.items():
         print(
             f"{'can be on' if why_not is None else 'cannot be on':<12} {name}"

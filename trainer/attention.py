@@ -47,9 +47,6 @@ transformers passes ``query_BHTD`` / ``key_BHTD`` and expects ``[B, T, Hq, D]`` 
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,86 +57,6 @@ from trainer.packed_metadata import BACKENDS, AnyPackedMetadata, build_packed_me
 ATTN_IMPLEMENTATION = "ftq_packed"
 """The name registered with transformers' ``AttentionInterface``."""
 
-# Our Triton kernel first: measured on the H200 (docs/benchmarks.md) at ~189 TFLOP/s fwd+bwd on the
-# 16k-token packed workload; torch's varlen_attn (torch >= 2.11) lacks GQA before 2.12.
-AUTO_ORDER_CUDA = ("triton", "torch_varlen", "sdpa")
-"""Backends ``choose_backend`` tries on CUDA, fastest first (flex is opt-in: compile time)."""
-
-
-# -- availability --------------------------------------------------------------------------------
-
-
-def supported(
-    backend: str, device: torch.device | str, config: Any = None
-) -> str | None:
-    """Why ``backend`` cannot run on ``device`` for a model with ``config``, or None when it can.
-
-    Args:
-        backend: one of ``BACKENDS``.
-        device: the training device.
-        config: the model's ``PretrainedConfig`` (optional; checks soft-capping, causality, head dim, sinks).
-    """
-    if backend not in BACKENDS:
-        return (
-            f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}"
-        )
-    device = torch.device(device)
-    if config is not None:
-        reason = _model_reason(config)
-        if reason is not None:
-            return reason
-    if backend == "sdpa":
-        return None
-    if backend == "flex":
-        if not _importable("torch.nn.attention.flex_attention"):
-            return f"torch {torch.__version__} has no flex attention"
-        if device.type != "cuda":
-            return f"flex attention has no backward pass on {device.type} (torch {torch.__version__}); use sdpa"
-        return None
-    if device.type != "cuda":
-        return (
-            f"the {backend} backend needs a CUDA device, training runs on {device.type}"
-        )
-    if backend == "torch_varlen":
-        varlen = _torch_varlen()
-        if varlen is None:
-            return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.12)"
-        params = inspect.signature(varlen).parameters
-        if config is not None and _uses_window(config) and "window_size" not in params:
-            return f"torch {torch.__version__}'s varlen_attn has no window_size, and the model uses a sliding window"
-        if config is not None and _is_gqa(config) and "enable_gqa" not in params:
-            return f"torch {torch.__version__}'s varlen_attn has no enable_gqa, and the model uses grouped KV heads"
-        if config is not None and _has_sinks(config) and "return_aux" not in params:
-            return f"torch {torch.__version__}'s varlen_attn cannot return the log-sum-exp that attention sinks need"
-        return None
-    try:
-        kernel = importlib.import_module("trainer.kernels.flash_varlen")
-    except Exception as exc:  # noqa: BLE001 - any import failure makes the kernel unusable
-        return f"the Triton varlen kernel does not import: {exc}"
-    return kernel.supported(device, _head_dim(config) if config is not None else None)
-
-
-def choose_backend(device: torch.device | str, config: Any = None) -> tuple[str, str]:
-    """The fastest backend that runs here, and a one-line reason (for the plan event).
-
-    CUDA: torch's varlen attention, else the Triton kernel, else SDPA with the block mask.
-    CPU: SDPA with the block mask (flex is eager there: no faster).
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "sdpa", f"{device.type}: SDPA with the cached block-diagonal mask"
-    skipped = []
-    for backend in AUTO_ORDER_CUDA:
-        reason = supported(backend, device, config)
-        if reason is None:
-            why = "; ".join(skipped)
-            return backend, f"{backend} over cu_seqlens" + (f" ({why})" if why else "")
-        skipped.append(f"not {backend}: {reason}")
-    raise ValueError(
-        "no packed attention backend can run this model: " + "; ".join(skipped)
-    )
-
-
 # -- the optimization object ---------------------------------------------------------------------
 
 
@@ -147,7 +64,7 @@ class PackedAttention:
     """Packed attention with (or without) the per-batch metadata cache.
 
     Args:
-        backend: one of ``BACKENDS`` (see ``choose_backend``).
+        backend: one of ``BACKENDS`` (``trainer.features.attention.choose`` picks it).
         cache: True builds the metadata once per batch; False is the rebuild-per-layer twin.
 
     The loop::
@@ -165,9 +82,6 @@ class PackedAttention:
         self.cache = cache
         self._installed: list[tuple[Any, str | None, Any]] = []
 
-    def supported(self, device: torch.device | str, config: Any = None) -> str | None:
-        return supported(self.backend, device, config)
-
     def install(self, model: torch.nn.Module) -> None:
         """Switch ``model`` (an HF model, or a peft model around one) to ``ftq_packed`` attention.
 
@@ -176,7 +90,7 @@ class PackedAttention:
         """
         register()
         lm = unwrap_model(model)
-        reason = _model_reason(lm.config)
+        reason = model_reason(lm.config)
         if reason is not None:
             raise ValueError(
                 f"packed attention cannot run {type(lm).__name__}: {reason}"
@@ -199,15 +113,6 @@ class PackedAttention:
         return build_packed_metadata(
             lengths, device, backend=self.backend, cache=self.cache
         )
-
-
-def install(
-    model: torch.nn.Module, backend: str = "sdpa", cache: bool = True
-) -> PackedAttention:
-    """Shorthand: ``PackedAttention(backend, cache)`` installed on ``model``."""
-    attn = PackedAttention(backend, cache)
-    attn.install(model)
-    return attn
 
 
 def register() -> None:
@@ -335,7 +240,7 @@ def _check_call(
 # -- model checks --------------------------------------------------------------------------------
 
 
-def _model_reason(config: Any) -> str | None:
+def model_reason(config: Any) -> str | None:
     """Why ``config`` describes a model packed attention cannot run, or None."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "attn_logit_softcapping", None)
@@ -351,7 +256,7 @@ def _model_reason(config: Any) -> str | None:
     return None
 
 
-def _head_dim(config: Any) -> int | None:
+def head_dim(config: Any) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None)
     if head_dim is None and getattr(text, "num_attention_heads", None):
@@ -359,36 +264,13 @@ def _head_dim(config: Any) -> int | None:
     return head_dim
 
 
-def _has_sinks(config: Any) -> bool:
+def has_sinks(config: Any) -> bool:
     return getattr(config, "model_type", None) == "gpt_oss"
 
 
-def _uses_window(config: Any) -> bool:
+def uses_window(config: Any) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "sliding_window", None) is not None and (
         "sliding_attention" in (getattr(text, "layer_types", None) or ())
         or text.model_type == "mistral"
     )
-
-
-def _is_gqa(config: Any) -> bool:
-    text = getattr(config, "text_config", None) or config
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return heads is not None and kv_heads != heads
-
-
-def _torch_varlen() -> Callable[..., Any] | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True

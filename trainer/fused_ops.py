@@ -6,7 +6,7 @@ mostly HF's RMSNorm (fp32 upcast, pow, mean, rsqrt, mul, cast, mul weight) and t
 way (``trainer.kernels.rmsnorm``, ``trainer.kernels.swiglu``).
 
 What is patched (per-instance ``forward`` overrides, so module names, state-dict keys and peft
-wrapping are untouched; ``uninstall`` deletes them):
+wrapping are untouched; ``InstallResult.uninstall`` deletes them):
 
 - RMSNorm modules whose class is in ``NORM_VARIANTS`` (read from each family's
   ``modeling_*.py`` in transformers 5.17-5.23: Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3
@@ -21,8 +21,9 @@ wrapping are untouched; ``uninstall`` deletes them):
   attention module's modeling file (Llama, Mistral, Qwen2/3, ...: ``q * cos + rotate_half(q) *
   sin``), replaced by ``trainer.kernels.rope.apply_rotary_pos_emb`` when the two give the same
   bits on random CPU inputs (GPT-OSS's half-table form does not, and is left alone). This one is
-  a module-level patch (the attention forwards look the function up by name), so it holds for
-  the whole process until ``uninstall``; on CPU the replacement runs transformers' formula.
+  a module-level patch (the attention forwards look the function up by name), held by each
+  install that made or joined it (``_RopePatches``) and restored when the last one is undone; on
+  CPU the replacement runs transformers' formula.
 
 Per call, the kernel runs when the install chose Triton and the tensors fit it (float dtypes,
 ``H <= 8192``, one device); otherwise the torch form runs, which is the family's eager code op
@@ -125,18 +126,20 @@ class InstallResult:
     """Why the torch form was chosen, when ``triton`` is False."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Candidate classes left as they are (class name -> reason)."""
-    rope: list[tuple[types.ModuleType, Any]] = field(default_factory=list)
-    """Modeling modules whose ``apply_rotary_pos_emb`` this install replaced, with the original."""
+    rope: list[types.ModuleType] = field(default_factory=list)
+    """Modeling modules whose ``apply_rotary_pos_emb`` this install holds replaced (``_RopePatches``)."""
 
     def counts(self) -> dict[str, int]:
         """Patched modules per class name."""
         return dict(Counter(type(m).__name__ for m in (*self.norms, *self.mlps)))
 
     def uninstall(self) -> None:
-        """Restore the original ``forward`` of every module this install patched."""
+        """Restore the original ``forward`` of every module this install patched, and let go of
+        its RoPE patches (transformers' function is back once no install holds it)."""
         for module in (*self.norms, *self.mlps):
             _unpatch(module)
-        _restore_rope([modeling.__name__ for modeling, _ in self.rope])
+        for modeling in self.rope:
+            _ROPE.release(modeling)
         self.norms, self.mlps, self.rope = [], [], []
 
     def describe(self) -> str:
@@ -205,23 +208,51 @@ def _patch_rope(model: nn.Module, result: InstallResult) -> None:
         if modeling is None or modeling.__name__ in seen:
             continue
         seen.add(modeling.__name__)
-        original = getattr(modeling, "apply_rotary_pos_emb", None)
-        if original is rope.apply_rotary_pos_emb:  # patched by an earlier install: share its record
-            record = _ROPE_ORIGINALS[modeling.__name__]
-            if record not in result.rope:
-                result.rope.append(record)
-            continue
-        if original is None:
-            continue
-        if not _same_rope(original):
-            result.skipped.setdefault(
-                f"{modeling.__name__.rsplit('.', 1)[-1]}.apply_rotary_pos_emb",
-                "not transformers' q * cos + rotate_half(q) * sin form",
-            )
-            continue
-        modeling.apply_rotary_pos_emb = rope.apply_rotary_pos_emb
-        _ROPE_ORIGINALS[modeling.__name__] = (modeling, original)
-        result.rope.append((modeling, original))
+        why_not = _ROPE.acquire(modeling)
+        if why_not is None:
+            result.rope.append(modeling)
+        elif why_not:
+            result.skipped.setdefault(f"{modeling.__name__.rsplit('.', 1)[-1]}.apply_rotary_pos_emb", why_not)
+
+
+class _RopePatches:
+    """transformers' own ``apply_rotary_pos_emb`` of each modeling file that installs replaced,
+    and how many installs hold the replacement.
+
+    The patch is process-wide by nature (transformers' attention looks the function up by name in
+    its modeling module), so its record is too: one instance, ``_ROPE``. Two installs over models
+    of one family share the patch; the last ``release`` puts transformers' function back.
+    """
+
+    def __init__(self) -> None:
+        self._originals: dict[str, tuple[types.ModuleType, Any]] = {}
+        self._holders: Counter[str] = Counter()
+
+    def acquire(self, modeling: types.ModuleType) -> str | None:
+        """Patch ``modeling`` (or join the patch in place); None when held, else why not ("" if it has none)."""
+        name = modeling.__name__
+        if name not in self._originals:
+            original = getattr(modeling, "apply_rotary_pos_emb", None)
+            if original is None:
+                return ""
+            if not _same_rope(original):
+                return "not transformers' q * cos + rotate_half(q) * sin form"
+            modeling.apply_rotary_pos_emb = rope.apply_rotary_pos_emb
+            self._originals[name] = (modeling, original)
+        self._holders[name] += 1
+        return None
+
+    def release(self, modeling: types.ModuleType) -> None:
+        """One install lets go of ``modeling``'s patch; the last one restores the original."""
+        name = modeling.__name__
+        self._holders[name] -= 1
+        if self._holders[name] <= 0:
+            del self._holders[name]
+            module, original = self._originals.pop(name)
+            module.apply_rotary_pos_emb = original
+
+
+_ROPE = _RopePatches()
 
 
 def _same_rope(fn: Any) -> bool:
@@ -244,27 +275,6 @@ def _same_rope(fn: Any) -> bool:
         ):
             return False
     return True
-
-
-_ROPE_ORIGINALS: dict[str, tuple[types.ModuleType, Any]] = {}
-"""transformers' own ``apply_rotary_pos_emb`` of every modeling file patched in this process."""
-
-
-def uninstall(model: nn.Module) -> int:
-    """Restore every module of ``model`` that ``install`` patched, and transformers' RoPE functions
-    (a process-wide patch); returns how many modules there were."""
-    patched = [m for m in model.modules() if _PATCH_ATTR in vars(m)]
-    for module in patched:
-        _unpatch(module)
-    _restore_rope(list(_ROPE_ORIGINALS))
-    return len(patched)
-
-
-def _restore_rope(names: list[str]) -> None:
-    for name in names:
-        modeling, original = _ROPE_ORIGINALS.pop(name, (None, None))
-        if modeling is not None:
-            modeling.apply_rotary_pos_emb = original
 
 
 def _why_not_triton(model: nn.Module, triton: bool | None) -> str | None:

@@ -12,7 +12,7 @@
   every sample see the previous ones. ``packed_forward`` refuses such arguments instead of
   passing them on.
 
-  The normal path (``trainer.hardware.Plan.packed_attention``): the model runs ``ftq_packed``
+  The normal path (the plan's ``attention`` decision enabled): the model runs ``ftq_packed``
   attention (``trainer.attention``) and the call carries ``packed_metadata`` built once per
   micro-batch from the host lengths; no mask is built at all.
 
@@ -39,9 +39,12 @@ import torch.nn.functional as F
 from trainer.config import LoraConfig, TrainConfig
 from trainer.dataset import IGNORE_INDEX
 from trainer.errors import ConfigError, ModelNotFoundError
-from trainer.hardware import LOSS_FUSED, LOSS_PLAIN, ModelFacts, Plan
 from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import PackedBatch
+from trainer.planning import ModelFacts, Plan
+
+LOSS_FUSED, LOSS_PLAIN = "fused_chunked_ce", "torch_cross_entropy"
+"""Loss kernels: ``trainer.fused_loss`` (chunked LM head + cross-entropy) or full logits (``loss_sum``)."""
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -103,11 +106,10 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         else sum(p.numel() for p in shell.parameters()),
         **_moe_facts(hf_config, shell, shell_error, bool(experts)),
         supports_sdpa=supports_sdpa,
-        # sdpa is the backend with no device or kernel requirement: only the model's reason is left
-        packed_attention=attention.supported("sdpa", "cpu", hf_config),
-        head_dim=attention._head_dim(hf_config),
-        sliding_window=attention._uses_window(hf_config),
-        attention_sinks=attention._has_sinks(hf_config),
+        packed_attention=attention.model_reason(hf_config),
+        head_dim=attention.head_dim(hf_config),
+        sliding_window=attention.uses_window(hf_config),
+        attention_sinks=attention.has_sinks(hf_config),
         grouped_query=_grouped_query(hf_config),
         fused_loss=_fused_loss_reason(config, shell, shell_error),
     )
@@ -216,7 +218,7 @@ def load_model(
 
     kwargs: dict[str, Any] = {
         "dtype": _DTYPES[plan.dtype],
-        "attn_implementation": plan.load_attn_implementation,
+        "attn_implementation": plan.hf_attention,
         "trust_remote_code": config.model.trust_remote_code,
     }
     if config.method == "qlora":

@@ -1,0 +1,42 @@
+"""How peft's LoRA linear layers run: ``trainer.lora_fused`` (compute dtype, the low-rank update
+fused into the base matmul, no fp32 copies of activations) or peft's own forward."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer import lora_fused
+from trainer.config import TrainConfig
+from trainer.features.common import Undo
+from trainer.hardware import Hardware
+from trainer.planning import Decision, ModelFacts
+
+NAME = "lora_kernel"
+FUSED, PEFT = lora_fused.KERNEL_NAME, "peft"
+
+
+def supported(hw: Hardware, facts: ModelFacts) -> str | None:
+    """The fused path runs on every machine and model peft adapts (it falls back per layer)."""
+    return None
+
+
+def decide(hw: Hardware, config: TrainConfig) -> Decision:
+    if config.method == "full":
+        return Decision(NAME, "auto", False, None, "method full: no adapters")
+    if config.lora.dropout:
+        return Decision(
+            NAME, "auto", False, PEFT,
+            f"peft's LoRA forward: lora.dropout={config.lora.dropout} (the fused path has no dropout)",
+        )
+    return Decision(
+        NAME, "auto", True, FUSED,
+        "LoRA in the compute dtype with the update fused into the base matmul: no fp32 copies of activations",
+    )
+
+
+def apply(model: torch.nn.Module, decision: Decision) -> Undo:
+    """Patch every plain peft LoRA linear of ``model`` to the fused path when enabled."""
+    if not decision.enabled:
+        return Undo()
+    result = lora_fused.install(model)
+    return Undo(f"LoRA kernel: {result.describe()}", result.uninstall)

@@ -1,0 +1,55 @@
+"""The loss kernel: ``trainer.fused_loss`` (chunked LM head + cross-entropy, the full logits are
+never materialised) where it can stand in for the model's head, else full logits in float32."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.hardware import Hardware
+from trainer.model import LOSS_FUSED, LOSS_PLAIN, packed_loss
+from trainer.packed_metadata import AnyPackedMetadata
+from trainer.packing import PackedBatch
+from trainer.planning import Decision, ModelFacts
+
+NAME = "loss"
+
+
+def supported(hw: Hardware, facts: ModelFacts) -> str | None:
+    """Why the fused loss cannot stand in for this model's head (it runs on any machine), or None."""
+    return facts.fused_loss
+
+
+def decide(hw: Hardware, facts: ModelFacts) -> Decision:
+    missing = supported(hw, facts)
+    if missing is None:
+        return Decision(
+            NAME, "auto", True, LOSS_FUSED,
+            "fused chunked LM head + cross-entropy: the full logits are never materialised",
+        )
+    return Decision(
+        NAME, "auto", False, LOSS_PLAIN,
+        f"full logits in float32: the fused loss cannot run this model ({missing})",
+    )
+
+
+class Loss:
+    """The chosen loss: ``loss(model, batch, meta, num_items)`` on a packed micro-batch."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+
+    def __call__(
+        self, model: torch.nn.Module, batch: PackedBatch, meta: AnyPackedMetadata | None, num_items: int
+    ) -> torch.Tensor:
+        """Summed token loss of ``batch`` divided by ``num_items`` (the step's label count)."""
+        return packed_loss(model, batch, meta, self.kernel, num_items)
+
+    def remove(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"loss: {self.kernel}"
+
+
+def apply(model: torch.nn.Module, decision: Decision) -> Loss:
+    return Loss(decision.backend or LOSS_PLAIN)

@@ -1,0 +1,69 @@
+"""Apply a whole plan to a loaded model: ``install(model, plan) -> Installation``.
+
+The one place that wires the features of ``trainer.features`` onto a model, in a fixed order:
+packed attention, MoE routing, activation offload (after peft, so the adapters are inside the
+recompute), the LoRA kernel, the fused elementwise ops, the loss. The train loop and every bench
+script install through it (a bench variant is a plan), and ``Installation.remove()`` undoes them
+in reverse order, leaving the model as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
+from trainer.features.common import Handle
+from trainer.packed_metadata import AnyPackedMetadata
+from trainer.packing import PackedBatch
+from trainer.planning import Plan
+
+
+class Installation:
+    """The handle of a whole plan on one model: what the step needs, and ``remove()``."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan) -> None:
+        self.plan = plan
+        self._handles: list[Handle] = []
+        try:
+            self.attention = self._add(attention.apply(model, plan.decision(attention.NAME)))
+            self.moe = self._add(moe.apply(model, plan.decision(moe.NAME)))
+            self.offload = self._add(
+                offload.apply(model, plan.decision(offload.NAME), torch.device(plan.device))
+            )
+            self._add(lora_kernel.apply(model, plan.decision(lora_kernel.NAME)))
+            self._add(fused_ops.apply(model, plan.decision(fused_ops.NAME)))
+            self.loss = self._add(loss.apply(model, plan.decision(loss.NAME)))
+        except BaseException:
+            self.remove()  # a half-done install must not leak into the model
+            raise
+
+    def _add(self, handle: Any) -> Any:
+        self._handles.append(handle)
+        return handle
+
+    @property
+    def offloader(self) -> Any:
+        """The ``ActivationOffloader`` on the decoder layers, or its no-op twin."""
+        return self.offload.offloader
+
+    def micro_batch(
+        self, batch: PackedBatch, device: torch.device
+    ) -> tuple[PackedBatch, AnyPackedMetadata | None]:
+        """Move ``batch`` to ``device`` and build its metadata from the host lengths (no sync)."""
+        return batch.to(device, non_blocking=True), self.attention.metadata(batch.lengths, device)
+
+    def describe(self) -> list[str]:
+        """One line per installed piece, for the run's log."""
+        return [line for h in self._handles if (line := h.describe()) is not None]
+
+    def remove(self) -> None:
+        """Undo every piece, last installed first."""
+        while self._handles:
+            self._handles.pop().remove()
+
+
+def install(model: torch.nn.Module, plan: Plan) -> Installation:
+    """Apply ``plan``'s decisions to the loaded (and LoRA-wrapped) model, once."""
+    return Installation(model, plan)

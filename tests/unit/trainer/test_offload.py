@@ -158,12 +158,12 @@ class TestEquivalence:
 
     def test_packed_metadata_kwargs_reach_the_recompute(self) -> None:
         """ftq's packed attention passes a metadata object as a layer kwarg; it is kept as-is."""
-        from trainer.attention import install
+        from trainer.attention import PackedAttention
         from trainer.packed_metadata import build_packed_metadata
 
         def run(mode: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
             model = make_model("llama", mode)
-            install(model, backend="sdpa")
+            PackedAttention("sdpa").install(model)
             meta = build_packed_metadata(LENGTHS_2, "cpu", backend="sdpa")
             ids = make_batch(LENGTHS_2, 5)["input_ids"]
             logits = model(input_ids=ids, use_cache=False, **meta.model_kwargs()).logits

@@ -1,4 +1,5 @@
-"""Fixtures every test may use. Nothing here touches a server: see tests/integration/conftest.py."""
+"""Fixtures every test may use. Nothing here touches a server: see tests/integration/conftest.py.
+Plain helpers (not fixtures) are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -20,29 +21,6 @@ def model_root(tmp_path: Path) -> Path:
     (root / "tiny").mkdir(parents=True)
     (root / "tiny" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return root
-
-
-def write_jsonl(path: Path, records: list[object]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def create_api_key(database_url: str, name: str = "admin", *, is_admin: bool = True) -> str:
-    """Create user ``name`` in the (migrated) store at ``database_url``; returns its API key."""
-    from core.db import make_engine, make_sessionmaker
-    from core.users.service import create_user_with_key
-
-    engine = make_engine(database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            _user, issued = create_user_with_key(session, name, is_admin=is_admin)
-            session.commit()
-            return issued.secret
-    finally:
-        engine.dispose()
-
-
-CHAT_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from core.jobs import live, service
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from tests.conftest import CHAT_RECORD
+from tests.helpers import CHAT_RECORD
 from tests.integration.conftest import serve
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from core.files.models import File
 from core.settings import Settings
-from tests.conftest import CHAT_RECORD
+from tests.helpers import CHAT_RECORD
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from core.files.models import File
 from core.settings import Settings
-from tests.conftest import CHAT_RECORD
+from tests.helpers import CHAT_RECORD
 from trainer.dataset import read_records, tokenize_record
 from trainer.tiny import make_tiny_model
 

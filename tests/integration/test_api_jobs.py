@@ -19,7 +19,7 @@ from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.jobs.states import JobStatus
 from core.queue import QUEUE, TASK_RUN_JOB
 from core.settings import Settings
-from tests.conftest import CHAT_RECORD
+from tests.helpers import CHAT_RECORD
 from tests.integration.conftest import bearer
 
 pytestmark = pytest.mark.integration

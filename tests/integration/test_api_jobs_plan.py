@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from core.db import utcnow
 from core.jobs.models import Job, JobEvent
 from core.workers.models import Worker
-from tests.conftest import CHAT_RECORD
+from tests.helpers import CHAT_RECORD
 
 pytestmark = pytest.mark.integration
 

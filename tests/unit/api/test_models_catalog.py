@@ -14,7 +14,7 @@ from api.app import create_app
 from api.models.catalog import count_params, find_models
 from core.migrate import upgrade
 from core.settings import Settings
-from tests.conftest import create_api_key
+from tests.helpers import create_api_key
 
 
 def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:

@@ -15,7 +15,7 @@ from cli.errors import CliError
 from cli.jobs import describe, follow, format_jobs, load_job_file, progress_line, submit
 from core.migrate import upgrade
 from core.settings import Settings
-from tests.conftest import create_api_key
+from tests.helpers import create_api_key
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -10,9 +10,6 @@ reason (CI starts the services first); nothing is skipped silently. Every test t
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +23,7 @@ from sqlalchemy.orm import sessionmaker
 from core.db import make_engine, make_sessionmaker
 from core.migrate import upgrade
 from core.settings import Settings
+from tests.integration.helpers import bearer, make_user
 
 ADMIN_URL = os.environ.get("FTQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("FTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -123,20 +121,6 @@ def settings(store: Store, tmp_path: Path, model_root: Path) -> Settings:
     ).resolved()
 
 
-def make_user(store: Store, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None) -> str:
-    """Create a user in ``store`` and return its API key (through the service, as the CLI does)."""
-    from core.users.service import create_user_with_key
-
-    with store.sessions() as session:
-        _user, issued = create_user_with_key(session, name, is_admin=is_admin, max_running_jobs=max_running_jobs)
-        session.commit()
-        return issued.secret
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 @pytest.fixture
 def admin_key(store: Store) -> str:
     """The API key of ``admin``, an admin user every API test starts with."""
@@ -150,42 +134,3 @@ def client(settings: Settings, admin_key: str) -> Iterator[TestClient]:
 
     with TestClient(create_app(settings), headers=bearer(admin_key)) as test_client:
         yield test_client
-
-
-class LiveServer:
-    """A real uvicorn serving the app in a thread (for streaming responses)."""
-
-    def __init__(self, settings: Settings) -> None:
-        import uvicorn
-
-        from api.app import create_app
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            create_app(settings), host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start within 10 s")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def serve(settings: Settings) -> LiveServer:
-    return LiveServer(settings)

@@ -14,9 +14,7 @@ from sqlalchemy import MetaData, select, update
 from core.jobs.models import Checkpoint, Job
 from core.users import service as users
 from core.users.models import ApiKey, User
-from tests.integration.conftest import bearer, make_user
-from tests.integration.test_api_events import finish
-from tests.integration.test_api_jobs import spec
+from tests.integration.helpers import bearer, finish, make_user, spec
 
 pytestmark = pytest.mark.integration
 

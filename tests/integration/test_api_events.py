@@ -17,7 +17,7 @@ from core.jobs import live, service
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from tests.helpers import CHAT_RECORD
-from tests.integration.conftest import serve
+from tests.integration.helpers import finish, serve
 
 pytestmark = pytest.mark.integration
 
@@ -49,15 +49,6 @@ def add_steps(store, job_id: str, steps: range) -> int:
         rows = service.append_events(session, job_id, [("step", {"step": s, "loss": 1.0 / s}) for s in steps])
         session.commit()
         return rows[-1].seq
-
-
-def finish(store, job_id: str, status: JobStatus = JobStatus.succeeded) -> int:
-    with store.sessions() as session:
-        service.transition(session, job_id, JobStatus.running)
-        assert service.transition(session, job_id, status)
-        seq = service.append_events(session, job_id, [service.state_event(status)])[-1].seq
-        session.commit()
-        return seq
 
 
 def events_of(text: str) -> list[dict[str, Any]]:

@@ -19,24 +19,9 @@ from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.jobs.states import JobStatus
 from core.queue import QUEUE, TASK_RUN_JOB
 from core.settings import Settings
-from tests.helpers import CHAT_RECORD
-from tests.integration.conftest import bearer
+from tests.integration.helpers import bearer, spec, upload
 
 pytestmark = pytest.mark.integration
-
-
-def upload(client: TestClient, purpose: str = "train", record: dict = CHAT_RECORD) -> str:
-    response = client.post(
-        "/v1/files", files={"file": ("d.jsonl", json.dumps(record) + "\n")}, data={"purpose": purpose}
-    )
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
-
-
-def spec(training_file: str, **overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "tiny", "training_file": training_file, "hyperparameters": {"max_steps": 3}}
-    body.update(overrides)
-    return body
 
 
 def sent_tasks(settings: Settings) -> list[tuple[str, list[Any]]]:

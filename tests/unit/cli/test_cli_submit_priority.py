@@ -8,16 +8,15 @@ import yaml
 
 from cli.jobs import load_job_file, queue_line, submit
 from cli.main import build_parser
-from tests.unit.cli.test_cli_client import api, job_file  # noqa: F401 - fixtures
 
 
-def test_a_job_files_priority_is_submitted(api, job_file):  # noqa: F811
+def test_a_job_files_priority_is_submitted(api, job_file):
     body = {**load_job_file(job_file), "priority": "high"}
     job = submit(api, body, base_dir=job_file.parent)
     assert job["priority"] == "high" and job["queue"]["position"] == 1
 
 
-def test_the_priority_flag_overrides_the_file(api, job_file, monkeypatch, capsys):  # noqa: F811
+def test_the_priority_flag_overrides_the_file(api, job_file, monkeypatch, capsys):
     from cli import jobs
 
     job_file.write_text(yaml.safe_dump({**load_job_file(job_file), "priority": "low"}))

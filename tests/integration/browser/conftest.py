@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.e2e.conftest import STACK_ENV, Stack, free_port, read_bootstrap_key
+from tests.integration.e2e.stack import STACK_ENV, Stack, free_port, read_bootstrap_key
 
 CHROMIUM = os.environ.get("FTQ_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from api.jobs.schemas import DecisionOut, PlanOut
 from trainer.events import STEP_FIELDS
 
 pytestmark = pytest.mark.integration
@@ -94,6 +95,12 @@ def test_a_job_trains_to_success_and_its_adapter_loads(stack, chat_dataset: Path
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2, f"loss did not fall: {losses}"
         assert job["progress"] == {"step": 30, "total_steps": 30}
         assert job["plan"]["hardware"]["device"] == "cpu"
+        # The real trainer's events keep the contracts: the plan fits the API's schema with nothing
+        # dropped, a step carries exactly the StepEvent fields (and the event's time).
+        [plan] = [data for _, kind, data in events if kind == "plan"]
+        assert PlanOut.model_validate(plan) and set(plan) <= set(PlanOut.model_fields)
+        assert all(set(d) == set(DecisionOut.model_fields) for d in plan["decisions"])
+        assert all(set(s) == set(STEP_FIELDS) | {"time"} for s in steps)
 
         # A reconnecting viewer gets exactly what it missed.
         middle = ids[len(ids) // 2]
@@ -199,7 +206,7 @@ def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, c
 
 
 def test_only_the_first_ftq_up_makes_an_admin_and_prints_its_key_once(stack):
-    from tests.integration.e2e.conftest import KEY_PATTERN, printed_key
+    from tests.integration.e2e.stack import KEY_PATTERN, printed_key
 
     if stack.name != "embedded":  # production: `ftq api` makes no user; `ftq users create` did
         listed = stack.ftq("users", "list")

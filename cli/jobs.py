@@ -227,7 +227,8 @@ def describe(kind: str, data: dict[str, Any]) -> str:
     if kind == "checkpoint":
         return f"checkpoint: step {data.get('step')}{' (final)' if data.get('final') else ''}"
     if kind == "plan":
-        on = [d["name"] for d in data.get("decisions", []) if d.get("enabled")]
+        # attention and loss always pick a backend; the other decisions are optimizations, on or off.
+        on = [d["name"] for d in data.get("decisions", []) if d.get("enabled") and d["name"] not in ("attention", "loss")]
         device = (data.get("hardware") or {}).get("device")
         return f"plan: {device}, {data.get('total_steps')} steps, optimizations on: {', '.join(on) or 'none'}"
     if kind == "eval":

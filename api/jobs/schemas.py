@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from core.jobs.eta import QueueEntry
 from core.jobs.models import Checkpoint, Job, StepMetric
+from core.jobs.spec import Switch
+
+log = logging.getLogger(__name__)
 
 
 class Progress(BaseModel):
@@ -31,6 +35,54 @@ class QueueInfo(BaseModel):
     """From the running jobs' pace and the live workers; null when unknown."""
 
 
+class DecisionOut(BaseModel):
+    """One choice of the trainer's plan: a kernel, or an optimization switch."""
+
+    name: str
+    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, then each switch of ``optimizations``."""
+    requested: Switch
+    """The job's value for a switch; ``auto`` for a kernel choice, which has no switch."""
+    enabled: bool
+    backend: str | None
+    """What runs it (e.g. ``triton``, ``torch_varlen``, ``fused_chunked_ce``, ``grouped_mm``); null when none."""
+    reason: str
+    """Why it is on or off on this hardware, for this model."""
+
+
+class PlanOut(BaseModel):
+    """The trainer's ``plan`` event (``python -m trainer run``), or the plan of a worker's
+    ``python -m trainer detect --json`` (which has no hardware, steps or model)."""
+
+    device: str
+    """``cuda`` or ``cpu``."""
+    dtype: str
+    """Compute dtype: ``bfloat16`` or ``float32``."""
+    model_attention: str | None = None
+    """The model's own attention implementation (``sdpa`` or ``eager``); null in plans recorded
+    before the trainer reported it."""
+    decisions: list[DecisionOut]
+    """Every choice with its reason, kernel choices first, then the switches in spec order."""
+    hardware: dict[str, Any] | None = None
+    """What the trainer detected: device, name, capability, memory, kernels, peak FLOP/s, ..."""
+    total_steps: int | None = None
+    model: dict[str, Any] | None = None
+    """``{name, params, trainable_params, layers}``."""
+    resumed_from_step: int | None = None
+    time: float | None = None
+    """When the trainer emitted it (Unix seconds)."""
+
+    @classmethod
+    def of(cls, raw: Any) -> PlanOut | None:
+        """A stored plan as this schema; None when there is none, or (logged) it is not a plan."""
+        if raw is None:
+            return None
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            log.warning("a stored plan does not match PlanOut; answering null: %s", exc)
+            return None
+
+
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -42,7 +94,7 @@ class JobOut(BaseModel):
     training_file: str
     validation_file: str | None
     progress: Progress
-    plan: dict[str, Any] | None
+    plan: PlanOut | None
     """The trainer's plan event: detected hardware and each optimization's decision and reason."""
     error: JobError | None
     spec: dict[str, Any]
@@ -72,7 +124,7 @@ class JobOut(BaseModel):
             training_file=job.training_file_id,
             validation_file=job.validation_file_id,
             progress=Progress(step=job.progress_step, total_steps=job.total_steps),
-            plan=job.plan,
+            plan=PlanOut.of(job.plan),
             error=JobError(code=job.error_code, message=job.error_message) if job.error_code else None,
             spec=job.spec,
             owner=owner,

@@ -12,6 +12,7 @@ from sqlalchemy import select, text
 from api.deps import SessionDep, StateDep
 from api.errors import error_body
 from api.state import AppState
+from api.jobs.schemas import PlanOut
 from api.system.schemas import HardwareList, Health, Readiness, WorkerOut
 from core.db import utcnow
 from core.workers.models import Worker
@@ -37,7 +38,7 @@ def hardware(session: SessionDep, state: StateDep) -> HardwareList:
                 device=row.device,
                 # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
                 hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
-                plan=hw.get("plan"),
+                plan=PlanOut.of(hw.get("plan")),
                 current_job=row.current_job_id,
                 started_at=row.started_at,
                 heartbeat_at=row.heartbeat_at,

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from api.jobs.schemas import PlanOut
+
 
 class WorkerOut(BaseModel):
     id: str
@@ -12,7 +14,7 @@ class WorkerOut(BaseModel):
     device: str
     hardware: dict[str, Any]
     """What ``python -m trainer detect --json`` reported on the worker's device."""
-    plan: Any | None
+    plan: PlanOut | None
     """The optimization plan the trainer would choose there (``hardware["plan"]`` when reported)."""
     current_job: str | None
     started_at: dt.datetime

@@ -51,12 +51,14 @@ def test_readyz_is_503_naming_what_is_down(store, settings: Settings, down: str)
 
 def test_hardware_lists_workers_with_liveness(client: TestClient, store) -> None:
     now = utcnow()
+    plan = {"device": "cuda", "dtype": "bfloat16", "model_attention": "sdpa",
+            "decisions": [{"name": "packed_metadata_cache", "requested": "auto", "enabled": True,
+                           "backend": "triton", "reason": "packed batches"}]}
     with store.sessions() as session:
         session.add_all(
             [
                 Worker(worker_id="w-gpu0", hostname="box", device="cuda:0",
-                       hardware={"hardware": {"device": "NVIDIA H200"},
-                                 "plan": [{"name": "packed_metadata_cache", "enabled": True}]},
+                       hardware={"hardware": {"device": "NVIDIA H200"}, "plan": plan},
                        current_job_id=None, started_at=now, heartbeat_at=now),
                 Worker(worker_id="w-gpu1", hostname="box", device="cuda:1", hardware={"device": "NVIDIA H200"},
                        current_job_id="job-x", started_at=now, heartbeat_at=now - dt.timedelta(minutes=10)),
@@ -68,10 +70,22 @@ def test_hardware_lists_workers_with_liveness(client: TestClient, store) -> None
         ("w-gpu0", "cuda:0", True, None),
         ("w-gpu1", "cuda:1", False, "job-x"),
     ]
-    assert workers[0]["plan"] == [{"name": "packed_metadata_cache", "enabled": True}]
+    assert {key: workers[0]["plan"][key] for key in plan} == plan
     assert workers[0]["hardware"] == {"device": "NVIDIA H200"}
     assert workers[1]["plan"] is None
     assert workers[1]["heartbeat_age_s"] >= 599
+
+
+def test_a_worker_plan_of_another_shape_is_answered_as_null(client: TestClient, store) -> None:
+    now = utcnow()
+    with store.sessions() as session:
+        session.add(Worker(worker_id="w-old", hostname="box", device="cpu",
+                           hardware={"hardware": {"device": "cpu"}, "plan": [{"name": "packed_metadata_cache"}]},
+                           current_job_id=None, started_at=now, heartbeat_at=now))
+        session.commit()
+    response = client.get("/v1/hardware")
+    assert response.status_code == 200
+    assert [(w["id"], w["plan"]) for w in response.json()["data"]] == [("w-old", None)]
 
 
 def test_openapi_and_docs_are_served(client: TestClient, store) -> None:

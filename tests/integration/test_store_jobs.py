@@ -8,12 +8,14 @@ import threading
 import pytest
 from sqlalchemy import func, select
 
+from api.jobs.schemas import PlanOut
 from core import migrate
 from core.db import new_id, utcnow
 from core.files.models import File
 from core.jobs import service
 from core.jobs.models import Job, JobEvent
 from core.jobs.states import JobStatus
+from core.workers.models import Worker
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +43,68 @@ def test_migrations_downgrade_and_upgrade_again(tmp_path) -> None:
     migrate.downgrade(url, "base")
     migrate.upgrade(url)
     migrate.check(url)
+
+
+BEFORE_DECISIONS_LIST = "8fcce2782fb5"
+"""The revision before the data migration that moved the plan's flat kernel pairs into ``decisions``."""
+
+
+def legacy_plan() -> dict:
+    """A plan event as the trainer wrote it before: switch decisions, kernel choices as flat pairs."""
+    return {
+        "device": "cuda", "dtype": "bfloat16", "model_attention": "sdpa", "total_steps": 5, "time": 1.5,
+        "hardware": {"device": "cuda", "name": "NVIDIA H200"}, "resumed_from_step": None,
+        "model": {"name": "m", "params": 10, "trainable_params": 2, "layers": 1},
+        "decisions": [
+            {"name": "packed_metadata_cache", "enabled": True, "backend": "triton", "reason": "r1"},
+            {"name": "double_buffered_reload", "enabled": False, "backend": None, "reason": "r2"},
+            {"name": "moe_grouped_routing", "enabled": False, "backend": None, "reason": "r3"},
+        ],
+        "attention_backend": "triton", "attention_reason": "ra", "loss_kernel": "fused_chunked_ce", "loss_reason": "rl",
+        "lora_kernel": "peft", "lora_reason": "rk", "fused_ops": "triton", "fused_ops_reason": "rf",
+    }
+
+
+def test_stored_plans_move_to_one_decisions_list_and_back(store) -> None:
+    migrate.downgrade(store.url, BEFORE_DECISIONS_LIST)
+    try:
+        job_id = insert_job(store)
+        with store.sessions.begin() as session:
+            job = session.get(Job, job_id)
+            job.plan = legacy_plan()
+            job.spec = {"optimizations": {"packed_metadata_cache": "on", "moe_grouped_routing": "off"}}
+            service.append_events(session, job_id, [("plan", legacy_plan())])
+            session.add(Worker(worker_id="w", hostname="h", device="cpu", started_at=utcnow(), heartbeat_at=utcnow(),
+                               hardware={"hardware": {"device": "cpu"}, "plan": legacy_plan()}))
+    finally:
+        migrate.upgrade(store.url)
+
+    def decision(name: str, requested: str, enabled: bool, backend: str | None, reason: str) -> dict:
+        return {"name": name, "requested": requested, "enabled": enabled, "backend": backend, "reason": reason}
+
+    kernels = [decision("attention", "auto", True, "triton", "ra"), decision("loss", "auto", True, "fused_chunked_ce", "rl"),
+               decision("lora_kernel", "auto", False, "peft", "rk"), decision("fused_ops", "auto", True, "triton", "rf")]
+    with store.sessions() as session:
+        plan = session.get(Job, job_id).plan
+        [event] = [e.data for e in service.events_after(session, job_id, 0) if e.type == "plan"]
+        worker_plan = session.get(Worker, "w").hardware["plan"]
+    assert plan["decisions"] == kernels + [
+        decision("packed_metadata_cache", "on", True, "triton", "r1"),
+        decision("double_buffered_reload", "auto", False, None, "r2"),
+        decision("moe_grouped_routing", "off", False, None, "r3"),
+    ]
+    assert event == plan and not {"attention_backend", "loss_kernel", "lora_reason", "fused_ops"} & set(plan)
+    assert PlanOut.model_validate(plan).decisions[0].backend == "triton" and set(plan) <= set(PlanOut.model_fields)
+    assert worker_plan["decisions"][:4] == kernels and {d["requested"] for d in worker_plan["decisions"]} == {"auto"}
+
+    migrate.downgrade(store.url, BEFORE_DECISIONS_LIST)
+    try:
+        with store.sessions() as session:
+            assert session.get(Job, job_id).plan == legacy_plan()
+            assert [e.data for e in service.events_after(session, job_id, 0) if e.type == "plan"] == [legacy_plan()]
+            assert session.get(Worker, "w").hardware["plan"] == legacy_plan()
+    finally:
+        migrate.upgrade(store.url)
 
 
 def test_claim_race_has_exactly_one_winner(store) -> None:

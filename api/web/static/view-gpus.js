@@ -39,8 +39,9 @@ export function renderGpus(main) {
     const hw = report.hardware || report;
     const capacity = hw.gpu_memory || null;
     const plan = worker.plan || report.plan || null;
-    const decisions = Array.isArray(plan) ? plan : plan?.decisions || [];
-    const enabled = decisions.filter((d) => d.enabled).map((d) => d.name);
+    const decisions = plan?.decisions || [];
+    // attention and loss always pick a backend; the rest are optimizations that may be on or off.
+    const enabled = decisions.filter((d) => d.enabled && d.name !== "attention" && d.name !== "loss").map((d) => d.name);
     const heading = `${worker.device}${hw.name ? ` · ${hw.name}` : ""}`;
     const body = [
       h("p", { class: "muted" }, `${worker.hostname} · `, h("span", { class: "mono", text: worker.id })),

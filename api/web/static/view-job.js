@@ -34,6 +34,8 @@ import {
 
 const MAX_EVENTS = 300;
 const METRICS_PAGE = 1000;
+// Plan decisions that always pick some backend (named with it, not listed as an optimization "on").
+const ALWAYS_CHOSEN = new Set(["attention", "loss"]);
 const COLORS = {
   loss: "#2563eb",
   eval: "#dc2626",
@@ -239,12 +241,7 @@ export function renderJob(main, [jobId]) {
 
   function renderPlan(p) {
     const hw = p.hardware || {};
-    const requested = job?.spec?.optimizations || {};
-    const decisions = [...(p.decisions || [])];
-    if (p.attention_backend) decisions.push({ name: "attention", enabled: true, backend: p.attention_backend, reason: p.attention_reason || "" });
-    if (p.loss_kernel) decisions.push({ name: "loss", enabled: true, backend: p.loss_kernel, reason: p.loss_reason || "" });
-    if (p.lora_reason) decisions.push({ name: "LoRA kernel", enabled: p.lora_kernel === "ftq_fused_lora", backend: p.lora_kernel, reason: p.lora_reason });
-    if (p.fused_ops_reason) decisions.push({ name: "fused elementwise", enabled: Boolean(p.fused_ops), backend: p.fused_ops, reason: p.fused_ops_reason });
+    const decisions = p.decisions || []; // kernel choices, then the switches: {name, requested, enabled, backend, reason}
     const model = p.model || {};
     const facts = [
       ["Device", `${hw.name || p.device || "?"} (${hw.device || p.device || "?"}${hw.capability ? `, sm${hw.capability.join("")}` : ""})`],
@@ -270,7 +267,7 @@ export function renderJob(main, [jobId]) {
               "tr",
               { "data-testid": "plan-row", "data-name": d.name, "data-enabled": String(Boolean(d.enabled)) },
               h("th", { scope: "row", class: "mono", text: d.name }),
-              h("td", { text: requested[d.name] || "–" }),
+              h("td", { text: d.requested || "–" }),
               h("td", {}, h("span", { class: `pill ${d.enabled ? "on" : "off"}`, text: d.enabled ? "on" : "off" })),
               h("td", { class: "mono", text: d.backend || "–" }),
               h("td", { text: d.reason || "" }),
@@ -499,8 +496,10 @@ function describeEvent(type, d) {
       return `→ ${d.status}${extra.length ? ` (${extra.join(", ")})` : ""}`;
     }
     case "plan": {
-      const on = (d.decisions || []).filter((x) => x.enabled).map((x) => x.name);
-      return `${d.hardware?.name || d.device} · ${d.dtype || ""} · attention ${d.attention_backend || "?"} · ${on.length ? `on: ${on.join(", ")}` : "no optimizations on"} · ${d.total_steps ?? "?"} steps`;
+      const decisions = d.decisions || [];
+      const attention = decisions.find((x) => x.name === "attention");
+      const on = decisions.filter((x) => x.enabled && !ALWAYS_CHOSEN.has(x.name)).map((x) => x.name);
+      return `${d.hardware?.name || d.device} · ${d.dtype || ""} · attention ${attention?.backend || "?"} · ${on.length ? `on: ${on.join(", ")}` : "no optimizations on"} · ${d.total_steps ?? "?"} steps`;
     }
     case "log":
       return `[${d.level || "info"}] ${d.message ?? ""}`;

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.integration.browser.conftest import MODEL, CuttableProxy, screenshot_dir
+from trainer.config import SWITCHES, switch_docs
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -132,6 +133,10 @@ def test_submit_through_the_form_and_watch_the_charts_grow(
     page.get_by_label("Checkpoint every (steps)").fill("20")
     page.get_by_label("LoRA rank r").fill("4")
     page.get_by_test_id("opt-moe_grouped_routing-off").check()
+    # The switches come from the API's schema, which the trainer's config defines: all of them, in order.
+    shown = page.get_by_test_id("switch").evaluate_all("els => els.map(e => e.dataset.param)")
+    assert shown == [f"optimizations.{name}" for name in SWITCHES]
+    assert switch_docs()["offload_activations"][0] in page.get_by_test_id("switches").inner_text()
     page.get_by_role("button", name="Submit job").click()
 
     page.wait_for_url("**/#/jobs/job-*")
@@ -169,6 +174,7 @@ def test_submit_through_the_form_and_watch_the_charts_grow(
     plan_rows = page.get_by_test_id("plan-row")
     names = [plan_rows.nth(i).get_attribute("data-name") for i in range(plan_rows.count())]
     assert {"packed_metadata_cache", "double_buffered_reload", "moe_grouped_routing"} <= set(names)
+    assert names[:4] == ["attention", "loss", "lora_kernel", "fused_ops"]  # the kernel choices lead the table
     moe = page.locator("[data-testid=plan-row][data-name=moe_grouped_routing]")
     assert moe.get_attribute("data-enabled") == "false"
     assert "off" in moe.inner_text()
@@ -296,7 +302,9 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
     job = submit_job(api, chat_file, max_steps=10, name="gpu-shaped")
     assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
     gib = 1 << 30
-    plan = {"device": "cuda", "dtype": "bfloat16", "decisions": [], "attention_backend": "varlen",
+    plan = {"device": "cuda", "dtype": "bfloat16", "model_attention": "sdpa",
+            "decisions": [{"name": "attention", "requested": "auto", "enabled": True, "backend": "torch_varlen",
+                           "reason": "packed batches"}],
             "hardware": {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "gpu_memory": 80 * gib,
                          "capability": [9, 0]}}
     engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")

@@ -87,3 +87,14 @@ def test_event_lines_for_people():
         "[###############---------------] step 3/6  loss 1.2346  12,346 tok/s")
     assert describe("checkpoint", {"step": 6, "final": True}) == "checkpoint: step 6 (final)"
     assert describe("state", {"status": "failed", "error_code": "out_of_memory"}) == "state: failed (out_of_memory)"
+
+
+def test_plan_line_names_the_optimizations_on_not_the_kernel_choices():
+    def decision(name: str, enabled: bool) -> dict:
+        return {"name": name, "requested": "auto", "enabled": enabled, "backend": "x", "reason": "y"}
+
+    plan = {"hardware": {"device": "cuda"}, "total_steps": 9, "decisions": [
+        decision("attention", True), decision("loss", True), decision("lora_kernel", True),
+        decision("fused_ops", False), decision("packed_metadata_cache", True), decision("moe_grouped_routing", False),
+    ]}
+    assert describe("plan", plan) == "plan: cuda, 9 steps, optimizations on: lora_kernel, packed_metadata_cache"

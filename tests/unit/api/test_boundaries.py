@@ -21,5 +21,14 @@ def test_importing_and_building_the_app_pulls_no_torch_or_worker() -> None:
     assert out.stdout.strip() == ""
 
 
+def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
+    code = (
+        "import sys; from api.app import create_app; create_app(); "
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.config", "trainer.events", "trainer.layout"}
+
+
 def test_sse_event_format() -> None:
     assert format_event(7, "step", {"step": 3, "loss": 0.5}) == b'id: 7\nevent: step\ndata: {"step":3,"loss":0.5}\n\n'

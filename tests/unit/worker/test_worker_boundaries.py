@@ -1,0 +1,20 @@
+"""The worker touches the trainer only through its CLI and its standard-library modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+TRAINER_MODULES_FOR_THE_WORKER = {"trainer", "trainer.config", "trainer.events", "trainer.layout"}
+
+
+def test_importing_the_worker_pulls_no_torch_and_only_the_trainers_stdlib_modules() -> None:
+    code = (
+        "import sys; import worker.app, worker.tasks, worker.runner, worker.presence, worker.recorder; "
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('trainer', 'torch', 'transformers', 'peft', 'api'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert set(out.stdout.strip().split(",")) <= TRAINER_MODULES_FOR_THE_WORKER

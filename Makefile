@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ftq-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install up test services browser
+.PHONY: install up test test-fast services browser
 
 install: $(STAMP)
 
@@ -33,3 +33,7 @@ browser:
 # pytest exits 5 when it collected no test: that fails `make test` like any other non-zero code.
 test: install services browser
 	$(PY) -m pytest
+
+# The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
+test-fast: install
+	$(PY) -m pytest -m "not slow and not integration"

@@ -199,6 +199,7 @@ class TestSummary:
         assert f"- {DOUBLE_ONLY}: {NO_OFFLOAD}" in summary(results, "Qwen3-0.6B")
 
 
+@pytest.mark.slow  # ~22 s on 2 CPU cores: every ablation row trains tiny Llama and GPT-OSS
 class TestTinyCpuRun:
     def test_every_row_of_tiny_llama_and_gpt_oss_produces_numbers(self, tmp_path):
         out = tmp_path / "ablation.json"

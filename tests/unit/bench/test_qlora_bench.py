@@ -52,6 +52,7 @@ def test_build_without_bitsandbytes_says_how_to_get_it(
     importlib.util.find_spec("bitsandbytes") is None,
     reason="needs bitsandbytes (CPU backend)",
 )
+@pytest.mark.slow  # ~5 s: quantizes and trains a tiny model
 def test_tiny_build_quantizes_every_decoder_linear_and_trains_lora_only() -> None:
     import bitsandbytes as bnb
 

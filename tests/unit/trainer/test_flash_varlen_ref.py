@@ -142,6 +142,7 @@ def interpreter_errors() -> list[list[float]]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.slow  # ~11 s: the Triton interpreter in a child process
 class TestKernelInInterpreter:
     @pytest.mark.parametrize("index", range(len(INTERPRETER_CASES)))
     def test_forward_and_grads_match_float64_reference(self, interpreter_errors, index):

@@ -37,6 +37,7 @@ from trainer import hardware
 from trainer.config import LoraConfig, Optimizations
 
 pytestmark = [
+    pytest.mark.slow,  # ~3.5 s: seven real runs of 4 steps
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
     pytest.mark.usefixtures("one_thread"),
 ]

@@ -307,6 +307,7 @@ class TestInstallAndSupported:
         assert moe_routing.expert_lora_targets(_lora(_model("qwen3_moe"))) == targets
 
 
+@pytest.mark.slow  # ~22 s: the Triton interpreter in a child process
 class TestTritonKernelsInInterpreter:
     @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
     def test_triton_kernels_match_eager_loop_outputs_and_gradients(self):

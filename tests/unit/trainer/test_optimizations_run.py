@@ -28,6 +28,7 @@ from trainer.config import OptimConfig, Optimizations
 from trainer.train import run
 
 pytestmark = [
+    pytest.mark.slow,  # ~6 s: nine real runs of 6 steps
     # peft 0.21 reads the attribute transformers 5.2x deprecated; not ours to fix.
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
     # tiny models: with several threads on CI's 2 busy cores a step is dominated by thread

@@ -167,6 +167,7 @@ def interpreter_results() -> dict:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.slow  # ~12 s: the Triton interpreter in a child process
 class TestKernelsInInterpreter:
     @pytest.mark.parametrize("index", range(len(NORM_CASES)))
     def test_rmsnorm_forward_and_grads_match_float64(self, interpreter_results, index):

@@ -81,6 +81,7 @@ def interpreter_errors() -> list[list[float]]:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("index", range(len(CASES)))
+@pytest.mark.slow  # ~5 s: the Triton interpreter in a child process
 def test_kernel_matches_float64_reference_forward_and_backward(interpreter_errors, index) -> None:
     errors = interpreter_errors[index]
     tol = TOLERANCE[CASES[index][4]]

@@ -50,6 +50,7 @@ def _adapter_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     return load_file(Path(directory) / "adapter_model.safetensors")
 
 
+@pytest.mark.slow  # ~32 s: `python -m trainer run` subprocesses training tiny Llama
 class TestCliRun:
     def test_loss_falls_and_every_event_is_complete(self, tmp_path, tiny_model_dir):
         validation = write_jsonl(
@@ -143,6 +144,7 @@ class TestCliRun:
 
 
 class TestFailures:
+    @pytest.mark.slow  # ~7 s: a `python -m trainer run` subprocess imports torch and transformers
     def test_missing_model_ends_failed_with_model_not_found(
         self, tmp_path, tiny_model_dir
     ):

@@ -147,6 +147,9 @@ class JobList(BaseModel):
 
 
 class MetricOut(BaseModel):
+    """A ``step_metric`` row: the fields of ``trainer.events.StepEvent`` (units in its docstrings)
+    but ``total_steps``, and the step's time."""
+
     step: int
     epoch: float | None
     loss: float | None

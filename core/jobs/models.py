@@ -69,7 +69,9 @@ class JobEvent(Base):
 
 
 class StepMetric(Base):
-    """One row per optimizer step, the columns of ``trainer.events.STEP_FIELDS``."""
+    """One row per optimizer step: a column per field of ``trainer.events.StepEvent`` but
+    ``total_steps`` (kept once, on the job), plus the event's ``time``. A test
+    (``tests/unit/test_contracts.py``) fails when the two lists part."""
 
     __tablename__ = "step_metric"
 

@@ -70,6 +70,41 @@ def packed_forward(
     return out.logits
 
 
+def fused_packed_loss(
+    model: torch.nn.Module, batch: PackedBatch, meta: AnyPackedMetadata | None, num_items: int
+) -> torch.Tensor:
+    """Summed token cross-entropy of a packed row divided by ``num_items``, through
+    ``trainer.fused_loss`` (chunked LM head + cross-entropy: the logits are never materialised).
+
+    Args:
+        meta: as in ``packed_forward``.
+        num_items: the label-token count of the whole optimizer step (a host int), so that the
+            micro-batches of a gradient-accumulation group add up to the step's mean exactly;
+            pass 1 for the plain sum.
+    """
+    from trainer.fused_loss import causal_lm_loss
+
+    return causal_lm_loss(
+        model,
+        batch.input_ids,
+        batch.targets,
+        num_items=max(int(num_items), 1),
+        **_boundary_kwargs(model, batch, meta),
+    )
+
+
+def plain_packed_loss(
+    model: torch.nn.Module, batch: PackedBatch, meta: AnyPackedMetadata | None, num_items: int
+) -> torch.Tensor:
+    """As ``fused_packed_loss``, over the full logits in float32 (``loss_sum``)."""
+    return loss_sum(packed_forward(model, batch, meta), batch.targets) / max(int(num_items), 1)
+
+
+LOSS_FUNCTIONS = {LOSS_FUSED: fused_packed_loss, LOSS_PLAIN: plain_packed_loss}
+"""Loss kernel (the plan's ``loss`` decision) -> its function; a run picks one once
+(``trainer.features.loss``)."""
+
+
 def packed_loss(
     model: torch.nn.Module,
     batch: PackedBatch,
@@ -77,32 +112,14 @@ def packed_loss(
     loss_kernel: str,
     num_items: int,
 ) -> torch.Tensor:
-    """Summed token cross-entropy of a packed row divided by ``num_items``, through ``loss_kernel``.
+    """The loss of ``loss_kernel`` by name, for tests and benches that compare the kernels.
 
-    Args:
-        meta: as in ``packed_forward``.
-        loss_kernel: ``fused_chunked_ce`` (``trainer.fused_loss``: never materialises the logits)
-            or ``torch_cross_entropy`` (full logits, ``loss_sum``).
-        num_items: the label-token count of the whole optimizer step (a host int), so that the
-            micro-batches of a gradient-accumulation group add up to the step's mean exactly;
-            pass 1 for the plain sum.
+    Raises:
+        ValueError: an unknown kernel name.
     """
-    num_items = max(int(num_items), 1)
-    if loss_kernel == LOSS_FUSED:
-        from trainer.fused_loss import causal_lm_loss
-
-        return causal_lm_loss(
-            model,
-            batch.input_ids,
-            batch.targets,
-            num_items=num_items,
-            **_boundary_kwargs(model, batch, meta),
-        )
-    if loss_kernel != LOSS_PLAIN:
-        raise ValueError(
-            f"loss kernel {loss_kernel!r} is not one of {LOSS_FUSED}, {LOSS_PLAIN}"
-        )
-    return loss_sum(packed_forward(model, batch, meta), batch.targets) / num_items
+    if loss_kernel not in LOSS_FUNCTIONS:
+        raise ValueError(f"loss kernel {loss_kernel!r} is not one of {', '.join(LOSS_FUNCTIONS)}")
+    return LOSS_FUNCTIONS[loss_kernel](model, batch, meta, num_items)
 
 
 def _boundary_kwargs(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from trainer.hardware import Hardware
-from trainer.model import LOSS_FUSED, LOSS_PLAIN, packed_loss
+from trainer.packed_forward import LOSS_FUNCTIONS, LOSS_FUSED, LOSS_PLAIN
 from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import PackedBatch
 from trainer.planning import Decision, ModelFacts
@@ -37,12 +37,13 @@ class Loss:
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
+        self._loss = LOSS_FUNCTIONS[kernel]
 
     def __call__(
         self, model: torch.nn.Module, batch: PackedBatch, meta: AnyPackedMetadata | None, num_items: int
     ) -> torch.Tensor:
         """Summed token loss of ``batch`` divided by ``num_items`` (the step's label count)."""
-        return packed_loss(model, batch, meta, self.kernel, num_items)
+        return self._loss(model, batch, meta, num_items)
 
     def remove(self) -> None:
         pass

@@ -8,14 +8,13 @@ import dataclasses
 import json
 
 import pytest
-from test_trainer_hardware import CPU, H100, _config
+from plan_fakes import CPU, H100, plan_config
 from trainer_helpers import make_job, run_cli
 
-from trainer import hardware
-from trainer.config import OptimConfig, Optimizations
+from trainer.config import SWITCHES, OptimConfig, Optimizations
 from trainer.errors import PlanError
 from trainer.events import make_event
-from trainer.hardware import ModelFacts, capabilities, plan
+from trainer.planning import Decision, ModelFacts, Plan, capabilities, plan
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
@@ -54,31 +53,36 @@ H200_TRITON = dataclasses.replace(
 )
 
 
-def _cache(p: hardware.Plan) -> hardware.Decision:
+def _cache(p: Plan) -> Decision:
     return p.decision("packed_metadata_cache")
+
+
+def _decisions(plan_event: dict) -> dict[str, dict]:
+    """The plan event's decisions by name."""
+    return {d["name"]: d for d in plan_event["decisions"]}
 
 
 class TestCpu:
     def test_auto_caches_with_sdpa_and_fused_loss(self):
-        p = plan(CPU, Optimizations(), _config(), LLAMA)
+        p = plan(CPU, plan_config(), LLAMA)
         assert (p.attention_backend, p.loss_kernel) == ("sdpa", "fused_chunked_ce")
-        assert p.packed_attention and p.load_attn_implementation == "sdpa"
+        assert p.decision("attention").enabled and p.hf_attention == "sdpa"
         d = _cache(p)
         assert (d.enabled, d.backend) == (True, "sdpa")
         assert d.reason.startswith("auto: ") and "once per batch" in d.reason
-        assert "cpu: SDPA with the packed block-diagonal mask" in p.attention.reason
-        assert "never materialised" in p.loss.reason
+        assert "cpu: SDPA with the packed block-diagonal mask" in p.decision("attention").reason
+        assert "never materialised" in p.decision("loss").reason
 
     def test_on_caches_and_says_so(self):
         d = _cache(
-            plan(CPU, Optimizations(packed_metadata_cache="on"), _config(), LLAMA)
+            plan(CPU, plan_config(packed_metadata_cache="on"), LLAMA)
         )
         assert d.enabled and d.reason.startswith("on in the job: ")
 
     def test_off_is_the_rebuild_per_layer_twin_on_the_same_backend(self):
-        p = plan(CPU, Optimizations(packed_metadata_cache="off"), _config(), LLAMA)
+        p = plan(CPU, plan_config(packed_metadata_cache="off"), LLAMA)
         d = _cache(p)
-        assert (d.enabled, d.backend) == (False, "sdpa") and p.packed_attention
+        assert (d.enabled, d.backend) == (False, "sdpa") and p.decision("attention").enabled
         assert (
             d.reason
             == "off in the job: metadata rebuilt in every layer from the device position ids"
@@ -86,25 +90,25 @@ class TestCpu:
 
     def test_plain_loss_when_the_fused_loss_cannot_run_this_model(self):
         facts = dataclasses.replace(LLAMA, fused_loss="the LM head has a bias")
-        p = plan(CPU, Optimizations(), _config(), facts)
+        p = plan(CPU, plan_config(), facts)
         assert p.loss_kernel == "torch_cross_entropy"
-        assert p.loss.reason == (
+        assert p.decision("loss").reason == (
             "full logits in float32: the fused loss cannot run this model (the LM head has a bias)"
         )
 
 
 class TestModelPackedAttentionCannotRun:
     def test_auto_falls_back_to_the_models_own_attention_and_says_why(self):
-        p = plan(H200_VARLEN, Optimizations(), _config(), SOFTCAPPED)
-        assert p.attention_backend == "transformers_sdpa" and not p.packed_attention
-        assert "soft-caps" in p.attention.reason
+        p = plan(H200_VARLEN, plan_config(), SOFTCAPPED)
+        assert p.attention_backend == "transformers_sdpa" and not p.decision("attention").enabled
+        assert "soft-caps" in p.decision("attention").reason
         d = _cache(p)
         assert not d.enabled and "packed attention cannot run this model" in d.reason
 
     def test_eager_models_keep_eager(self):
         facts = dataclasses.replace(SOFTCAPPED, supports_sdpa=False)
-        p = plan(CPU, Optimizations(), _config(), facts)
-        assert (p.attention_backend, p.load_attn_implementation) == (
+        p = plan(CPU, plan_config(), facts)
+        assert (p.attention_backend, p.hf_attention) == (
             "transformers_eager",
             "eager",
         )
@@ -117,14 +121,13 @@ class TestModelPackedAttentionCannotRun:
         ):
             plan(
                 H200_VARLEN,
-                Optimizations(packed_metadata_cache="on"),
-                _config(),
+                plan_config(packed_metadata_cache="on"),
                 SOFTCAPPED,
             )
 
     def test_off_is_honoured(self):
         d = _cache(
-            plan(CPU, Optimizations(packed_metadata_cache="off"), _config(), SOFTCAPPED)
+            plan(CPU, plan_config(packed_metadata_cache="off"), SOFTCAPPED)
         )
         assert (d.enabled, d.reason) == (False, "off in the job")
 
@@ -132,7 +135,7 @@ class TestModelPackedAttentionCannotRun:
 class TestCudaBackendChoice:
     def test_torch_varlen_first_when_it_runs(self):
         for facts in (LLAMA, GPT_OSS):
-            p = plan(H200_VARLEN, Optimizations(), _config(), facts)
+            p = plan(H200_VARLEN, plan_config(), facts)
             assert (
                 p.attention_backend == "torch_varlen"
                 and _cache(p).backend == "torch_varlen"
@@ -140,32 +143,32 @@ class TestCudaBackendChoice:
             assert p.dtype == "bfloat16"
 
     def test_our_triton_kernel_when_torch_has_no_varlen(self):
-        p = plan(H200_TRITON, Optimizations(), _config(), LLAMA)
+        p = plan(H200_TRITON, plan_config(), LLAMA)
         assert p.attention_backend == "triton"
         assert (
             "not torch_varlen: torch 2.11.0 has no torch.nn.attention.varlen"
-            in p.attention.reason
+            in p.decision("attention").reason
         )
 
     def test_varlen_without_window_or_lse_yields_to_triton_for_gpt_oss(self):
         no_window = dataclasses.replace(
             H200_VARLEN, varlen_options=("return_aux", "enable_gqa")
         )
-        p = plan(no_window, Optimizations(), _config(), GPT_OSS)
+        p = plan(no_window, plan_config(), GPT_OSS)
         assert (
             p.attention_backend == "triton"
-            and "uses a sliding window" in p.attention.reason
+            and "uses a sliding window" in p.decision("attention").reason
         )
         no_lse = dataclasses.replace(
             H200_VARLEN, varlen_options=("window_size", "enable_gqa")
         )
-        p = plan(no_lse, Optimizations(), _config(), GPT_OSS)
+        p = plan(no_lse, plan_config(), GPT_OSS)
         assert (
-            p.attention_backend == "triton" and "attention sinks" in p.attention.reason
+            p.attention_backend == "triton" and "attention sinks" in p.decision("attention").reason
         )
         # Llama needs neither option.
         assert (
-            plan(no_lse, Optimizations(), _config(), LLAMA).attention_backend
+            plan(no_lse, plan_config(), LLAMA).attention_backend
             == "torch_varlen"
         )
 
@@ -174,30 +177,30 @@ class TestCudaBackendChoice:
         old = dataclasses.replace(
             H200_VARLEN, varlen_options=("window_size", "return_aux")
         )
-        p = plan(old, Optimizations(), _config(), LLAMA)
+        p = plan(old, plan_config(), LLAMA)
         assert (
             p.attention_backend == "triton"
-            and "has no enable_gqa" in p.attention.reason
+            and "has no enable_gqa" in p.decision("attention").reason
         )
         mha = dataclasses.replace(LLAMA, grouped_query=False)
         assert (
-            plan(old, Optimizations(), _config(), mha).attention_backend
+            plan(old, plan_config(), mha).attention_backend
             == "torch_varlen"
         )
 
     def test_sdpa_block_mask_last_with_both_reasons(self):
         odd_head = dataclasses.replace(LLAMA, head_dim=96)
-        p = plan(H200_TRITON, Optimizations(), _config(), odd_head)
+        p = plan(H200_TRITON, plan_config(), odd_head)
         assert p.attention_backend == "sdpa"
-        assert "not torch_varlen: " in p.attention.reason
-        assert "not triton: head dim 96 is not one of 64, 128" in p.attention.reason
+        assert "not torch_varlen: " in p.decision("attention").reason
+        assert "not triton: head dim 96 is not one of 64, 128" in p.decision("attention").reason
         no_triton = dataclasses.replace(
             H200_TRITON, triton_varlen="Triton is not installed (pip install triton)"
         )
-        p = plan(no_triton, Optimizations(packed_metadata_cache="on"), _config(), LLAMA)
+        p = plan(no_triton, plan_config(packed_metadata_cache="on"), LLAMA)
         assert (
             p.attention_backend == "sdpa"
-            and "Triton is not installed" in p.attention.reason
+            and "Triton is not installed" in p.decision("attention").reason
         )
         assert _cache(
             p
@@ -206,8 +209,8 @@ class TestCudaBackendChoice:
 
 class TestCapabilities:
     def test_cpu_worker(self):
-        caps = capabilities(CPU, _config())
-        assert set(caps) == set(hardware.SWITCHES)
+        caps = capabilities(CPU, plan_config())
+        assert set(caps) == set(SWITCHES)
         assert caps["packed_metadata_cache"] is None
         assert (
             caps["double_buffered_reload"] == "offloading activations needs a CUDA GPU"
@@ -217,30 +220,20 @@ class TestCapabilities:
         # by the API, and the trainer's plan refuses it only for a model without MoE blocks
         assert caps["moe_grouped_routing"] is None
 
-    def test_gpu_worker_reports_only_what_this_build_lacks(self):
-        caps = capabilities(H200_TRITON, _config())
-        assert caps["packed_metadata_cache"] is None
-        for name in (
-            "double_buffered_reload",
-            "offload_activations",
-            "moe_grouped_routing",
-        ):
-            if name in hardware.BUILT_OPTIMIZATIONS:
-                assert caps[name] is None
-            else:
-                assert (
-                    caps[name] == "it is not implemented in this build of the trainer"
-                )
+    def test_gpu_worker_can_honour_every_switch(self):
+        caps = capabilities(H200_TRITON, plan_config())
+        assert caps == dict.fromkeys(SWITCHES)
 
     def test_plan_and_capabilities_are_json(self):
-        p = plan(H200_VARLEN, Optimizations(), _config(), GPT_OSS)
+        p = plan(H200_VARLEN, plan_config(), GPT_OSS)
         out = json.loads(
             json.dumps(
-                {"plan": p.to_dict(), "capabilities": capabilities(CPU, _config())}
+                {"plan": p.to_dict(), "capabilities": capabilities(CPU, plan_config())}
             )
         )
-        assert out["plan"]["attention_backend"] == "torch_varlen"
-        assert out["plan"]["loss_kernel"] == "fused_chunked_ce"
+        decisions = _decisions(out["plan"])
+        assert decisions["attention"]["backend"] == "torch_varlen"
+        assert decisions["loss"]["backend"] == "fused_chunked_ce"
 
 
 def _tiny_gemma2(directory):
@@ -269,17 +262,6 @@ def _tiny_gemma2(directory):
     Gemma2ForCausalLM(config).save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models train ~15x faster on one thread than on CI's two busy cores."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class TestRuns:
@@ -315,18 +297,20 @@ class TestRuns:
         result = run(config, lambda t, **p: events.append(make_event(t, **p)))
         assert result.status == "succeeded", result.message
         plan_event = next(e for e in events if e["type"] == "plan")
-        assert plan_event["attention_backend"] == "transformers_eager"
+        decisions = _decisions(plan_event)
+        attention = decisions["attention"]
+        assert (attention["enabled"], attention["backend"]) == (False, "transformers_eager")
         # Gemma 2's final-logit soft-capping is one the fused loss applies per chunk.
-        assert plan_event["loss_kernel"] == "fused_chunked_ce"
+        assert decisions["loss"]["backend"] == "fused_chunked_ce"
 
     def test_detect_json_shows_decisions_and_capabilities(self, tmp_path):
         out = run_cli("detect", "--json", "--device", "cpu")
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
-        decisions = {d["name"]: d for d in report["plan"]["decisions"]}
+        decisions = _decisions(report["plan"])
         assert decisions["packed_metadata_cache"]["enabled"] is True
-        assert report["plan"]["attention_backend"] == "sdpa"
-        assert report["plan"]["loss_kernel"] == "fused_chunked_ce"
+        assert decisions["attention"]["backend"] == "sdpa"
+        assert decisions["loss"]["backend"] == "fused_chunked_ce"
         assert report["capabilities"]["packed_metadata_cache"] is None
         assert "CUDA GPU" in report["capabilities"]["double_buffered_reload"]
 
@@ -336,12 +320,11 @@ class TestRuns:
         out = run_cli("detect", "--json", "--job", str(tmp_path / "job.json"))
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
-        assert report["plan"]["attention_backend"] == "transformers_eager"
+        assert _decisions(report["plan"])["attention"]["backend"] == "transformers_eager"
         text = run_cli("detect", "--job", str(tmp_path / "job.json"))
-        assert (
-            "attention  transformers_eager: packed attention cannot run gemma2"
-            in text.stdout
-        )
+        attention = next(line for line in text.stdout.splitlines() if line.startswith("attention "))
+        assert attention.split()[:5] == ["attention", "auto", "->", "off", "[transformers_eager]"]
+        assert "packed attention cannot run gemma2" in attention
         assert any(
             line.split() == ["can", "be", "on", "packed_metadata_cache"]
             for line in text.stdout.splitlines()

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_hardware import CPU, H100
+from plan_fakes import CPU, H100
 from trainer_helpers import make_job
 
-from trainer import hardware, lora_fused
-from trainer.config import Optimizations, TrainConfig
+from trainer import hardware, lora_fused, planning
+from trainer.config import TrainConfig
 from trainer.errors import PlanError
 from trainer.model import (
+    LOSS_PLAIN,
     freeze_quantized_base,
     load_model,
     packed_loss,
@@ -46,28 +47,27 @@ class TestQloraPlan:
             PlanError,
             match=r"method=qlora needs a CUDA GPU .* x86_64 \(cpu, 2 cores\)\. Use",
         ):
-            hardware.plan(CPU_WITH_BNB, Optimizations(), config)
+            planning.plan(CPU_WITH_BNB, config)
 
     def test_cuda_with_bitsandbytes_plans_bf16_and_the_fused_lora_update(
         self, tmp_path: Path, tiny_model_dir: Path
     ) -> None:
-        plan = hardware.plan(
-            H100_WITH_BNB,
-            Optimizations(),
-            make_job(tmp_path, tiny_model_dir, method="qlora"),
+        plan = planning.plan(
+            H100_WITH_BNB, make_job(tmp_path, tiny_model_dir, method="qlora")
         )
         assert plan.dtype == "bfloat16"
-        assert (plan.lora.enabled, plan.lora.backend) == (True, "ftq_fused_lora")
+        lora = plan.decision("lora_kernel")
+        assert (lora.enabled, lora.backend) == (True, "ftq_fused_lora")
 
 
 def _qlora(
     tmp_path: Path, model_dir: Path, **overrides: object
-) -> tuple[TrainConfig, hardware.Plan]:
+) -> tuple[TrainConfig, planning.Plan]:
     """A qlora job and the plan a bf16 machine would make for it (the CPU plan, in bf16)."""
     config = make_job(tmp_path, model_dir, method="qlora", **overrides)
     as_lora = dataclasses.replace(config, method="lora")
     plan = dataclasses.replace(
-        hardware.plan(hardware.detect("cpu"), Optimizations(), as_lora),
+        planning.plan(hardware.detect("cpu"), as_lora),
         dtype="bfloat16",
     )
     return config, plan
@@ -146,7 +146,7 @@ class TestQloraLoad:
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 torch.nn.init.normal_(p, std=0.02)
-        packed_loss(model, _batch(), None, hardware.LOSS_PLAIN, 1).backward()
+        packed_loss(model, _batch(), None, LOSS_PLAIN, 1).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
 
@@ -170,7 +170,7 @@ class TestQloraLoad:
         def loss_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             model.zero_grad(set_to_none=True)
             loss = packed_loss(
-                model, batch, None, hardware.LOSS_PLAIN, batch.num_targets
+                model, batch, None, LOSS_PLAIN, batch.num_targets
             )
             loss.backward()
             return loss.detach(), {

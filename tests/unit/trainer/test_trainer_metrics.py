@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.metrics import FlopCounter, StepTimer, memory_stats, mfu
-from trainer.train import _lr_lambda
+from trainer.step import lr_lambda
 
 
 class TestStepTimer:
@@ -45,7 +45,7 @@ class TestFlops:
 
 class TestLrSchedule:
     def test_warmup_then_cosine_to_zero(self):
-        f = _lr_lambda("cosine", warmup=2, total=6)
+        f = lr_lambda("cosine", warmup=2, total=6)
         assert [round(f(i), 4) for i in range(6)] == [
             0.5,
             1.0,
@@ -56,13 +56,13 @@ class TestLrSchedule:
         ]
 
     def test_linear_and_constant(self):
-        assert [_lr_lambda("linear", 0, 4)(i) for i in range(4)] == [
+        assert [lr_lambda("linear", 0, 4)(i) for i in range(4)] == [
             1.0,
             0.75,
             0.5,
             0.25,
         ]
-        assert [_lr_lambda("constant", 1, 4)(i) for i in range(4)] == [
+        assert [lr_lambda("constant", 1, 4)(i) for i in range(4)] == [
             1.0,
             1.0,
             1.0,

@@ -11,23 +11,26 @@ transformers (eager attention) differ only by summation order: rtol 1e-5 on the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
+from plan_fakes import CPU, H100
 
 from trainer.attention import (
     ATTN_IMPLEMENTATION,
     PackedAttention,
-    choose_backend,
-    install,
+    model_reason,
     packed_attention_forward,
-    supported,
 )
+from trainer.features.attention import backend_missing, choose
+from trainer.features.attention import supported as packed_attention_missing
 from trainer.fused_loss import causal_lm_loss
 from trainer.packed_metadata import build_packed_metadata
+from trainer.planning import ModelFacts
 
 # peft 0.21 reads the attribute transformers 5.2x deprecated; not ours to fix.
 pytestmark = pytest.mark.filterwarnings(
@@ -112,6 +115,13 @@ WINDOWS = {
     "gemma": {None},
     "gpt_oss": {4, None},
 }
+
+
+def install(model: torch.nn.Module, backend: str = "sdpa", cache: bool = True) -> PackedAttention:
+    """``PackedAttention(backend, cache)`` installed on ``model``."""
+    attn = PackedAttention(backend, cache)
+    attn.install(model)
+    return attn
 
 
 def _model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -384,19 +394,27 @@ class TestPlumbing:
             )
 
 
-class TestSupported:
+LLAMA_FACTS = ModelFacts("llama", head_dim=128, grouped_query=True)
+
+
+class TestBackendMissing:
     def test_cpu_runs_sdpa_and_says_why_not_the_gpu_kernels(self) -> None:
-        assert supported("sdpa", "cpu") is None
-        assert "CUDA" in supported("triton", "cpu")
-        assert "CUDA" in supported("torch_varlen", "cpu")
-        assert choose_backend("cpu")[0] == "sdpa"
-        assert "unknown attention backend" in supported("flash_attention_2", "cpu")
+        assert backend_missing("sdpa", CPU, LLAMA_FACTS) is None
+        assert "CUDA" in backend_missing("triton", CPU, LLAMA_FACTS)
+        assert "CUDA" in backend_missing("torch_varlen", CPU, LLAMA_FACTS)
+        assert choose(CPU, LLAMA_FACTS).backend == "sdpa"
+        assert "unknown attention backend" in backend_missing("flash_attention_2", CPU, LLAMA_FACTS)
 
     def test_soft_capped_attention_is_refused_with_the_reason(self) -> None:
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         config = Gemma2Config(**COMMON, head_dim=16)
-        assert "soft-caps attention logits" in supported("sdpa", "cpu", config)
+        reason = model_reason(config)
+        assert "soft-caps attention logits" in reason
+        facts = ModelFacts("gemma2", head_dim=16, packed_attention=reason)
+        assert "soft-caps attention logits" in packed_attention_missing(CPU, facts)
+        decision = choose(CPU, facts)
+        assert not decision.enabled and "soft-caps attention logits" in decision.reason
         with pytest.raises(ValueError, match="soft-caps"):
             PackedAttention("sdpa").install(Gemma2ForCausalLM(config))
 
@@ -404,10 +422,22 @@ class TestSupported:
         from transformers import GemmaConfig
 
         config = GemmaConfig(**COMMON, head_dim=16, use_bidirectional_attention=True)
-        assert "bidirectional" in supported("sdpa", "cpu", config)
+        assert "bidirectional" in model_reason(config)
 
     def test_flex_cannot_train_on_cpu(self) -> None:
-        assert "no backward pass on cpu" in supported("flex", "cpu")
+        assert backend_missing("flex", CPU, LLAMA_FACTS) == (
+            "the flex backend needs a CUDA device, training runs on cpu"
+        )
+
+    def test_gpu_kernels_say_what_this_torch_or_model_lacks(self) -> None:
+        assert "has no flex attention" in backend_missing("flex", H100, LLAMA_FACTS)
+        assert "needs torch >= 2.12" in backend_missing("torch_varlen", H100, LLAMA_FACTS)
+        assert backend_missing("triton", H100, LLAMA_FACTS) == "not probed"  # the fake's default
+        triton_runs = dataclasses.replace(H100, triton_varlen=None)
+        assert backend_missing("triton", triton_runs, LLAMA_FACTS) is None
+        odd_head = dataclasses.replace(LLAMA_FACTS, head_dim=96)
+        assert backend_missing("triton", triton_runs, odd_head) == "head dim 96 is not one of 64, 128"
+        assert choose(triton_runs, LLAMA_FACTS).backend == "triton"
 
 
 class TestLossCurve:

@@ -123,18 +123,25 @@ class TestInstall:
         assert all(m.forward.__func__ is type(m).forward for m in patched)
         assert result.counts() == {}
 
-    def test_module_level_uninstall_finds_the_patched_modules(self):
+    def test_uninstall_finds_every_patched_module_and_is_idempotent(self):
         model = lora_model("llama")
         result = fused_ops.install(model)
-        assert fused_ops.uninstall(model) == len(result.norms) + len(result.mlps) == 7
-        assert fused_ops.uninstall(model) == 0
+        assert _patched(model) == len(result.norms) + len(result.mlps) == 7
+        result.uninstall()
+        assert _patched(model) == 0
+        result.uninstall()  # nothing left to undo
+        assert _patched(model) == 0
 
     def test_install_twice_patches_each_module_once(self):
         model, _ = build_tiny_model("llama")
         first = fused_ops.install(model)
         second = fused_ops.install(model)
         assert second.counts() == first.counts()
-        assert fused_ops.uninstall(model) == 7
+        assert _patched(model) == 7
+        second.uninstall()
+        assert _patched(model) == 0
+        first.uninstall()  # the same modules, already restored
+        assert _patched(model) == 0
 
     def test_a_norm_whose_forward_differs_from_its_variant_is_left_alone(
         self, monkeypatch
@@ -209,3 +216,8 @@ class TestInstall:
             "5 RMSNorm + 2 SwiGLU MLP modules fused (LlamaMLP 2, LlamaRMSNorm 5), "
             "RoPE kernel in 0 modeling files, torch form (triton=False)"
         )
+
+
+def _patched(model: nn.Module) -> int:
+    """Modules of ``model`` that carry a fused-ops patch."""
+    return sum("_ftq_fused_ops" in vars(m) for m in model.modules())

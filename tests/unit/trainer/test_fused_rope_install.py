@@ -57,7 +57,7 @@ def test_cpu_install_does_not_patch_rope() -> None:
         result.uninstall()
 
 
-def test_module_uninstall_restores_rope_and_installs_share_one_record() -> None:
+def test_installs_share_the_rope_patch_and_the_last_uninstall_restores_it() -> None:
     first, _ = build_tiny_model("llama")
     second, _ = build_tiny_model("llama", seed=1)
     modeling = sys.modules[type(first.model.layers[0].self_attn).__module__]
@@ -65,11 +65,13 @@ def test_module_uninstall_restores_rope_and_installs_share_one_record() -> None:
     a, b = fused_ops.InstallResult(triton=True), fused_ops.InstallResult(triton=True)
     fused_ops._patch_rope(first, a)
     fused_ops._patch_rope(second, b)
-    assert len(a.rope) == len(b.rope) == 1
+    assert a.rope == b.rope == [modeling]
     try:
-        fused_ops.uninstall(second)  # the module-level undo restores the process-wide patch too
+        b.uninstall()  # the first install still holds the process-wide patch
+        assert modeling.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+        a.uninstall()  # the last holder puts transformers' own function back
         assert modeling.apply_rotary_pos_emb is original
-        a.uninstall()  # nothing left to restore: still the original
+        a.uninstall()  # nothing left to release: still the original
         assert modeling.apply_rotary_pos_emb is original
     finally:
         a.uninstall()

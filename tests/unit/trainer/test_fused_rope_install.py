@@ -27,7 +27,7 @@ def test_llama_style_rope_is_replaced_and_restored() -> None:
     result = fused_ops.InstallResult(triton=True)
     fused_ops._patch_rope(model, result)
     try:
-        assert [m for m, _ in result.rope] == [modeling]
+        assert result.rope == [modeling]
         assert modeling.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
         assert torch.equal(_logits(model, ids), before)
         fused_ops._patch_rope(model, result)  # again: already patched, recorded once

@@ -30,9 +30,12 @@ def test_llama_style_rope_is_replaced_and_restored() -> None:
         assert result.rope == [modeling]
         assert modeling.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
         assert torch.equal(_logits(model, ids), before)
-        fused_ops._patch_rope(model, result)  # again: already patched, recorded once
-        assert len(result.rope) == 1
         assert "RoPE kernel in 1 modeling files" in result.describe()
+        again = fused_ops.InstallResult(triton=True)
+        fused_ops._patch_rope(model, again)  # already patched: joins it, the original is kept
+        assert again.rope == [modeling]
+        again.uninstall()
+        assert modeling.apply_rotary_pos_emb is rope.apply_rotary_pos_emb  # the first still holds it
     finally:
         result.uninstall()
     assert modeling.apply_rotary_pos_emb is original

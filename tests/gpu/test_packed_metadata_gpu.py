@@ -11,17 +11,18 @@ largest magnitude < 3e-2 (two bf16 attention implementations differ by a few ulp
 
 from __future__ import annotations
 
-import types
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from trainer.attention import packed_attention_forward, supported
+from trainer.attention import packed_attention_forward
+from trainer.features.attention import backend_missing
 from trainer.fused_loss import fused_linear_cross_entropy
+from trainer.hardware import detect
 from trainer.packed_metadata import build_packed_metadata
+from trainer.planning import ModelFacts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,10 +49,14 @@ class _Attention(torch.nn.Module):
 
 
 # What the calls below need of a backend: 8 query heads over 2 KV heads, a sliding window, sinks.
-_SHAPE_CONFIG = types.SimpleNamespace(
-    model_type="gpt_oss", num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-    hidden_size=512, sliding_window=128, layer_types=("sliding_attention", "full_attention"),
+_SHAPE_FACTS = ModelFacts(
+    "gpt_oss", head_dim=64, sliding_window=True, attention_sinks=True, grouped_query=True
 )
+
+
+def _missing(backend: str) -> str | None:
+    """Why ``backend`` cannot run the calls below on this GPU, or None."""
+    return backend_missing(backend, detect("cuda"), _SHAPE_FACTS)
 
 
 def _qkv(total: int, heads_q: int = 8, heads_kv: int = 2, dim: int = 64, seed: int = 0):
@@ -110,7 +115,7 @@ class TestNoHostSync:
     def test_attention_forward_and_backward_do_not_sync(
         self, backend, window, with_sinks
     ) -> None:
-        reason = supported(backend, "cuda", _SHAPE_CONFIG)
+        reason = _missing(backend)
         if reason is not None:
             pytest.skip(reason)
         sinks = torch.randn(8, device="cuda") if with_sinks else None
@@ -144,7 +149,7 @@ class TestBackendsAgree:
     def test_matches_the_sdpa_block_mask_path(
         self, backend, window, with_sinks
     ) -> None:
-        reason = supported(backend, "cuda", _SHAPE_CONFIG)
+        reason = _missing(backend)
         if reason is not None:
             pytest.skip(reason)
         sinks = torch.randn(8, device="cuda") if with_sinks else None

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
-from trainer_helpers import make_job, repetitive_chat, write_jsonl
+from trainer_helpers import Recorder, make_job, repetitive_chat, write_jsonl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,21 +53,6 @@ LORA_TARGETS = (
 )
 FIRST_LOSS_RTOL = 0.10
 RELOAD_RTOL = 1e-3
-
-
-class Recorder:
-    """An ``emit`` keeping the events in memory."""
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def __call__(self, type_: str, **payload: Any) -> None:
-        from trainer.events import make_event
-
-        self.events.append(make_event(type_, **payload))
-
-    def of(self, type_: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == type_]
 
 
 def _tiny_llama(directory: Path) -> Path:
@@ -174,10 +159,12 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
     import bitsandbytes as bnb
     from peft import PeftModel
 
-    from trainer import hardware, train
+    from trainer import hardware, metrics, planning
     from trainer.config import DataConfig
     from trainer.dataset import load_samples
+    from trainer.install import install
     from trainer.model import load_model, load_tokenizer, model_facts
+    from trainer.step import StepContext, evaluate
 
     validation = write_jsonl(tmp_path / "val.jsonl", repetitive_chat(5))
     data = DataConfig(
@@ -214,8 +201,8 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert {p.dtype for p in trainable.values()} == {torch.float32}
-    plan = events.of("plan")[0]
-    assert plan["lora_kernel"] == "ftq_fused_lora", plan["lora_reason"]
+    lora_kernel = next(d for d in events.of("plan")[0]["decisions"] if d["name"] == "lora_kernel")
+    assert lora_kernel["backend"] == "ftq_fused_lora", lora_kernel["reason"]
     logs = [e["message"] for e in events.of("log")]
     assert any(
         f"0 with the base matmul, {len(layers)} update-only" in m for m in logs
@@ -229,7 +216,7 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
 
     # ---- the adapter on a fresh 4-bit base ----
     hw = hardware.detect(DEVICE)
-    plan_obj = hardware.plan(hw, config.optimizations, config, model_facts(config))
+    plan_obj = planning.plan(hw, config, model_facts(config))
     device = torch.device(hw.device)
     adapter = Path(events.of("done")[-1]["adapter_path"])
     reloaded = PeftModel.from_pretrained(load_model(config, plan_obj, device), adapter)
@@ -237,20 +224,24 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
     assert all(
         type(m.get_base_layer()) is bnb.nn.Linear4bit for m in reloaded_layers.values()
     )
-    opt = train._install_optimizations(reloaded, plan_obj)
     samples = load_samples(str(validation), load_tokenizer(config), "auto", 64)
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
+    ctx = StepContext(
+        model=reloaded,
+        optimizer=None,  # type: ignore[arg-type]  # evaluate never steps
+        scheduler=None,  # type: ignore[arg-type]
+        samples=samples,
+        installed=install(reloaded, plan_obj),
+        device=device,
+        autocast=torch.autocast(device.type, dtype=torch.bfloat16)
         if device.type == "cuda" and plan_obj.dtype != "float32"
-        else nullcontext()
+        else nullcontext(),
+        flops=metrics.FlopCounter.for_model(reloaded),
+        max_grad_norm=0.0,
     )
-    check = Recorder()
-    train._evaluate(reloaded, samples, config, device, autocast, 20, check, opt)
-    reloaded_loss = check.of("eval")[0]["loss"]
+    reloaded_loss, _ = evaluate(ctx, samples, config.data.batch_tokens)
     assert reloaded_loss == pytest.approx(final_eval["loss"], rel=RELOAD_RTOL)
     with reloaded.disable_adapter():
-        train._evaluate(reloaded, samples, config, device, autocast, 0, check, opt)
-    base_loss = check.of("eval")[1]["loss"]
+        base_loss, _ = evaluate(ctx, samples, config.data.batch_tokens)
     print(
         "qlora losses",
         [round(x, 4) for x in losses],

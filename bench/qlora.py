@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB",
         flush=True,
     )
-    results, _ = run_variants(model, optimizer, shape, list(args.variants), device, args.warmup, args.steps, peak)
+    results, _ = run_variants(
+        model, optimizer, shape, list(args.variants), device, args.warmup, args.steps, peak, method="qlora"
+    )
     print()
     print(table(results))
     return 0

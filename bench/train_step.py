@@ -7,18 +7,23 @@ Variants, all in one process on the same model object (bench/workload.py builds 
   micro-batches of at most 16,384 padded tokens with gradient accumulation;
 - ``stock packed``: one [1, 16384] row with restarting ``position_ids`` (transformers builds a
   dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
-- ``ftq``: ``trainer.attention`` (``ftq_packed`` with the Triton varlen kernel, metadata built
-  once per batch), ``trainer.fused_loss`` (chunked linear + cross-entropy), ``trainer.lora_fused``
-  (LoRA in bf16 with the update fused into the base matmul; adapters stay fp32 master weights)
-  and ``trainer.fused_ops`` (Triton RMSNorm, SwiGLU and RoPE kernels);
-- ``ftq + offload``: ftq with the layer inputs offloaded to pinned host memory and reloaded
-  double-buffered (``trainer.offload``): the memory-lean configuration;
-- ``ftq, metadata cache off``: ftq with the metadata rebuilt in every layer (the "before"
-  of the caching optimization, all else equal);
-- ``ftq, peft LoRA``: ftq with peft's own LoRA forward (fp32 adapters: every adapted layer's
-  input cast to fp32 and back) — the gain of ``trainer.lora_fused``;
-- ``ftq, unfused norm/SwiGLU``: ftq with transformers' own RMSNorm and MLP — the gain of
-  ``trainer.fused_ops``.
+- ``ftq``: the plan ``python -m trainer run`` makes for this job on this machine
+  (``bench.plans``: ``trainer.planning.plan``, installed by ``trainer.install.install``), with
+  plain checkpointing: ``ftq_packed`` attention on the kernel the plan chooses (on CUDA torch's
+  varlen_attn where it runs the model, else the Triton varlen kernel; printed per shape) with the
+  metadata built once per batch, the fused loss (chunked linear + cross-entropy), the fused LoRA
+  kernel (LoRA in bf16 with the update fused into the base matmul; adapters stay fp32 master
+  weights) and the Triton RMSNorm, SwiGLU and RoPE kernels;
+- ``ftq + offload``: ftq with ``offload_activations`` and ``double_buffered_reload`` on (layer
+  inputs offloaded to pinned host memory, reloaded double-buffered): the memory-lean configuration;
+- ``ftq, metadata cache off``: ftq with ``packed_metadata_cache`` off (the metadata rebuilt in
+  every layer: the "before" of the caching optimization, all else equal);
+- ``ftq, peft LoRA``: ftq with the ``lora_kernel`` decision off: peft's own LoRA forward (fp32
+  adapters: every adapted layer's input cast to fp32 and back) — the gain of the fused LoRA kernel;
+- ``ftq, unfused norm/SwiGLU``: ftq with the ``fused_ops`` decision off: transformers' own
+  RMSNorm, MLP and RoPE — the gain of ``trainer.fused_ops``.
+Each ftq variant is installed, timed and removed (``Installation.remove()``) on the same model;
+its result records the installed pieces and the decisions that differ from the all-``auto`` plan.
 Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
 (model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
@@ -43,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from bench.plans import Planner, attention_line, ftq_loss
 from bench.workload import (
     SHAPES,
     TOKENS_PER_STEP,
@@ -52,6 +58,7 @@ from bench.workload import (
     packed_steps,
     padded_batch,
 )
+from trainer.install import Installation, install
 
 VARIANTS = ("stock padded", "stock packed", "ftq", "ftq + offload", "ftq, metadata cache off", "ftq, peft LoRA",
             "ftq, unfused norm/SwiGLU")
@@ -73,6 +80,10 @@ class Result:
     sync_sites: list[str] = field(default_factory=list)
     """Where the counted host syncs come from (file:line of the Python call that synchronized)."""
     losses: list[float] = field(default_factory=list)
+    installed: list[str] = field(default_factory=list)
+    """The plan's installed pieces (``Installation.describe()``); empty for a stock variant."""
+    plan: list[str] = field(default_factory=list)
+    """The plan's decisions that differ from the all-``auto`` plan (``bench.plans.changes``)."""
 
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -88,54 +99,48 @@ def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> f
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """An ftq variant as a plan: its ``optimizations`` switches and the kernel choices it turns off."""
+
+    switches: dict[str, str]
+    off: tuple[str, ...] = ()
+
+
+NO_OFFLOAD = {"offload_activations": "off"}
+"""Every ftq variant but ``ftq + offload`` keeps plain checkpointing, whatever ``auto`` would say."""
+RECIPES = {
+    "ftq": Recipe(NO_OFFLOAD),
+    "ftq + offload": Recipe({"offload_activations": "on", "double_buffered_reload": "on"}),
+    "ftq, metadata cache off": Recipe({**NO_OFFLOAD, "packed_metadata_cache": "off"}),
+    "ftq, peft LoRA": Recipe(NO_OFFLOAD, off=("lora_kernel",)),
+    "ftq, unfused norm/SwiGLU": Recipe(NO_OFFLOAD, off=("fused_ops",)),
+}
+
+
 class Variant:
-    """How one variant runs a step's forward + loss on ``model``."""
+    """How one variant runs a step's forward + loss on ``model``: an ftq variant installs its plan
+    (``bench.plans``), a stock variant runs transformers as built (sdpa, HF's loss)."""
 
-    def __init__(self, name: str, model, shape: ModelShape, device: torch.device):
+    def __init__(self, name: str, model, shape: ModelShape, device: torch.device, planner: Planner | None = None):
         self.name, self.model, self.shape, self.device = name, model, shape, device
-        self.attention = None
-        self.undo: list = []
+        self.installation: Installation | None = None
         self.installed: list[str] = []
-        if not name.startswith("ftq"):
+        self.plan: list[str] = []
+        """The decisions that differ from the all-``auto`` plan."""
+        recipe = RECIPES.get(name)
+        if recipe is None:
             return
-        try:
-            self._install(name, model, device)
-        except BaseException:
-            self.close()  # undo what was installed: it must not leak into the next variant
-            raise
-
-    def _install(self, name: str, model, device: torch.device) -> None:
-        from trainer import offload
-        from trainer.attention import PackedAttention
-
-        self.attention = PackedAttention(backend="triton", cache="cache off" not in name)
-        reason = self.attention.supported(device, model.get_base_model().config)
-        if reason:
-            raise RuntimeError(f"ftq attention cannot run here: {reason}")
-        self.attention.install(model)
-        self.undo.append(self.attention.uninstall)
-        if name != "ftq, peft LoRA":
-            from trainer import lora_fused
-
-            self.undo.append(lora_fused.install(model).uninstall)
-            self.installed.append("lora_fused")
-        if name != "ftq, unfused norm/SwiGLU":
-            try:
-                from trainer import fused_ops
-            except ImportError:
-                pass
-            else:
-                self.undo.append(fused_ops.install(model).uninstall)
-                self.installed.append("fused_ops")
-        if name == "ftq + offload":
-            offloader = offload.build(device, offload=True, double_buffer=True)
-            offloader.apply(model)
-            self.undo.append(lambda: offloader.remove(model))
-            self.installed.append("offload double-buffered")
+        assert planner is not None, f"variant {name!r} is a plan: pass a Planner"
+        chosen = planner.plan(recipe.off, **recipe.switches)
+        self.installation = install(model, chosen)  # a failed install removes what it had applied
+        self.installed = self.installation.describe()
+        self.plan = planner.changes(chosen)
 
     def close(self) -> None:
-        while self.undo:
-            self.undo.pop()()
+        if self.installation is not None:
+            self.installation.remove()
+            self.installation = None
 
     def micro_batches(self, lengths: list[int], seed: int) -> list:
         """The step as closures, each returning one micro-batch's (loss, real tokens) to backpropagate.
@@ -166,15 +171,10 @@ class Variant:
 
         def packed():
             batch = packed_batch(lengths, vocab, self.device, seed)
-            if self.name == "stock packed":
+            if self.installation is None:
                 out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels)
                 return out.loss, sum(lengths)
-            from trainer.fused_loss import causal_lm_loss
-
-            meta = self.attention.metadata(lengths, self.device)
-            loss = causal_lm_loss(self.model, batch.input_ids, batch.targets, num_items=batch.num_label_tokens,
-                                  **meta.model_kwargs())
-            return loss, sum(lengths)
+            return ftq_loss(self.installation, self.model, batch, self.device), sum(lengths)
 
         return [packed]
 
@@ -267,6 +267,37 @@ def _timed(variant: Variant, step, steps: list[list[int]], warmup: int, peak_tfl
     return result
 
 
+def run_variant_cpu(variant: Variant, optimizer, steps: list[list[int]], warmup: int, shape: ModelShape) -> Result:
+    """``run_variant``'s steps on the CPU, timed by wall clock (no syncs, memory or MFU): smoke runs."""
+    result = Result(shape.name, variant.name)
+    timed = range(warmup + 1, len(steps))
+    fwd = bwd = opt = wall = 0.0
+    tokens = 0
+    for i in range(len(steps)):
+        step_start, loss_sum = time.perf_counter(), 0.0
+        for micro_batch in variant.micro_batches(steps[i], seed=i):
+            t0 = time.perf_counter()
+            loss, n = micro_batch()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if i in timed:
+                fwd, bwd, tokens = fwd + t1 - t0, bwd + t2 - t1, tokens + n
+            loss_sum += float(loss.detach())
+        t3 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i in timed:
+            t4 = time.perf_counter()
+            opt, wall = opt + t4 - t3, wall + t4 - step_start
+            result.losses.append(loss_sum)
+    n = len(timed)
+    result.step_ms, result.optimizer_ms = wall * 1e3 / n, opt * 1e3 / n
+    result.forward_ms, result.backward_ms = fwd * 1e3 / n, bwd * 1e3 / n
+    result.tokens_per_s = tokens / wall
+    return result
+
+
 def profile_step(variant: Variant, optimizer, lengths: list[int], out_path: str | None) -> str:
     """One ftq step under torch.profiler: where the GPU time goes, and how busy the GPU is."""
     from torch.profiler import ProfilerActivity, profile
@@ -310,19 +341,26 @@ def bench_shape(shape: ModelShape, variants: list[str], device: torch.device, wa
 
 
 def run_variants(model, optimizer, shape: ModelShape, variants: list[str], device: torch.device, warmup: int,
-                 timed: int, peak: float, profile_out: str | None = None,
-                 keep_gc: bool = False) -> tuple[list[Result], str]:
-    """Each variant in turn on ``model`` (installed, timed, undone); one failing variant does not stop the rest."""
+                 timed: int, peak: float, profile_out: str | None = None, keep_gc: bool = False,
+                 method: str = "lora") -> tuple[list[Result], str]:
+    """Each variant in turn on ``model`` (installed, timed, undone); one failing variant does not stop the rest.
+
+    ``method`` is the job's (``lora``, or ``qlora`` for ``bench.qlora``'s 4-bit base): the plans are made for it.
+    """
     model.train()
     steps = packed_steps(warmup + 1 + timed)
+    planner = Planner.for_model(model, shape, device, method=method)
+    print(f"  {shape.name}: {attention_line(planner.default)}", flush=True)
     results, profile_text = [], ""
     for name in variants:
         variant = None
         try:
-            variant = Variant(name, model, shape, device)
+            variant = Variant(name, model, shape, device, planner)
             if variant.installed:
-                print(f"  {shape.name} / {name}: installed {', '.join(variant.installed)}", flush=True)
+                print(f"  {shape.name} / {name}: installed {'; '.join(variant.installed)}", flush=True)
+                print(f"  {shape.name} / {name}: plan {'; '.join(variant.plan) or 'as auto'}", flush=True)
             results.append(run_variant(variant, optimizer, steps, warmup, peak, shape, keep_gc=keep_gc))
+            results[-1].installed, results[-1].plan = variant.installed, variant.plan
             if profile_out and name == "ftq":
                 profile_text = profile_step(variant, optimizer, steps[0], profile_out)
         except torch.OutOfMemoryError as exc:

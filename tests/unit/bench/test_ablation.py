@@ -2,8 +2,9 @@
 
 The arithmetic and rendering tests use hand-made results (exact numbers, exact strings). The
 smoke test runs ``python -m bench.ablation --device cpu --tiny`` (a tiny Llama and a tiny
-GPT-OSS, SDPA packed backend, offload through its synchronous CPU twin) in a subprocess and
-checks that every row ran and produced finite numbers with the pieces it should install.
+GPT-OSS, the plan's SDPA packed backend, offload over its synchronous CPU streams) in a
+subprocess and checks that every row ran and produced finite numbers with the pieces its plan
+should install.
 """
 
 from __future__ import annotations
@@ -18,26 +19,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import ablation
-from bench.ablation import (
+from bench import ablation, ablation_report
+from bench.ablation import MODELS, Switches, micro_groups, rows_for
+from bench.ablation_report import (
     ALL_OFF,
     ALL_ON,
     ALL_ON_NO_OFFLOAD,
     CACHE_ONLY,
     DOUBLE_ONLY,
-    MODELS,
     MOE_ONLY,
     NO_OFFLOAD,
     STOCK,
     RowResult,
-    Switches,
     derive,
     failure_status,
     markdown_table,
-    micro_groups,
-    rows_for,
     summary,
 )
+from trainer.config import SWITCHES
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -111,6 +110,21 @@ class TestRowsFor:
                 only = rows[name].switches
                 diff = [f for f in vars(off) if getattr(off, f) != getattr(only, f)]
                 assert len(diff) == 1, (key, name, diff)
+
+    def test_rows_become_the_plans_switches(self):
+        rows = {r.name: r for r in rows_for(MODELS["gpt-oss-20b"])}
+        off = rows[ALL_OFF].switches.optimizations(offload=True)
+        assert off == {
+            "packed_metadata_cache": "off",
+            "double_buffered_reload": "off",
+            "moe_grouped_routing": "off",
+            "offload_activations": "on",
+        }
+        assert set(off) == set(SWITCHES)
+        on = rows[ALL_ON].switches.optimizations(offload=True)
+        assert set(on.values()) == {"on"}
+        plain = rows[ALL_ON_NO_OFFLOAD].switches.optimizations(offload=False)
+        assert (plain["offload_activations"], plain["double_buffered_reload"]) == ("off", "off")
 
     def test_qlora_model_needs_bitsandbytes(self):
         spec = MODELS["qwen3-14b"]
@@ -230,23 +244,28 @@ class TestTinyCpuRun:
             assert r["losses"] and all(math.isfinite(x) for x in r["losses"]), key
         for model in ("tiny-Llama", "tiny-GPT-OSS"):
             off, on = by[model, ALL_OFF], by[model, ALL_ON]
-            assert (
-                "packed attention (sdpa, metadata rebuilt per layer)"
-                in off["installed"]
-            )
-            assert "packed attention (sdpa, metadata cached)" in on["installed"]
-            assert "offload (sync reload)" in off["installed"]
-            assert "offload (double-buffered reload)" in on["installed"]
-            assert "lora_fused" in on["installed"]
+            # Installation.describe() of each row's plan
+            assert "packed attention: sdpa, metadata built in every layer" in off["installed"]
+            assert "packed attention: sdpa, metadata built once per batch" in on["installed"]
+            assert "activation offload: 2 decoder layers, synchronous reload" in off["installed"]
+            assert "activation offload: 2 decoder layers, double-buffered reload" in on["installed"]
+            assert any(i.startswith("LoRA kernel: ") for i in on["installed"])
+            assert "loss: fused_chunked_ce" in on["installed"]
             assert not any(
-                i.startswith("offload")
+                i.startswith("activation offload")
                 for i in by[model, ALL_ON_NO_OFFLOAD]["installed"]
             )
-            assert by[model, STOCK]["installed"] == []
+            assert by[model, STOCK]["installed"] == [] and by[model, STOCK]["plan"] == []
+            # the decisions unlike the all-auto plan: the cache off, the offload forced on
+            assert any(p.startswith("packed_metadata_cache: off (sdpa)") for p in off["plan"])
+            assert any(p.startswith("offload_activations: on (sync)") for p in off["plan"])
+            assert any(p.startswith("offload_activations: on (double)") for p in on["plan"])
+            assert not any(p.startswith("packed_metadata_cache") for p in on["plan"])
         # The report rebuilt from the JSON (how split device runs are combined) is the
         # report the run printed.
-        rebuilt = ablation.report_from_json([str(out)])
+        rebuilt = ablation_report.report_from_json([str(out)])
         assert rebuilt.split("\n\n", 1)[1] in proc.stdout
-        moe_off = " ".join(by["tiny-GPT-OSS", ALL_OFF]["notes"])
-        moe_on = " ".join(by["tiny-GPT-OSS", MOE_ONLY]["notes"])
+        moe_off = " ".join(by["tiny-GPT-OSS", ALL_OFF]["installed"])
+        moe_on = " ".join(by["tiny-GPT-OSS", MOE_ONLY]["installed"])
         assert "eager per-expert loop" in moe_off and "grouped routing" in moe_on
+        assert not any("MoE" in i for i in by["tiny-Llama", ALL_ON]["installed"])

@@ -130,6 +130,20 @@ class TestForcedOnAtSubmission:
         assert response.status_code == 201, response.text
         assert count(store, Job) == 2
 
+    def test_offload_activations_is_a_switch_of_the_job_api_too(
+        self, client: TestClient, store, cpu_report
+    ) -> None:
+        add_worker(store, "box-cpu", cpu_report)
+        file_id = upload(client)
+        response = client.post("/v1/jobs", json=spec(file_id, **optimizations(offload_activations="on")))
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["param"] == "optimizations.offload_activations"
+        assert "worker box-cpu: offloading activations needs a CUDA GPU" in error["message"]
+        response = client.post("/v1/jobs", json=spec(file_id, **optimizations(offload_activations="off")))
+        assert response.status_code == 201, response.text
+        assert response.json()["spec"]["optimizations"]["offload_activations"] == "off"
+
     def test_auto_and_off_are_never_refused(self, client: TestClient, store, cpu_report) -> None:
         add_worker(store, "box-cpu", cpu_report)
         body = spec(

@@ -202,6 +202,7 @@ class TestPlanEvent:
         assert list(requested) == [*KERNEL_CHOICES, *SWITCHES]
         assert requested == {**dict.fromkeys(requested, "auto"), "moe_grouped_routing": "off"}
 
+    @pytest.mark.slow  # the trainer CLI in a subprocess
     def test_the_trainers_detect_plan_fits_the_api_schema(self, detect_report: dict[str, Any]) -> None:
         plan = detect_report["plan"]
         assert_fits_plan_schema(plan)
@@ -209,6 +210,7 @@ class TestPlanEvent:
         assert names == [*KERNEL_CHOICES, *SWITCHES]
         assert {d["requested"] for d in plan["decisions"][: len(KERNEL_CHOICES)]} == {"auto"}
 
+    @pytest.mark.slow  # the trainer CLI in a subprocess
     def test_the_trainer_reports_every_switch_the_api_checks(self, detect_report: dict[str, Any]) -> None:
         assert list(detect_report["capabilities"]) == list(SWITCHES)
 

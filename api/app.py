@@ -1,8 +1,9 @@
 """The FastAPI application: ``create_app(settings)`` and the lifespan that owns its resources.
 
 Nothing is opened at import. The lifespan builds the store engine and sessionmaker, the Celery
-app used only to send ``jobs.run`` (core.queue), and a Redis client when ``FTQ_REDIS_URL`` is
-set (live SSE wake-ups); it hands them to requests as one typed ``AppState`` and closes them at
+app used only to send ``jobs.run`` (core.queue), a Redis client when ``FTQ_REDIS_URL`` is set
+(live SSE wake-ups) and the ``TokenizerPool`` behind the token statistics (worker processes,
+started on first use); it hands them to requests as one typed ``AppState`` and closes them at
 shutdown. Serve with ``uvicorn --factory api.app:create_app`` or ``ftq api``.
 """
 
@@ -12,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from anyio import to_thread
 from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -19,6 +21,7 @@ from sqlalchemy.exc import OperationalError
 from api.auth import auth_gate
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
+from api.files.tokenizer_pool import TokenizerPool
 from api.jobs.routes import router as jobs_router
 from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
@@ -49,10 +52,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from redis.asyncio import Redis
 
             redis = Redis.from_url(settings.redis_url)
-        state = AppState(settings, engine, make_sessionmaker(engine), celery, redis)
+        tokenizers = TokenizerPool(settings.tokenizer_workers)
+        state = AppState(settings, engine, make_sessionmaker(engine), celery, redis, tokenizers)
         try:
             yield {"ftq": state}
         finally:
+            await to_thread.run_sync(tokenizers.shutdown)  # waits for a running tokenization
             if redis is not None:
                 await redis.aclose()
             celery.close()

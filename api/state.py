@@ -9,6 +9,7 @@ from celery import Celery
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
+from api.files.tokenizer_pool import TokenizerPool
 from core.settings import Settings
 
 
@@ -20,3 +21,6 @@ class AppState:
     celery: Celery
     redis: Any | None
     """``redis.asyncio.Redis`` when FTQ_REDIS_URL is set, else None (SSE polls the store)."""
+    tokenizers: TokenizerPool | None = None
+    """The processes that tokenize datasets for GET /v1/files/{id}/tokens; the lifespan creates
+    it (None only in a state a test builds by hand) and shuts it down at exit."""

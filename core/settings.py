@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     """The worker writes buffered events to the store at least this often."""
     allow_hub_models: bool = True
     """Accept hub ids as ``model`` (resolved from the local HF cache when offline)."""
+    tokenizer_workers: int = Field(default=1, ge=1)
+    """Processes the API starts (on first use) to tokenize datasets for GET /v1/files/{id}/tokens;
+    each imports transformers and keeps its last 4 tokenizers loaded, the API process neither."""
     sse_heartbeat_s: float = 15.0
     """An idle event stream sends a comment line this often so proxies keep it open."""
     sse_poll_interval_s: float = 0.4

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import MODEL, CuttableProxy, screenshot_dir  # noqa: F401 - test_dashboard.py imports screenshot_dir from here
+from tests.integration.browser.helpers import MODEL, CuttableProxy
 from tests.integration.e2e.stack import STACK_ENV, Stack, free_port, read_bootstrap_key
 
 CHROMIUM = os.environ.get("FTQ_TEST_CHROMIUM", "/usr/bin/chromium")

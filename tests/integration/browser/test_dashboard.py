@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.conftest import MODEL, CuttableProxy, screenshot_dir
+from tests.integration.browser.helpers import MODEL, CuttableProxy, screenshot_dir
 from trainer.config import SWITCHES, switch_docs
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]

@@ -3,40 +3,13 @@
 from __future__ import annotations
 
 import io
-import json
-from pathlib import Path
 
 import pytest
-import yaml
-from fastapi.testclient import TestClient
 
-from api.app import create_app
 from cli.errors import CliError
 from cli.jobs import describe, follow, format_jobs, load_job_file, progress_line, submit
-from core.migrate import upgrade
-from core.settings import Settings
-from tests.helpers import create_api_key
 
-CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-
-
-@pytest.fixture
-def api(tmp_path: Path, model_root: Path):
-    settings = Settings(data_dir=tmp_path / "data", model_root=model_root, allow_hub_models=False,
-                        sse_poll_interval_s=0.05).resolved()
-    upgrade(settings.database_url)
-    key = create_api_key(settings.database_url)
-    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {key}"}) as client:
-        yield client
-
-
-@pytest.fixture
-def job_file(tmp_path: Path) -> Path:
-    (tmp_path / "train.jsonl").write_text(json.dumps(CHAT) + "\n")
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({"model": "tiny", "training_file": "train.jsonl",
-                                    "hyperparameters": {"max_steps": 5, "batch_tokens": 256, "max_seq_len": 64}}))
-    return path
+# The ``api`` and ``job_file`` fixtures are in conftest.py (the submit-priority tests use them too).
 
 
 class TestSubmit:

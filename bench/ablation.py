@@ -85,6 +85,7 @@ from bench.workload import (
     packed_batch,
     packed_steps,
 )
+from trainer.attention import unwrap_model
 from trainer.install import Installation, install
 
 EAGER_MICRO_TOKENS = 4096
@@ -227,10 +228,6 @@ def micro_groups(lengths: list[int], micro_tokens: int | None) -> list[list[int]
     return groups
 
 
-def _unwrap(model: torch.nn.Module) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @dataclass
 class ModelRun:
     """What every row of one model shares: the built model, its optimizer, its plans, the steps."""
@@ -279,7 +276,7 @@ class AblationRow:
 
     def _install_stock(self) -> None:
         assert self.stock is not None, "the stock row needs a StockAttention"
-        lm = _unwrap(self.model)
+        lm = unwrap_model(self.model)
         if self.run.spec.is_moe:
             experts = getattr(lm.config, "_experts_implementation", None)
             self.notes.append(f"stock experts: transformers' {experts}")

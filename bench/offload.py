@@ -7,8 +7,12 @@ shape (``offload_double_<shape>.json``, open in chrome://tracing or Perfetto) an
 summaries of both offload variants.
 
 Workload (bench/workload.py): random-weight bf16 models from config classes, LoRA r=16 on every
-projection, one packed micro-batch of 16,384 real tokens per step, ftq's packed attention and
-fused loss where they run (else stock packed sdpa + full logits), AdamW on the adapters.
+projection, one packed micro-batch of 16,384 real tokens per step, AdamW on the adapters. Each
+variant is a plan (``bench.plans``, installed by ``trainer.install.install`` and removed after
+it): ``offload_activations`` and ``double_buffered_reload`` as the variant says, ``ftq_packed``
+attention on the kernel the plan chooses (printed) with cached metadata, the plan's loss, and
+peft's LoRA forward with transformers' norm and MLP (``lora_kernel`` and ``fused_ops`` off, what
+this bench has always measured around the offload).
 
 Per shape, in one process on the same model object:
 1. Gradients: one fixed batch, fresh grads, no optimizer step, for ``checkpoint`` (twice: the
@@ -26,6 +30,7 @@ Per shape, in one process on the same model object:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -33,12 +38,15 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.plans import Planner, attention_line, ftq_loss
+from bench.qlora import QWEN3_14B
 from bench.workload import (
     LLAMA_3_1_8B,
     TOKENS_PER_STEP,
@@ -47,9 +55,9 @@ from bench.workload import (
     packed_batch,
     packed_steps,
 )
-from trainer.offload import ActivationOffloader, estimate
+from trainer.install import Installation, install
+from trainer.offload import estimate
 
-QWEN3_14B = ModelShape("Qwen3-14B", "qwen3", 5120, 40, 40, 8, 128, 17_408, 151_936)
 SHAPES = {"llama-8b": LLAMA_3_1_8B, "qwen3-14b": QWEN3_14B}
 VARIANTS = ("checkpoint", "offload sync", "offload double")
 
@@ -67,6 +75,8 @@ class Result:
     grad_max_rel_diff: float = float("nan")
     grads_bitwise: bool | None = None
     overlap: dict[str, Any] = field(default_factory=dict)
+    installed: list[str] = field(default_factory=list)
+    """The variant's plan as installed (``Installation.describe()``)."""
 
 
 # -- trace reading (also used by tests/gpu/test_offload_gpu.py) ------------------------------------
@@ -156,49 +166,42 @@ def profile_step(step: Any, trace_path: Path) -> dict[str, Any]:
 # -- the benchmark ------------------------------------------------------------------------------
 
 
+SWITCHES = {
+    "checkpoint": {"offload_activations": "off", "double_buffered_reload": "off"},
+    "offload sync": {"offload_activations": "on", "double_buffered_reload": "off"},
+    "offload double": {"offload_activations": "on", "double_buffered_reload": "on"},
+}
+"""Each variant's plan: the bench job (``bench.plans``) with these switches."""
+KERNELS_OFF = ("lora_kernel", "fused_ops")
+"""What this bench has always measured around the offload: packed attention (metadata cached) and
+the fused loss over peft's LoRA and transformers' norm and MLP, so its figures stay comparable."""
+
+
 class Runner:
-    """One shape's model, attention, loss and batches; ``step`` runs one micro-batch fwd+bwd."""
+    """One shape's model and its plans; ``installed(variant)`` applies one, ``step`` runs fwd+bwd+optimizer."""
 
     def __init__(self, shape: ModelShape, device: torch.device) -> None:
         self.shape, self.device = shape, device
         self.model, self.optimizer = build_lora_model(shape, device)
-        self.attention = None
+        self.planner = Planner.for_model(self.model, shape, device)
+        self.installation: Installation | None = None
+        print(f"# {shape.name}: {attention_line(self.planner.default)}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def installed(self, variant: str) -> Iterator[Installation]:
+        """``variant``'s plan installed on the model for the block, removed after it."""
+        self.installation = install(self.model, self.planner.plan(KERNELS_OFF, **SWITCHES[variant]))
         try:
-            from trainer.attention import PackedAttention, choose_backend
-
-            backend, _ = choose_backend(device, self.model.get_base_model().config)
-            self.attention = PackedAttention(backend=backend, cache=True)
-            self.attention.install(self.model)
-            self.attention_name = f"ftq {backend}"
-        except (ImportError, ValueError, RuntimeError) as exc:
-            print(
-                f"# {shape.name}: ftq attention unavailable ({exc}); stock packed sdpa",
-                file=sys.stderr,
-            )
-            self.attention_name = "stock sdpa"
-
-    def loss(self, lengths: list[int], seed: int) -> torch.Tensor:
-        batch = packed_batch(lengths, self.shape.vocab, self.device, seed)
-        if self.attention is None:
-            return self.model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                labels=batch.labels,
-            ).loss
-        from trainer.fused_loss import causal_lm_loss
-
-        meta = self.attention.metadata(lengths, self.device)
-        return causal_lm_loss(
-            self.model,
-            batch.input_ids,
-            batch.targets,
-            num_items=batch.num_label_tokens,
-            **meta.model_kwargs(),
-        )
+            yield self.installation
+        finally:
+            self.installation.remove()
+            self.installation = None
 
     def backward(self, lengths: list[int], seed: int) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = self.loss(lengths, seed)
+        assert self.installation is not None, "install a variant first (Runner.installed)"
+        batch = packed_batch(lengths, self.shape.vocab, self.device, seed)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = ftq_loss(self.installation, self.model, batch, self.device)
         loss.backward()
         return loss.detach()
 
@@ -214,16 +217,6 @@ class Runner:
             for n, p in self.model.named_parameters()
             if p.grad is not None
         }
-
-    def close(self) -> None:
-        if self.attention is not None:
-            self.attention.uninstall()
-
-
-def _offloader(variant: str, device: torch.device) -> ActivationOffloader | None:
-    if variant == "checkpoint":
-        return None
-    return ActivationOffloader(device, double_buffer=variant == "offload double")
 
 
 def compare_grads(
@@ -246,6 +239,75 @@ def compare_grads(
     return worst, bitwise
 
 
+def _empty_cache() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def gradients(runner: Runner, lengths: list[int], results: dict[str, Result]) -> None:
+    """1. LoRA gradients of one fixed batch per variant (fresh grads, no optimizer step) against
+    a first plain-checkpointing run; the ``checkpoint`` row is a rerun of it (the kernels' noise)."""
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for variant in ("checkpoint", "checkpoint again", "offload sync", "offload double"):
+        with runner.installed(variant.replace(" again", "")):
+            runner.optimizer.zero_grad(set_to_none=True)
+            runner.backward(lengths, seed=0)
+            grads[variant] = runner.lora_grads()
+            runner.optimizer.zero_grad(set_to_none=True)
+    noise, noise_bitwise = compare_grads(grads["checkpoint"], grads["checkpoint again"])
+    print(
+        f"# {runner.shape.name}: checkpoint vs checkpoint again: max rel diff {noise:.2e}, bitwise {noise_bitwise}",
+        file=sys.stderr,
+    )
+    for variant in VARIANTS:
+        source = "checkpoint again" if variant == "checkpoint" else variant
+        results[variant].grad_max_rel_diff, results[variant].grads_bitwise = compare_grads(
+            grads["checkpoint"], grads[source]
+        )
+    del grads
+    _empty_cache()
+
+
+def time_variant(
+    runner: Runner, variant: str, result: Result, steps: list[list[int]], args: argparse.Namespace,
+    trace_dir: Path | None,
+) -> None:
+    """2. Timing and host syncs of ``variant``'s plan; 3. a profiled step of an offload variant."""
+    device = runner.device
+    with runner.installed(variant) as installation:
+        for i in range(args.warmup):
+            runner.step(steps[i], seed=i)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                runner.step(steps[args.warmup], seed=args.warmup)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        result.syncs_per_step = sum("synchroniz" in str(w.message) for w in caught)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        timed = range(args.warmup + 1, args.warmup + 1 + args.steps)
+        wall = time.perf_counter()
+        for i in timed:
+            runner.step(steps[i], seed=i)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - wall
+        result.step_ms = wall * 1e3 / len(timed)
+        result.tokens_per_s = sum(sum(steps[i]) for i in timed) / wall
+        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        result.installed = installation.describe()
+        if variant == "checkpoint":
+            return
+        result.second_buffer_gib = installation.offloader.extra_gpu_bytes / 2**30
+        if trace_dir is not None:
+            path = trace_dir / f"{variant.replace(' ', '_')}_{runner.shape.name}.json"
+            result.overlap = profile_step(lambda: runner.step(steps[-1], seed=999), path)
+            if variant != "offload double":
+                path.unlink()  # keep only the double-buffered trace; its summary stays in the table
+
+
 def run_shape(
     shape: ModelShape,
     args: argparse.Namespace,
@@ -255,84 +317,17 @@ def run_shape(
     runner = Runner(shape, device)
     steps = packed_steps(args.warmup + args.steps + 2, seed=0)
     results = {v: Result(shape.name, v) for v in VARIANTS}
-
-    # 1. gradients on one fixed batch, before any optimizer step changes the weights
-    grads: dict[str, dict[str, torch.Tensor]] = {}
-    for variant in ("checkpoint", "checkpoint again", "offload sync", "offload double"):
-        offloader = _offloader(variant.replace(" again", ""), device)
-        if offloader:
-            offloader.apply(runner.model)
-        runner.optimizer.zero_grad(set_to_none=True)
-        runner.backward(steps[0], seed=0)
-        grads[variant] = runner.lora_grads()
-        runner.optimizer.zero_grad(set_to_none=True)
-        if offloader:
-            offloader.remove(runner.model)
-    noise, noise_bitwise = compare_grads(grads["checkpoint"], grads["checkpoint again"])
-    print(
-        f"# {shape.name}: checkpoint vs checkpoint again: max rel diff {noise:.2e}, bitwise {noise_bitwise}",
-        file=sys.stderr,
-    )
+    gradients(runner, steps[0], results)  # before any optimizer step changes the weights
     for variant in VARIANTS:
-        source = "checkpoint again" if variant == "checkpoint" else variant
-        results[variant].grad_max_rel_diff, results[variant].grads_bitwise = (
-            compare_grads(grads["checkpoint"], grads[source])
-        )
-    del grads
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    # 2. timing, 3. profile
-    for variant in VARIANTS:
-        result = results[variant]
-        offloader = _offloader(variant, device)
-        if offloader:
-            offloader.apply(runner.model)
         try:
-            for i in range(args.warmup):
-                runner.step(steps[i], seed=i)
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    runner.step(steps[args.warmup], seed=args.warmup)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            result.syncs_per_step = sum("synchroniz" in str(w.message) for w in caught)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-            timed = range(args.warmup + 1, args.warmup + 1 + args.steps)
-            wall = time.perf_counter()
-            for i in timed:
-                runner.step(steps[i], seed=i)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - wall
-            result.step_ms = wall * 1e3 / len(timed)
-            result.tokens_per_s = sum(sum(steps[i]) for i in timed) / wall
-            result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-            if offloader:
-                result.second_buffer_gib = offloader.extra_gpu_bytes / 2**30
-                if trace_dir is not None:
-                    tag = variant.replace(" ", "_")
-                    path = trace_dir / f"{tag}_{shape.name}.json"
-                    result.overlap = profile_step(
-                        lambda: runner.step(steps[-1], seed=999), path
-                    )
-                    if variant != "offload double":
-                        path.unlink()  # keep only the double-buffered trace; its summary stays in the table
+            time_variant(runner, variant, results[variant], steps, args, trace_dir)
         except torch.OutOfMemoryError as exc:
-            result.status = f"OOM: {str(exc).splitlines()[0]}"
+            results[variant].status = f"OOM: {str(exc).splitlines()[0]}"
         finally:
-            if offloader:
-                offloader.remove(runner.model)
             runner.optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-    runner.close()
+            _empty_cache()
     runner.model = runner.optimizer = None
-    gc.collect()
-    torch.cuda.empty_cache()
+    _empty_cache()
     return list(results.values())
 
 

@@ -182,3 +182,21 @@ class TestTrainStepVariants:
             optimizer.zero_grad(set_to_none=True)
             optimizer.state.clear()
         assert result.status == "ok" and result.tokens_per_s > 0 and len(result.losses) == 1
+
+
+class TestOffloadBench:
+    def test_each_variant_is_a_plan_and_the_gradients_match_checkpointing(self):
+        from bench.offload import VARIANTS as OFFLOAD_VARIANTS
+        from bench.offload import Result, Runner, gradients
+
+        runner = Runner(TINY_LLAMA, CPU)
+        with runner.installed("offload double") as installation:
+            assert installation.describe() == [
+                "packed attention: sdpa, metadata built once per batch",
+                "activation offload: 2 decoder layers, double-buffered reload",
+                "loss: fused_chunked_ce",
+            ]
+        assert runner.installation is None
+        results = {v: Result(TINY_LLAMA.name, v) for v in OFFLOAD_VARIANTS}
+        gradients(runner, [20, 30, 14], results)
+        assert all(r.grads_bitwise for r in results.values()), {v: r.grad_max_rel_diff for v, r in results.items()}

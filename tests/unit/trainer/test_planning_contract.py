@@ -1,0 +1,154 @@
+"""The plan's contract: which decisions it makes, in which order, who applies each, and the plan
+event's shape.
+
+Every plan carries one decision per kernel choice (``attention``, ``loss``, ``lora_kernel``,
+``fused_ops``), then one per switch of ``trainer.config.SWITCHES``, in that order; a switch's
+``requested`` is the job's value, a kernel choice's is ``auto``. ``Plan.to_dict`` is the plan
+event (and ``detect --json``'s ``plan``): ``{device, dtype, model_attention, decisions: [{name,
+requested, enabled, backend, reason}]}``, what the worker stores and the dashboard reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from plan_fakes import CPU, H100, plan_config
+from trainer_helpers import Recorder, make_job
+
+from trainer import install as install_module
+from trainer.config import SWITCHES, OptimConfig
+from trainer.errors import PlanError
+from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
+from trainer.planning import ModelFacts, plan
+
+KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops")
+DECISION_FIELDS = {"name", "requested", "enabled", "backend", "reason"}
+PLAN_FIELDS = {"device", "dtype", "model_attention", "decisions"}
+RUN_FIELDS = {"hardware", "total_steps", "model", "resumed_from_step"}
+"""What the run's ``plan`` event adds to ``Plan.to_dict``."""
+MOE_8B = ModelFacts(
+    "qwen3_moe",
+    is_moe=True,
+    head_dim=128,
+    num_layers=32,
+    hidden_size=4096,
+    param_count=8_000_000_000,
+    moe_blocks=32,
+    moe_family="qwen3_moe",
+)
+FEATURES = (attention, moe, offload, lora_kernel, fused_ops, loss)
+
+
+def _every_setting():
+    """Each combination of auto/on/off over the switches, as keyword arguments of ``plan_config``."""
+    for values in itertools.product(("auto", "on", "off"), repeat=len(SWITCHES)):
+        yield dict(zip(SWITCHES, values, strict=True))
+
+
+class TestDecisions:
+    @pytest.mark.parametrize("hw", [CPU, H100], ids=["cpu", "h100"])
+    def test_kernel_choices_then_one_per_switch_with_the_jobs_values(self, hw) -> None:
+        planned = 0
+        for switches in _every_setting():
+            config = plan_config(**switches)
+            try:
+                p = plan(hw, config, MOE_8B)
+            except PlanError:
+                continue  # an impossible `on` here; its message is tested with the feature
+            planned += 1
+            assert [d.name for d in p.decisions] == [*KERNEL_CHOICES, *SWITCHES]
+            for name in SWITCHES:
+                assert p.decision(name).requested == getattr(config.optimizations, name), name
+            for name in KERNEL_CHOICES:
+                assert p.decision(name).requested == "auto", name
+        assert planned >= (16 if hw is CPU else 50), planned
+
+    def test_every_decision_is_applied_by_its_feature(self) -> None:
+        """A plan never claims what nothing installs: each decision is a feature's own, or a
+        partner whose choice the applied decision carries in its backend."""
+        applied = {feature.NAME for feature in FEATURES}
+        partners = {"attention", offload.RELOAD}
+        p = plan(H100, plan_config(offload_activations="on"), MOE_8B)
+        assert {d.name for d in p.decisions} == applied | partners
+        assert p.decision(attention.NAME).backend == p.attention_backend
+        assert p.decision(offload.NAME).backend == p.decision(offload.RELOAD).backend == "double"
+        p = plan(H100, plan_config(offload_activations="on", double_buffered_reload="off"), MOE_8B)
+        assert p.decision(offload.NAME).backend == p.decision(offload.RELOAD).backend == "sync"
+
+
+class _Recorded:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def remove(self) -> None:
+        self.log.append(f"remove {self.name}")
+
+    def describe(self) -> str:
+        return self.name
+
+
+class TestInstall:
+    def _record_applies(self, monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> list[str]:
+        log: list[str] = []
+        for feature in FEATURES:
+
+            def fake_apply(model, decision, *args, _name=feature.NAME, **kwargs):
+                assert decision.name == _name, f"{_name} was handed the {decision.name} decision"
+                if _name == fail:
+                    raise RuntimeError(f"{_name} failed")
+                log.append(f"apply {_name}")
+                return _Recorded(log, _name)
+
+            monkeypatch.setattr(feature, "apply", fake_apply)
+        return log
+
+    def test_each_feature_gets_its_own_decision_and_remove_runs_in_reverse(self, monkeypatch) -> None:
+        log = self._record_applies(monkeypatch)
+        installed = install_module.install(object(), plan(CPU, plan_config(), MOE_8B))
+        order = [attention.NAME, moe.NAME, offload.NAME, lora_kernel.NAME, fused_ops.NAME, loss.NAME]
+        assert log == [f"apply {name}" for name in order]
+        assert installed.describe() == order
+        installed.remove()
+        assert log[len(order):] == [f"remove {name}" for name in reversed(order)]
+        installed.remove()  # once only
+        assert len(log) == 2 * len(order)
+
+    def test_a_failed_install_removes_what_it_had_applied(self, monkeypatch) -> None:
+        log = self._record_applies(monkeypatch, fail=lora_kernel.NAME)
+        with pytest.raises(RuntimeError, match="lora_kernel failed"):
+            install_module.install(object(), plan(CPU, plan_config(), MOE_8B))
+        done = [attention.NAME, moe.NAME, offload.NAME]
+        assert log == [f"apply {n}" for n in done] + [f"remove {n}" for n in reversed(done)]
+
+
+class TestPlanEvent:
+    @pytest.mark.parametrize("hw", [CPU, H100], ids=["cpu", "h100"])
+    def test_to_dict_is_the_agreed_shape(self, hw) -> None:
+        p = plan(hw, plan_config(), MOE_8B)
+        event = p.to_dict()
+        assert set(event) == PLAN_FIELDS
+        assert (event["device"], event["dtype"], event["model_attention"]) == (p.device, p.dtype, p.hf_attention)
+        assert event["decisions"] == [dataclasses.asdict(d) for d in p.decisions]
+        for d in event["decisions"]:
+            assert set(d) == DECISION_FIELDS, d["name"]
+            assert isinstance(d["enabled"], bool) and isinstance(d["reason"], str) and d["reason"]
+            assert d["requested"] in ("auto", "on", "off")
+            assert d["backend"] is None or isinstance(d["backend"], str)
+        assert json.loads(json.dumps(event)) == event
+
+    def test_the_run_emits_it_with_the_run_fields(
+        self, tmp_path: Path, tiny_model_dir: Path, one_thread: None
+    ) -> None:
+        from trainer.train import run
+
+        events = Recorder()
+        result = run(make_job(tmp_path, tiny_model_dir, optim=OptimConfig(max_steps=1)), events)
+        assert result.status == "succeeded", result.message
+        (event,) = events.of("plan")
+        assert set(event) == {"type", "time"} | PLAN_FIELDS | RUN_FIELDS
+        assert [d["name"] for d in event["decisions"]] == [*KERNEL_CHOICES, *SWITCHES]
+        assert all(set(d) == DECISION_FIELDS for d in event["decisions"])

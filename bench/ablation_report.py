@@ -228,7 +228,8 @@ def report(results: list[RowResult], models: list[dict[str, Any]]) -> str:
         on = _find(results, info["name"], ALL_ON)
         if on is not None and on.installed:
             lines.append(f"- all on installs: {'; '.join(on.installed + on.notes)}")
-            lines.append(f"- all on plan, where it differs from auto: {'; '.join(on.plan) or 'the same'}")
+        if on is not None and on.plan:
+            lines.append(f"- all on plan, where it differs from auto: {'; '.join(on.plan)}")
     return "\n".join(lines)
 
 

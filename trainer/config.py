@@ -191,10 +191,21 @@ class TrainConfig:
     """``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``."""
     job_id: str | None = None
     """The job this run belongs to, echoed in events; None when run by hand."""
+    gpus: int = 1
+    """Ranks the job's global batch is defined over: each optimizer step trains
+    ``gpus x optim.grad_accum`` packed micro-batches, whatever number of ranks runs it (a job
+    resumed on fewer ranks accumulates more micro-batches per rank)."""
+
+    @property
+    def global_micro_batches(self) -> int:
+        """Packed micro-batches per optimizer step, over all ranks."""
+        return self.gpus * self.optim.grad_accum
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if not 1 <= self.gpus <= 1024:
+            raise ValueError(f"gpus: must be between 1 and 1024, got {self.gpus}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -83,7 +83,12 @@ class StepEvent:
     gpu_mem_peak: int | None
     """Peak GPU memory held by tensors during the step (bytes); None without CUDA."""
     host_rss: int | None
-    """Resident set size of the trainer process (bytes)."""
+    """Resident set size of the trainer process (bytes); the largest over ranks."""
+    ranks: list[dict[str, Any]] | None = None
+    """Several ranks: one ``{rank, step_ms, data_ms, forward_ms, backward_ms, optimizer_ms,
+    tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, host_rss}`` per rank (the fields
+    above are then the job's: tokens summed, times of the slowest rank, memory the largest);
+    None for a one-rank run."""
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent))

@@ -72,6 +72,9 @@ class Hardware:
     varlen_options: tuple[str, ...] = ()
     """Keyword options of ``torch.nn.attention.varlen.varlen_attn`` (``window_size``, ``return_aux``):
     a sliding window and attention sinks need them. Empty when torch has no varlen attention."""
+    interconnect: str = "none"
+    """How this machine's GPUs reach each other: ``NVLink``, ``PCIe (peer-to-peer)``, ``PCIe (through
+    host memory)``, ``none`` (one GPU), or ``TCP (gloo)`` on the CPU."""
     triton_varlen: str | None = "not probed"
     """Why our Triton varlen kernel (``trainer.kernels.flash_varlen``) cannot run on the training
     device, or None when it can (any head dim it supports)."""
@@ -118,6 +121,7 @@ def detect(device: str = "auto") -> Hardware:
             bf16=False,
             peak_flops=None,
             triton_varlen="training runs on the CPU; the Triton kernel needs a CUDA GPU",
+            interconnect="TCP (gloo)",
             **common,
         )
     index = torch.cuda.current_device()
@@ -132,6 +136,7 @@ def detect(device: str = "auto") -> Hardware:
         bf16=torch.cuda.is_bf16_supported(),
         peak_flops=peak_flops(props.name),
         triton_varlen=_triton_varlen_missing(torch.device("cuda", index)),
+        interconnect=_interconnect(torch.cuda.device_count()),
         **common,
     )
 
@@ -159,6 +164,27 @@ def _common_facts(use_cuda: bool) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
     }
+
+
+def _interconnect(gpu_count: int) -> str:
+    """NVLink when ``nvidia-smi nvlink --status`` lists an active link, else PCIe (P2P or not)."""
+    import subprocess
+
+    import torch
+
+    if gpu_count < 2:
+        return "none"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "nvlink", "--status", "-i", "0"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    if "GB/s" in out and "inactive" not in out.split("GB/s")[0].lower():
+        return "NVLink"
+    if torch.cuda.can_device_access_peer(0, 1):
+        return "PCIe (peer-to-peer)"
+    return "PCIe (through host memory)"
 
 
 def peak_flops(gpu_name: str) -> float | None:

@@ -10,8 +10,8 @@ None) and turns the job's switch into one ``Decision``. Rules for every switch:
 - ``auto`` -> enabled when it can run here; otherwise disabled with the reason.
 - ``on``   -> enabled, or ``PlanError`` before any training, naming the hardware and the fix.
 
-Kernel choices without a switch (``attention``, ``loss``, ``lora_kernel``, ``fused_ops``) are
-decisions too, with ``requested="auto"``. ``trainer.install.install(model, plan)`` applies the
+Kernel choices without a switch (``attention``, ``loss``, ``lora_kernel``, ``fused_ops``) and
+the multi-rank strategy (``parallelism``) are decisions too, with ``requested="auto"``. ``trainer.install.install(model, plan)`` applies the
 plan; the plan event and ``python -m trainer detect`` show it (``Plan.to_dict``).
 """
 
@@ -89,7 +89,7 @@ class Plan:
     dtype: str
     """Compute dtype: ``bfloat16`` on a bf16-capable GPU, else ``float32`` (or the job's)."""
     decisions: tuple[Decision, ...]
-    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, then one per switch."""
+    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, ``parallelism``, then one per switch."""
     hf_attention: str = "sdpa"
     """The model's own attention implementation at load (``sdpa``, or ``eager`` where it has none);
     packed attention (``ftq_packed``) is installed over it afterwards."""
@@ -122,12 +122,18 @@ class Plan:
         }
 
 
-def plan(hw: Hardware, config: TrainConfig, facts: ModelFacts | None = None) -> Plan:
+def plan(
+    hw: Hardware, config: TrainConfig, facts: ModelFacts | None = None, world_size: int = 1
+) -> Plan:
     """Decide every optimization and kernel for a run (see the module docstring for the rules).
+
+    ``world_size`` ranks (torchrun) add the ``parallelism`` decision's strategy (DDP or FSDP2,
+    ``trainer.parallel``); FSDP2 runs with plain gradient checkpointing (no offload).
 
     Raises:
         PlanError: a switch is ``on`` but cannot run here, or ``method`` needs what is missing.
     """
+    from trainer import parallel
     from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
 
     facts = facts or ModelFacts(model_type="unknown")
@@ -139,8 +145,10 @@ def plan(hw: Hardware, config: TrainConfig, facts: ModelFacts | None = None) -> 
     dtype = compute_dtype(hw, config)
     opts = config.optimizations
     kernel = attention.choose(hw, facts)
+    strategy = parallel.decide(hw, config, facts, world_size, dtype)
     offloaded, reload = offload.decide(
-        opts.offload_activations, opts.double_buffered_reload, hw, config, facts, dtype
+        opts.offload_activations, opts.double_buffered_reload, hw, config, facts, dtype,
+        sharded=strategy.backend == "fsdp2",
     )
     switches = {
         "packed_metadata_cache": attention.decide_cache(opts.packed_metadata_cache, hw, facts, kernel),
@@ -157,6 +165,7 @@ def plan(hw: Hardware, config: TrainConfig, facts: ModelFacts | None = None) -> 
             loss.decide(hw, facts),
             lora_kernel.decide(hw, config),
             fused_ops.decide(hw, facts),
+            strategy,
             *(switches[name] for name in SWITCHES),
         ),
         hf_attention="sdpa" if facts.supports_sdpa else "eager",

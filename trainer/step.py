@@ -1,10 +1,13 @@
 """One optimizer step, the validation pass and the learning-rate schedule.
 
-``train_step`` queues a step over its packed micro-batches and returns it unread: every
-micro-batch's loss is its token-loss sum divided by the label count of the whole step (a host int
-from the packer), so the accumulated gradient is the step's mean exactly. Nothing here reads a
-device value back: the loss and the grad norm stay on the device, and ``PendingStep.read`` turns
-them into the ``step`` event one step late (``trainer.metrics``), when they are long done.
+``train_step`` queues a step over this rank's share of its packed micro-batches and returns it
+unread: every micro-batch's loss is its token-loss sum divided by the label count of the whole
+global step (a host int every rank computes from the lengths), so the accumulated gradient is the
+step's mean exactly, on one rank or several (``trainer.distributed``). Nothing here reads a device
+value back: the loss (summed over ranks by an all-reduce queued on the stream) and the grad norm
+stay on the device, and ``PendingStep.read`` turns them into the ``step`` event one step late
+(``trainer.metrics``), when they are long done; per-rank timings and memory are host values,
+gathered over the gloo group.
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ import torch
 
 from trainer import metrics
 from trainer.dataset import Sample
+from trainer.distributed import Comm, share
 from trainer.events import StepEvent
 from trainer.install import Installation
 from trainer.packing import MicroBatchRef, pack_batch, pack_indices
+from trainer.parallel import Parallel
+
+_RANK_FIELDS = (
+    "step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms",
+    "tokens", "gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss",
+)
+"""What each rank reports of a step (``StepEvent.ranks``); -1 stands for None on the wire."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,10 @@ class StepContext:
     flops: metrics.FlopCounter
     max_grad_norm: float
     """Clip the global gradient norm to this; 0 means no clipping."""
+    parallel: Parallel
+    """The loss module as the run's strategy wraps it (none, DDP or FSDP2)."""
+    comm: Comm
+    """This rank's process groups (a no-op twin for one rank)."""
 
 
 @dataclass
@@ -48,18 +63,27 @@ class PendingStep:
     step: int
     epoch: float
     loss: torch.Tensor
-    """The step's mean token loss (a device scalar, read one step late)."""
+    """The step's mean token loss over all ranks (a device scalar, read one step late)."""
     grad_norm: torch.Tensor
     lr: float
     tokens: int
+    """Real tokens of the whole step (all ranks)."""
     sequences: int
+    rank_tokens: int
+    """Real tokens this rank trained on."""
     flops: float
+    """Model FLOPs of the whole step (all ranks)."""
     timing: metrics.PendingTiming
     memory: dict[str, int | None]
 
-    def read(self, total_steps: int, peak_flops: float | None) -> StepEvent:
-        times = self.timing.read()
-        seconds = times["step_ms"] / 1000.0
+    def read(self, total_steps: int, peak_flops: float | None, comm: Comm) -> StepEvent:
+        """The step's event; a collective over the ranks (every rank calls it, rank 0 emits it)."""
+        mine = {**self.timing.read(), "tokens": self.rank_tokens, **self.memory}
+        gathered = comm.gather_host([_wire(mine[f]) for f in _RANK_FIELDS])
+        ranks = [{"rank": r, **{f: _unwire(v, f) for f, v in zip(_RANK_FIELDS, row)}} for r, row in enumerate(gathered)]
+        slowest = max(ranks, key=lambda r: r["step_ms"])
+        seconds = slowest["step_ms"] / 1000.0
+        world = len(ranks)
         return StepEvent(
             step=self.step,
             total_steps=total_steps,
@@ -69,45 +93,67 @@ class PendingStep:
             grad_norm=self.grad_norm.item(),
             tokens=self.tokens,
             sequences=self.sequences,
-            **times,
+            **{f: slowest[f] for f in ("step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms")},
             tokens_per_s=self.tokens / seconds if seconds > 0 else None,
-            mfu=metrics.mfu(self.flops, times["step_ms"], peak_flops),
-            **self.memory,
+            mfu=metrics.mfu(self.flops / world, slowest["step_ms"], peak_flops),
+            **{f: _largest(ranks, f) for f in ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss")},
+            ranks=ranks if world > 1 else None,
         )
 
-    def event(self, total_steps: int, peak_flops: float | None) -> dict[str, Any]:
-        """The ``step`` event's fields."""
-        return dataclasses.asdict(self.read(total_steps, peak_flops))
+    def event(self, total_steps: int, peak_flops: float | None, comm: Comm) -> dict[str, Any]:
+        """The ``step`` event's fields (a collective, see ``read``)."""
+        return dataclasses.asdict(self.read(total_steps, peak_flops, comm))
+
+
+def _wire(value: float | int | None) -> float:
+    return -1.0 if value is None else float(value)
+
+
+def _unwire(value: float, field: str) -> float | int | None:
+    if value < 0:
+        return None
+    return value if field.endswith("_ms") else int(value)
+
+
+def _largest(ranks: list[dict[str, Any]], field: str) -> int | None:
+    values = [r[field] for r in ranks if r[field] is not None]
+    return max(values) if values else None
 
 
 def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> PendingStep:
-    """Queue one optimizer step over the micro-batches ``refs``; returns it unread."""
+    """Queue one optimizer step: this rank's share of the micro-batches ``refs``; returns it unread."""
     timer = metrics.StepTimer(ctx.device)
     metrics.reset_peak_memory(ctx.device)
-    batches = [pack_batch([ctx.samples[i] for i in ref.sample_indices]) for ref in refs]
-    step_targets = sum(b.num_targets for b in batches)
+    lengths = [[len(ctx.samples[i]) for i in ref.sample_indices] for ref in refs]
+    step_targets = sum(ctx.samples[i].num_loss_tokens for ref in refs for i in ref.sample_indices)
+    world = ctx.comm.world
+    mine = share([sum(n) for n in lengths], world.world_size)[world.rank]
     total_loss = torch.zeros((), device=ctx.device)
-    lengths: list[int] = []
-    for host_batch in batches:
+    for k, j in enumerate(mine):
+        host_batch = pack_batch([ctx.samples[i] for i in refs[j].sample_indices])
         with timer.phase("data"):
             batch, meta = ctx.installed.micro_batch(host_batch, ctx.device)
-        with timer.phase("forward"), ctx.autocast:
-            loss = ctx.installed.loss(ctx.model, batch, meta, step_targets)
-        with timer.phase("backward"):
-            loss.backward()
+        with ctx.parallel.sync(last=k == len(mine) - 1):
+            with timer.phase("forward"), ctx.autocast:
+                loss = ctx.parallel.loss(batch, meta, step_targets)
+            with timer.phase("backward"):
+                # DDP and FSDP average gradients over ranks: scaled by W, the average is the sum.
+                (loss * world.world_size if world.is_distributed else loss).backward()
         total_loss += loss.detach()
-        lengths.extend(batch.lengths)
+    ctx.comm.all_reduce_sum(total_loss)
     with timer.phase("optimizer"):
         grad_norm, lr = _optimizer_step(ctx)
+    every = [n for row in lengths for n in row]
     return PendingStep(
         step=step,
         epoch=refs[-1].epoch,
         loss=total_loss,
         grad_norm=grad_norm,
         lr=lr,
-        tokens=sum(lengths),
-        sequences=len(lengths),
-        flops=ctx.flops.step_flops(lengths),
+        tokens=sum(every),
+        sequences=len(every),
+        rank_tokens=sum(sum(lengths[j]) for j in mine),
+        flops=ctx.flops.step_flops(every),
         timing=timer.finish(),
         memory=metrics.memory_stats(ctx.device),
     )
@@ -126,19 +172,35 @@ def _optimizer_step(ctx: StepContext) -> tuple[torch.Tensor, float]:
 
 
 def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tuple[float, int]:
-    """Token-weighted validation loss over ``samples`` and its target count."""
+    """Token-weighted validation loss over ``samples`` and its target count.
+
+    Each rank packs all batches alike and evaluates every W-th; the sums are gathered (a
+    collective). Under FSDP2 every forward gathers parameters with all ranks, so a rank with one
+    batch fewer runs its first batch again and drops the result.
+    """
     model = ctx.model
     model.eval()
     total, targets = 0.0, 0
+    batches = pack_indices([len(s) for s in samples], range(len(samples)), batch_tokens)
+    world = ctx.comm.world
+    rounds = -(-len(batches) // world.world_size)
     try:
         with torch.no_grad():
-            for indices in pack_indices([len(s) for s in samples], range(len(samples)), batch_tokens):
+            for k in range(rounds):
+                index = world.rank + k * world.world_size
+                if index >= len(batches) and ctx.parallel.strategy != "fsdp2":
+                    break
+                indices = batches[index] if index < len(batches) else batches[0]
                 batch, meta = ctx.installed.micro_batch(pack_batch([samples[i] for i in indices]), ctx.device)
                 with ctx.autocast:
-                    total += ctx.installed.loss(model, batch, meta, 1).item()
-                targets += batch.num_targets
+                    loss = ctx.parallel.loss(batch, meta, 1).item()
+                if index < len(batches):
+                    total += loss
+                    targets += batch.num_targets
     finally:
         model.train()
+    rows = ctx.comm.gather_host([total, float(targets)])
+    total, targets = sum(r[0] for r in rows), int(sum(r[1] for r in rows))
     return total / max(targets, 1), targets
 
 

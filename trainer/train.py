@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, hardware, layout, metrics, planning
+from trainer import checkpoint, distributed, hardware, layout, metrics, parallel, planning
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
 from trainer.errors import error_code
@@ -76,12 +76,19 @@ def run(config: TrainConfig, emit: Emit, stop: StopFlag | None = None) -> RunRes
     """
     stop = stop or StopFlag()
     progress = {"step": 0}
+    world = distributed.World()
     with _stop_on_signals(stop):
         try:
-            result = _train(config, emit, stop, progress)
+            world = distributed.World.from_env()
+            if not world.is_main:  # rank 0 alone reports; the others' failures go to stderr
+                emit = _silent
+            result = _train(config, emit, stop, progress, world)
         except BaseException as exc:  # noqa: BLE001 - every failure must end as a done event
+            print(f"rank {world.rank}:", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
             message = f"{type(exc).__name__}: {exc}" if error_code(exc) == "internal_error" else str(exc)
+            if world.is_distributed:
+                message = f"rank {world.rank}: {message}"
             result = RunResult("failed", progress["step"], None, error_code(exc), message)
     emit(
         "done",
@@ -92,6 +99,10 @@ def run(config: TrainConfig, emit: Emit, stop: StopFlag | None = None) -> RunRes
         steps=result.steps,
     )
     return result
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """The ``emit`` of ranks other than 0."""
 
 
 @dataclass
@@ -110,45 +121,62 @@ class Run:
     """The step of the newest checkpoint on disk (-1: none written or resumed from)."""
 
     def write_checkpoint(self, final: bool) -> None:
-        path, size = checkpoint.save_checkpoint(
-            self.config.output_dir, self.ctx.model, self.ctx.optimizer, self.ctx.scheduler, self.state, final=final
-        )
-        self.emit("checkpoint", step=self.state.step, path=str(path), bytes=size, final=final)
+        """Rank 0 writes (the adapters and optimizer state are the same on every DDP rank); the
+        others wait for it, so no rank runs ahead of a checkpoint that is not there yet."""
+        ctx = self.ctx
+        if ctx.comm.world.is_main:
+            path, size = checkpoint.save_checkpoint(
+                self.config.output_dir, ctx.model, ctx.optimizer, ctx.scheduler, self.state, final=final
+            )
+            self.emit("checkpoint", step=self.state.step, path=str(path), bytes=size, final=final)
+        ctx.comm.barrier()
         self.last_checkpoint_step = self.state.step
 
     def emit_step(self, pending: PendingStep) -> None:
-        self.emit("step", **pending.event(self.schedule.total_steps, self.hw.peak_flops))
+        self.emit("step", **pending.event(self.schedule.total_steps, self.hw.peak_flops, self.ctx.comm))
+
+    def stopping(self) -> bool:
+        """Whether any rank was asked to stop (all ranks agree, so they stop at the same step)."""
+        return self.ctx.comm.any_rank(self.stop.is_set())
 
     def log(self, message: str, level: str = "info") -> None:
         self.emit("log", level=level, message=message)
 
 
-def _train(config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, int]) -> RunResult:
-    r = _setup(config, emit, stop)
-    progress["step"] = r.state.step
-    if stop.is_set():  # stopped while loading: nothing trained since the last checkpoint
-        r.log(f"{stop.reason}: stopped before training", "warning")
-        return RunResult("cancelled", r.state.step)
-    stopped = _loop(r, progress)
-    return stopped or _finish(r)
+def _train(
+    config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, int], world: distributed.World
+) -> RunResult:
+    r = _setup(config, emit, stop, world)
+    try:
+        progress["step"] = r.state.step
+        if r.stopping():  # stopped while loading: nothing trained since the last checkpoint
+            r.log(f"{stop.reason or 'another rank stopped'}: stopped before training", "warning")
+            return RunResult("cancelled", r.state.step)
+        stopped = _loop(r, progress)
+        return stopped or _finish(r)
+    finally:
+        r.ctx.comm.close()
 
 
 # ---- set-up -------------------------------------------------------------------------------------
 
 
-def _setup(config: TrainConfig, emit: Emit, stop: StopFlag) -> Run:
-    """Seed, detect, plan, load data and model, install the plan, build the optimizer, resume."""
+def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, world: distributed.World) -> Run:
+    """Join the ranks, seed, detect, plan, load data and model, install the plan, wrap it for the
+    ranks, build the optimizer, resume."""
     _seed_everything(config.seed)
+    use_cuda = config.device != "cpu" and torch.cuda.is_available()
+    device = distributed.device_for(world, "cuda" if use_cuda else "cpu")
+    comm = distributed.Comm(world, device).start()
     hw = hardware.detect(config.device)
-    plan = planning.plan(hw, config, model_facts(config))
-    device = torch.device(hw.device)
+    plan = planning.plan(hw, config, model_facts(config), world.world_size)
     emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")
     train_samples, validation = _load_data(config)
     schedule = BatchSchedule(
         [len(s) for s in train_samples],
         config.data.batch_tokens,
         config.seed,
-        config.optim.grad_accum,
+        config.global_micro_batches,
         max_steps=config.optim.max_steps,
         epochs=config.optim.epochs,
     )
@@ -161,6 +189,9 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag) -> Run:
     installed = install(model, plan)
     for line in installed.describe():
         emit("log", level="info", message=line)
+    wrapped = parallel.parallelize(
+        model, installed.loss, plan.decision(parallel.NAME), comm, static_graph=installed.offloader.enabled
+    )
     optimizer, scheduler = _optimizer(model, config, schedule.total_steps, device)
     ctx = StepContext(
         model=model,
@@ -174,6 +205,8 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag) -> Run:
         else nullcontext(),
         flops=metrics.FlopCounter.for_model(model),
         max_grad_norm=config.optim.max_grad_norm,
+        parallel=wrapped,
+        comm=comm,
     )
     r = Run(config, emit, stop, hw, ctx, schedule, validation, checkpoint.TrainingState(step=0, data_position=0), -1)
     resumed = _resume(r)
@@ -250,14 +283,16 @@ def _loop(r: Run, progress: dict[str, int]) -> RunResult | None:
         progress["step"] = step
         is_last = step == r.schedule.total_steps
         every = r.config.checkpoint_every
-        if r.stop.is_set() or is_last or (every and step % every == 0):
+        stopping = r.stopping()
+        if stopping or is_last or (every and step % every == 0):
             r.emit_step(pending)
             pending = None
             r.write_checkpoint(final=is_last)
-            if r.validation is not None and not r.stop.is_set():
+            if r.validation is not None and not stopping:
                 _evaluate(r)
-        if r.stop.is_set() and not is_last:  # a stop during the last step lets the run finish
-            r.log(f"{r.stop.reason}: stopped after step {step}", "warning")
+            stopping = stopping or r.stopping()  # asked while the step event was read or written
+        if stopping and not is_last:  # a stop during the last step lets the run finish
+            r.log(f"{r.stop.reason or 'another rank stopped'}: stopped after step {step}", "warning")
             return RunResult("cancelled", step)
     if pending is not None:
         r.emit_step(pending)
@@ -280,8 +315,10 @@ def _finish(r: Run) -> RunResult:
     if r.last_checkpoint_step != r.state.step:
         r.write_checkpoint(final=True)
     export = layout.export_dir(r.config.output_dir, r.config.method)
-    checkpoint.export_weights(r.ctx.model, export)
-    r.log(f"saved trained weights to {export}")
+    if r.ctx.comm.world.is_main:
+        checkpoint.export_weights(r.ctx.model, export)
+        r.log(f"saved trained weights to {export}")
+    r.ctx.comm.barrier()
     return RunResult("succeeded", r.state.step, str(export))
 
 

@@ -69,12 +69,24 @@ class _Shape:
 
 
 def decide(
-    requested: str, reload: str, hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str
+    requested: str,
+    reload: str,
+    hw: Hardware,
+    config: TrainConfig,
+    facts: ModelFacts,
+    dtype: str,
+    sharded: bool = False,
 ) -> tuple[Decision, Decision]:
-    """The ``offload_activations`` and ``double_buffered_reload`` decisions (see the module docstring)."""
+    """The ``offload_activations`` and ``double_buffered_reload`` decisions (see the module docstring).
+
+    ``sharded``: the layers are FSDP2 units, whose parameters are gathered by hooks the offloaded
+    recompute (a layer's forward called inside backward) would bypass: no offload.
+    """
     if requested == "off":
         return off(NAME), _reload_unavailable(reload, "offload_activations is off, so there is nothing to reload", hw)
     missing = unavailable_for(hw, config, facts)
+    if missing is None and sharded:
+        missing = "the layers are sharded with FSDP2, whose gathers the offloaded recompute would bypass"
     if missing is not None:
         double = _reload_unavailable(reload, missing, hw)
         return unavailable(NAME, requested, missing, hw), double

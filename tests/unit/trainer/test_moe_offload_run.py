@@ -33,7 +33,7 @@ import pytest
 import torch
 from trainer_helpers import Recorder, train_lora
 
-from trainer import hardware
+from trainer import planning
 from trainer.config import LoraConfig, Optimizations
 
 pytestmark = [
@@ -47,7 +47,8 @@ STEPS = 4
 
 def _force_offload(monkeypatch: pytest.MonkeyPatch, double: bool) -> None:
     """Make the plan offload on this CPU (its rule keeps offload to CUDA): the CPU twin runs."""
-    real = hardware.plan
+    real = planning.plan
+    reload = "double" if double else "sync"
 
     def forced(*args, **kwargs):
         p = real(*args, **kwargs)
@@ -55,14 +56,16 @@ def _force_offload(monkeypatch: pytest.MonkeyPatch, double: bool) -> None:
             {"double_buffered_reload"} if double else set()
         )
         decisions = tuple(
-            dataclasses.replace(d, enabled=True, reason="forced by the test (CPU twin)")
+            dataclasses.replace(
+                d, enabled=True, backend=reload, reason="forced by the test (CPU twin)"
+            )
             if d.name in names
             else d
             for d in p.decisions
         )
         return dataclasses.replace(p, decisions=decisions)
 
-    monkeypatch.setattr(hardware, "plan", forced)
+    monkeypatch.setattr(planning, "plan", forced)
 
 
 def _train(

@@ -440,6 +440,7 @@ class TestBackendMissing:
         assert choose(triton_runs, LLAMA_FACTS).backend == "triton"
 
 
+@pytest.mark.slow  # 2 x 100 LoRA steps: ~6 s on 2 cores
 class TestLossCurve:
     def test_100_steps_all_on_and_all_off_follow_the_same_curve(self) -> None:
         """All on: metadata cache + fused loss. All off: rebuild per layer + full-logits loss.

@@ -264,6 +264,7 @@ def _tiny_gemma2(directory):
     return directory
 
 
+@pytest.mark.slow  # real runs and trainer CLI subprocesses: 6-40 s each on 2 cores
 class TestRuns:
     def test_impossible_on_ends_failed_config_error_naming_the_fix(self, tmp_path):
         model_dir = _tiny_gemma2(tmp_path / "gemma2")

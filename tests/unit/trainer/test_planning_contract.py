@@ -140,6 +140,7 @@ class TestPlanEvent:
             assert d["backend"] is None or isinstance(d["backend"], str)
         assert json.loads(json.dumps(event)) == event
 
+    @pytest.mark.slow  # a real one-step run: ~6 s cold on 2 cores
     def test_the_run_emits_it_with_the_run_fields(
         self, tmp_path: Path, tiny_model_dir: Path, one_thread: None
     ) -> None:

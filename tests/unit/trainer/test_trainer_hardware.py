@@ -84,6 +84,7 @@ class TestPlan:
             plan(H100, plan_config(method="qlora"))
 
 
+@pytest.mark.slow  # two trainer CLI subprocesses (each imports torch): ~10-25 s on 2 cores
 class TestDetectCli:
     def test_detect_prints_hardware_and_plan(self):
         result = run_cli("detect", "--json", "--device", "cpu")

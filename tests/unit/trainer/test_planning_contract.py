@@ -2,8 +2,9 @@
 event's shape.
 
 Every plan carries one decision per kernel choice (``attention``, ``loss``, ``lora_kernel``,
-``fused_ops``), then one per switch of ``trainer.config.SWITCHES``, in that order; a switch's
-``requested`` is the job's value, a kernel choice's is ``auto``. ``Plan.to_dict`` is the plan
+``fused_ops``) and the multi-rank strategy (``parallelism``), then one per switch of
+``trainer.config.SWITCHES``, in that order; a switch's ``requested`` is the job's value, the
+others' is ``auto``. ``Plan.to_dict`` is the plan
 event (and ``detect --json``'s ``plan``): ``{device, dtype, model_attention, decisions: [{name,
 requested, enabled, backend, reason}]}``, what the worker stores and the dashboard reads.
 """
@@ -20,12 +21,14 @@ from plan_fakes import CPU, H100, plan_config
 from trainer_helpers import Recorder, make_job
 
 from trainer import install as install_module
+from trainer import parallel
 from trainer.config import SWITCHES, OptimConfig
 from trainer.errors import PlanError
 from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
 from trainer.planning import ModelFacts, plan
 
-KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops")
+KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", parallel.NAME)
+"""The decisions without a switch, in the plan's order (``requested`` is always ``auto``)."""
 DECISION_FIELDS = {"name", "requested", "enabled", "backend", "reason"}
 PLAN_FIELDS = {"device", "dtype", "model_attention", "decisions"}
 RUN_FIELDS = {"hardware", "total_steps", "model", "resumed_from_step"}
@@ -68,9 +71,10 @@ class TestDecisions:
         assert planned >= (16 if hw is CPU else 50), planned
 
     def test_every_decision_is_applied_by_its_feature(self) -> None:
-        """A plan never claims what nothing installs: each decision is a feature's own, or a
+        """A plan never claims what nothing installs: each decision is a feature's own (applied
+        by ``trainer.install``), the strategy ``trainer.parallel.parallelize`` applies, or a
         partner whose choice the applied decision carries in its backend."""
-        applied = {feature.NAME for feature in FEATURES}
+        applied = {feature.NAME for feature in FEATURES} | {parallel.NAME}
         partners = {"attention", offload.RELOAD}
         p = plan(H100, plan_config(offload_activations="on"), MOE_8B)
         assert {d.name for d in p.decisions} == applied | partners

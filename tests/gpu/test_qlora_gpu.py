@@ -159,7 +159,7 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
     import bitsandbytes as bnb
     from peft import PeftModel
 
-    from trainer import hardware, metrics, planning
+    from trainer import distributed, hardware, metrics, parallel, planning
     from trainer.config import DataConfig
     from trainer.dataset import load_samples
     from trainer.install import install
@@ -225,18 +225,22 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
         type(m.get_base_layer()) is bnb.nn.Linear4bit for m in reloaded_layers.values()
     )
     samples = load_samples(str(validation), load_tokenizer(config), "auto", 64)
+    installed = install(reloaded, plan_obj)
+    comm = distributed.Comm(distributed.World(), device)  # one rank
     ctx = StepContext(
         model=reloaded,
         optimizer=None,  # type: ignore[arg-type]  # evaluate never steps
         scheduler=None,  # type: ignore[arg-type]
         samples=samples,
-        installed=install(reloaded, plan_obj),
+        installed=installed,
         device=device,
         autocast=torch.autocast(device.type, dtype=torch.bfloat16)
         if device.type == "cuda" and plan_obj.dtype != "float32"
         else nullcontext(),
         flops=metrics.FlopCounter.for_model(reloaded),
         max_grad_norm=0.0,
+        parallel=parallel.parallelize(reloaded, installed.loss, plan_obj.decision(parallel.NAME), comm),
+        comm=comm,
     )
     reloaded_loss, _ = evaluate(ctx, samples, config.data.batch_tokens)
     assert reloaded_loss == pytest.approx(final_eval["loss"], rel=RELOAD_RTOL)

@@ -1,0 +1,231 @@
+"""The product path: a job.json through ``python -m trainer run`` (or torchrun), timed by its own events.
+
+What a user runs, on the standard workload: a random-weight model of a shape from
+``bench/workload.py`` saved to disk with ``save_pretrained`` (bf16 safetensors, the locally
+trained tiny tokenizer beside it: the vocabulary size only changes which embedding rows are read),
+a text JSONL whose samples have the standard lognormal lengths (median 250, sigma 1, clipped to
+[16, 4096]; each sample is ``<bos> w w ... <eos>`` of single-token words, so its token count is
+exact), LoRA r=16 alpha=16 on every linear projection, ``batch_tokens`` 16,384, every switch on
+``auto``. The trainer packs greedily (no cut samples), so a step holds up to 16,384 real tokens.
+
+Run on a GPU::
+
+    python -m bench.product_path --shapes llama-8b [--steps 12] [--skip 3] [--json PATH]
+                                 [--set optimizations.offload_activations=on] [--nproc 2]
+
+Per run: tokens/s is the sum of real tokens over the sum of step times of the steps after
+``--skip`` warm-up steps, read from the trainer's ``step`` events (CUDA-event timings, read a step
+late); peak memory is the largest ``gpu_mem_peak``; MFU is the trainer's. ``--set`` changes a
+job field (dotted path, JSON value); ``--nproc N`` launches ``torchrun --standalone
+--nproc_per_node=N`` with ``gpus: N``. ``--device cpu --tiny`` runs the same machinery on a tiny
+Llama on the CPU (the unit test's smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.workload import LORA_TARGETS, SHAPES, TOKENS_PER_STEP, ModelShape, lognormal_lengths
+
+TINY = ModelShape("tiny-Llama", "llama", 64, 2, 4, 2, 16, 128, 512)
+
+
+@dataclass
+class ProductResult:
+    shape: str
+    label: str
+    status: str = "ok"
+    tokens_per_s: float = float("nan")
+    step_ms_median: float = float("nan")
+    peak_gib: float = float("nan")
+    mfu: float | None = None
+    steps_timed: int = 0
+    plan: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    seconds: float = float("nan")
+
+
+def save_model(shape: ModelShape, directory: Path, device: str) -> Path:
+    """A random-weight ``shape`` model in bf16 (fp32 on the CPU) and the tiny tokenizer, saved."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny import build_tokenizer
+
+    if (directory / "config.json").exists():
+        return directory
+    config = shape.config()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(directory, safe_serialization=True)
+    build_tokenizer(512).save_pretrained(directory)
+    del model
+    return directory
+
+
+def write_dataset(path: Path, model_dir: Path, count: int, seed: int = 0) -> list[int]:
+    """``count`` text samples with the standard lengths (exact token counts); returns the lengths."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    words = _single_token_words(tokenizer)
+    lengths = lognormal_lengths(count, seed=seed)
+    with path.open("w", encoding="utf-8") as f:
+        for i, n in enumerate(lengths):
+            body = "".join(words[(i * 7 + k) % len(words)] for k in range(n - 2))  # + bos + eos
+            f.write(json.dumps({"text": body}) + "\n")
+    return lengths
+
+
+def _single_token_words(tokenizer: Any) -> list[str]:
+    """Words (with their leading space) that the tokenizer encodes as one token, in any sequence."""
+    found = []
+    for token in sorted(tokenizer.get_vocab()):
+        word = tokenizer.convert_tokens_to_string([token])
+        if word.startswith(" ") and word[1:].isalpha() and len(tokenizer(word * 3, add_special_tokens=False)["input_ids"]) == 3:
+            found.append(word)
+    if len(found) < 8:
+        raise RuntimeError(f"the tokenizer has only {len(found)} single-token words; the dataset needs 8")
+    return found
+
+
+def job_for(model_dir: Path, data: Path, out: Path, steps: int, device: str, gpus: int, tokens: int) -> dict[str, Any]:
+    return {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"train_path": str(data), "format": "text", "max_seq_len": min(4096, tokens), "batch_tokens": tokens},
+        "optim": {"max_steps": steps, "learning_rate": 1e-4, "warmup_steps": 1},
+        "lora": {"r": 16, "alpha": 16, "target_modules": list(LORA_TARGETS)},
+        "output_dir": str(out),
+        "checkpoint_every": 0,
+        "resume": False,
+        "device": device,
+        "gpus": gpus,
+    }
+
+
+def set_field(job: dict[str, Any], assignment: str) -> None:
+    """``a.b=value`` (value as JSON, else a string) into ``job``."""
+    path, _, raw = assignment.partition("=")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    *parents, leaf = path.split(".")
+    node = job
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def run_job(job_path: Path, nproc: int, timeout_s: float) -> tuple[list[dict[str, Any]], str]:
+    """The trainer's events and the tail of its stderr."""
+    if nproc > 1:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        argv = [sys.executable]
+    argv += ["-m", "trainer", "run", str(job_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return events, done.stderr[-3000:]
+
+
+def summarize(shape: str, label: str, events: list[dict[str, Any]], skip: int) -> ProductResult:
+    result = ProductResult(shape, label)
+    steps = [e for e in events if e["type"] == "step"]
+    done = next((e for e in events if e["type"] == "done"), None)
+    plan = next((e for e in events if e["type"] == "plan"), {})
+    result.plan = [d for d in plan.get("decisions", [])]
+    result.losses = [e["loss"] for e in steps]
+    if done is None or done["status"] != "succeeded":
+        result.status = f"failed: {done and done.get('message')}"
+        return result
+    timed = steps[skip:] or steps
+    seconds = sum(e["step_ms"] for e in timed) / 1000.0
+    result.tokens_per_s = sum(e["tokens"] for e in timed) / seconds
+    result.step_ms_median = statistics.median(e["step_ms"] for e in timed)
+    peaks = [e["gpu_mem_peak"] for e in timed if e.get("gpu_mem_peak") is not None]
+    result.peak_gib = max(peaks) / 2**30 if peaks else float("nan")
+    mfus = [e["mfu"] for e in timed if e.get("mfu") is not None]
+    result.mfu = statistics.median(mfus) if mfus else None
+    result.steps_timed = len(timed)
+    return result
+
+
+def table(results: list[ProductResult]) -> str:
+    lines = [
+        "| shape | run | tokens/s | median step ms | peak GiB | MFU | steps timed | attention | parallelism |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in results:
+        decisions = {d["name"]: d for d in r.plan}
+        attention = (decisions.get("attention") or {}).get("backend") or "-"
+        parallel = (decisions.get("parallelism") or {}).get("backend") or "-"
+        if r.status != "ok":
+            lines.append(f"| {r.shape} | {r.label} | {r.status} | | | | | {attention} | {parallel} |")
+            continue
+        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
+        lines.append(
+            f"| {r.shape} | {r.label} | {r.tokens_per_s:,.0f} | {r.step_ms_median:.0f} | {r.peak_gib:.2f} | {mfu} | "
+            f"{r.steps_timed} | {attention} | {parallel} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["llama-8b"], choices=list(SHAPES))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the figures")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a job field")
+    parser.add_argument("--label", default="auto", help="the run's name in the table")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--workdir", default="/tmp/ftq-product-path")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama (CPU smoke run)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    shapes = [TINY] if args.tiny else [SHAPES[s] for s in args.shapes]
+    tokens = 512 if args.tiny else TOKENS_PER_STEP
+    results = []
+    for shape in shapes:
+        results.append(bench_shape(shape, args, tokens))
+        print(table(results[-1:]), flush=True)
+    print("\n" + table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def bench_shape(shape: ModelShape, args: argparse.Namespace, tokens: int) -> ProductResult:
+    started = time.perf_counter()
+    root = Path(args.workdir) / shape.name
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = save_model(shape, root / "model", args.device)
+    data = root / "train.jsonl"
+    count = max(64, args.steps * args.nproc * tokens // 250 * 2)
+    write_dataset(data, model_dir, count)
+    job = job_for(model_dir, data, root / f"out-{args.label}", args.steps, args.device, args.nproc, tokens)
+    for assignment in args.set:
+        set_field(job, assignment)
+    job_path = root / f"job-{args.label}.json"
+    job_path.write_text(json.dumps(job, indent=2))
+    events, stderr = run_job(job_path, args.nproc, args.timeout)
+    result = summarize(shape.name, args.label, events, args.skip)
+    result.seconds = time.perf_counter() - started
+    if result.status != "ok":
+        print(stderr, file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

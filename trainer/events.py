@@ -5,8 +5,9 @@ Standard library only: the worker parses these lines without torch. Every event 
 
 ``plan``        device, dtype, model_attention, decisions: list of {name, requested, enabled,
                 backend, reason} (the kernel choices ``attention``, ``loss``, ``lora_kernel``,
-                ``fused_ops``, then each switch of ``trainer.config.SWITCHES``), hardware: dict
-                (``trainer.hardware.Hardware`` as a dict), total_steps,
+                ``fused_ops``, the multi-rank strategy ``parallelism``, then each switch of
+                ``trainer.config.SWITCHES``), hardware: dict (``trainer.hardware.Hardware`` as a
+                dict, ``interconnect`` included), world_size, total_steps,
                 model: {name, params, trainable_params, layers}, resumed_from_step (int | None)
 ``step``        one per optimizer step, the fields of ``StepEvent`` (``STEP_FIELDS``), no more,
                 no fewer: ``make_event`` refuses any other payload

@@ -208,6 +208,8 @@ def _patch_rope(model: nn.Module, result: InstallResult) -> None:
         if modeling is None or modeling.__name__ in seen:
             continue
         seen.add(modeling.__name__)
+        if modeling in result.rope:  # this install holds it already
+            continue
         why_not = _ROPE.acquire(modeling)
         if why_not is None:
             result.rope.append(modeling)

@@ -5,6 +5,9 @@
     output_dir/
         checkpoints/step-NNNNNN/       a resumable checkpoint (trainer.checkpoint), step zero-padded
         checkpoints/step-NNNNNN.tmp/   one being written; renamed into place when complete
+        checkpoints/step-NNNNNN/dcp/   method full / FSDP2: model + optimizer state as the ranks
+                                       held it (torch.distributed.checkpoint), loadable on any
+                                       number of ranks
         adapter/                       the final LoRA / QLoRA adapter (peft format)
         model/                         the final weights of method ``full``, instead of adapter/
         unrecorded-checkpoints/        checkpoints the worker set aside after a lost worker
@@ -27,6 +30,11 @@ CHECKPOINTS = "checkpoints"
 UNRECORDED_CHECKPOINTS = "unrecorded-checkpoints"
 """Directory under ``output_dir`` where the worker moves checkpoints the store never heard of."""
 
+SHARDED_STATE = "dcp"
+"""Directory inside a checkpoint holding the ``torch.distributed.checkpoint`` files."""
+PARTIAL_SUFFIX = ".tmp"
+"""Suffix of a checkpoint directory still being written (never resumed from)."""
+
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -41,6 +49,16 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(output_dir) / checkpoint_name(step)
+
+
+def partial_checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """``step-000042.tmp``: where the checkpoint of ``step`` is written before it is renamed."""
+    return checkpoints_dir(output_dir) / (checkpoint_name(step) + PARTIAL_SUFFIX)
+
+
+def sharded_state_dir(checkpoint: str | Path) -> Path:
+    """The ``torch.distributed.checkpoint`` directory of a checkpoint (method full / FSDP2)."""
+    return Path(checkpoint) / SHARDED_STATE
 
 
 def parse_checkpoint_step(name: str) -> int | None:

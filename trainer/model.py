@@ -217,11 +217,14 @@ def load_model(
     ``qlora`` loads every linear layer but the head as a bitsandbytes NF4 ``Linear4bit``
     (``quantization_config``), quantized one tensor at a time while loading, straight onto
     ``device``; the rest (embeddings, norms, head) stays in the plan's dtype.
+
+    Full fine-tuning sharded with FSDP2 loads in float32: the shards are the fp32 master weights
+    AdamW updates, gathered in the plan's dtype for compute (``trainer.parallel.apply_fsdp``).
     """
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {
-        "dtype": _DTYPES[plan.dtype],
+        "dtype": torch.float32 if _fp32_masters(config, plan) else _DTYPES[plan.dtype],
         "attn_implementation": plan.hf_attention,
         "trust_remote_code": config.model.trust_remote_code,
     }
@@ -234,6 +237,12 @@ def load_model(
     model.config.use_cache = False
     model.train()
     return model
+
+
+def _fp32_masters(config: TrainConfig, plan: Plan) -> bool:
+    """Full fine-tuning under FSDP2 (the plan's ``parallelism`` backend): fp32 master weights."""
+    sharded = any(d.name == "parallelism" and d.backend == "fsdp2" for d in plan.decisions)
+    return sharded and config.method == "full"
 
 
 def nf4_config(compute_dtype: torch.dtype) -> Any:

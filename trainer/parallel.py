@@ -83,6 +83,11 @@ class Parallel:
         self.module = module
         self.strategy = strategy
 
+    @property
+    def sharded(self) -> bool:
+        """The parameters are FSDP2 shards (DTensors): saving or exporting them is a collective."""
+        return self.strategy == "fsdp2"
+
     def loss(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
         return self.module(batch, meta, num_items)
 
@@ -103,20 +108,27 @@ class Parallel:
 
 
 def parallelize(
-    model: torch.nn.Module, loss: Any, decision: Decision, comm: Comm, *, static_graph: bool = False
+    model: torch.nn.Module,
+    loss: Any,
+    decision: Decision,
+    comm: Comm,
+    *,
+    static_graph: bool = False,
+    compute_dtype: str = "float32",
 ) -> Parallel:
     """Wrap ``LossModule(model, loss)`` as ``decision`` says (see the module docstring).
 
     Args:
         static_graph: DDP's ``static_graph`` (offloaded checkpoints back-propagate each layer in
             a nested backward, which DDP accepts only for a graph it may assume static).
+        compute_dtype: the plan's dtype; FSDP2 gathers the parameters in it (``apply_fsdp``).
     """
     module = LossModule(model, loss)
     if not decision.enabled:
         return Parallel(module, None)
     if decision.backend == "ddp":
         return Parallel(apply_ddp(module, comm, static_graph=static_graph), "ddp")
-    return Parallel(apply_fsdp(module, comm), "fsdp2")
+    return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2")
 
 
 def apply_ddp(module: torch.nn.Module, comm: Comm, *, static_graph: bool = False) -> torch.nn.Module:
@@ -146,16 +158,29 @@ def apply_ddp(module: torch.nn.Module, comm: Comm, *, static_graph: bool = False
     )
 
 
-def apply_fsdp(module: torch.nn.Module, comm: Comm) -> torch.nn.Module:
-    """FSDP2: one ``fully_shard`` unit per decoder layer, then the root (embeddings, norm, head)."""
+def apply_fsdp(module: torch.nn.Module, comm: Comm, compute_dtype: str = "float32") -> torch.nn.Module:
+    """FSDP2: one ``fully_shard`` unit per decoder layer, then the root (embeddings, norm, head).
+
+    The root unit is the ``LossModule``, not the model: the fused loss reads the LM head's weight
+    inside ``LossModule.forward`` without calling the head, so the head (with the embeddings and
+    the final norm) must be gathered by the root's pre-forward rather than by a unit of its own
+    (torchtitan gives ``[norm, output]`` one; that needs the head's own forward to run).
+
+    Precision: the shards keep the dtype the model was loaded in (fp32 master weights for full
+    fine-tuning, ``trainer.model.load_model``); each unit is gathered in ``compute_dtype``
+    (``MixedPrecisionPolicy.param_dtype``, none when that is float32) and gradients are
+    reduce-scattered in fp32, so AdamW updates the fp32 shards.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from trainer.offload import decoder_layers
 
     mesh = init_device_mesh(comm.device.type, (comm.world.world_size,))
-    compute = torch.bfloat16 if comm.device.type == "cuda" else None
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    compute = getattr(torch, compute_dtype)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32
+    )
     for layer in decoder_layers(module):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)

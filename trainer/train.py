@@ -121,15 +121,15 @@ class Run:
     """The step of the newest checkpoint on disk (-1: none written or resumed from)."""
 
     def write_checkpoint(self, final: bool) -> None:
-        """Rank 0 writes (the adapters and optimizer state are the same on every DDP rank); the
-        others wait for it, so no rank runs ahead of a checkpoint that is not there yet."""
+        """Every rank takes part (``checkpoint.save``): rank 0 alone writes adapters (the same on
+        every DDP rank), each rank its shards for full fine-tuning / FSDP2; all return once the
+        checkpoint is in place, so no rank runs ahead of one that is not there yet."""
         ctx = self.ctx
-        if ctx.comm.world.is_main:
-            path, size = checkpoint.save_checkpoint(
-                self.config.output_dir, ctx.model, ctx.optimizer, ctx.scheduler, self.state, final=final
-            )
-            self.emit("checkpoint", step=self.state.step, path=str(path), bytes=size, final=final)
-        ctx.comm.barrier()
+        path, size = checkpoint.save(
+            self.config.output_dir, ctx.model, ctx.optimizer, ctx.scheduler, self.state, ctx.comm,
+            sharded=checkpoint.uses_dcp(self.config.method, ctx.parallel.strategy), final=final,
+        )
+        self.emit("checkpoint", step=self.state.step, path=str(path), bytes=size, final=final)
         self.last_checkpoint_step = self.state.step
 
     def emit_step(self, pending: PendingStep) -> None:
@@ -190,7 +190,8 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, world: distributed.W
     for line in installed.describe():
         emit("log", level="info", message=line)
     wrapped = parallel.parallelize(
-        model, installed.loss, plan.decision(parallel.NAME), comm, static_graph=installed.offloader.enabled
+        model, installed.loss, plan.decision(parallel.NAME), comm,
+        static_graph=installed.offloader.enabled, compute_dtype=plan.dtype,
     )
     optimizer, scheduler = _optimizer(model, config, schedule.total_steps, device)
     ctx = StepContext(
@@ -265,6 +266,7 @@ def _emit_plan(r: Run, plan: planning.Plan, resumed: bool) -> None:
             "layers": model.config.num_hidden_layers,
         },
         resumed_from_step=r.state.step if resumed else None,
+        world_size=r.ctx.comm.world.world_size,
     )
 
 
@@ -314,11 +316,11 @@ def _finish(r: Run) -> RunResult:
     # Equal when resumed from a finished run: nothing new was trained, the checkpoint is there.
     if r.last_checkpoint_step != r.state.step:
         r.write_checkpoint(final=True)
-    export = layout.export_dir(r.config.output_dir, r.config.method)
-    if r.ctx.comm.world.is_main:
-        checkpoint.export_weights(r.ctx.model, export)
-        r.log(f"saved trained weights to {export}")
-    r.ctx.comm.barrier()
+    export = checkpoint.export(
+        r.ctx.model, layout.export_dir(r.config.output_dir, r.config.method), r.ctx.comm,
+        sharded=r.ctx.parallel.sharded,
+    )
+    r.log(f"saved trained weights to {export}")
     return RunResult("succeeded", r.state.step, str(export))
 
 

@@ -1,0 +1,138 @@
+"""Two ranks (torchrun, gloo on the CPU) train as one process does with the same global batch,
+and a checkpoint of two ranks resumes on one.
+
+The same tiny job (``gpus: 2`` x ``grad_accum: 2`` micro-batches per step) runs once as a single
+process, which accumulates all four micro-batches, and once under ``torchrun
+--nproc_per_node=2``, where each rank trains two and the gradients meet in DDP's all-reduce
+(LoRA) or FSDP2's reduce-scatter (full fine-tuning, parameters and AdamW state sharded).
+
+Tolerances. Everything is float32 on the CPU with one thread per process, so each micro-batch's
+forward and backward are the same arithmetic in both runs; what differs is the order in which the
+parts are summed (a rank's two micro-batches, then the ranks' sums) and, under FSDP2, the grad
+norm summed shard by shard. That is a few float32 roundings (2**-24 ~ 6e-8 relative) per step;
+over six steps the runs agree to ~1e-7 (measured). ``LOSS_RTOL = 1e-5`` leaves two orders of
+magnitude for that, while any real error is far outside it: a micro-batch lost or counted twice,
+or a loss normalised per rank instead of by the step's global label count, moves the step loss by
+percents. Weights: ``WEIGHT_ATOL = 1e-6`` is a thousandth of one AdamW update (each moves a
+weight by about the learning rate, 1e-3 full / 1e-2 LoRA), so one missed update would show.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_helpers import (
+    CHECKPOINT_EVERY,
+    STEPS,
+    Finished,
+    launch,
+    resume_copy,
+    weights,
+    write_job,
+)
+
+from trainer import layout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-6
+RESUME_AT = CHECKPOINT_EVERY
+
+
+class _Runs:
+    """Each (method, ranks) run of the module's job, launched once on first use."""
+
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.root, self.model_dir = root, model_dir
+        self._done: dict[tuple[str, int], Finished] = {}
+
+    def get(self, method: str, ranks: int) -> Finished:
+        key = (method, ranks)
+        if key not in self._done:
+            job = write_job(self.root / f"{method}-{ranks}", self.model_dir, method)
+            run = launch(job, ranks)
+            assert run.returncode == 0 and run.done["status"] == "succeeded", (run.done, run.stderr[-3000:])
+            self._done[key] = run
+        return self._done[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> _Runs:
+    return _Runs(tmp_path_factory.mktemp("ranks"), tiny_model_dir)
+
+
+def _assert_same_curve(run: Finished, reference: Finished, steps: range) -> None:
+    got, want = run.steps(), reference.steps()
+    assert sorted(got) == list(steps), sorted(got)
+    for step in steps:
+        for field in ("loss", "grad_norm"):
+            assert got[step][field] == pytest.approx(want[step][field], rel=LOSS_RTOL), (step, field)
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize(("method", "strategy"), [("lora", "ddp"), ("full", "fsdp2")])
+class TestTwoRanksFollowOneProcess:
+    def test_loss_grad_norm_and_validation_agree_at_every_step(self, runs, method, strategy):
+        one, two = runs.get(method, 1), runs.get(method, 2)
+        _assert_same_curve(two, one, range(1, STEPS + 1))
+        assert [e["loss"] for e in two.of("eval")] == pytest.approx([e["loss"] for e in one.of("eval")], rel=LOSS_RTOL)
+        assert len(two.of("eval")) == STEPS // CHECKPOINT_EVERY
+
+    def test_the_plan_names_the_strategy_and_the_world(self, runs, method, strategy):
+        (plan,) = runs.get(method, 2).of("plan")
+        decision = next(d for d in plan["decisions"] if d["name"] == "parallelism")
+        assert decision["enabled"] and decision["backend"] == strategy
+        assert plan["world_size"] == 2 and plan["hardware"]["interconnect"] == "TCP (gloo)"
+        assert "2 ranks over TCP (gloo)" in decision["reason"]
+        (single,) = runs.get(method, 1).of("plan")
+        assert single["world_size"] == 1
+        assert next(d for d in single["decisions"] if d["name"] == "parallelism")["backend"] is None
+
+    def test_every_step_event_carries_both_ranks(self, runs, method, strategy):
+        for event in runs.get(method, 2).of("step"):
+            assert [r["rank"] for r in event["ranks"]] == [0, 1]
+            assert sum(r["tokens"] for r in event["ranks"]) == event["tokens"]
+        assert all(e["ranks"] is None for e in runs.get(method, 1).of("step"))
+
+    def test_the_exported_weights_agree(self, runs, method, strategy):
+        one, two = runs.get(method, 1), runs.get(method, 2)
+        export = layout.export_dir(two.out, method)
+        assert two.done["adapter_path"] == str(export)
+        _assert_same_weights(weights(export), weights(layout.export_dir(one.out, method)))
+
+
+class TestCheckpointsOfTwoRanks:
+    def test_full_checkpoints_are_sharded_per_rank_and_never_left_half_written(self, runs):
+        two = runs.get("full", 2)
+        root = layout.checkpoints_dir(two.out)
+        assert sorted(p.name for p in root.iterdir()) == [layout.checkpoint_name(s) for s in (2, 4, 6)]
+        shards = layout.sharded_state_dir(layout.checkpoint_dir(two.out, 2))
+        assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert not list(root.glob("*/*.safetensors")), "a full checkpoint is the DCP shards, not a model copy"
+        assert not list(root.glob(f"*{layout.PARTIAL_SUFFIX}"))
+
+    def test_adapter_checkpoints_are_written_once(self, runs):
+        checkpoint = layout.checkpoint_dir(runs.get("lora", 2).out, 2)
+        assert (checkpoint / "adapter_model.safetensors").is_file()
+        assert not layout.sharded_state_dir(checkpoint).exists()
+
+    @pytest.mark.parametrize("method", ["lora", "full"])
+    def test_a_two_rank_checkpoint_resumes_on_one_rank_as_if_never_stopped(self, runs, tmp_path, tiny_model_dir, method):
+        """Two ranks to step 2 (their checkpoint, as a stop there leaves it), then one process to
+        the end: the curve and the weights are the uninterrupted one-process run's."""
+        two, one = runs.get(method, 2), runs.get(method, 1)
+        job = resume_copy(layout.checkpoint_dir(two.out, RESUME_AT), tmp_path, tiny_model_dir, method)
+        resumed = launch(job, 1)
+        assert resumed.done["status"] == "succeeded", (resumed.done, resumed.stderr[-3000:])
+        (plan,) = resumed.of("plan")
+        assert plan["resumed_from_step"] == RESUME_AT and plan["world_size"] == 1
+        _assert_same_curve(resumed, one, range(RESUME_AT + 1, STEPS + 1))
+        _assert_same_weights(weights(layout.export_dir(resumed.out, method)), weights(layout.export_dir(one.out, method)))

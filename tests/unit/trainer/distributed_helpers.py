@@ -44,8 +44,8 @@ def write_job(
 ) -> Path:
     """``directory/job.json``: ``gpus: 2`` x ``grad_accum: 2`` micro-batches per step (so each of
     two ranks accumulates two, and skips the gradient exchange on its first), gradient
-    checkpointing on (FSDP2 gathers again in the recompute), a small validation set (2 batches:
-    one per rank), a checkpoint every ``checkpoint_every`` steps; output in ``directory/out``."""
+    checkpointing on (FSDP2 gathers again in the recompute), a small validation set (3 batches:
+    two on rank 0, one on rank 1, which under FSDP2 runs a spare forward to pair the gathers), a checkpoint every ``checkpoint_every`` steps; output in ``directory/out``."""
     from trainer.config import OptimConfig
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -54,7 +54,7 @@ def write_job(
         [
             {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
                           {"role": "assistant", "content": f"The answer is {2 * i}, as always."}]}
-            for i in range(12)
+            for i in range(18)
         ],
     )
     config = make_job(

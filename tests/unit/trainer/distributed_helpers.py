@@ -30,9 +30,14 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
-def command(job: Path, ranks: int) -> list[str]:
-    """``python -m trainer run job`` for one process, else torchrun's ``--standalone`` launch."""
-    trainer = ["-m", "trainer", "run", str(job)]
+FORCE_FSDP2 = Path(__file__).with_name("force_fsdp2.py")
+"""A script that runs the trainer CLI with the parallelism decision forced to FSDP2."""
+
+
+def command(job: Path, ranks: int, *, fsdp2: bool = False) -> list[str]:
+    """``python -m trainer run job`` for one process, else torchrun's ``--standalone`` launch
+    (``fsdp2``: of ``FORCE_FSDP2``, so even LoRA is sharded)."""
+    trainer = [*([str(FORCE_FSDP2)] if fsdp2 else ["-m", "trainer"]), "run", str(job)]
     if ranks == 1:
         return [sys.executable, *trainer]
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
@@ -94,10 +99,10 @@ class Finished:
         return done
 
 
-def launch(job: Path, ranks: int, timeout: float = 150) -> Finished:
-    """Run ``job`` on ``ranks`` processes to the end."""
+def launch(job: Path, ranks: int, timeout: float = 150, *, fsdp2: bool = False) -> Finished:
+    """Run ``job`` on ``ranks`` processes to the end (``fsdp2``: see ``command``)."""
     result = subprocess.run(
-        command(job, ranks), cwd=REPO_ROOT, env=job_env(), capture_output=True, text=True,
+        command(job, ranks, fsdp2=fsdp2), cwd=REPO_ROOT, env=job_env(), capture_output=True, text=True,
         timeout=timeout, check=False,
     )
     return Finished(result.returncode, events_of(result.stdout), result.stderr, job.parent / "out")

@@ -1,0 +1,25 @@
+"""``python -m trainer`` with the ``parallelism`` decision forced to FSDP2 on several ranks: what a
+LoRA base too big for one GPU gets (``trainer.parallel.decide``), which a CPU never does (it has
+no GPU memory to exceed). Run as a script by torchrun (``distributed_helpers.command``)."""
+
+from __future__ import annotations
+
+import sys
+
+from trainer import parallel
+from trainer.__main__ import main
+from trainer.planning import Decision
+
+_decide = parallel.decide
+
+
+def _sharded(hw, config, facts, world_size, dtype):  # noqa: ANN001, ANN202 - parallel.decide's own
+    decision = _decide(hw, config, facts, world_size, dtype)
+    if world_size == 1:
+        return decision
+    return Decision(decision.name, decision.requested, True, "fsdp2", f"{decision.reason}; forced to fsdp2 by the test")
+
+
+if __name__ == "__main__":
+    parallel.decide = _sharded
+    sys.exit(main(sys.argv[1:]))

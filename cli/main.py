@@ -2,8 +2,8 @@
 
     ftq up                 API + one local worker on the embedded default (or the FTQ_* URLs)
     ftq api                the REST API (uvicorn)
-    ftq worker [--gpu N]   one Celery worker pinned to GPU N
-    ftq worker --gpus all  one worker per GPU (or --gpus 0,1,3), supervised together
+    ftq worker [--gpus all | --gpus 0,1,3 | --gpu N | --slots K]
+                           this host's worker: its GPUs (or K CPU slots) as one pool
     ftq db upgrade         apply the store's migrations
 
     ftq submit JOB.yaml    client commands, against FTQ_API_URL (default the local API):

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from typing import Any
 
 from core.settings import Settings
-
-_GPU = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z-]+)$")
 
 
 def add_api_parser(commands: Any) -> None:
@@ -20,22 +17,26 @@ def add_api_parser(commands: Any) -> None:
 
 
 def add_worker_parser(commands: Any) -> None:
-    parser = commands.add_parser("worker", help="run job workers (one per GPU)")
+    parser = commands.add_parser("worker", help="run this host's job worker (one for all its GPUs)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--gpu",
-        help="the GPU this worker owns: an index or a GPU UUID; sets CUDA_VISIBLE_DEVICES for the "
-        "trainer (default: inherit CUDA_VISIBLE_DEVICES, CPU when unset)",
+        help="one GPU for this worker: an index or a GPU UUID (jobs get CUDA_VISIBLE_DEVICES set to it)",
     )
     which.add_argument(
         "--gpus",
-        help="`all` or a list like 0,1,3: one worker per GPU, each pinned to its GPU, stopped together "
-        "by Ctrl-C; `all` on a box without GPUs starts one CPU worker",
+        help="`all` or a list like 0,1,3: the GPUs this worker holds as one pool; a job of N GPUs "
+        "runs on N of them (torchrun); `all` on a box without GPUs is one CPU slot",
+    )
+    which.add_argument(
+        "--slots",
+        type=int,
+        help="a box without GPUs: how many CPU \"GPUs\" the pool offers (a job of N runs N ranks on the "
+        "CPU with gloo); default 1",
     )
     parser.add_argument(
         "--name",
-        help="worker id stored on its jobs (default <hostname>/gpu<N> or <hostname>/cpu); with --gpus, "
-        "a prefix: <name>/gpu<N>",
+        help="worker id stored on its jobs and its GPUs (default <hostname>/gpu<ids> or <hostname>/cpu)",
     )
     parser.set_defaults(run=run_worker)
 
@@ -52,52 +53,45 @@ def run_api(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    if getattr(args, "gpus", None) is not None:
-        return run_workers(args)
-    gpu = args.gpu if args.gpu is not None else os.environ.get("CUDA_VISIBLE_DEVICES") or None
-    return run_one_worker(gpu, name=args.name, log_level=args.log_level)
-
-
-def run_one_worker(gpu: str | None, *, name: str | None, log_level: str) -> int:
-    """One Celery worker in this process, pinned to ``gpu`` (None: CPU or the inherited device)."""
+    """One Celery worker in this process holding the GPUs (or CPU slots) the flags name."""
     from cli.errors import CliError
     from worker.app import create_worker_app, worker_argv
     from worker.runtime import WorkerOptions
 
-    if gpu is not None:
-        if not _GPU.match(gpu):
-            raise CliError(
-                f"--gpu {gpu!r}: give one GPU index (e.g. 0) or UUID per worker; start one worker per GPU"
-            )
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    gpus = worker_gpus(args)
+    if args.slots is not None and args.slots < 1:
+        raise CliError(f"--slots {args.slots}: give 1 or more")
+    options = WorkerOptions(gpus=tuple(gpus), slots=args.slots or 1, name=args.name)
     settings = Settings().resolved()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     require_migrated_store(settings)
-    options = WorkerOptions(gpu=gpu, name=name)
     app = create_worker_app(settings, options)
-    app.worker_main(worker_argv(options, loglevel=log_level))
+    app.worker_main(worker_argv(options, loglevel=args.log_level))
     return 0
 
 
-def run_workers(args: argparse.Namespace) -> int:
-    """``--gpus``: one worker per GPU; a single one runs in this process, several are supervised."""
-    from cli.supervise import Supervisor
-    from cli.workers import parse_gpus, worker_children
+def worker_gpus(args: argparse.Namespace, env: dict[str, str] | None = None) -> list[str]:
+    """The GPU ids of the worker's pool; empty for CPU slots.
 
-    gpus = parse_gpus(args.gpus)
-    if len(gpus) == 1:
-        gpu = gpus[0]
-        label = f"gpu{gpu}" if gpu is not None else "cpu"
-        if gpu is None:
-            print("ftq: no GPU found (CUDA_VISIBLE_DEVICES / nvidia-smi); starting one CPU worker", flush=True)
-        return run_one_worker(gpu, name=f"{args.name}/{label}" if args.name else None, log_level=args.log_level)
-    settings = Settings().resolved()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    require_migrated_store(settings)
-    children = worker_children(gpus, log_level=args.log_level, name=args.name)
-    print(f"ftq: starting {len(children)} workers ({', '.join(c.name for c in children)}); Ctrl-C stops them",
-          flush=True)
-    return Supervisor(children, grace_s=settings.cancel_grace_s + 30).run()
+    Raises:
+        CliError: ``--gpu`` that is not one GPU id, or a bad ``--gpus`` list.
+    """
+    from cli.errors import CliError
+    from cli.workers import GPU_ID, parse_gpus, visible_gpus
+
+    if args.gpu is not None:
+        if not GPU_ID.match(args.gpu):
+            raise CliError(f"--gpu {args.gpu!r}: give one GPU index (e.g. 0) or UUID; for several use --gpus 0,1")
+        return [args.gpu]
+    if args.gpus is not None:
+        found = [gpu for gpu in parse_gpus(args.gpus) if gpu is not None]
+        if not found:
+            print("ftq: no GPU found (CUDA_VISIBLE_DEVICES / nvidia-smi); holding one CPU slot", flush=True)
+        return found
+    env = dict(os.environ) if env is None else env
+    if args.slots is None and env.get("CUDA_VISIBLE_DEVICES"):
+        return visible_gpus(env)
+    return []
 
 
 def require_migrated_store(settings: Settings) -> None:

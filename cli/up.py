@@ -8,7 +8,8 @@ kombu's SQLAlchemy broker live under ``FTQ_DATA_DIR``. Order of start-up:
 2. if ``FTQ_MODEL_ROOT`` is empty, write a tiny random-weight demo model ``tiny-llama`` there
    (``python -m trainer make-tiny-model``), so a new user can submit a job at once
    (``--no-demo-model`` skips it);
-3. start ``ftq api`` and one ``ftq worker`` as child processes, each in its own session so a
+3. start ``ftq api`` and one ``ftq worker`` (holding ``--gpus`` / ``--gpu`` / ``--slots`` as given,
+   else CUDA_VISIBLE_DEVICES, else one CPU slot) as child processes, each in its own session so a
    Ctrl-C reaches only this supervisor, and print the URL once ``/healthz`` answers.
 
 Ctrl-C or SIGTERM stops both: SIGTERM to each, the worker hands a running job back to the
@@ -39,7 +40,10 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser("up", help="start the API and a local worker (embedded store by default)")
     parser.add_argument("--host", help="API bind address (default FTQ_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="API port (default FTQ_PORT or 8000)")
-    parser.add_argument("--gpu", help="GPU index for the local worker (default: CUDA_VISIBLE_DEVICES, else CPU)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--gpu", help="one GPU for the local worker (default: CUDA_VISIBLE_DEVICES, else CPU)")
+    which.add_argument("--gpus", help="`all` or a list like 0,1,3: the GPUs the local worker holds as one pool")
+    which.add_argument("--slots", type=int, help="a box without GPUs: CPU \"GPUs\" of the local worker (default 1)")
     parser.add_argument("--no-demo-model", action="store_true", help="do not seed an empty FTQ_MODEL_ROOT")
     parser.set_defaults(run=run_up)
 
@@ -60,7 +64,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     env = child_env(settings)
     base = [sys.executable, "-m", "cli", "--log-level", args.log_level]
-    worker_cmd = [*base, "worker"] + (["--gpu", args.gpu] if args.gpu is not None else [])
+    worker_cmd = [*base, "worker", *worker_flags(args)]
     children = {
         "api": subprocess.Popen([*base, "api"], env=env, start_new_session=True),
         "worker": subprocess.Popen(worker_cmd, env=env, start_new_session=True),
@@ -81,6 +85,15 @@ def run_up(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The local worker's ``--gpu`` / ``--gpus`` / ``--slots``, as given to ``ftq up``."""
+    for flag in ("gpu", "gpus", "slots"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            return [f"--{flag}", str(value)]
+    return []
 
 
 def seed_demo_model(model_root: Path) -> None:

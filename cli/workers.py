@@ -1,9 +1,10 @@
-"""``ftq worker --gpus all | 0,1,3``: one worker process per GPU, each pinned and supervised.
+"""Which GPUs ``ftq worker`` holds: ``--gpu N``, ``--gpus all | 0,1,3``, ``--slots K``, or the default.
 
-A worker owns one device and runs one job at a time (concurrency 1), so a box with N GPUs
-runs N workers, each with ``CUDA_VISIBLE_DEVICES`` set to its GPU. ``all`` means the GPUs this
-process may use: those in ``CUDA_VISIBLE_DEVICES`` when it is set, else every GPU
-``nvidia-smi`` lists. On a box without GPUs ``all`` starts one CPU worker.
+One worker per host holds its GPUs as one pool (worker/app.py) and runs a job on as many of
+them as it asks for, each job pinned with ``CUDA_VISIBLE_DEVICES`` to the GPUs it reserved.
+``all`` means the GPUs this process may use: those in ``CUDA_VISIBLE_DEVICES`` when it is set,
+else every GPU ``nvidia-smi`` lists. On a box without GPUs ``all`` gives one CPU slot;
+``--slots K`` gives K (a job of N "GPUs" then runs N ranks on the CPU, with gloo).
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Callable, Mapping
 
 from cli.errors import CliError
-from cli.supervise import ChildSpec
 
 GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z-]+)$")
 """One GPU as ``CUDA_VISIBLE_DEVICES`` names it: an index or a GPU/MIG UUID."""
@@ -40,7 +39,7 @@ def visible_gpus(env: Mapping[str, str] | None = None, *, query: Callable[[], li
 
 
 def parse_gpus(value: str, *, visible: Callable[[], list[str]] = visible_gpus) -> list[str | None]:
-    """``--gpus`` → one entry per worker: a GPU id, or None for the one CPU worker of a GPU-less box.
+    """``--gpus`` → the pool's GPU ids, or ``[None]`` (one CPU slot) for ``all`` on a GPU-less box.
 
     Raises:
         CliError: an entry that is not a GPU index/UUID, an empty entry, or a repeated GPU.
@@ -58,27 +57,8 @@ def parse_gpus(value: str, *, visible: Callable[[], list[str]] = visible_gpus) -
             )
     repeated = sorted({p for p in parts if parts.count(p) > 1})
     if repeated:
-        raise CliError(f"--gpus {value!r}: GPU {', '.join(repeated)} is listed twice; one worker per GPU")
+        raise CliError(f"--gpus {value!r}: GPU {', '.join(repeated)} is listed twice; name each GPU once")
     return list(parts)
-
-
-def worker_children(
-    gpus: list[str | None], *, log_level: str, name: str | None, env: Mapping[str, str] | None = None
-) -> list[ChildSpec]:
-    """One ``ftq worker --gpu N`` per GPU, pinned with ``CUDA_VISIBLE_DEVICES=N``."""
-    base_env = dict(os.environ if env is None else env)
-    children = []
-    for gpu in gpus:
-        argv = [sys.executable, "-m", "cli", "--log-level", log_level, "worker"]
-        child_env = dict(base_env)
-        if gpu is not None:
-            argv += ["--gpu", gpu]
-            child_env["CUDA_VISIBLE_DEVICES"] = gpu
-        label = f"gpu{gpu}" if gpu is not None else "cpu"
-        if name:
-            argv += ["--name", f"{name}/{label}"]
-        children.append(ChildSpec(name=f"worker {label}", argv=argv, env=child_env))
-    return children
 
 
 def _nvidia_smi_indices() -> list[str]:

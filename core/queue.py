@@ -1,5 +1,10 @@
 """The Celery app both sides use: the API sends ``jobs.run`` by name, the worker runs it.
 
+Every worker host consumes two queues: ``ftq.jobs``, shared by all, and its own
+(``host_queue``). A message for a job that can start now goes to the queue of the host the
+policy placed it on (core/jobs/scheduling.py), so the host that can run it is the one woken;
+a message with no known host (a job that must wait) goes to the shared queue.
+
 The store is the source of truth and the broker only signals: a task carries a job id and
 nothing else, and the worker claims the job with a compare-and-set before doing anything.
 Tasks are acknowledged late and rejected when the worker process is lost, so a task killed
@@ -7,6 +12,9 @@ by the OOM killer is redelivered (and then finds the job already claimed, or rea
 """
 
 from __future__ import annotations
+
+import hashlib
+import re
 
 from celery import Celery
 
@@ -40,6 +48,13 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def enqueue_job(celery: Celery, job_id: str) -> None:
-    """Signal the workers that ``job_id`` waits; call only after the job row is committed."""
-    celery.send_task(TASK_RUN_JOB, args=[job_id], queue=QUEUE)
+def host_queue(worker_id: str) -> str:
+    """The queue only worker host ``worker_id`` consumes (a name safe for ``celery -Q``: no commas)."""
+    readable = re.sub(r"[^A-Za-z0-9_.@-]+", "_", worker_id)[:60]
+    return f"{QUEUE}.{readable}.{hashlib.sha1(worker_id.encode()).hexdigest()[:8]}"
+
+
+def enqueue_job(celery: Celery, job_id: str, host: str | None = None) -> None:
+    """Signal that ``job_id`` waits, to worker host ``host`` (None: to any); call only after the
+    job row is committed."""
+    celery.send_task(TASK_RUN_JOB, args=[job_id], queue=QUEUE if host is None else host_queue(host))

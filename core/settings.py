@@ -37,9 +37,11 @@ class Settings(BaseSettings):
     """A running job whose heartbeat is older than this is reaped (retried or failed)."""
     max_attempts: int = 3
     """Claims per job: a job whose worker was lost is retried from its last checkpoint until this."""
-    max_running_jobs_per_user: int = Field(default=1, ge=0)
-    """Jobs one user may have running at once (a user's ``max_running_jobs`` overrides it);
-    0 means no cap. Jobs created without an owner share one cap, as one anonymous user."""
+    max_running_jobs_per_user: int = Field(default=0, ge=0)
+    """GPUs one user's running jobs may hold at once (a 1-GPU job counts 1, a 4-GPU job 4; a
+    user's ``max_running_jobs`` overrides it); 0, the default, means no cap: the queue's order
+    alone shares the GPUs. The name is older than multi-GPU jobs. Jobs created without an owner
+    share one cap, as one anonymous user."""
     cancel_grace_s: float = 60.0
     """After a cancel, how long the trainer may take to checkpoint before it is killed."""
     event_flush_interval_s: float = 0.5

@@ -1,22 +1,28 @@
-"""The worker's Celery app: the shared app from ``core.queue`` plus per-process set-up.
+"""The worker's Celery app: one worker per host, holding the host's GPUs as one pool.
 
-``create_worker_app`` builds the app in the worker's main process and connects the signals;
-the store engine, Redis client and the presence thread are opened in the pool process by
-``worker_process_init`` (after the fork, so no connection crosses processes) and closed by
-``worker_process_shutdown``. When the main process is asked to shut down (Ctrl-C, SIGTERM),
-``worker_shutting_down`` sets an event shared with the pool process: the running job's trainer
-gets SIGTERM, writes a checkpoint, and the job goes back to the queue to resume later
-instead of holding the shutdown for as long as training takes.
+The worker runs Celery's ``threads`` pool with one thread per GPU of its pool (concurrency =
+GPU count), consuming the shared queue and its own host queue (core/queue.py). Each ``jobs.run``
+takes a thread: it claims the job the policy places on this host and the GPUs it needs
+(core/jobs/scheduling.py), then runs it (one process, or torchrun over N ranks) until it ends.
+A job holds at least one GPU, so a free GPU always has a free thread.
+
+``create_worker_app`` builds the app and connects the signals; the store engine, Redis client
+and the presence thread are opened once in the worker process when it is ready
+(``worker_ready``; a task arriving first opens them) and closed at ``worker_shutdown``.
+When the worker is asked to shut down (Ctrl-C, SIGTERM), ``worker_shutting_down`` sets an
+event the running jobs watch: each trainer gets SIGTERM, writes a checkpoint, and its job goes
+back to the queue to resume later instead of holding the shutdown for as long as training takes.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import re
+import threading
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init, worker_process_shutdown, worker_shutting_down
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from core.queue import make_celery
 from core.settings import Settings
@@ -28,65 +34,70 @@ log = logging.getLogger(__name__)
 
 
 class _ProcessState:
-    """The Runtime and presence thread of the current pool process (None until it starts)."""
+    """The worker's Runtime and presence thread (None until the worker is ready)."""
 
     def __init__(self, settings: Settings, options: WorkerOptions, app: Celery) -> None:
         self.settings = settings
         self.options = options
         self.app = app
-        self.shutdown = multiprocessing.get_context("fork").Event()
+        self.shutdown = threading.Event()
         self.runtime: Runtime | None = None
         self.presence: Presence | None = None
+        self._lock = threading.Lock()
 
     def open(self, **_: Any) -> None:
-        if self.runtime is not None:
-            return
-        self.runtime = Runtime.open(self.settings, self.options, celery=self.app, shutdown_event=self.shutdown)
-        self.presence = Presence(self.runtime)
-        self.presence.start()
-        log.info("worker %s ready (device %s)", self.options.worker_id, self.options.device)
+        with self._lock:
+            if self.runtime is not None:
+                return
+            self.runtime = Runtime.open(self.settings, self.options, celery=self.app, shutdown_event=self.shutdown)
+            self.presence = Presence(self.runtime)
+            self.presence.start()
+        log.info("worker %s ready (%d GPU%s: %s)", self.options.worker_id, len(self.options.pool),
+                 "s" if len(self.options.pool) != 1 else "", self.options.device)
 
     def close(self, **_: Any) -> None:
-        if self.presence is not None:
-            self.presence.stop()
-        if self.runtime is not None:
-            self.runtime.close()
-        self.runtime = self.presence = None
+        with self._lock:
+            if self.presence is not None:
+                self.presence.stop()
+            if self.runtime is not None:
+                self.runtime.close()
+            self.runtime = self.presence = None
 
     def shutting_down(self, **_: Any) -> None:
         self.shutdown.set()
 
     def get(self) -> Runtime:
         if self.runtime is None:
-            self.open()  # solo/threads pools send no worker_process_init
+            self.open()  # a task before worker_ready
         assert self.runtime is not None
         return self.runtime
 
 
 def create_worker_app(settings: Settings, options: WorkerOptions) -> Celery:
-    """The Celery app that runs jobs on this worker's GPU (``options.gpu``)."""
+    """The Celery app that runs jobs on this host's GPUs (``options.pool``)."""
     settings = settings.resolved()
     app = make_celery(settings)
     state = _ProcessState(settings, options, app)
     register_tasks(app, state.get)
-    worker_process_init.connect(state.open, weak=False)
-    worker_process_shutdown.connect(state.close, weak=False)
+    worker_ready.connect(state.open, weak=False)
+    worker_shutdown.connect(state.close, weak=False)
     worker_shutting_down.connect(state.shutting_down, weak=False)
     app.ftq_state = state  # type: ignore[attr-defined]
     return app
 
 
 def worker_argv(options: WorkerOptions, *, loglevel: str = "INFO") -> list[str]:
-    """``celery worker`` arguments: one prefork process, prefetch 1, the ftq queue."""
-    from core.queue import QUEUE
+    """``celery worker`` arguments: a thread per GPU of the pool, prefetch 1 per thread, the
+    shared ftq queue and this host's own."""
+    from core.queue import QUEUE, host_queue
 
     return [
         "worker",
-        "--pool=prefork",
-        "--concurrency=1",
+        "--pool=threads",
+        f"--concurrency={len(options.pool)}",
         "--prefetch-multiplier=1",
-        f"--queues={QUEUE}",
-        f"--hostname=ftq-{options.worker_id.replace('/', '-')}@%h",
+        f"--queues={QUEUE},{host_queue(options.worker_id)}",
+        f"--hostname=ftq-{re.sub(r'[^A-Za-z0-9_.-]+', '-', options.worker_id)}@%h",
         f"--loglevel={loglevel}",
         "--without-gossip",
         "--without-mingle",

@@ -1,10 +1,10 @@
 """The worker's row in the ``worker`` table and its housekeeping loop.
 
 At start the worker asks the trainer what it would run on (``python -m trainer detect --json``,
-pinned to the worker's GPU) and stores the answer, which ``GET /v1/hardware`` serves. Then,
+on the worker's GPUs) and stores the answer with its GPU pool (``gpu_slot`` rows), which ``GET /v1/hardware`` serves. Then,
 every ``heartbeat_interval_s``, a background thread refreshes the row's ``heartbeat_at`` and runs
-the reaper (reaper.py). The thread lives in the pool process beside the task, so it keeps
-beating while a job runs.
+the reaper (reaper.py). The thread lives in the worker process beside the task threads, so
+it keeps beating while jobs run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from core.db import utcnow
 from core.workers.models import Worker
+from core.workers.pool import register_pool
 from worker.reaper import reap
 from worker.runtime import Runtime
 
@@ -47,7 +48,7 @@ def detect_hardware(runtime: Runtime, timeout_s: float = 180.0) -> dict[str, Any
 
 
 def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
-    """Insert or refresh this worker's row (the id is stable per host and GPU)."""
+    """Insert or refresh this worker's row and its GPU pool (the id is stable per host and GPUs)."""
     now = utcnow()
     with runtime.sessionmaker.begin() as session:
         row = session.execute(
@@ -62,12 +63,15 @@ def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
         row.current_job_id = runtime.current_job_id
         row.started_at = now
         row.heartbeat_at = now
+        session.flush()
+        register_pool(session, runtime.worker_id, runtime.options.pool)
+    runtime.mark_registered()
 
 
 def _device(runtime: Runtime, hardware: dict[str, Any]) -> str:
-    """``cuda:N`` for a pinned worker; else what the trainer detected (a worker left unpinned
-    on a GPU box trains on the first visible GPU, not on the CPU)."""
-    if runtime.options.gpu is not None:
+    """``cuda:0,1`` for a worker given its GPUs; else what the trainer detected (a worker left
+    unpinned on a GPU box trains on the first visible GPU, not on the CPU)."""
+    if runtime.options.gpus:
         return runtime.options.device
     detected = hardware.get("hardware", {}).get("device") if isinstance(hardware.get("hardware"), dict) else None
     return str(detected) if detected else runtime.options.device
@@ -111,7 +115,7 @@ class Presence:
                 runtime.settings,
                 enqueue=runtime.enqueue,
                 publish=runtime.publish,
-                idle=runtime.current_job_id is None,
+                host=runtime.worker_id,
                 resend_after_s=runtime.options.resend_queued_after_s,
             )
         except Exception:  # noqa: BLE001 - try again next interval

@@ -6,17 +6,21 @@ machine rebooted, network cut). With attempts left (``attempts < max_attempts``)
 the job's output directory by itself. Otherwise it fails with ``worker_lost``. A job whose cancel
 was requested before its worker vanished is not retried: it ends ``cancelled``.
 
+Every way out of ``running`` releases the job's GPUs in the same transaction
+(``core.jobs.service.transition``), so a lost worker's GPUs are free once its jobs are reaped.
+GPUs still held by a job that is not running (only a hand-edited store has them) are freed too.
+
 The broker only signals, and a signal can be lost: the embedded SQLAlchemy transport deletes a
 message when a worker fetches it, so a worker killed mid-job takes the message with it, and a
-submit while the broker is down commits the job but sends nothing. So an *idle* worker also
-re-sends the message of every job that has been ``queued`` longer than ``resend_after_s`` (and
-bumps its ``updated_at`` so it is re-sent at most once per period). An idle worker with
-prefetch 1 would already hold any message still in the broker, so a job waiting that long
-beside an idle worker has no message. A duplicate message is harmless: the claim is a
-compare-and-set.
+submit while the broker is down commits the job but sends nothing. So each host (``host``)
+also re-sends, to itself, the message of every job the queue policy places on it now that has
+been ``queued`` longer than ``resend_after_s`` (and bumps its ``updated_at`` so it is re-sent at
+most once per period). Such a job fits the host's free GPUs, and a host has a free task thread
+per free GPU, so a message still in the broker would have been taken already. A duplicate
+message is harmless: the claim is a compare-and-set.
 
-A failed job frees a slot of its owner's cap on running jobs, so the next eligible waiting job
-is signalled too (its message may have been dropped while the owner was at the cap).
+A reaped job frees GPUs and its owner's cap, so every job that can start now is signalled too
+(its message may have been dropped while it could not).
 
 Every worker runs ``reap`` every heartbeat interval (presence.py), and ``jobs.reap`` runs it
 on demand. Two reapers racing are safe: each transition is a compare-and-set.
@@ -34,10 +38,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
 from core.jobs import scheduling
+from core.jobs.placement import Placement
 from core.jobs.models import Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.settings import Settings
+from core.workers import pool
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +56,9 @@ class ReapReport:
     """Stale jobs whose cancel had been requested: ended, not retried."""
     resent: list[str] = field(default_factory=list)
     signalled: list[str] = field(default_factory=list)
-    """Waiting jobs signalled because a failed job freed its owner's slot (scheduling.py)."""
+    """Waiting jobs signalled because a reaped job freed GPUs or its owner's cap (scheduling.py)."""
+    placed: list[Placement] = field(default_factory=list)
+    """Where the jobs that can start after the reaping go (their messages go to those hosts)."""
     published: dict[str, int] = field(default_factory=dict)
     """job id → last event seq written, for live viewers."""
 
@@ -59,15 +67,17 @@ def reap(
     sessionmaker: sessionmaker[Session],
     settings: Settings,
     *,
-    enqueue: Callable[[str], None],
+    enqueue: Callable[[str, str | None], None],
     publish: Callable[[str, int], None] | None = None,
-    idle: bool = False,
+    host: str | None = None,
     resend_after_s: float | None = None,
     now: dt.datetime | None = None,
 ) -> ReapReport:
-    """Retry or fail running jobs with a stale heartbeat; if ``idle``, re-send lost queued jobs.
+    """Retry or fail running jobs with a stale heartbeat; with ``host`` and ``resend_after_s``,
+    re-send the lost messages of jobs placed on that host.
 
-    Messages are sent and events published only after the transaction commits.
+    ``enqueue(job_id, host)`` sends a message (``host`` None: to any host). Messages are sent and
+    events published only after the transaction commits.
     """
     now = now or utcnow()
     report = ReapReport()
@@ -104,26 +114,17 @@ def reap(
                     _record(session, report, job.job_id,
                             state_event(JobStatus.failed, error_code="worker_lost", message=message))
                     report.failed.append(job.job_id)
-        if report.failed or report.cancelled:
-            freed = len(report.failed) + len(report.cancelled)
-            report.signalled.extend(scheduling.signal_targets(session, settings, freed=freed))
-        if idle and resend_after_s is not None:
-            waited = now - dt.timedelta(seconds=resend_after_s)
-            lost_messages = session.execute(
-                select(Job.job_id)
-                .where(Job.status == JobStatus.queued.value, Job.updated_at < waited)
-                .order_by(Job.created_at)
-            ).scalars().all()
-            if lost_messages:
-                session.execute(
-                    update(Job)
-                    .where(Job.job_id.in_(lost_messages), Job.status == JobStatus.queued.value)
-                    .values(updated_at=now)
-                    .execution_options(synchronize_session=False)
-                )
-                report.resent.extend(lost_messages)
-    for job_id in report.requeued + report.resent + report.signalled:
-        enqueue(job_id)
+        pool.release_orphans(session, reserved_before=cutoff)
+        if report.requeued or report.failed or report.cancelled:
+            report.placed.extend(scheduling.signal_targets(session, settings))
+            report.signalled.extend(p.job_id for p in report.placed if p.job_id not in report.requeued)
+        if host is not None and resend_after_s is not None:
+            report.resent.extend(_mark_resent(session, settings, host, now - dt.timedelta(seconds=resend_after_s), now))
+    hosts = {p.job_id: p.worker_id for p in report.placed}
+    for job_id in report.requeued + report.signalled:
+        enqueue(job_id, hosts.get(job_id))
+    for job_id in report.resent:
+        enqueue(job_id, host)
     if publish is not None:
         for job_id, seq in report.published.items():
             publish(job_id, seq)
@@ -131,6 +132,27 @@ def reap(
         log.warning("reaper: requeued %s, failed %s, cancelled %s, re-sent %s",
                     report.requeued, report.failed, report.cancelled, report.resent)
     return report
+
+
+def _mark_resent(session: Session, settings: Settings, host: str, waited: dt.datetime, now: dt.datetime) -> list[str]:
+    """Jobs placed on ``host`` now, queued (untouched) since before ``waited``; their ``updated_at``
+    is bumped so the next period does not re-send them again."""
+    placed = [p.job_id for p in scheduling.schedule(session, settings, include=host).placements if p.worker_id == host]
+    if not placed:
+        return []
+    lost = session.execute(
+        select(Job.job_id)
+        .where(Job.job_id.in_(placed), Job.status == JobStatus.queued.value, Job.updated_at < waited)
+        .order_by(Job.created_at)
+    ).scalars().all()
+    if lost:
+        session.execute(
+            update(Job)
+            .where(Job.job_id.in_(lost), Job.status == JobStatus.queued.value)
+            .values(updated_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    return list(lost)
 
 
 def _record(session: Session, report: ReapReport, job_id: str, event: tuple[str, dict]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -30,7 +31,7 @@ from core.jobs import scheduling
 from core.jobs.models import Checkpoint, Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
-from core.workers.models import Worker
+from core.workers.models import GpuSlot, Worker
 from trainer import layout
 from worker.outcome import Outcome, StopReason, classify
 from worker.process import TrainerExit, TrainerProcess
@@ -48,6 +49,14 @@ class Claim:
     job_id: str
     attempt: int
     output_dir: Path
+    slots: tuple[int, ...] = (0,)
+    """The slots of this host's pool the job holds."""
+    devices: tuple[str | None, ...] = (None,)
+    """Those slots' GPUs as CUDA_VISIBLE_DEVICES names them (None: CPU slots)."""
+
+    @property
+    def gpus(self) -> int:
+        return len(self.slots)
 
 
 def run_job(runtime: Runtime, job_id: str) -> str:
@@ -66,7 +75,7 @@ def run_job(runtime: Runtime, job_id: str) -> str:
     claim = claim_next_job(runtime, signalled=job_id)
     if claim is None:
         return "skipped"
-    runtime.current_job_id = claim.job_id
+    runtime.started(claim.job_id, claim.gpus)
     try:
         try:
             outcome, done = _run_claimed(runtime, claim)
@@ -75,7 +84,7 @@ def run_job(runtime: Runtime, job_id: str) -> str:
             outcome, done = Outcome(JobStatus.failed, "worker_error", f"the worker failed to run the job: {exc!r}"), None
         return finish_job(runtime, claim, outcome, done)
     finally:
-        runtime.current_job_id = None
+        runtime.ended(claim.job_id)
 
 
 MAX_CLAIM_TRIES = 8
@@ -83,23 +92,25 @@ MAX_CLAIM_TRIES = 8
 
 
 def claim_next_job(runtime: Runtime, *, signalled: str | None = None) -> Claim | None:
-    """queued → running for the next eligible job, for this worker; None if nothing is eligible.
+    """queued → running for the job the policy places on this host now, with its GPUs reserved;
+    None if nothing is placed here.
 
-    Each try is its own transaction: pick the first eligible job in claim order, then the
-    conditional claim (scheduling.try_claim). A try lost to another worker, or to the owner's
-    cap filling meanwhile, picks again.
+    Each try is its own transaction: the placement (scheduling.next_placement), then the claim
+    (scheduling.try_claim: the GPUs all or none, then the job). A try lost to another claimant
+    (the job or one of its GPUs taken, the owner's cap filled meanwhile) rolls back and places again.
     """
-    for _ in range(MAX_CLAIM_TRIES):
-        with runtime.sessionmaker.begin() as session:
-            picked = scheduling.next_eligible(session, runtime.settings)
-            if not picked:
-                log.info("message for %s: no queued job is eligible to run now", signalled)
+    runtime.ensure_registered()
+    for attempt in range(MAX_CLAIM_TRIES):
+        with runtime.sessionmaker() as session:
+            placement = scheduling.next_placement(session, runtime.settings, runtime.worker_id)
+            if placement is None:
+                log.info("message for %s: no queued job can start on this host now", signalled)
                 return None
-            job_id = picked[0]
+            job_id = placement.job_id
             output_dir = runtime.settings.jobs_dir / job_id
             won = scheduling.try_claim(
                 session,
-                job_id,
+                placement,
                 runtime.settings,
                 values={
                     "worker_id": runtime.worker_id,
@@ -111,19 +122,29 @@ def claim_next_job(runtime: Runtime, *, signalled: str | None = None) -> Claim |
                 },
             )
             if not won:
-                log.info("job %s was claimed, cancelled or capped meanwhile; picking again", job_id)
+                session.rollback()
+                log.info("job %s or its GPUs were claimed, cancelled or capped meanwhile; placing again", job_id)
+                time.sleep(random.uniform(0, 0.05 * (attempt + 1)))
                 continue
-            attempt = session.execute(select(Job.attempts).where(Job.job_id == job_id)).scalar_one()
-            (event,) = append_events(
-                session, job_id, [state_event(JobStatus.running, worker_id=runtime.worker_id, attempt=attempt)]
+            attempt_no = session.execute(select(Job.attempts).where(Job.job_id == job_id)).scalar_one()
+            devices = tuple(
+                session.execute(
+                    select(GpuSlot.device)
+                    .where(GpuSlot.worker_id == runtime.worker_id, GpuSlot.slot.in_(placement.slots))
+                    .order_by(GpuSlot.slot)
+                ).scalars()
             )
+            (event,) = append_events(session, job_id, [state_event(
+                JobStatus.running, worker_id=runtime.worker_id, attempt=attempt_no, slots=list(placement.slots),
+            )])
             _set_worker_job(session, runtime.worker_id, job_id)
             seq = event.seq
+            session.commit()
         runtime.publish(job_id, seq)
         via = "" if signalled in (None, job_id) else f" (woken by the message for {signalled})"
-        log.info("claimed job %s (attempt %d)%s", job_id, attempt, via)
-        return Claim(job_id=job_id, attempt=attempt, output_dir=output_dir)
-    log.warning("message for %s: lost %d claims in a row to other workers; leaving the rest to them",
+        log.info("claimed job %s on slots %s (attempt %d)%s", job_id, list(placement.slots), attempt_no, via)
+        return Claim(job_id=job_id, attempt=attempt_no, output_dir=output_dir, slots=placement.slots, devices=devices)
+    log.warning("message for %s: lost %d claims in a row to other claimants; leaving the rest to them",
                 signalled, MAX_CLAIM_TRIES)
     return None
 
@@ -163,7 +184,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
     trainer = TrainerProcess(
         [*runtime.options.trainer_argv, "run", str(job_json)],
         on_event=on_event,
-        env=trainer_env(runtime),
+        env=trainer_env(runtime, claim.devices),
         cwd=claim.output_dir,
         stderr_path=claim.output_dir / "trainer.stderr.log",
         tail_lines=runtime.options.stderr_tail_lines,
@@ -251,7 +272,7 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
         row = session.execute(
             select(Job.status, Job.worker_id, Job.attempts).where(Job.job_id == job_id).with_for_update()
         ).one()
-        _set_worker_job(session, runtime.worker_id, None)
+        _set_worker_job(session, runtime.worker_id, next((j for j in runtime.running if j != job_id), None))
         ours = row.status == JobStatus.running.value and row.worker_id == runtime.worker_id and row.attempts == claim.attempt
         if outcome.status is None or not ours:
             log.warning("job %s is %s under %s now; leaving it as it is", job_id, row.status, row.worker_id)
@@ -279,29 +300,33 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
 
 
 def signal_waiting(runtime: Runtime) -> list[str]:
-    """Send ``jobs.run`` for the next eligible job after this worker's job ended.
+    """Send ``jobs.run`` to the host of each job that can start now, after this host's job ended.
 
-    Its message may have been dropped earlier by a worker that found it capped (its owner
-    had a job running), so the slot this job freed must wake someone. A duplicate message is
-    harmless. Best effort: the reaper's periodic re-send covers a failure here.
+    A message may have been dropped earlier by a host that could not place the job (its owner
+    at the cap, not enough free GPUs), so the GPUs this job freed must wake whoever can use them
+    now. A duplicate message is harmless. Best effort: the reaper's periodic re-send covers a
+    failure here.
     """
     try:
         with runtime.sessionmaker() as session:
             targets = scheduling.signal_targets(session, runtime.settings)
-        for job_id in targets:
-            runtime.enqueue(job_id)
+        for placement in targets:
+            runtime.enqueue(placement.job_id, placement.worker_id)
     except Exception as exc:  # noqa: BLE001 - the job's own outcome is stored already
         log.warning("could not signal the waiting jobs: %s", exc)
         return []
-    return targets
+    return [placement.job_id for placement in targets]
 
 
-def trainer_env(runtime: Runtime) -> dict[str, str]:
-    """The worker's environment, pinned to its GPU, without the service's connection URLs."""
+def trainer_env(runtime: Runtime, devices: tuple[str | None, ...] | None = None) -> dict[str, str]:
+    """The worker's environment without the service's connection URLs, pinned to ``devices``
+    (a job's reserved GPUs; None: all of the host's) by ``CUDA_VISIBLE_DEVICES``. CPU slots
+    leave it as the worker inherited it."""
     env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
     env["PYTHONUNBUFFERED"] = "1"
-    if runtime.options.gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = runtime.options.gpu
+    gpus = [d for d in (runtime.options.pool if devices is None else devices) if d is not None]
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if (_PROJECT_ROOT / "trainer").is_dir():
         path = env.get("PYTHONPATH")
         env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)

@@ -1,7 +1,8 @@
-"""What one worker process holds: settings, store, Redis, its identity and options.
+"""What one worker host holds: settings, store, Redis, its identity, its GPU pool and options.
 
-Built in the pool process by ``worker_process_init`` (never at import and never before the
-fork, so no connection is shared between processes) and passed to every task.
+One Celery worker per host runs a thread per GPU of its pool (worker/app.py); the Runtime is
+built once in that process when the worker starts (never at import) and shared by the task
+threads, which each run one job at a time.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import make_engine, make_sessionmaker
+from core.db import make_engine, make_sessionmaker, utcnow
 from core.jobs import live
 from core.settings import Settings
+from core.workers.models import Worker
+from core.workers.pool import register_pool
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -45,20 +48,31 @@ def _default_trainer_argv() -> tuple[str, ...]:
     return (sys.executable, "-m", "trainer")
 
 
+def _default_torchrun_argv() -> tuple[str, ...]:
+    return (sys.executable, "-m", "torch.distributed.run")
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
-    gpu: str | None = None
-    """``CUDA_VISIBLE_DEVICES`` for the trainer (one GPU index or UUID); None: CPU or inherited."""
+    gpus: tuple[str, ...] = ()
+    """The GPUs this worker host holds, as ``CUDA_VISIBLE_DEVICES`` names them (indices or UUIDs);
+    a job gets ``CUDA_VISIBLE_DEVICES`` set to the ones it reserved. Empty: a pool of ``slots``
+    CPU slots (CUDA_VISIBLE_DEVICES inherited)."""
+    slots: int = 1
+    """Without ``gpus``: how many "GPUs" the pool has; a job of N runs N ranks on the CPU (gloo)."""
     name: str | None = None
-    """Worker id stored on the jobs it claims; default ``<hostname>/gpu<N>`` or ``<hostname>/cpu``."""
+    """Worker id stored on the jobs it claims; default ``<hostname>/gpu<ids>`` or ``<hostname>/cpu``."""
     trainer_argv: tuple[str, ...] = field(default_factory=_default_trainer_argv)
     """How to start the trainer CLI; ``run JOB.json`` or ``detect --json`` is appended."""
+    torchrun_argv: tuple[str, ...] = field(default_factory=_default_torchrun_argv)
+    """How to start torchrun for a job of several GPUs (its options and the trainer follow)."""
     max_batch_events: int = 200
     """Write buffered events as soon as this many wait, even before the flush interval."""
     stderr_tail_lines: int = 40
     """Lines of the trainer's stderr kept for a failed job's error message."""
     resend_queued_after_s: float = 120.0
-    """An idle worker re-sends the message of a job queued longer than this (see reaper.py)."""
+    """A host with free GPUs re-sends the message of a job placed on it but still queued after
+    this long (see reaper.py)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_events < 1:
@@ -67,17 +81,26 @@ class WorkerOptions:
             raise ValueError(f"stderr_tail_lines: must be >= 0, got {self.stderr_tail_lines}")
         if not self.trainer_argv:
             raise ValueError("trainer_argv: name the command that starts the trainer CLI")
+        if not self.gpus and not 1 <= self.slots <= 1024:
+            raise ValueError(f"slots: must be between 1 and 1024, got {self.slots}")
+        if len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"gpus: {', '.join(self.gpus)} names a GPU twice")
+
+    @property
+    def pool(self) -> tuple[str | None, ...]:
+        """Per slot of the pool, the GPU as CUDA_VISIBLE_DEVICES names it (None: a CPU slot)."""
+        return tuple(self.gpus) if self.gpus else (None,) * self.slots
 
     @property
     def worker_id(self) -> str:
         if self.name:
             return self.name
         host = socket.gethostname()
-        return f"{host}/gpu{self.gpu}" if self.gpu is not None else f"{host}/cpu"
+        return f"{host}/gpu{','.join(self.gpus)}" if self.gpus else f"{host}/cpu"
 
     @property
     def device(self) -> str:
-        return f"cuda:{self.gpu}" if self.gpu is not None else "cpu"
+        return f"cuda:{','.join(self.gpus)}" if self.gpus else "cpu"
 
 
 class Runtime:
@@ -103,7 +126,10 @@ class Runtime:
         self.celery = celery
         self.shutdown_event: Event = shutdown_event if shutdown_event is not None else threading.Event()
         self.config_builder: ConfigBuilder = config_builder or build_train_config
-        self.current_job_id: str | None = None
+        self.running: dict[str, int] = {}
+        """Jobs this host runs now (job id → GPUs), one per busy task thread."""
+        self._lock = threading.Lock()
+        self._registered = False
 
     @classmethod
     def open(
@@ -137,6 +163,39 @@ class Runtime:
     def worker_id(self) -> str:
         return self.options.worker_id
 
+    @property
+    def current_job_id(self) -> str | None:
+        """The job this host claimed last that still runs (None when idle)."""
+        with self._lock:
+            return next(reversed(self.running), None)
+
+    def started(self, job_id: str, gpus: int) -> None:
+        with self._lock:
+            self.running[job_id] = gpus
+
+    def ended(self, job_id: str) -> None:
+        with self._lock:
+            self.running.pop(job_id, None)
+
+    def ensure_registered(self) -> None:
+        """Give the store this host's row and GPU pool, once (presence.register does it at start;
+        a claim before that, or without presence, must not find the host missing)."""
+        with self._lock:
+            if self._registered:
+                return
+            with self.sessionmaker.begin() as session:
+                if session.get(Worker, self.worker_id) is None:
+                    now = utcnow()
+                    session.add(Worker(worker_id=self.worker_id, hostname=socket.gethostname(),
+                                       device=self.options.device, hardware={}, started_at=now, heartbeat_at=now))
+                    session.flush()
+                register_pool(session, self.worker_id, self.options.pool)
+            self._registered = True
+
+    def mark_registered(self) -> None:
+        with self._lock:
+            self._registered = True
+
     def close(self) -> None:
         if self.redis is not None:
             self.redis.close()
@@ -151,14 +210,15 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - pub/sub is best effort by design (core/jobs/live.py)
             log.warning("could not publish events of %s to Redis: %s", job_id, exc)
 
-    def enqueue(self, job_id: str) -> None:
-        """Signal a waiting job again; call after the commit that made it ``queued``."""
+    def enqueue(self, job_id: str, host: str | None = None) -> None:
+        """Signal a waiting job to worker host ``host`` (None: any); call after the commit that
+        made it ``queued``."""
         if self.celery is None:
             log.warning("job %s is queued but this runtime has no broker to signal it", job_id)
             return
         from core.queue import enqueue_job
 
-        enqueue_job(self.celery, job_id)
+        enqueue_job(self.celery, job_id, host)
 
 
 def build_train_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> TrainConfig:

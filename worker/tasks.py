@@ -37,7 +37,7 @@ def register_tasks(app: Celery, runtime_of: Any) -> None:
             runtime.settings,
             enqueue=runtime.enqueue,
             publish=runtime.publish,
-            idle=runtime.current_job_id is None,
+            host=runtime.worker_id,
             resend_after_s=runtime.options.resend_queued_after_s,
         )
         return {"requeued": report.requeued, "failed": report.failed, "cancelled": report.cancelled,

@@ -1,8 +1,9 @@
 """``/v1/jobs``: submit, list, read, cancel; metrics, events (SSE), checkpoints, adapter.
 
-Submission commits the job, then signals the workers (``core.queue.enqueue_job``). If the
-broker is down at that moment the job is still created (201) and stays ``queued``: the store
-is the source of truth, the message only a wake-up, and the worker's reaper re-sends it for
+Submission commits the job, then signals the worker host the queue policy places it on
+(``core.queue.enqueue_job``; any host when it must wait). If the broker is down at that moment
+the job is still created (201) and stays ``queued``: the store is the source of truth, the
+message only a wake-up, and the worker's reaper re-sends it for
 queued jobs nobody claimed (as does a retry of the same request with its ``Idempotency-Key``).
 """
 
@@ -33,7 +34,7 @@ from api.jobs.schemas import (
 from api.jobs.sse import event_stream
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import eta, live, service
+from core.jobs import eta, live, scheduling, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
@@ -72,12 +73,9 @@ async def create_job(
                 session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
             )
             job, created = service.create_job(
-                session, spec, settings=state.settings, idempotency_key=idempotency_key
+                session, spec, settings=state.settings, idempotency_key=idempotency_key, owner_id=caller.user_id
             )
-            if created:
-                job.owner_id = caller.user_id
-                session.flush()
-            elif job.owner_id != caller.user_id:
+            if not created and job.owner_id != caller.user_id:
                 raise Conflict(
                     f"Idempotency-Key {idempotency_key!r} was already used by another user; use a new key",
                     param="Idempotency-Key",
@@ -282,8 +280,11 @@ def _parse_statuses(raw: str | None) -> list[JobStatus] | None:
 
 
 def _enqueue(state: AppState, job_id: str) -> None:
+    """Wake the host the policy places ``job_id`` on now; a job that must wait, any host."""
     try:
-        enqueue_job(state.celery, job_id)
+        with state.sessions() as session:
+            placed = [p for p in scheduling.signal_targets(session, state.settings) if p.job_id == job_id]
+        enqueue_job(state.celery, job_id, placed[0].worker_id if placed else None)
     except Exception as exc:  # the broker is down: the job stays queued for the reaper
         log.warning("job %s committed but not signalled to the workers (broker: %s)", job_id, exc)
 

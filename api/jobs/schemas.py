@@ -39,7 +39,8 @@ class DecisionOut(BaseModel):
     """One choice of the trainer's plan: a kernel, or an optimization switch."""
 
     name: str
-    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, then each switch of ``optimizations``."""
+    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, ``parallelism``, then each switch of
+    ``optimizations``."""
     requested: Switch
     """The job's value for a switch; ``auto`` for a kernel choice, which has no switch."""
     enabled: bool
@@ -63,11 +64,14 @@ class PlanOut(BaseModel):
     decisions: list[DecisionOut]
     """Every choice with its reason, kernel choices first, then the switches in spec order."""
     hardware: dict[str, Any] | None = None
-    """What the trainer detected: device, name, capability, memory, kernels, peak FLOP/s, ..."""
+    """What the trainer detected: device, name, capability, memory, kernels, peak FLOP/s,
+    ``interconnect`` between the GPUs (NVLink, PCIe, ...), ..."""
     total_steps: int | None = None
     model: dict[str, Any] | None = None
     """``{name, params, trainable_params, layers}``."""
     resumed_from_step: int | None = None
+    world_size: int | None = None
+    """Ranks the run trains on (one per GPU under torchrun); null in plans recorded before."""
     time: float | None = None
     """When the trainer emitted it (Unix seconds)."""
 
@@ -168,6 +172,11 @@ class MetricOut(BaseModel):
     gpu_mem_reserved: int | None
     gpu_mem_peak: int | None
     host_rss: int | None
+    ranks: list[dict[str, Any]] | None = None
+    """A multi-GPU job's step per rank: ``{rank, step_ms, data_ms, forward_ms, backward_ms,
+    optimizer_ms, tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, host_rss}``
+    (the fields above are then the job's: tokens summed, the slowest rank's times, the largest
+    memory); null for one rank."""
     time: dt.datetime
 
     @classmethod

@@ -1,30 +1,33 @@
-"""Queue positions and estimated start times, from the running jobs' pace and the workers.
+"""Queue positions and estimated start times, from the running jobs' pace and the worker hosts.
 
 Position is a waiting job's 1-based place in claim order (core/jobs/scheduling.py: priority,
-then age), counting every queued job, capped or not. The start estimate replays the scheduler
-on the box's current state:
+then age), counting every queued job, capped or not. The start estimate replays the queue
+policy (``core.jobs.placement.place``: GPU counts, one host per job, best fit, the head's hold,
+the per-user cap on GPUs) on the box's current state:
 
     pace       seconds per step of a job: the wall time spanned by its last 20 step rows over
                the steps between them (one row: its ``step_ms``)
     running    ends after (total_steps - step) x its pace; a job without a step row yet uses
                the pace of the latest job of the same model that has some
-    waiting    takes total_steps x the pace of the latest job of its model that has steps
-    slots      one per live worker (heartbeat younger than FTQ_HEARTBEAT_TIMEOUT_S): free now,
-               or when the job it runs ends
-    replay     the earliest free slot takes the first waiting job in claim order whose owner
-               is under the cap at that time (jobs started in the replay count); if every
-               waiting job is capped, the slot waits for the next job end
+    waiting    takes total_steps x the pace of the latest job of its model that has steps, on as
+               many GPUs as it asked for (a job of N GPUs takes N x grad_accum micro-batches per
+               step, grad_accum on each rank: its step takes about as long as on one GPU)
+    hosts      the live worker hosts (heartbeat younger than FTQ_HEARTBEAT_TIMEOUT_S) and their
+               GPUs; a running job holds its GPUs until it ends
+    replay     at time 0 the policy starts what it can; then at each job end (in time order) it
+               runs again on the GPUs that end freed, until nothing waits or no end is known
 
 Unknown stays unknown: a job whose total_steps or pace is unknown has an unknown end, and its
-slot is treated as busy from then on (a later estimate may only be earlier than real). When
-no slot with a known free time remains, the rest of the queue gets ``None``. With no live
-worker every estimate is ``None``. Estimates ignore jobs submitted later with a higher priority.
+GPUs are treated as busy from then on (a later estimate may only be earlier than real). A job
+the replay never starts gets ``None``; with no live worker host every estimate is ``None``.
+Estimates ignore jobs submitted later with a higher priority.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -32,17 +35,11 @@ from sqlalchemy.orm import Session
 
 from core.db import utcnow
 from core.jobs.models import Job, StepMetric
-from core.jobs.scheduling import (
-    DEVICES_PER_WORKER,
-    Owner,
-    Waiting,
-    cap_allows,
-    caps_of,
-    queued_in_claim_order,
-)
+from core.jobs.placement import Hold, Host, Owner, Waiting, place
+from core.jobs.scheduling import caps_of, live_cutoff, queued_in_claim_order
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from core.workers.models import Worker
+from core.workers import pool
 
 PACE_WINDOW = 20
 """Step rows a job's pace is measured over: recent enough to follow a slowdown, long enough to
@@ -51,10 +48,14 @@ smooth an evaluation or checkpoint step."""
 
 @dataclass(frozen=True)
 class Busy:
-    """A running job in the replay: whose it is and in how many seconds it ends (None: unknown)."""
+    """A running job in the replay: whose, how many GPUs where, and in how many seconds it ends
+    (None: unknown). A job without ``worker_id`` holds no live host's GPUs, only its owner's cap."""
 
     owner_id: Owner
     ends_in_s: float | None
+    gpus: int = 1
+    worker_id: str | None = None
+    slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class QueueEntry:
     ahead: tuple[str, ...]
     """Ids of the queued jobs before it in claim order."""
     estimated_start_at: dt.datetime | None
+    holds: str | None = None
+    """The worker host whose free GPUs are held for this job: the head of the queue that cannot
+    start yet (core/jobs/placement.py)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class RunningEntry:
     worker_id: str | None
     owner_id: Owner
     estimated_finish_at: dt.datetime | None
+    gpus: int = 1
+    devices: tuple[str, ...] = ()
+    """The GPUs it holds, as ``<worker>:<slot>``."""
 
 
 @dataclass(frozen=True)
@@ -81,96 +88,96 @@ class QueueSnapshot:
     running: tuple[RunningEntry, ...]
     live_workers: int
     computed_at: dt.datetime
+    live_gpus: int = 0
+    """GPUs of the live worker hosts together."""
+    hold: Hold | None = None
 
     def entry(self, job_id: str) -> QueueEntry | None:
         return next((e for e in self.entries if e.job.job_id == job_id), None)
 
 
 def replay_starts(
-    slots: Sequence[float | None],
+    hosts: Mapping[str, Sequence[int]],
     running: Iterable[Busy],
     waiting: Sequence[Waiting],
     caps: dict[Owner, int],
     durations: dict[str, float | None],
 ) -> dict[str, float | None]:
-    """Seconds from now until each waiting job starts (None: unknown), by replaying the scheduler.
+    """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
     Args:
-        slots: per live worker, seconds until it is free (0 idle; None unknown).
-        running: the running jobs (they hold their owners' caps until they end).
+        hosts: each live host's slots.
+        running: the running jobs (they hold their slots and their owners' caps until they end).
         waiting: queued jobs in claim order.
-        caps: each waiting owner's cap (0 = none).
+        caps: each waiting owner's cap on running GPUs (0 = none).
         durations: each waiting job's expected seconds (None unknown).
     """
-    free = list(slots)
-    busy = list(running)
+    jobs = list(running)
     pending = list(waiting)
     starts: dict[str, float | None] = {job.job_id: None for job in waiting}
+    now = 0.0
     while pending:
-        known = [i for i, t in enumerate(free) if t is not None]
-        if not known:
+        live = [b for b in jobs if b.ends_in_s is None or b.ends_in_s > now]
+        held = {(b.worker_id, s) for b in live if b.worker_id is not None for s in b.slots}
+        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held)) for w, slots in hosts.items()]
+        used: Counter[Owner] = Counter()
+        for b in live:
+            used[b.owner_id] += b.gpus
+        for placed in place(pending, state, used, caps).placements:
+            job = next(j for j in pending if j.job_id == placed.job_id)
+            pending.remove(job)
+            starts[job.job_id] = now
+            duration = durations.get(job.job_id)
+            jobs.append(Busy(job.owner_id, None if duration is None else now + duration, job.gpus,
+                             placed.worker_id, placed.slots))
+        later = [b.ends_in_s for b in jobs if b.ends_in_s is not None and b.ends_in_s > now]
+        if not later:
             break
-        slot = min(known, key=lambda i: free[i])  # type: ignore[arg-type, return-value]
-        now = free[slot]
-        assert now is not None
-        pick = next((job for job in pending if _can_start(job, now, busy, caps)), None)
-        if pick is None:
-            later = [b.ends_in_s for b in busy if b.ends_in_s is not None and b.ends_in_s > now]
-            if not later:
-                break
-            free[slot] = min(later)
-            continue
-        pending.remove(pick)
-        starts[pick.job_id] = now
-        duration = durations.get(pick.job_id)
-        end = None if duration is None else now + duration
-        busy.append(Busy(pick.owner_id, end))
-        free[slot] = end
+        now = min(later)
     return starts
-
-
-def _can_start(job: Waiting, at: float, busy: list[Busy], caps: dict[Owner, int]) -> bool:
-    if job.gpus > DEVICES_PER_WORKER:
-        return False
-    running = sum(1 for b in busy if b.owner_id == job.owner_id and (b.ends_in_s is None or b.ends_in_s > at))
-    return cap_allows(running, caps.get(job.owner_id, 0))
 
 
 def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = None) -> QueueSnapshot:
     """The queue in claim order with positions and start estimates, and the running jobs' ends."""
     now = now or utcnow()
     waiting = queued_in_claim_order(session)
-    cutoff = now - dt.timedelta(seconds=settings.heartbeat_timeout_s)
-    live = list(session.scalars(select(Worker.worker_id).where(Worker.heartbeat_at >= cutoff)))
+    hosts = pool.live_hosts(session, cutoff=live_cutoff(settings, now))
     running_rows = session.execute(
-        select(Job.job_id, Job.worker_id, Job.owner_id, Job.model, Job.progress_step, Job.total_steps)
+        select(Job.job_id, Job.worker_id, Job.owner_id, Job.model, Job.progress_step, Job.total_steps, Job.gpus)
         .where(Job.status == JobStatus.running.value)
         .order_by(Job.started_at)
     ).all()
+    held = pool.held_by(session, [row.job_id for row in running_rows])
+    live_ids = {host.worker_id for host in hosts}
     paces = _Paces(session)
     running: list[RunningEntry] = []
     busy: list[Busy] = []
-    ends_by_worker: dict[str, float | None] = {}
     for row in running_rows:
         pace = paces.of_job(row.job_id) or paces.of_model(row.model)
         left = None if row.total_steps is None or pace is None else max(row.total_steps - row.progress_step, 0) * pace
-        busy.append(Busy(row.owner_id, left))
-        if row.worker_id is not None:
-            ends_by_worker[row.worker_id] = left
-        running.append(RunningEntry(row.job_id, row.worker_id, row.owner_id, _at(now, left)))
-    slots = [ends_by_worker.get(worker_id, 0.0) for worker_id in live]
+        slots = held.get(row.job_id, [])
+        where = slots[0].worker_id if slots and slots[0].worker_id in live_ids else None
+        busy.append(Busy(row.owner_id, left, row.gpus, where, tuple(s.slot for s in slots) if where else ()))
+        devices = tuple(f"{s.worker_id}:{s.slot}" for s in slots)
+        running.append(RunningEntry(row.job_id, row.worker_id, row.owner_id, _at(now, left), row.gpus, devices))
     durations = {
         job.job_id: None if job.total_steps is None or (pace := paces.of_model(job.model)) is None
         else job.total_steps * pace
         for job in waiting
     }
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
-    starts = replay_starts(slots, busy, waiting, caps, durations)
+    starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations)
+    used: Counter[Owner] = Counter()
+    for b in busy:
+        used[b.owner_id] += b.gpus
+    hold = place(waiting, hosts, used, caps).hold
     ids = [job.job_id for job in waiting]
     entries = tuple(
-        QueueEntry(job, i + 1, tuple(ids[:i]), _at(now, starts[job.job_id])) for i, job in enumerate(waiting)
+        QueueEntry(job, i + 1, tuple(ids[:i]), _at(now, starts[job.job_id]),
+                   hold.worker_id if hold is not None and hold.job_id == job.job_id else None)
+        for i, job in enumerate(waiting)
     )
-    return QueueSnapshot(entries, tuple(running), len(live), now)
+    return QueueSnapshot(entries, tuple(running), len(hosts), now, sum(h.size for h in hosts), hold)
 
 
 def _at(now: dt.datetime, seconds: float | None) -> dt.datetime | None:

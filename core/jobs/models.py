@@ -94,6 +94,9 @@ class StepMetric(Base):
     gpu_mem_reserved: Mapped[int | None] = mapped_column(BigInteger)
     gpu_mem_peak: Mapped[int | None] = mapped_column(BigInteger)
     host_rss: Mapped[int | None] = mapped_column(BigInteger)
+    ranks: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
+    """Per rank of a multi-GPU job: ``{rank, step_ms, data_ms, forward_ms, backward_ms,
+    optimizer_ms, tokens, gpu_mem_*, host_rss}``; None for one rank."""
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

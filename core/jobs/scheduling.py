@@ -1,36 +1,45 @@
-"""Which queued job runs next: priority, then age, within each owner's cap on running jobs.
+"""Which queued job runs next, on which GPUs: the store's side of the queue policy.
 
-The store decides, the broker only signals. A ``jobs.run`` message wakes a worker; the worker
-then claims the *next eligible* job, whichever job the message named:
+The store decides, the broker only signals. A ``jobs.run`` message wakes a worker host; the
+host then claims the job the policy gives it now, whichever job the message named:
 
     claim order   priority (high, normal, low), then created_at, then job_id
-    eligible      queued, ``gpus`` within what the worker gives (one device per worker), and
-                  its owner has fewer running jobs than the owner's cap
-    cap           ``user.max_running_jobs``, else ``Settings.max_running_jobs_per_user``;
-                  0 = no cap. Jobs without an owner share one cap, as one anonymous user.
+    GPUs          a job of ``gpus: N`` runs on N GPUs of ONE worker host, reserved all or none
+                  (``gpu_slot`` rows, core/workers/pool.py) in the claim's transaction
+    cap           a user's running jobs hold at most ``user.max_running_jobs`` GPUs, else
+                  ``Settings.max_running_jobs_per_user`` (the names are older than multi-GPU
+                  jobs; both count GPUs: a 1-GPU job counts 1); 0 = no cap. Jobs without an
+                  owner share one cap, as one anonymous user.
+    policy        ``core.jobs.placement.place``: best fit on one host; the head of the queue
+                  that fits nowhere yet holds the host it waits for, later jobs backfill only
+                  onto other hosts (no starvation of a 4-GPU job by a stream of 1-GPU jobs)
 
-A claim is one conditional ``UPDATE ... WHERE status = 'queued' AND <owner's running count>
-< cap``, so two workers never take the same job. The count inside that statement is what
-keeps the cap under races:
+A claim (``try_claim``) is one transaction: lock the owner, reserve the placement's GPUs (every
+one still free, or the claim fails), then one conditional ``UPDATE job ... WHERE status =
+'queued' AND <owner's running GPUs> + gpus <= cap``; the caller commits, or rolls back when it
+lost. So two claimants never take the same job or the same GPU, and the cap holds under races:
 
-- SQLite has one writer: the UPDATE takes the write lock before it reads the count, so a
-  second claimant's UPDATE sees the first one's running job.
-- PostgreSQL runs two UPDATEs of different rows side by side, each counting from its own
-  snapshot, so both could pass. The claimant first locks its owner's ``user`` row
-  (``SELECT ... FOR UPDATE``; an advisory transaction lock for the anonymous owner): the
-  second claimant of that owner waits until the first commits, and its UPDATE, a new
-  statement under READ COMMITTED, then counts the first one's job.
+- SQLite has one writer: the first UPDATE takes the write lock before anything is counted, so
+  a second claimant's statements see the first one's reservation and running job.
+- PostgreSQL: the claimant first locks its owner's ``user`` row (``SELECT ... FOR UPDATE``; an
+  advisory transaction lock for the anonymous owner), so a second claimant of that owner waits
+  until the first commits and then counts its job (a new statement under READ COMMITTED). The
+  GPU rows are locked in slot order (pool.reserve). Every claimant takes owner, then GPUs, then
+  its job row: no lock cycle.
 
-A message that finds nothing eligible is dropped, so whoever frees a slot (a worker whose job
-ended, the reaper failing a lost job) sends the next eligible job's message again
-(``signal_targets``).
+The placement itself is computed from a read of the queue just before; a claim racing another
+change (a job ending, a new head) may place one job as the older state allowed. The next claim
+sees the new state: the policy's promises hold from one claim to the next, not within a race.
+
+A message that finds nothing for its host is dropped, so whoever frees GPUs (a worker whose job
+ended, the reaper failing a lost job) sends a message to the host of each job that can start
+now (``signal_targets``), and the API does on submission.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import case, func, select, update
@@ -39,35 +48,22 @@ from sqlalchemy.orm import Session, aliased
 from core.db import utcnow
 from core.errors import Unsupported
 from core.jobs.models import Job
+from core.jobs.placement import Owner, Placement, Schedule, Waiting, cap_allows, place
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.users.models import User
-from core.workers.models import Worker
+from core.workers import pool
+
+__all__ = [
+    "Owner", "Placement", "Schedule", "Waiting", "cap_allows", "caps_of", "check_gpus", "claim_order",
+    "next_placement", "queued_in_claim_order", "running_by_owner", "schedule", "signal_targets", "try_claim",
+]
 
 PRIORITIES = ("high", "normal", "low")
 """Claim order of the priorities."""
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
-DEVICES_PER_WORKER = 1
-"""A worker process owns one device (``ftq worker --gpus`` starts one per GPU) and the trainer
-trains on one device, so a job can use one GPU: see ``check_gpus``."""
 ANONYMOUS_LOCK_KEY = 0x6674_7100
 """PostgreSQL advisory lock serialising claims of jobs that have no owner ('ftq\\0')."""
-
-Owner = str | None
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A queued job as the scheduler sees it."""
-
-    job_id: str
-    owner_id: Owner
-    priority: str
-    gpus: int
-    model: str
-    total_steps: int | None
-    created_at: dt.datetime
-    name: str | None = None
 
 
 def claim_order() -> tuple[Any, ...]:
@@ -86,14 +82,15 @@ def queued_in_claim_order(session: Session) -> list[Waiting]:
 
 
 def running_by_owner(session: Session) -> Counter[Owner]:
+    """GPUs each owner's running jobs hold."""
     rows = session.execute(
-        select(Job.owner_id, func.count()).where(Job.status == JobStatus.running.value).group_by(Job.owner_id)
+        select(Job.owner_id, func.sum(Job.gpus)).where(Job.status == JobStatus.running.value).group_by(Job.owner_id)
     ).all()
-    return Counter({owner: count for owner, count in rows})
+    return Counter({owner: int(gpus or 0) for owner, gpus in rows})
 
 
 def caps_of(session: Session, owners: set[Owner], settings: Settings) -> dict[Owner, int]:
-    """Each owner's cap on running jobs (0 = none): the user's own, else the box default."""
+    """Each owner's cap on running GPUs (0 = none): the user's own, else the box default."""
     default = settings.max_running_jobs_per_user
     named = {owner for owner in owners if owner is not None}
     overrides: dict[Owner, int | None] = {}
@@ -102,66 +99,62 @@ def caps_of(session: Session, owners: set[Owner], settings: Settings) -> dict[Ow
     return {owner: _cap(overrides.get(owner), default) for owner in owners}
 
 
-def cap_allows(running: int, cap: int) -> bool:
-    return cap == 0 or running < cap
+def live_cutoff(settings: Settings, now: dt.datetime | None = None) -> dt.datetime:
+    """A worker whose heartbeat is older than this is not live."""
+    return (now or utcnow()) - dt.timedelta(seconds=settings.heartbeat_timeout_s)
 
 
-def next_eligible(
-    session: Session, settings: Settings, *, devices: int = DEVICES_PER_WORKER, limit: int = 1
-) -> list[str]:
-    """Up to ``limit`` queued jobs that could start now, in claim order.
+def schedule(session: Session, settings: Settings, *, include: str | None = None) -> Schedule:
+    """The policy on the store's state now: who starts where, and the head's hold.
 
-    Each pick counts against its owner's cap, so two picks never break it together.
+    ``include`` counts that host as live whatever its heartbeat (the claimant's own).
     """
     waiting = queued_in_claim_order(session)
-    running = running_by_owner(session)
+    hosts = pool.live_hosts(session, cutoff=live_cutoff(settings), include=include)
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
-    picked: list[str] = []
-    for job in waiting:
-        if len(picked) >= limit:
-            break
-        if job.gpus > devices or not cap_allows(running[job.owner_id], caps[job.owner_id]):
-            continue
-        picked.append(job.job_id)
-        running[job.owner_id] += 1
-    return picked
+    return place(waiting, hosts, running_by_owner(session), caps)
 
 
-def signal_targets(session: Session, settings: Settings, freed: int = 1) -> list[str]:
-    """The jobs to send ``jobs.run`` for after ``freed`` running jobs ended (send after commit)."""
-    return next_eligible(session, settings, limit=freed) if freed > 0 else []
+def next_placement(session: Session, settings: Settings, worker_id: str) -> Placement | None:
+    """The job host ``worker_id`` should claim now, on which of its slots; None: nothing for it."""
+    return schedule(session, settings, include=worker_id).for_host(worker_id)
+
+
+def signal_targets(session: Session, settings: Settings) -> list[Placement]:
+    """Every job that can start now, with its host: send each a ``jobs.run`` (after commit)."""
+    return list(schedule(session, settings).placements)
 
 
 def try_claim(
     session: Session,
-    job_id: str,
+    placement: Placement,
     settings: Settings,
     *,
-    devices: int = DEVICES_PER_WORKER,
     values: dict[str, Any] | None = None,
 ) -> bool:
-    """queued → running for ``job_id`` if it is still eligible; True if this call won.
+    """queued → running for ``placement.job_id`` on its GPUs, if still possible; True if this won.
 
-    The caller commits (this holds the owner's lock on PostgreSQL until then) and should have
-    done no write before in the same transaction (SQLite: see the module docstring).
-    ``values`` are further columns to set (worker id, attempts, ...).
+    The caller commits on True and must roll back on False (a reservation may be half made).
+    It should have done no write before in the same transaction (SQLite: see the module
+    docstring). ``values`` are further job columns to set (worker id, attempts, ...).
     """
-    owner = session.execute(select(Job.owner_id).where(Job.job_id == job_id)).one_or_none()
-    if owner is None:
+    job = session.execute(select(Job.owner_id, Job.gpus).where(Job.job_id == placement.job_id)).one_or_none()
+    if job is None or job.gpus != len(placement.slots):
         return False
-    owner_id: Owner = owner[0]
-    override = _lock_owner(session, owner_id)
-    cap = _cap(override, settings.max_running_jobs_per_user)
-    conditions = [Job.job_id == job_id, Job.status == JobStatus.queued.value, Job.gpus <= devices]
+    owner_id: Owner = job.owner_id
+    cap = _cap(_lock_owner(session, owner_id), settings.max_running_jobs_per_user)
+    if not pool.reserve(session, placement.job_id, placement.worker_id, placement.slots):
+        return False
+    conditions = [Job.job_id == placement.job_id, Job.status == JobStatus.queued.value]
     if cap:
         other = aliased(Job)
         same_owner = other.owner_id.is_(None) if owner_id is None else other.owner_id == owner_id
         running = (
-            select(func.count()).select_from(other)
+            select(func.coalesce(func.sum(other.gpus), 0)).select_from(other)
             .where(other.status == JobStatus.running.value, same_owner)
             .scalar_subquery()
         )
-        conditions.append(running < cap)
+        conditions.append(running + Job.gpus <= cap)
     now = utcnow()
     result = session.execute(
         update(Job)
@@ -172,30 +165,34 @@ def try_claim(
     return result.rowcount == 1
 
 
-def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
-    """Refuse a GPU count this box cannot give a job at submission.
+def host_sizes(session: Session, settings: Settings) -> dict[str, int]:
+    """GPUs of each live worker host, by worker id."""
+    return {host.worker_id: host.size for host in pool.live_hosts(session, cutoff=live_cutoff(settings))}
+
+
+def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None) -> None:
+    """Refuse at submission a GPU count no live host, or the owner's cap, can ever give.
+
+    With no live worker host the job is accepted and waits (nothing is known about the box yet).
 
     Raises:
-        Unsupported: more devices than the box's live workers report together, or more than
-            one: the trainer trains on one device (no multi-GPU training yet), so reserving
-            several GPUs for a job would only leave them idle.
+        Unsupported: more GPUs than the largest live host has (the message lists the hosts and
+            their GPU counts), or than the owner's cap on running GPUs.
     """
-    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
-    live = session.execute(
-        select(Worker.worker_id, Worker.device).where(Worker.heartbeat_at >= cutoff).order_by(Worker.worker_id)
-    ).all()
-    devices = len(live) * DEVICES_PER_WORKER
-    if live and gpus > devices:
-        names = ", ".join(f"{row.worker_id} ({row.device})" for row in live)
+    sizes = host_sizes(session, settings)
+    if sizes and gpus > max(sizes.values()):
+        hosts = ", ".join(f"{worker_id} ({size} GPU{'s' if size != 1 else ''})" for worker_id, size in sorted(sizes.items()))
+        largest = max(sizes.values())
         raise Unsupported(
-            f"gpus: {gpus} is more than the {devices} device(s) this box's live workers report ({names}); "
-            f"set gpus to at most {devices}",
+            f"gpus: {gpus} is more than any live worker host has ({hosts}); a job runs on the GPUs of "
+            f"one host, so set gpus to at most {largest}",
             param="gpus",
         )
-    if gpus > DEVICES_PER_WORKER:
+    cap = caps_of(session, {owner_id}, settings)[owner_id]
+    if cap and gpus > cap:
         raise Unsupported(
-            f"gpus: {gpus} > 1 is not supported yet: the trainer uses one GPU (no multi-GPU training); "
-            "set gpus to 1",
+            f"gpus: {gpus} is more than your cap of {cap} running GPUs (max_running_jobs); set gpus to at "
+            "most that, or ask an admin to raise the cap",
             param="gpus",
         )
 

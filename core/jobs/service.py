@@ -24,6 +24,7 @@ from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
 from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
+from core.workers import pool
 from core.workers.models import Worker
 from trainer.config import SWITCHES
 
@@ -61,6 +62,8 @@ def transition(
         .values(status=target.value, **values)
         .execution_options(synchronize_session=False)
     )
+    if result.rowcount == 1 and target is not JobStatus.running:
+        pool.release(session, job_id)
     return result.rowcount == 1
 
 
@@ -106,9 +109,15 @@ def spec_hash(spec: JobSpec) -> str:
 
 
 def create_job(
-    session: Session, spec: JobSpec, *, settings: Settings, idempotency_key: str | None = None
+    session: Session,
+    spec: JobSpec,
+    *,
+    settings: Settings,
+    idempotency_key: str | None = None,
+    owner_id: str | None = None,
 ) -> tuple[Job, bool]:
-    """Validate ``spec`` against the box and record a queued job; the caller commits, then enqueues.
+    """Validate ``spec`` against the box and record a queued job of ``owner_id``; the caller
+    commits, then enqueues.
 
     Returns ``(job, created)``: ``created`` is False when ``idempotency_key`` names a job made
     earlier from the same spec.
@@ -120,7 +129,7 @@ def create_job(
         InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a model that
             cannot be resolved, or a spec the trainer's config refuses.
         Unsupported: an optimization forced ``on`` that no live worker can honour, or
-            ``gpus`` this box cannot give a job (``core.jobs.scheduling.check_gpus``).
+            ``gpus`` that no live host or the owner's cap can give (``core.jobs.scheduling.check_gpus``).
     """
     fingerprint = spec_hash(spec)
     if idempotency_key is not None:
@@ -129,7 +138,7 @@ def create_job(
             return existing, False
     _check_method(session, spec, settings)
     _check_forced_switches(session, spec, settings)
-    check_gpus(session, spec.gpus, settings)
+    check_gpus(session, spec.gpus, settings, owner_id=owner_id)
     paths = {
         spec.training_file: _usable_file(session, spec.training_file, "train", "training_file").path
     }
@@ -153,6 +162,7 @@ def create_job(
         validation_file_id=spec.validation_file,
         priority=spec.priority,
         gpus=spec.gpus,
+        owner_id=owner_id,
         idempotency_key=idempotency_key,
         idempotency_hash=fingerprint if idempotency_key is not None else None,
         progress_step=0,

@@ -156,7 +156,13 @@ class JobSpec(_Strict):
     ] = "normal"
     gpus: Annotated[
         int,
-        Field(ge=1, le=64, description="Devices the job needs; the trainer uses one, so only 1 is accepted today."),
+        Field(
+            ge=1,
+            le=64,
+            description="GPUs of one worker host the job runs on (one rank each, under torchrun); at most "
+            "the largest live host's GPU count. Each optimizer step takes gpus x grad_accum packed "
+            "micro-batches of batch_tokens.",
+        ),
     ] = 1
 
     @field_validator("training_file", "validation_file")

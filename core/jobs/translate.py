@@ -78,6 +78,7 @@ def to_train_config(
             optimizations=Optimizations(**spec.optimizations.model_dump()),
             method=spec.method,
             seed=hp.seed,
+            gpus=spec.gpus,
             checkpoint_every=spec.checkpoint_every,
             output_dir=str(output_dir),
             job_id=job_id,

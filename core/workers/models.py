@@ -3,23 +3,45 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import String
+from sqlalchemy import ForeignKey, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from core.db import Base, JSONType, UTCDateTime, utcnow
 
 
 class Worker(Base):
-    """A worker process (one per GPU) as it last reported itself."""
+    """A worker host as it last reported itself: one Celery worker holding a pool of GPUs
+    (``gpu_slot`` rows), or of CPU slots on a box without GPUs."""
 
     __tablename__ = "worker"
 
     worker_id: Mapped[str] = mapped_column(String(200), primary_key=True)
     hostname: Mapped[str] = mapped_column(String(255))
     device: Mapped[str] = mapped_column(String(64))
-    """``cuda:0``-style name of the device the worker owns (after CUDA_VISIBLE_DEVICES), or ``cpu``."""
+    """``cuda:0,1,3``-style names of the GPUs the worker holds (as CUDA_VISIBLE_DEVICES names
+    them), or ``cpu``."""
     hardware: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
     """Output of ``python -m trainer detect --json``: the hardware and the plan on it."""
     current_job_id: Mapped[str | None] = mapped_column(String(40))
+    """The job this worker claimed last while it runs (the ``gpu_slot`` rows say which jobs hold
+    which GPUs)."""
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class GpuSlot(Base):
+    """One GPU of a worker host's pool (a CPU slot on a box without GPUs), and the job holding it.
+
+    A job holds all the GPUs it needs on one host, reserved in the claim's transaction and
+    released in the one that ends its run (``core.jobs.scheduling``); ``job_id`` is None when free.
+    """
+
+    __tablename__ = "gpu_slot"
+
+    worker_id: Mapped[str] = mapped_column(ForeignKey("worker.worker_id", ondelete="CASCADE"), primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True)
+    """0-based position in the worker's pool."""
+    device: Mapped[str | None] = mapped_column(String(64))
+    """The GPU as ``CUDA_VISIBLE_DEVICES`` names it (an index or a UUID); None for a CPU slot."""
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("job.job_id", ondelete="SET NULL"), index=True)
+    reserved_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)

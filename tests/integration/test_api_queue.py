@@ -3,16 +3,30 @@ position, ``GET /v1/queue`` in claim order."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
+from sqlalchemy import update
 from fastapi.testclient import TestClient
 
 from core.db import utcnow
 from core.jobs.models import Job
 from core.settings import Settings
-from core.workers.models import Worker
+from core.users.models import User
+from core.workers.models import GpuSlot, Worker
 from tests.integration.helpers import spec, upload
 
 pytestmark = pytest.mark.integration
+
+
+def add_host(store, name: str, gpus: int, *, live: bool = True) -> None:
+    """A worker host with ``gpus`` GPUs (its ``gpu_slot`` rows), live or long silent."""
+    now = utcnow()
+    beat = now if live else now - dt.timedelta(hours=1)
+    with store.sessions.begin() as session:
+        session.add(Worker(worker_id=name, hostname=name, device="cuda", hardware={}, started_at=now, heartbeat_at=beat))
+        session.flush()
+        session.add_all(GpuSlot(worker_id=name, slot=i, device=str(i)) for i in range(gpus))
 
 
 class TestApi:
@@ -31,22 +45,29 @@ class TestApi:
         error = response.json()["error"]
         assert error["param"] == "priority" and "high" in error["message"]
 
-    def test_more_than_one_gpu_is_422_the_trainer_uses_one(self, client: TestClient) -> None:
+    def test_a_multi_gpu_job_up_to_the_largest_live_host_is_accepted(self, client: TestClient, store) -> None:
+        add_host(store, "box", 2)
         response = client.post("/v1/jobs", json=spec(upload(client), gpus=2))
-        assert response.status_code == 422
-        error = response.json()["error"]
-        assert error["param"] == "gpus" and "not supported yet: the trainer uses one GPU" in error["message"]
+        assert response.status_code == 201, response.text
+        assert response.json()["gpus"] == 2 and response.json()["spec"]["gpus"] == 2
 
-    def test_more_gpus_than_the_live_workers_report_is_422(self, client: TestClient, store) -> None:
-        now = utcnow()
-        with store.sessions.begin() as session:
-            session.add(Worker(worker_id="box/gpu0", hostname="box", device="cuda:0", hardware={},
-                               started_at=now, heartbeat_at=now))
+    def test_more_gpus_than_any_live_host_has_is_422_naming_the_hosts(self, client: TestClient, store) -> None:
+        add_host(store, "box-a", 1)
+        add_host(store, "box-b", 2)
+        add_host(store, "gone", 8, live=False)
         response = client.post("/v1/jobs", json=spec(upload(client), gpus=3))
         assert response.status_code == 422
         error = response.json()["error"]
-        assert error["param"] == "gpus" and "the 1 device(s) this box's live workers report" in error["message"]
-        assert "box/gpu0 (cuda:0)" in error["message"]
+        assert error["param"] == "gpus" and "more than any live worker host has" in error["message"]
+        assert "box-a (1 GPU), box-b (2 GPUs)" in error["message"] and "gone" not in error["message"]
+
+    def test_more_gpus_than_the_users_cap_is_422(self, client: TestClient, store) -> None:
+        add_host(store, "box", 4)
+        with store.sessions.begin() as session:
+            session.execute(update(User).where(User.name == "admin").values(max_running_jobs=1))
+        response = client.post("/v1/jobs", json=spec(upload(client), gpus=2))
+        assert response.status_code == 422
+        assert "cap of 1 running GPUs" in response.json()["error"]["message"]
 
     def test_zero_gpus_is_422(self, client: TestClient) -> None:
         response = client.post("/v1/jobs", json=spec(upload(client), gpus=0))

@@ -1,6 +1,7 @@
 """Scheduling on the real stores (``core.jobs.scheduling``, ``core.jobs.eta``): claim order, the
-per-user cap (also under concurrent claims), queue positions and start estimates. The API's
-priority / gpus / queue fields: test_api_queue.py."""
+per-user cap (also under concurrent claims), queue positions and start estimates. GPU pools,
+all-or-none reservations, the head's hold and racing claims on one pool:
+test_store_gpu_pools.py. The API's priority / gpus / queue fields: test_api_queue.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from core.jobs import eta, scheduling
 from core.jobs.models import Job, StepMetric
 from core.settings import Settings
 from core.users.models import User
-from core.workers.models import Worker
+from core.jobs.placement import Placement
+from core.workers.models import GpuSlot, Worker
 from worker.runner import claim_next_job
 from worker.runtime import Runtime, WorkerOptions
 
@@ -60,15 +62,17 @@ def sched_settings(store, tmp_path) -> Settings:
     return Settings(data_dir=tmp_path / "data", database_url=store.url, max_running_jobs_per_user=1).resolved()
 
 
-def runtime_for(store, settings: Settings, name: str) -> Runtime:
-    rt = Runtime(settings, WorkerOptions(name=name), engine=store.engine, sessionmaker=store.sessions)
-    rt.enqueue = lambda job_id: None  # type: ignore[method-assign]
+def runtime_for(store, settings: Settings, name: str, slots: int = 1) -> Runtime:
+    """A worker host ``name`` with ``slots`` CPU slots (registered in the store at its first claim)."""
+    rt = Runtime(settings, WorkerOptions(name=name, slots=slots), engine=store.engine, sessionmaker=store.sessions)
+    rt.enqueue = lambda job_id, host=None: None  # type: ignore[method-assign]
     rt.publish = lambda job_id, seq: None  # type: ignore[method-assign]
     return rt
 
 
-def claim_all(store, settings: Settings) -> list[str]:
-    rt = runtime_for(store, settings, "w")
+def claim_all(store, settings: Settings, slots: int = 16) -> list[str]:
+    """Claim on one host with ``slots`` GPUs until nothing more is placed on it."""
+    rt = runtime_for(store, settings, "w", slots)
     order = []
     while (claim := claim_next_job(rt)) is not None:
         order.append(claim.job_id)
@@ -100,7 +104,7 @@ class TestClaimOrder:
         settings = sched_settings.model_copy(update={"max_running_jobs_per_user": 0})
         big = add_job(store, age_s=0, gpus=2)
         small = add_job(store, age_s=1)
-        assert claim_all(store, settings) == [small]
+        assert claim_all(store, settings, slots=1) == [small]
         assert status_of(store, big) == "queued"
 
 
@@ -138,6 +142,7 @@ class TestPerUserCap:
 
     def test_a_finished_job_frees_the_slot_and_signals_the_waiting_job(self, store, sched_settings) -> None:
         alice = add_user(store, "alice")
+        runtime_for(store, sched_settings, "w", slots=2).ensure_registered()
         running = add_job(store, owner=alice, status="running")
         waiting = add_job(store, owner=alice, age_s=1)
         with store.sessions() as session:
@@ -145,22 +150,24 @@ class TestPerUserCap:
         with store.sessions.begin() as session:
             session.execute(update(Job).where(Job.job_id == running).values(status="succeeded"))
         with store.sessions() as session:
-            assert scheduling.signal_targets(session, sched_settings) == [waiting]
+            assert scheduling.signal_targets(session, sched_settings) == [Placement(waiting, "w", (0,))]
 
 
 class TestCapUnderConcurrentClaims:
     def test_a_second_claim_of_the_same_user_waits_for_the_first_and_then_loses(self, store, sched_settings) -> None:
         """Two workers each picked a different job of alice (cap 1) before either claimed."""
         alice = add_user(store, "alice")
+        runtime_for(store, sched_settings, "w", slots=2).ensure_registered()
         first_job, second_job = add_job(store, owner=alice, age_s=0), add_job(store, owner=alice, age_s=1)
         first = store.sessions()
-        assert scheduling.try_claim(first, first_job, sched_settings)
+        assert scheduling.try_claim(first, Placement(first_job, "w", (0,)), sched_settings)
         result: list[bool] = []
 
         def second() -> None:
             with store.sessions() as session:
-                result.append(scheduling.try_claim(session, second_job, sched_settings))
-                session.commit()
+                won = scheduling.try_claim(session, Placement(second_job, "w", (1,)), sched_settings)
+                result.append(won)
+                session.commit() if won else session.rollback()
 
         thread = threading.Thread(target=second)
         thread.start()
@@ -204,7 +211,7 @@ class TestCapUnderConcurrentClaims:
 
 class TestQueueEstimates:
     def build(self, store) -> dict[str, str]:
-        """Two live workers; w1 runs alice's job at 2 s/step with 60 of 100 steps left (120 s)."""
+        """Two live one-GPU hosts; w1 runs alice's job at 2 s/step with 60 of 100 steps left (120 s)."""
         alice, bob = add_user(store, "alice"), add_user(store, "bob")
         now = utcnow()
         with store.sessions.begin() as session:
@@ -213,9 +220,13 @@ class TestQueueEstimates:
                                    started_at=now, heartbeat_at=now))
             session.add(Worker(worker_id="dead", hostname="box", device="cpu", hardware={},
                                started_at=now, heartbeat_at=now - dt.timedelta(hours=1)))
+            session.flush()
+            for name in ("w1", "w2", "dead"):
+                session.add(GpuSlot(worker_id=name, slot=0))
         running = add_job(store, owner=alice, status="running", worker_id="w1", progress_step=40,
                           total_steps=100, started_at=now, model="m")
         with store.sessions.begin() as session:
+            session.execute(update(GpuSlot).where(GpuSlot.worker_id == "w1").values(job_id=running, reserved_at=now))
             for step in range(21, 41):
                 session.add(StepMetric(job_id=running, step=step, step_ms=1500.0,
                                        time=now - dt.timedelta(seconds=2 * (40 - step))))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import BigInteger, Engine, Float, Integer, inspect
+from sqlalchemy import JSON, BigInteger, Engine, Float, Integer, inspect
 
 from api.jobs.schemas import DecisionOut, MetricOut, PlanOut
 from api.jobs.sse import format_event
@@ -50,28 +50,37 @@ DERIVED_SERIES = {
     "other_ms": "step_ms minus its measured parts",
 }
 """Chart series the dashboard computes instead of reading from a step row."""
-KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops")
-"""The plan's decisions before the switches, in order (the agreed plan event)."""
+KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", "parallelism")
+"""The plan's decisions before the switches, in order (the agreed plan event; parallelism since
+the trainer runs several ranks: None/ddp/fsdp2)."""
 
 
 def _base_type(hint: Any) -> type:
-    """``int`` for ``int`` and ``int | None``."""
+    """``int`` for ``int`` and ``int | None``; ``list`` for ``list[dict[str, Any]] | None``."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         assert len(args) == 1, hint
-        return args[0]
-    return hint
+        hint = args[0]
+    return typing.get_origin(hint) or hint
 
 
 STEP_TYPES = {name: _base_type(hint) for name, hint in typing.get_type_hints(StepEvent).items()}
 STORED = set(STEP_FIELDS) - set(STORE_LEAVES_OUT)
 
 
+RANK = {"rank": 0, "step_ms": 1.5, "data_ms": 0.1, "forward_ms": 0.5, "backward_ms": 0.7, "optimizer_ms": 0.2,
+        "tokens": 64, "gpu_mem_allocated": 10, "gpu_mem_reserved": 20, "gpu_mem_peak": 30, "host_rss": 40}
+"""One entry of a step's ``ranks`` (StepEvent.ranks documents the keys)."""
+
+
 def a_step(step: int = 3) -> StepEvent:
     """A step with a distinct value in every field, so a field sent to the wrong place shows."""
     values: dict[str, Any] = {}
     for i, name in enumerate(STEP_FIELDS):
-        values[name] = (1000 + i) if STEP_TYPES[name] is int else (0.5 + i)
+        if STEP_TYPES[name] is list:
+            values[name] = [{**RANK, "rank": r, "tokens": 64 + i + r} for r in range(2)]
+        else:
+            values[name] = (1000 + i) if STEP_TYPES[name] is int else (0.5 + i)
     return StepEvent(**{**values, "step": step, "total_steps": 10})
 
 
@@ -103,7 +112,7 @@ class TestStepEvent:
     def test_store_column_types_follow_the_step_types(self) -> None:
         for name in STORED:
             column = StepMetric.__table__.columns[name]
-            expected = (Integer, BigInteger) if STEP_TYPES[name] is int else (Float,)
+            expected = {int: (Integer, BigInteger), float: (Float,), list: (JSON,)}[STEP_TYPES[name]]
             assert isinstance(column.type, expected), f"step_metric.{name} is {column.type}, StepEvent says {STEP_TYPES[name]}"
             assert column.nullable == (not column.primary_key), f"step_metric.{name}: only the key may be NOT NULL"
 
@@ -141,6 +150,15 @@ class TestStepEvent:
         assert not unknown, f"chart series that are no StepEvent field: {sorted(unknown)}"
         for key in DERIVED_SERIES:
             assert f"{key}:" in (STATIC / "view-job.js").read_text(), f"{key} is charted but never computed"
+
+    def test_a_one_rank_step_stores_and_serves_null_ranks(self, engine: Engine) -> None:
+        step = dataclasses.replace(a_step(), ranks=None)
+        job_id = _insert_job(engine)
+        with make_sessionmaker(engine).begin() as session:
+            apply_events(session, job_id, [make_event("step", **dataclasses.asdict(step))])
+        with make_sessionmaker(engine)() as session:
+            [row] = service.list_metrics(session, job_id, after_step=0, limit=10)
+        assert row.ranks is None and MetricOut.of(row).ranks is None
 
     def test_every_metric_field_the_dashboard_reads_exists(self) -> None:
         readable = STORED | {"time"}

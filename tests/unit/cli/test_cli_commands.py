@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, inspect
 from cli.main import build_parser, main
 from cli.up import child_env, seed_demo_model
 from core.settings import Settings
+from core.queue import host_queue
 from worker.app import worker_argv
 from worker.runtime import WorkerOptions
 
@@ -49,18 +50,20 @@ class TestDbUpgrade:
 
 
 class TestWorkerCommand:
-    def test_refuses_more_than_one_gpu(self, data_dir, capsys):
+    def test_gpu_takes_one_gpu_and_points_to_gpus(self, data_dir, capsys):
         assert main(["worker", "--gpu", "0,1"]) == 2
-        assert "one GPU index" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "one GPU index" in err and "--gpus 0,1" in err
 
     def test_refuses_a_store_without_schema(self, data_dir, capsys):
         assert main(["worker"]) == 2
         assert "run `ftq db upgrade` first" in capsys.readouterr().err
 
-    def test_runs_one_prefork_process_with_prefetch_one(self):
-        argv = worker_argv(WorkerOptions(gpu="2", name="box/gpu2"))
-        assert {"--pool=prefork", "--concurrency=1", "--prefetch-multiplier=1", "--queues=ftq.jobs"} <= set(argv)
-        assert "--hostname=ftq-box-gpu2@%h" in argv
+    def test_runs_a_thread_per_gpu_with_prefetch_one_on_the_shared_and_its_own_queue(self):
+        argv = worker_argv(WorkerOptions(gpus=("0", "2"), name="box/gpu0,2"))
+        assert {"--pool=threads", "--concurrency=2", "--prefetch-multiplier=1"} <= set(argv)
+        assert f"--queues=ftq.jobs,{host_queue('box/gpu0,2')}" in argv and "," not in host_queue("box/gpu0,2")
+        assert "--hostname=ftq-box-gpu0-2@%h" in argv
 
 
 class TestUpHelpers:
@@ -76,8 +79,10 @@ class TestUpHelpers:
         assert [p.name for p in tmp_path.iterdir()] == ["mine"]
 
 
-def test_worker_ids_name_the_host_and_device():
-    assert WorkerOptions(gpu="0").worker_id.endswith("/gpu0")
+def test_worker_ids_name_the_host_and_its_gpus():
+    assert WorkerOptions(gpus=("0",)).worker_id.endswith("/gpu0")
+    assert WorkerOptions(gpus=("0", "1")).worker_id.endswith("/gpu0,1") and WorkerOptions(gpus=("0", "1")).pool == ("0", "1")
     assert WorkerOptions().worker_id.endswith("/cpu") and WorkerOptions().device == "cpu"
+    assert WorkerOptions(slots=3).pool == (None, None, None)
     with pytest.raises(ValueError, match="max_batch_events"):
         WorkerOptions(max_batch_events=0)

@@ -1,5 +1,5 @@
-"""Queue start estimates (``core.jobs.eta``): the replay of claim order over the worker slots, and a
-job's pace from its step rows."""
+"""Queue start estimates (``core.jobs.eta``): the replay of the queue policy over the hosts' GPUs,
+and a job's pace from its step rows."""
 
 from __future__ import annotations
 
@@ -22,40 +22,69 @@ def waiting(job_id: str, owner: str | None = None, gpus: int = 1) -> Waiting:
 
 
 class TestReplay:
-    def test_idle_slots_start_jobs_now_and_busy_ones_when_their_job_ends(self):
+    def test_idle_gpus_start_jobs_now_and_busy_ones_when_their_job_ends(self):
         jobs = [waiting("a", "x"), waiting("b", "y"), waiting("c", "z")]
-        starts = replay_starts([0.0, 30.0], [Busy("w", 30.0)], jobs, {"x": 0, "y": 0, "z": 0},
-                               {"a": 100.0, "b": 10.0, "c": 5.0})
+        starts = replay_starts({"h1": [0], "h2": [0]}, [Busy("w", 30.0, 1, "h2", (0,))], jobs,
+                               {"x": 0, "y": 0, "z": 0}, {"a": 100.0, "b": 10.0, "c": 5.0})
         assert starts == {"a": 0.0, "b": 30.0, "c": 40.0}
 
     def test_a_capped_owner_waits_for_their_running_job_and_others_pass(self):
         jobs = [waiting("a1", "alice"), waiting("b1", "bob")]
-        starts = replay_starts([0.0, 0.0], [Busy("alice", 50.0)], jobs, {"alice": 1, "bob": 1},
+        starts = replay_starts({"h1": [0], "h2": [0]}, [Busy("alice", 50.0)], jobs, {"alice": 1, "bob": 1},
                                {"a1": 10.0, "b1": 10.0})
         assert starts == {"b1": 0.0, "a1": 50.0}
 
-    def test_a_slot_waits_for_the_next_job_end_when_every_waiting_job_is_capped(self):
+    def test_a_gpu_waits_for_the_next_job_end_when_every_waiting_job_is_capped(self):
         jobs = [waiting("a2", "alice")]
-        starts = replay_starts([0.0, 80.0], [Busy("alice", 80.0)], jobs, {"alice": 1}, {"a2": 1.0})
+        starts = replay_starts({"h1": [0], "h2": [0]}, [Busy("alice", 80.0, 1, "h2", (0,))], jobs, {"alice": 1},
+                               {"a2": 1.0})
         assert starts == {"a2": 80.0}
 
-    def test_an_unknown_end_makes_later_starts_on_that_slot_unknown(self):
+    def test_an_unknown_end_makes_later_starts_on_that_gpu_unknown(self):
         jobs = [waiting("a"), waiting("b"), waiting("c")]
-        starts = replay_starts([0.0], [], jobs, {None: 0}, {"a": 10.0, "b": None, "c": 1.0})
+        starts = replay_starts({"h": [0]}, [], jobs, {None: 0}, {"a": 10.0, "b": None, "c": 1.0})
         assert starts == {"a": 0.0, "b": 10.0, "c": None}
 
     def test_an_owner_capped_behind_an_unknown_end_stays_unknown(self):
         jobs = [waiting("a2", "alice"), waiting("b1", "bob")]
-        starts = replay_starts([0.0], [Busy("alice", None)], jobs, {"alice": 1, "bob": 1}, {"b1": 5.0, "a2": 5.0})
+        starts = replay_starts({"h": [0]}, [Busy("alice", None)], jobs, {"alice": 1, "bob": 1},
+                               {"b1": 5.0, "a2": 5.0})
         assert starts == {"b1": 0.0, "a2": None}
 
-    def test_no_slot_means_no_estimate(self):
-        assert replay_starts([], [], [waiting("a")], {None: 0}, {"a": 1.0}) == {"a": None}
+    def test_no_host_means_no_estimate(self):
+        assert replay_starts({}, [], [waiting("a")], {None: 0}, {"a": 1.0}) == {"a": None}
 
-    def test_a_job_needing_more_devices_than_a_worker_has_never_starts(self):
-        starts = replay_starts([0.0], [], [waiting("big", gpus=2), waiting("small")], {None: 0},
+    def test_a_job_needing_more_gpus_than_any_host_has_never_starts(self):
+        starts = replay_starts({"h": [0]}, [], [waiting("big", gpus=2), waiting("small")], {None: 0},
                                {"big": 1.0, "small": 1.0})
         assert starts == {"big": None, "small": 0.0}
+
+    def test_a_multi_gpu_job_starts_when_enough_gpus_of_one_host_are_free(self):
+        # h has 4 GPUs: slot 3 is idle, slot 0 frees at 10 s, slots 1-2 at 30 s: 2 free at 10 s.
+        running = [Busy("x", 10.0, 1, "h", (0,)), Busy("y", 30.0, 2, "h", (1, 2))]
+        starts = replay_starts({"h": [0, 1, 2, 3]}, running, [waiting("two", gpus=2)], {None: 0}, {"two": 5.0})
+        assert starts == {"two": 10.0}
+
+    def test_the_heads_hold_delays_later_small_jobs_on_its_host(self):
+        # h has 2 GPUs, one busy until 20 s. The 2-GPU head holds h: the 1-GPU job behind it may
+        # not take the idle GPU, so it starts after the head (20 s + 5 s), not now.
+        running = [Busy("x", 20.0, 1, "h", (0,))]
+        jobs = [waiting("head", "alice", gpus=2), waiting("small", "bob")]
+        starts = replay_starts({"h": [0, 1]}, running, jobs, {}, {"head": 5.0, "small": 1.0})
+        assert starts == {"head": 20.0, "small": 25.0}
+
+    def test_later_small_jobs_backfill_onto_another_host(self):
+        running = [Busy("x", 20.0, 1, "big", (0,))]
+        jobs = [waiting("head", "alice", gpus=2), waiting("small", "bob")]
+        starts = replay_starts({"big": [0, 1], "one": [0]}, running, jobs, {}, {"head": 5.0, "small": 1.0})
+        assert starts == {"head": 20.0, "small": 0.0}
+
+    def test_the_cap_counts_gpus(self):
+        # alice's cap is 2 GPUs and she runs 1 until 15 s: her 2-GPU job waits until then.
+        jobs = [waiting("a2", "alice", gpus=2)]
+        starts = replay_starts({"h": [0, 1, 2]}, [Busy("alice", 15.0, 1, "h", (0,))], jobs, {"alice": 2},
+                               {"a2": 1.0})
+        assert starts == {"a2": 15.0}
 
 
 class TestPace:

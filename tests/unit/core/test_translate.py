@@ -19,7 +19,7 @@ def test_every_field_lands_where_the_trainer_reads_it() -> None:
         hyperparameters={"max_steps": 50, "learning_rate": 1e-3, "lr_scheduler": "linear", "warmup_steps": 5,
                          "batch_tokens": 2048, "max_seq_len": 512, "grad_accum": 2, "seed": 7,
                          "weight_decay": 0.01, "max_grad_norm": 0.5},
-        checkpoint_every=10, optimizations={"double_buffered_reload": "off"},
+        checkpoint_every=10, optimizations={"double_buffered_reload": "off"}, gpus=4,
     )
     config = to_train_config(spec, job_id="job-1", files={TRAIN: "/d/t.jsonl", VALID: "/d/v.jsonl"},
                              output_dir="/out/job-1", model_path="/models/m")
@@ -33,6 +33,7 @@ def test_every_field_lands_where_the_trainer_reads_it() -> None:
     assert config.lora.target_modules == ("q_proj", "v_proj")
     assert config.optimizations.double_buffered_reload == "off"
     assert (config.seed, config.checkpoint_every, config.job_id, config.output_dir) == (7, 10, "job-1", "/out/job-1")
+    assert (config.gpus, config.global_micro_batches) == (4, 8)  # each step: gpus x grad_accum micro-batches
     assert TrainConfig.from_dict(config.to_dict()) == config
 
 

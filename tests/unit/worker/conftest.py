@@ -38,11 +38,16 @@ class FakeBuilder:
 
 
 class Recorded:
-    """Stands in for the broker: the job ids sent, and the seqs published."""
+    """Stands in for the broker: the job ids sent (and to which host), and the seqs published."""
 
     def __init__(self) -> None:
         self.enqueued: list[str] = []
+        self.hosts: list[str | None] = []
         self.published: list[tuple[str, int]] = []
+
+    def enqueue(self, job_id: str, host: str | None = None) -> None:
+        self.enqueued.append(job_id)
+        self.hosts.append(host)
 
 
 @pytest.fixture
@@ -55,6 +60,7 @@ def settings(tmp_path: Path) -> Settings:
         cancel_grace_s=1.0,
         event_flush_interval_s=0.05,
         max_attempts=2,
+        max_running_jobs_per_user=1,
     ).resolved()
 
 
@@ -66,12 +72,12 @@ def runtime(settings: Settings) -> Iterator[Runtime]:
     recorded = Recorded()
     rt = Runtime(
         settings,
-        WorkerOptions(gpu="3", name="test-host/gpu3", trainer_argv=(sys.executable, str(FAKE_TRAINER))),
+        WorkerOptions(gpus=("3",), name="test-host/gpu3", trainer_argv=(sys.executable, str(FAKE_TRAINER))),
         engine=engine,
         sessionmaker=make_sessionmaker(engine),
         config_builder=FakeBuilder(),
     )
-    rt.enqueue = recorded.enqueued.append  # type: ignore[method-assign]
+    rt.enqueue = recorded.enqueue  # type: ignore[method-assign]
     rt.publish = lambda job_id, seq: recorded.published.append((job_id, seq))  # type: ignore[method-assign]
     rt.recorded = recorded  # type: ignore[attr-defined]
     yield rt

@@ -54,6 +54,7 @@ class TestWorkerClaim:
         lost = make_job("fake:ok", status="running", attempts=settings.max_attempts, worker_id="gone",
                         heartbeat_at=stale)
         waiting = make_job("fake:ok:1")
+        runtime.ensure_registered()  # a live host with a free GPU to place the waiting job on
         report = reap(runtime.sessionmaker, settings, enqueue=runtime.enqueue)
         assert report.failed == [lost] and report.signalled == [waiting]
-        assert runtime.recorded.enqueued == [waiting]
+        assert runtime.recorded.enqueued == [waiting] and runtime.recorded.hosts == [runtime.worker_id]

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from core.db import utcnow
 from core.jobs.models import Job, JobEvent
+from core.workers.models import GpuSlot
 from worker.reaper import reap
 
 
 def _reap(runtime, **kwargs):
-    return reap(runtime.sessionmaker, runtime.settings, enqueue=runtime.recorded.enqueued.append,
+    return reap(runtime.sessionmaker, runtime.settings, enqueue=runtime.recorded.enqueue,
                 publish=runtime.publish, **kwargs)
 
 
@@ -86,23 +87,49 @@ class TestStaleRunningJobs:
 
 
 class TestLostQueuedMessages:
-    def test_an_idle_worker_resends_a_job_waiting_too_long_once_per_period(self, runtime, make_job):
+    def test_a_host_resends_a_job_placed_on_it_waiting_too_long_once_per_period(self, runtime, make_job):
         job_id = make_job("fake:ok", updated_at=_ago(300))
+        runtime.ensure_registered()
 
-        first = _reap(runtime, idle=True, resend_after_s=120)
-        second = _reap(runtime, idle=True, resend_after_s=120)
+        first = _reap(runtime, host=runtime.worker_id, resend_after_s=120)
+        second = _reap(runtime, host=runtime.worker_id, resend_after_s=120)
 
         assert first.resent == [job_id] and second.resent == []
-        assert runtime.recorded.enqueued == [job_id]
+        assert runtime.recorded.enqueued == [job_id] and runtime.recorded.hosts == [runtime.worker_id]
         assert _job(runtime, job_id).status == "queued"
 
-    def test_a_busy_worker_does_not_resend(self, runtime, make_job):
-        make_job("fake:ok", updated_at=_ago(300))
-        assert _reap(runtime, idle=False, resend_after_s=120).resent == []
+    def test_a_host_without_free_gpus_does_not_resend(self, runtime, make_job):
+        runtime.ensure_registered()
+        running = make_job("fake:ok", status="running", attempts=1, worker_id=runtime.worker_id, heartbeat_at=_ago(1))
+        with runtime.sessionmaker.begin() as session:
+            session.execute(update(GpuSlot).values(job_id=running, reserved_at=_ago(1)))
+        make_job("fake:ok", updated_at=_ago(300), owner_id=None)
+        assert _reap(runtime, host=runtime.worker_id, resend_after_s=120).resent == []
 
     def test_a_recently_queued_job_is_not_resent(self, runtime, make_job):
+        runtime.ensure_registered()
         make_job("fake:ok", updated_at=_ago(5))
-        assert _reap(runtime, idle=True, resend_after_s=120).resent == []
+        assert _reap(runtime, host=runtime.worker_id, resend_after_s=120).resent == []
+
+
+class TestGpus:
+    def test_a_reaped_jobs_gpus_are_free_again(self, runtime, make_job):
+        runtime.ensure_registered()
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="gone", heartbeat_at=_ago(60))
+        with runtime.sessionmaker.begin() as session:
+            session.execute(update(GpuSlot).values(job_id=job_id, reserved_at=_ago(60)))
+        assert _reap(runtime).requeued == [job_id]
+        with runtime.sessionmaker() as session:
+            assert session.scalars(select(GpuSlot.job_id)).all() == [None]
+
+    def test_gpus_held_by_a_job_that_is_not_running_are_freed(self, runtime, make_job):
+        runtime.ensure_registered()
+        job_id = make_job("fake:ok", status="succeeded")
+        with runtime.sessionmaker.begin() as session:
+            session.execute(update(GpuSlot).values(job_id=job_id, reserved_at=_ago(600)))
+        _reap(runtime)
+        with runtime.sessionmaker() as session:
+            assert session.scalars(select(GpuSlot.job_id)).all() == [None]
 
 
 def test_a_reaped_job_runs_again_on_the_next_delivery(runtime, make_job, settings):

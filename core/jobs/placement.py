@@ -1,0 +1,143 @@
+"""Which waiting jobs start now, and on which host's GPUs: the queue policy, as a pure function.
+
+``place`` walks the queued jobs in claim order (priority, then age) over the live hosts' free
+GPUs and returns the jobs that can start now with the GPUs each gets. The claim, the start
+estimates and the wake-up messages all call it, so they agree by construction.
+
+    cap       a job starts only if its owner's running GPUs plus its own fit under the owner's
+              cap (0 = none). A job held back by its owner's cap, and the head (below), hold
+              back that owner's later jobs: they would take the cap it waits for, so a user's
+              stream of 1-GPU jobs cannot starve the same user's 4-GPU job.
+    fit       a job of N GPUs needs N free GPUs on ONE host. Of the hosts where it fits, it
+              takes the one with the fewest free GPUs (best fit: the big holes stay for big
+              jobs), and on it the lowest free slots.
+    head      the first job (in claim order, within its cap) that fits no host now, but would
+              fit an idle one, is the head. It holds the host, among those with at least N GPUs,
+              that has the most free GPUs now (ties: the host's id): no later job may take a
+              free GPU of that host. Jobs there only end, so its free GPUs only grow until the
+              head starts; later jobs backfill onto the other hosts' free GPUs, which the head
+              could not use anyway. The hold needs no row in the store: every claim computes it
+              again from the queue. The next big job waits for the head to start, then holds.
+    too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
+              is passed over and holds nothing (the API refuses both at submission; this
+              covers a host that left, or a cap lowered later).
+
+Starvation: a job is never passed by a later job of the same or lower priority for longer
+than the jobs running on its held host take to end. Higher priorities go first by design
+(``priority: high`` is how a user asks to jump the queue).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Owner = str | None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A queued job as the scheduler sees it."""
+
+    job_id: str
+    owner_id: Owner
+    priority: str
+    gpus: int
+    model: str
+    total_steps: int | None
+    created_at: dt.datetime
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Host:
+    """A live worker host: all its slots, and those no job holds now."""
+
+    worker_id: str
+    slots: tuple[int, ...]
+    free: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Job ``job_id`` starts now on ``slots`` of host ``worker_id``."""
+
+    job_id: str
+    worker_id: str
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The head of the queue waits for ``needed`` GPUs of host ``worker_id`` (``free`` now)."""
+
+    job_id: str
+    worker_id: str
+    needed: int
+    free: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    placements: tuple[Placement, ...]
+    """Jobs that can start now, in claim order."""
+    hold: Hold | None
+    """The head of the queue's hold, when it cannot start now."""
+
+    def for_host(self, worker_id: str) -> Placement | None:
+        """The first job this host should claim now, if any."""
+        return next((p for p in self.placements if p.worker_id == worker_id), None)
+
+
+def cap_allows(running: int, cap: int) -> bool:
+    """``running`` GPUs (this job's included) are within ``cap`` (0 = no cap)."""
+    return cap == 0 or running <= cap
+
+
+def place(
+    waiting: Sequence[Waiting],
+    hosts: Sequence[Host],
+    running: Mapping[Owner, int],
+    caps: Mapping[Owner, int],
+) -> Schedule:
+    """The jobs of ``waiting`` (claim order) that start now on ``hosts``, and the head's hold.
+
+    Args:
+        waiting: queued jobs in claim order.
+        hosts: the live hosts and their free slots.
+        running: GPUs each owner's running jobs hold.
+        caps: each owner's cap on running GPUs (0 = none); a missing owner has none.
+    """
+    free = {host.worker_id: list(host.free) for host in hosts}
+    size = {host.worker_id: host.size for host in hosts}
+    used: Counter[Owner] = Counter(running)
+    blocked: set[Owner] = set()
+    placements: list[Placement] = []
+    hold: Hold | None = None
+    for job in waiting:
+        cap = caps.get(job.owner_id, 0)
+        big_enough = sorted(w for w in size if size[w] >= job.gpus)
+        if not big_enough or (cap and job.gpus > cap):
+            continue  # too big for any live host or for its owner's cap: holds nothing
+        if job.owner_id in blocked:
+            continue
+        if not cap_allows(used[job.owner_id] + job.gpus, cap):
+            blocked.add(job.owner_id)
+            continue
+        fits = [w for w in big_enough if len(free[w]) >= job.gpus and (hold is None or w != hold.worker_id)]
+        if fits:
+            host = min(fits, key=lambda w: (len(free[w]), w))
+            slots, free[host] = free[host][: job.gpus], free[host][job.gpus :]
+            placements.append(Placement(job.job_id, host, tuple(slots)))
+            used[job.owner_id] += job.gpus
+        elif hold is None:
+            target = min(big_enough, key=lambda w: (-len(free[w]), w))
+            hold = Hold(job.job_id, target, job.gpus, len(free[target]))
+            blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
+    return Schedule(tuple(placements), hold)

@@ -31,7 +31,7 @@ KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", parallel.NAME
 """The decisions without a switch, in the plan's order (``requested`` is always ``auto``)."""
 DECISION_FIELDS = {"name", "requested", "enabled", "backend", "reason"}
 PLAN_FIELDS = {"device", "dtype", "model_attention", "decisions"}
-RUN_FIELDS = {"hardware", "total_steps", "model", "resumed_from_step"}
+RUN_FIELDS = {"hardware", "world_size", "total_steps", "model", "resumed_from_step"}
 """What the run's ``plan`` event adds to ``Plan.to_dict``."""
 MOE_8B = ModelFacts(
     "qwen3_moe",

@@ -5,10 +5,11 @@ the current stream; the loop reads a step's timings, loss and grad norm only aft
 the next step, so waiting on the old step's last event never leaves the GPU idle and no
 ``synchronize()`` exists just to measure. On CPU the same interface uses ``time.perf_counter``.
 
-MFU counts model FLOPs (not hardware FLOPs: the gradient-checkpointing recompute is excluded):
-``6 * N * tokens`` for the matmul weights (N = parameters minus the input embedding table, which
-is a lookup) plus causal attention ``6 * layers * heads * head_dim * sum(len_i ** 2)`` over the
-packed samples (QK^T and AV, forward and backward, half of the square for causality).
+MFU is ``trainer.flops``'s model FLOPs of the step (``FlopCounter``, re-exported here: frozen
+matmul weights 4 FLOPs per parameter per token, trainable ones 6, LoRA's own matmuls, in-sample
+causal attention; no recompute) over the step time and the peak the plan names
+(``Hardware.peak_flops``, from ``Hardware.peak_source``: measured once per GPU and cached, or the
+datasheet value labelled as such).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainer.flops import FlopCounter  # noqa: F401 - re-exported: the step builds its counter through here
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -83,30 +86,6 @@ class PendingTiming:
         return {"step_ms": step_ms, **{f"{p}_ms": totals.get(p, 0.0) for p in PHASES}}
 
 
-@dataclass(frozen=True)
-class FlopCounter:
-    """Model FLOPs of a packed step (see the module docstring)."""
-
-    matmul_params: int
-    layers: int
-    attention_width: int
-    """heads * head_dim."""
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module) -> FlopCounter:
-        config = model.config
-        total = sum(param_numel(p) for p in model.parameters())
-        embedding = param_numel(model.get_input_embeddings().weight)
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(total - embedding, config.num_hidden_layers, heads * head_dim)
-
-    def step_flops(self, lengths: list[int]) -> float:
-        tokens = sum(lengths)
-        attention = 6 * self.layers * self.attention_width * sum(n * n for n in lengths)
-        return 6.0 * self.matmul_params * tokens + attention
-
-
 def memory_stats(device: torch.device) -> dict[str, int | None]:
     """GPU allocated/reserved/peak bytes (host-side counters, no sync) and host RSS."""
     import psutil
@@ -133,7 +112,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def mfu(flops: float, step_ms: float, peak_flops: float | None) -> float | None:
-    """Achieved model FLOP/s over the device's peak; None where the peak is unknown (CPU)."""
+    """Achieved model FLOP/s over the device's peak (``Hardware.peak_flops``); None where the peak is unknown (CPU)."""
     if peak_flops is None or step_ms <= 0:
         return None
     return flops / (step_ms / 1000.0) / peak_flops

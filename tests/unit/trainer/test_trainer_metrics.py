@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from trainer.flops import AttentionLayers
 from trainer.metrics import FlopCounter, StepTimer, memory_stats, mfu
 from trainer.step import lr_lambda
 
@@ -30,9 +31,10 @@ class TestStepTimer:
 
 class TestFlops:
     def test_matmul_and_causal_attention_terms(self):
-        counter = FlopCounter(matmul_params=1000, layers=2, attention_width=8)
-        # 6*N*T + 6*layers*width*sum(len^2): lengths 3 and 4 -> 6*1000*7 + 6*2*8*(9+16)
-        assert counter.step_flops([3, 4]) == 42_000 + 2_400
+        """trainer.flops' count through the name the step uses (tests/unit/trainer/test_flops.py has the rest)."""
+        counter = FlopCounter(frozen_params=1000, trainable_params=10, attention=(AttentionLayers(2, width=8),))
+        # (4*frozen + 6*trainable)*T + 3.5 * 4*width*layers*sum(L(L+1)/2): lengths 3 and 4
+        assert counter.step_flops([3, 4]) == 4060 * 7 + 3.5 * 4 * 8 * 2 * (6 + 10)
 
     def test_mfu_is_none_without_a_known_peak(self):
         assert mfu(1e12, 1000.0, None) is None

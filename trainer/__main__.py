@@ -1,4 +1,4 @@
-"""``python -m trainer``: ``run JOB.json`` | ``detect [--json] [--job JOB.json]`` | ``make-tiny-model DIR``.
+"""``python -m trainer``: ``run JOB.json`` | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``.
 
 ``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
 stream stays clean) and exits 0 when the run succeeded or was cancelled, 1 when it failed; a
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         "--job", help="plan for this job.json instead of default settings"
     )
     p_detect.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p_detect.add_argument(
+        "--measure-peak",
+        action="store_true",
+        help="measure the GPU's bf16 matmul peak (MFU's denominator) again and overwrite its cache file",
+    )
     p_tiny = sub.add_parser(
         "make-tiny-model", help="write a tiny random-weight model + tokenizer to DIR"
     )
@@ -51,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.errors import TrainerError
 
         try:
+            if args.measure_peak:
+                from trainer.hardware import remeasure_peak
+
+                peak, source = remeasure_peak()
+                rate = f"{peak / 1e12:.0f} TFLOP/s bf16 ({source})" if peak else "could not be measured"
+                print(f"peak: {rate}", file=sys.stderr)
             return _detect(args.json, args.job, args.device)
         except (TrainerError, ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -129,7 +140,7 @@ def _detect(as_json: bool, job_path: str | None, device: str) -> int:
         f"bitsandbytes {'yes' if hw.bitsandbytes else 'no'}; bf16 {'yes' if hw.bf16 else 'no'}"
     )
     print(
-        f"peak       {hw.peak_flops / 1e12:.0f} TFLOP/s bf16"
+        f"peak       {hw.peak_flops / 1e12:.0f} TFLOP/s bf16 ({hw.peak_source})"
         if hw.peak_flops
         else "peak       unknown (no MFU)"
     )

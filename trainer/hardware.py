@@ -4,15 +4,32 @@ Called by the entry points (``python -m trainer run`` / ``detect``, the bench sc
 import; cached per ``device`` choice. What a run does with these facts is ``trainer.planning``'s
 decision (``plan(hardware, config, facts)``), one per optimization, each feature answering
 ``supported(hardware, facts)`` for itself (``trainer.features``).
+
+The peak MFU is measured against (``Hardware.peak_flops``, named by ``Hardware.peak_source``):
+on a CUDA device, the dense bf16 matmul rate measured once per GPU model and torch version and
+cached in ``~/.cache/ftq/peak-<gpu name>-<torch version>.json`` (``$XDG_CACHE_HOME/ftq`` when
+set). The first ``detect()`` on a device without a cache file measures it (``measure_peak_flops``:
+3 + 20 bf16 matmuls of 8192^3, about 50 ms on an H100, before the model loads, never in the step
+loop) and writes the file; ``python -m trainer detect --measure-peak`` measures again and
+overwrites it (after a driver or clock change, or when the first measurement ran on a busy GPU).
+A measurement under half the datasheet value is taken for a busy GPU: it is not cached and the
+datasheet value is used. Where nothing can be measured or written the datasheet value of
+``PEAK_BF16_FLOPS`` is used, labelled ``spec: <GPU> datasheet dense bf16``; on the CPU there is no
+peak (no MFU). The bench scripts read the same ``detect().peak_flops``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib.util
+import json
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import PlanError
@@ -39,6 +56,9 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("RTX 4090", 165e12),
     ("RTX 3090", 71e12),
 )
+PEAK_MATMUL_N = 8192
+"""Side of the square bf16 matmul ``measure_peak_flops`` times."""
+PEAK_MATMUL_REPS = 20
 
 
 @dataclass(frozen=True)
@@ -68,7 +88,8 @@ class Hardware:
     torch_version: str
     cuda_version: str | None
     peak_flops: float | None
-    """Dense bf16 peak FLOP/s of the GPU when known (for MFU), None on CPU or an unknown GPU."""
+    """Dense bf16 peak FLOP/s of the GPU, what MFU divides by; None on CPU (or an unknown GPU that
+    could not be measured)."""
     varlen_options: tuple[str, ...] = ()
     """Keyword options of ``torch.nn.attention.varlen.varlen_attn`` (``window_size``, ``return_aux``):
     a sliding window and attention sinks need them. Empty when torch has no varlen attention."""
@@ -78,6 +99,9 @@ class Hardware:
     triton_varlen: str | None = "not probed"
     """Why our Triton varlen kernel (``trainer.kernels.flash_varlen``) cannot run on the training
     device, or None when it can (any head dim it supports)."""
+    peak_source: str | None = None
+    """Where ``peak_flops`` comes from: ``measured: 8192^3 bf16 matmul, <date>`` (cached per GPU
+    model and torch version) or ``spec: <GPU> datasheet dense bf16``; None without a peak."""
 
     def to_dict(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
@@ -126,6 +150,9 @@ def detect(device: str = "auto") -> Hardware:
         )
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
+    peak, peak_source = device_peak(
+        props.name, torch.__version__, measure=lambda: measure_peak_flops(torch.device("cuda", index))
+    )
     return Hardware(
         device="cuda",
         name=props.name,
@@ -134,7 +161,8 @@ def detect(device: str = "auto") -> Hardware:
         gpu_memory=props.total_memory,
         pinned_memory=_can_pin(),
         bf16=torch.cuda.is_bf16_supported(),
-        peak_flops=peak_flops(props.name),
+        peak_flops=peak,
+        peak_source=peak_source,
         triton_varlen=_triton_varlen_missing(torch.device("cuda", index)),
         interconnect=_interconnect(torch.cuda.device_count()),
         **common,
@@ -189,10 +217,114 @@ def _interconnect(gpu_count: int) -> str:
 
 def peak_flops(gpu_name: str) -> float | None:
     """Dense bf16 peak FLOP/s for a GPU name from ``PEAK_BF16_FLOPS``; None if unknown."""
+    spec = _spec_peak(gpu_name)
+    return spec[1] if spec else None
+
+
+def _spec_peak(gpu_name: str) -> tuple[str, float] | None:
     for key, flops in PEAK_BF16_FLOPS:
         if key.lower() in gpu_name.lower():
-            return flops
+            return key, flops
     return None
+
+
+def measure_peak_flops(device: Any, n: int = PEAK_MATMUL_N, reps: int = PEAK_MATMUL_REPS) -> float:
+    """bf16 FLOP/s of ``reps`` square ``n``-sized matmuls on a CUDA ``device`` (after 3 warm-up ones).
+
+    Frees what it allocated (3 x 128 MiB at n=8192) so the memory a run sees at start is unchanged.
+    """
+    import torch
+
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 * reps / seconds
+
+
+def peak_cache_path(gpu_name: str, torch_version: str, cache_dir: Path | None = None) -> Path:
+    """``<cache_dir>/peak-<gpu name>-<torch version>.json`` (characters other than ``[A-Za-z0-9.]`` -> ``-``)."""
+    root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftq"
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu_name}-{torch_version}").strip("-")
+    return root / f"peak-{slug}.json"
+
+
+def device_peak(
+    gpu_name: str,
+    torch_version: str,
+    measure: Callable[[], float] | None = None,
+    *,
+    remeasure: bool = False,
+    cache_dir: Path | None = None,
+) -> tuple[float | None, str | None]:
+    """``(peak FLOP/s, its source)`` for a GPU: the cached measurement, else ``measure()`` (cached),
+    else the datasheet value (module docstring). ``remeasure`` ignores the cache file.
+
+    Args:
+        measure: returns the device's FLOP/s (``measure_peak_flops`` on it); None where nothing can
+            be measured. A measurement that fails (out of memory on a full GPU) falls back too.
+    """
+    path = peak_cache_path(gpu_name, torch_version, cache_dir)
+    cached = None if remeasure else _read_peak(path)
+    if cached is not None:
+        return cached
+    spec = _spec_peak(gpu_name)
+    spec_source = f"spec: {spec[0]} datasheet dense bf16" if spec else None
+    try:
+        measured = measure() if measure is not None else None
+    except RuntimeError:  # torch.OutOfMemoryError included: another process holds the GPU
+        measured = None
+    if measured is None:
+        return (spec[1], spec_source) if spec else (None, None)
+    if spec and measured < spec[1] / 2:
+        return spec[1], f"{spec_source} (measured {measured / 1e12:.0f} TFLOP/s, under half of it: a busy GPU?)"
+    source = f"measured: {PEAK_MATMUL_N}^3 bf16 matmul, {datetime.date.today().isoformat()}"
+    _write_peak(path, {"gpu": gpu_name, "torch": torch_version, "peak_flops": measured, "source": source})
+    return measured, source
+
+
+def remeasure_peak() -> tuple[float | None, str | None]:
+    """Measure the current CUDA device again and overwrite its cache file (``trainer detect --measure-peak``).
+
+    Raises:
+        PlanError: torch sees no CUDA device.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PlanError("--measure-peak needs a CUDA device; torch sees none here (the CPU has no MFU)")
+    index = torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    return device_peak(
+        name, torch.__version__, lambda: measure_peak_flops(torch.device("cuda", index)), remeasure=True
+    )
+
+
+def _read_peak(path: Path) -> tuple[float, str] | None:
+    try:
+        raw = json.loads(path.read_text())
+        return float(raw["peak_flops"]), str(raw["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_peak(path: Path, record: dict[str, Any]) -> None:
+    """Atomically (ranks of one job may write at once); an unwritable cache only costs a re-measure."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _varlen_options() -> tuple[str, ...] | None:

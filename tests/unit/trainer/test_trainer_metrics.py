@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trainer.flops import AttentionLayers
+from trainer.hardware import detect, device_peak, peak_cache_path
 from trainer.metrics import FlopCounter, StepTimer, memory_stats, mfu
 from trainer.step import lr_lambda
 
@@ -43,6 +44,49 @@ class TestFlops:
     def test_cpu_memory_has_rss_and_no_gpu_fields(self):
         stats = memory_stats(torch.device("cpu"))
         assert stats["host_rss"] > 0 and stats["gpu_mem_peak"] is None
+
+
+class TestPeak:
+    """MFU's denominator: measured once per GPU model and torch version and cached, else the datasheet's."""
+
+    def test_a_measurement_is_cached_per_gpu_and_torch_version(self, tmp_path):
+        calls = []
+
+        def measure() -> float:
+            calls.append(1)
+            return 801e12
+
+        first = device_peak("NVIDIA H200", "2.11.0+cu130", measure, cache_dir=tmp_path)
+        again = device_peak("NVIDIA H200", "2.11.0+cu130", measure, cache_dir=tmp_path)
+        assert first == again and len(calls) == 1
+        assert first[0] == 801e12 and first[1].startswith("measured: 8192^3 bf16 matmul, 20")
+        assert peak_cache_path("NVIDIA H200", "2.11.0+cu130", tmp_path).name == "peak-NVIDIA-H200-2.11.0-cu130.json"
+        assert device_peak("NVIDIA H200", "2.12.0", measure, cache_dir=tmp_path)[0] == 801e12 and len(calls) == 2
+
+    def test_remeasuring_overwrites_the_cache(self, tmp_path):
+        device_peak("NVIDIA H100 80GB HBM3", "2.11", lambda: 700e12, cache_dir=tmp_path)
+        device_peak("NVIDIA H100 80GB HBM3", "2.11", lambda: 760e12, remeasure=True, cache_dir=tmp_path)
+        assert device_peak("NVIDIA H100 80GB HBM3", "2.11", None, cache_dir=tmp_path)[0] == 760e12
+
+    def test_without_a_measurement_the_datasheet_value_is_labelled_spec(self, tmp_path):
+        def out_of_memory() -> float:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        spec = (989e12, "spec: H100 datasheet dense bf16")
+        assert device_peak("NVIDIA H100 80GB HBM3", "2.11", None, cache_dir=tmp_path) == spec
+        assert device_peak("NVIDIA H100 80GB HBM3", "2.11", out_of_memory, cache_dir=tmp_path) == spec
+        assert device_peak("Some Future GPU", "2.11", None, cache_dir=tmp_path) == (None, None)
+        assert not list(tmp_path.iterdir())
+
+    def test_a_measurement_under_half_the_datasheet_is_not_trusted_nor_cached(self, tmp_path):
+        peak, source = device_peak("NVIDIA H200", "2.11", lambda: 300e12, cache_dir=tmp_path)
+        assert peak == 989e12 and source.startswith("spec: H200 datasheet dense bf16 (measured 300 TFLOP/s")
+        assert not list(tmp_path.iterdir())
+        assert device_peak("Some Future GPU", "2.11", lambda: 300e12, cache_dir=tmp_path)[0] == 300e12
+
+    def test_the_cpu_has_no_peak_and_the_plan_hardware_names_its_source(self):
+        hw = detect("cpu")
+        assert hw.peak_flops is None and hw.to_dict()["peak_source"] is None
 
 
 class TestLrSchedule:

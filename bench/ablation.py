@@ -35,8 +35,9 @@ Rows, one after another on the same model object (each installs its pieces and u
   row records its installed pieces and the decisions that differ from the all-``auto`` plan.
 
 Timing is ``bench.train_step.run_variant``: warm-up steps, one step under the sync debugger
-(host syncs), then timed steps with CUDA events around forward, backward and optimizer; MFU
-against the bf16 matmul peak measured in the same run (MoE: active experts' FLOPs only). A
+(host syncs), then timed steps with CUDA events around forward, backward and optimizer; MFU is
+the trainer's (``trainer.flops`` on the built model: MoE counts the top-k experts' weights, expert
+LoRA gives them a weight gradient; against ``trainer.hardware``'s peak, printed with its source). A
 failing row prints ``failed: <error>`` and the others go on. The table, summary and JSON are
 ``bench.ablation_report``'s.
 """
@@ -74,7 +75,7 @@ from bench.ablation_report import (
 )
 from bench.plans import Planner, attention_line, ftq_loss
 from bench.train_step import Result as StepResult
-from bench.train_step import matmul_peak_tflops, run_variant, run_variant_cpu
+from bench.train_step import mfu_peak, run_variant, run_variant_cpu
 from bench.workload import (
     GPT_OSS_20B,
     LLAMA_3_1_8B,
@@ -468,12 +469,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     registry = TINY_MODELS if args.tiny else MODELS
     device = torch.device(args.device)
-    peak = matmul_peak_tflops(device) if device.type == "cuda" else math.nan
+    peak, peak_source = mfu_peak(device) if device.type == "cuda" else (math.nan, "no peak on the CPU")
     print(f"device: {device_line(device)}", flush=True)
-    print(f"bf16 matmul peak (8192^3, measured): {peak:.0f} TFLOP/s", flush=True)
+    print(f"MFU peak: {peak:.0f} TFLOP/s bf16 ({peak_source})", flush=True)
     head = {
         "device": device_line(device),
         "matmul_peak_tflops": peak,
+        "peak_source": peak_source,
         "tokens_per_step": args.tokens,
         "warmup": args.warmup,
         "steps": args.steps,

@@ -241,9 +241,10 @@ def report_from_json(paths: list[str]) -> str:
     for path in paths:
         with open(path) as fh:
             payload = json.load(fh)
+        source = payload.get("peak_source", "8192^3 bf16 matmul measured in the run")  # older files
         heads.append(
-            f"{path}: {payload['device']}; bf16 matmul peak "
-            f"{payload['matmul_peak_tflops']:.0f} TFLOP/s; warmup {payload['warmup']}, "
+            f"{path}: {payload['device']}; MFU peak "
+            f"{payload['matmul_peak_tflops']:.0f} TFLOP/s ({source}); warmup {payload['warmup']}, "
             f"{payload['steps']} timed steps of {payload['tokens_per_step']:,} tokens"
         )
         models += payload["models"]
@@ -257,7 +258,7 @@ def write_json(
     models: list[dict[str, Any]],
     results: list[RowResult],
 ) -> None:
-    """The run's numbers: ``head`` (device, matmul_peak_tflops, tokens_per_step, warmup, steps),
+    """The run's numbers: ``head`` (device, matmul_peak_tflops, peak_source, tokens_per_step, warmup, steps),
     the models' notes and every row (what ``report_from_json`` reads back)."""
     payload = {**head, "models": models, "results": [asdict(r) for r in results]}
     with open(path, "w") as fh:

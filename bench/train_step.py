@@ -27,10 +27,11 @@ its result records the installed pieces and the decisions that differ from the a
 Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
 (model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
-step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU = model FLOPs / step time / the
-bf16 matmul rate measured here (8192^3); model FLOPs for LoRA = 4 x dense matmul params per
-token (forward + input gradients; frozen weights get none; recompute not counted) + causal
-in-sample attention, 3.5 x its forward. ``--profile`` adds a torch.profiler summary of one ftq
+step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU is the trainer's: ``trainer.flops``'s
+model FLOPs of the built model (frozen matmul weights 4 per parameter per token, LoRA's A and B 6,
+in-sample causal attention 3.5 x its forward; recompute not counted) over the step time and the
+trainer's peak (``trainer.hardware.detect``: the bf16 matmul rate measured once per GPU and cached,
+else the datasheet value; printed with its source). ``--profile`` adds a torch.profiler summary of one ftq
 step (top GPU kernels, GPU busy time vs step time, kernel launches).
 """
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 import traceback
@@ -58,6 +60,7 @@ from bench.workload import (
     packed_steps,
     padded_batch,
 )
+from trainer.flops import FlopCounter
 from trainer.install import Installation, install
 
 VARIANTS = ("stock padded", "stock packed", "ftq", "ftq + offload", "ftq, metadata cache off", "ftq, peft LoRA",
@@ -86,17 +89,18 @@ class Result:
     """The plan's decisions that differ from the all-``auto`` plan (``bench.plans.changes``)."""
 
 
-def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+def mfu_peak(device: torch.device) -> tuple[float, str]:
+    """MFU's peak on ``device`` in TFLOP/s and its source: the trainer's (``Hardware.peak_flops`` /
+    ``peak_source``), so the bench's MFU and the step events' divide by the same number."""
+    from trainer.hardware import detect
+
+    hw = detect(device.type)
+    return (hw.peak_flops / 1e12 if hw.peak_flops else math.nan), hw.peak_source or "no peak known"
+
+
+def matmul_peak_tflops(device: torch.device) -> float:
+    """``mfu_peak``'s TFLOP/s."""
+    return mfu_peak(device)[0]
 
 
 @dataclass(frozen=True)
@@ -212,13 +216,12 @@ def run_variant(variant: Variant, optimizer, steps: list[list[int]], warmup: int
         gc.collect()
         gc.disable()
     try:
-        return _timed(variant, step, steps, warmup, peak_tflops, shape, result)
+        return _timed(variant, step, steps, warmup, peak_tflops, result)
     finally:
         gc.enable()
 
 
-def _timed(variant: Variant, step, steps: list[list[int]], warmup: int, peak_tflops: float, shape: ModelShape,
-           result: Result) -> Result:
+def _timed(variant: Variant, step, steps: list[list[int]], warmup: int, peak_tflops: float, result: Result) -> Result:
     device = variant.device
     for i in range(warmup):
         step(i)
@@ -260,9 +263,8 @@ def _timed(variant: Variant, step, steps: list[list[int]], warmup: int, peak_tfl
     result.step_ms = wall * 1e3 / n
     result.tokens_per_s = tokens / wall
     result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-    flops = sum(2 * shape.matmul_flops_per_token() * sum(steps[i]) + 3.5 * shape.attention_flops(steps[i])
-                for i in timed)
-    result.mfu = flops / wall / (peak_tflops * 1e12)
+    counter = FlopCounter.for_model(variant.model)
+    result.mfu = sum(counter.step_flops(steps[i]) for i in timed) / wall / (peak_tflops * 1e12)
     result.losses = [float(x) for x in losses]
     return result
 
@@ -412,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.attention import device_line
 
     device = torch.device("cuda")
-    peak = matmul_peak_tflops(device)
-    print(f"device: {device_line()}\nbf16 matmul peak (8192^3, measured): {peak:.0f} TFLOP/s", flush=True)
+    peak, peak_source = mfu_peak(device)
+    print(f"device: {device_line()}\nMFU peak: {peak:.0f} TFLOP/s bf16 ({peak_source})", flush=True)
     results, profiles = [], {}
     for key in args.shapes:
         shape = SHAPES[key]
@@ -428,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n### profile: {name}, one ftq step\n{text}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=device_line(), matmul_peak_tflops=peak, results=[r.__dict__ for r in results],
-                           profiles=profiles), fh, indent=1)
+            json.dump(dict(device=device_line(), matmul_peak_tflops=peak, peak_source=peak_source,
+                           results=[r.__dict__ for r in results], profiles=profiles), fh, indent=1)
     return 0
 
 

@@ -6,7 +6,8 @@ lengths (median 250, sigma 1, seed 0, clipped to [16, 4096]) packed into steps o
 classes (nothing is downloaded), LoRA r=16 alpha=16 on q,k,v,o,gate,up,down, gradient
 checkpointing, bf16, AdamW on the LoRA weights. MoE shapes (GPT-OSS-20B) put LoRA on the
 attention projections and, through peft ``target_parameters``, on the 3-D expert weights
-(``trainer.moe_routing.expert_lora_targets``: they are not ``nn.Linear``).
+(``trainer.moe_routing.expert_lora_targets``: they are not ``nn.Linear``). Model FLOPs (MFU) are
+``trainer.flops.FlopCounter.for_model`` of the built model, the trainer's own count.
 """
 
 from __future__ import annotations
@@ -155,34 +156,6 @@ class ModelShape:
             config = cls(**common)
         config._attn_implementation = attn_implementation
         return config
-
-    def matmul_flops_per_token(self) -> float:
-        """Forward FLOPs per token of the dense matmuls (projections, MLP, LM head), excluding attention scores.
-
-        MoE: the router plus the ``experts_per_token`` experts a token visits (gate, up, down each).
-        """
-        attn_proj = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        if self.is_moe:
-            mlp = self.experts_per_token * mlp + self.hidden * self.experts
-        return 2.0 * (self.layers * (attn_proj + mlp) + self.hidden * self.vocab)
-
-    def windowed_layers(self) -> int:
-        """Layers attending through ``sliding_window`` (GPT-OSS's default: layers 0, 2, 4, ...)."""
-        return (self.layers + 1) // 2 if self.sliding_window else 0
-
-    def attention_flops(self, lengths: list[int]) -> float:
-        """Forward FLOPs of causal attention within samples: QK^T and PV over the lower triangle.
-
-        A sliding-window layer sees at most ``sliding_window`` keys per query (itself included).
-        """
-        full_pairs = sum(n * (n + 1) / 2 for n in lengths)
-        per_layer = (self.layers - self.windowed_layers()) * full_pairs
-        if self.sliding_window:
-            w = self.sliding_window
-            window_pairs = sum(n * (n + 1) / 2 if n <= w else w * (w + 1) / 2 + (n - w) * w for n in lengths)
-            per_layer += self.windowed_layers() * window_pairs
-        return 4.0 * self.heads * self.head_dim * per_layer
 
     def param_count(self) -> int:
         """Parameters of the base model (embeddings, head, projections, MLP or experts; norms and biases

@@ -9,7 +9,8 @@ A job holds at least one GPU, so a free GPU always has a free thread.
 ``create_worker_app`` builds the app and connects the signals; the store engine, Redis client
 and the presence thread are opened once in the worker process when it is ready
 (``worker_ready``; a task arriving first opens them) and closed at ``worker_shutdown``.
-When the worker is asked to shut down (Ctrl-C, SIGTERM), ``worker_shutting_down`` sets an
+Before that it kills what an earlier run of this worker left (``kill_leftovers``). When the
+worker is asked to shut down (Ctrl-C, SIGTERM), ``worker_shutting_down`` sets an
 event the running jobs watch: each trainer gets SIGTERM, writes a checkpoint, and its job goes
 back to the queue to resume later instead of holding the shutdown for as long as training takes.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import threading
 from typing import Any
 
@@ -26,7 +28,9 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from core.queue import make_celery
 from core.settings import Settings
+from worker.launch import worker_host_tag
 from worker.presence import Presence
+from worker.process import signal_tagged, tagged_pids, wait_untagged
 from worker.runtime import Runtime, WorkerOptions
 from worker.tasks import register_tasks
 
@@ -49,6 +53,7 @@ class _ProcessState:
         with self._lock:
             if self.runtime is not None:
                 return
+            kill_leftovers(self.options.worker_id)
             self.runtime = Runtime.open(self.settings, self.options, celery=self.app, shutdown_event=self.shutdown)
             self.presence = Presence(self.runtime)
             self.presence.start()
@@ -71,6 +76,20 @@ class _ProcessState:
             self.open()  # a task before worker_ready
         assert self.runtime is not None
         return self.runtime
+
+
+def kill_leftovers(worker_id: str) -> list[int]:
+    """SIGKILL processes an earlier run of this worker started and left (it was itself killed:
+    ranks live in sessions of their own and survive it, holding GPU memory). Runs before this
+    worker starts any job, so every process still tagged with its id is a leftover. Worker ids
+    are unique per host (they key the GPU pool)."""
+    tag = worker_host_tag(worker_id)
+    left = tagged_pids(tag)
+    if left:
+        log.warning("killing %d processes left by an earlier run of worker %s: %s", len(left), worker_id, left)
+        signal_tagged(tag, signal.SIGKILL)
+        wait_untagged(tag)
+    return left
 
 
 def create_worker_app(settings: Settings, options: WorkerOptions) -> Celery:

@@ -50,22 +50,23 @@ def detect_hardware(runtime: Runtime, timeout_s: float = 180.0) -> dict[str, Any
 def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
     """Insert or refresh this worker's row and its GPU pool (the id is stable per host and GPUs)."""
     now = utcnow()
-    with runtime.sessionmaker.begin() as session:
-        row = session.execute(
-            select(Worker).where(Worker.worker_id == runtime.worker_id).with_for_update()
-        ).scalar_one_or_none()
-        if row is None:
-            row = Worker(worker_id=runtime.worker_id, started_at=now)
-            session.add(row)
-        row.hostname = socket.gethostname()
-        row.device = _device(runtime, hardware)
-        row.hardware = hardware
-        row.current_job_id = runtime.current_job_id
-        row.started_at = now
-        row.heartbeat_at = now
-        session.flush()
-        register_pool(session, runtime.worker_id, runtime.options.pool)
-    runtime.mark_registered()
+    with runtime.register_lock:
+        with runtime.sessionmaker.begin() as session:
+            row = session.execute(
+                select(Worker).where(Worker.worker_id == runtime.worker_id).with_for_update()
+            ).scalar_one_or_none()
+            if row is None:
+                row = Worker(worker_id=runtime.worker_id, started_at=now)
+                session.add(row)
+            row.hostname = socket.gethostname()
+            row.device = _device(runtime, hardware)
+            row.hardware = hardware
+            row.current_job_id = runtime.current_job_id
+            row.started_at = now
+            row.heartbeat_at = now
+            session.flush()
+            register_pool(session, runtime.worker_id, runtime.options.pool)
+        runtime.mark_registered()
 
 
 def _device(runtime: Runtime, hardware: dict[str, Any]) -> str:

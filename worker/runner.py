@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
 from trainer import layout
 from worker.outcome import Outcome, StopReason, classify
+from worker.launch import launch_argv, run_tag
 from worker.process import TrainerExit, TrainerProcess
 from worker.recorder import EventRecorder
 from worker.runtime import Runtime
@@ -181,13 +181,17 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         else:
             recorder.add(event)
 
+    rank_logs = claim.output_dir / "ranks" / f"attempt-{claim.attempt}"
     trainer = TrainerProcess(
-        [*runtime.options.trainer_argv, "run", str(job_json)],
+        launch_argv(runtime.options, job_json, ranks=claim.gpus, rank_log_dir=rank_logs),
         on_event=on_event,
         env=trainer_env(runtime, claim.devices),
         cwd=claim.output_dir,
         stderr_path=claim.output_dir / "trainer.stderr.log",
         tail_lines=runtime.options.stderr_tail_lines,
+        tag=run_tag(runtime.worker_id, claim.job_id, claim.attempt),
+        ranks=claim.gpus,
+        rank_log_dir=rank_logs,
     )
     watchdog = Watchdog(runtime, claim, trainer)
     error: Exception | None = None
@@ -204,7 +208,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         error = exc
     finally:
         watchdog.stop()
-        exit_ = trainer.finish() if _started(trainer) else TrainerExit(returncode=-1, stderr_tail=())
+        exit_ = trainer.finish() if _started(trainer) else TrainerExit(returncode=-1, stderr_tail=(), world_size=claim.gpus)
         _flush(recorder, only_if_due=False, attempts=5)
     if error is not None:
         return Outcome(JobStatus.failed, "worker_error", f"the worker failed while running the trainer: {error!r}"), None
@@ -272,7 +276,7 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
         row = session.execute(
             select(Job.status, Job.worker_id, Job.attempts).where(Job.job_id == job_id).with_for_update()
         ).one()
-        _set_worker_job(session, runtime.worker_id, next((j for j in runtime.running if j != job_id), None))
+        _set_worker_job(session, runtime.worker_id, runtime.other_job(job_id))
         ours = row.status == JobStatus.running.value and row.worker_id == runtime.worker_id and row.attempts == claim.attempt
         if outcome.status is None or not ours:
             log.warning("job %s is %s under %s now; leaving it as it is", job_id, row.status, row.worker_id)
@@ -379,7 +383,7 @@ class Watchdog:
             log.warning("job %s: stopping the trainer (lost: %s)", self._claim.job_id, why)
             self.stop_reason = StopReason.lost
             self._kill_at = None
-        self._trainer.signal_group(signal.SIGKILL)
+        self._trainer.kill()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -413,9 +417,9 @@ class Watchdog:
             if reason is not None and self.stop_reason is None:
                 self._request_stop(reason)
             if self._kill_at is not None and time.monotonic() >= self._kill_at and self.stop_reason is not StopReason.lost:
-                log.warning("job %s: trainer still running %gs after SIGTERM; killing its process group",
+                log.warning("job %s: trainer still running %gs after SIGTERM; killing all its processes",
                             self._claim.job_id, settings.cancel_grace_s)
-                self._trainer.signal_group(signal.SIGKILL)
+                self._trainer.kill()
                 self._kill_at = None
             if self._stopped.wait(poll_s):
                 return
@@ -426,7 +430,7 @@ class Watchdog:
                 return
             self.stop_reason = reason
         log.info("job %s: stopping the trainer (%s)", self._claim.job_id, reason.value)
-        self._trainer.signal_group(signal.SIGTERM)
+        self._trainer.terminate()
         self._kill_at = time.monotonic() + self._runtime.settings.cancel_grace_s
 
     def _mine(self) -> Any:
@@ -443,7 +447,7 @@ class Watchdog:
             owned = session.execute(
                 update(Job).where(self._mine()).values(heartbeat_at=now).execution_options(synchronize_session=False)
             ).rowcount == 1
-            _set_worker_job(session, self._runtime.worker_id, self._claim.job_id)
+            _set_worker_job(session, self._runtime.worker_id, self._runtime.current_job_id)
             cancel = session.execute(
                 select(Job.cancel_requested).where(Job.job_id == self._claim.job_id)
             ).scalar_one_or_none()

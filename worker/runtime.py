@@ -129,6 +129,8 @@ class Runtime:
         self.running: dict[str, int] = {}
         """Jobs this host runs now (job id → GPUs), one per busy task thread."""
         self._lock = threading.Lock()
+        self.register_lock = threading.Lock()
+        """Held while this host's row and pool are written (presence.register, ensure_registered)."""
         self._registered = False
 
     @classmethod
@@ -177,10 +179,15 @@ class Runtime:
         with self._lock:
             self.running.pop(job_id, None)
 
+    def other_job(self, job_id: str) -> str | None:
+        """The latest claimed job still running here other than ``job_id`` (None: none)."""
+        with self._lock:
+            return next((j for j in reversed(self.running) if j != job_id), None)
+
     def ensure_registered(self) -> None:
         """Give the store this host's row and GPU pool, once (presence.register does it at start;
         a claim before that, or without presence, must not find the host missing)."""
-        with self._lock:
+        with self.register_lock:
             if self._registered:
                 return
             with self.sessionmaker.begin() as session:
@@ -193,8 +200,8 @@ class Runtime:
             self._registered = True
 
     def mark_registered(self) -> None:
-        with self._lock:
-            self._registered = True
+        """Called with ``register_lock`` held, after the row and the pool were written."""
+        self._registered = True
 
     def close(self) -> None:
         if self.redis is not None:

@@ -7,6 +7,8 @@ Two stores, one fixture (``stack``, parametrized):
               ``ftq worker`` started separately, as in production.
 ``embedded``  ``ftq up`` with no URL set: SQLite store and SQLAlchemy broker in a tmp data dir.
 
+``pool_stack`` is the PostgreSQL stack with a worker of 3 CPU slots (multi-GPU jobs on CPU ranks).
+
 Both authenticate as an admin made the way a user would: the embedded stack reads the key
 that ``ftq up`` created on its first start and saved to the client config (``FTQ_CONFIG`` in
 tmp); the PostgreSQL stack runs ``ftq users create e2e --admin`` and reads the printed key.
@@ -103,7 +105,8 @@ def _embedded_stack(base: Path, model_root: Path) -> Iterator[Stack]:
     assert codes["up"] == 0, f"ftq up did not stop cleanly: {codes}\n{stack.log_tail()}"
 
 
-def _postgres_stack(base: Path, model_root: Path, extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
+def _postgres_stack(base: Path, model_root: Path, extra_env: dict[str, str] | None = None,
+                    worker_args: tuple[str, ...] = ()) -> Iterator[Stack]:
     import psycopg
     import redis
 
@@ -130,7 +133,8 @@ def _postgres_stack(base: Path, model_root: Path, extra_env: dict[str, str] | No
                        timeout=120)
         stack.api_key = stack.create_user("e2e", "--admin")
         stack.start("api", [sys.executable, "-m", "cli", "api"], env)
-        stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", f"e2e-{db_name}"], env)
+        stack.worker_id = f"e2e-{db_name}"
+        stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", stack.worker_id, *worker_args], env)
         stack.wait_ready()
         yield stack
     finally:
@@ -156,6 +160,13 @@ def _empty_redis_db(redis: Any) -> int:
         _unavailable(f"Redis is not reachable at {REDIS_URL}: {exc}")
     _unavailable(f"Redis at {REDIS_URL} has no empty db among 1-14 for the end-to-end queue")
     raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def pool_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
+    """The PostgreSQL + Redis stack whose one worker host has 3 CPU slots (``ftq worker --slots 3``):
+    a job of N "GPUs" runs N ranks on the CPU under torchrun (gloo)."""
+    yield from _postgres_stack(tmp_path_factory.mktemp("pool"), model_root, worker_args=("--slots", "3"))
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,8 @@ class Stack:
     """An admin's API key, sent by ``client()``."""
     env: dict[str, str] = field(default_factory=dict)
     """The stack's environment (store URLs, FTQ_CONFIG): for ``ftq users ...`` and client commands."""
+    worker_id: str = ""
+    """The worker's ``--name`` where the stack sets one."""
 
     def client(self, **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}", **kwargs.pop("headers", {})}

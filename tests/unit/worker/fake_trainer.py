@@ -13,6 +13,11 @@ model. Every run appends a line to ``<output_dir>/runs.txt`` and writes its envi
     cooperative steps forever; on SIGTERM a checkpoint and done cancelled
     silent_ok   prints nothing but noise and exits 0 (no done event)
     messy       like ok, with a step event that has no step and a log message holding a NUL
+    rankkill    under torchrun: every rank starts a grandchild in a session of its own (pid in
+                rank<r>-grandchild.pid) and steps; rank 1 SIGKILLs itself after its second step
+
+Under torchrun (``RANK`` set) only rank 0 emits events, as the real trainer; each rank writes its
+pid to ``rank<r>.pid`` and its ``CUDA_VISIBLE_DEVICES`` to ``cuda<r>.txt``.
 
 ``detect --json`` prints a small hardware report.
 """
@@ -32,7 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from trainer import layout  # noqa: E402
 from trainer.events import STEP_FIELDS, Emitter  # noqa: E402
 
-emit = Emitter()
+RANK = int(os.environ.get("RANK", "0"))
+_emit = Emitter()
+
+
+def emit(type_: str, **payload) -> None:
+    if RANK == 0:
+        _emit(type_, **payload)
 
 
 def decision(name: str, enabled: bool, backend: str | None, reason: str) -> dict:
@@ -68,6 +79,9 @@ def run(job_json: str) -> int:
     with (out / "runs.txt").open("a") as f:
         f.write(f"{os.getpid()}\n")
     (out / "cuda.txt").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+    if "RANK" in os.environ:
+        (out / f"rank{RANK}.pid").write_text(str(os.getpid()))
+        (out / f"cuda{RANK}.txt").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     _, mode, *rest = config["model"]["name_or_path"].split(":")
     steps = int(rest[0]) if rest else 3
     emit("plan", hardware={"device": "cpu"}, **PLAN, total_steps=steps,
@@ -110,6 +124,18 @@ def run(job_json: str) -> int:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         (out / "grandchild.pid").write_text(str(child.pid))
         return _step_forever(steps)
+    if mode == "rankkill":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+        (out / f"rank{RANK}-grandchild.pid").write_text(str(child.pid))
+        print(f"rank {RANK} starting", file=sys.stderr, flush=True)
+        n = 0
+        while True:
+            n += 1
+            step(n, None)
+            time.sleep(0.05)
+            if RANK == 1 and n == 2:
+                print("rank 1: about to be killed", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
     if mode == "cooperative":
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from core.jobs.states import JobStatus
-from worker.outcome import StopReason, classify
-from worker.process import TrainerExit
+from worker.outcome import StopReason, classify, culprit
+from worker.process import RankFailure, TrainerExit, parse_torchrun_failures
 
 DONE = {
     "succeeded": {"type": "done", "status": "succeeded"},
@@ -47,3 +47,67 @@ def test_a_signal_death_names_the_signal_and_ends_with_the_stderr_tail():
 def test_a_reported_failure_without_stderr_is_just_the_message():
     outcome = classify(TrainerExit(1, ()), DONE["failed"], None, cancel_grace_s=5)
     assert outcome.message == "loss became NaN"
+
+
+SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+trainer FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-23_23:08:49
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 3459)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 3459
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_23:08:49
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 3460)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 3460
+======================================================
+""".splitlines()
+"""What torchrun 2.13 prints when rank 1 of 2 is SIGKILLed (captured from a CPU run)."""
+
+
+class TestRanks:
+    def test_torchruns_summary_parses_to_the_failed_ranks_root_cause_first(self):
+        assert parse_torchrun_failures(SUMMARY) == (RankFailure(1, -9, True), RankFailure(0, -15, False))
+        assert parse_torchrun_failures(["no summary here"]) == ()
+
+    def test_a_rank_killed_by_sigkill_is_the_cause_even_after_rank_0_reported_the_broken_peer(self):
+        exit_ = TrainerExit(1, ("torchrun noise",), 2, parse_torchrun_failures(SUMMARY),
+                            {1: ("rank 1: loading", "rank 1: about to be killed")})
+        done = {"status": "failed", "error_code": "internal_error", "message": "rank 0: RuntimeError: Connection reset by peer"}
+        outcome = classify(exit_, done, None, cancel_grace_s=1)
+        assert (outcome.status, outcome.error_code) == (JobStatus.failed, "out_of_memory")
+        assert outcome.message.startswith("rank 1 of 2 was killed by SIGKILL")
+        assert "rank 0 then reported: rank 0: RuntimeError: Connection reset by peer" in outcome.message
+        assert outcome.message.endswith("--- last 2 lines of rank 1's stderr ---\nrank 1: loading\nrank 1: about to be killed")
+
+    def test_the_torchrun_sigterm_of_the_survivors_is_never_the_cause(self):
+        failures = (RankFailure(0, -15, True), RankFailure(1, 1, False))
+        assert culprit(failures) == RankFailure(0, -15, True)  # no other: torchrun's root cause
+        assert culprit((RankFailure(0, -15, True), RankFailure(1, -11, False))) == RankFailure(1, -11, False)
+
+    def test_a_rank_exiting_with_a_code_and_no_done_is_a_crash_naming_it(self):
+        exit_ = TrainerExit(1, (), 4, (RankFailure(2, 1, True), RankFailure(0, -15, False)), {2: ("Traceback", "ValueError: x")})
+        outcome = classify(exit_, None, None, cancel_grace_s=1)
+        assert outcome.error_code == "trainer_crashed" and "rank 2 of 4 exited with code 1" in outcome.message
+        assert outcome.message.endswith("ValueError: x")
+
+    def test_rank_0s_own_reported_failure_keeps_its_code(self):
+        exit_ = TrainerExit(1, (), 2, (RankFailure(0, 1, True), RankFailure(1, 1, False)), {0: ("config: bad",)})
+        outcome = classify(exit_, DONE["failed"], None, cancel_grace_s=1)
+        assert outcome.error_code == "nan_loss" and "rank 0 of 2 failed first" in outcome.message
+
+    def test_a_cancel_reads_as_for_one_rank(self):
+        exit_ = TrainerExit(1, (), 2, (RankFailure(1, -15, True),), {})
+        outcome = classify(exit_, DONE["cancelled"], StopReason.cancel, cancel_grace_s=1)
+        assert outcome.status is JobStatus.cancelled

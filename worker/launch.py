@@ -1,0 +1,58 @@
+"""How a claimed job's processes start: the trainer itself for one GPU, torchrun for several.
+
+    1 GPU     <trainer_argv> run job.json                       (python -m trainer run job.json)
+    N GPUs    <torchrun_argv> --standalone --nproc-per-node=N --log-dir=<dir> --tee=2
+                  <trainer module or script> run job.json        (one rank per GPU)
+
+``--standalone`` runs a local rendezvous on a free port, so several multi-GPU jobs of one host
+never meet. ``CUDA_VISIBLE_DEVICES`` (worker/runner.py ``trainer_env``) holds the job's reserved
+GPUs, so rank r uses the r-th of them. ``--log-dir`` keeps each rank's stderr in a file of its
+own and ``--tee=2`` also copies it, prefixed ``[default<r>]:``, to torchrun's stderr, which the
+worker keeps as ``trainer.stderr.log``. stdout is not redirected: rank 0's events reach the
+worker through torchrun's stdout pipe (only rank 0 emits them).
+
+Every process of the run carries ``run_tag`` in its environment (worker/process.py), so the
+worker can stop all of them, whatever session torchrun put them in.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from worker.runtime import WorkerOptions
+
+
+def launch_argv(options: WorkerOptions, job_json: Path, *, ranks: int, rank_log_dir: Path) -> list[str]:
+    """The command that runs ``job_json`` on ``ranks`` ranks (one per reserved GPU)."""
+    if ranks == 1:
+        return [*options.trainer_argv, "run", str(job_json)]
+    return [
+        *options.torchrun_argv,
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        f"--log-dir={rank_log_dir}",
+        "--tee=2",
+        *torchrun_entry(options.trainer_argv),
+        "run",
+        str(job_json),
+    ]
+
+
+def torchrun_entry(trainer_argv: tuple[str, ...]) -> list[str]:
+    """``trainer_argv`` as torchrun's entry point: what follows the Python interpreter
+    (``-m trainer`` or a script), or the whole command after ``--no-python``."""
+    first = Path(trainer_argv[0]).name
+    if trainer_argv[0] == sys.executable or first.startswith("python"):
+        return list(trainer_argv[1:])
+    return ["--no-python", *trainer_argv]
+
+
+def run_tag(worker_id: str, job_id: str, attempt: int) -> str:
+    """The tag every process of one attempt of a job carries: ``<worker>|<job>|<attempt>``."""
+    return f"{worker_host_tag(worker_id)}{job_id}|{attempt}"
+
+
+def worker_host_tag(worker_id: str) -> str:
+    """The prefix of the tags of every run this worker starts (to find leftovers at its start)."""
+    return f"{worker_id}|"

@@ -86,10 +86,7 @@ class StepEvent:
     host_rss: int | None
     """Resident set size of the trainer process (bytes); the largest over ranks."""
     ranks: list[dict[str, Any]] | None = None
-    """Several ranks: one ``{rank, step_ms, data_ms, forward_ms, backward_ms, optimizer_ms,
-    tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, host_rss}`` per rank (the fields
-    above are then the job's: tokens summed, times of the slowest rank, memory the largest);
-    None for a one-rank run."""
+    """Several ranks: per rank {rank, the step/phase *_ms, tokens, gpu_mem_*, host_rss} (the fields above are then the job's); None for one rank."""
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent))

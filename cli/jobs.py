@@ -110,11 +110,13 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def queue_line(queue: dict[str, Any]) -> str:
-    """``queued at position 2 (1 ahead), estimated start 2026-11-22 04:10 UTC`` for people."""
+    """``queued at position 2 (1 ahead), estimated start 2026-11-22 04:10 UTC`` for people (and,
+    for the head of the queue, whose GPUs it holds)."""
     ahead = len(queue.get("ahead") or [])
     start = queue.get("estimated_start_at")
     when = f"estimated start {start[:16].replace('T', ' ')} UTC" if start else "start time unknown"
-    return f"queued at position {queue['position']} ({ahead} ahead), {when}"
+    holds = f"; holding the free GPUs of {queue['holds']} until it starts" if queue.get("holds") else ""
+    return f"queued at position {queue['position']} ({ahead} ahead), {when}{holds}"
 
 
 def run_jobs(args: argparse.Namespace) -> int:
@@ -130,14 +132,25 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 
 def format_jobs(jobs: list[dict[str, Any]]) -> str:
-    rows = [("ID", "STATUS", "STEP", "OWNER", "MODEL", "CREATED")]
+    rows = [("ID", "STATUS", "STEP", "GPUS", "OWNER", "MODEL", "CREATED")]
     for job in jobs:
         progress = job["progress"]
         step = f"{progress['step']}/{progress['total_steps'] or '?'}"
-        rows.append((job["id"], job["status"], step, job.get("owner") or "-", job["model"],
+        rows.append((job["id"], job["status"], step, gpus_cell(job), job.get("owner") or "-", job["model"],
                      job["created_at"][:19].replace("T", " ")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def gpus_cell(job: dict[str, Any]) -> str:
+    """``2`` for a job of 2 GPUs; ``2@box:0,1`` while it holds GPUs 0 and 1 of host ``box``."""
+    held = job.get("held_gpus") or []
+    if not held:
+        return str(job.get("gpus", 1))
+    hosts: dict[str, list[str]] = {}
+    for gpu in held:
+        hosts.setdefault(gpu["worker"], []).append(str(gpu["device"] if gpu["device"] is not None else gpu["slot"]))
+    return f"{job.get('gpus', len(held))}@" + ";".join(f"{host}:{','.join(ids)}" for host, ids in hosts.items())
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -219,6 +232,9 @@ def describe(kind: str, data: dict[str, Any]) -> str:
     """One line per event for people."""
     if kind == "state":
         extra = data.get("error_code") or data.get("reason") or data.get("message")
+        if data.get("slots") and not extra:
+            slots = data["slots"]
+            extra = f"on {data.get('worker_id')}, GPU slot{'s' if len(slots) > 1 else ''} {','.join(map(str, slots))}"
         return f"state: {data.get('status')}" + (f" ({extra})" if extra else "")
     if kind == "step":
         return progress_line(data)
@@ -229,8 +245,15 @@ def describe(kind: str, data: dict[str, Any]) -> str:
     if kind == "plan":
         # attention and loss always pick a backend; the other decisions are optimizations, on or off.
         on = [d["name"] for d in data.get("decisions", []) if d.get("enabled") and d["name"] not in ("attention", "loss")]
+        on = [name for name in on if name != "parallelism"]
         device = (data.get("hardware") or {}).get("device")
-        return f"plan: {device}, {data.get('total_steps')} steps, optimizations on: {', '.join(on) or 'none'}"
+        ranks = ""
+        if (data.get("world_size") or 1) > 1:
+            how = {d["name"]: d.get("backend") for d in data.get("decisions", [])}.get("parallelism")
+            link = (data.get("hardware") or {}).get("interconnect")
+            ranks = f", {data['world_size']} ranks" + (f" ({', '.join(x for x in (how, link) if x)})" if how or link else "")
+        return (f"plan: {device}{ranks}, {data.get('total_steps')} steps, "
+                f"optimizations on: {', '.join(on) or 'none'}")
     if kind == "eval":
         return f"eval: step {data.get('step')} loss {data.get('loss')}"
     return f"{kind}: {json.dumps(data)}"

@@ -43,6 +43,7 @@ from core.queue import enqueue_job
 from core.settings import Settings
 from core.users import access
 from core.users.service import names_by_id
+from core.workers import pool
 from trainer import layout
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,11 @@ def list_jobs(
         session, statuses=_parse_statuses(status_), owner_id=owner_id, limit=limit, after=after
     )
     names = names_by_id(session, {j.owner_id for j in jobs})
-    return JobList(data=[JobOut.of(j, owner=names.get(j.owner_id or "")) for j in jobs], next_cursor=next_cursor)
+    held = pool.held_by(session, [j.job_id for j in jobs if j.status == JobStatus.running.value])
+    return JobList(
+        data=[JobOut.of(j, owner=names.get(j.owner_id or ""), held=held.get(j.job_id, ())) for j in jobs],
+        next_cursor=next_cursor,
+    )
 
 
 @router.get("/{job_id}", summary="Read one job")
@@ -260,7 +265,8 @@ def _archive_response(
 
 def _out(session: Session, job: Job, settings: Settings | None = None) -> JobOut:
     """The job as the API shows it; with ``settings``, a queued job also gets its ``queue``."""
-    out = JobOut.of(job, owner=access.owner_name(session, job.owner_id))
+    held = pool.held_by(session, [job.job_id]).get(job.job_id, ()) if job.status == JobStatus.running.value else ()
+    out = JobOut.of(job, owner=access.owner_name(session, job.owner_id), held=held)
     if settings is not None and job.status == JobStatus.queued.value:
         out.queue = queue_info(eta.snapshot(session, settings).entry(job.job_id))
     return out

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -32,7 +33,25 @@ class QueueInfo(BaseModel):
     ahead: list[str]
     """Ids of the queued jobs before it."""
     estimated_start_at: dt.datetime | None
-    """From the running jobs' pace and the live workers; null when unknown."""
+    """From the running jobs' pace and the live workers' GPUs; null when unknown."""
+    holds: str | None = None
+    """The worker host whose free GPUs wait for this job: it is the head of the queue and needs
+    more GPUs of one host than are free now (later jobs may not take them)."""
+
+
+class HeldGpu(BaseModel):
+    """One GPU a running job holds."""
+
+    worker: str
+    """The worker host."""
+    slot: int
+    """Its place in the host's pool (0-based)."""
+    device: str | None
+    """The GPU as CUDA_VISIBLE_DEVICES names it on that host (index or UUID); null for a CPU slot."""
+
+    @classmethod
+    def of(cls, row: Any) -> HeldGpu:
+        return cls(worker=row.worker_id, slot=row.slot, device=row.device)
 
 
 class DecisionOut(BaseModel):
@@ -107,6 +126,9 @@ class JobOut(BaseModel):
     priority: str
     """low, normal or high: the order in which waiting jobs are claimed."""
     gpus: int
+    """GPUs of one worker host the job runs on (one rank each)."""
+    held_gpus: list[HeldGpu] = []
+    """The GPUs it holds while it runs (empty otherwise)."""
     queue: QueueInfo | None = None
     """Only for a queued job, on ``GET /v1/jobs/{id}`` and its submission: position and estimated start."""
     attempts: int
@@ -118,7 +140,8 @@ class JobOut(BaseModel):
     updated_at: dt.datetime
 
     @classmethod
-    def of(cls, job: Job, *, owner: str | None = None) -> JobOut:
+    def of(cls, job: Job, *, owner: str | None = None, held: Sequence[Any] = ()) -> JobOut:
+        """``held``: the job's ``gpu_slot`` rows (core/workers/pool.py ``held_by``)."""
         return cls(
             id=job.job_id,
             name=job.name,
@@ -134,6 +157,7 @@ class JobOut(BaseModel):
             owner=owner,
             priority=job.priority,
             gpus=job.gpus,
+            held_gpus=[HeldGpu.of(row) for row in held],
             attempts=job.attempts,
             worker=job.worker_id,
             cancel_requested=job.cancel_requested,
@@ -208,4 +232,5 @@ class CheckpointList(BaseModel):
 def queue_info(entry: QueueEntry | None) -> QueueInfo | None:
     if entry is None:
         return None
-    return QueueInfo(position=entry.position, ahead=list(entry.ahead), estimated_start_at=entry.estimated_start_at)
+    return QueueInfo(position=entry.position, ahead=list(entry.ahead), estimated_start_at=entry.estimated_start_at,
+                     holds=entry.holds)

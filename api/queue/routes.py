@@ -15,9 +15,11 @@ router = APIRouter(tags=["jobs"])
 
 @router.get("/v1/queue", summary="Queued jobs in claim order, with positions and estimated start times")
 def get_queue(session: SessionDep, state: StateDep) -> QueueOut:
-    """Claim order is priority (high, normal, low), then submission time. A job whose owner
-    already runs as many jobs as their cap allows keeps its position but is passed over until
-    one of them ends; ``estimated_start_at`` accounts for that (model: core/jobs/eta.py)."""
+    """Claim order is priority (high, normal, low), then submission time. A job runs on its
+    ``gpus`` GPUs of one worker host; the first job that fits no host yet holds the host it waits
+    for (``holds``) and later jobs may only use other hosts' GPUs. A job whose owner's running
+    jobs hold as many GPUs as their cap allows keeps its position but is passed over until
+    one of them ends; ``estimated_start_at`` accounts for all of it (model: core/jobs/eta.py)."""
     snap = eta.snapshot(session, state.settings)
     owner_ids = {e.job.owner_id for e in snap.entries} | {r.owner_id for r in snap.running}
     owner_ids.discard(None)

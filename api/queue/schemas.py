@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from api.jobs.schemas import HeldGpu
 from core.jobs.eta import QueueEntry, QueueSnapshot, RunningEntry
 
 
@@ -17,6 +18,9 @@ class QueuedJobOut(BaseModel):
     """Ids of the queued jobs before it."""
     estimated_start_at: dt.datetime | None
     """Null when unknown (no live worker, or no pace to go by): see core/jobs/eta.py."""
+    holds: str | None
+    """The worker host whose free GPUs wait for this job (the head of the queue that fits no
+    host yet; later jobs may not take them): see core/jobs/placement.py."""
     priority: str
     owner: str | None
     gpus: int
@@ -32,6 +36,7 @@ class QueuedJobOut(BaseModel):
             position=entry.position,
             ahead=list(entry.ahead),
             estimated_start_at=entry.estimated_start_at,
+            holds=entry.holds,
             priority=job.priority,
             owner=owners.get(job.owner_id) if job.owner_id else None,
             gpus=job.gpus,
@@ -44,6 +49,9 @@ class RunningJobOut(BaseModel):
     id: str
     worker: str | None
     owner: str | None
+    gpus: int
+    held_gpus: list[HeldGpu]
+    """The GPUs it holds."""
     estimated_finish_at: dt.datetime | None
     """From its remaining steps and recent pace; null when unknown."""
 
@@ -53,6 +61,8 @@ class RunningJobOut(BaseModel):
             id=entry.job_id,
             worker=entry.worker_id,
             owner=owners.get(entry.owner_id) if entry.owner_id else None,
+            gpus=entry.gpus,
+            held_gpus=[HeldGpu(worker=w, slot=s, device=d) for w, s, d in entry.held],
             estimated_finish_at=entry.estimated_finish_at,
         )
 
@@ -63,9 +73,12 @@ class QueueOut(BaseModel):
     """Every queued job, in claim order."""
     running: list[RunningJobOut]
     live_workers: int
-    """Workers with a fresh heartbeat: the slots the estimates assume."""
+    """Worker hosts with a fresh heartbeat: their GPUs are what the estimates assume."""
+    live_gpus: int
+    """GPUs of those hosts together."""
     max_running_jobs_per_user: int
-    """The box's default cap on a user's running jobs (0 = none); a user may have their own."""
+    """The box's default cap on the GPUs a user's running jobs hold (0 = none); a user may have
+    their own."""
     computed_at: dt.datetime
 
     @classmethod
@@ -74,6 +87,7 @@ class QueueOut(BaseModel):
             data=[QueuedJobOut.of(e, owners) for e in snap.entries],
             running=[RunningJobOut.of(r, owners) for r in snap.running],
             live_workers=snap.live_workers,
+            live_gpus=snap.live_gpus,
             max_running_jobs_per_user=default_cap,
             computed_at=snap.computed_at,
         )

@@ -13,8 +13,9 @@ from api.deps import SessionDep, StateDep
 from api.errors import error_body
 from api.state import AppState
 from api.jobs.schemas import PlanOut
-from api.system.schemas import HardwareList, Health, Readiness, WorkerOut
+from api.system.schemas import GpuOut, HardwareList, Health, Readiness, WorkerOut
 from core.db import utcnow
+from core.workers import pool
 from core.workers.models import Worker
 
 router = APIRouter(tags=["system"])
@@ -22,11 +23,12 @@ router = APIRouter(tags=["system"])
 CHECK_TIMEOUT_S = 3.0
 
 
-@router.get("/v1/hardware", summary="Workers of this box: device, detected hardware, plan, liveness")
+@router.get("/v1/hardware", summary="Worker hosts of this box: their GPUs and the jobs holding them, detected hardware, plan, liveness")
 def hardware(session: SessionDep, state: StateDep) -> HardwareList:
     now = utcnow()
     timeout = state.settings.heartbeat_timeout_s
     rows = session.scalars(select(Worker).order_by(Worker.hostname, Worker.device, Worker.worker_id))
+    pools = pool.pools(session)
     out = []
     for row in rows:
         age = max((now - row.heartbeat_at).total_seconds(), 0.0)
@@ -36,6 +38,7 @@ def hardware(session: SessionDep, state: StateDep) -> HardwareList:
                 id=row.worker_id,
                 hostname=row.hostname,
                 device=row.device,
+                gpus=[GpuOut(slot=g.slot, device=g.device, job=g.job_id) for g in pools.get(row.worker_id, [])],
                 # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
                 hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
                 plan=PlanOut.of(hw.get("plan")),

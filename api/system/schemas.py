@@ -8,10 +8,23 @@ from pydantic import BaseModel
 from api.jobs.schemas import PlanOut
 
 
+class GpuOut(BaseModel):
+    """One GPU of a worker host's pool (a CPU slot on a box without GPUs)."""
+
+    slot: int
+    device: str | None
+    """As CUDA_VISIBLE_DEVICES names it (index or UUID); null for a CPU slot."""
+    job: str | None
+    """The job holding it, null when free."""
+
+
 class WorkerOut(BaseModel):
     id: str
     hostname: str
     device: str
+    """``cuda:0,1,3`` (the GPUs it holds) or ``cpu``."""
+    gpus: list[GpuOut]
+    """Its pool: a job of N GPUs runs on N of them."""
     hardware: dict[str, Any]
     """What ``python -m trainer detect --json`` reported on the worker's device."""
     plan: PlanOut | None

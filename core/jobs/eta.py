@@ -78,8 +78,8 @@ class RunningEntry:
     owner_id: Owner
     estimated_finish_at: dt.datetime | None
     gpus: int = 1
-    devices: tuple[str, ...] = ()
-    """The GPUs it holds, as ``<worker>:<slot>``."""
+    held: tuple[tuple[str, int, str | None], ...] = ()
+    """The GPUs it holds: ``(worker, slot, device)`` each (device: the CUDA_VISIBLE_DEVICES name)."""
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
         slots = held.get(row.job_id, [])
         where = slots[0].worker_id if slots and slots[0].worker_id in live_ids else None
         busy.append(Busy(row.owner_id, left, row.gpus, where, tuple(s.slot for s in slots) if where else ()))
-        devices = tuple(f"{s.worker_id}:{s.slot}" for s in slots)
-        running.append(RunningEntry(row.job_id, row.worker_id, row.owner_id, _at(now, left), row.gpus, devices))
+        gpus = tuple((s.worker_id, s.slot, s.device) for s in slots)
+        running.append(RunningEntry(row.job_id, row.worker_id, row.owner_id, _at(now, left), row.gpus, gpus))
     durations = {
         job.job_id: None if job.total_steps is None or (pace := paces.of_model(job.model)) is None
         else job.total_steps * pace

@@ -10,9 +10,18 @@ host then claims the job the policy gives it now, whichever job the message name
                   ``Settings.max_running_jobs_per_user`` (the names are older than multi-GPU
                   jobs; both count GPUs: a 1-GPU job counts 1); 0 = no cap. Jobs without an
                   owner share one cap, as one anonymous user.
-    policy        ``core.jobs.placement.place``: best fit on one host; the head of the queue
-                  that fits nowhere yet holds the host it waits for, later jobs backfill only
-                  onto other hosts (no starvation of a 4-GPU job by a stream of 1-GPU jobs)
+    policy        ``core.jobs.placement.place`` (pure, so claims, wake-ups and start estimates
+                  share it): in claim order, each job within its owner's cap takes N free GPUs
+                  of one live host, the host with the fewest free GPUs where it fits (best fit)
+
+No starvation: the first job in claim order that fits no host now (the head) holds the host,
+among those with enough GPUs, that has the most free GPUs; no later job may take a free GPU of
+that host, so its free GPUs only grow as its jobs end, until the head starts. Later jobs backfill
+onto the other hosts' free GPUs, which the head could not use anyway. A 4-GPU job therefore waits
+at most for the jobs running on its held host when it became the head, however many 1-GPU jobs
+arrive after it; only a higher priority passes it. The hold is recomputed by every claim, not
+stored. A job waiting for its owner's cap (and the head) also holds back that owner's later jobs,
+which would otherwise take the cap it waits for.
 
 A claim (``try_claim``) is one transaction: lock the owner, reserve the placement's GPUs (every
 one still free, or the claim fails), then one conditional ``UPDATE job ... WHERE status =

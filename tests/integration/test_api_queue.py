@@ -82,13 +82,13 @@ class TestApi:
         third = client.post("/v1/jobs", json=spec(file_id, priority="high")).json()["id"]
 
         job = client.get(f"/v1/jobs/{first}").json()
-        assert job["queue"] == {"position": 3, "ahead": [third, second], "estimated_start_at": None}
+        assert job["queue"] == {"position": 3, "ahead": [third, second], "estimated_start_at": None, "holds": None}
 
         queue = client.get("/v1/queue").json()
         assert [(q["id"], q["position"], q["priority"]) for q in queue["data"]] == [
             (third, 1, "high"), (second, 2, "normal"), (first, 3, "low")
         ]
-        assert queue["data"][0]["owner"] == "admin" and queue["live_workers"] == 0
+        assert queue["data"][0]["owner"] == "admin" and (queue["live_workers"], queue["live_gpus"]) == (0, 0)
         assert queue["running"] == []
 
         client.post(f"/v1/jobs/{third}/cancel")
@@ -98,3 +98,44 @@ class TestApi:
     def test_the_queue_needs_a_key(self, settings: Settings, client: TestClient) -> None:
         response = client.get("/v1/queue", headers={"Authorization": ""})
         assert response.status_code == 401
+
+
+class TestGpusShown:
+    def test_a_running_job_shows_the_gpus_it_holds_in_the_job_the_list_the_queue_and_the_host(
+        self, client: TestClient, store, settings: Settings
+    ) -> None:
+        add_host(store, "box", 3)
+        file_id = upload(client)
+        job = client.post("/v1/jobs", json=spec(file_id, gpus=2)).json()
+        claim(store, settings, job["id"], "box", (0, 2))
+
+        shown = client.get(f"/v1/jobs/{job['id']}").json()
+        assert shown["gpus"] == 2 and shown["held_gpus"] == [
+            {"worker": "box", "slot": 0, "device": "0"}, {"worker": "box", "slot": 2, "device": "2"}]
+        [listed] = client.get("/v1/jobs").json()["data"]
+        assert listed["held_gpus"] == shown["held_gpus"]
+        [running] = client.get("/v1/queue").json()["running"]
+        assert (running["gpus"], running["held_gpus"]) == (2, shown["held_gpus"])
+        [worker] = client.get("/v1/hardware").json()["data"]
+        assert [(g["slot"], g["device"], g["job"]) for g in worker["gpus"]] == [
+            (0, "0", job["id"]), (1, "1", None), (2, "2", job["id"])]
+
+    def test_the_head_of_the_queue_shows_the_host_it_holds(self, client: TestClient, store, settings: Settings) -> None:
+        add_host(store, "box", 2)
+        file_id = upload(client)
+        first = client.post("/v1/jobs", json=spec(file_id)).json()
+        claim(store, settings, first["id"], "box", (0,))
+        head = client.post("/v1/jobs", json=spec(file_id, gpus=2)).json()
+        queue = client.get("/v1/queue").json()
+        assert [(q["id"], q["holds"]) for q in queue["data"]] == [(head["id"], "box")]
+        assert queue["live_gpus"] == 2
+        assert client.get(f"/v1/jobs/{head['id']}").json()["queue"]["holds"] == "box"
+
+
+def claim(store, settings: Settings, job_id: str, host: str, slots: tuple[int, ...]) -> None:
+    from core.jobs import scheduling
+    from core.jobs.placement import Placement
+
+    with store.sessions() as session:
+        assert scheduling.try_claim(session, Placement(job_id, host, slots), settings)
+        session.commit()

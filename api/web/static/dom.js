@@ -128,6 +128,19 @@ export function progressBar(step, total) {
   );
 }
 
+/** "2" for a job of 2 GPUs; "2 · box: 3, 5" while it holds GPUs 3 and 5 of host box. */
+export function fmtGpus(job) {
+  const held = job.held_gpus || [];
+  const count = String(job.gpus ?? 1);
+  if (!held.length) return count;
+  const hosts = new Map();
+  for (const g of held) {
+    if (!hosts.has(g.worker)) hosts.set(g.worker, []);
+    hosts.get(g.worker).push(g.device ?? `slot ${g.slot}`);
+  }
+  return `${count} · ${[...hosts].map(([host, ids]) => `${host}: ${ids.join(", ")}`).join("; ")}`;
+}
+
 export function jobTitle(job) {
   return job.name || job.id;
 }

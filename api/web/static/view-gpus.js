@@ -1,10 +1,13 @@
-// GPUs: every worker of the box (one per GPU) with its device, liveness,
-// current job and that job's memory against the card's capacity; then the
-// queue (GET /v1/queue) in claim order with each waiting job's position and
-// estimated start.
+// GPUs: every worker host of the box with its GPUs (its pool: GET /v1/hardware),
+// which job holds each GPU (a multi-GPU job spans several, one rank each), its
+// liveness, and each running job's progress and memory per GPU against the
+// card's capacity; then the queue (GET /v1/queue) in claim order with each
+// waiting job's GPU count, position and estimated start.
 //
-// Claim order is priority (high, normal, low), then age; a job whose owner is
-// at their cap on running jobs keeps its place but waits (core/jobs/scheduling.py).
+// Claim order is priority (high, normal, low), then age. A job needs its GPUs
+// on one host; the first job that fits no host yet holds the host it waits for
+// (later jobs only use other hosts' GPUs), and a job whose owner's running jobs
+// hold their cap of GPUs keeps its place but waits (core/jobs/placement.py).
 
 import { api } from "./api.js";
 import { h, clear, fmtAge, fmtBytes, fmtCompact, fmtDuration, fmtEta, fmtTime, jobTitle, progressBar, errorBox, poller, statusBadge } from "./dom.js";
@@ -34,7 +37,70 @@ export function renderGpus(main) {
     return { job, metric };
   }
 
-  function workerCard(worker, current, finishAt) {
+  /** The jobs holding a worker's GPUs, in slot order (an older worker without a pool: its current job). */
+  function jobsOf(worker) {
+    const ids = (worker.gpus || []).map((g) => g.job).filter(Boolean);
+    if (!worker.gpus?.length && worker.current_job) ids.push(worker.current_job);
+    return [...new Set(ids)];
+  }
+
+  function slotStrip(worker, jobs) {
+    const gpus = worker.gpus || [];
+    if (!gpus.length) return null;
+    return h(
+      "div",
+      { class: "gpu-slots", "data-testid": "gpu-slots" },
+      gpus.map((g) => {
+        const current = g.job ? jobs.get(g.job) : null;
+        const mine = gpus.filter((x) => x.job && x.job === g.job);
+        const rank = mine.indexOf(g);
+        const name = g.device !== null && g.device !== undefined ? `GPU ${g.device}` : `Slot ${g.slot}`;
+        return h(
+          "div",
+          { class: `gpu-slot${g.job ? " busy" : ""}`, "data-testid": "gpu-slot", "data-slot": String(g.slot), "data-job-id": g.job || "" },
+          h("span", { class: "gpu-name", text: name }),
+          g.job
+            ? h("a", { href: `#/jobs/${encodeURIComponent(g.job)}`, title: g.job, text: current ? jobTitle(current.job) : g.job })
+            : h("span", { class: "free", text: "free" }),
+          g.job && mine.length > 1 ? h("span", { class: "muted", "data-testid": "gpu-rank", text: `rank ${rank} of ${mine.length}` }) : null,
+        );
+      }),
+    );
+  }
+
+  function memoryBars(metric, capacity) {
+    const perRank = Array.isArray(metric?.ranks) ? metric.ranks : [metric];
+    const bars = perRank.map((r, i) => {
+      const used = r ? r.gpu_mem_reserved ?? r.gpu_mem_allocated : null;
+      const label = perRank.length > 1 ? `rank ${r?.rank ?? i}: ` : "";
+      if (used !== null && used !== undefined && capacity) {
+        return h(
+          "div",
+          { class: "membar", "data-testid": "gpu-memory" },
+          h("meter", { min: 0, max: capacity, value: used, high: capacity * 0.9, "aria-label": `GPU memory in use${label ? ` (${label.slice(0, -2)})` : ""}` }),
+          h("span", { text: `${label}${fmtBytes(used)} of ${fmtBytes(capacity)} reserved` }),
+        );
+      }
+      return r && r.host_rss ? h("p", { "data-testid": "gpu-memory", text: `${label}host RSS ${fmtBytes(r.host_rss)}` }) : null;
+    });
+    return bars.filter(Boolean);
+  }
+
+  function jobBlock(current, finishAt, capacity) {
+    const { job, metric } = current;
+    return h(
+      "div",
+      { class: "current", "data-testid": "worker-job", "data-job-id": job.id },
+      h("p", {}, "Running ", h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }), " ", statusBadge(job.status),
+        job.gpus > 1 ? h("span", { class: "muted", text: ` on ${job.gpus} GPUs` }) : null),
+      progressBar(job.progress.step, job.progress.total_steps),
+      metric ? h("p", { text: `${fmtCompact(metric.tokens_per_s)} tokens/s` }) : null,
+      h("p", { class: "muted", "data-testid": "worker-job-eta", text: `Estimated finish: ${finishAt ? `${fmtEta(finishAt)} (${fmtTime(finishAt)})` : "unknown"}` }),
+      metric ? memoryBars(metric, capacity) : null,
+    );
+  }
+
+  function workerCard(worker, jobs, finishAt) {
     const report = worker.hardware || {};
     const hw = report.hardware || report;
     const capacity = hw.gpu_memory || null;
@@ -42,7 +108,9 @@ export function renderGpus(main) {
     const decisions = plan?.decisions || [];
     // attention and loss always pick a backend; the rest are optimizations that may be on or off.
     const enabled = decisions.filter((d) => d.enabled && d.name !== "attention" && d.name !== "loss").map((d) => d.name);
-    const heading = `${worker.device}${hw.name ? ` · ${hw.name}` : ""}`;
+    const count = (worker.gpus || []).length;
+    const gpuWord = worker.device === "cpu" ? "CPU slot" : "GPU";
+    const heading = `${worker.device}${hw.name ? ` · ${hw.name}` : ""}${count ? ` · ${count} ${gpuWord}${count === 1 ? "" : "s"}` : ""}`;
     const body = [
       h("p", { class: "muted" }, `${worker.hostname} · `, h("span", { class: "mono", text: worker.id })),
       h(
@@ -51,35 +119,16 @@ export function renderGpus(main) {
         h("span", { class: `pill ${worker.alive ? "on" : "off"}`, "data-testid": "worker-alive", text: worker.alive ? "alive" : "no heartbeat" }),
         ` heartbeat ${fmtDuration(worker.heartbeat_age_s)} ago`,
       ),
-      h("p", { text: capacity ? `Memory: ${fmtBytes(capacity)}` : `CPU worker · host memory ${fmtBytes(hw.host_memory)}` }),
+      h("p", { text: capacity ? `Memory: ${fmtBytes(capacity)} per GPU` : `CPU worker · host memory ${fmtBytes(hw.host_memory)}` }),
       report.error ? h("p", { class: "bad", text: `Hardware probe failed: ${report.error}` }) : null,
       h("p", { class: "muted", text: enabled.length ? `Optimizations on by default: ${enabled.join(", ")}` : "No optimization on by default here" }),
+      slotStrip(worker, jobs),
     ];
-    if (current) {
-      const { job, metric } = current;
-      const used = metric ? metric.gpu_mem_reserved ?? metric.gpu_mem_allocated : null;
-      body.push(
-        h(
-          "div",
-          { class: "current", "data-testid": "worker-job" },
-          h("p", {}, "Running ", h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }), " ", statusBadge(job.status)),
-          progressBar(job.progress.step, job.progress.total_steps),
-          metric ? h("p", { text: `${fmtCompact(metric.tokens_per_s)} tokens/s` }) : null,
-          h("p", { class: "muted", "data-testid": "worker-job-eta", text: `Estimated finish: ${finishAt ? `${fmtEta(finishAt)} (${fmtTime(finishAt)})` : "unknown"}` }),
-          used !== null && used !== undefined && capacity
-            ? h(
-                "div",
-                { class: "membar" },
-                h("meter", { min: 0, max: capacity, value: used, high: capacity * 0.9, "aria-label": "GPU memory in use" }),
-                h("span", { text: `${fmtBytes(used)} of ${fmtBytes(capacity)} reserved` }),
-              )
-            : metric && metric.host_rss
-              ? h("p", { text: `Host RSS ${fmtBytes(metric.host_rss)}` })
-              : null,
-        ),
-      );
+    const running = jobsOf(worker).map((jobId) => jobs.get(jobId)).filter(Boolean);
+    if (running.length) {
+      body.push(...running.map((current) => jobBlock(current, finishAt[current.job.id], capacity)));
     } else {
-      body.push(h("p", { class: "idle", "data-testid": "worker-idle", text: worker.current_job ? `Job ${worker.current_job}` : "Idle" }));
+      body.push(h("p", { class: "idle", "data-testid": "worker-idle", text: jobsOf(worker).length ? `Job ${jobsOf(worker).join(", ")}` : "Idle" }));
     }
     return h("article", { class: "card", "data-testid": "worker-card", "data-worker-id": worker.id }, h("h3", { text: heading }), body);
   }
@@ -88,15 +137,15 @@ export function renderGpus(main) {
     try {
       const [workers, queue] = await Promise.all([api("/v1/hardware"), api("/v1/queue")]);
       const finishAt = Object.fromEntries(queue.running.map((r) => [r.id, r.estimated_finish_at]));
-      const currents = await Promise.all(
-        workers.data.map((w) => (w.current_job ? currentJob(w.current_job).catch(() => null) : null)),
-      );
+      const ids = [...new Set(workers.data.flatMap(jobsOf))];
+      const found = await Promise.all(ids.map((jobId) => currentJob(jobId).catch(() => null)));
+      const jobs = new Map(ids.map((jobId, i) => [jobId, found[i]]).filter(([, current]) => current));
       if (poll.stopped) return;
       clear(
         workersEl,
         workers.data.length
-          ? workers.data.map((w, i) => workerCard(w, currents[i], w.current_job ? finishAt[w.current_job] : null))
-          : h("p", { class: "muted", text: "No worker has registered. Start one with `ftq worker` (or `ftq up`)." }),
+          ? workers.data.map((w) => workerCard(w, jobs, finishAt))
+          : h("p", { class: "muted", text: "No worker has registered. Start one with `ftq worker --gpus all` (or `ftq up`)." }),
       );
       renderQueue(queue);
       updated.textContent = `Updated ${new Date().toLocaleTimeString()}`;
@@ -113,13 +162,14 @@ export function renderGpus(main) {
       return;
     }
     const cap = queue.max_running_jobs_per_user;
+    const hosts = `${queue.live_workers} live worker host${queue.live_workers === 1 ? "" : "s"} with ${queue.live_gpus} GPU${queue.live_gpus === 1 ? "" : "s"}`;
     clear(
       queueEl,
-      h("p", { class: "muted", "data-testid": "queue-rules", text: `Claim order: priority (high, normal, low), then age. ${cap ? `Each user runs at most ${cap} job${cap === 1 ? "" : "s"} at once (unless their own cap differs); their next job waits.` : "No per-user cap."} Estimates assume ${queue.live_workers} live worker${queue.live_workers === 1 ? "" : "s"}.` }),
+      h("p", { class: "muted", "data-testid": "queue-rules", text: `Claim order: priority (high, normal, low), then age. A job runs on its GPUs of one host; the first job that fits no host yet holds the host it waits for, and later jobs only use other hosts' free GPUs. ${cap ? `Each user's running jobs hold at most ${cap} GPU${cap === 1 ? "" : "s"} (unless their own cap differs); their next job waits.` : "No per-user cap."} Estimates assume ${hosts}.` }),
       h(
         "table",
         { "data-testid": "queue-table" },
-        h("thead", {}, h("tr", {}, ["Position", "Job", "Priority", "Owner", "Model", "Waiting", "Estimated start"].map((t) => h("th", { scope: "col", text: t })))),
+        h("thead", {}, h("tr", {}, ["Position", "Job", "GPUs", "Priority", "Owner", "Model", "Waiting", "Estimated start"].map((t) => h("th", { scope: "col", text: t })))),
         h(
           "tbody",
           {},
@@ -128,7 +178,9 @@ export function renderGpus(main) {
               "tr",
               { "data-testid": "queue-row", "data-job-id": job.id, "data-position": String(job.position) },
               h("td", { class: "num", text: String(job.position) }),
-              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) })),
+              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }),
+                job.holds ? h("div", { class: "muted", "data-testid": "queue-holds", text: `holds the free GPUs of ${job.holds}` }) : null),
+              h("td", { class: "num", "data-testid": "queue-gpus", text: String(job.gpus) }),
               h("td", { "data-testid": "queue-priority", text: job.priority }),
               h("td", { text: job.owner || "–" }),
               h("td", { class: "mono", text: job.model }),

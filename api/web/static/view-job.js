@@ -1,5 +1,7 @@
-// One job, live: status and progress, charts of loss / tokens/s / step time /
-// memory, the trainer's hardware plan, checkpoints, events and log, cancel.
+// One job, live: status and progress, its GPUs (count, and the ones it holds),
+// charts of loss / tokens/s / step time / memory, per-rank step time and memory
+// of a multi-GPU job (the latest step's `ranks`), the trainer's hardware plan,
+// checkpoints, events and log, cancel.
 //
 // No point lost, none drawn twice: on load the charts get the job's whole
 // history from /metrics (paged), then the event stream is attached. The
@@ -20,6 +22,7 @@ import {
   fmtCompact,
   fmtDuration,
   fmtEta,
+  fmtGpus,
   fmtMs,
   fmtNumber,
   fmtTime,
@@ -118,6 +121,7 @@ export function renderJob(main, [jobId]) {
   const actions = h("div", { class: "actions", "data-testid": "job-actions" });
   const progress = h("div", { class: "progress-area", "data-testid": "job-progress" });
   const summary = h("dl", { class: "summary", "data-testid": "job-summary" });
+  const ranks = h("section", { "aria-labelledby": "ranks-h", "data-testid": "ranks", hidden: true });
   const plan = h("div", { "data-testid": "plan" }, h("p", { class: "muted", text: "The trainer reports its plan when the job starts." }));
   const checkpoints = h("div", { "data-testid": "checkpoints" });
   const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
@@ -133,6 +137,7 @@ export function renderJob(main, [jobId]) {
     meta,
     progress,
     summary,
+    ranks,
     h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element)),
     h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
     h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
@@ -151,6 +156,7 @@ export function renderJob(main, [jobId]) {
       ["Owner", h("span", { "data-testid": "job-owner", text: job.owner || "–" })],
       ["Model", h("span", { class: "mono", text: job.model })],
       ["Method", job.method],
+      ["GPUs", h("span", { "data-testid": "job-gpus", "data-gpus": String(job.gpus ?? 1), text: fmtGpus(job) })],
       ["Training file", h("span", { class: "mono", text: job.training_file })],
       ["Worker", job.worker || "–"],
       ["Created", fmtTime(job.created_at)],
@@ -169,6 +175,7 @@ export function renderJob(main, [jobId]) {
           { "data-testid": "job-queue", "data-position": String(q.position) },
           `position ${q.position} (${q.ahead.length} ahead) · estimated start `,
           h("span", { "data-testid": "job-queue-eta", title: q.estimated_start_at ? fmtTime(q.estimated_start_at) : "no estimate yet: no live worker, or no pace to go by", text: fmtEta(q.estimated_start_at) }),
+          q.holds ? h("span", { "data-testid": "job-queue-holds", text: ` · first in line: the free GPUs of ${q.holds} wait for it` }) : null,
         ),
       ]);
     }
@@ -201,6 +208,47 @@ export function renderJob(main, [jobId]) {
       ["MFU", last && last.mfu !== null && last.mfu !== undefined ? `${(100 * last.mfu).toFixed(1)}%` : "–"],
     ];
     clear(summary, items.map(([k, v]) => h("div", {}, h("dt", { text: k }), h("dd", { "data-testid": `summary-${k.toLowerCase().replace(/[^a-z]+/g, "-")}`, text: v }))));
+    renderRanks(last);
+  }
+
+  // A multi-GPU job's latest step, rank by rank: rank r runs on the r-th GPU the job holds.
+  function renderRanks(last) {
+    const perRank = last && Array.isArray(last.ranks) ? last.ranks : null;
+    ranks.hidden = !perRank;
+    if (!perRank) return;
+    const held = job.held_gpus || [];
+    const slowest = Math.max(...perRank.map((r) => r.step_ms ?? 0));
+    const memory = (r) => (r.gpu_mem_peak ?? null) !== null ? fmtBytes(r.gpu_mem_peak) : r.host_rss ? `${fmtBytes(r.host_rss)} (host RSS)` : "–";
+    clear(
+      ranks,
+      h("h2", { id: "ranks-h", text: `Ranks (step ${last.step})` }),
+      h(
+        "table",
+        { class: "ranks-table", "data-testid": "rank-table" },
+        h("thead", {}, h("tr", {}, ["Rank", "GPU", "Step time", "Data", "Forward", "Backward", "Optimizer", "Tokens", "Memory (peak)"].map((t) => h("th", { scope: "col", text: t })))),
+        h(
+          "tbody",
+          {},
+          perRank.map((r) => {
+            const gpu = held[r.rank];
+            return h(
+              "tr",
+              { "data-testid": "rank-row", "data-rank": String(r.rank), class: r.step_ms === slowest && perRank.length > 1 ? "slowest" : "" },
+              h("th", { scope: "row", class: "num", text: String(r.rank) }),
+              h("td", { class: "mono", text: gpu ? `${gpu.worker}: ${gpu.device ?? `slot ${gpu.slot}`}` : "–" }),
+              h("td", { class: "num", "data-testid": "rank-step-ms", text: fmtMs(r.step_ms) }),
+              h("td", { class: "num", text: fmtMs(r.data_ms) }),
+              h("td", { class: "num", text: fmtMs(r.forward_ms) }),
+              h("td", { class: "num", text: fmtMs(r.backward_ms) }),
+              h("td", { class: "num", text: fmtMs(r.optimizer_ms) }),
+              h("td", { class: "num", "data-testid": "rank-tokens", text: fmtCompact(r.tokens) }),
+              h("td", { class: "num", "data-testid": "rank-memory", text: memory(r) }),
+            );
+          }),
+        ),
+      ),
+      h("p", { class: "muted", text: "The step waits for its slowest rank (highlighted); the charts show the job: tokens summed over the ranks, the slowest rank's times, the largest memory." }),
+    );
   }
 
   function renderActions() {
@@ -251,6 +299,11 @@ export function renderJob(main, [jobId]) {
       ["Layers", model.layers ?? "–"],
       ["Torch", `${hw.torch_version || "?"}${hw.cuda_version ? ` / CUDA ${hw.cuda_version}` : ""}`],
     ];
+    const parallel = decisions.find((d) => d.name === "parallelism");
+    if ((p.world_size ?? 1) > 1 || parallel?.enabled) {
+      const how = [parallel?.backend, hw.interconnect].filter(Boolean).join(", ");
+      facts.splice(1, 0, ["Ranks", `${p.world_size ?? "?"}${how ? ` (${how})` : ""}`]);
+    }
     if (p.resumed_from_step !== null && p.resumed_from_step !== undefined) facts.push(["Resumed from", `step ${p.resumed_from_step}`]);
     clear(
       plan,

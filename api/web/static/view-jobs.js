@@ -3,10 +3,12 @@
 //
 // The list endpoint has no throughput, so for each running job the view asks
 // /metrics for its latest step row (one small request per running job: a box
-// runs one job per GPU). Finished jobs' last figures never change and are cached.
+// runs at most one job per GPU). Finished jobs' last figures never change and
+// are cached. The GPUs column shows a job's GPU count, and while it runs the
+// GPUs it holds (host: CUDA ids).
 
 import { api } from "./api.js";
-import { h, clear, fmtAge, fmtCompact, progressBar, statusBadge, STATUSES, errorBox, jobTitle, poller } from "./dom.js";
+import { h, clear, fmtAge, fmtCompact, fmtGpus, progressBar, statusBadge, STATUSES, errorBox, jobTitle, poller } from "./dom.js";
 
 const POLL_MS = 3000;
 const PAGE = 50;
@@ -56,7 +58,7 @@ export function renderJobs(main, _params, query) {
       h(
         "tr",
         {},
-        ["Job", "Status", "Owner", "Model", "Progress", "Tokens/s", "Worker", "Age"].map((t) => h("th", { scope: "col", text: t })),
+        ["Job", "Status", "Owner", "Model", "GPUs", "Progress", "Tokens/s", "Worker", "Age"].map((t) => h("th", { scope: "col", text: t })),
       ),
     ),
     body,
@@ -109,6 +111,7 @@ export function renderJobs(main, _params, query) {
       h("td", {}, statusBadge(job.status, job.cancel_requested && job.status === "running" ? " (cancelling)" : "")),
       h("td", { "data-testid": "job-owner", text: job.owner || "–" }),
       h("td", { class: "mono", text: job.model }),
+      h("td", { "data-testid": "job-gpus", "data-gpus": String(job.gpus ?? 1), text: fmtGpus(job) }),
       h("td", {}, progressBar(job.progress.step, job.progress.total_steps)),
       h("td", { class: "num", "data-testid": "job-tokens-per-s", text: rate === null || rate === undefined ? "–" : fmtCompact(rate) }),
       h("td", { class: "mono", text: job.worker || "–" }),
@@ -132,7 +135,7 @@ export function renderJobs(main, _params, query) {
       const rows = page.data.map((job, i) => row(job, rates[i]));
       if (!rows.length) {
         const what = status || owner ? "No jobs match these filters." : "No jobs yet.";
-        rows.push(h("tr", {}, h("td", { colspan: 8, class: "empty" }, `${what} `, h("a", { href: "#/new", text: "Submit a job" }), ".")));
+        rows.push(h("tr", {}, h("td", { colspan: 9, class: "empty" }, `${what} `, h("a", { href: "#/new", text: "Submit a job" }), ".")));
       }
       body.replaceChildren(...rows);
       more.hidden = !page.next_cursor || limit >= 200;

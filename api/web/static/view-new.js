@@ -53,6 +53,7 @@ export function renderNew(main) {
   });
 
   const name = field("name", "Job name (optional)", h("input", { type: "text", maxlength: "200", placeholder: "e.g. support-bot-v3" }));
+  const gpus = gpusField(controller.signal);
   const lengthUnit = h(
     "select",
     { "data-testid": "length-unit", "aria-label": "Length unit" },
@@ -93,7 +94,7 @@ export function renderNew(main) {
     form,
     h("fieldset", {}, h("legend", { text: "Model" }), model.element),
     h("fieldset", {}, h("legend", { text: "Data" }), train.element, valid.element),
-    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
+    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "lora" }, h("legend", { text: "LoRA adapter" }), h("div", { class: "grid" }, ...loraFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), switches),
     formError,
@@ -137,6 +138,27 @@ function field(param, label, input, help = null) {
   const helpEl = help ? h("p", { class: "help", id: `${id}-help`, text: help }) : null;
   if (helpEl) input.setAttribute("aria-describedby", helpEl.id);
   return h("div", { class: "field" }, h("label", { for: id, text: label }), input, helpEl, h("p", { class: "field-error", role: "alert" }));
+}
+
+/**
+ * How many GPUs the job runs on (one rank each, on one worker host): 1 up to the
+ * largest live host's GPU count, which /v1/hardware tells; the help names it.
+ */
+function gpusField(signal) {
+  const input = h("input", { type: "number", value: "1", min: "1", step: "1" });
+  const element = field("gpus", "GPUs", input, "GPUs of one worker host the job runs on, one rank each; each step takes GPUs x gradient accumulation micro-batches.");
+  api("/v1/hardware", { signal })
+    .then((workers) => {
+      const live = workers.data.filter((w) => w.alive && (w.gpus || []).length);
+      if (!live.length) return;
+      const largest = live.reduce((a, b) => (b.gpus.length > a.gpus.length ? b : a));
+      input.max = String(largest.gpus.length);
+      const help = element.querySelector(".help");
+      help.dataset.testid = "gpus-help";
+      help.textContent = `1 to ${largest.gpus.length} (${largest.id} has the most: ${largest.gpus.length}); one rank per GPU, all on one worker host. Each step takes GPUs x gradient accumulation micro-batches.`;
+    })
+    .catch(() => {}); // the field works without the hint; the API refuses a count no host has
+  return element;
 }
 
 /**

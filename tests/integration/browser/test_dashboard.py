@@ -38,7 +38,7 @@ def points(page: Any, testid: str = "chart-loss") -> int:
     return int(page.get_attribute(f"[data-testid={testid}]", "data-points"))
 
 
-def submit_job(api: httpx.Client, chat_file: Path, max_steps: int, name: str) -> dict[str, Any]:
+def submit_job(api: httpx.Client, chat_file: Path, max_steps: int, name: str, **fields: Any) -> dict[str, Any]:
     with chat_file.open("rb") as fh:
         upload = api.post("/v1/files", data={"purpose": "train"}, files={"file": (chat_file.name, fh)})
     assert upload.status_code == 201, upload.text
@@ -48,6 +48,7 @@ def submit_job(api: httpx.Client, chat_file: Path, max_steps: int, name: str) ->
         "training_file": upload.json()["id"],
         "hyperparameters": {"max_steps": max_steps, **SMALL},
         "lora": {"r": 4, "alpha": 8},
+        **fields,
     }
     response = api.post("/v1/jobs", json=body)
     assert response.status_code == 201, response.text
@@ -242,7 +243,7 @@ def test_cancel_a_running_job_from_its_page_and_see_the_queue(
         (waiting[0]["id"], "1"),
         (waiting[1]["id"], "2"),
     ]
-    # Both wait for the long job (one running job per user): their start is estimated from its pace.
+    # Both wait for the long job (the worker has one slot): their start is estimated from its pace.
     wait_until(lambda: rows.nth(0).get_by_test_id("queue-eta").inner_text().startswith("in "), 30,
                "the first waiting job's estimated start")
     if shots := screenshot_dir():

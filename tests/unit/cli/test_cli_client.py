@@ -7,7 +7,7 @@ import io
 import pytest
 
 from cli.errors import CliError
-from cli.jobs import describe, follow, format_jobs, load_job_file, progress_line, submit
+from cli.jobs import describe, follow, format_jobs, gpus_cell, load_job_file, progress_line, submit
 
 # The ``api`` and ``job_file`` fixtures are in conftest.py (the submit-priority tests use them too).
 
@@ -51,8 +51,8 @@ class TestFollowAndList:
     def test_jobs_table(self, api, job_file):
         job = submit(api, load_job_file(job_file), base_dir=job_file.parent)
         table = format_jobs(api.get("/v1/jobs").json()["data"]).splitlines()
-        assert table[0].split() == ["ID", "STATUS", "STEP", "OWNER", "MODEL", "CREATED"]
-        assert table[1].split()[:5] == [job["id"], "queued", "0/5", "admin", "tiny"]
+        assert table[0].split() == ["ID", "STATUS", "STEP", "GPUS", "OWNER", "MODEL", "CREATED"]
+        assert table[1].split()[:6] == [job["id"], "queued", "0/5", "1", "admin", "tiny"]
 
 
 def test_event_lines_for_people():
@@ -60,6 +60,22 @@ def test_event_lines_for_people():
         "[###############---------------] step 3/6  loss 1.2346  12,346 tok/s")
     assert describe("checkpoint", {"step": 6, "final": True}) == "checkpoint: step 6 (final)"
     assert describe("state", {"status": "failed", "error_code": "out_of_memory"}) == "state: failed (out_of_memory)"
+
+
+def test_a_jobs_gpus_show_its_count_and_while_it_runs_the_gpus_it_holds():
+    assert gpus_cell({"gpus": 2, "held_gpus": []}) == "2"
+    held = [{"worker": "box", "slot": 0, "device": "3"}, {"worker": "box", "slot": 1, "device": "5"}]
+    assert gpus_cell({"gpus": 2, "held_gpus": held}) == "2@box:3,5"
+    cpu = [{"worker": "cpu-box", "slot": 2, "device": None}]
+    assert gpus_cell({"gpus": 1, "held_gpus": cpu}) == "1@cpu-box:2"
+    assert describe("state", {"status": "running", "worker_id": "box", "attempt": 1, "slots": [0, 1]}) == (
+        "state: running (on box, GPU slots 0,1)")
+
+
+def test_a_multi_rank_plan_line_names_the_ranks_backend_and_interconnect():
+    plan = {"hardware": {"device": "cuda", "interconnect": "NVLink"}, "total_steps": 9, "world_size": 4,
+            "decisions": [{"name": "parallelism", "requested": "auto", "enabled": True, "backend": "fsdp2", "reason": "full"}]}
+    assert describe("plan", plan) == "plan: cuda, 4 ranks (fsdp2, NVLink), 9 steps, optimizations on: none"
 
 
 def test_plan_line_names_the_optimizations_on_not_the_kernel_choices():

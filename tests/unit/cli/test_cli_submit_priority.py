@@ -32,3 +32,8 @@ def test_the_priority_flag_overrides_the_file(api, job_file, monkeypatch, capsys
 def test_the_queue_line_names_the_estimate():
     line = queue_line({"position": 3, "ahead": ["a", "b"], "estimated_start_at": "2026-11-22T04:10:05+00:00"})
     assert line == "queued at position 3 (2 ahead), estimated start 2026-11-22 04:10 UTC"
+
+
+def test_the_queue_line_says_when_the_job_holds_a_hosts_gpus():
+    line = queue_line({"position": 1, "ahead": [], "estimated_start_at": None, "holds": "box"})
+    assert line == "queued at position 1 (0 ahead), start time unknown; holding the free GPUs of box until it starts"

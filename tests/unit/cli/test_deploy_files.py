@@ -23,31 +23,26 @@ def _seconds(duration: str) -> float:
 
 def test_compose_has_the_production_parts():
     services = _compose()["services"]
-    assert {"postgres", "redis", "api", "worker-gpu0"} <= set(services)
+    assert {"postgres", "redis", "api", "worker"} <= set(services)
     api = services["api"]
     assert "ftq db upgrade && exec ftq api" in " ".join(api["command"])
     assert api["environment"]["FTQ_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert api["environment"]["FTQ_BROKER_URL"].startswith("redis://redis:")
 
 
-def test_each_worker_owns_one_distinct_gpu():
+def test_one_worker_holds_every_gpu_of_the_box_as_one_pool():
     services = _compose()["services"]
-    workers = {name: svc for name, svc in services.items() if name.startswith("worker-")}
-    assert len(workers) >= 2
-    seen = set()
-    for name, svc in workers.items():
-        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        (gpu,) = device["device_ids"]
-        assert gpu not in seen, f"{name} reserves GPU {gpu} twice"
-        seen.add(gpu)
-        # Inside the container the reserved GPU is the only one, so it is index 0.
-        assert svc["environment"]["CUDA_VISIBLE_DEVICES"] == "0"
-        assert svc["command"][:4] == ["ftq", "worker", "--gpu", "0"]
-        assert name.removeprefix("worker-") in svc["command"][-1], "worker ids must differ per GPU"
-        cancel_grace = float(svc["environment"]["FTQ_CANCEL_GRACE_S"])
-        assert _seconds(svc["stop_grace_period"]) > cancel_grace, "docker must wait for the checkpoint"
-        assert "ftq-data:/data" in svc["volumes"] and svc["init"] is True
+    workers = {name: svc for name, svc in services.items() if name.startswith("worker")}
+    assert list(workers) == ["worker"]
+    svc = workers["worker"]
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == "all"
+    assert svc["command"][:4] == ["ftq", "worker", "--gpus", "all"] and "--name" in svc["command"]
+    assert "CUDA_VISIBLE_DEVICES" not in svc["environment"], "the worker pins each job to its own GPUs"
+    cancel_grace = float(svc["environment"]["FTQ_CANCEL_GRACE_S"])
+    assert _seconds(svc["stop_grace_period"]) > cancel_grace, "docker must wait for the checkpoint"
+    assert "ftq-data:/data" in svc["volumes"] and svc["init"] is True
+    assert svc["shm_size"], "ranks of a multi-GPU job share memory (NCCL)"
 
 
 def test_api_and_workers_share_the_data_volume():

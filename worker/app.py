@@ -21,16 +21,19 @@ import logging
 import re
 import signal
 import threading
+import time
 from typing import Any
 
 from celery import Celery
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from sqlalchemy import select
 
+from core.jobs.models import Job
 from core.queue import make_celery
 from core.settings import Settings
 from worker.launch import worker_host_tag
 from worker.presence import Presence
-from worker.process import signal_tagged, tagged_pids, wait_untagged
+from worker.process import signal_pids, tags_of
 from worker.runtime import Runtime, WorkerOptions
 from worker.tasks import register_tasks
 
@@ -53,8 +56,9 @@ class _ProcessState:
         with self._lock:
             if self.runtime is not None:
                 return
-            kill_leftovers(self.options.worker_id)
-            self.runtime = Runtime.open(self.settings, self.options, celery=self.app, shutdown_event=self.shutdown)
+            runtime = Runtime.open(self.settings, self.options, celery=self.app, shutdown_event=self.shutdown)
+            kill_leftovers(runtime)
+            self.runtime = runtime
             self.presence = Presence(self.runtime)
             self.presence.start()
         log.info("worker %s ready (%d GPU%s: %s)", self.options.worker_id, len(self.options.pool),
@@ -78,18 +82,29 @@ class _ProcessState:
         return self.runtime
 
 
-def kill_leftovers(worker_id: str) -> list[int]:
+def kill_leftovers(runtime: Runtime) -> list[int]:
     """SIGKILL processes an earlier run of this worker started and left (it was itself killed:
     ranks live in sessions of their own and survive it, holding GPU memory). Runs before this
-    worker starts any job, so every process still tagged with its id is a leftover. Worker ids
-    are unique per host (they key the GPU pool)."""
-    tag = worker_host_tag(worker_id)
-    left = tagged_pids(tag)
-    if left:
-        log.warning("killing %d processes left by an earlier run of worker %s: %s", len(left), worker_id, left)
-        signal_tagged(tag, signal.SIGKILL)
-        wait_untagged(tag)
-    return left
+    worker starts any job, so every process tagged with its id and a job of its store is a
+    leftover. (The store check spares another install on the same machine that happens to use
+    the same worker id: its job ids are not in this store.)"""
+    prefix = worker_host_tag(runtime.worker_id)
+    found = tags_of(prefix)
+    if not found:
+        return []
+    jobs = {pid: tag.rsplit("|", 2)[-2] for pid, tag in found.items() if tag.count("|") >= 2}
+    with runtime.sessionmaker() as session:
+        ours = set(session.scalars(select(Job.job_id).where(Job.job_id.in_(set(jobs.values())))))
+    killed = [pid for pid, job_id in jobs.items() if job_id in ours]
+    if killed:
+        log.warning("killing %d processes left by an earlier run of worker %s: %s", len(killed), runtime.worker_id, killed)
+    left, deadline = killed, time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        signal_pids(left, signal.SIGKILL, tag=prefix)
+        time.sleep(0.05)
+        alive = tags_of(prefix)
+        left = [pid for pid in left if pid in alive]
+    return killed
 
 
 def create_worker_app(settings: Settings, options: WorkerOptions) -> Celery:

@@ -279,14 +279,32 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
-def _has_tag(pid: int, tag: str) -> bool:
+def tags_of(prefix: str) -> dict[int, str]:
+    """pid → run tag of every live process whose tag starts with ``prefix``."""
+    found = {}
+    for pid in tagged_pids(prefix if prefix.endswith("|") else f"{prefix}|"):
+        tag = _tag(pid)
+        if tag is not None and tag.startswith(prefix):
+            found[pid] = tag
+    return found
+
+
+def _tag(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = f.read()
     except OSError:
-        return False  # gone, a zombie (empty), or not ours to read
-    needle = f"{TAG_ENV}={tag}".encode()
-    return any(entry == needle or (tag.endswith("|") and entry.startswith(needle)) for entry in environ.split(b"\0"))
+        return None  # gone, a zombie (empty), or not ours to read
+    needle = f"{TAG_ENV}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(needle):
+            return entry[len(needle):].decode(errors="replace")
+    return None
+
+
+def _has_tag(pid: int, tag: str) -> bool:
+    value = _tag(pid)
+    return value is not None and (value == tag or (tag.endswith("|") and value.startswith(tag)))
 
 
 def signal_pids(pids: Sequence[int], sig: signal.Signals, *, tag: str | None = None) -> int:

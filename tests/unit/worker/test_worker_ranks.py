@@ -177,3 +177,26 @@ def _make(runtime, model: str, **values) -> str:
         session.flush()
         append_events(session, job_id, [state_event(JobStatus.queued)])
     return job_id
+
+
+class TestLeftovers:
+    def test_a_restarted_worker_kills_the_processes_its_earlier_run_left_for_jobs_of_its_store(self, runtime, make_job):
+        from worker.app import kill_leftovers
+
+        job_id = make_job("fake:ok")
+        code = "import time; time.sleep(60)"
+        ours = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                env={**os.environ, "FTQ_JOB_PROCESS": run_tag(runtime.worker_id, job_id, 1)})
+        other_store = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                       env={**os.environ, "FTQ_JOB_PROCESS": run_tag(runtime.worker_id, "job-elsewhere", 1)})
+        try:
+            deadline = time.monotonic() + 10
+            while len(tagged_pids(f"{runtime.worker_id}|")) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kill_leftovers(runtime) == [ours.pid]
+            assert ours.wait(timeout=10) == -signal.SIGKILL
+            assert other_store.poll() is None, "another install's process with the same worker id was killed"
+        finally:
+            for proc in (ours, other_store):
+                proc.kill()
+                proc.wait()

@@ -1,15 +1,19 @@
-"""One job on this worker, from claim to final state.
+"""One job on this worker host, from claim to final state (one task thread per job).
 
-    claim     the next eligible job (priority, age, owner's cap: core/jobs/scheduling.py),
-              queued → running by compare-and-set (a redelivered message finds it taken)
+    claim     the job the queue policy places on this host now and its GPUs, reserved all or
+              none with it (core/jobs/scheduling.py), queued → running by compare-and-set (a
+              redelivered message finds it taken)
     config    the stored spec → job.json under <data_dir>/jobs/<job_id>/; on a retry,
               checkpoints newer than the store's newest are set aside (no metrics gap)
-    run       the trainer in its own process group; events batched into the store;
-              a watchdog thread beats the heartbeat and turns a cancel, a worker shutdown or a
-              lost claim into SIGTERM to the group, then SIGKILL after cancel_grace_s
-    finish    the group is killed whatever happened; the exit becomes the job's state
-              (outcome.py); a job handed back by a shutdown is queued again and re-sent;
-              a job that ended frees a slot, so the next eligible job is signalled again
+    run       the trainer (1 GPU) or torchrun over one rank per GPU (launch.py), pinned to the
+              job's GPUs, in its own process group; events batched into the store; a watchdog
+              thread beats the heartbeat and turns a cancel, a worker shutdown or a lost claim
+              into SIGTERM to the trainer (every rank), then SIGKILL to every process of the
+              job after cancel_grace_s (a lost claim: SIGKILL at once)
+    finish    every process of the job is killed whatever happened (process.py); the exit
+              becomes the job's state (outcome.py) and the same transaction frees its GPUs; a
+              job handed back by a shutdown is queued again and re-sent; then every job that
+              can start now is signalled to its host
 """
 
 from __future__ import annotations
@@ -351,8 +355,8 @@ class Watchdog:
 
     Every ``min(1 s, heartbeat_interval_s)`` it reads whether a cancel was asked for, the worker
     is shutting down, or the claim was lost. A cancel or a shutdown sends SIGTERM to the
-    trainer's group (it checkpoints and exits) and, ``cancel_grace_s`` later, SIGKILL. A lost
-    claim sends SIGKILL at once: another attempt may already use the output directory, so this
+    trainer (to every rank under torchrun: it checkpoints and exits) and, ``cancel_grace_s``
+    later, SIGKILL to every process of the job. A lost claim sends SIGKILL at once: another attempt may already use the output directory, so this
     trainer must not write a checkpoint there. A heartbeat that has not succeeded for
     ``LOST_AFTER`` of ``heartbeat_timeout_s`` (the store is unreachable) counts as lost too: the
     reaper will soon requeue the job, and the job must not run twice.

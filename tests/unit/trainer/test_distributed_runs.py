@@ -1,5 +1,5 @@
 """Two ranks (torchrun, gloo on the CPU) train as one process does with the same global batch,
-and a checkpoint of two ranks resumes on one (and a one-process full checkpoint on two).
+and a checkpoint of two ranks resumes on one and on four (and a one-process full checkpoint on two).
 
 The same tiny job (``gpus: 2`` x ``grad_accum: 2`` micro-batches per step) runs once as a single
 process, which accumulates all four micro-batches, and once under ``torchrun
@@ -145,6 +145,22 @@ class TestCheckpointsOfTwoRanks:
         assert resumed.done["status"] == "succeeded", (resumed.done, resumed.stderr[-3000:])
         (plan,) = resumed.of("plan")
         assert plan["resumed_from_step"] == RESUME_AT and plan["world_size"] == 1
+        _assert_same_curve(resumed, one, range(RESUME_AT + 1, STEPS + 1))
+        _assert_same_weights(weights(layout.export_dir(resumed.out, method)), weights(layout.export_dir(one.out, method)))
+
+
+    @pytest.mark.parametrize("method", ["lora", "full"])
+    def test_a_two_rank_checkpoint_resumes_on_four_ranks_as_if_never_stopped(self, runs, tmp_path, tiny_model_dir, method):
+        """The global step (gpus 2 x grad_accum 2 = four micro-batches) does not depend on who runs
+        it: four ranks (one micro-batch each; FSDP2 reshards the DCP checkpoint four ways) continue
+        the two-rank checkpoint on the uninterrupted one-process curve."""
+        two, one = runs.get(method, 2), runs.get(method, 1)
+        job = resume_copy(layout.checkpoint_dir(two.out, RESUME_AT), tmp_path, tiny_model_dir, method)
+        resumed = launch(job, 4, timeout=240)
+        assert resumed.done["status"] == "succeeded", (resumed.done, resumed.stderr[-3000:])
+        (plan,) = resumed.of("plan")
+        assert plan["resumed_from_step"] == RESUME_AT and plan["world_size"] == 4
+        assert all(len(e["ranks"]) == 4 for e in resumed.of("step"))
         _assert_same_curve(resumed, one, range(RESUME_AT + 1, STEPS + 1))
         _assert_same_weights(weights(layout.export_dir(resumed.out, method)), weights(layout.export_dir(one.out, method)))
 

@@ -50,6 +50,9 @@ class ProductResult:
     steps_timed: int = 0
     plan: list[dict[str, Any]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    """Every step's time (the warm-up ones too), so an outlier is visible next to the median."""
+    tokens: list[int] = field(default_factory=list)
     seconds: float = float("nan")
 
 
@@ -145,6 +148,8 @@ def summarize(shape: str, label: str, events: list[dict[str, Any]], skip: int) -
     plan = next((e for e in events if e["type"] == "plan"), {})
     result.plan = [d for d in plan.get("decisions", [])]
     result.losses = [e["loss"] for e in steps]
+    result.step_ms = [e["step_ms"] for e in steps]
+    result.tokens = [e["tokens"] for e in steps]
     if done is None or done["status"] != "succeeded":
         result.status = f"failed: {done and done.get('message')}"
         return result

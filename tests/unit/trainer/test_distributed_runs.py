@@ -149,11 +149,13 @@ class TestCheckpointsOfTwoRanks:
         _assert_same_weights(weights(layout.export_dir(resumed.out, method)), weights(layout.export_dir(one.out, method)))
 
 
-    @pytest.mark.parametrize("method", ["lora", "full"])
-    def test_a_two_rank_checkpoint_resumes_on_four_ranks_as_if_never_stopped(self, runs, tmp_path, tiny_model_dir, method):
+    def test_a_two_rank_checkpoint_resumes_on_four_ranks_as_if_never_stopped(self, runs, tmp_path, tiny_model_dir):
         """The global step (gpus 2 x grad_accum 2 = four micro-batches) does not depend on who runs
-        it: four ranks (one micro-batch each; FSDP2 reshards the DCP checkpoint four ways) continue
-        the two-rank checkpoint on the uninterrupted one-process curve."""
+        it: four ranks (one micro-batch each; FSDP2 reshards the two-rank DCP checkpoint four ways)
+        continue on the uninterrupted one-process curve. Full fine-tuning only: a LoRA checkpoint
+        is the same replicated adapter on any rank count (its 2 -> 1 resume is tested above), and
+        four CPU ranks cost CI a minute per run."""
+        method = "full"
         two, one = runs.get(method, 2), runs.get(method, 1)
         job = resume_copy(layout.checkpoint_dir(two.out, RESUME_AT), tmp_path, tiny_model_dir, method)
         resumed = launch(job, 4, timeout=240)

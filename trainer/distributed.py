@@ -70,16 +70,10 @@ def share(micro_batch_tokens: Sequence[int], world_size: int) -> list[list[int]]
     """Split a step's micro-batches over ranks: positions per rank, token-balanced, deterministic.
 
     Longest first, each to the rank with the fewest tokens so far (ties: fewer micro-batches,
-    then the lower rank); each rank keeps its micro-batches in step order.
-
-    Raises:
-        ConfigError: fewer micro-batches than ranks (a rank would have nothing to train on).
+    then the lower rank); each rank keeps its micro-batches in step order. A step with fewer
+    micro-batches than ranks (the short last step of an epoch) leaves the last ranks empty:
+    ``train_step`` gives them a zero-weighted stand-in so the collectives still pair.
     """
-    if len(micro_batch_tokens) < world_size:
-        raise ConfigError(
-            f"a global step has {len(micro_batch_tokens)} micro-batches for {world_size} ranks; raise "
-            "optim.grad_accum or gpus so every rank gets at least one"
-        )
     load = [0] * world_size
     parts: list[list[int]] = [[] for _ in range(world_size)]
     order = sorted(range(len(micro_batch_tokens)), key=lambda i: (-micro_batch_tokens[i], i))

@@ -79,9 +79,10 @@ class LossModule(torch.nn.Module):
 class Parallel:
     """The wrapped loss module of a run (``module``), and the gradient-sync switch."""
 
-    def __init__(self, module: torch.nn.Module, strategy: str | None) -> None:
+    def __init__(self, module: torch.nn.Module, strategy: str | None, *, static_graph: bool = False) -> None:
         self.module = module
         self.strategy = strategy
+        self.static_graph = static_graph
 
     @property
     def sharded(self) -> bool:
@@ -93,8 +94,13 @@ class Parallel:
 
     @contextmanager
     def sync(self, last: bool) -> Iterator[None]:
-        """Exchange gradients in this backward only when ``last`` (the rank's last micro-batch)."""
-        if last or self.strategy is None:
+        """Exchange gradients in this backward only when ``last`` (the rank's last micro-batch).
+
+        DDP with ``static_graph`` exchanges in every backward: its ``no_sync`` breaks the static
+        graph's bookkeeping (an INTERNAL ASSERT, or gradients silently no longer all-reduced from
+        the second iteration; pytorch/pytorch#143580). Adapters' gradients are small.
+        """
+        if last or self.strategy is None or (self.strategy == "ddp" and self.static_graph):
             yield
         elif self.strategy == "ddp":
             with self.module.no_sync():
@@ -127,7 +133,7 @@ def parallelize(
     if not decision.enabled:
         return Parallel(module, None)
     if decision.backend == "ddp":
-        return Parallel(apply_ddp(module, comm, static_graph=static_graph), "ddp")
+        return Parallel(apply_ddp(module, comm, static_graph=static_graph), "ddp", static_graph=static_graph)
     return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2")
 
 

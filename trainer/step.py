@@ -127,15 +127,19 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     lengths = [[len(ctx.samples[i]) for i in ref.sample_indices] for ref in refs]
     step_targets = sum(ctx.samples[i].num_loss_tokens for ref in refs for i in ref.sample_indices)
     world = ctx.comm.world
-    mine = share([sum(n) for n in lengths], world.world_size)[world.rank]
+    parts = share([sum(n) for n in lengths], world.world_size)
+    mine = parts[world.rank]
     total_loss = torch.zeros((), device=ctx.device)
-    for k, j in enumerate(mine):
+    todo = _padded(mine, parts, ctx.parallel.strategy)
+    for k, j in enumerate(todo):
         host_batch = pack_batch([ctx.samples[i] for i in refs[j].sample_indices])
         with timer.phase("data"):
             batch, meta = ctx.installed.micro_batch(host_batch, ctx.device)
-        with ctx.parallel.sync(last=k == len(mine) - 1):
+        with ctx.parallel.sync(last=k == len(todo) - 1):
             with timer.phase("forward"), ctx.autocast:
                 loss = ctx.parallel.loss(batch, meta, step_targets)
+                if k >= len(mine):  # a stand-in: it pairs the collectives, it trains nothing
+                    loss = loss * 0.0
             with timer.phase("backward"):
                 # DDP and FSDP average gradients over ranks: scaled by W, the average is the sum.
                 (loss * world.world_size if world.is_distributed else loss).backward()
@@ -159,11 +163,26 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     )
 
 
+def _padded(mine: list[int], parts: list[list[int]], strategy: str | None) -> list[int]:
+    """This rank's micro-batches, plus stand-ins (the step's first) where the collectives need them.
+
+    DDP exchanges once per rank and step (its last backward), so only a rank with nothing to
+    train runs a stand-in. Under FSDP2 every forward gathers parameters with all ranks, so every
+    rank runs as many forwards as the busiest one. A stand-in's loss is multiplied by zero.
+    """
+    if strategy is None:
+        return mine
+    wanted = max(len(p) for p in parts) if strategy == "fsdp2" else 1
+    return mine + [0] * max(0, wanted - len(mine))
+
+
 def _optimizer_step(ctx: StepContext) -> tuple[torch.Tensor, float]:
     """Clip, step, schedule, zero; returns the (device) grad norm and the lr the step used."""
     params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
     max_norm = ctx.max_grad_norm if ctx.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, possibly a partial sum per rank
+        grad_norm = grad_norm.full_tensor()  # a collective queued on the stream, no host sync
     lr = ctx.scheduler.get_last_lr()[0]
     ctx.optimizer.step()
     ctx.scheduler.step()

@@ -35,7 +35,7 @@ import torch
 from trainer import checkpoint, distributed, hardware, layout, metrics, parallel, planning
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
-from trainer.errors import error_code
+from trainer.errors import ConfigError, error_code
 from trainer.install import install
 from trainer.model import count_parameters, load_model, load_tokenizer, model_facts, prepare_for_training
 from trainer.packing import BatchSchedule
@@ -146,8 +146,17 @@ class Run:
 def _train(
     config: TrainConfig, emit: Emit, stop: StopFlag, progress: dict[str, int], world: distributed.World
 ) -> RunResult:
-    r = _setup(config, emit, stop, world)
+    if world.world_size > config.global_micro_batches:
+        raise ConfigError(
+            f"{world.world_size} ranks for a global step of {config.global_micro_batches} micro-batches "
+            f"(gpus {config.gpus} x optim.grad_accum {config.optim.grad_accum}): raise gpus or grad_accum, "
+            "or launch fewer ranks"
+        )
+    use_cuda = config.device != "cpu" and torch.cuda.is_available()
+    device = distributed.device_for(world, "cuda" if use_cuda else "cpu")
+    comm = distributed.Comm(world, device).start()
     try:
+        r = _setup(config, emit, stop, comm)
         progress["step"] = r.state.step
         if r.stopping():  # stopped while loading: nothing trained since the last checkpoint
             r.log(f"{stop.reason or 'another rank stopped'}: stopped before training", "warning")
@@ -155,19 +164,17 @@ def _train(
         stopped = _loop(r, progress)
         return stopped or _finish(r)
     finally:
-        r.ctx.comm.close()
+        comm.close()
 
 
 # ---- set-up -------------------------------------------------------------------------------------
 
 
-def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, world: distributed.World) -> Run:
-    """Join the ranks, seed, detect, plan, load data and model, install the plan, wrap it for the
-    ranks, build the optimizer, resume."""
+def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Comm) -> Run:
+    """Seed, detect, plan, load data and model, install the plan, wrap it for the ranks (``comm``
+    has joined them), build the optimizer, resume."""
     _seed_everything(config.seed)
-    use_cuda = config.device != "cpu" and torch.cuda.is_available()
-    device = distributed.device_for(world, "cuda" if use_cuda else "cpu")
-    comm = distributed.Comm(world, device).start()
+    world, device = comm.world, comm.device
     hw = hardware.detect(config.device)
     plan = planning.plan(hw, config, model_facts(config), world.world_size)
     emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")

@@ -34,6 +34,8 @@ from distributed_helpers import (
     write_job,
 )
 
+from trainer_helpers import make_job
+
 from trainer import layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -186,3 +188,29 @@ class TestLoraOverAShardedBase:
         saved = FileSystemReader(shards).read_metadata().state_dict_metadata
         model_keys = [k for k in saved if k.startswith("model.")]
         assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+
+
+class TestAShortLastStep:
+    def test_a_rank_with_nothing_to_train_runs_a_stand_in_and_the_curve_holds(self, tmp_path, tiny_model_dir):
+        """One epoch of five micro-batches in steps of gpus 2 x grad_accum 1: the last step has one
+        micro-batch for two ranks. Under FSDP2 the empty rank runs a zero-weighted stand-in so the
+        parameter gathers and the gradient reduce-scatter still pair; the curve (loss and the
+        gathered grad norm) is the one process's, and the step event shows the empty rank."""
+        from trainer.config import OptimConfig
+
+        jobs = []
+        for ranks in (1, 2):
+            directory = tmp_path / str(ranks)
+            directory.mkdir()
+            config = make_job(
+                directory, tiny_model_dir, method="full", gpus=2,
+                optim=OptimConfig(epochs=1.0, warmup_steps=1, learning_rate=1e-3),
+            )
+            config.save(directory / "job.json")
+            jobs.append(launch(directory / "job.json", ranks))
+        one, two = jobs
+        assert two.done["status"] == "succeeded", (two.done, two.stderr[-3000:])
+        assert sorted(one.steps()) == sorted(two.steps()) == [1, 2, 3]
+        _assert_same_curve(two, one, range(1, 4))
+        assert [r["tokens"] > 0 for r in two.steps()[3]["ranks"]] == [True, False]
+

@@ -37,9 +37,32 @@ class TestShare:
             # longest-first greedy: the heaviest rank exceeds the lightest by at most one micro-batch
             assert max(loads) - min(loads) <= max(tokens), (tokens, parts)
 
-    def test_fewer_micro_batches_than_ranks_is_refused_with_the_fix(self):
-        with pytest.raises(ConfigError, match="3 micro-batches for 4 ranks; raise optim.grad_accum or gpus"):
-            share([10, 20, 30], 4)
+    def test_a_short_step_leaves_the_last_ranks_empty(self):
+        # the last step of an epoch may hold fewer micro-batches than there are ranks
+        assert share([10, 20, 30], 4) == [[2], [1], [0], []]
+        assert share([5], 2) == [[0], []]
+
+
+class TestPadding:
+    """What each rank runs of a step: its share plus zero-weighted stand-ins for the collectives."""
+
+    def test_one_rank_runs_its_share(self):
+        from trainer.step import _padded
+
+        assert _padded([0, 1], [[0, 1]], None) == [0, 1]
+
+    def test_ddp_gives_only_an_empty_rank_a_stand_in(self):
+        from trainer.step import _padded
+
+        parts = [[0, 1, 2], [3], []]
+        assert [_padded(p, parts, "ddp") for p in parts] == [[0, 1, 2], [3], [0]]
+
+    def test_fsdp2_gives_every_rank_as_many_forwards_as_the_busiest(self):
+        from trainer.step import _padded
+
+        parts = share([4096, 2000, 2000, 100], 2)  # token-balanced: one big, three small
+        assert parts == [[0], [1, 2, 3]]
+        assert [_padded(p, parts, "fsdp2") for p in parts] == [[0, 0, 0], [1, 2, 3]]
 
 
 class TestWorld:

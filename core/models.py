@@ -3,9 +3,10 @@
 from core.db import Base
 from core.files.models import File
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.openai.models import OpenAIJob
 from core.users.models import ApiKey, User
 from core.workers.models import GpuSlot, Worker
 
 metadata = Base.metadata
 
-__all__ = ["ApiKey", "Base", "Checkpoint", "File", "GpuSlot", "Job", "JobEvent", "StepMetric", "User", "Worker", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "File", "GpuSlot", "Job", "JobEvent", "OpenAIJob", "StepMetric", "User", "Worker", "metadata"]

@@ -18,7 +18,8 @@ from typing import Any
 SWITCH_VALUES = ("auto", "on", "off")
 METHODS = ("lora", "qlora", "full")
 SCHEDULERS = ("cosine", "linear", "constant")
-DATA_FORMATS = ("auto", "chat", "prompt_completion", "text")
+DATA_FORMATS = ("auto", "chat", "prompt_completion", "text", "preference")
+OBJECTIVES = ("sft", "dpo")
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class LoraConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_path: str
-    """JSONL training file (chat ``messages``, ``prompt``/``completion`` or ``text`` records)."""
+    """JSONL training file (chat ``messages``, ``prompt``/``completion``, ``text`` or, for DPO,
+    ``preference`` records: ``input.messages``, ``preferred_output``, ``non_preferred_output``)."""
     validation_path: str | None = None
     """Optional JSONL validation file, same formats."""
     format: str = "auto"
@@ -123,6 +125,22 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    """Direct Preference Optimization (Rafailov et al. 2023), sigmoid loss as TRL defines it."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL penalty: the reward is beta x (policy - reference) log-prob."""
+    label_smoothing: float = 0.0
+    """Probability that a preference label is flipped (conservative DPO); 0 is plain DPO."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"dpo.beta: must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+
+
+@dataclass(frozen=True)
 class Optimizations:
     """Per-optimization switches, each ``auto`` (the plan decides), ``on`` or ``off``.
 
@@ -179,6 +197,10 @@ class TrainConfig:
     optimizations: Optimizations = field(default_factory=Optimizations)
     method: str = "lora"
     """``lora`` (bf16/fp32 base), ``qlora`` (4-bit base, needs bitsandbytes on CUDA) or ``full``."""
+    objective: str = "sft"
+    """``sft`` (token cross-entropy) or ``dpo`` (preference pairs, ``data.format`` preference)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """DPO's beta and label smoothing; read only when ``objective`` is ``dpo``."""
     seed: int = 0
     """Seeds torch, Python and the data order."""
     checkpoint_every: int = 0
@@ -191,6 +213,17 @@ class TrainConfig:
     """``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``."""
     job_id: str | None = None
     """The job this run belongs to, echoed in events; None when run by hand."""
+    max_non_finite_steps: int = 3
+    """Steps in a row whose loss or grad norm is NaN/inf (each one not applied) after which the
+    run fails ``non_finite``; the last checkpoint stays (``trainer.guards``)."""
+    eval_every: int = 0
+    """Validation loss every N optimizer steps (and at the end); 0: at each checkpoint."""
+    sample_prompts: tuple[str, ...] = ()
+    """Prompts to answer greedily at each checkpoint and at the end (``trainer.generate``)."""
+    sample_count: int = 0
+    """With no ``sample_prompts``: take this many prompts from the validation set."""
+    sample_max_new_tokens: int = 48
+    """Longest greedy generation per prompt (tokens)."""
     gpus: int = 1
     """Ranks the job's global batch is defined over: each optimizer step trains
     ``gpus x optim.grad_accum`` packed micro-batches, whatever number of ranks runs it (a job
@@ -210,6 +243,14 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
+        _check_guards(self)
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective: {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        if self.data.format != "auto" and (self.objective == "dpo") != (self.data.format == "preference"):
+            raise ValueError(
+                f"data.format: {self.data.format!r} records cannot train objective {self.objective!r}; "
+                "DPO trains on preference records and only DPO does"
+            )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
@@ -220,6 +261,7 @@ class TrainConfig:
             "optim": OptimConfig,
             "lora": LoraConfig,
             "optimizations": Optimizations,
+            "dpo": DpoConfig,
         }
         if "offload_activations" in raw:  # job.json files written before it joined optimizations
             raw = dict(raw)
@@ -242,6 +284,8 @@ class TrainConfig:
                 if sub is LoraConfig and "target_modules" in value:
                     value = {**value, "target_modules": tuple(value["target_modules"])}
                 kwargs[key] = sub(**value)
+            elif key == "sample_prompts":
+                kwargs[key] = tuple(value)
             else:
                 kwargs[key] = value
         return cls(**kwargs)
@@ -266,6 +310,21 @@ SWITCHES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Optimizatio
 def switch_docs() -> dict[str, tuple[str, str]]:
     """Switch name -> (title, one-line description), for the job spec's schema and the form."""
     return {f.name: (f.metadata["title"], f.metadata["doc"]) for f in dataclasses.fields(Optimizations)}
+
+
+def _check_guards(config: TrainConfig) -> None:
+    """The guard, evaluation and sample fields' ranges (``TrainConfig.__post_init__``)."""
+    if config.max_non_finite_steps < 1:
+        raise ValueError(f"max_non_finite_steps: must be >= 1, got {config.max_non_finite_steps}")
+    if config.eval_every < 0:
+        raise ValueError(f"eval_every: must be >= 0, got {config.eval_every}")
+    if config.sample_count < 0:
+        raise ValueError(f"sample_count: must be >= 0, got {config.sample_count}")
+    if config.sample_max_new_tokens < 1:
+        raise ValueError(f"sample_max_new_tokens: must be >= 1, got {config.sample_max_new_tokens}")
+    if config.sample_count and not config.sample_prompts and not config.data.validation_path:
+        raise ValueError("sample_count: prompts are taken from the validation set; set data.validation_path "
+                         "or give sample_prompts")
 
 
 def _reject_unknown(cls: type, raw: dict[str, Any], prefix: str) -> None:

@@ -10,12 +10,19 @@ Standard library only: the worker parses these lines without torch. Every event 
                 dict, ``interconnect`` included), world_size, total_steps,
                 model: {name, params, trainable_params, layers}, resumed_from_step (int | None)
 ``step``        one per optimizer step, the fields of ``StepEvent`` (``STEP_FIELDS``), no more,
-                no fewer: ``make_event`` refuses any other payload
+                no fewer: ``make_event`` refuses any other payload; the four DPO fields
+                (reward_margin, reward_accuracy, chosen_logp, rejected_logp) are null for SFT
 ``eval``        step, loss, tokens (validation set)
+``skip``        step, loss, grad_norm (None where not finite), consecutive, limit, first_step:
+                a non-finite step whose update was not applied (``trainer.guards``)
+``sample``      step, final (bool), samples: list of {prompt, completion, tokens}: greedy
+                generations at a checkpoint and at the end (``trainer.generate``)
 ``log``         level ("debug" | "info" | "warning" | "error"), message
 ``checkpoint``  step, path (directory), bytes, final (bool)
 ``done``        status ("succeeded" | "failed" | "cancelled"), error_code (str | None),
                 message (str | None), adapter_path (str | None), steps (int)
+``progress``    ``python -m trainer export`` only: stage (``trainer.export.STAGES``), fraction
+                (0..1 of that stage); its ``done`` carries path and bytes instead of adapter_path
 
 The trainer always tries to end with one ``done`` event; a process that dies without one is
 a crash, and the worker says so from the exit code and stderr.
@@ -36,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done")
+EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done", "progress", "skip", "sample")
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class StepEvent:
     epoch: float
     """Passes over the training set so far (fraction, rounded to 4 places)."""
     loss: float | None
-    """Mean token cross-entropy of the step (nats per target token)."""
+    """Mean token cross-entropy of the step (nats per target token); for DPO the mean pair loss."""
     lr: float
     """Learning rate the step used (scheduler value)."""
     grad_norm: float | None
@@ -87,10 +94,20 @@ class StepEvent:
     """Resident set size of the trainer process (bytes); the largest over ranks."""
     ranks: list[dict[str, Any]] | None = None
     """Several ranks: per rank {rank, the step/phase *_ms, tokens, gpu_mem_*, host_rss} (the fields above are then the job's); None for one rank."""
+    reward_margin: float | None = None
+    """DPO: mean over pairs of chosen minus rejected reward, reward = beta x (policy - reference) log-prob; None for SFT."""
+    reward_accuracy: float | None = None
+    """DPO: fraction of pairs whose chosen reward exceeds the rejected one (0-1); None for SFT."""
+    chosen_logp: float | None = None
+    """DPO: mean over pairs of the policy's summed log-prob of the chosen answer (nats); None for SFT."""
+    rejected_logp: float | None = None
+    """DPO: mean over pairs of the policy's summed log-prob of the rejected answer (nats); None for SFT."""
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent))
 """Fields of a ``step`` event, in ``StepEvent``'s order."""
+DPO_STEP_FIELDS: tuple[str, ...] = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")
+"""The step fields only a DPO run fills (null for SFT)."""
 
 DONE_STATUSES = ("succeeded", "failed", "cancelled")
 

@@ -201,6 +201,14 @@ class MetricOut(BaseModel):
     optimizer_ms, tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, host_rss}``
     (the fields above are then the job's: tokens summed, the slowest rank's times, the largest
     memory); null for one rank."""
+    reward_margin: float | None = None
+    """DPO: mean chosen minus rejected reward (beta x policy-minus-reference log-prob); null for SFT."""
+    reward_accuracy: float | None = None
+    """DPO: fraction of pairs whose chosen reward beats the rejected one; null for SFT."""
+    chosen_logp: float | None = None
+    """DPO: mean summed log-prob of the chosen answers under the policy (nats); null for SFT."""
+    rejected_logp: float | None = None
+    """DPO: mean summed log-prob of the rejected answers under the policy (nats); null for SFT."""
     time: dt.datetime
 
     @classmethod

@@ -1,16 +1,21 @@
 """Dataset validation at upload: a file is accepted whole or refused at its first bad line.
 
 A dataset is JSONL (UTF-8, one JSON object per line; blank lines are skipped) and every
-record has the same one of three formats:
+record has the same one of four formats:
 
 ``chat``               {"messages": [{"role": ..., "content": ...}, ...]}; roles system, user,
                        assistant, tool; at least one assistant message with non-empty content
 ``prompt_completion``  {"prompt": str, "completion": non-empty str}
 ``text``               {"text": non-empty str}
+``preference``         {"input": {"messages": [...]}, "preferred_output": [assistant message, ...],
+                       "non_preferred_output": [assistant message, ...]} (OpenAI's DPO format; the
+                       input's messages as in chat, without the need for an assistant reply; each
+                       output one or more assistant messages with content); trains ``objective: dpo``
 
 Other keys in a record (``id``, ``metadata``, a message's ``name`` or ``tool_calls``) are
 ignored, but a record with the keys of two formats is refused: the trainer could not know
-which one was meant. The names of the formats match ``trainer.config.DATA_FORMATS``.
+which one was meant. A preference record is recognised by its two output keys (``input`` alone
+is too common a name). The names of the formats match ``trainer.config.DATA_FORMATS``.
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ from typing import Any
 
 from core.errors import InvalidDataset
 
-FORMATS = ("chat", "prompt_completion", "text")
+FORMATS = ("chat", "prompt_completion", "text", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 MAX_LINE_BYTES = 64 << 20
 """A longer line is refused rather than read into memory (64 MiB)."""
 
-_FORMAT_KEYS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+_FORMAT_KEYS = {
+    "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+    "preference": ("preferred_output", "non_preferred_output"),
+}
+_PREFERENCE_KEYS = ("input", "preferred_output", "non_preferred_output")
 
 
 @dataclass
@@ -109,7 +120,8 @@ def _format_of(record: dict[str, Any], number: int) -> str:
     if not found:
         raise InvalidDataset(
             f"line {number}: no known format; a record needs 'messages' (chat), 'prompt' and "
-            f"'completion', or 'text' (found keys: {', '.join(sorted(record)) or 'none'})",
+            f"'completion', 'text', or 'input', 'preferred_output' and 'non_preferred_output' "
+            f"(preference) (found keys: {', '.join(sorted(record)) or 'none'})",
             line=number,
         )
     if len(found) > 1:
@@ -135,31 +147,62 @@ def _check_record(record: dict[str, Any], fmt: str, number: int) -> int:
         if not isinstance(record["prompt"], str):
             raise InvalidDataset(f"line {number}: 'prompt' must be a string", line=number)
         return len(record["prompt"]) + len(_nonempty_str(record, "completion", number))
+    if fmt == "preference":
+        return _check_preference(record, number)
     return _check_messages(record["messages"], number)
 
 
-def _check_messages(messages: Any, number: int) -> int:
+def _check_preference(record: dict[str, Any], number: int) -> int:
+    """A DPO pair: the prompt's messages and two answers, each all assistant messages with content."""
+    for key in _PREFERENCE_KEYS:
+        if key not in record:
+            raise InvalidDataset(
+                f"line {number}: a preference record needs {', '.join(repr(k) for k in _PREFERENCE_KEYS)}; "
+                f"'{key}' is missing",
+                line=number,
+            )
+    prompt = record["input"]
+    if not isinstance(prompt, dict) or "messages" not in prompt:
+        raise InvalidDataset(
+            f"line {number}: 'input' must be an object with 'messages' (the conversation before the answers)",
+            line=number,
+        )
+    total = _check_messages(prompt["messages"], number, where="input.messages", needs_answer=False)
+    for key in ("preferred_output", "non_preferred_output"):
+        total += _check_messages(record[key], number, where=key, roles=("assistant",))
+    return total
+
+
+def _check_messages(
+    messages: Any, number: int, *, where: str = "messages", needs_answer: bool = True, roles: tuple[str, ...] = ROLES
+) -> int:
     if not isinstance(messages, list) or not messages:
-        raise InvalidDataset(f"line {number}: 'messages' must be a non-empty list of messages", line=number)
+        raise InvalidDataset(f"line {number}: '{where}' must be a non-empty list of messages", line=number)
     total = 0
     has_answer = False
     for i, msg in enumerate(messages):
-        where = f"line {number}: messages[{i}]"
+        at = f"line {number}: {where}[{i}]"
         if not isinstance(msg, dict):
-            raise InvalidDataset(f"{where} must be an object with 'role' and 'content'", line=number)
+            raise InvalidDataset(f"{at} must be an object with 'role' and 'content'", line=number)
         role = msg.get("role")
         if role is None:
-            raise InvalidDataset(f"{where} has no 'role'; use one of {', '.join(ROLES)}", line=number)
-        if role not in ROLES:
-            raise InvalidDataset(f"{where}: role {role!r} is not one of {', '.join(ROLES)}", line=number)
+            raise InvalidDataset(f"{at} has no 'role'; use one of {', '.join(roles)}", line=number)
+        if role not in roles:
+            raise InvalidDataset(f"{at}: role {role!r} is not one of {', '.join(roles)}", line=number)
         content = msg.get("content")
         if content is None and role == "assistant" and msg.get("tool_calls"):
             content = ""
         if not isinstance(content, str):
-            raise InvalidDataset(f"{where} needs 'content' as a string", line=number)
+            raise InvalidDataset(f"{at} needs 'content' as a string", line=number)
         total += len(content)
         has_answer = has_answer or (role == "assistant" and bool(content.strip()))
-    if not has_answer:
+    if needs_answer and where != "messages" and not has_answer:
+        raise InvalidDataset(
+            f"line {number}: '{where}' has no assistant message with content; DPO compares two answers, "
+            "each needs one",
+            line=number,
+        )
+    if needs_answer and not has_answer:
         raise InvalidDataset(
             f"line {number}: no assistant message with content; the loss is computed on assistant "
             "replies, so each conversation needs at least one",

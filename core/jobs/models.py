@@ -97,6 +97,11 @@ class StepMetric(Base):
     ranks: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
     """Per rank of a multi-GPU job: ``{rank, step_ms, data_ms, forward_ms, backward_ms,
     optimizer_ms, tokens, gpu_mem_*, host_rss}``; None for one rank."""
+    reward_margin: Mapped[float | None] = mapped_column(Float)
+    reward_accuracy: Mapped[float | None] = mapped_column(Float)
+    chosen_logp: Mapped[float | None] = mapped_column(Float)
+    rejected_logp: Mapped[float | None] = mapped_column(Float)
+    """The DPO step fields (``trainer.events.DPO_STEP_FIELDS``); None for SFT."""
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

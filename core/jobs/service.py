@@ -126,8 +126,9 @@ def create_job(
         Conflict: ``idempotency_key`` was used with a different spec.
         Unsupported: ``method`` is ``qlora`` and no live worker reports a CUDA GPU with
             bitsandbytes (``_check_method``).
-        InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a model that
-            cannot be resolved, or a spec the trainer's config refuses.
+        InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a file whose
+            format does not fit ``objective`` (preference files for dpo, others for sft), a model
+            that cannot be resolved, or a spec the trainer's config refuses.
         Unsupported: an optimization forced ``on`` that no live worker can honour, or
             ``gpus`` that no live host or the owner's cap can give (``core.jobs.scheduling.check_gpus``).
     """
@@ -139,13 +140,13 @@ def create_job(
     _check_method(session, spec, settings)
     _check_forced_switches(session, spec, settings)
     check_gpus(session, spec.gpus, settings, owner_id=owner_id)
-    paths = {
-        spec.training_file: _usable_file(session, spec.training_file, "train", "training_file").path
-    }
+    train_row = _usable_file(session, spec.training_file, "train", "training_file")
+    _check_objective(spec.objective, train_row, "training_file")
+    paths = {spec.training_file: train_row.path}
     if spec.validation_file is not None:
-        paths[spec.validation_file] = _usable_file(
-            session, spec.validation_file, "validation", "validation_file"
-        ).path
+        validation_row = _usable_file(session, spec.validation_file, "validation", "validation_file")
+        _check_objective(spec.objective, validation_row, "validation_file")
+        paths[spec.validation_file] = validation_row.path
     source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models)
     job_id = new_id("job")
     output_dir = settings.jobs_dir / job_id
@@ -393,6 +394,20 @@ def _by_idempotency_key(session: Session, key: str, fingerprint: str) -> Job | N
             param="Idempotency-Key",
         )
     return job
+
+
+def _check_objective(objective: str, row: File, param: str) -> None:
+    """DPO trains on preference files, and preference files train only DPO."""
+    if (objective == "dpo") == (row.format == "preference"):
+        return
+    if objective == "dpo":
+        fix = (
+            'objective dpo trains on preference records ({"input": {"messages": [...]}, '
+            '"preferred_output": [...], "non_preferred_output": [...]}); upload such a file, or set objective to sft'
+        )
+    else:
+        fix = "preference records train objective dpo; set objective to dpo, or upload a chat, prompt_completion or text file"
+    raise InvalidInput(f"{param}: file {row.file_id} holds {row.format} records, but {fix}", param=param)
 
 
 def _usable_file(session: Session, file_id: str, purpose: str, param: str) -> File:

@@ -27,6 +27,7 @@ Switch = Literal[SWITCH_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "
 Method = Literal["lora", "qlora", "full"]
 Priority = Literal["low", "normal", "high"]
 Scheduler = Literal["cosine", "linear", "constant"]
+Objective = Literal["sft", "dpo"]
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
@@ -110,6 +111,19 @@ class Hyperparameters(_Strict):
         return self
 
 
+class DpoSpec(_Strict):
+    """Direct Preference Optimization settings (sigmoid loss, as TRL and the DPO paper define it)."""
+
+    beta: Annotated[
+        float,
+        Field(gt=0, le=100, description="KL strength: reward = beta x (policy - reference) log-prob; > 0."),
+    ] = 0.1
+    label_smoothing: Annotated[
+        float,
+        Field(ge=0.0, lt=0.5, description="Assumed probability that a preference is flipped, [0, 0.5)."),
+    ] = 0.0
+
+
 def _switch_fields() -> dict[str, Any]:
     docs = switch_docs()
     return {
@@ -146,6 +160,14 @@ class JobSpec(_Strict):
     ] = None
     method: Annotated[Method, Field(description="lora, full; qlora needs a CUDA worker with bitsandbytes.")] = "lora"
     lora: LoraSpec = LoraSpec()
+    objective: Annotated[
+        Objective,
+        Field(
+            description="sft trains on chat/prompt_completion/text files; dpo on preference files "
+            '({"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}).'
+        ),
+    ] = "sft"
+    dpo: DpoSpec = DpoSpec()
     hyperparameters: Hyperparameters = Hyperparameters()
     checkpoint_every: Annotated[
         int, Field(ge=0, le=10_000_000, description="Checkpoint every N steps; 0 keeps only the final one.")
@@ -186,6 +208,8 @@ class JobSpec(_Strict):
     def _check_method(self) -> JobSpec:
         if self.method == "full" and "lora" in self.model_fields_set:
             raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
+        if self.objective != "dpo" and self.dpo != DpoSpec():  # defaults are stored on every job
+            raise ValueError("dpo settings apply to objective dpo; set objective to dpo or remove 'dpo'")
         if self.validation_file is not None and self.validation_file == self.training_file:
             raise ValueError("validation_file must differ from training_file; upload a held-out set")
         return self

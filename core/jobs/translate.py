@@ -13,6 +13,7 @@ from core.errors import InvalidInput
 from core.jobs.spec import JobSpec
 from trainer.config import (
     DataConfig,
+    DpoConfig,
     LoraConfig,
     ModelConfig,
     OptimConfig,
@@ -77,6 +78,8 @@ def to_train_config(
             ),
             optimizations=Optimizations(**spec.optimizations.model_dump()),
             method=spec.method,
+            objective=spec.objective,
+            dpo=DpoConfig(beta=spec.dpo.beta, label_smoothing=spec.dpo.label_smoothing),
             seed=hp.seed,
             gpus=spec.gpus,
             checkpoint_every=spec.checkpoint_every,

@@ -18,7 +18,8 @@ from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from api.auth import auth_gate
+from api.auth import AuthGate, declare_schemes
+from api.auth_throttle import FailedKeyThrottle
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.files.tokenizer_pool import TokenizerPool
@@ -68,9 +69,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Fine-tuning jobs on a shared GPU box",
         version="0.1.0",
         lifespan=lifespan,
-        dependencies=[Depends(auth_gate)],  # every /v1 route needs a key (api/auth.py)
+        dependencies=[Depends(declare_schemes)],  # documents the key; AuthGate checks it
     )
     add_exception_handlers(app)
+    # Every path but a few open ones needs a key, whatever route serves it (api/auth.py).
+    app.add_middleware(AuthGate, throttle=FailedKeyThrottle(settings.auth_failure_limit))
     app.include_router(files_router)
     app.include_router(jobs_router)
     app.include_router(queue_router)

@@ -1,10 +1,14 @@
-"""Who is calling: every ``/v1`` request needs an API key, as a Bearer token or the session cookie.
+"""Who is calling: every request needs an API key, as a Bearer token or the session cookie,
+except a short list of open paths.
 
-``auth_gate`` is an app-wide dependency (``create_app``), so a route added later is protected
-without remembering to be. It lets through what must stay open, the probes (``/healthz``,
-``/readyz``), ``/docs``, ``/openapi.json``, the dashboard's static shell (``/``, ``/static``) and
-``/v1/session`` (the login itself), and verifies the key of everything else under ``/v1``.
-Routes that need the caller take ``CallerDep``; the caller is verified once per request.
+Deny by default: ``AuthGate`` is ASGI middleware around the whole app, so it sees every request
+(routes, mounts, nested routers, a 404) by its URL path, whatever the route's template looks
+like; a route added later is protected without remembering to be. Open (``OPEN_PATHS``) are
+only the probes (``/healthz``, ``/readyz``), the API docs (``/docs``, ``/redoc``,
+``/openapi.json``), the dashboard's static shell (``/``, ``/static/...``) and ``/v1/session``
+(the login itself). The verified caller is kept on the request state, so routes that need it
+(``CallerDep``) get it without a second check. Failed keys are logged and, repeated from one
+address, slowed down (``api.auth_throttle``).
 
 Browsers cannot put a header on an ``EventSource`` or a download link, so the dashboard logs in
 with ``POST /v1/session`` (body ``{"api_key": ...}``), which sets the ``ftq_session`` cookie
@@ -26,34 +30,39 @@ from typing import Annotated
 from anyio import to_thread
 from fastapi import Depends, Request
 from fastapi.security import APIKeyCookie, HTTPBearer
+from sqlalchemy.exc import OperationalError
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.auth_throttle import FailedKeyThrottle
+from api.errors import domain_response, store_unreachable, too_many_failures
 from api.state import AppState
-from core.errors import Forbidden, Unauthenticated
-from core.users.service import Caller, verify_key
+from core.errors import Forbidden, FtqError, Unauthenticated
+from core.users.service import Caller, split_key, verify_key
 
 SESSION_COOKIE = "ftq_session"
 CSRF_HEADER = "X-Requested-With"
 SESSION_MAX_AGE_S = 7 * 24 * 3600
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-OPEN_PATHS = frozenset({"/v1/session"})
+OPEN_PATHS = frozenset(
+    {"/", "/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/v1/session"}
+)
+OPEN_PREFIXES = ("/static/",)
 
 # Declared only so /docs shows an "Authorize" button; the gate reads the request itself.
 _bearer_scheme = HTTPBearer(auto_error=False, description="An API key: ftq_<prefix>_<secret>")
 _cookie_scheme = APIKeyCookie(name=SESSION_COOKIE, auto_error=False, description="Set by POST /v1/session")
 
 
-def needs_key(path: str) -> bool:
-    return path.startswith("/v1/") and path.rstrip("/") not in OPEN_PATHS
+def is_open(path: str) -> bool:
+    """Whether ``path`` (as ``app_path`` gives it) is served without a key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
-def route_path(request: Request) -> str:
-    """The path as the router matched it: the route's template, else the URL path without the
-    ASGI ``root_path`` (which a proxy deployment, ``uvicorn --root-path /ftq``, puts in front of
-    it, so ``request.url.path`` would read ``/ftq/v1/...`` and never look like ``/v1/``)."""
-    template = getattr(request.scope.get("route"), "path", None)
-    if isinstance(template, str):
-        return template
-    path, root = request.scope["path"], request.scope.get("root_path") or ""
+def app_path(scope: Scope) -> str:
+    """The URL path without the ASGI ``root_path`` (which a proxy deployment,
+    ``uvicorn --root-path /ftq``, puts in front of it)."""
+    path, root = scope["path"], scope.get("root_path") or ""
     return path[len(root):] if root and path.startswith(root) else path
 
 
@@ -84,12 +93,6 @@ async def authenticate(request: Request) -> Caller:
             "makes keys with `ftq users create NAME`",
             param="Authorization",
         )
-    if via_cookie and request.method not in SAFE_METHODS and not request.headers.get(CSRF_HEADER):
-        raise Forbidden(
-            f"a request authenticated by the session cookie that changes something must carry the "
-            f"{CSRF_HEADER} header (any value); API clients should send 'Authorization: Bearer <key>' instead",
-            param=CSRF_HEADER,
-        )
     state: AppState = request.state.ftq
 
     def verify() -> Caller:
@@ -98,19 +101,72 @@ async def authenticate(request: Request) -> Caller:
             session.commit()
             return caller
 
-    caller = await to_thread.run_sync(verify)
+    caller = await to_thread.run_sync(verify)  # a bad key is a 401 even without the CSRF header
+    if via_cookie and request.method not in SAFE_METHODS and not request.headers.get(CSRF_HEADER):
+        raise Forbidden(
+            f"a request authenticated by the session cookie that changes something must carry the "
+            f"{CSRF_HEADER} header (any value); API clients should send 'Authorization: Bearer <key>' instead",
+            param=CSRF_HEADER,
+        )
     request.state.caller = caller
     return caller
 
 
-async def auth_gate(
-    request: Request,
+async def declare_schemes(
     _bearer: Annotated[object, Depends(_bearer_scheme)] = None,
     _cookie: Annotated[object, Depends(_cookie_scheme)] = None,
 ) -> None:
-    """App-wide: refuse a ``/v1`` request without a valid key (401) before its route runs."""
-    if needs_key(route_path(request)):
-        await authenticate(request)
+    """App-wide, for the OpenAPI document only (``/docs`` shows "Authorize"); ``AuthGate`` checks."""
+
+
+class AuthGate:
+    """ASGI middleware: refuse every request to a path that is not open unless its key is good
+    (401, or 429 after repeated failures from the address), before any route or mount runs."""
+
+    def __init__(self, app: ASGIApp, throttle: FailedKeyThrottle) -> None:
+        self.app = app
+        self.throttle = throttle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or is_open(app_path(scope)):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        address = request.client.host if request.client else "unknown"
+        wait = self.throttle.retry_after(address)
+        if wait is not None:
+            refusal = too_many_failures(wait)
+        else:
+            refusal = await self._refusal(request, address)
+        if refusal is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            await refusal(scope, receive, send)
+
+    async def _refusal(self, request: Request, address: str) -> Response | None:
+        try:
+            await authenticate(request)
+        except FtqError as exc:
+            if isinstance(exc, Unauthenticated):
+                self.throttle.record_failure(
+                    address, path=app_path(request.scope), prefix=_prefix(request), reason=exc.message
+                )
+            return domain_response(exc)
+        except OperationalError as exc:
+            return store_unreachable(exc)
+        return None
+
+
+def _prefix(request: Request) -> str | None:
+    """The public prefix of the key a request tried (never the secret), for the log."""
+    try:
+        raw, _ = credentials(request)
+    except Unauthenticated:
+        return None
+    parts = split_key(raw.strip()) if raw else None
+    return parts[0] if parts else None
 
 
 async def require_admin(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:

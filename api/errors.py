@@ -6,6 +6,11 @@ Domain errors (``core.errors``) map to status codes by type; request validation 
 (422) are rewritten to name the field (``hyperparameters.learning_rate``) and say what to do,
 instead of pydantic's ``loc`` tuples; HTTP errors (unknown route, wrong method) keep their
 status and get the same envelope.
+
+Two safety nets stand behind the checks at the edges: a store that cannot be reached
+(``OperationalError``) is a 503, and a value the store refuses (``DataError``: a NUL character
+in text, an integer out of the column's range) is a 422 rather than a 500. Neither should be
+reached by a request the schemas already checked; each is logged when it is.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import (
@@ -62,17 +68,61 @@ def add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(FtqError, _domain_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(OperationalError, _store_error)  # type: ignore[arg-type]
+    app.add_exception_handler(DataError, _data_error)  # type: ignore[arg-type]
 
 
 async def _domain_error(request: Request, exc: FtqError) -> JSONResponse:
-    status = status_for(exc)
-    if status >= 500:
+    if status_for(exc) >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+    return domain_response(exc)
+
+
+def domain_response(exc: FtqError) -> JSONResponse:
+    status = status_for(exc)
     line = exc.line if isinstance(exc, InvalidDataset) else None
     # RFC 9110: a 401 names the scheme that would work.
     headers = {"WWW-Authenticate": 'Bearer realm="ftq"'} if status == 401 else None
     return JSONResponse(
         error_body(exc.code, exc.message, param=exc.param, line=line), status_code=status, headers=headers
+    )
+
+
+def store_unreachable(exc: OperationalError) -> JSONResponse:
+    log.warning("the job store is unreachable: %s", exc.orig)
+    return JSONResponse(
+        error_body("unavailable", "the job store is unreachable; retry in a moment (GET /readyz says when it is back)"),
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
+
+
+def too_many_failures(retry_after_s: int) -> JSONResponse:
+    return JSONResponse(
+        error_body(
+            "too_many_failed_keys",
+            f"too many requests with a bad API key from this address; wait {retry_after_s} s, then "
+            "send a valid key ('Authorization: Bearer <key>')",
+            param="Authorization",
+        ),
+        status_code=429,
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+async def _store_error(request: Request, exc: OperationalError) -> JSONResponse:
+    return store_unreachable(exc)
+
+
+async def _data_error(request: Request, exc: DataError) -> JSONResponse:
+    log.warning("%s %s: the store refused a value: %s", request.method, request.url.path, exc.orig)
+    return JSONResponse(
+        error_body(
+            "invalid_input",
+            "a value in this request cannot be stored (a NUL character in text, or an integer "
+            "out of range); remove or shorten it",
+        ),
+        status_code=422,
     )
 
 

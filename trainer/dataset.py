@@ -3,7 +3,11 @@
 Three record formats, one per file (``auto`` detects it from the first record):
 
 - chat: ``{"messages": [{"role": ..., "content": ...}, ...]}``, rendered with the tokenizer's
-  chat template; loss only on the tokens each assistant turn adds.
+  chat template; loss only on the tokens each assistant turn adds. OpenAI's chat JSONL is taken
+  as it is: an assistant message with ``"weight": 0`` is context, not trained; ``tools`` (a
+  record's function definitions) and an assistant's ``tool_calls`` (its ``content`` may then be
+  null) go to the template, the calls' JSON-string ``arguments`` parsed into the dict that
+  transformers' templates expect.
 - prompt/completion: ``{"prompt": ..., "completion": ...}``; loss only on the completion (+ eos).
 - text: ``{"text": ...}``; loss on every token (+ eos).
 
@@ -98,21 +102,13 @@ def validate_record(record: dict[str, Any], fmt: str) -> str | None:
         if not isinstance(messages, list) or not messages:
             return "'messages' must be a non-empty list"
         for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                return (
-                    f"messages[{i}] must be an object with string 'role' and 'content'"
-                )
-            if m["role"] not in ROLES:
-                return (
-                    f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}"
-                )
-        if not any(m["role"] == "assistant" for m in messages):
+            problem = _message_problem(m)
+            if problem:
+                return f"messages[{i}]{problem}"
+        if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in messages):
             return (
-                "no assistant message: there is nothing to learn from this conversation"
+                "no assistant message to train on (every one is missing or has weight 0): "
+                "there is nothing to learn from this conversation"
             )
         return None
     keys = ("prompt", "completion") if fmt == "prompt_completion" else ("text",)
@@ -121,6 +117,20 @@ def validate_record(record: dict[str, Any], fmt: str) -> str | None:
             return f"'{key}' must be a string"
     if not record[keys[-1]]:
         return f"'{keys[-1]}' is empty"
+    return None
+
+
+def _message_problem(m: Any) -> str | None:
+    """What is wrong with one chat message (to follow ``messages[i]``), or None."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return " must be an object with string 'role' and 'content'"
+    if m["role"] not in ROLES:
+        return f".role {m['role']!r} is not one of {', '.join(ROLES)}"
+    calls_only = m["role"] == "assistant" and m.get("content") is None and m.get("tool_calls")
+    if not isinstance(m.get("content"), str) and not calls_only:
+        return " must be an object with string 'role' and 'content' (null only beside tool_calls)"
+    if "weight" in m and (m["role"] != "assistant" or m["weight"] not in (0, 1)):
+        return ".weight must be 0 or 1, on an assistant message"
     return None
 
 
@@ -170,7 +180,7 @@ def load_samples(
 def tokenize_record(record: dict[str, Any], fmt: str, tokenizer: Any) -> Sample:
     """Tokenize one validated record of format ``fmt`` (no truncation)."""
     if fmt == "chat":
-        return _tokenize_chat(record["messages"], tokenizer)
+        return _tokenize_chat(record["messages"], tokenizer, tools=record.get("tools"))
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt == "prompt_completion":
         prompt = tokenizer(record["prompt"])["input_ids"]
@@ -182,19 +192,24 @@ def tokenize_record(record: dict[str, Any], fmt: str, tokenizer: Any) -> Sample:
     return Sample(ids, list(ids))
 
 
-def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
+def _tokenize_chat(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> Sample:
+    weights = [message.get("weight", 1) for message in messages]
+    messages = [_template_message(message) for message in messages]
+
     def encode(
-        conversation: list[dict[str, str]], generation_prompt: bool
+        conversation: list[dict[str, Any]], generation_prompt: bool
     ) -> list[int]:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=generation_prompt
+            conversation, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     ids = encode(messages, False)
     labels = [IGNORE_INDEX] * len(ids)
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or weights[i] == 0:
             continue
         start_ids = encode(messages[:i], True)
         end_ids = ids if i == len(messages) - 1 else encode(messages[: i + 1], False)
@@ -202,3 +217,25 @@ def _tokenize_chat(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
             continue  # the template rewrites this prefix; leave the turn unlabelled rather than guess
         labels[len(start_ids) : len(end_ids)] = ids[len(start_ids) : len(end_ids)]
     return Sample(ids, labels)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: no ``weight`` (ours, not the template's), content
+    ``""`` rather than null beside ``tool_calls``, each call's JSON-string ``arguments`` as a dict."""
+    out = {k: v for k, v in message.items() if k != "weight"}
+    if out.get("content") is None:
+        out["content"] = ""
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_parsed_call(call) for call in out["tool_calls"]]
+    return out
+
+
+def _parsed_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

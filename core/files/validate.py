@@ -12,7 +12,10 @@ record has the same one of four formats:
                        input's messages as in chat, without the need for an assistant reply; each
                        output one or more assistant messages with content); trains ``objective: dpo``
 
-Other keys in a record (``id``, ``metadata``, a message's ``name`` or ``tool_calls``) are
+OpenAI's chat extras are taken as they are: ``tools`` (a list of function definitions), an
+assistant's ``tool_calls`` (its ``content`` may then be null; the calls count as its answer) and
+``weight`` (0 or 1, assistant messages only; a conversation needs one assistant answer whose
+weight is not 0). Other keys in a record (``id``, ``metadata``, a message's ``name``) are
 ignored, but a record with the keys of two formats is refused: the trainer could not know
 which one was meant. A preference record is recognised by its two output keys (``input`` alone
 is too common a name). The names of the formats match ``trainer.config.DATA_FORMATS``.
@@ -149,6 +152,7 @@ def _check_record(record: dict[str, Any], fmt: str, number: int) -> int:
         return len(record["prompt"]) + len(_nonempty_str(record, "completion", number))
     if fmt == "preference":
         return _check_preference(record, number)
+    _check_tools(record, number)
     return _check_messages(record["messages"], number)
 
 
@@ -194,8 +198,11 @@ def _check_messages(
             content = ""
         if not isinstance(content, str):
             raise InvalidDataset(f"{at} needs 'content' as a string", line=number)
+        weight = _check_weight(msg, role, at, number)
         total += len(content)
-        has_answer = has_answer or (role == "assistant" and bool(content.strip()))
+        has_answer = has_answer or (
+            role == "assistant" and weight != 0 and (bool(content.strip()) or bool(msg.get("tool_calls")))
+        )
     if needs_answer and where != "messages" and not has_answer:
         raise InvalidDataset(
             f"line {number}: '{where}' has no assistant message with content; DPO compares two answers, "
@@ -204,11 +211,32 @@ def _check_messages(
         )
     if needs_answer and not has_answer:
         raise InvalidDataset(
-            f"line {number}: no assistant message with content; the loss is computed on assistant "
-            "replies, so each conversation needs at least one",
+            f"line {number}: no assistant message with content (or tool_calls) and a weight other than 0; "
+            "the loss is computed on assistant replies, so each conversation needs at least one",
             line=number,
         )
     return total
+
+
+def _check_weight(msg: dict[str, Any], role: str, at: str, number: int) -> int:
+    """OpenAI's ``weight``: 0 (context, not trained) or 1, on assistant messages only."""
+    weight = msg.get("weight", 1)
+    if "weight" in msg and role != "assistant":
+        raise InvalidDataset(f"{at}: 'weight' applies to assistant messages only; remove it", line=number)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise InvalidDataset(f"{at}: 'weight' must be 0 (not trained) or 1, got {weight!r}", line=number)
+    return weight
+
+
+def _check_tools(record: dict[str, Any], number: int) -> None:
+    """OpenAI's ``tools``: a list of function definitions, rendered by the model's chat template."""
+    tools = record.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise InvalidDataset(
+            f"line {number}: 'tools' must be a list of objects "
+            '({"type": "function", "function": {"name": ..., "parameters": {...}}})',
+            line=number,
+        )
 
 
 def _nonempty_str(record: dict[str, Any], key: str, number: int) -> str:

@@ -1,4 +1,5 @@
-"""``python -m trainer``: ``run JOB.json`` | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``.
+"""``python -m trainer``: ``run JOB.json`` | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
+| ``export JOB.json --format merged|gguf --out DIR`` (``trainer.export_cli``).
 
 ``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
 stream stays clean) and exits 0 when the run succeeded or was cancelled, 1 when it failed; a
@@ -49,9 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
+    from trainer import export_cli
+
+    export_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
+    if args.command == "export":
+        return export_cli.main(args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

@@ -1,0 +1,132 @@
+"""Exports: merged safetensors and GGUF reproduce the adapter's greedy tokens (GGUF in llama.cpp)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.unit.trainer.export_helpers import adapter_greedy, fake_finished_run, greedy, prompt_ids
+from tests.unit.trainer.trainer_helpers import events_of, run_cli
+from trainer import tiny
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # peft 0.21 reads transformers' deprecated is_gradient_checkpointing (building the test adapter)
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+
+def _events():
+    seen: list[tuple[str, dict]] = []
+    return seen, lambda type_, **payload: seen.append((type_, payload))
+
+
+class TestMerged:
+    def test_merged_model_generates_the_adapters_greedy_tokens(self, tmp_path: Path, tiny_model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from trainer.export import run_export
+
+        config = fake_finished_run(tmp_path, tiny_model_dir)
+        ids = prompt_ids(tiny_model_dir)
+        seen, report = _events()
+        result = run_export(config, "merged", tmp_path / "merged", report, device="cpu")
+
+        merged = AutoModelForCausalLM.from_pretrained(result.path).eval()
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        want = adapter_greedy(config, ids)
+        assert greedy(merged, ids) == want
+        assert greedy(base, ids) != want, "the adapter must change the output, or the test proves nothing"
+        assert merged.dtype == base.dtype
+        assert AutoTokenizer.from_pretrained(result.path).chat_template == tiny.CHAT_TEMPLATE
+        assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+        assert [(t, p["stage"]) for t, p in seen if p.get("fraction") == 1.0] == [
+            ("progress", "load"), ("progress", "merge"), ("progress", "save")]
+
+    def test_missing_weights_is_not_found(self, tmp_path: Path, tiny_model_dir: Path) -> None:
+        from tests.unit.trainer.trainer_helpers import make_job
+
+        job = tmp_path / "job.json"
+        make_job(tmp_path, tiny_model_dir).save(job)
+        done = events_of(run_cli("export", str(job), "--format", "merged", "--out", str(tmp_path / "x")).stdout)[-1]
+        assert (done["status"], done["error_code"]) == ("failed", "not_found")
+        assert "final weights are not on disk" in done["message"]
+
+
+class TestGguf:
+    @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+    def test_gguf_in_llama_cpp_generates_the_merged_models_greedy_tokens(
+        self, tmp_path: Path, tiny_models: dict[str, Path], arch: str
+    ) -> None:
+        from trainer.export import run_export
+
+        model_dir = tiny_models[arch]
+        config = fake_finished_run(tmp_path, model_dir)
+        ids = prompt_ids(model_dir)
+        result = run_export(config, "gguf", tmp_path / "gguf", lambda *a, **k: None, quantization="f32", device="cpu")
+        (path,) = result.path.glob("*.gguf")
+        assert _llama_cpp_greedy(path, ids) == adapter_greedy(config, ids)
+
+    def test_gguf_carries_the_chat_template_and_special_tokens(self, tmp_path: Path, tiny_model_dir: Path) -> None:
+        from gguf import GGUFReader
+
+        from trainer.gguf import write_gguf
+
+        info = write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q8_0")
+        reader = GGUFReader(info.path)
+        fields = {name: reader.fields[name] for name in reader.fields}
+        assert _string(fields["tokenizer.chat_template"]) == tiny.CHAT_TEMPLATE
+        assert _string(fields["general.architecture"]) == "llama"
+        assert _string(fields["tokenizer.ggml.pre"]) == "gpt-2"
+        assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == 2
+        types = {t.name: t.tensor_type.name for t in reader.tensors}
+        assert types["blk.0.attn_q.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"
+        assert len(reader.tensors) == info.tensors == 2 + 1 + 2 * 9
+
+    def test_q8_0_gguf_loads_and_generates_in_llama_cpp(self, tmp_path: Path, tiny_model_dir: Path) -> None:
+        from trainer.gguf import write_gguf
+
+        info = write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q8_0")
+        assert len(_llama_cpp_greedy(info.path, prompt_ids(tiny_model_dir))) == 12
+
+    def test_llama_q_and_k_rows_are_permuted_to_interleaved_rope(self) -> None:
+        import torch
+
+        from trainer.gguf import _permute_rope_rows
+
+        # One head of dim 4: HF rows [x0, x1, y0, y1] (rotate-half pairs (x0,y0), (x1,y1)) -> [x0, y0, x1, y1].
+        weight = torch.arange(4.0).reshape(4, 1)
+        assert _permute_rope_rows(weight, heads=1).flatten().tolist() == [0.0, 2.0, 1.0, 3.0]
+
+    def test_unsupported_architecture_names_what_is_supported(self, tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+        from trainer.gguf import GgufError, write_gguf
+
+        with pytest.raises(GgufError, match="not supported; supported: LlamaForCausalLM"):
+            write_gguf(tiny_models["gpt_oss"], tmp_path / "m.gguf")
+
+    def test_unknown_quantization_is_refused(self, tmp_path: Path, tiny_model_dir: Path) -> None:
+        from trainer.gguf import GgufError, write_gguf
+
+        with pytest.raises(GgufError, match="quantization: 'q4_k' is not one of f32, f16, bf16, q8_0"):
+            write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q4_k")
+
+
+def _string(field) -> str:
+    return bytes(field.parts[-1]).decode("utf-8")
+
+
+def _llama_cpp_greedy(path: Path, ids: list[int], n: int = 12) -> list[int]:
+    """Greedy tokens from llama.cpp (llama-cpp-python), fed the same prompt ids."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False, seed=0)
+    try:
+        out = []
+        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(token)
+            if len(out) == n:
+                break
+        return out
+    finally:
+        llm.close()

@@ -1,6 +1,7 @@
 """Every store model, imported in one place so Alembic sees the whole metadata."""
 
 from core.db import Base
+from core.exports.models import Export
 from core.files.models import File
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.openai.models import OpenAIJob
@@ -9,4 +10,4 @@ from core.workers.models import GpuSlot, Worker
 
 metadata = Base.metadata
 
-__all__ = ["ApiKey", "Base", "Checkpoint", "File", "GpuSlot", "Job", "JobEvent", "OpenAIJob", "StepMetric", "User", "Worker", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "OpenAIJob", "StepMetric", "User", "Worker", "metadata"]

@@ -3,8 +3,8 @@
 Looked up at ``FTQ_CONFIG`` if set, else ``$XDG_CONFIG_HOME/ftq/config.toml`` (default
 ``~/.config/ftq/``), else ``config.json`` next to it. Keys: ``api_key`` and, optionally,
 ``api_url``. The environment wins over the file (``FTQ_API_KEY``, ``FTQ_API_URL``), so a
-one-off command can use another key. ``ftq login`` and the first ``ftq up`` write the file
-with mode 0600: it holds a secret.
+one-off command can use another key. ``ftq login`` and the first ``ftq up`` write the key,
+every ``ftq up`` the URL it serves on; the file has mode 0600: it holds a secret.
 """
 
 from __future__ import annotations
@@ -70,6 +70,16 @@ def save_config(values: dict[str, str], path: Path | None = None) -> Path:
 def api_key() -> str | None:
     """``FTQ_API_KEY``, else the config file's ``api_key``, else None."""
     return os.environ.get("FTQ_API_KEY") or load_config().get("api_key") or None
+
+
+def remember_api_url(url: str) -> Path | None:
+    """Save ``url`` as ``api_url`` (``ftq up`` does, each start), so a new shell's client commands
+    reach the API this box started, whatever ``FTQ_PORT`` it ran with. None when the file cannot be
+    written: the caller warns, the service runs on."""
+    try:
+        return save_config({"api_url": url})
+    except (OSError, CliError):
+        return None
 
 
 def configured_url() -> str | None:

@@ -9,6 +9,7 @@ whole run.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import re
 import sys
@@ -37,6 +38,7 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("--status", help="only these statuses, comma-separated (e.g. queued,running)")
     p.add_argument("--owner", help="only this user's jobs ('me' for yours)")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--search", "-q", help="only jobs whose name, model or owner contains this text")
     p.set_defaults(run=run_jobs)
 
     p = commands.add_parser("show", help="one job as JSON")
@@ -125,21 +127,59 @@ def run_jobs(args: argparse.Namespace) -> int:
         params["status"] = args.status
     if args.owner:
         params["owner"] = args.owner
+    if args.search:
+        params["q"] = args.search
     with connect() as client:
         jobs = call(client, "GET", "/v1/jobs", params=params).json()["data"]
     print(format_jobs(jobs))
     return 0
 
 
-def format_jobs(jobs: list[dict[str, Any]]) -> str:
-    rows = [("ID", "STATUS", "STEP", "GPUS", "OWNER", "MODEL", "CREATED")]
+def format_jobs(jobs: list[dict[str, Any]], now: dt.datetime | None = None) -> str:
+    """The jobs as a table; LOSS is the last step's train loss, BEST the lowest (eval loss when the
+    job has a validation set, marked ``e``), TIME the run time so far."""
+    rows = [("ID", "NAME", "STATUS", "STEP", "LOSS", "BEST", "TIME", "GPUS", "OWNER", "MODEL", "CREATED")]
     for job in jobs:
         progress = job["progress"]
         step = f"{progress['step']}/{progress['total_steps'] or '?'}"
-        rows.append((job["id"], job["status"], step, gpus_cell(job), job.get("owner") or "-", job["model"],
+        final, best = loss_cells(job)
+        rows.append((job["id"], _clip(job.get("name") or "-", 24), job["status"], step, final, best,
+                     duration_cell(job, now), gpus_cell(job), job.get("owner") or "-", job["model"],
                      job["created_at"][:19].replace("T", " ")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def loss_cells(job: dict[str, Any]) -> tuple[str, str]:
+    """``(final train loss, best loss)`` as 4-digit text, ``-`` where none was recorded yet."""
+    summary = job.get("summary") or {}
+    final = summary.get("final_train_loss")
+    best_eval = summary.get("best_eval_loss")
+    best = f"{best_eval:.4f}e" if best_eval is not None else _num(summary.get("best_train_loss"))
+    return _num(final), best
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def duration_cell(job: dict[str, Any], now: dt.datetime | None = None) -> str:
+    """Run time: from start to the end (or to now while it runs), ``1h02m``, ``3m05s``, ``-`` if not started."""
+    if not job.get("started_at"):
+        return "-"
+    start = dt.datetime.fromisoformat(job["started_at"])
+    end = dt.datetime.fromisoformat(job["finished_at"]) if job.get("finished_at") else (now or dt.datetime.now(dt.UTC))
+    if start.tzinfo is None:
+        start = start.replace(tzinfo=dt.UTC)
+    if end.tzinfo is None:
+        end = end.replace(tzinfo=dt.UTC)
+    seconds = max(0, int((end - start).total_seconds()))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def gpus_cell(job: dict[str, Any]) -> str:
@@ -187,6 +227,8 @@ def run_logs(args: argparse.Namespace) -> int:
 def follow(client: httpx.Client, job_id: str, out: TextIO) -> int:
     """Stream a job's events until it ends, with a progress line; exit 0 only if it succeeded.
 
+    On a terminal the steps redraw one progress line on stderr; anywhere else (CI logs, ``| tee``,
+    a finished job's ``ftq logs``) each step is a line of its own on ``out``, so nothing is lost.
     A dropped connection is resumed with ``Last-Event-ID``, so no event is missed or repeated.
     """
     last_id: int | None = None
@@ -199,10 +241,9 @@ def follow(client: httpx.Client, job_id: str, out: TextIO) -> int:
                 check(response)
                 for seq, kind, data in sse_events(response):
                     last_id = seq
-                    if kind == "step":
-                        if progress:
-                            sys.stderr.write("\r" + progress_line(data))
-                            sys.stderr.flush()
+                    if kind == "step" and progress:
+                        sys.stderr.write("\r" + progress_line(data))
+                        sys.stderr.flush()
                         continue
                     if progress:
                         sys.stderr.write("\r\033[K")
@@ -232,6 +273,8 @@ def describe(kind: str, data: dict[str, Any]) -> str:
     """One line per event for people."""
     if kind == "state":
         extra = data.get("error_code") or data.get("reason") or data.get("message")
+        if data.get("status") == "failed" and data.get("error_code") and data.get("message"):
+            extra = f"{data['error_code']}: {str(data['message']).splitlines()[0]}"
         if data.get("slots") and not extra:
             slots = data["slots"]
             extra = f"on {data.get('worker_id')}, GPU slot{'s' if len(slots) > 1 else ''} {','.join(map(str, slots))}"
@@ -255,22 +298,42 @@ def describe(kind: str, data: dict[str, Any]) -> str:
         return (f"plan: {device}{ranks}, {data.get('total_steps')} steps, "
                 f"optimizations on: {', '.join(on) or 'none'}")
     if kind == "eval":
-        return f"eval: step {data.get('step')} loss {data.get('loss')}"
+        loss = data.get("loss")
+        return f"eval: step {data.get('step')} loss " + (f"{loss:.4f}" if isinstance(loss, (int, float)) else str(loss))
     return f"{kind}: {json.dumps(data)}"
 
 
 def run_download(args: argparse.Namespace) -> int:
+    """The final adapter, or ``--step N``'s checkpoint; when neither is there, the error names the
+    steps that are (``ftq download JOB --step N``) instead of a REST route."""
     if args.step is None:
         path, default = f"/v1/jobs/{args.job_id}/adapter", f"{args.job_id}-adapter.{args.format}"
     else:
         path, default = f"/v1/jobs/{args.job_id}/checkpoints/{args.step}/download", f"{args.job_id}-step-{args.step}.{args.format}"
     target = args.output or Path(default)
-    with connect() as client, client.stream("GET", path, params={"format": args.format}) as response:
-        if not response.is_success:
-            response.read()
-            check(response)
-        with target.open("wb") as f:
-            for chunk in response.iter_bytes():
-                f.write(chunk)
+    with connect() as client:
+        with client.stream("GET", path, params={"format": args.format}) as response:
+            if not response.is_success:
+                response.read()
+                if response.status_code in (404, 409):
+                    _explain_missing(client, args, response)
+                check(response)
+            with target.open("wb") as f:
+                for chunk in response.iter_bytes():
+                    f.write(chunk)
     print(f"wrote {target} ({target.stat().st_size:,} bytes)")
     return 0
+
+
+def _explain_missing(client: httpx.Client, args: argparse.Namespace, response: httpx.Response) -> None:
+    """Raise a CliError that says which checkpoints the job has, for a 404/409 of a download."""
+    job = client.get(f"/v1/jobs/{args.job_id}")
+    if not job.is_success:
+        return  # the job itself is missing: the API's own message says so
+    status = job.json()["status"]
+    steps = [c["step"] for c in call(client, "GET", f"/v1/jobs/{args.job_id}/checkpoints").json()["data"]]
+    have = (f"its checkpoints are at step {', '.join(map(str, steps))}: `ftq download {args.job_id} --step {steps[-1]}`"
+            if steps else "it has no checkpoint (set checkpoint_every to keep some)")
+    if args.step is None:
+        raise CliError(f"job {args.job_id} is {status}: the final adapter exists only once it has succeeded; {have}")
+    raise CliError(f"job {args.job_id} has no checkpoint at step {args.step}; {have}")

@@ -75,6 +75,7 @@ def run_up(args: argparse.Namespace) -> int:
         url = f"http://{_client_host(settings.host)}:{settings.port}"
         if _wait_healthy(url, children, stop):
             print(f"ftq is up: {url}  (API docs: {url}/docs; Ctrl-C stops)", flush=True)
+            remember_url(url)
         exited = _supervise(children, stop)
     finally:
         _stop_all(children, worker_grace_s=settings.cancel_grace_s + 30)
@@ -85,6 +86,15 @@ def run_up(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def remember_url(url: str) -> None:
+    """Save the URL for the client commands of any later shell (``cli/config.py``)."""
+    from cli import config
+
+    if config.remember_api_url(url) is None:
+        print(f"ftq: warning: could not save {url} to {config.config_path()}; set FTQ_API_URL={url} "
+              "in other shells", file=sys.stderr, flush=True)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:

@@ -1,4 +1,5 @@
-"""``/v1/jobs``: submit, list, read, cancel; metrics, events (SSE), checkpoints, adapter.
+"""``/v1/jobs``: submit, list, read, cancel, clone, resume; metrics (JSON, CSV), events (SSE),
+checkpoints, adapter.
 
 Submission commits the job, then signals the worker host the queue policy places it on
 (``core.queue.enqueue_job``; any host when it must wait). If the broker is down at that moment
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from anyio import to_thread
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Body, Header, Query, Response, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 
@@ -29,12 +32,14 @@ from api.jobs.schemas import (
     JobOut,
     MetricList,
     MetricOut,
+    ResumeRequest,
+    metrics_csv,
     queue_info,
 )
 from api.jobs.sse import event_stream
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import eta, live, scheduling, service
+from core.jobs import eta, live, rerun, scheduling, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
@@ -105,11 +110,13 @@ def list_jobs(
     owner: Annotated[str | None, Query(description="Only this user's jobs; `me` for the caller's")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 20,
     after: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+    q: Annotated[str | None, Query(max_length=200, description="Only jobs whose name, model or owner's "
+                                   "name contains this text (case-insensitive)")] = None,
 ) -> JobList:
     """Everyone's jobs (everyone on the box sees all of them), each with its ``owner``."""
     owner_id = access.owner_filter(session, caller, owner)
     jobs, next_cursor = service.list_jobs(
-        session, statuses=_parse_statuses(status_), owner_id=owner_id, limit=limit, after=after
+        session, statuses=_parse_statuses(status_), owner_id=owner_id, limit=limit, after=after, text=q
     )
     names = names_by_id(session, {j.owner_id for j in jobs})
     held = pool.held_by(session, [j.job_id for j in jobs if j.status == JobStatus.running.value])
@@ -151,6 +158,78 @@ async def cancel_job(job_id: str, response: Response, state: StateDep, caller: C
     else:
         response.status_code = status.HTTP_202_ACCEPTED
     return job
+
+
+@router.post("/{job_id}/clone", status_code=status.HTTP_201_CREATED, summary="Submit a copy of a job, with overrides")
+async def clone_job(
+    job_id: str,
+    state: StateDep,
+    caller: CallerDep,
+    overrides: Annotated[dict[str, Any] | None, Body(
+        description="Fields to change, as a JSON merge patch of the job's spec: "
+        '{"hyperparameters": {"learning_rate": 1e-4}, "name": "lr 1e-4"}; null restores a field\'s default')] = None,
+) -> JobOut:
+    """A new queued job from the source's stored spec (defaults as they were then) merged with
+    ``overrides``, validated like ``POST /v1/jobs`` (errors name the field, e.g.
+    ``hyperparameters.learning_rate``). The caller owns the new job."""
+
+    def create() -> tuple[JobOut, int]:
+        with state.sessions() as session:
+            source = service.get_job(session, job_id)
+            try:
+                spec = rerun.cloned_spec(source.spec, overrides or {})
+            except ValidationError as exc:
+                raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+            files = {"training_file": spec.training_file, "validation_file": spec.validation_file}
+            access.require_usable_files(session, caller, files)
+            job, _ = service.create_job(session, spec, settings=state.settings, owner_id=caller.user_id)
+            session.commit()
+            return _out(session, job, state.settings), job.last_event_seq
+
+    return await _submitted(state, *await to_thread.run_sync(create))
+
+
+@router.post("/{job_id}/resume", status_code=status.HTTP_201_CREATED, summary="Resume a stopped job from a checkpoint")
+async def resume_job(job_id: str, state: StateDep, caller: CallerDep, body: ResumeRequest | None = None) -> JobOut:
+    """A new queued job continuing a ``failed`` or ``cancelled`` one from its checkpoint at
+    ``step`` (default: its newest), with the same spec; the source is left as it is. 409 for a
+    job in another state or without checkpoints; 404 for a step without a checkpoint."""
+
+    def create() -> tuple[JobOut, int]:
+        with state.sessions() as session:
+            source = service.get_job(session, job_id)
+            access.require_usable_files(session, caller, {"training_file": source.training_file_id,
+                                                          "validation_file": source.validation_file_id})
+            job, _ = rerun.resume_job(session, source, body.step if body else None,
+                                      settings=state.settings, owner_id=caller.user_id)
+            session.commit()
+            return _out(session, job, state.settings), job.last_event_seq
+
+    return await _submitted(state, *await to_thread.run_sync(create))
+
+
+async def _submitted(state: AppState, job: JobOut, seq: int) -> JobOut:
+    if job.status == JobStatus.queued.value:
+        await to_thread.run_sync(_enqueue, state, job.id)
+    await _notify(state, job.id, seq)
+    return job
+
+
+@router.get(
+    "/{job_id}/metrics.csv",
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {}}, "description": "One row per step, a column per metric"}},
+    summary="Step metrics as a CSV file",
+)
+def download_metrics_csv(job_id: str, session: SessionDep) -> Response:
+    """Every step row (the fields of ``GET /v1/jobs/{id}/metrics`` but the per-rank list),
+    ready for a spreadsheet or pandas."""
+    rows, after = [], -1
+    while page := service.list_metrics(session, job_id, after_step=after, limit=service.MAX_METRICS_PAGE):
+        rows.extend(page)
+        after = page[-1].step
+    return Response(metrics_csv(rows), media_type="text/csv",
+                    headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'})
 
 
 @router.get("/{job_id}/metrics", summary="Step metrics in step order")
@@ -229,7 +308,9 @@ def download_adapter(
     job = service.get_job(session, job_id)
     if job.status != JobStatus.succeeded.value:
         raise Conflict(
-            f"job {job_id} is {job.status}; the adapter can be downloaded once it has succeeded", param="job_id"
+            f"job {job_id} is {job.status}; the adapter can be downloaded once it has succeeded. Its checkpoints "
+            f"(GET /v1/jobs/{job_id}/checkpoints; `ftq download {job_id} --step N`) can be downloaded now",
+            param="job_id",
         )
     export = layout.export_name(job.method)
     adapter = layout.export_dir(job.output_dir or "", job.method)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import io
 import logging
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -21,8 +23,25 @@ class Progress(BaseModel):
 
 
 class JobError(BaseModel):
+    """Why a job failed: ``message`` is one line, the cause and what to do; ``detail`` the rest
+    (the trainer's stderr tail, a traceback), shown folded on the job page."""
+
     code: str
     message: str | None
+    detail: str | None = None
+
+    @classmethod
+    def of(cls, code: str, text: str | None) -> JobError:
+        head, _, tail = (text or "").strip().partition("\n")
+        return cls(code=code, message=head or None, detail=tail.strip() or None)
+
+
+class ResumeRequest(BaseModel):
+    """The body of ``POST /v1/jobs/{id}/resume``."""
+
+    model_config = {"extra": "forbid"}
+    step: int | None = None
+    """The checkpoint's step; null (or no body): the newest."""
 
 
 class QueueInfo(BaseModel):
@@ -152,7 +171,7 @@ class JobOut(BaseModel):
             validation_file=job.validation_file_id,
             progress=Progress(step=job.progress_step, total_steps=job.total_steps),
             plan=PlanOut.of(job.plan),
-            error=JobError(code=job.error_code, message=job.error_message) if job.error_code else None,
+            error=JobError.of(job.error_code, job.error_message) if job.error_code else None,
             spec=job.spec,
             owner=owner,
             priority=job.priority,
@@ -242,3 +261,15 @@ def queue_info(entry: QueueEntry | None) -> QueueInfo | None:
         return None
     return QueueInfo(position=entry.position, ahead=list(entry.ahead), estimated_start_at=entry.estimated_start_at,
                      holds=entry.holds)
+
+
+def metrics_csv(rows: Sequence[StepMetric]) -> str:
+    """``rows`` as CSV: a header of ``MetricOut``'s fields but ``ranks``, one line per step."""
+    columns = [name for name in MetricOut.model_fields if name != "ranks"]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        record = MetricOut.of(row).model_dump(mode="json")
+        writer.writerow(["" if record[c] is None else record[c] for c in columns])
+    return out.getvalue()

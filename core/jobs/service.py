@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -24,6 +24,7 @@ from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
 from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
+from core.users.models import User
 from core.workers import pool
 from core.workers.models import Worker
 from trainer.config import SWITCHES
@@ -295,16 +296,27 @@ def list_jobs(
     owner_id: str | None = None,
     limit: int = 20,
     after: str | None = None,
+    text: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Jobs newest first, optionally only those in ``statuses`` / of ``owner_id``; returns the
-    page and the next cursor."""
+    """Jobs newest first, optionally only those in ``statuses`` / of ``owner_id`` / whose name,
+    model or owner's name contains ``text``; returns the page and the next cursor."""
     query = select(Job)
+    if text and text.strip():
+        query = query.where(_matching(text.strip()))
     if statuses:
         query = query.where(Job.status.in_([s.value for s in statuses]))
     if owner_id is not None:
         query = query.where(Job.owner_id == owner_id)
     query = page_newest_first(query, Job.created_at, Job.job_id, limit=limit, after=after)
     return split_page(list(session.scalars(query)), limit, "created_at", "job_id")
+
+
+def _matching(text: str) -> Any:
+    """Name, model or owner's name contains ``text``, case-insensitive (LIKE wildcards escaped)."""
+    pattern = "%" + text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    owners = select(User.user_id).where(func.lower(User.name).like(pattern, escape="\\"))
+    return or_(func.lower(Job.name).like(pattern, escape="\\"), func.lower(Job.model).like(pattern, escape="\\"),
+               Job.owner_id.in_(owners))
 
 
 def cancel_job(session: Session, job_id: str) -> tuple[Job, bool]:

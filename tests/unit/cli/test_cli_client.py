@@ -51,8 +51,9 @@ class TestFollowAndList:
     def test_jobs_table(self, api, job_file):
         job = submit(api, load_job_file(job_file), base_dir=job_file.parent)
         table = format_jobs(api.get("/v1/jobs").json()["data"]).splitlines()
-        assert table[0].split() == ["ID", "STATUS", "STEP", "GPUS", "OWNER", "MODEL", "CREATED"]
-        assert table[1].split()[:6] == [job["id"], "queued", "0/5", "1", "admin", "tiny"]
+        assert table[0].split() == ["ID", "NAME", "STATUS", "STEP", "LOSS", "BEST", "TIME", "GPUS", "OWNER",
+                                    "MODEL", "CREATED"]
+        assert table[1].split()[:10] == [job["id"], "-", "queued", "0/5", "-", "-", "-", "1", "admin", "tiny"]
 
 
 def test_event_lines_for_people():

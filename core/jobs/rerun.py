@@ -1,0 +1,125 @@
+"""Clone a job with overrides, or resume a stopped one from a chosen checkpoint.
+
+Both make a NEW job, so a finished job's record, metrics and files stay as they were:
+
+- clone: the source's stored spec (every default filled in, so a later change of the defaults
+  does not change a re-run) merged with the caller's overrides as a JSON merge patch (RFC 7386:
+  objects merge key by key, ``null`` removes a key and so restores its default), then validated
+  like a submission. Setting ``hyperparameters.max_steps`` drops the source's ``epochs`` and the
+  other way round, since the two exclude each other.
+- resume: the source (``failed`` or ``cancelled``) with its spec unchanged; the chosen checkpoint
+  (default: the newest) is linked into the new job's directory (hard links, a copy across
+  filesystems) and recorded as its checkpoint, so the trainer's resume picks it up and the
+  new job continues at the next step. The new job's metrics start there; the source has the
+  steps before.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from core.db import utcnow
+from core.errors import Conflict, InvalidInput, NotFound
+from core.jobs import service
+from core.jobs.models import Checkpoint, Job
+from core.jobs.spec import JobSpec
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from trainer import layout
+
+RESUMABLE = (JobStatus.failed.value, JobStatus.cancelled.value)
+_LENGTH_KEYS = ("max_steps", "epochs")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: ``patch`` applied to ``target`` (neither is modified)."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+def cloned_spec(source_spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:
+    """The source's spec with ``overrides``; raises pydantic's ValidationError like a submission."""
+    base = dict(source_spec)
+    hp_patch = overrides.get("hyperparameters")
+    if isinstance(hp_patch, dict) and any(hp_patch.get(k) is not None for k in _LENGTH_KEYS):
+        base["hyperparameters"] = {k: v for k, v in (base.get("hyperparameters") or {}).items() if k not in _LENGTH_KEYS}
+    return JobSpec.model_validate(merge_patch(base, overrides))
+
+
+def pick_checkpoint(session: Session, source: Job, step: int | None) -> Checkpoint:
+    """The checkpoint to resume ``source`` from: ``step``'s, else its newest.
+
+    Raises:
+        Conflict: the job is not failed or cancelled, or has no checkpoint.
+        NotFound: no checkpoint at ``step`` (the message lists the steps there are).
+    """
+    if source.status not in RESUMABLE:
+        raise Conflict(
+            f"job {source.job_id} is {source.status}; only a failed or cancelled job can be resumed "
+            f"(clone it instead: POST /v1/jobs/{source.job_id}/clone)",
+            param="job_id",
+        )
+    checkpoints = [c for c in service.list_checkpoints(session, source.job_id) if Path(c.path).is_dir()]
+    if not checkpoints:
+        raise Conflict(
+            f"job {source.job_id} has no checkpoint on disk to resume from; clone it to start over "
+            "(and set checkpoint_every to keep checkpoints next time)",
+            param="job_id",
+        )
+    if step is None:
+        return checkpoints[-1]
+    for checkpoint in checkpoints:
+        if checkpoint.step == step:
+            return checkpoint
+    raise NotFound(
+        f"job {source.job_id} has no checkpoint at step {step}; its checkpoints are at step "
+        f"{', '.join(str(c.step) for c in checkpoints)}",
+        param="step",
+    )
+
+
+def seed_checkpoint(session: Session, job: Job, checkpoint: Checkpoint) -> Path:
+    """Link ``checkpoint``'s directory into ``job``'s checkpoints and record it there, so the
+    worker keeps it (it sets aside checkpoints the store does not know) and the trainer resumes."""
+    target = layout.checkpoint_dir(job.output_dir or "", checkpoint.step)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(checkpoint.path, target, copy_function=_link_or_copy, dirs_exist_ok=True)
+    session.add(Checkpoint(job_id=job.job_id, step=checkpoint.step, path=str(target), bytes=checkpoint.bytes,
+                           final=False, created_at=utcnow()))
+    return target
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed: a copy
+        shutil.copy2(src, dst)
+
+
+def resume_job(session: Session, source: Job, step: int | None, *, settings: Settings,
+               owner_id: str | None) -> tuple[Job, Checkpoint]:
+    """A new queued job that continues ``source`` from its checkpoint at ``step`` (default newest)."""
+    checkpoint = pick_checkpoint(session, source, step)
+    try:
+        spec = JobSpec.model_validate(source.spec)
+    except ValueError as exc:
+        raise InvalidInput(f"job {source.job_id}'s stored spec no longer validates ({exc}); clone it with "
+                           "overrides that fix it", param="job_id") from exc
+    job, _ = service.create_job(session, spec, settings=settings, owner_id=owner_id)
+    seed_checkpoint(session, job, checkpoint)
+    service.append_events(session, job.job_id, [(
+        "log", {"level": "info", "message": f"resumes job {source.job_id} from its checkpoint at step {checkpoint.step}"},
+    )])
+    return job, checkpoint

@@ -22,6 +22,7 @@ from core.settings import Settings
 
 TASK_RUN_JOB = "jobs.run"
 TASK_REAP = "jobs.reap"
+TASK_EXPORT = "exports.run"
 QUEUE = "ftq.jobs"
 
 
@@ -58,3 +59,9 @@ def enqueue_job(celery: Celery, job_id: str, host: str | None = None) -> None:
     """Signal that ``job_id`` waits, to worker host ``host`` (None: to any); call only after the
     job row is committed."""
     celery.send_task(TASK_RUN_JOB, args=[job_id], queue=QUEUE if host is None else host_queue(host))
+
+
+def enqueue_export(celery: Celery, export_id: str, host: str | None = None) -> None:
+    """Signal export ``export_id`` to worker host ``host`` (the one holding the job's files;
+    None: any); call only after the export row is committed."""
+    celery.send_task(TASK_EXPORT, args=[export_id], queue=QUEUE if host is None else host_queue(host))

@@ -1,7 +1,8 @@
 """The worker's Celery app: one worker per host, holding the host's GPUs as one pool.
 
-The worker runs Celery's ``threads`` pool with one thread per GPU of its pool (concurrency =
-GPU count), consuming the shared queue and its own host queue (core/queue.py). Each ``jobs.run``
+The worker runs Celery's ``threads`` pool with one thread per GPU of its pool and one for
+exports (concurrency = GPU count + 1; worker/exports.py runs one export at a time), consuming the
+shared queue and its own host queue (core/queue.py). Each ``jobs.run``
 takes a thread: it claims the job the policy places on this host and the GPUs it needs
 (core/jobs/scheduling.py), then runs it (one process, or torchrun over N ranks) until it ends.
 A job holds at least one GPU, so a free GPU always has a free thread.
@@ -121,14 +122,14 @@ def create_worker_app(settings: Settings, options: WorkerOptions) -> Celery:
 
 
 def worker_argv(options: WorkerOptions, *, loglevel: str = "INFO") -> list[str]:
-    """``celery worker`` arguments: a thread per GPU of the pool, prefetch 1 per thread, the
-    shared ftq queue and this host's own."""
+    """``celery worker`` arguments: a thread per GPU of the pool and one for exports
+    (worker/exports.py), prefetch 1 per thread, the shared ftq queue and this host's own."""
     from core.queue import QUEUE, host_queue
 
     return [
         "worker",
         "--pool=threads",
-        f"--concurrency={len(options.pool)}",
+        f"--concurrency={len(options.pool) + 1}",
         "--prefetch-multiplier=1",
         f"--queues={QUEUE},{host_queue(options.worker_id)}",
         f"--hostname=ftq-{re.sub(r'[^A-Za-z0-9_.-]+', '-', options.worker_id)}@%h",

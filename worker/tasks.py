@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Reject
 
 from core.queue import TASK_REAP, TASK_RUN_JOB
+from worker.exports import register_export_task
 from worker.reaper import reap
 from worker.runner import run_job
 
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 
 
 def register_tasks(app: Celery, runtime_of: Any) -> None:
-    """Define ``jobs.run`` and ``jobs.reap`` on ``app``; ``runtime_of()`` gives the process's Runtime."""
+    """Define ``jobs.run``, ``jobs.reap`` and ``exports.run`` on ``app``; ``runtime_of()`` gives the process's Runtime."""
+    register_export_task(app, runtime_of)
 
     @app.task(name=TASK_RUN_JOB, ignore_result=True, shared=False)
     def run(job_id: str) -> str:

@@ -61,7 +61,7 @@ class TestWorkerCommand:
 
     def test_runs_a_thread_per_gpu_with_prefetch_one_on_the_shared_and_its_own_queue(self):
         argv = worker_argv(WorkerOptions(gpus=("0", "2"), name="box/gpu0,2"))
-        assert {"--pool=threads", "--concurrency=2", "--prefetch-multiplier=1"} <= set(argv)
+        assert {"--pool=threads", "--concurrency=3", "--prefetch-multiplier=1"} <= set(argv)  # 2 GPUs + 1 export thread
         assert f"--queues=ftq.jobs,{host_queue('box/gpu0,2')}" in argv and "," not in host_queue("box/gpu0,2")
         assert "--hostname=ftq-box-gpu0-2@%h" in argv
 

@@ -72,7 +72,7 @@ class TestWorkerPool:
         args = build_parser().parse_args(["worker", "--gpus", "0,1", "--name", "box"])
         assert args.run(args) == 0
         (argv,) = started
-        assert "--pool=threads" in argv and "--concurrency=2" in argv
+        assert "--pool=threads" in argv and "--concurrency=3" in argv  # 2 GPUs + 1 export thread
         assert any(a.startswith("--queues=ftq.jobs,ftq.jobs.box.") for a in argv)
 
     def test_slots_give_a_cpu_pool_of_that_size(self, monkeypatch, tmp_path):
@@ -85,4 +85,4 @@ class TestWorkerPool:
         monkeypatch.setattr(worker_app.Celery, "worker_main", lambda self, argv: started.append(argv))
         args = build_parser().parse_args(["worker", "--slots", "3"])
         assert args.run(args) == 0
-        assert "--concurrency=3" in started[0]
+        assert "--concurrency=4" in started[0]  # 3 slots + 1 export thread

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainer import metrics
+from trainer import guards, metrics
 from trainer.dataset import Sample
 from trainer.distributed import Comm, share
 from trainer.events import StepEvent
@@ -146,7 +146,7 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         total_loss += loss.detach()
     ctx.comm.all_reduce_sum(total_loss)
     with timer.phase("optimizer"):
-        grad_norm, lr = _optimizer_step(ctx)
+        grad_norm, lr = _optimizer_step(ctx, total_loss)
     every = [n for row in lengths for n in row]
     return PendingStep(
         step=step,
@@ -176,15 +176,18 @@ def _padded(mine: list[int], parts: list[list[int]], strategy: str | None) -> li
     return mine + [0] * max(0, wanted - len(mine))
 
 
-def _optimizer_step(ctx: StepContext) -> tuple[torch.Tensor, float]:
-    """Clip, step, schedule, zero; returns the (device) grad norm and the lr the step used."""
+def _optimizer_step(ctx: StepContext, loss: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Clip, step, schedule, zero; returns the (device) grad norm and the lr the step used.
+
+    A step whose ``loss`` or grad norm is not finite is not applied (``trainer.guards.arm``)."""
     params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
     max_norm = ctx.max_grad_norm if ctx.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, possibly a partial sum per rank
         grad_norm = grad_norm.full_tensor()  # a collective queued on the stream, no host sync
     lr = ctx.scheduler.get_last_lr()[0]
-    ctx.optimizer.step()
+    if guards.arm(ctx.optimizer, loss, grad_norm):
+        ctx.optimizer.step()
     ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr

@@ -32,14 +32,16 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, distributed, hardware, layout, metrics, parallel, planning
+from trainer import checkpoint, distributed, evaluation, hardware, layout, metrics, parallel, planning
 from trainer.config import TrainConfig
 from trainer.dataset import Sample, load_samples
 from trainer.errors import ConfigError, error_code
+from trainer.generate import Sampler
+from trainer.guards import NonFiniteGuard
 from trainer.install import install
 from trainer.model import count_parameters, load_model, load_tokenizer, model_facts, prepare_for_training
 from trainer.packing import BatchSchedule
-from trainer.step import PendingStep, StepContext, evaluate, lr_lambda, train_step
+from trainer.step import PendingStep, StepContext, lr_lambda, train_step
 
 Emit = Callable[..., Any]
 
@@ -119,6 +121,10 @@ class Run:
     state: checkpoint.TrainingState
     last_checkpoint_step: int
     """The step of the newest checkpoint on disk (-1: none written or resumed from)."""
+    guard: NonFiniteGuard
+    """Counts non-finite steps in a row (``trainer.guards``)."""
+    sampler: Sampler | None = None
+    """Greedy generations at checkpoints (``trainer.generate``); None when the job asks for none."""
 
     def write_checkpoint(self, final: bool) -> None:
         """Every rank takes part (``checkpoint.save``): rank 0 alone writes adapters (the same on
@@ -133,7 +139,9 @@ class Run:
         self.last_checkpoint_step = self.state.step
 
     def emit_step(self, pending: PendingStep) -> None:
-        self.emit("step", **pending.event(self.schedule.total_steps, self.hw.peak_flops, self.ctx.comm))
+        event = pending.event(self.schedule.total_steps, self.hw.peak_flops, self.ctx.comm)
+        self.emit("step", **event)
+        self.guard.check(event, self.emit, self.last_checkpoint_step)  # raises at the limit
 
     def stopping(self) -> bool:
         """Whether any rank was asked to stop (all ranks agree, so they stop at the same step)."""
@@ -216,7 +224,10 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
         parallel=wrapped,
         comm=comm,
     )
-    r = Run(config, emit, stop, hw, ctx, schedule, validation, checkpoint.TrainingState(step=0, data_position=0), -1)
+    r = Run(config, emit, stop, hw, ctx, schedule, validation, checkpoint.TrainingState(step=0, data_position=0), -1,
+            NonFiniteGuard(config.max_non_finite_steps))
+    if config.sample_prompts or config.sample_count:
+        r.sampler = Sampler.for_run(config, load_tokenizer(config))
     resumed = _resume(r)
     _emit_plan(r, plan, resumed)
     return r
@@ -293,12 +304,15 @@ def _loop(r: Run, progress: dict[str, int]) -> RunResult | None:
         is_last = step == r.schedule.total_steps
         every = r.config.checkpoint_every
         stopping = r.stopping()
-        if stopping or is_last or (every and step % every == 0):
+        checkpointing = bool(stopping or is_last or (every and step % every == 0))
+        eval_loss = not stopping and evaluation.is_eval_due(r.config, step, checkpointing=checkpointing, is_last=is_last)
+        if checkpointing or eval_loss:
             r.emit_step(pending)
             pending = None
-            r.write_checkpoint(final=is_last)
-            if r.validation is not None and not stopping:
-                _evaluate(r)
+            if checkpointing:
+                r.write_checkpoint(final=is_last)
+            if not stopping:
+                _evaluate(r, eval_loss=eval_loss, samples=checkpointing, final=is_last)
             stopping = stopping or r.stopping()  # asked while the step event was read or written
         if stopping and not is_last:  # a stop during the last step lets the run finish
             r.log(f"{r.stop.reason or 'another rank stopped'}: stopped after step {step}", "warning")
@@ -308,11 +322,10 @@ def _loop(r: Run, progress: dict[str, int]) -> RunResult | None:
     return None
 
 
-def _evaluate(r: Run) -> None:
-    """Validation loss over the whole validation set, as an ``eval`` event."""
-    assert r.validation is not None
-    loss, targets = evaluate(r.ctx, r.validation, r.config.data.batch_tokens)
-    r.emit("eval", step=r.state.step, loss=loss, tokens=targets)
+def _evaluate(r: Run, *, eval_loss: bool, samples: bool, final: bool) -> None:
+    """Validation loss and greedy samples after this step (``trainer.evaluation``)."""
+    evaluation.measure(r.ctx, r.config, r.state.step, r.emit, validation=r.validation, sampler=r.sampler,
+                       eval_loss=eval_loss, samples=samples, final=final)
 
 
 # ---- clean-up -----------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ class Job(Base):
     progress_step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    """Final/best train and eval loss, trained tokens, skipped steps (``worker.recorder``)."""
+    preflight: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    """The dataset report made at submission, with its warnings (``core.jobs.preflight``)."""
     """The trainer's ``plan`` event: detected hardware and each optimization's decision."""
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
@@ -102,6 +106,19 @@ class StepMetric(Base):
     chosen_logp: Mapped[float | None] = mapped_column(Float)
     rejected_logp: Mapped[float | None] = mapped_column(Float)
     """The DPO step fields (``trainer.events.DPO_STEP_FIELDS``); None for SFT."""
+    time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class EvalMetric(Base):
+    """One validation pass (the trainer's ``eval`` event): loss over the validation set after ``step``."""
+
+    __tablename__ = "eval_metric"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    loss: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    """Target tokens the loss is the mean over."""
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -26,6 +26,8 @@ from api.files.tokenizer_pool import TokenizerPool
 from api.jobs.routes import router as jobs_router
 from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
+from api.openai.app import PREFIX as OPENAI_PREFIX
+from api.openai.app import create_openai_app
 from api.state import AppState
 from api.system.routes import router as system_router
 from api.users.routes import router as users_router
@@ -81,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models_router)
     app.include_router(users_router)
     app.include_router(web_router)
+    app.mount(OPENAI_PREFIX, create_openai_app())  # the official openai client's API (api/openai)
     return app
 
 

@@ -349,6 +349,35 @@ def cancel_job(session: Session, job_id: str) -> tuple[Job, bool]:
     )
 
 
+def resume_stopped(session: Session, job_id: str) -> bool:
+    """Queue again a job that a pause stopped (the OpenAI-compatible API's ``pause``, which ftq
+    runs as a cancel: the trainer checkpoints, then exits); the caller commits, then enqueues.
+
+    The one way out of ``cancelled``, outside ``ALLOWED_TRANSITIONS`` on purpose: only the
+    caller knows the cancel was a pause. Like a retry after a lost worker, the next claim's
+    trainer resumes from the newest checkpoint the store knows. The stop's ``state`` event is
+    marked ``paused`` so the job's history (and SSE stream) does not end there. True if this
+    call moved the job.
+    """
+    moved = session.execute(
+        update(Job)
+        .where(Job.job_id == job_id, Job.status == JobStatus.cancelled.value)
+        .values(status=JobStatus.queued.value, cancel_requested=False, finished_at=None,
+                error_code=None, error_message=None, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    if moved.rowcount != 1:
+        return False
+    stop = session.scalar(
+        select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "state")
+        .order_by(JobEvent.seq.desc()).limit(1)
+    )
+    if stop is not None:
+        stop.data = {**stop.data, "paused": True}
+    append_events(session, job_id, [state_event(JobStatus.queued, resumed=True)])
+    return True
+
+
 def list_metrics(
     session: Session, job_id: str, *, after_step: int = -1, limit: int = 1000
 ) -> list[StepMetric]:
@@ -393,8 +422,9 @@ def get_checkpoint(session: Session, job_id: str, step: int) -> Checkpoint:
 
 
 def is_final_state_event(type_: str, data: dict[str, Any]) -> bool:
-    """True for the ``state`` event that ends a job's history (and its SSE stream)."""
-    return type_ == "state" and data.get("status") in FINISHED_VALUES
+    """True for the ``state`` event that ends a job's history (and its SSE stream); a stop that
+    was a pause (``resume_stopped`` marks it) does not."""
+    return type_ == "state" and data.get("status") in FINISHED_VALUES and not data.get("paused")
 
 
 def _by_idempotency_key(session: Session, key: str, fingerprint: str) -> Job | None:

@@ -1,0 +1,32 @@
+"""The OpenAI-compatible fine-tuning API, mounted at ``/openai/v1`` by ``api.app.create_app``.
+
+A sub-application, so that its errors take OpenAI's shape (``api.openai.errors``) while the
+native ``/v1`` API keeps its own. It shares the parent's lifespan state (store, Celery, Redis)
+through the request scope; its key is the ftq API key sent as OpenAI's (``Authorization:
+Bearer``), checked by the parent's ``AuthGate`` before anything here runs, and again by
+``authenticate`` (which reuses that verdict) for the routes that need the caller.
+"""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI
+
+from api.auth import authenticate
+from api.openai.errors import add_openai_exception_handlers
+from api.openai.files import router as files_router
+from api.openai.jobs import router as jobs_router
+
+PREFIX = "/openai/v1"
+
+
+def create_openai_app() -> FastAPI:
+    app = FastAPI(
+        title="ftq: OpenAI-compatible fine-tuning",
+        summary="files and fine_tuning.jobs as the official openai client calls them",
+        version="0.1.0",
+        dependencies=[Depends(authenticate)],
+    )
+    add_openai_exception_handlers(app)
+    app.include_router(files_router)
+    app.include_router(jobs_router)
+    return app

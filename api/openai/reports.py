@@ -1,0 +1,174 @@
+"""A job's history in OpenAI's terms: events (message and metrics), checkpoints with their
+metrics, and the metrics CSV OpenAI attaches as a result file.
+
+All of it is read from what the worker already stores (``job_event``, ``step_metric``,
+``checkpoint``): nothing is written twice. Event and checkpoint ids carry the job and the
+position (``ftevent-<job>-<seq>``, ``ftckpt-<job>-<step>``) so ``after=`` pages by them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.openai.schemas import CheckpointMetrics, JobCheckpoint, JobEvent
+from core.errors import InvalidInput
+from core.jobs.models import Checkpoint, Job
+from core.jobs.models import JobEvent as StoredEvent
+from core.jobs.models import StepMetric
+
+CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+DPO_FIELDS = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")
+ACCURACY_FIELD = "token_accuracy"
+"""The step metric of the fraction of target tokens predicted right, where the store has it."""
+_LEVELS = {"debug": "info", "info": "info", "warning": "warn", "error": "error"}
+
+
+def list_events(session: Session, job_id: str, *, after: str | None, limit: int) -> tuple[list[JobEvent], bool]:
+    """Newest first, as OpenAI lists them; ``after`` is the id of the last event already read."""
+    query = select(StoredEvent).where(StoredEvent.job_id == job_id)
+    if after is not None:
+        query = query.where(StoredEvent.seq < _position(after, "ftevent", job_id))
+    rows = list(session.scalars(query.order_by(StoredEvent.seq.desc()).limit(limit + 1)))
+    events = [event_of(job_id, row) for row in rows[:limit]]
+    return events, len(rows) > limit
+
+
+def event_of(job_id: str, row: StoredEvent) -> JobEvent:
+    level, message, data, kind = _describe(row.type, row.data)
+    return JobEvent(
+        id=f"ftevent-{_hex(job_id)}-{row.seq}",
+        created_at=int(row.created_at.timestamp()),
+        level=level,  # type: ignore[arg-type]
+        message=message,
+        data=data,
+        type=kind,  # type: ignore[arg-type]
+    )
+
+
+def _describe(type_: str, data: dict[str, Any]) -> tuple[str, str, dict[str, Any] | None, str]:
+    """``(level, message, data, type)`` of one stored event."""
+    if type_ == "step":
+        metrics = {"step": data.get("step"), "train_loss": data.get("loss"), "total_steps": data.get("total_steps"),
+                   "train_mean_token_accuracy": data.get(ACCURACY_FIELD)}
+        metrics.update({k: data[k] for k in DPO_FIELDS if data.get(k) is not None})
+        return "info", f"Step {data.get('step')}/{data.get('total_steps')}: training loss={_num(data.get('loss'))}", \
+            metrics, "metrics"
+    if type_ == "eval":
+        metrics = {"step": data.get("step"), "valid_loss": data.get("loss"), "full_valid_loss": data.get("loss")}
+        return "info", f"Step {data.get('step')}: validation loss={_num(data.get('loss'))}", metrics, "metrics"
+    if type_ == "state":
+        return _state_message(data)
+    if type_ == "log":
+        return _LEVELS.get(str(data.get("level")), "info"), str(data.get("message", "")), None, "message"
+    if type_ == "checkpoint":
+        what = "Final model written" if data.get("final") else "Checkpoint created"
+        return "info", f"{what} at step {data.get('step')}", {"step": data.get("step")}, "message"
+    if type_ == "plan":
+        model = (data.get("model") or {}).get("name", "the model")
+        return "info", (f"Training plan: {data.get('total_steps')} steps of {model} on {data.get('device')} "
+                        f"({data.get('dtype')})"), None, "message"
+    return "info", f"{type_} event", data, "message"
+
+
+def _state_message(data: dict[str, Any]) -> tuple[str, str, dict[str, Any] | None, str]:
+    status = data.get("status")
+    note = data.get("message") or data.get("reason")
+    if data.get("paused"):
+        return "info", "Fine-tuning job paused (stopped at a checkpoint; resume continues from it)", None, "message"
+    text = {
+        "queued": "Fine-tuning job queued" if not data.get("resumed") else "Fine-tuning job resumed and queued",
+        "running": "Fine-tuning job started",
+        "succeeded": "The job has successfully completed",
+        "failed": "The job failed",
+        "cancelled": "Fine-tuning job cancelled",
+    }.get(str(status), f"Job {status}")
+    if note:
+        text += f": {note}"
+    return ("error" if status == "failed" else "info"), text, None, "message"
+
+
+def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str | None,
+                     limit: int) -> tuple[list[JobCheckpoint], bool]:
+    """The job's checkpoints newest first, each with the metrics of its step."""
+    query = select(Checkpoint).where(Checkpoint.job_id == job.job_id)
+    if after is not None:
+        query = query.where(Checkpoint.step < _position(after, "ftckpt", job.job_id))
+    rows = list(session.scalars(query.order_by(Checkpoint.step.desc()).limit(limit + 1)))
+    page = rows[:limit]
+    steps = {row.step for row in page}
+    train = {m.step: m for m in session.scalars(
+        select(StepMetric).where(StepMetric.job_id == job.job_id, StepMetric.step.in_(steps)))}
+    valid = _eval_losses(session, job.job_id)
+    out = []
+    for row in page:
+        metric = train.get(row.step)
+        loss = valid.get(row.step)
+        out.append(JobCheckpoint(
+            id=f"ftckpt-{_hex(job.job_id)}-{row.step}",
+            created_at=int(row.created_at.timestamp()),
+            fine_tuned_model_checkpoint=f"{model_name}:ckpt-step-{row.step}",
+            fine_tuning_job_id=job.job_id,
+            step_number=row.step,
+            metrics=CheckpointMetrics(
+                step=row.step,
+                train_loss=metric.loss if metric else None,
+                train_mean_token_accuracy=getattr(metric, ACCURACY_FIELD, None) if metric else None,
+                valid_loss=loss,
+                full_valid_loss=loss,
+            ),
+        ))
+    return out, len(rows) > limit
+
+
+def metrics_csv(session: Session, job_id: str) -> str:
+    """OpenAI's results file: one row per step; validation columns where the step was evaluated."""
+    valid = _eval_losses(session, job_id)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in session.scalars(select(StepMetric).where(StepMetric.job_id == job_id).order_by(StepMetric.step)):
+        writer.writerow([row.step, _cell(row.loss), _cell(getattr(row, ACCURACY_FIELD, None)),
+                         _cell(valid.get(row.step)), ""])
+    return buffer.getvalue()
+
+
+def trained_tokens(session: Session, job_ids: list[str]) -> dict[str, int]:
+    """Real tokens over every recorded step, per job."""
+    rows = session.execute(
+        select(StepMetric.job_id, func.sum(StepMetric.tokens), func.count())
+        .where(StepMetric.job_id.in_(job_ids)).group_by(StepMetric.job_id)
+    )
+    return {job_id: int(total or 0) for job_id, total, _ in rows}
+
+
+def _eval_losses(session: Session, job_id: str) -> dict[int, float | None]:
+    rows = session.scalars(select(StoredEvent.data).where(StoredEvent.job_id == job_id, StoredEvent.type == "eval"))
+    return {int(data["step"]): data.get("loss") for data in rows if isinstance(data.get("step"), int)}
+
+
+def _position(cursor: str, prefix: str, job_id: str) -> int:
+    head, _, number = cursor.rpartition("-")
+    if head != f"{prefix}-{_hex(job_id)}" or not number.isdigit():
+        raise InvalidInput(
+            f"after: {cursor!r} is not a {prefix} id of job {job_id}; pass the id of the last item of the "
+            "previous page",
+            param="after",
+        )
+    return int(number)
+
+
+def _hex(job_id: str) -> str:
+    return job_id.removeprefix("job-")
+
+
+def _num(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"

@@ -1,0 +1,166 @@
+"""OpenAI's fine-tuning objects, as the official ``openai`` client reads and sends them.
+
+Responses follow the client's types (``openai.types.FileObject``,
+``openai.types.fine_tuning.FineTuningJob``, ``FineTuningJobEvent``, ``FineTuningJobCheckpoint``):
+times are Unix seconds, lists are ``{"object": "list", "data", "has_more", "first_id",
+"last_id"}``. Requests refuse unknown fields as OpenAI does ("Unrecognized request argument").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Auto = Literal["auto"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SupervisedHyperparameters(_Request):
+    batch_size: Auto | Annotated[int, Field(ge=1, le=256)] = "auto"
+    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0, le=10)] = "auto"
+    n_epochs: Auto | Annotated[int, Field(ge=1, le=50)] = "auto"
+
+
+class DpoHyperparameters(SupervisedHyperparameters):
+    beta: Auto | Annotated[float, Field(gt=0, le=2)] = "auto"
+
+
+class SupervisedMethod(_Request):
+    hyperparameters: SupervisedHyperparameters = SupervisedHyperparameters()
+
+
+class DpoMethod(_Request):
+    hyperparameters: DpoHyperparameters = DpoHyperparameters()
+
+
+class MethodIn(_Request):
+    type: Literal["supervised", "dpo", "reinforcement"]
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+    reinforcement: dict[str, Any] | None = None
+
+
+class JobCreate(_Request):
+    """The body of ``fine_tuning.jobs.create``."""
+
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    training_file: Annotated[str, Field(min_length=1, max_length=64)]
+    validation_file: Annotated[str | None, Field(max_length=64)] = None
+    hyperparameters: SupervisedHyperparameters | None = None
+    """The older form of ``method.supervised.hyperparameters``."""
+    method: MethodIn | None = None
+    suffix: Annotated[str | None, Field(min_length=1, max_length=64)] = None
+    seed: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]] | None, Field(max_length=16)] = None
+    integrations: list[dict[str, Any]] | None = None
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    """``fine-tune`` for uploads, ``fine-tune-results`` for a job's metrics CSV."""
+    status: Literal["processed"] = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Hyperparameters(BaseModel):
+    batch_size: int | None = None
+    learning_rate_multiplier: float | None = None
+    n_epochs: int | None = None
+    beta: float | None = None
+
+
+class FineTuningJob(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: JobError | None
+    fine_tuned_model: str | None
+    """``ft:<model>:<owner>:<suffix>:<job id>`` once succeeded: the ftq job whose adapter
+    ``GET /v1/jobs/{id}/adapter`` (``ftq jobs adapter``) downloads."""
+    finished_at: int | None
+    hyperparameters: Hyperparameters
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: str
+    """validating_files, queued, running, succeeded, failed, cancelled; ``paused`` between pause and resume."""
+    trained_tokens: int | None
+    training_file: str
+    validation_file: str | None
+    estimated_finish: int | None = None
+    integrations: list[dict[str, Any]] = []
+    metadata: dict[str, str] | None = None
+    method: dict[str, Any]
+    user_provided_suffix: str | None = None
+
+
+class JobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    data: dict[str, Any] | None = None
+    type: Literal["message", "metrics"] = "message"
+
+
+class CheckpointMetrics(BaseModel):
+    step: float
+    train_loss: float | None = None
+    train_mean_token_accuracy: float | None = None
+    valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
+    full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
+
+
+class JobCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+
+
+class Page(BaseModel):
+    """A cursor page: the next one starts ``after`` the last item's id."""
+
+    object: Literal["list"] = "list"
+    data: list[Any]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+
+    @classmethod
+    def of(cls, items: list[Any], has_more: bool) -> Page:
+        return cls(
+            data=items,
+            has_more=has_more,
+            first_id=items[0].id if items else None,
+            last_id=items[-1].id if items else None,
+        )

@@ -1,0 +1,191 @@
+"""Between OpenAI's objects and ftq's store: a create request becomes a native ``JobSpec`` (plus
+the ``openai_job`` row), and ftq's rows are shown back as OpenAI's files and jobs.
+
+One store: a job made here is an ordinary ftq job (``/v1/jobs``, the CLI, the dashboard show it,
+its ``name`` is the suffix), and ``/openai/v1`` shows every ftq job, those made natively too.
+
+Status: ftq validates files at upload and the spec at submission, so a job is never seen in
+``validating_files``; ``queued``, ``running``, ``succeeded``, ``failed`` and ``cancelled`` are
+ftq's own; a paused job (stopped with a checkpoint, ``api.openai.jobs``) reads ``paused``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from pydantic import ValidationError
+
+from api.openai import auto
+from api.openai.schemas import FileObject, FineTuningJob, Hyperparameters, JobCreate, JobError
+from core.errors import InvalidInput, Unsupported
+from core.files.models import File
+from core.jobs.models import Job
+from core.jobs.spec import JobSpec
+from core.openai.models import OpenAIJob
+
+ORGANIZATION = "ftq"
+RESULTS_PREFIX = "file-results-"
+"""A job's metrics CSV is ``file-results-<24 hex of the job id>``: made on request, never stored."""
+SUFFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def method_of(body: JobCreate) -> tuple[str, dict[str, Any]]:
+    """``(type, requested hyperparameters)`` from ``method``, else the older ``hyperparameters``.
+
+    Raises:
+        Unsupported: ``reinforcement``, or ``integrations`` (ftq reports to no third party).
+        InvalidInput: both forms at once, or a method whose hyperparameters sit under another type.
+    """
+    if body.integrations:
+        raise Unsupported(
+            "integrations: ftq sends metrics to no third party (Weights & Biases); remove 'integrations' "
+            "and read them with fine_tuning.jobs.list_events or the dashboard",
+            param="integrations",
+        )
+    if body.method is None:
+        legacy = body.hyperparameters.model_dump() if body.hyperparameters else {}
+        return "supervised", legacy
+    kind = body.method.type
+    if kind == "reinforcement":
+        raise Unsupported(
+            "method.type: 'reinforcement' fine-tuning (graders and sampled rollouts) is not something ftq "
+            "trains; use 'supervised' or 'dpo'",
+            param="method.type",
+        )
+    other = "dpo" if kind == "supervised" else "supervised"
+    if getattr(body.method, other) is not None:
+        raise InvalidInput(
+            f"method.{other}: given with method.type '{kind}'; put the settings under method.{kind}",
+            param=f"method.{other}",
+        )
+    if body.hyperparameters is not None:
+        raise InvalidInput(
+            "hyperparameters: give them under method.<type>.hyperparameters or in the older top-level "
+            "'hyperparameters', not both",
+            param="hyperparameters",
+        )
+    chosen = getattr(body.method, kind)
+    return kind, chosen.hyperparameters.model_dump() if chosen is not None else {}
+
+
+def check_suffix(suffix: str | None) -> None:
+    if suffix is not None and not set(suffix) <= SUFFIX_CHARS:
+        raise InvalidInput(
+            f"suffix: {suffix!r} may hold only letters, digits, '-' and '_' (it becomes part of "
+            "fine_tuned_model)",
+            param="suffix",
+        )
+
+
+def native_spec(body: JobCreate, train: File, *, validation_file: str | None,
+                kind: str, requested: dict[str, Any]) -> tuple[JobSpec, auto.Resolved]:
+    """The native job spec for ``body`` whose training file is ``train`` (hyperparameters
+    resolved from it); ``validation_file`` is the ftq file id to validate on.
+
+    Raises:
+        InvalidInput: the spec the translation gives is refused (the message names the field).
+    """
+    dpo = kind == "dpo"
+    resolved = auto.resolve(requested, num_records=train.num_records, dpo=dpo)
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    raw: dict[str, Any] = {
+        "name": body.suffix,
+        "model": body.model,
+        "training_file": train.file_id,
+        "validation_file": validation_file,
+        "hyperparameters": auto.ftq_hyperparameters(resolved, train.stats or {}, seed=seed, dpo=dpo),
+    }
+    if dpo:
+        raw["objective"] = "dpo"
+        raw["dpo"] = {"beta": resolved.beta}
+    try:
+        return JobSpec.model_validate(raw), resolved
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise InvalidInput(f"the job this request describes is refused: {where}: {err['msg']}") from None
+
+
+def method_dict(kind: str, resolved: auto.Resolved) -> dict[str, Any]:
+    return {"type": kind, kind: {"hyperparameters": resolved.as_openai()}}
+
+
+def file_object(row: File) -> FileObject:
+    return FileObject(
+        id=row.file_id,
+        bytes=row.bytes,
+        created_at=_unix(row.created_at),
+        filename=row.filename,
+        purpose="fine-tune",
+    )
+
+
+def results_file_id(job_id: str) -> str:
+    return RESULTS_PREFIX + job_id.removeprefix("job-")
+
+
+def job_of_results_file(file_id: str) -> str | None:
+    """The job id behind a results file id; None for any other id."""
+    return "job-" + file_id.removeprefix(RESULTS_PREFIX) if file_id.startswith(RESULTS_PREFIX) else None
+
+
+def fine_tuning_job(job: Job, extra: OpenAIJob | None, *, owner: str | None, trained_tokens: int | None,
+                    estimated_finish: int | None, has_metrics: bool) -> FineTuningJob:
+    """``job`` as OpenAI shows it; ``extra`` is its ``openai_job`` row (None for a native job)."""
+    method = extra.method if extra is not None else _native_method(job)
+    kind = method["type"]
+    hyper = Hyperparameters.model_validate(method.get(kind, {}).get("hyperparameters", {}))
+    status = job.status
+    if extra is not None and extra.paused_at is not None and status == "cancelled":
+        status = "paused"
+    finished = status in ("succeeded", "failed", "cancelled")
+    suffix = extra.suffix if extra is not None else job.name
+    return FineTuningJob(
+        id=job.job_id,
+        created_at=_unix(job.created_at),
+        error=JobError(code=job.error_code, message=job.error_message or job.error_code)
+        if status == "failed" and job.error_code else None,
+        fine_tuned_model=fine_tuned_model(job, owner, suffix) if status == "succeeded" else None,
+        finished_at=_unix(job.finished_at) if finished and job.finished_at else None,
+        hyperparameters=Hyperparameters(
+            batch_size=hyper.batch_size, learning_rate_multiplier=hyper.learning_rate_multiplier,
+            n_epochs=hyper.n_epochs,
+        ),
+        model=job.model,
+        organization_id=ORGANIZATION,
+        result_files=[results_file_id(job.job_id)] if finished and has_metrics else [],
+        seed=int(job.spec.get("hyperparameters", {}).get("seed", 0)),
+        status=status,
+        trained_tokens=trained_tokens if finished else None,
+        training_file=extra.training_file if extra is not None else job.training_file_id,
+        validation_file=extra.validation_file if extra is not None else job.validation_file_id,
+        estimated_finish=estimated_finish if status == "running" else None,
+        metadata=extra.user_metadata if extra is not None else None,
+        method=method,
+        user_provided_suffix=suffix,
+    )
+
+
+def fine_tuned_model(job: Job, owner: str | None, suffix: str | None) -> str:
+    """OpenAI's ``ft:<base>:<org>:<suffix>:<id>``, with ftq's owner and job id: the job's adapter."""
+    return f"ft:{job.model}:{owner or ORGANIZATION}:{suffix or ''}:{job.job_id}"
+
+
+def _native_method(job: Job) -> dict[str, Any]:
+    """A job submitted to ``/v1/jobs`` in OpenAI's terms (what can be said of it)."""
+    spec = job.spec
+    hp = spec.get("hyperparameters", {})
+    epochs = hp.get("epochs")
+    hyper: dict[str, Any] = {
+        "n_epochs": int(epochs) if epochs is not None and float(epochs).is_integer() else None,
+        "learning_rate_multiplier": round(hp.get("learning_rate", auto.BASE_LEARNING_RATE) / auto.BASE_LEARNING_RATE, 6),
+    }
+    if spec.get("objective") == "dpo":
+        hyper["beta"] = spec.get("dpo", {}).get("beta")
+        return {"type": "dpo", "dpo": {"hyperparameters": hyper}}
+    return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
+
+
+def _unix(when: Any) -> int:
+    return int(when.timestamp())

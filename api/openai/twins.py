@@ -1,0 +1,54 @@
+"""A validation file for a job, from a file uploaded with OpenAI's one purpose.
+
+OpenAI has one purpose, ``fine-tune``, for training and validation files alike; ftq keeps
+``train`` and ``validation`` apart and a job validates only on a ``validation`` file. So when an
+OpenAI upload (stored as ``train``) is named as ``validation_file``, the job validates on its
+twin: a ``validation`` file row of the same owner over a hard link to the same bytes (a copy
+where the file system cannot link), made once and reused by later jobs. The OpenAI view keeps
+showing the id the caller named.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.db import new_id, utcnow
+from core.files.models import File
+
+
+def validation_twin(session: Session, named: File, files_dir: Path) -> File:
+    """``named`` itself when it is a validation file, else its validation twin (committed)."""
+    if named.purpose == "validation":
+        return named
+    existing = session.scalar(
+        select(File).where(
+            File.purpose == "validation", File.sha256 == named.sha256, File.deleted_at.is_(None),
+            File.owner_id.is_(None) if named.owner_id is None else File.owner_id == named.owner_id,
+        ).limit(1)
+    )
+    if existing is not None:
+        return existing
+    file_id = new_id("file")
+    path = files_dir / f"{file_id}.jsonl"
+    try:
+        os.link(named.path, path)
+    except OSError:
+        shutil.copyfile(named.path, path)
+    twin = File(
+        file_id=file_id, owner_id=named.owner_id, filename=named.filename, purpose="validation",
+        bytes=named.bytes, sha256=named.sha256, format=named.format, num_records=named.num_records,
+        path=str(path), stats=named.stats, created_at=utcnow(),
+    )
+    try:
+        session.add(twin)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        path.unlink(missing_ok=True)
+        raise
+    return twin

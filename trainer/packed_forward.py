@@ -1,7 +1,8 @@
 """The packed forward and loss: the only ways the trainer calls the model.
 
-``packed_forward`` + ``loss_sum`` (full logits) and ``packed_loss`` (either loss kernel; its
-``loss_kernel`` is ``LOSS_FUSED`` or ``LOSS_PLAIN``). Packed rows must go in with no attention
+``packed_forward`` + ``loss_sum`` (full logits), ``packed_loss`` (either loss kernel; its
+``loss_kernel`` is ``LOSS_FUSED`` or ``LOSS_PLAIN``), ``packed_sequence_logprobs`` (DPO's
+per-sequence log-probabilities through either kernel). Packed rows must go in with no attention
 mask and no KV cache: an all-ones mask (what a tokenizer or collator hands out by default) would
 silently let every sample see the previous ones. ``packed_forward`` refuses such arguments
 instead of passing them on.
@@ -98,6 +99,30 @@ def plain_packed_loss(
 ) -> torch.Tensor:
     """As ``fused_packed_loss``, over the full logits in float32 (``loss_sum``)."""
     return loss_sum(packed_forward(model, batch, meta), batch.targets) / max(int(num_items), 1)
+
+
+def packed_sequence_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, meta: Any, loss_kernel: str
+) -> torch.Tensor:
+    """Each packed sequence's summed log p(target) over its label tokens, fp32 [S] (DPO, ``trainer.dpo``),
+    through ``loss_kernel``: the fused chunked head (no logits materialised) or the full logits."""
+    num_seqs = len(batch.lengths)
+    device = batch.input_ids.device
+    lengths_S = torch.tensor(batch.lengths, dtype=torch.long).to(device, non_blocking=True)
+    # output_size is the host-known token count, so the repeat reads nothing back from the device
+    seq_T = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths_S, output_size=batch.num_tokens)
+    if loss_kernel == LOSS_FUSED:
+        from trainer.fused_loss import causal_lm_sequence_logprobs
+
+        return causal_lm_sequence_logprobs(
+            model, batch.input_ids, batch.targets, seq_T.unsqueeze(0), num_seqs, **_boundary_kwargs(model, batch, meta)
+        )
+    logits = packed_forward(model, batch, meta)
+    token_T = -F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    return torch.zeros(num_seqs, dtype=torch.float32, device=device).index_add_(0, seq_T, token_T)
 
 
 LOSS_FUNCTIONS = {LOSS_FUSED: fused_packed_loss, LOSS_PLAIN: plain_packed_loss}

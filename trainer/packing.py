@@ -42,7 +42,7 @@ class PackedBatch:
     targets: torch.Tensor
     lengths: list[int]
     num_targets: int
-    """Positions with a target (!= -100): the loss denominator, known on the host."""
+    """Positions with a target (!= -100), or DPO pairs: the loss denominator, known on the host."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,25 +68,30 @@ class PackedBatch:
 
 
 def pack_batch(samples: Sequence[Sample]) -> PackedBatch:
-    """Concatenate ``samples`` into one padding-free row (see the module docstring)."""
+    """Concatenate ``samples`` into one padding-free row (see the module docstring).
+
+    A DPO pair (``trainer.preference.PreferencePair``, one schedule item) packs as its chosen then
+    its rejected sequence, side by side in the row: a pair is never split across micro-batches.
+    ``num_targets`` sums the samples' ``num_loss_tokens``: label tokens, or one per pair.
+    """
     if not samples:
         raise ValueError("pack_batch: needs at least one sample")
+    sequences = [seq for sample in samples for seq in getattr(sample, "sequences", (sample,))]
     input_ids: list[int] = []
     positions: list[int] = []
     targets: list[int] = []
-    for sample in samples:
+    for sample in sequences:
         input_ids.extend(sample.input_ids)
         positions.extend(range(len(sample)))
         targets.extend(sample.labels[1:])
         targets.append(IGNORE_INDEX)
-    num_targets = sum(1 for t in targets if t != IGNORE_INDEX)
     row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)
     return PackedBatch(
         row(input_ids),
         row(positions),
         row(targets),
-        [len(s) for s in samples],
-        num_targets,
+        [len(s) for s in sequences],
+        sum(s.num_loss_tokens for s in samples),
     )
 
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from trainer import guards, metrics
+from trainer import dpo, guards, metrics
 from trainer.dataset import Sample
 from trainer.distributed import Comm, share
+from trainer.dpo import DpoLoss
 from trainer.events import StepEvent
 from trainer.install import Installation
 from trainer.packing import MicroBatchRef, pack_batch, pack_indices
@@ -54,6 +55,8 @@ class StepContext:
     """The loss module as the run's strategy wraps it (none, DDP or FSDP2)."""
     comm: Comm
     """This rank's process groups (a no-op twin for one rank)."""
+    dpo: DpoLoss | None = None
+    """The run's loss when ``objective`` is dpo, whose pair statistics each step sums; None for SFT."""
 
 
 @dataclass
@@ -75,6 +78,8 @@ class PendingStep:
     """Model FLOPs of the whole step (all ranks)."""
     timing: metrics.PendingTiming
     memory: dict[str, int | None]
+    pair_stats: torch.Tensor | None = None
+    """DPO: the step's summed ``trainer.dpo.STATS`` over all ranks (device, read one step late); None for SFT."""
 
     def read(self, total_steps: int, peak_flops: float | None, comm: Comm) -> StepEvent:
         """The step's event; a collective over the ranks (every rank calls it, rank 0 emits it)."""
@@ -98,6 +103,7 @@ class PendingStep:
             mfu=metrics.mfu(self.flops / world, slowest["step_ms"], peak_flops),
             **{f: _largest(ranks, f) for f in ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss")},
             ranks=ranks if world > 1 else None,
+            **dpo.step_fields(self.pair_stats),
         )
 
     def event(self, total_steps: int, peak_flops: float | None, comm: Comm) -> dict[str, Any]:
@@ -130,6 +136,7 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     parts = share([sum(n) for n in lengths], world.world_size)
     mine = parts[world.rank]
     total_loss = torch.zeros((), device=ctx.device)
+    pair_stats = dpo.new_stats(ctx.device) if ctx.dpo else None
     todo = _padded(mine, parts, ctx.parallel.strategy)
     for k, j in enumerate(todo):
         host_batch = pack_batch([ctx.samples[i] for i in refs[j].sample_indices])
@@ -144,7 +151,11 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
                 # DDP and FSDP average gradients over ranks: scaled by W, the average is the sum.
                 (loss * world.world_size if world.is_distributed else loss).backward()
         total_loss += loss.detach()
+        if pair_stats is not None and k < len(mine):
+            pair_stats += ctx.dpo.last
     ctx.comm.all_reduce_sum(total_loss)
+    if pair_stats is not None:
+        ctx.comm.all_reduce_sum(pair_stats)
     with timer.phase("optimizer"):
         grad_norm, lr = _optimizer_step(ctx, total_loss)
     every = [n for row in lengths for n in row]
@@ -160,6 +171,7 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         flops=ctx.flops.step_flops(every),
         timing=timer.finish(),
         memory=metrics.memory_stats(ctx.device),
+        pair_stats=pair_stats,
     )
 
 

@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, distributed, evaluation, hardware, layout, metrics, parallel, planning
+from trainer import checkpoint, distributed, dpo, evaluation, hardware, layout, metrics, parallel, planning
 from trainer.config import TrainConfig
+from trainer.preference import load_pair_sets
 from trainer.dataset import Sample, load_samples
 from trainer.errors import ConfigError, error_code
 from trainer.generate import Sampler
@@ -204,8 +205,12 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     installed = install(model, plan)
     for line in installed.describe():
         emit("log", level="info", message=line)
+    loss = installed.loss
+    if config.objective == "dpo":  # a loss and a batch shape on the same path (trainer.dpo)
+        dpo.check_parallelism(plan.decision(parallel.NAME).backend)
+        loss = dpo.build(config, model, installed.loss.kernel)
     wrapped = parallel.parallelize(
-        model, installed.loss, plan.decision(parallel.NAME), comm,
+        model, loss, plan.decision(parallel.NAME), comm,
         static_graph=installed.offloader.enabled, compute_dtype=plan.dtype,
     )
     optimizer, scheduler = _optimizer(model, config, schedule.total_steps, device)
@@ -223,6 +228,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
         max_grad_norm=config.optim.max_grad_norm,
         parallel=wrapped,
         comm=comm,
+        dpo=loss if config.objective == "dpo" else None,
     )
     r = Run(config, emit, stop, hw, ctx, schedule, validation, checkpoint.TrainingState(step=0, data_position=0), -1,
             NonFiniteGuard(config.max_non_finite_steps))
@@ -236,6 +242,8 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
 def _load_data(config: TrainConfig) -> tuple[list[Sample], list[Sample] | None]:
     tokenizer = load_tokenizer(config)
     data = config.data
+    if config.objective == "dpo":
+        return load_pair_sets(config, tokenizer)
     train = load_samples(data.train_path, tokenizer, data.format, data.max_seq_len)
     if not data.validation_path:
         return train, None

@@ -1,0 +1,198 @@
+"""trainer.dpo on the packed path: per-sequence log-probs from the fused head, the loss, packed
+pairs against pairs run one by one, the adapter-off reference, and a DPO run's step events.
+
+Tolerances: float32 on CPU. The fused and the full-logits log-probs run the same matmuls in
+another order (chunks): 1e-5 relative. Packed against one by one differs only in the attention
+mask / varlen boundaries: 1e-5 relative on the loss, 1e-4 on the LoRA gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_helpers import Recorder, lora_model, write_jsonl
+
+from trainer import dpo
+from trainer.attention import PackedAttention
+from trainer.config import DataConfig, DpoConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from trainer.dataset import IGNORE_INDEX, Sample
+from trainer.errors import ConfigError
+from trainer.fused_loss import fused_linear_sequence_logprobs
+from trainer.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
+from trainer.packing import pack_batch
+from trainer.preference import PreferencePair, tokenize_pair
+
+LENGTHS = ((9, 6), (5, 12), (14, 4))
+"""(chosen, rejected) lengths of the test pairs: prompt 3 tokens, the rest answer."""
+
+
+def pairs(seed: int = 0) -> list[PreferencePair]:
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = 3
+
+    def seq(n: int) -> Sample:
+        ids = torch.randint(6, 500, (n,), generator=g).tolist()
+        return Sample(ids, [IGNORE_INDEX] * prompt_len + ids[prompt_len:])
+
+    return [PreferencePair(seq(c), seq(r)) for c, r in LENGTHS]
+
+
+def packed_model(seed: int = 0) -> tuple[torch.nn.Module, PackedAttention]:
+    model = lora_model("llama", seed=seed)
+    attn = PackedAttention("sdpa", cache=True)
+    attn.install(model)
+    return model, attn
+
+
+def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def dpo_loss_of(model, attn, group: list[PreferencePair], num_items: int, loss: dpo.DpoLoss) -> torch.Tensor:
+    batch = pack_batch(group)
+    return loss(model, batch, attn.metadata(batch.lengths, "cpu"), num_items)
+
+
+class TestSequenceLogprobs:
+    @pytest.mark.parametrize("softcap", [None, 5.0])
+    def test_fused_equals_full_logits_values_and_gradients(self, softcap: float | None) -> None:
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(1, 23, 16, generator=g, requires_grad=True)
+        weight = torch.randn(40, 16, generator=g, requires_grad=True)
+        labels = torch.randint(0, 40, (1, 23), generator=g)
+        labels[0, [0, 5, 22]] = IGNORE_INDEX
+        seq = torch.tensor([[0] * 7 + [1] * 9 + [2] * 7])
+        coef = torch.tensor([0.5, -2.0, 1.5])
+        fused = fused_linear_sequence_logprobs(hidden, weight, labels, seq, 3, chunk_size=4, softcap=softcap)
+        grads = torch.autograd.grad((fused * coef).sum(), (hidden, weight))
+        logits = (hidden @ weight.T).float()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        token = -F.cross_entropy(logits[0], labels[0], ignore_index=IGNORE_INDEX, reduction="none")
+        plain = torch.zeros(3).index_add(0, seq[0], token)
+        plain_grads = torch.autograd.grad((plain * coef).sum(), (hidden, weight))
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, plain_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    def test_both_kernels_agree_on_a_packed_model(self) -> None:
+        model, attn = packed_model()
+        batch = pack_batch(pairs())
+        meta = attn.metadata(batch.lengths, "cpu")
+        with torch.no_grad():
+            fused = packed_sequence_logprobs(model, batch, meta, LOSS_FUSED)
+            plain = packed_sequence_logprobs(model, batch, meta, LOSS_PLAIN)
+        assert fused.shape == (6,) and bool((fused < 0).all())
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+class TestLoss:
+    def test_the_sigmoid_loss_with_label_smoothing_by_hand(self) -> None:
+        pc, pr, rc, rr = (torch.tensor([v]) for v in (-10.0, -14.0, -11.0, -12.0))
+        delta = (-10.0 + 11.0) - (-14.0 + 12.0)  # 3
+        sig = lambda x: 1.0 / (1.0 + math.exp(-x))
+        plain = -math.log(sig(0.1 * delta))
+        smoothed = -0.8 * math.log(sig(0.1 * delta)) - 0.2 * math.log(sig(-0.1 * delta))
+        assert dpo.dpo_losses(pc, pr, rc, rr, 0.1).item() == pytest.approx(plain, rel=1e-6)
+        assert dpo.dpo_losses(pc, pr, rc, rr, 0.1, 0.2).item() == pytest.approx(smoothed, rel=1e-6)
+
+    def test_packed_pairs_give_the_loss_and_gradients_of_pairs_one_by_one(self) -> None:
+        model, attn = packed_model(seed=1)
+        loss = dpo.DpoLoss(DpoConfig(beta=0.5), LOSS_FUSED)
+        group = pairs(1)
+        packed = dpo_loss_of(model, attn, group, len(group), loss)
+        packed.backward()
+        packed_grads, packed_stats = lora_grads(model), loss.last
+        model.zero_grad(set_to_none=True)
+        separate, stats = torch.zeros(()), dpo.new_stats(torch.device("cpu"))
+        for pair in group:
+            one = dpo_loss_of(model, attn, [pair], len(group), loss)
+            one.backward()
+            separate, stats = separate + one.detach(), stats + loss.last
+        torch.testing.assert_close(packed.detach(), separate, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(packed_stats, stats, rtol=1e-5, atol=1e-5)
+        grads = lora_grads(model)
+        assert packed_grads.keys() == grads.keys() and all(g.abs().sum() > 0 for g in grads.values())
+        for name, grad in grads.items():
+            torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    def test_the_reference_is_the_base_with_adapters_off(self) -> None:
+        model, attn = packed_model(seed=2)  # LoRA B random: the adapters change the outputs
+        batch = pack_batch(pairs(2))
+        meta = attn.metadata(batch.lengths, "cpu")
+        loss = dpo.DpoLoss(DpoConfig(), LOSS_FUSED)
+        with torch.no_grad():
+            reference = loss.reference_logprobs(model, batch, meta)
+            policy = packed_sequence_logprobs(model, batch, meta, LOSS_FUSED)
+            with model.disable_adapter():
+                base = packed_sequence_logprobs(model.get_base_model(), batch, meta, LOSS_FUSED)
+        torch.testing.assert_close(reference, base, rtol=0, atol=0)
+        assert not torch.allclose(policy, reference)
+        assert all(not p.requires_grad for n, p in model.named_parameters() if "lora" not in n)
+
+    def test_step_fields_are_means_over_pairs(self) -> None:
+        stats = torch.tensor([3.0, 2.0, -30.0, -45.0, 4.0])
+        assert dpo.step_fields(stats) == {
+            "reward_margin": 0.75, "reward_accuracy": 0.5, "chosen_logp": -7.5, "rejected_logp": -11.25,
+        }
+        assert dpo.step_fields(None) == {}
+
+    def test_fsdp2_is_refused_naming_what_to_change(self) -> None:
+        dpo.check_parallelism(None)
+        dpo.check_parallelism("ddp")
+        with pytest.raises(ConfigError, match="gpus to 1 or use method lora"):
+            dpo.check_parallelism("fsdp2")
+
+
+class TestPairs:
+    def test_a_pair_shares_its_prompt_and_labels_only_the_answers(self, tiny_tokenizer) -> None:
+        record = {
+            "input": {"messages": [{"role": "user", "content": "What is one plus one?"}]},
+            "preferred_output": [{"role": "assistant", "content": "Two."}],
+            "non_preferred_output": [{"role": "assistant", "content": "I cannot say, it is hard."}],
+        }
+        pair = tokenize_pair(record, tiny_tokenizer)
+        start = pair.chosen.labels.count(IGNORE_INDEX)
+        assert start == pair.rejected.labels.count(IGNORE_INDEX) > 0
+        assert pair.chosen.input_ids[:start] == pair.rejected.input_ids[:start]
+        assert pair.chosen.labels[start:] == pair.chosen.input_ids[start:]
+        assert "Two." in tiny_tokenizer.decode(pair.chosen.input_ids[start:])
+        assert len(pair) == len(pair.chosen) + len(pair.rejected)
+
+    def test_pairs_pack_chosen_then_rejected_and_count_as_one_item_each(self) -> None:
+        group = pairs()
+        batch = pack_batch(group)
+        assert batch.lengths == [n for lengths in LENGTHS for n in lengths]
+        assert batch.num_targets == len(group) and batch.num_tokens == sum(len(p) for p in group)
+        assert batch.position_ids[0, :10].tolist() == [*range(9), 0]
+
+
+@pytest.mark.slow  # a few dozen CPU training steps
+class TestDpoRun:
+    def test_a_lora_dpo_run_learns_the_preference_and_reports_it(self, tmp_path, tiny_model_dir) -> None:
+        from trainer.train import run
+
+        records = [
+            {"input": {"messages": [{"role": "user", "content": f"What is {i % 5} plus one?"}]},
+             "preferred_output": [{"role": "assistant", "content": f"The answer is {i % 5 + 1}."}],
+             "non_preferred_output": [{"role": "assistant", "content": "I do not know, sorry."}]}
+            for i in range(20)
+        ]
+        path = write_jsonl(tmp_path / "pairs.jsonl", records)
+        config = TrainConfig(
+            model=ModelConfig(str(tiny_model_dir)), data=DataConfig(str(path), max_seq_len=64, batch_tokens=256),
+            optim=OptimConfig(max_steps=8, learning_rate=5e-3), lora=LoraConfig(r=8, alpha=16),
+            output_dir=str(tmp_path / "out"), gradient_checkpointing=False, device="cpu",
+            objective="dpo", dpo=DpoConfig(beta=0.1),
+        )
+        recorder = Recorder()
+        assert run(config, recorder).status == "succeeded"
+        steps = recorder.of("step")
+        assert len(steps) == 8
+        assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # LoRA B starts at 0: policy = reference
+        assert steps[0]["reward_margin"] == pytest.approx(0.0, abs=1e-4)
+        assert steps[-1]["loss"] < 0.5 and steps[-1]["reward_margin"] > 0.3 and steps[-1]["reward_accuracy"] == 1.0
+        assert steps[-1]["chosen_logp"] > steps[0]["chosen_logp"] > steps[0]["rejected_logp"] > steps[-1]["rejected_logp"]

@@ -16,7 +16,8 @@ ftq packs samples by tokens, not by count, so ``batch_size`` becomes a token bud
 the chat template; a DPO record counts its prompt with each answer, so twice), never below
 ``max_seq_len`` (a DPO pair's two sequences: twice that). ``max_seq_len`` is the next power of two above the longest record's characters
 + 64 (a token is at least one character in every tokenizer ftq knows), between 256 and 4096.
-A step therefore holds ``batch_size`` examples on average, not exactly.
+A step therefore holds ``batch_size`` examples on average, not exactly. A checkpoint is kept
+about once per epoch (every ``ceil(n / batch_size)`` steps), and always at the end.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def auto_batch_size(num_records: int) -> int:
 
 def auto_lr_multiplier(batch_size: int) -> float:
     return round(min(2.0, max(0.5, math.sqrt(batch_size / 8))), 4)
+
+
+def steps_per_epoch(resolved: Resolved, num_records: int) -> int:
+    """Optimizer steps of one pass, about (packing makes it approximate)."""
+    return max(1, math.ceil(num_records / resolved.batch_size))
 
 
 def ftq_hyperparameters(resolved: Resolved, stats: dict[str, Any], *, seed: int, dpo: bool) -> dict[str, Any]:

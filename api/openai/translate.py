@@ -95,6 +95,8 @@ def native_spec(body: JobCreate, train: File, *, validation_file: str | None,
         "training_file": train.file_id,
         "validation_file": validation_file,
         "hyperparameters": auto.ftq_hyperparameters(resolved, train.stats or {}, seed=seed, dpo=dpo),
+        # About once per epoch, as OpenAI keeps a checkpoint per epoch.
+        "checkpoint_every": auto.steps_per_epoch(resolved, train.num_records),
     }
     if dpo:
         raw["objective"] = "dpo"

@@ -1,0 +1,193 @@
+"""The official ``openai`` client against a real uvicorn API and Celery worker (PostgreSQL +
+Redis): a user's OpenAI fine-tuning script with three lines changed trains a tiny model.
+
+Upload, a supervised job to ``succeeded`` (events newest first, checkpoints with metrics, the
+metrics CSV as a result file), cancel, pause and resume (the job continues from its
+checkpoint with no gap in its steps), a DPO job to ``succeeded`` with its reward metrics, and
+bad files and bodies answered in OpenAI's error shape. One stack for the module.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.e2e.conftest import WORDS, _postgres_stack
+from tests.integration.e2e.stack import Stack
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# peft still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
+pytestmark.append(pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"))
+
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def oa_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
+    yield from _postgres_stack(tmp_path_factory.mktemp("openai"), model_root)
+
+
+@pytest.fixture(scope="module")
+def client(oa_stack: Stack) -> Iterator[openai.OpenAI]:
+    # The three lines that change in a user's script: the base URL, the key, the model name.
+    with openai.OpenAI(base_url=f"{oa_stack.url}/openai/v1", api_key=oa_stack.api_key, max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="module")
+def train_file(client: openai.OpenAI, chat_dataset: Path) -> str:
+    with chat_dataset.open("rb") as f:
+        return client.files.create(file=f, purpose="fine-tune").id
+
+
+@pytest.fixture(scope="module")
+def preference_file(client: openai.OpenAI) -> str:
+    rng = random.Random(1)
+    lines = []
+    for _ in range(32):
+        prompt = " ".join(rng.choices(WORDS, k=6))
+        lines.append(json.dumps({
+            "input": {"messages": [{"role": "user", "content": prompt}]},
+            "preferred_output": [{"role": "assistant", "content": " ".join(rng.choices(WORDS[:8], k=8))}],
+            "non_preferred_output": [{"role": "assistant", "content": " ".join(rng.choices(WORDS[8:], k=8))}],
+        }))
+    return client.files.create(file=("pairs.jsonl", "\n".join(lines).encode()), purpose="fine-tune").id
+
+
+def wait(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...], stack: Stack,
+         timeout_s: float = 240) -> Any:
+    deadline = time.monotonic() + timeout_s
+    job = client.fine_tuning.jobs.retrieve(job_id)
+    while job.status not in statuses:
+        assert time.monotonic() < deadline, f"{job_id} stayed {job.status}\n{stack.log_tail()}"
+        time.sleep(0.3)
+        job = client.fine_tuning.jobs.retrieve(job_id)
+    return job
+
+
+def wait_steps(client: openai.OpenAI, job_id: str, n: int, stack: Stack, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(e.type == "metrics" and (e.data or {}).get("step", 0) >= n
+                  for e in client.fine_tuning.jobs.list_events(job_id, limit=5)):
+        assert time.monotonic() < deadline, f"{job_id} never reached step {n}\n{stack.log_tail()}"
+        time.sleep(0.3)
+
+
+def all_events(client: openai.OpenAI, job_id: str) -> list[Any]:
+    return list(client.fine_tuning.jobs.list_events(job_id, limit=50))
+
+
+def test_a_supervised_job_succeeds_with_events_checkpoints_and_results(client, oa_stack, train_file, chat_dataset):
+    with chat_dataset.open("rb") as f:
+        valid = client.files.create(file=("valid.jsonl", f.read()[:2000].rsplit(b"\n", 1)[0]), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=train_file, validation_file=valid.id, suffix="e2e", seed=3,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 16}}},
+    )
+    assert job.status == "queued" and job.hyperparameters.n_epochs == 2
+    job = wait(client, job.id, FINISHED, oa_stack)
+    assert job.status == "succeeded", f"{job}\n{oa_stack.log_tail()}"
+    assert job.fine_tuned_model == f"ft:tiny-llama:e2e:e2e:{job.id}"
+    assert job.trained_tokens and job.trained_tokens > 0 and job.finished_at and job.error is None
+
+    events = all_events(client, job.id)
+    seqs = [int(e.id.rsplit("-", 1)[1]) for e in events]
+    assert seqs == sorted(seqs, reverse=True), "events are listed newest first"
+    assert events[0].message == "The job has successfully completed"
+    metrics = [e.data for e in events if e.type == "metrics" and "train_loss" in e.data]
+    steps = sorted(m["step"] for m in metrics)
+    assert steps == list(range(1, len(steps) + 1)) and all(m["train_loss"] > 0 for m in metrics)
+    assert any(e.type == "metrics" and "valid_loss" in e.data for e in events)
+
+    checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+    assert checkpoints and checkpoints[0].step_number == steps[-1]
+    assert checkpoints[0].metrics.train_loss > 0 and checkpoints[0].metrics.valid_loss > 0
+    assert checkpoints[0].fine_tuned_model_checkpoint.endswith(f":ckpt-step-{steps[-1]}")
+
+    [result] = job.result_files
+    assert client.files.retrieve(result).purpose == "fine-tune-results"
+    rows = list(csv.reader(io.StringIO(client.files.content(result).text)))
+    assert rows[0] == ["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"]
+    assert [int(r[0]) for r in rows[1:]] == steps and rows[-1][3] != ""
+
+    with oa_stack.client() as native:  # one store: the native API has the same job
+        assert native.get(f"/v1/jobs/{job.id}").json()["status"] == "succeeded"
+
+
+def test_cancel_stops_a_running_job(client, oa_stack, train_file):
+    job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file,
+                                         hyperparameters={"n_epochs": 50, "batch_size": 1})
+    wait_steps(client, job.id, 1, oa_stack)
+    client.fine_tuning.jobs.cancel(job.id)
+    assert wait(client, job.id, FINISHED, oa_stack).status == "cancelled"
+
+
+def test_pause_then_resume_continues_from_the_checkpoint(client, oa_stack, train_file):
+    job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file,
+                                         hyperparameters={"n_epochs": 4, "batch_size": 2})
+    wait_steps(client, job.id, 2, oa_stack)
+    client.fine_tuning.jobs.pause(job.id)
+    paused = wait(client, job.id, ("paused", "succeeded", "failed"), oa_stack)
+    assert paused.status == "paused", f"{paused}\n{oa_stack.log_tail()}"
+    [stop] = [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id)][:1]
+
+    assert client.fine_tuning.jobs.resume(job.id).status == "queued"
+    done = wait(client, job.id, FINISHED, oa_stack)
+    assert done.status == "succeeded", f"{done}\n{oa_stack.log_tail()}"
+    events = all_events(client, job.id)
+    assert any("resumed" in e.message for e in events) and any("paused" in e.message for e in events)
+    with oa_stack.client() as native:
+        rows = native.get(f"/v1/jobs/{job.id}/metrics", params={"limit": 10000}).json()["data"]
+        plans = [json.loads(d) for d in _plans(native, job.id)]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "no gap and no repeat across the pause"
+    assert plans[-1]["resumed_from_step"] == stop
+
+
+def _plans(native, job_id: str) -> list[str]:
+    """The ``plan`` events' data from the native SSE history (the stream ends with the job)."""
+    out, kind = [], None
+    with native.stream("GET", f"/v1/jobs/{job_id}/events", timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("event:"):
+                kind = line.partition(":")[2].strip()
+            elif line.startswith("data:") and kind == "plan":
+                out.append(line.partition(":")[2].strip())
+    return out
+
+
+def test_a_dpo_job_succeeds_with_reward_metrics(client, oa_stack, preference_file):
+    job = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=preference_file,
+        method={"type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 2, "batch_size": 8, "beta": 0.2}}},
+    )
+    assert job.method.dpo.hyperparameters.beta == 0.2
+    job = wait(client, job.id, FINISHED, oa_stack)
+    assert job.status == "succeeded", f"{job}\n{oa_stack.log_tail()}"
+    metrics = [e.data for e in all_events(client, job.id) if e.type == "metrics" and "train_loss" in e.data]
+    assert metrics
+    for data in metrics:
+        assert {"reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"} <= set(data), data
+        assert 0.0 <= data["reward_accuracy"] <= 1.0
+
+
+def test_bad_files_and_bodies_answer_openai_errors(client, train_file):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.files.create(file=("bad.jsonl", b'{"messages": [{"role": "user", "content": "x"}]}\n{"x": 1}\n'),
+                            purpose="fine-tune")
+    error = info.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"].startswith("line 1: ")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file,
+                                       method={"type": "reinforcement"})
+    assert info.value.response.json()["error"]["param"] == "method.type"
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.jobs.retrieve("job-000000000000000000000000")

@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     sse_poll_interval_s: float = 0.4
     """Without Redis, an event stream re-reads the store this often; with Redis it is only
     the fallback for a missed wake-up (10x this)."""
+    mlflow_tracking_uri: str | None = None
+    """Every job on this box is tracked on this MLflow server (params, metrics by step, the adapter
+    as an artifact) unless its spec turns tracking off; unset: only jobs that name a server."""
+    mlflow_experiment: str = "ftq"
+    """The MLflow experiment of jobs that do not name one."""
+    tensorboard_dir: Path | None = None
+    """Every job writes TensorBoard event files under ``<this>/<job id>`` (``tensorboard --logdir``
+    on it shows them all); unset: only jobs with ``tracking.tensorboard`` true, in their own directory."""
 
     def resolved(self) -> "Settings":
         data_dir = self.data_dir.expanduser().resolve()

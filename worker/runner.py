@@ -40,6 +40,7 @@ from worker.outcome import Outcome, StopReason, classify
 from worker.launch import launch_argv, run_tag
 from worker.process import TrainerExit, TrainerProcess
 from worker.recorder import EventRecorder
+from worker.tracking.resolve import tracking_for
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,10 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         attempt=claim.attempt,
     )
     done: list[dict[str, Any]] = []
+    tracking = tracking_for(runtime, claim.job_id, claim.output_dir)  # a background thread: never waited on
 
     def on_event(event: dict[str, Any]) -> None:
+        tracking.add(event)
         if event["type"] == "done":
             done.append(event)
         else:
@@ -215,9 +218,12 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         exit_ = trainer.finish() if _started(trainer) else TrainerExit(returncode=-1, stderr_tail=(), world_size=claim.gpus)
         _flush(recorder, only_if_due=False, attempts=5)
     if error is not None:
+        tracking.finish(JobStatus.failed.value)
         return Outcome(JobStatus.failed, "worker_error", f"the worker failed while running the trainer: {error!r}"), None
     last_done = done[-1] if done else None
-    return classify(exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s), last_done
+    outcome = classify(exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s)
+    tracking.finish(outcome.status.value if outcome.status else "lost")
+    return outcome, last_done
 
 
 def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str]:

@@ -1,0 +1,142 @@
+"""Experiment tracking in the worker: the dispatcher never holds a job up, a failing tracker is one
+warning in the job's events, and TensorBoard's own reader reads back what a real job run wrote."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, update
+
+from core.jobs.models import Job, JobEvent
+from worker.runner import run_job
+from worker.tracking import JobInfo, Tracking, trackers_for
+from worker.tracking.mlflow import flatten, metric_points
+
+JOB = JobInfo(job_id="job-1", name="n", model="tiny", spec={"lora": {"r": 16}})
+
+
+class Blocked:
+    """A tracker whose ``log`` waits until released: a server that hangs."""
+
+    label = "blocked"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.logged: list[dict] = []
+        self.ended: tuple | None = None
+
+    def start(self, job: JobInfo) -> None:
+        pass
+
+    def log(self, events: list[dict]) -> None:
+        self.release.wait()
+        self.logged.extend(events)
+
+    def finish(self, status: str, artifact_dir: Path | None) -> None:
+        self.ended = (status, artifact_dir)
+
+
+class Broken(Blocked):
+    label = "broken tracker"
+
+    def log(self, events: list[dict]) -> None:
+        raise ConnectionError("connection refused\nmore lines")
+
+
+class TestDispatch:
+    def test_adding_events_never_waits_on_a_hung_tracker(self):
+        hung = Blocked()
+        tracking = Tracking([hung], JOB, warn=lambda m: None)
+        for step in range(1, 2001):  # would block here if add waited on the tracker
+            tracking.add({"type": "step", "step": step, "loss": 1.0})
+        tracking.finish("succeeded")
+        hung.release.set()
+        assert tracking.join(30)
+        assert [e["step"] for e in hung.logged] == list(range(1, 2001)) and hung.ended == ("succeeded", None)
+
+    def test_a_failing_tracker_is_one_warning_and_the_others_go_on(self):
+        warnings: list[str] = []
+        good, bad = Blocked(), Broken()
+        good.release.set()
+        tracking = Tracking([bad, good], JOB, warn=warnings.append)
+        for step in (1, 2):
+            tracking.add({"type": "step", "step": step, "loss": 1.0})
+        tracking.finish("failed")
+        assert tracking.join(30)
+        assert warnings == ["broken tracker: connection refused; the job goes on without it"]
+        assert len(good.logged) == 2 and good.ended == ("failed", None)
+
+    def test_nothing_configured_is_a_no_op(self, settings, tmp_path):
+        assert trackers_for({}, settings, job_id="j", output_dir=tmp_path, warn=print) == []
+        tracking = Tracking([], JOB, warn=print)
+        tracking.add({"type": "step", "step": 1})
+        tracking.finish("succeeded")
+        assert not tracking.active and tracking.join(0)
+
+    def test_mlflow_asked_for_without_a_server_is_a_warning(self, settings, tmp_path):
+        warnings: list[str] = []
+        assert trackers_for({"tracking": {"mlflow": True}}, settings, job_id="j", output_dir=tmp_path,
+                            warn=warnings.append) == []
+        assert "FTQ_MLFLOW_TRACKING_URI" in warnings[0]
+
+
+def test_params_are_the_spec_flattened_and_metrics_the_numeric_step_and_eval_fields():
+    assert flatten({"lora": {"r": 16, "target_modules": ["all-linear"]}, "name": None}) == {
+        "lora.r": "16", "lora.target_modules": "['all-linear']", "name": "None"}
+    points = metric_points([{"type": "step", "step": 3, "loss": 2.0, "lr": 1e-4, "grad_norm": None, "time": 10.0},
+                            {"type": "eval", "step": 3, "loss": 1.5, "time": 11.0}, {"type": "log", "message": "x"}])
+    assert points == [("train/loss", 2.0, 10000, 3), ("train/lr", 1e-4, 10000, 3), ("eval/loss", 1.5, 11000, 3)]
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(predicate, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    return predicate()
+
+
+@pytest.mark.slow
+def test_a_job_writes_tensorboard_files_and_a_down_mlflow_is_a_warning_not_a_failure(runtime, make_job, settings):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    down = f"http://127.0.0.1:{_closed_port()}"
+    job_id = make_job("fake:ok:5")
+    with runtime.sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.job_id == job_id).values(
+            spec={"tracking": {"tensorboard": True, "mlflow_tracking_uri": down}}))
+
+    assert run_job(runtime, job_id) == "succeeded"
+
+    logdir = settings.jobs_dir / job_id / "tensorboard"
+
+    def read_back():
+        acc = EventAccumulator(str(logdir))
+        acc.Reload()
+        return acc if len(acc.Tags()["scalars"]) and len(acc.Scalars("train/loss")) == 5 else None
+
+    acc = _wait_for(read_back)
+    assert acc is not None, f"no TensorBoard scalars in {logdir}"
+    assert [s.step for s in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    assert "spec" in acc.Tags()["tensors"]
+
+    def warning():
+        with runtime.sessionmaker() as session:
+            rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "log")).all()
+            return [e.data for e in rows if e.data.get("level") == "warning"]
+
+    warned = _wait_for(warning)
+    assert warned and warned[0]["message"].startswith(f"MLflow at {down}: ") and warned[0]["source"] == "tracking"
+    with runtime.sessionmaker() as session:
+        assert session.get(Job, job_id).status == "succeeded"

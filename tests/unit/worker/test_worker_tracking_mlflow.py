@@ -1,0 +1,95 @@
+"""A job tracked on a real ``mlflow server`` (SQLite backend, proxied artifacts) started here: the
+run has the spec as params, the step metrics by step and the adapter as an artifact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from core.jobs.models import Job
+from trainer import layout
+from worker.runner import run_job
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("mlflow")
+    port = _free_port()
+    mlflow = Path(sys.executable).with_name("mlflow")
+    log = (root / "server.log").open("wb")
+    server = subprocess.Popen(
+        [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn worker: its own session
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def test_a_job_is_an_mlflow_run_with_params_metrics_by_step_and_the_adapter(runtime, make_job, settings, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    job_id = make_job("fake:ok:5", name="lr sweep a")
+    spec = {"hyperparameters": {"learning_rate": 0.0002, "max_steps": 5},
+            "tracking": {"mlflow_tracking_uri": mlflow_server, "mlflow_experiment": "ftq-test"}}
+    with runtime.sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.job_id == job_id).values(spec=spec))
+    adapter = layout.export_dir(settings.jobs_dir / job_id, "lora")  # what the real trainer writes at the end
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"r": 16}')
+
+    assert run_job(runtime, job_id) == "succeeded"
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        runs = client.search_runs([client.get_experiment_by_name("ftq-test").experiment_id]) \
+            if client.get_experiment_by_name("ftq-test") else []
+        if runs and runs[0].info.status == "FINISHED":
+            break
+        time.sleep(0.5)
+    assert runs and runs[0].info.status == "FINISHED", runs
+    run = runs[0]
+    assert run.info.run_name == "lr sweep a" and run.data.tags["ftq.job_id"] == job_id
+    assert run.data.params["hyperparameters.learning_rate"] == "0.0002" and run.data.params["job_id"] == job_id
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "adapter")]
+    assert artifacts == ["adapter/adapter_config.json"]

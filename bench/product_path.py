@@ -28,6 +28,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -192,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the figures")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a job field")
     parser.add_argument("--label", default="auto", help="the run's name in the table")
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="LABEL:FIELD=VALUE[,FIELD=VALUE]",
+        help="a further run per shape with these job fields changed (after --set); repeatable",
+    )
+    parser.add_argument(
+        "--compare", action="store_true",
+        help="also run bench.train_step's 'ftq' and 'stock packed' rows in this call (CUDA only)",
+    )
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--workdir", default="/tmp/ftq-product-path")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -199,19 +208,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
-    shapes = [TINY] if args.tiny else [SHAPES[s] for s in args.shapes]
+    shapes = [(None, TINY)] if args.tiny else [(s, SHAPES[s]) for s in args.shapes]
     tokens = 512 if args.tiny else TOKENS_PER_STEP
-    results = []
-    for shape in shapes:
-        results.append(bench_shape(shape, args, tokens))
-        print(table(results[-1:]), flush=True)
+    runs = [(args.label, list(args.set))] + [parse_variant(v, args.set) for v in args.variant]
+    results: list[ProductResult] = []
+    for key, shape in shapes:
+        for label, sets in runs:
+            results.append(bench_shape(shape, args, tokens, label, sets))
+            print(table(results[-1:]), flush=True)
+        if args.compare and key is not None:
+            results += component_rows(key, shape, args.steps - args.skip, args.skip)
     print("\n" + table(results))
+    if len(results) > 1:
+        print("\n" + ratios(results, args.label))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
-def bench_shape(shape: ModelShape, args: argparse.Namespace, tokens: int) -> ProductResult:
+def parse_variant(spec: str, common: list[str]) -> tuple[str, list[str]]:
+    """``LABEL:a.b=1,c=off`` -> (LABEL, common + [a.b=1, c=off])."""
+    label, _, fields = spec.partition(":")
+    if not label or not fields:
+        raise SystemExit(f"--variant {spec!r}: expected LABEL:FIELD=VALUE[,FIELD=VALUE]")
+    return label, list(common) + [f for f in fields.split(",") if f]
+
+
+def component_rows(key: str, shape: ModelShape, timed: int, warmup: int) -> list[ProductResult]:
+    """``bench.train_step``'s ftq and stock rows for ``key``, run now in a child process."""
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    argv = [sys.executable, "-m", "bench.train_step", "--shapes", key, "--variants", "ftq", "stock packed",
+            "--steps", str(max(timed, 3)), "--warmup", str(warmup), "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0 or not out.read_text().strip():
+        return [ProductResult(shape.name, "bench.train_step", status=f"failed: {done.stderr[-300:]}")]
+    rows = []
+    for r in json.loads(out.read_text())["results"]:
+        row = ProductResult(shape.name, f"bench.train_step: {r['variant']}", status=r["status"])
+        row.tokens_per_s, row.step_ms_median, row.peak_gib = r["tokens_per_s"], r["step_ms"], r["peak_gib"]
+        row.mfu, row.steps_timed = r["mfu"], max(timed, 3)
+        rows.append(row)
+    return rows
+
+
+def ratios(results: list[ProductResult], base_label: str) -> str:
+    """Each row's tokens/s over its shape's ``base_label`` row (the product path, as configured)."""
+    lines = [f"| shape | run | tokens/s | vs {base_label} |", "|---|---|---:|---:|"]
+    base = {r.shape: r.tokens_per_s for r in results if r.label == base_label and r.status == "ok"}
+    for r in results:
+        if r.status != "ok" or r.shape not in base:
+            continue
+        lines.append(f"| {r.shape} | {r.label} | {r.tokens_per_s:,.0f} | {r.tokens_per_s / base[r.shape]:.3f}x |")
+    return "\n".join(lines)
+
+
+def bench_shape(shape: ModelShape, args: argparse.Namespace, tokens: int, label: str, sets: list[str]) -> ProductResult:
     started = time.perf_counter()
     root = Path(args.workdir) / shape.name
     root.mkdir(parents=True, exist_ok=True)
@@ -219,13 +270,13 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace, tokens: int) -> Pro
     data = root / "train.jsonl"
     count = max(64, args.steps * args.nproc * tokens // 250 * 2)
     write_dataset(data, model_dir, count)
-    job = job_for(model_dir, data, root / f"out-{args.label}", args.steps, args.device, args.nproc, tokens)
-    for assignment in args.set:
+    job = job_for(model_dir, data, root / f"out-{label}", args.steps, args.device, args.nproc, tokens)
+    for assignment in sets:
         set_field(job, assignment)
-    job_path = root / f"job-{args.label}.json"
+    job_path = root / f"job-{label}.json"
     job_path.write_text(json.dumps(job, indent=2))
     events, stderr = run_job(job_path, args.nproc, args.timeout)
-    result = summarize(shape.name, args.label, events, args.skip)
+    result = summarize(shape.name, label, events, args.skip)
     result.seconds = time.perf_counter() - started
     if result.status != "ok":
         print(stderr, file=sys.stderr)

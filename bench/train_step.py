@@ -358,6 +358,8 @@ def run_variants(model, optimizer, shape: ModelShape, variants: list[str], devic
         variant = None
         try:
             variant = Variant(name, model, shape, device, planner)
+            if variant.installation is not None:
+                variant.installation.watch(optimizer)  # as the trainer does
             if variant.installed:
                 print(f"  {shape.name} / {name}: installed {'; '.join(variant.installed)}", flush=True)
                 print(f"  {shape.name} / {name}: plan {'; '.join(variant.plan) or 'as auto'}", flush=True)

@@ -47,7 +47,11 @@ def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
 
 
 class _FusedLoraLinear(torch.autograd.Function):
-    """``x @ W^T + b + s * (x @ A^T) @ B^T`` for a plain linear base (``W`` frozen or not)."""
+    """``x @ W^T + b + (x @ A^T) @ sB^T`` for a plain linear base (``W`` frozen or not).
+
+    ``a`` and ``sb`` are ``A`` and ``s * B`` in the compute dtype (``AdapterCache``); the
+    gradients go to the master weights ``lora_a`` / ``lora_b`` (in their own dtype).
+    """
 
     @staticmethod
     def forward(
@@ -59,47 +63,117 @@ class _FusedLoraLinear(torch.autograd.Function):
         lora_b: torch.Tensor,
         scaling: float,
         dtype: torch.dtype,
+        a: torch.Tensor,
+        sb: torch.Tensor,
     ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype)
         w = weight.to(dtype)
-        a = lora_a.to(dtype)
-        sb = (lora_b * scaling).to(dtype)
         xa = x2 @ a.t()
         out = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
         out.addmm_(xa, sb.t())
-        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
+        ctx.save_for_backward(x2, weight, a, sb, xa)
         ctx.scaling, ctx.dtype, ctx.shape, ctx.x_dtype = scaling, dtype, shape, x.dtype
+        ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        x2, weight, a, sb, xa = ctx.saved_tensors
         dtype, s = ctx.dtype, ctx.scaling
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
-        a = lora_a.to(dtype)
-        sb = (lora_b * s).to(dtype)
         gb = g @ sb  # [tokens, r]
+        need = ctx.needs_input_grad
         dx = dw = dbias = da = db = None
-        if ctx.needs_input_grad[0]:
+        if need[0]:
             dx = g @ weight.to(dtype)
             dx.addmm_(gb, a)
             dx = dx.view(ctx.shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        if need[1]:
             dw = (g.t() @ x2).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and need[2]:
             dbias = g.sum(0).to(ctx.bias_dtype)
-        if ctx.needs_input_grad[3]:
-            da = (gb.t() @ x2).to(lora_a.dtype)
-        if ctx.needs_input_grad[4]:
-            db = (g.t() @ xa).mul_(s).to(lora_b.dtype)
-        return dx, dw, dbias, da, db, None, None
+        if need[3]:
+            da = (gb.t() @ x2).to(ctx.a_dtype)
+        if need[4]:
+            # s folded into the matmul's alpha: one kernel, not a matmul and a multiply
+            db = torch.addmm(_ZERO.get(g), g.t(), xa, beta=0, alpha=s).to(ctx.b_dtype)
+        return dx, dw, dbias, da, db, None, None, None, None
+
+
+class _Zero:
+    """A 0-dim zero per (device, dtype): ``addmm``'s ignored input when ``beta=0`` (no kernel)."""
+
+    def __init__(self) -> None:
+        self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.device, like.dtype)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+        return zero
+
+
+_ZERO = _Zero()
+
+
+class AdapterCache:
+    """Each layer's ``A`` and ``s * B`` cast to the compute dtype once per optimizer step.
+
+    Without it every adapted layer casts its fp32 master adapters in the forward, again in the
+    recompute of a checkpointed layer and again in the backward: ~9 small kernels per layer and
+    step, ~1,800 per step on a 28-layer model, each costing host time where the step is
+    host-bound (Qwen3-0.6B). The copies are valid until the weights change: ``watch`` hooks an
+    optimizer whose every ``step()`` clears them (fused AdamW does not bump a tensor's version
+    counter, so versions alone cannot tell), and each entry also keys on the masters' versions
+    and data pointers (a ``load_state_dict`` copy or an FSDP2 re-gather is seen). Until an
+    optimizer is watched the cache stays off and every call casts, as before: a caller that
+    updates weights some other way cannot read stale copies.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] = {}
+        self._hooks: list[Any] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._hooks)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the copies after every ``optimizer.step()``; turns the cache on."""
+        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.clear()))
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.clear()
+
+    def get(
+        self, layer: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A`` and ``s * B`` in ``dtype``, cast now or reused from earlier in this step."""
+        stamp = (lora_a._version, lora_b._version, lora_a.data_ptr(), lora_b.data_ptr(), dtype, scaling)
+        entry = self._entries.get(id(layer)) if self._hooks else None
+        if entry is not None and entry[0] == stamp:
+            return entry[1], entry[2]
+        with torch.no_grad():
+            a = lora_a.detach().to(dtype)
+            sb = torch.mul(lora_b.detach(), scaling).to(dtype)
+        if self._hooks:
+            self._entries[id(layer)] = (stamp, a, sb)
+        return a, sb
 
 
 class _LoraUpdate(torch.autograd.Function):
-    """``base_out + s * (x @ A^T) @ B^T`` for a base layer with its own autograd (e.g. 4-bit)."""
+    """``base_out + (x @ A^T) @ sB^T`` for a base layer with its own autograd (e.g. 4-bit);
+    ``a`` / ``sb`` as in ``_FusedLoraLinear``."""
 
     @staticmethod
     def forward(
@@ -110,31 +184,31 @@ class _LoraUpdate(torch.autograd.Function):
         lora_b: torch.Tensor,
         scaling: float,
         dtype: torch.dtype,
+        a: torch.Tensor,
+        sb: torch.Tensor,
     ) -> torch.Tensor:
         x_shape, out_shape = x.shape, base_out.shape
         x2 = x.reshape(-1, x_shape[-1]).to(dtype)
-        xa = x2 @ lora_a.to(dtype).t()
-        out = torch.addmm(
-            base_out.reshape(-1, out_shape[-1]).to(dtype),
-            xa,
-            (lora_b * scaling).to(dtype).t(),
-        )
-        ctx.save_for_backward(x2, lora_a, lora_b, xa)
+        xa = x2 @ a.t()
+        out = torch.addmm(base_out.reshape(-1, out_shape[-1]).to(dtype), xa, sb.t())
+        ctx.save_for_backward(x2, a, sb, xa)
         ctx.scaling, ctx.dtype, ctx.x_shape = scaling, dtype, x_shape
         ctx.base_dtype, ctx.x_dtype = base_out.dtype, x.dtype
+        ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
         return out.view(*out_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, lora_a, lora_b, xa = ctx.saved_tensors
+        x2, a, sb, xa = ctx.saved_tensors
         dtype, s = ctx.dtype, ctx.scaling
+        need = ctx.needs_input_grad
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
-        gb = g @ (lora_b * s).to(dtype)
-        dbase = grad_out.to(ctx.base_dtype) if ctx.needs_input_grad[0] else None
-        dx = (gb @ lora_a.to(dtype)).view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[1] else None
-        da = (gb.t() @ x2).to(lora_a.dtype) if ctx.needs_input_grad[2] else None
-        db = (g.t() @ xa).mul_(s).to(lora_b.dtype) if ctx.needs_input_grad[3] else None
-        return dbase, dx, da, db, None, None
+        gb = g @ sb
+        dbase = grad_out.to(ctx.base_dtype) if need[0] else None
+        dx = (gb @ a).view(ctx.x_shape).to(ctx.x_dtype) if need[1] else None
+        da = (gb.t() @ x2).to(ctx.a_dtype) if need[2] else None
+        db = torch.addmm(_ZERO.get(g), g.t(), xa, beta=0, alpha=s).to(ctx.b_dtype) if need[3] else None
+        return dbase, dx, da, db, None, None, None, None
 
 
 def _plain_adapter(layer: nn.Module, kwargs: dict[str, Any]) -> str | None:
@@ -178,11 +252,12 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     scaling = float(layer.scaling[name])
     if _plain_linear(base):
         dtype = _compute_dtype(x, base.weight.dtype)
-        out = _FusedLoraLinear.apply(x, base.weight, base.bias, lora_a, lora_b, scaling, dtype)
-        return out
+        a, sb = layer._ftq_adapter_cache.get(layer, lora_a, lora_b, scaling, dtype)
+        return _FusedLoraLinear.apply(x, base.weight, base.bias, lora_a, lora_b, scaling, dtype, a, sb)
     base_out = base(x)
     dtype = _compute_dtype(x, base_out.dtype)
-    return _LoraUpdate.apply(base_out, x, lora_a, lora_b, scaling, dtype).to(base_out.dtype)
+    a, sb = layer._ftq_adapter_cache.get(layer, lora_a, lora_b, scaling, dtype)
+    return _LoraUpdate.apply(base_out, x, lora_a, lora_b, scaling, dtype, a, sb).to(base_out.dtype)
 
 
 @dataclass
@@ -192,9 +267,13 @@ class InstallResult:
     layers: list[nn.Module] = field(default_factory=list)
     fused_base: int = 0
     """Layers whose base is a plain ``nn.Linear`` (base + update in one function)."""
+    cache: AdapterCache = field(default_factory=AdapterCache)
+    """The layers' compute-dtype adapter copies (off until ``cache.watch(optimizer)``)."""
 
     def uninstall(self) -> None:
+        self.cache.close()
         for layer in self.layers:
+            layer.__dict__.pop("_ftq_adapter_cache", None)
             previous = layer.__dict__.pop("_ftq_peft_forward", None)
             layer.__dict__.pop("forward", None)
             if previous is not None and layer.__dict__.pop("_ftq_had_forward", False):
@@ -240,6 +319,7 @@ def install(model: nn.Module) -> InstallResult:
             layer._ftq_had_forward = "forward" in vars(layer)
             layer._ftq_peft_forward = layer.forward
             layer.forward = types.MethodType(fused_forward, layer)
+        layer._ftq_adapter_cache = result.cache
         result.layers.append(layer)
         if _plain_linear(layer.get_base_layer()):
             result.fused_base += 1

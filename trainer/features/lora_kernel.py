@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from trainer import lora_fused
 from trainer.config import TrainConfig
 from trainer.features.common import Undo
@@ -34,9 +36,21 @@ def decide(hw: Hardware, config: TrainConfig) -> Decision:
     )
 
 
-def apply(model: torch.nn.Module, decision: Decision) -> Undo:
+@dataclass
+class LoraHandle(Undo):
+    """The install's ``Undo`` plus its adapter cache (``lora_fused.AdapterCache``)."""
+
+    cache: lora_fused.AdapterCache | None = None
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Cast the adapters once per ``optimizer`` step instead of in every use (no-op when off)."""
+        if self.cache is not None:
+            self.cache.watch(optimizer)
+
+
+def apply(model: torch.nn.Module, decision: Decision) -> LoraHandle:
     """Patch every plain peft LoRA linear of ``model`` to the fused path when enabled."""
     if not decision.enabled:
-        return Undo()
+        return LoraHandle()
     result = lora_fused.install(model)
-    return Undo(f"LoRA kernel: {result.describe()}", result.uninstall)
+    return LoraHandle(f"LoRA kernel: {result.describe()}", result.uninstall, result.cache)

@@ -115,7 +115,7 @@ def test_trainable_base_weight_and_bias_get_gradients() -> None:
     b = torch.randn(12, requires_grad=True)
     a = torch.randn(4, 16, requires_grad=True)
     bb = torch.randn(12, 4, requires_grad=True)
-    out = lora_fused._FusedLoraLinear.apply(x, w, b, a, bb, 0.5, torch.float32)
+    out = lora_fused._FusedLoraLinear.apply(x, w, b, a, bb, 0.5, torch.float32, a.detach(), 0.5 * bb.detach())
     ref = x @ w.T + b + 0.5 * (x @ a.T) @ bb.T
     g = torch.randn_like(ref)
     got = torch.autograd.grad(out, (x, w, b, a, bb), g)
@@ -133,7 +133,7 @@ def test_update_only_path_over_a_base_with_its_own_autograd() -> None:
     a = torch.randn(4, 16, requires_grad=True)
     bb = torch.randn(12, 4, requires_grad=True)
     base_out = torch.tanh(x @ w.T)  # anything differentiable
-    out = lora_fused._LoraUpdate.apply(base_out, x, a, bb, 2.0, torch.float32)
+    out = lora_fused._LoraUpdate.apply(base_out, x, a, bb, 2.0, torch.float32, a.detach(), 2.0 * bb.detach())
     ref = torch.tanh(x @ w.T) + 2.0 * (x @ a.T) @ bb.T
     g = torch.randn_like(ref)
     got = torch.autograd.grad(out, (x, w, a, bb), g)
@@ -231,3 +231,82 @@ def test_uninstall_puts_back_an_instance_forward_set_before() -> None:
     assert layer.forward.__func__ is lora_fused.fused_forward
     result.uninstall()
     assert vars(layer)["forward"] is own
+
+
+class TestAdapterCache:
+    """The compute-dtype adapter copies: cast once per optimizer step, never stale."""
+
+    def test_off_until_an_optimizer_is_watched(self) -> None:
+        model = _lora_model("llama")
+        result = lora_fused.install(model)
+        layer = result.layers[0]
+        a = layer.lora_A["default"].weight
+        b = layer.lora_B["default"].weight
+        first = result.cache.get(layer, a, b, 2.0, torch.bfloat16)
+        second = result.cache.get(layer, a, b, 2.0, torch.bfloat16)
+        assert first[0] is not second[0]  # nothing kept: no optimizer tells when weights change
+        result.uninstall()
+
+    def test_reused_within_a_step_and_cleared_by_the_optimizer_step(self) -> None:
+        model = _lora_model("llama")
+        result = lora_fused.install(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)  # fused: no version bump
+        result.cache.watch(optimizer)
+        layer = result.layers[0]
+        a = layer.lora_A["default"].weight
+        b = layer.lora_B["default"].weight
+        with torch.no_grad():
+            b.normal_()  # peft starts B at zero; make s*B visible
+        cached_a, cached_sb = result.cache.get(layer, a, b, 2.0, torch.bfloat16)
+        assert result.cache.get(layer, a, b, 2.0, torch.bfloat16)[0] is cached_a
+        assert torch.equal(cached_sb, (b.detach() * 2.0).to(torch.bfloat16))
+        for p in params:
+            p.grad = torch.ones_like(p)
+        version = a._version
+        optimizer.step()
+        assert a._version == version  # why versions alone cannot tell
+        fresh_a, fresh_sb = result.cache.get(layer, a, b, 2.0, torch.bfloat16)
+        assert fresh_a is not cached_a
+        assert torch.equal(fresh_a, a.detach().to(torch.bfloat16))
+        assert torch.equal(fresh_sb, (b.detach() * 2.0).to(torch.bfloat16))
+        result.uninstall()
+        assert not result.cache.enabled and "_ftq_adapter_cache" not in vars(layer)
+
+    def test_an_in_place_copy_into_the_masters_is_seen(self) -> None:
+        model = _lora_model("llama")
+        result = lora_fused.install(model)
+        result.cache.watch(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+        layer = result.layers[0]
+        a = layer.lora_A["default"].weight
+        b = layer.lora_B["default"].weight
+        cached_a, _ = result.cache.get(layer, a, b, 1.0, torch.float32)
+        with torch.no_grad():
+            a.copy_(torch.randn_like(a))  # a load_state_dict does this
+        assert torch.equal(result.cache.get(layer, a, b, 1.0, torch.float32)[0], a.detach())
+        result.uninstall()
+
+    def test_training_steps_equal_the_uncached_path(self) -> None:
+        """Three AdamW steps with the cache on give the same losses and weights as with it off."""
+        runs = []
+        for cached in (False, True):
+            torch.manual_seed(0)
+            model = _lora_model("llama")
+            result = lora_fused.install(model)
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(params, lr=1e-2)
+            if cached:
+                result.cache.watch(optimizer)
+            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+            losses = []
+            for _ in range(3):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            runs.append((losses, [p.detach().clone() for p in params]))
+            result.uninstall()
+        assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-6)
+        for p, q in zip(runs[0][1], runs[1][1], strict=True):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)

@@ -23,6 +23,7 @@ from api.auth_throttle import FailedKeyThrottle
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.files.tokenizer_pool import TokenizerPool
+from api.inputs import check_request_text
 from api.jobs.routes import router as jobs_router
 from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
@@ -71,7 +72,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Fine-tuning jobs on a shared GPU box",
         version="0.1.0",
         lifespan=lifespan,
-        dependencies=[Depends(declare_schemes)],  # documents the key; AuthGate checks it
+        # declare_schemes documents the key (AuthGate checks it); check_request_text: api/inputs.py
+        dependencies=[Depends(declare_schemes), Depends(check_request_text)],
     )
     add_exception_handlers(app)
     # Every path but a few open ones needs a key, whatever route serves it (api/auth.py).

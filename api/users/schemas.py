@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.inputs import INT32_MAX
 from core.users.models import ApiKey, User
 
 
@@ -70,7 +71,7 @@ class UserCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=64)
     is_admin: bool = False
-    max_running_jobs: int | None = Field(default=None, ge=0)
+    max_running_jobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
 
 class UserPatch(BaseModel):
@@ -78,7 +79,7 @@ class UserPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_running_jobs: int | None = Field(default=None, ge=0)
+    max_running_jobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
     is_admin: bool | None = None
     disabled: bool | None = None
     """A disabled user's keys get 401 until enabled again; their jobs and files stay."""

@@ -110,6 +110,14 @@ def _parse_line(raw: bytes, number: int) -> dict[str, Any] | None:
             f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object",
             line=number,
         ) from None
+    except RecursionError:
+        raise InvalidDataset(
+            f"line {number}: JSON nested too deeply to read; flatten the record", line=number
+        ) from None
+    except ValueError:  # json refuses an integer of more than 4,300 digits (sys.int_info)
+        raise InvalidDataset(
+            f"line {number}: a number with more than 4,300 digits; write it as a string", line=number
+        ) from None
     if not isinstance(record, dict):
         raise InvalidDataset(
             f"line {number}: a JSON {type(record).__name__}, not an object; each line must be one JSON object",

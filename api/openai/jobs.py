@@ -72,9 +72,10 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
 
 
 @router.get("", summary="fine_tuning.jobs.list: newest first")
-def list_jobs(session: SessionDep, after: str | None = None, limit: Annotated[int, Query()] = 20) -> Page:
+def list_jobs(session: SessionDep, state: StateDep, after: str | None = None,
+              limit: Annotated[int, Query()] = 20) -> Page:
     rows, more = newest_first(session, select(Job), Job, Job.job_id, after=after, limit=limit, what="job")
-    return Page.of(_views(session, rows), more)
+    return Page.of(_views(session, rows, state.settings), more)
 
 
 @router.get("/{job_id}", summary="fine_tuning.jobs.retrieve")

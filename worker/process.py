@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
 from trainer.events import parse_line
+from worker.oom import OomCounters, OomVerdict, verdict
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class TrainerExit:
     """Several ranks: those torchrun reported as failed."""
     rank_tails: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Several ranks: the last stderr lines of each failed rank, from its own log."""
+    oom: OomVerdict = OomVerdict.unknown
+    """Whether the kernel's OOM killer ran during the run (``worker.oom``)."""
+    oom_evidence: str = ""
+    """The counters behind ``oom``, in words."""
 
 
 class TrainerProcess:
@@ -104,6 +109,7 @@ class TrainerProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._returncode: int | None = None
+        self._oom_before: OomCounters | None = None
 
     @property
     def pid(self) -> int:
@@ -112,6 +118,7 @@ class TrainerProcess:
         return self._proc.pid
 
     def start(self) -> None:
+        self._oom_before = OomCounters.read()
         self._proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -181,11 +188,12 @@ class TrainerProcess:
             thread.join(timeout=reader_timeout_s)
             if thread.is_alive():
                 log.warning("%s still reading after the trainer's group was killed", thread.name)
+        oom, evidence = verdict(self._oom_before or OomCounters(None, None), OomCounters.read())
         if self.ranks == 1:
-            return TrainerExit(returncode=self._returncode, stderr_tail=tuple(self._tail))
+            return TrainerExit(self._returncode, tuple(self._tail), oom=oom, oom_evidence=evidence)
         failures = parse_torchrun_failures(self._summary)
         tails = {f.rank: self._rank_tail(f.rank) for f in failures}
-        return TrainerExit(self._returncode, tuple(self._tail), self.ranks, failures, tails)
+        return TrainerExit(self._returncode, tuple(self._tail), self.ranks, failures, tails, oom, evidence)
 
     def _rank_tail(self, rank: int) -> tuple[str, ...]:
         """The last stderr lines of ``rank``: its own log under torchrun's log dir, else its

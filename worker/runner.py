@@ -221,7 +221,10 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         tracking.finish(JobStatus.failed.value)
         return Outcome(JobStatus.failed, "worker_error", f"the worker failed while running the trainer: {error!r}"), None
     last_done = done[-1] if done else None
-    outcome = classify(exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s)
+    outcome = classify(
+        exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s,
+        attempt=claim.attempt, max_attempts=settings.max_attempts,
+    )
     tracking.finish(outcome.status.value if outcome.status else "lost")
     return outcome, last_done
 
@@ -294,8 +297,9 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
         target = outcome.status
         values: dict[str, Any]
         if target is JobStatus.queued:
-            # A hand-back on shutdown is no failed attempt: it must not use up max_attempts.
-            values = {"worker_id": None, "heartbeat_at": None, "attempts": Job.attempts - 1}
+            # A hand-back on shutdown is no failed attempt: it must not use up max_attempts (a
+            # retry after an unexplained kill is one, outcome.retry).
+            values = {"worker_id": None, "heartbeat_at": None, "attempts": Job.attempts - (0 if outcome.retry else 1)}
         else:
             values = {"error_code": outcome.error_code, "error_message": outcome.message if target is JobStatus.failed else None}
         transition(session, job_id, target, only_from=[JobStatus.running], **values)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from core.jobs.states import JobStatus
+from worker.oom import OomVerdict
 from worker.outcome import StopReason, classify, culprit
 from worker.process import RankFailure, TrainerExit, parse_torchrun_failures
 
@@ -26,7 +29,7 @@ DONE = {
         (1, "failed", None, JobStatus.failed, "nan_loss"),
         (-9, None, StopReason.cancel, JobStatus.cancelled, None),
         (-9, None, StopReason.shutdown, JobStatus.queued, None),
-        (-9, None, None, JobStatus.failed, "out_of_memory"),
+        (-9, None, None, JobStatus.failed, "killed"),
         (-11, None, None, JobStatus.failed, "killed"),
         (2, None, None, JobStatus.failed, "trainer_crashed"),
         (0, None, None, JobStatus.failed, "trainer_crashed"),
@@ -36,6 +39,26 @@ DONE = {
 def test_classify(returncode, done, stop, status, code):
     outcome = classify(TrainerExit(returncode, ("boom",)), DONE.get(done), stop, cancel_grace_s=5)
     assert (outcome.status, outcome.error_code) == (status, code)
+
+
+class TestSigkill:
+    """SIGKILL is what both the OOM killer and an outside ``kill -9`` send (issue 10)."""
+
+    def test_a_counted_oom_fails_at_once_with_advice_and_the_evidence(self):
+        exit_ = TrainerExit(-9, ("boom",), oom=OomVerdict.oom, oom_evidence="/proc/vmstat oom_kill 0 -> 1")
+        outcome = classify(exit_, None, None, cancel_grace_s=5, attempt=1, max_attempts=3)
+        assert (outcome.status, outcome.error_code, outcome.retry) == (JobStatus.failed, "out_of_memory", False)
+        assert "oom_kill 0 -> 1" in outcome.message and "batch_tokens" in outcome.message
+
+    @pytest.mark.parametrize("oom", [OomVerdict.not_oom, OomVerdict.unknown])
+    def test_an_unexplained_kill_is_retried_until_max_attempts(self, oom):
+        exit_ = TrainerExit(-9, ("boom",), oom=oom, oom_evidence="counters")
+        first = classify(exit_, None, None, cancel_grace_s=5, attempt=1, max_attempts=2)
+        assert (first.status, first.error_code, first.retry) == (JobStatus.queued, "killed", True)
+        assert "from outside ftq" in first.message and "attempt 1 of 2" in first.message
+        last = classify(exit_, None, None, cancel_grace_s=5, attempt=2, max_attempts=2)
+        assert (last.status, last.error_code, last.retry) == (JobStatus.failed, "killed", False)
+        assert "attempt 2 of 2" in last.message and last.message.endswith("boom")
 
 
 def test_a_signal_death_names_the_signal_and_ends_with_the_stderr_tail():
@@ -86,8 +109,13 @@ class TestRanks:
                             {1: ("rank 1: loading", "rank 1: about to be killed")})
         done = {"status": "failed", "error_code": "internal_error", "message": "rank 0: RuntimeError: Connection reset by peer"}
         outcome = classify(exit_, done, None, cancel_grace_s=1)
+        assert (outcome.status, outcome.error_code) == (JobStatus.failed, "killed")
+        assert outcome.message.startswith("rank 1 of 2 was killed by SIGKILL from outside ftq")
+        assert "torchrun stopped the other ranks" in outcome.message
+        oom = replace(exit_, oom=OomVerdict.oom, oom_evidence="/proc/vmstat oom_kill 4 -> 5")
+        outcome = classify(oom, done, None, cancel_grace_s=1, attempt=1, max_attempts=3)
         assert (outcome.status, outcome.error_code) == (JobStatus.failed, "out_of_memory")
-        assert outcome.message.startswith("rank 1 of 2 was killed by SIGKILL")
+        assert outcome.message.startswith("rank 1 of 2 was killed by the kernel's out-of-memory killer")
         assert "rank 0 then reported: rank 0: RuntimeError: Connection reset by peer" in outcome.message
         assert outcome.message.endswith("--- last 2 lines of rank 1's stderr ---\nrank 1: loading\nrank 1: about to be killed")
 

@@ -130,11 +130,17 @@ class TestFailures:
         assert job.progress_step == 2  # the steps before the crash were stored
         assert _events(runtime, job_id)[-1].data["error_code"] == "trainer_crashed"
 
-    def test_sigkill_without_a_final_event_reads_as_out_of_memory(self, runtime, make_job):
+    def test_a_sigkill_the_kernel_did_not_count_as_oom_is_retried_then_fails_as_killed(self, runtime, make_job):
+        """The fake trainer SIGKILLs itself: /proc/vmstat's oom_kill does not move (issue 10)."""
         job_id = make_job("fake:sigkill")
+        assert run_job(runtime, job_id) == "queued"  # attempt 1 of max_attempts=2
+        job = _job(runtime, job_id)
+        assert job.attempts == 1 and job.worker_id is None
+        retried = _events(runtime, job_id)[-1].data
+        assert retried["error_code"] == "killed" and "from outside ftq" in retried["message"]
         assert run_job(runtime, job_id) == "failed"
         job = _job(runtime, job_id)
-        assert job.error_code == "out_of_memory" and "SIGKILL" in job.error_message
+        assert job.error_code == "killed" and "attempt 2 of 2" in job.error_message
 
     def test_a_reported_failure_keeps_the_trainers_code_and_message(self, runtime, make_job):
         job_id = make_job("fake:fail")

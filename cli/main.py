@@ -9,6 +9,7 @@
     ftq submit JOB.yaml    client commands, against FTQ_API_URL (default the local API):
     ftq jobs [--search TEXT] | show ID | logs ID [--follow] | cancel ID | download ID [--step N]
     ftq rerun ID [--set key=value ...] | resume ID [--step N] | metrics ID [-o FILE]
+    ftq export ID --format merged|gguf [--quantization q8_0] [-o FILE] | exports ID
     ftq login --key KEY    save the key (and --url) to ~/.config/ftq/config.toml (mode 0600)
 
     ftq users create NAME [--admin] [--max-running N] | list | key NAME | revoke PREFIX | set NAME ...
@@ -24,7 +25,7 @@ import logging
 import sys
 from typing import Sequence
 
-from cli import db, jobs, runs, serve, up, users
+from cli import db, exports, jobs, runs, serve, up, users
 from cli.errors import CliError
 
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_worker_parser(commands)
     db.add_parser(commands)
     jobs.add_parsers(commands)
+    exports.add_parsers(commands)
     runs.add_parsers(commands)
     users.add_parsers(commands)
     return parser

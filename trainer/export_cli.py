@@ -58,8 +58,18 @@ def main(args: argparse.Namespace) -> int:
         code = "out_of_memory" if "out of memory" in str(exc).lower() else "export_error"
         return _failed(emit, code, f"{type(exc).__name__}: {exc}")
     emit("done", status="succeeded", error_code=None, message=None, path=str(result.path), bytes=result.bytes,
-         seconds=round(result.seconds, 3))
+         seconds=round(result.seconds, 3), **_peaks())
     return 0
+
+
+def _peaks() -> dict[str, int | None]:
+    """This process's peak host RSS and peak CUDA memory (bytes; None without CUDA)."""
+    import resource
+
+    import torch
+
+    gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+    return {"host_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "gpu_mem_peak": gpu}
 
 
 def _failed(emit: Emitter, code: str, message: str) -> int:

@@ -1,0 +1,159 @@
+"""``/v1/jobs/{id}/exports``: ask for a merged or GGUF export of a finished job, follow it, download it.
+
+The export runs on the worker host that ran the job (it holds the files and the base weights);
+the API only records the request and signals that host (``core.queue.enqueue_export``). If the
+broker is down the export is still created and stays ``queued``; asking again re-sends it.
+Progress is on the export (``stage``, ``progress``) and in the job's events (type ``export``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated, Literal
+
+from anyio import to_thread
+from fastapi import APIRouter, Response, status
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+
+from api.auth import CallerDep
+from api.deps import SessionDep, StateDep
+from api.jobs import artifacts
+from api.state import AppState
+from core.errors import Conflict, NotFound
+from core.exports import service
+from core.exports.models import Export
+from core.jobs.models import Job
+from core.jobs.service import get_job
+from core.queue import enqueue_export
+from core.users import access
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["exports"])
+"""Included by ``api.jobs.routes.router`` (prefix ``/v1/jobs``)."""
+
+
+class ExportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Annotated[Literal["merged", "gguf"], Field(
+        description="merged: base + adapter in the base's dtype, safetensors, tokenizer and chat template; "
+        "gguf: one llama.cpp file, chat template in its metadata (llama, mistral, qwen2, qwen3).")]
+    quantization: Annotated[Literal["f32", "f16", "bf16", "q8_0"] | None, Field(
+        description="gguf only: tensor type (default f16).")] = None
+
+
+class ExportOut(BaseModel):
+    id: str
+    job_id: str
+    format: str
+    quantization: str | None
+    status: str
+    """queued, running, succeeded or failed."""
+    stage: str | None
+    progress: float
+    bytes: int | None
+    error_code: str | None
+    error_message: str | None
+    created_at: str | None
+    finished_at: str | None
+    download_url: str | None
+
+    @classmethod
+    def of(cls, export: Export) -> ExportOut:
+        url = f"/v1/jobs/{export.job_id}/exports/{export.export_id}/download" if export.status == "succeeded" else None
+        return cls(**service.view(export), download_url=url)
+
+
+class ExportList(BaseModel):
+    data: list[ExportOut]
+
+
+@router.post("/{job_id}/exports", status_code=status.HTTP_202_ACCEPTED, summary="Export a finished job")
+async def create_export(job_id: str, body: ExportRequest, response: Response, state: StateDep,
+                        caller: CallerDep) -> ExportOut:
+    """202 with the new export, queued on the host that ran the job. An export of the same format
+    and quantization still queued or running is answered instead (200). 409 unless the job has
+    succeeded; only the job's owner or an admin may export it (403)."""
+
+    def create() -> tuple[ExportOut, bool, str | None, int]:
+        with state.sessions() as session:
+            job = get_job(session, job_id)
+            access.require_owner(session, caller, job.owner_id, what=f"job {job_id}", action="export", param="job_id")
+            export, created = service.create_export(session, job_id, body.format, body.quantization,
+                                                    owner_id=caller.user_id, model_type=_model_type(job))
+            seq = service.last_seq(session, job_id)
+            session.commit()
+            return ExportOut.of(export), created, export.worker_id, seq
+
+    out, created, host, seq = await to_thread.run_sync(create)
+    if out.status == "queued":
+        await to_thread.run_sync(_enqueue, state, out.id, host)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    elif state.redis is not None:
+        from core.jobs import live
+
+        try:
+            await state.redis.publish(live.channel(job_id), live.message(seq))
+        except Exception as exc:  # noqa: BLE001 - viewers fall back to re-reading the store
+            log.warning("could not publish job %s event %s: %s", job_id, seq, exc)
+    return out
+
+
+@router.get("/{job_id}/exports", summary="A job's exports, oldest first")
+def list_exports(job_id: str, session: SessionDep) -> ExportList:
+    return ExportList(data=[ExportOut.of(e) for e in service.list_exports(session, job_id)])
+
+
+@router.get("/{job_id}/exports/{export_id}", summary="One export")
+def get_export(job_id: str, export_id: str, session: SessionDep) -> ExportOut:
+    return ExportOut.of(service.get_export(session, job_id, export_id))
+
+
+@router.get(
+    "/{job_id}/exports/{export_id}/download",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/zip": {}, "application/octet-stream": {}}}},
+    summary="Download an export: merged as a zip (or tar.gz), gguf as the .gguf file",
+)
+def download_export(job_id: str, export_id: str, session: SessionDep, state: StateDep,
+                    format: artifacts.ArchiveFormat = "zip") -> FileResponse:
+    export = service.get_export(session, job_id, export_id)
+    if export.status != "succeeded" or not export.path:
+        raise Conflict(f"export {export_id} is {export.status}; download it once it has succeeded", param="export_id")
+    job = get_job(session, job_id)
+    session.close()
+    src = Path(export.path)
+    root = Path(job.output_dir) if job.output_dir else state.settings.jobs_dir / job_id
+    if not src.resolve().is_relative_to(root.resolve()) or not src.is_dir():
+        raise NotFound(f"export {export_id}: the files are no longer on disk", param="export_id")
+    stem = f"{job_id}-{export.format}" + (f"-{export.quantization}" if export.quantization else "")
+    if export.format == "gguf":
+        found = sorted(src.glob("*.gguf"))
+        if not found:
+            raise NotFound(f"export {export_id}: the .gguf file is no longer on disk", param="export_id")
+        return FileResponse(found[0], media_type="application/octet-stream", filename=f"{stem}.gguf")
+    path = artifacts.build_archive(src, format, state.settings.data_dir / "tmp")
+    return FileResponse(path, media_type=artifacts.MEDIA_TYPES[format], filename=f"{stem}.{format}",
+                        background=BackgroundTask(path.unlink, missing_ok=True))
+
+
+def _model_type(job: Job) -> str | None:
+    """The base's ``config.json`` ``model_type`` as the job's trainer config names it; None if unknown."""
+    try:
+        config = json.loads((Path(job.output_dir or "") / "job.json").read_text())
+        base = Path(config["model"]["name_or_path"])
+        return json.loads((base / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _enqueue(state: AppState, export_id: str, host: str | None) -> None:
+    try:
+        enqueue_export(state.celery, export_id, host)
+    except Exception as exc:  # noqa: BLE001 - the export stays queued; asking again re-sends it
+        log.warning("export %s committed but not signalled to the workers (broker: %s)", export_id, exc)

@@ -116,21 +116,21 @@ def _run(runtime: Runtime, export_id: str, job_id: str, argv: list[str],
     done: dict[str, Any] | None = None
     last = (None, 0.0)
     with stderr_path.open("wb") as stderr:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd,
-                                start_new_session=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            event = parse_line(line)
-            if event is None:
-                continue
-            if event["type"] == "done":
-                done = event
-            elif event["type"] == "progress":
-                stage, now = event.get("stage"), time.monotonic()
-                if stage != last[0] or now - last[1] >= PROGRESS_EVERY_S or event.get("fraction") == 1.0:
-                    _progress(runtime, export_id, job_id, str(stage), float(event.get("fraction") or 0.0))
-                    last = (stage, now)
-        code = proc.wait()
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd,
+                              start_new_session=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                event = parse_line(line)
+                if event is None:
+                    continue
+                if event["type"] == "done":
+                    done = event
+                elif event["type"] == "progress":
+                    stage, now = event.get("stage"), time.monotonic()
+                    if stage != last[0] or now - last[1] >= PROGRESS_EVERY_S or event.get("fraction") == 1.0:
+                        _progress(runtime, export_id, job_id, str(stage), float(event.get("fraction") or 0.0))
+                        last = (stage, now)
+        code = proc.returncode
     tail = deque(stderr_path.read_text(errors="replace").splitlines(), maxlen=5)
     return done, list(tail), code
 

@@ -1,0 +1,39 @@
+"""bench.dpo on the CPU: ftq's DPO product path and TRL's DPOTrainer on the same tiny pairs, one call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import dpo, product_path
+
+pytestmark = pytest.mark.slow
+
+
+class TestDpoBench:
+    def test_pairs_have_openais_shape_and_the_drawn_word_counts(self, tmp_path) -> None:
+        model_dir = product_path.save_model(product_path.TINY, tmp_path / "model", "cpu")
+        records = dpo.write_pairs(tmp_path / "pairs.jsonl", model_dir, 6)
+        assert [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()] == records
+        for record in records:
+            assert set(record) == {"input", "preferred_output", "non_preferred_output"}
+            assert dpo.PROMPT_WORDS[0] <= len(record["input"]["messages"][0]["content"].split()) <= dpo.PROMPT_WORDS[1]
+            assert dpo.ANSWER_WORDS[0] <= len(record["preferred_output"][0]["content"].split()) <= dpo.ANSWER_WORDS[1]
+
+    def test_tiny_cpu_run_reports_ftq_and_trl_rows_and_the_verdict(self, tmp_path, capsys) -> None:
+        pytest.importorskip("trl")
+        out = tmp_path / "results.json"
+        code = dpo.main(["--device", "cpu", "--tiny", "--steps", "2", "--skip", "1", "--trl-batch", "2",
+                         "--workdir", str(tmp_path), "--json", str(out)])
+        assert code == 0
+        ftq, trl = json.loads(out.read_text())
+        assert ftq["status"] == trl["status"] == "ok"
+        assert ftq["steps_timed"] == trl["steps_timed"] == 1
+        assert ftq["tokens_per_s"] > 0 and trl["tokens_per_s"] > 0
+        assert all(0 < t <= 512 for t in ftq["tokens"]) and len(trl["tokens"]) == 2
+        job = json.loads((tmp_path / product_path.TINY.name / "job-dpo.json").read_text())
+        assert (job["objective"], job["data"]["format"]) == ("dpo", "preference")
+        printed = capsys.readouterr().out
+        assert "| ftq DPO (product path) |" in printed and "| TRL DPOTrainer (batch 2) |" in printed
+        assert "reward_margin" in printed and "vs TRL:" in printed

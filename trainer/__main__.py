@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from trainer import export_cli
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.events import Emitter
 
@@ -50,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
-    from trainer import export_cli
-
     export_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "run":

@@ -39,10 +39,13 @@ CPU_OFFLOAD = "bench on the CPU: the offloader over its synchronous CPU streams 
 
 
 def bench_config(
-    shape: ModelShape, *, method: str = "lora", tokens: int = TOKENS_PER_STEP, **switches: str
+    shape: ModelShape, *, method: str = "lora", tokens: int = TOKENS_PER_STEP, gradient_checkpointing: str = "on",
+    **switches: str
 ) -> TrainConfig:
     """The job the bench workload is (``bench.workload``): bf16, LoRA r=16 alpha 16 without dropout
     on ``shape.lora_targets``, ``tokens`` per packed step, ``switches`` in ``optimizations``.
+    ``gradient_checkpointing`` ``on`` keeps the component benches on full checkpointing (``auto``
+    would keep every activation where they fit: ``bench.memory_estimate`` compares the policies).
 
     ``model.name_or_path`` is a placeholder; ``bench_facts`` reads the built model's own config.
     """
@@ -54,6 +57,7 @@ def bench_config(
         lora=LoraConfig(r=16, alpha=16, dropout=0.0, target_modules=tuple(shape.lora_targets)),
         optimizations=Optimizations(**switches),
         method=method,
+        gradient_checkpointing=gradient_checkpointing,
     )
 
 

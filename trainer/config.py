@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 SWITCH_VALUES = ("auto", "on", "off")
+CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
+"""``gradient_checkpointing``: the activation policy (``trainer.features.checkpointing``)."""
 METHODS = ("lora", "qlora", "full")
 SCHEDULERS = ("cosine", "linear", "constant")
 DATA_FORMATS = ("auto", "chat", "prompt_completion", "text", "preference")
@@ -205,8 +207,14 @@ class TrainConfig:
     """Seeds torch, Python and the data order."""
     checkpoint_every: int = 0
     """Write a resumable checkpoint every N optimizer steps; 0 writes only the final one."""
-    gradient_checkpointing: bool = True
-    """Recompute each decoder layer in backward instead of keeping its activations."""
+    gradient_checkpointing: str = "auto"
+    """Activation policy: ``auto`` (the plan picks from the memory estimate: keep every activation,
+    selective, full checkpointing, full + offload), ``on`` (full checkpointing), ``off`` (keep
+    every activation), ``selective`` (checkpoint as few layers as fit). Old booleans still read:
+    true is ``on``, false ``off``."""
+    max_gpu_memory_gb: float | None = None
+    """Cap on the GPU memory the activation policy plans for (GiB), on a GPU shared with others;
+    None plans for the GPU's free memory at start."""
     resume: bool = True
     """Resume from the newest checkpoint in ``output_dir`` when one exists."""
     device: str = "auto"
@@ -235,6 +243,16 @@ class TrainConfig:
         return self.gpus * self.optim.grad_accum
 
     def __post_init__(self) -> None:
+        if isinstance(self.gradient_checkpointing, bool):  # job.json files from before the policy
+            object.__setattr__(self, "gradient_checkpointing", "on" if self.gradient_checkpointing else "off")
+        if self.gradient_checkpointing not in CHECKPOINTING_VALUES:
+            raise ValueError(
+                f"gradient_checkpointing: {self.gradient_checkpointing!r} is not one of "
+                f"{', '.join(CHECKPOINTING_VALUES)}"
+            )
+        cap = self.max_gpu_memory_gb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"max_gpu_memory_gb: must be a number of GiB > 0 (or null for no cap), got {cap!r}")
         if self.method not in METHODS:
             raise ValueError(f"method: {self.method!r} is not one of {', '.join(METHODS)}")
         if not 1 <= self.gpus <= 1024:

@@ -1,8 +1,10 @@
 """Apply a whole plan to a loaded model: ``install(model, plan) -> Installation``.
 
 The one place that wires the features of ``trainer.features`` onto a model, in a fixed order:
-packed attention, MoE routing, activation offload (after peft, so the adapters are inside the
-recompute), the LoRA kernel, the fused elementwise ops, the loss. The train loop and every bench
+packed attention, MoE routing, the activation policy (which layers are checkpointed), activation
+offload (after peft, so the adapters are inside the recompute), the LoRA kernel, the fused
+elementwise ops, the loss. ``Installation.replace_activations`` swaps the policy and the offload
+alone for another plan's (the OOM ladder, ``trainer.oom_ladder``). The train loop and every bench
 script install through it (a bench variant is a plan), and ``Installation.remove()`` undoes them
 in reverse order, leaving the model as it was.
 """
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
+from trainer.features import attention, checkpointing, fused_ops, lora_kernel, loss, moe, offload
 from trainer.features.common import Handle
 from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import PackedBatch
@@ -23,12 +25,16 @@ from trainer.planning import Plan
 class Installation:
     """The handle of a whole plan on one model: what the step needs, and ``remove()``."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan) -> None:
+    def __init__(self, model: torch.nn.Module, plan: Plan, activation_budget: int | None = None) -> None:
         self.plan = plan
+        self._model, self._budget = model, activation_budget
         self._handles: list[Handle] = []
         try:
             self.attention = self._add(attention.apply(model, plan.decision(attention.NAME)))
             self.moe = self._add(moe.apply(model, plan.decision(moe.NAME)))
+            self.checkpointing = self._add(
+                checkpointing.apply(model, plan.decision(checkpointing.NAME), activation_budget)
+            )
             self.offload = self._add(
                 offload.apply(model, plan.decision(offload.NAME), torch.device(plan.device))
             )
@@ -54,6 +60,19 @@ class Installation:
         """Move ``batch`` to ``device`` and build its metadata from the host lengths (no sync)."""
         return batch.to(device, non_blocking=True), self.attention.metadata(batch.lengths, device)
 
+    def replace_activations(self, plan: Plan) -> None:
+        """Remove the activation policy and the offload, and install ``plan``'s in their place
+        (the other pieces stay: neither depends on them). ``plan`` differs from ``self.plan``
+        only in those decisions."""
+        at = self._handles.index(self.checkpointing)
+        assert self._handles[at + 1] is self.offload, "the offload is installed right after the policy"
+        self.offload.remove()
+        self.checkpointing.remove()
+        self.checkpointing = checkpointing.apply(self._model, plan.decision(checkpointing.NAME), self._budget)
+        self.offload = offload.apply(self._model, plan.decision(offload.NAME), torch.device(plan.device))
+        self._handles[at : at + 2] = [self.checkpointing, self.offload]
+        self.plan = plan
+
     def describe(self) -> list[str]:
         """One line per installed piece, for the run's log."""
         return [line for h in self._handles if (line := h.describe()) is not None]
@@ -64,6 +83,8 @@ class Installation:
             self._handles.pop().remove()
 
 
-def install(model: torch.nn.Module, plan: Plan) -> Installation:
-    """Apply ``plan``'s decisions to the loaded (and LoRA-wrapped) model, once."""
-    return Installation(model, plan)
+def install(model: torch.nn.Module, plan: Plan, activation_budget: int | None = None) -> Installation:
+    """Apply ``plan``'s decisions to the loaded (and LoRA-wrapped) model, once.
+
+    ``activation_budget``: tests only (``trainer.features.checkpointing``'s budget probe)."""
+    return Installation(model, plan, activation_budget)

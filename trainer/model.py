@@ -83,7 +83,7 @@ def model_facts(config: TrainConfig) -> ModelFacts:
     """Read the model's config (no weights) and say what the plan needs to know."""
     from transformers import AutoModelForCausalLM
 
-    from trainer import attention
+    from trainer import attention, memory
 
     hf_config = _load_config(config.model.name_or_path, config.model.trust_remote_code)
     experts = getattr(hf_config, "num_local_experts", None) or getattr(
@@ -100,14 +100,14 @@ def model_facts(config: TrainConfig) -> ModelFacts:
         if hasattr(hf_config, "get_text_config")
         else hf_config
     )
+    params = None if shell is None else sum(p.numel() for p in shell.parameters())
     return ModelFacts(
         model_type=hf_config.model_type,
+        shape=memory.Shape.from_config(hf_config, params),
         is_moe=bool(experts),
         num_layers=getattr(text, "num_hidden_layers", None),
         hidden_size=getattr(text, "hidden_size", None),
-        param_count=None
-        if shell is None
-        else sum(p.numel() for p in shell.parameters()),
+        param_count=params,
         **_moe_facts(hf_config, shell, shell_error, bool(experts)),
         supports_sdpa=supports_sdpa,
         packed_attention=attention.model_reason(hf_config),
@@ -271,8 +271,10 @@ def _device_map_target(device: torch.device) -> int | str:
 def prepare_for_training(
     model: torch.nn.Module, config: TrainConfig
 ) -> torch.nn.Module:
-    """Apply the method (LoRA adapters or full fine-tuning) and gradient checkpointing."""
-    if config.gradient_checkpointing:
+    """Apply the method (LoRA adapters or full fine-tuning); ``gradient_checkpointing: on`` also
+    checkpoints every layer here (for callers without a plan). Under a plan, the activation policy
+    (``trainer.features.checkpointing``, installed after this) sets each layer's checkpointing."""
+    if config.gradient_checkpointing == "on":
         enable_gradient_checkpointing(model)
     if config.method == "full":
         for p in model.parameters():

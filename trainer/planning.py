@@ -11,7 +11,10 @@ None) and turns the job's switch into one ``Decision``. Rules for every switch:
 - ``on``   -> enabled, or ``PlanError`` before any training, naming the hardware and the fix.
 
 Kernel choices without a switch (``attention``, ``loss``, ``lora_kernel``, ``fused_ops``) and
-the multi-rank strategy (``parallelism``) are decisions too, with ``requested="auto"``. ``trainer.install.install(model, plan)`` applies the
+the multi-rank strategy (``parallelism``) are decisions too, with ``requested="auto"``. The
+activation policy (``gradient_checkpointing``: ``auto | on | off | selective``) follows them,
+chosen from the memory estimate (``trainer.memory``) against the GPU's free memory at start
+(``free_gpu_bytes``) or the job's ``max_gpu_memory_gb`` (``trainer.features.checkpointing``). ``trainer.install.install(model, plan)`` applies the
 plan; the plan event and ``python -m trainer detect`` show it (``Plan.to_dict``).
 """
 
@@ -24,6 +27,7 @@ from typing import Any
 from trainer.config import SWITCHES, TrainConfig
 from trainer.errors import PlanError
 from trainer.hardware import Hardware
+from trainer.memory import Shape
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class ModelFacts:
     """``gpt_oss``, ``qwen3_moe``, ``mixtral`` or the experts class name."""
     moe_routing: str | None = None
     """Why grouped routing cannot run this MoE model (quantized or custom experts), or None."""
+    shape: Shape | None = None
+    """The sizes the activation policy's memory estimate reads; None when the config lacks one."""
 
 
 ANY_MODEL = ModelFacts(model_type="any model", is_moe=True, moe_blocks=1)
@@ -89,7 +95,8 @@ class Plan:
     dtype: str
     """Compute dtype: ``bfloat16`` on a bf16-capable GPU, else ``float32`` (or the job's)."""
     decisions: tuple[Decision, ...]
-    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, ``parallelism``, then one per switch."""
+    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, ``parallelism``,
+    ``gradient_checkpointing``, then one per switch."""
     hf_attention: str = "sdpa"
     """The model's own attention implementation at load (``sdpa``, or ``eager`` where it has none);
     packed attention (``ftq_packed``) is installed over it afterwards."""
@@ -123,18 +130,20 @@ class Plan:
 
 
 def plan(
-    hw: Hardware, config: TrainConfig, facts: ModelFacts | None = None, world_size: int = 1
+    hw: Hardware, config: TrainConfig, facts: ModelFacts | None = None, world_size: int = 1,
+    free_gpu_bytes: int | None = None,
 ) -> Plan:
     """Decide every optimization and kernel for a run (see the module docstring for the rules).
 
     ``world_size`` ranks (torchrun) add the ``parallelism`` decision's strategy (DDP or FSDP2,
-    ``trainer.parallel``); FSDP2 runs with plain gradient checkpointing (no offload).
+    ``trainer.parallel``); FSDP2 runs without offload. ``free_gpu_bytes``: the GPU's free memory
+    at start (``trainer.memory.free_gpu_bytes``); None plans for the whole ``hw.gpu_memory``.
 
     Raises:
         PlanError: a switch is ``on`` but cannot run here, or ``method`` needs what is missing.
     """
     from trainer import parallel
-    from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
+    from trainer.features import attention, checkpointing, fused_ops, lora_kernel, loss, moe, offload
 
     facts = facts or ModelFacts(model_type="unknown")
     if config.method == "qlora" and not (hw.device == "cuda" and hw.bitsandbytes):
@@ -146,9 +155,15 @@ def plan(
     opts = config.optimizations
     kernel = attention.choose(hw, facts)
     strategy = parallel.decide(hw, config, facts, world_size, dtype)
+    sharded = strategy.backend == "fsdp2"
+    policy, estimated = checkpointing.decide(
+        config.gradient_checkpointing, hw, config, facts, dtype, world_size=world_size, sharded=sharded,
+        packed_attention=kernel.enabled, free_bytes=free_gpu_bytes,
+        offload_missing=offload.policy_unavailable(hw, config, facts, dtype, sharded),
+    )
     offloaded, reload = offload.decide(
         opts.offload_activations, opts.double_buffered_reload, hw, config, facts, dtype,
-        sharded=strategy.backend == "fsdp2",
+        sharded=sharded, policy=policy if estimated else None,
     )
     switches = {
         "packed_metadata_cache": attention.decide_cache(opts.packed_metadata_cache, hw, facts, kernel),
@@ -166,6 +181,7 @@ def plan(
             lora_kernel.decide(hw, config),
             fused_ops.decide(hw, facts),
             strategy,
+            policy,
             *(switches[name] for name in SWITCHES),
         ),
         hf_attention="sdpa" if facts.supports_sdpa else "eager",

@@ -20,6 +20,7 @@ writes a checkpoint and ends ``cancelled``.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import sys
@@ -32,15 +33,17 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, distributed, dpo, evaluation, hardware, layout, metrics, parallel, planning
+from trainer import checkpoint, distributed, dpo, evaluation, hardware, layout, memory, metrics, parallel, planning
 from trainer.config import TrainConfig
 from trainer.preference import load_pair_sets
 from trainer.dataset import Sample, load_samples
 from trainer.errors import ConfigError, error_code
 from trainer.generate import Sampler
 from trainer.guards import NonFiniteGuard
+from trainer.features.checkpointing import BUDGET_ENV
 from trainer.install import install
 from trainer.model import count_parameters, load_model, load_tokenizer, model_facts, prepare_for_training
+from trainer.oom_ladder import Ladder
 from trainer.packing import BatchSchedule
 from trainer.step import PendingStep, StepContext, lr_lambda, train_step
 
@@ -126,6 +129,8 @@ class Run:
     """Counts non-finite steps in a row (``trainer.guards``)."""
     sampler: Sampler | None = None
     """Greedy generations at checkpoints (``trainer.generate``); None when the job asks for none."""
+    ladder: Ladder | None = None
+    """Steps the activation policy down on an OOM in the first steps (``trainer.oom_ladder``)."""
 
     def write_checkpoint(self, final: bool) -> None:
         """Every rank takes part (``checkpoint.save``): rank 0 alone writes adapters (the same on
@@ -138,6 +143,8 @@ class Run:
         )
         self.emit("checkpoint", step=self.state.step, path=str(path), bytes=size, final=final)
         self.last_checkpoint_step = self.state.step
+        if self.ladder is not None:
+            self.ladder.close()  # a step after a checkpoint is no longer retried
 
     def emit_step(self, pending: PendingStep) -> None:
         event = pending.event(self.schedule.total_steps, self.hw.peak_flops, self.ctx.comm)
@@ -185,7 +192,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     _seed_everything(config.seed)
     world, device = comm.world, comm.device
     hw = hardware.detect(config.device)
-    plan = planning.plan(hw, config, model_facts(config), world.world_size)
+    plan = planning.plan(hw, config, model_facts(config), world.world_size, memory.free_gpu_bytes(device))
     emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")
     train_samples, validation = _load_data(config)
     schedule = BatchSchedule(
@@ -202,7 +209,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
         message=f"loading model ({plan.dtype}, {plan.attention_backend} attention) on {hw.describe()}",
     )
     model = prepare_for_training(load_model(config, plan, device), config)
-    installed = install(model, plan)
+    installed = install(model, plan, _test_activation_budget())
     for line in installed.describe():
         emit("log", level="info", message=line)
     loss = installed.loss
@@ -234,9 +241,16 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
             NonFiniteGuard(config.max_non_finite_steps))
     if config.sample_prompts or config.sample_count:
         r.sampler = Sampler.for_run(config, load_tokenizer(config))
+    r.ladder = Ladder(installed, optimizer, device, hw, r.log, enabled=not world.is_distributed)
     resumed = _resume(r)
     _emit_plan(r, plan, resumed)
     return r
+
+
+def _test_activation_budget() -> int | None:
+    """Tests only: ``FTQ_TEST_ACTIVATION_BUDGET_BYTES``, read once (``trainer.features.checkpointing``)."""
+    raw = os.environ.get(BUDGET_ENV)
+    return int(raw) if raw else None
 
 
 def _load_data(config: TrainConfig) -> tuple[list[Sample], list[Sample] | None]:
@@ -303,7 +317,7 @@ def _loop(r: Run, progress: dict[str, int]) -> RunResult | None:
     """Every remaining step; a ``cancelled`` result when a stop ends it early, else None."""
     pending: PendingStep | None = None
     for step, refs in r.schedule.steps(r.state.step):
-        queued = train_step(r.ctx, step, refs)
+        queued = r.ladder.run(step, lambda: train_step(r.ctx, step, refs)) if r.ladder else train_step(r.ctx, step, refs)
         if pending is not None:
             r.emit_step(pending)  # read one step late: step k-1's values are done by now
         pending = queued

@@ -21,12 +21,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from trainer.config import SWITCH_VALUES, SWITCHES, switch_docs
+from trainer.config import CHECKPOINTING_VALUES, SWITCH_VALUES, SWITCHES, switch_docs
 
 Switch = Literal[SWITCH_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off"
 Method = Literal["lora", "qlora", "full"]
 Priority = Literal["low", "normal", "high"]
 Scheduler = Literal["cosine", "linear", "constant"]
+Checkpointing = Literal[CHECKPOINTING_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off" | "selective"
 Objective = Literal["sft", "dpo"]
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
@@ -173,6 +174,23 @@ class JobSpec(_Strict):
         int, Field(ge=0, le=10_000_000, description="Checkpoint every N steps; 0 keeps only the final one.")
     ] = 0
     optimizations: OptimizationSwitches = OptimizationSwitches()
+    gradient_checkpointing: Annotated[
+        Checkpointing,
+        Field(
+            description="Activation policy: auto (the trainer keeps every activation, checkpoints some "
+            "layers, all layers, or offloads them, whichever fits the GPU's free memory), on (every layer), "
+            "off (none), selective (as few layers as fit). true/false are read as on/off.",
+        ),
+    ] = "auto"
+    max_gpu_memory_gb: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=100_000,
+            description="GiB of GPU memory the activation policy may plan for on each GPU (a GPU shared "
+            "with others); unset plans for the memory free when the job starts.",
+        ),
+    ] = None
     priority: Annotated[
         Priority, Field(description="Queue order: high before normal before low, oldest first within each.")
     ] = "normal"
@@ -196,6 +214,12 @@ class JobSpec(_Strict):
                 "returned id (file-<24 hex>)"
             )
         return value
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _read_boolean_checkpointing(cls, value: Any) -> Any:
+        """Specs written when the field was a boolean: true is ``on``, false ``off``."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("model")
     @classmethod

@@ -83,6 +83,8 @@ def to_train_config(
             seed=hp.seed,
             gpus=spec.gpus,
             checkpoint_every=spec.checkpoint_every,
+            gradient_checkpointing=spec.gradient_checkpointing,
+            max_gpu_memory_gb=spec.max_gpu_memory_gb,
             output_dir=str(output_dir),
             job_id=job_id,
         )

@@ -51,8 +51,10 @@ DERIVED_SERIES = {
 }
 """Chart series the dashboard computes instead of reading from a step row."""
 KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", "parallelism")
-"""The plan's decisions before the switches, in order (the agreed plan event; parallelism since
-the trainer runs several ranks: None/ddp/fsdp2)."""
+"""The plan's decisions before the activation policy, in order (the agreed plan event; parallelism
+since the trainer runs several ranks: None/ddp/fsdp2)."""
+POLICY = "gradient_checkpointing"
+"""The activation policy's decision (``auto | on | off | selective``), before the switches."""
 
 
 def _base_type(hint: Any) -> type:
@@ -217,7 +219,7 @@ class TestPlanEvent:
         plan = planning.plan(hw, config).to_dict()
         assert_fits_plan_schema(plan)
         requested = {d["name"]: d["requested"] for d in plan["decisions"]}
-        assert list(requested) == [*KERNEL_CHOICES, *SWITCHES]
+        assert list(requested) == [*KERNEL_CHOICES, POLICY, *SWITCHES]
         assert requested == {**dict.fromkeys(requested, "auto"), "moe_grouped_routing": "off"}
 
     @pytest.mark.slow  # the trainer CLI in a subprocess
@@ -225,7 +227,7 @@ class TestPlanEvent:
         plan = detect_report["plan"]
         assert_fits_plan_schema(plan)
         names = [d["name"] for d in plan["decisions"]]
-        assert names == [*KERNEL_CHOICES, *SWITCHES]
+        assert names == [*KERNEL_CHOICES, POLICY, *SWITCHES]
         assert {d["requested"] for d in plan["decisions"][: len(KERNEL_CHOICES)]} == {"auto"}
 
     @pytest.mark.slow  # the trainer CLI in a subprocess

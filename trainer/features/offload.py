@@ -47,7 +47,7 @@ def supported(hw: Hardware, facts: ModelFacts) -> str | None:
 def unavailable_for(hw: Hardware, config: TrainConfig, facts: ModelFacts) -> str | None:
     """``supported``, plus what the job must allow: checkpointed layers to offload."""
     missing = supported(hw, facts)
-    if missing is None and not config.gradient_checkpointing:
+    if missing is None and config.gradient_checkpointing == "off":
         missing = "it offloads checkpointed layer inputs, and gradient_checkpointing is off"
     return missing
 
@@ -69,18 +69,16 @@ class _Shape:
 
 
 def decide(
-    requested: str,
-    reload: str,
-    hw: Hardware,
-    config: TrainConfig,
-    facts: ModelFacts,
-    dtype: str,
-    sharded: bool = False,
+    requested: str, reload: str, hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str,
+    sharded: bool = False, policy: Decision | None = None,
 ) -> tuple[Decision, Decision]:
     """The ``offload_activations`` and ``double_buffered_reload`` decisions (see the module docstring).
 
     ``sharded``: the layers are FSDP2 units, whose parameters are gathered by hooks the offloaded
     recompute (a layer's forward called inside backward) would bypass: no offload.
+    ``policy``: the activation policy when it was estimated (``trainer.features.checkpointing``):
+    ``auto`` then offloads exactly when the policy is ``full+offload``, instead of this module's
+    own share-of-the-GPU rule (which stays for runs the policy could not estimate).
     """
     if requested == "off":
         return off(NAME), _reload_unavailable(reload, "offload_activations is off, so there is nothing to reload", hw)
@@ -111,6 +109,8 @@ def decide(
         return Decision(NAME, requested, False, None, f"{host_why}; plain gradient checkpointing"), _no_reload(
             reload, stays_off
         )
+    if policy is not None and requested == "auto":
+        return _follow(policy, reload, hw, est, gpu_free)
     budget = gpu_free * offload.ACTIVATION_SHARE
     sizes = f"layer inputs {est.checkpointed / _GIB:.2f} GiB at {config.data.batch_tokens} tokens"
     if requested == "auto" and est.checkpointed <= budget:
@@ -126,6 +126,33 @@ def decide(
     )
     why += f", {est.offloaded / _GIB:.2f} GiB to pinned host memory"
     return _with_reload(requested, reload, hw, why, est, max(0, gpu_free - est.buffer))
+
+
+def _follow(
+    policy: Decision, reload: str, hw: Hardware, est: offload.ActivationEstimate, gpu_free: int
+) -> tuple[Decision, Decision]:
+    """``auto`` under an estimated activation policy: offload when (and only when) it says so."""
+    if policy.backend != "full+offload":
+        why = f"the activation policy ({policy.name}) is {policy.backend}"
+        return Decision(NAME, "auto", False, None, f"auto: {why}"), _no_reload(reload, f"offload_activations stays off: {why}")
+    why = (
+        f"auto: full checkpointing alone does not fit (see {policy.name}), "
+        f"{est.offloaded / _GIB:.2f} GiB to pinned host memory"
+    )
+    return _with_reload("auto", reload, hw, why, est, max(0, gpu_free - est.buffer))
+
+
+def policy_unavailable(
+    hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str, sharded: bool
+) -> str | None:
+    """Why the activation policy cannot pick ``full+offload`` for this job, or None when it can."""
+    missing = supported(hw, facts)
+    if missing is None and sharded:
+        missing = "the layers are sharded with FSDP2"
+    if missing is None and facts.num_layers and facts.hidden_size:
+        est = offload.estimate(_Shape(facts.num_layers, facts.hidden_size), config.data.batch_tokens, dtype)
+        missing = _host_too_small(est, hw)
+    return missing
 
 
 def _with_reload(

@@ -293,8 +293,8 @@ class TestWholePlan:
 
         installed = install(model, the_plan)
         assert modeling.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
-        # attention, offload, LoRA, fused ops, loss (+ MoE routing)
-        assert len(installed.describe()) == 5 + facts.is_moe
+        # attention, activation policy, offload, LoRA, fused ops, loss (+ MoE routing)
+        assert len(installed.describe()) == 6 + facts.is_moe
         batch, meta = installed.micro_batch(_batch(), CPU_DEVICE)
         installed.loss(model, batch, meta, batch.num_targets).backward()
         installed.remove()

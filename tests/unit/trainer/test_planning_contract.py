@@ -2,7 +2,8 @@
 event's shape.
 
 Every plan carries one decision per kernel choice (``attention``, ``loss``, ``lora_kernel``,
-``fused_ops``) and the multi-rank strategy (``parallelism``), then one per switch of
+``fused_ops``), the multi-rank strategy (``parallelism``) and the activation policy
+(``gradient_checkpointing``, requested as the job says), then one per switch of
 ``trainer.config.SWITCHES``, in that order; a switch's ``requested`` is the job's value, the
 others' is ``auto``. ``Plan.to_dict`` is the plan
 event (and ``detect --json``'s ``plan``): ``{device, dtype, model_attention, decisions: [{name,
@@ -24,11 +25,13 @@ from trainer import install as install_module
 from trainer import parallel
 from trainer.config import SWITCHES, OptimConfig
 from trainer.errors import PlanError
-from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
+from trainer.features import attention, checkpointing, fused_ops, lora_kernel, loss, moe, offload
 from trainer.planning import ModelFacts, plan
 
 KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", parallel.NAME)
 """The decisions without a switch, in the plan's order (``requested`` is always ``auto``)."""
+POLICY = checkpointing.NAME
+"""The activation policy's decision, between the kernel choices and the switches."""
 DECISION_FIELDS = {"name", "requested", "enabled", "backend", "reason"}
 PLAN_FIELDS = {"device", "dtype", "model_attention", "decisions"}
 RUN_FIELDS = {"hardware", "world_size", "total_steps", "model", "resumed_from_step"}
@@ -43,7 +46,7 @@ MOE_8B = ModelFacts(
     moe_blocks=32,
     moe_family="qwen3_moe",
 )
-FEATURES = (attention, moe, offload, lora_kernel, fused_ops, loss)
+FEATURES = (attention, moe, checkpointing, offload, lora_kernel, fused_ops, loss)
 
 
 def _every_setting():
@@ -63,7 +66,8 @@ class TestDecisions:
             except PlanError:
                 continue  # an impossible `on` here; its message is tested with the feature
             planned += 1
-            assert [d.name for d in p.decisions] == [*KERNEL_CHOICES, *SWITCHES]
+            assert [d.name for d in p.decisions] == [*KERNEL_CHOICES, POLICY, *SWITCHES]
+            assert p.decision(POLICY).requested == config.gradient_checkpointing
             for name in SWITCHES:
                 assert p.decision(name).requested == getattr(config.optimizations, name), name
             for name in KERNEL_CHOICES:
@@ -113,7 +117,7 @@ class TestInstall:
     def test_each_feature_gets_its_own_decision_and_remove_runs_in_reverse(self, monkeypatch) -> None:
         log = self._record_applies(monkeypatch)
         installed = install_module.install(object(), plan(CPU, plan_config(), MOE_8B))
-        order = [attention.NAME, moe.NAME, offload.NAME, lora_kernel.NAME, fused_ops.NAME, loss.NAME]
+        order = [attention.NAME, moe.NAME, POLICY, offload.NAME, lora_kernel.NAME, fused_ops.NAME, loss.NAME]
         assert log == [f"apply {name}" for name in order]
         assert installed.describe() == order
         installed.remove()
@@ -125,7 +129,7 @@ class TestInstall:
         log = self._record_applies(monkeypatch, fail=lora_kernel.NAME)
         with pytest.raises(RuntimeError, match="lora_kernel failed"):
             install_module.install(object(), plan(CPU, plan_config(), MOE_8B))
-        done = [attention.NAME, moe.NAME, offload.NAME]
+        done = [attention.NAME, moe.NAME, POLICY, offload.NAME]
         assert log == [f"apply {n}" for n in done] + [f"remove {n}" for n in reversed(done)]
 
 
@@ -140,7 +144,7 @@ class TestPlanEvent:
         for d in event["decisions"]:
             assert set(d) == DECISION_FIELDS, d["name"]
             assert isinstance(d["enabled"], bool) and isinstance(d["reason"], str) and d["reason"]
-            assert d["requested"] in ("auto", "on", "off")
+            assert d["requested"] in ("auto", "on", "off", "selective")
             assert d["backend"] is None or isinstance(d["backend"], str)
         assert json.loads(json.dumps(event)) == event
 
@@ -155,5 +159,5 @@ class TestPlanEvent:
         assert result.status == "succeeded", result.message
         (event,) = events.of("plan")
         assert set(event) == {"type", "time"} | PLAN_FIELDS | RUN_FIELDS
-        assert [d["name"] for d in event["decisions"]] == [*KERNEL_CHOICES, *SWITCHES]
+        assert [d["name"] for d in event["decisions"]] == [*KERNEL_CHOICES, POLICY, *SWITCHES]
         assert all(set(d) == DECISION_FIELDS for d in event["decisions"])

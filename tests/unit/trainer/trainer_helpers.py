@@ -99,8 +99,7 @@ def train_lora(out_dir: Path, model_dir: Path, monkeypatch, *, steps: int, facts
         out_dir,
         model_dir,
         optim=OptimConfig(max_steps=steps, learning_rate=1e-2, grad_accum=2),
-        gradient_checkpointing=True,
-        **overrides,
+        **{"gradient_checkpointing": True, **overrides},
     )
     if facts:
         monkeypatch.setattr(

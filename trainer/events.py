@@ -11,7 +11,8 @@ Standard library only: the worker parses these lines without torch. Every event 
                 model: {name, params, trainable_params, layers}, resumed_from_step (int | None)
 ``step``        one per optimizer step, the fields of ``StepEvent`` (``STEP_FIELDS``), no more,
                 no fewer: ``make_event`` refuses any other payload; the four DPO fields
-                (reward_margin, reward_accuracy, chosen_logp, rejected_logp) are null for SFT
+                (reward_margin, reward_accuracy, chosen_logp, rejected_logp) are null for SFT,
+                token_accuracy null for DPO
 ``eval``        step, loss, tokens (validation set)
 ``skip``        step, loss, grad_norm (None where not finite), consecutive, limit, first_step:
                 a non-finite step whose update was not applied (``trainer.guards``)
@@ -102,6 +103,8 @@ class StepEvent:
     """DPO: mean over pairs of the policy's summed log-prob of the chosen answer (nats); None for SFT."""
     rejected_logp: float | None = None
     """DPO: mean over pairs of the policy's summed log-prob of the rejected answer (nats); None for SFT."""
+    token_accuracy: float | None = None
+    """SFT: fraction of the step's target tokens the model ranked first, before the update (0-1); None for DPO."""
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent))

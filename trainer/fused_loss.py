@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from trainer import token_accuracy
+
 IGNORE_INDEX = -100
 CHUNK_BYTES = 256 * 2**20
 """Target size of one chunk's fp32 logits; ``default_chunk_size`` turns it into tokens."""
@@ -99,6 +101,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             lse_C = torch.logsumexp(logits_CV, dim=-1)
             picked_C = logits_CV.gather(1, target_C.unsqueeze(1)).squeeze(1)
             loss_sum += torch.where(valid_C, lse_C - picked_C, 0.0).sum()
+            token_accuracy.add(logits_CV, y_C, valid_C)
             if not (need_h or need_w):
                 continue
             # d(loss)/d(logits) = softmax - onehot(label), zero on ignored rows, / num_items

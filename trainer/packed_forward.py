@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer import token_accuracy
 from trainer.dataset import IGNORE_INDEX
 from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import PackedBatch
@@ -98,7 +99,10 @@ def plain_packed_loss(
     model: torch.nn.Module, batch: PackedBatch, meta: AnyPackedMetadata | None, num_items: int
 ) -> torch.Tensor:
     """As ``fused_packed_loss``, over the full logits in float32 (``loss_sum``)."""
-    return loss_sum(packed_forward(model, batch, meta), batch.targets) / max(int(num_items), 1)
+    logits = packed_forward(model, batch, meta)
+    targets_C = batch.targets.reshape(-1)
+    token_accuracy.add(logits.reshape(-1, logits.shape[-1]), targets_C, targets_C != IGNORE_INDEX)
+    return loss_sum(logits, batch.targets) / max(int(num_items), 1)
 
 
 def packed_sequence_logprobs(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainer import dpo, guards, metrics
+from trainer import dpo, guards, metrics, token_accuracy
 from trainer.dataset import Sample
 from trainer.distributed import Comm, share
 from trainer.dpo import DpoLoss
@@ -80,6 +80,10 @@ class PendingStep:
     memory: dict[str, int | None]
     pair_stats: torch.Tensor | None = None
     """DPO: the step's summed ``trainer.dpo.STATS`` over all ranks (device, read one step late); None for SFT."""
+    correct: torch.Tensor | None = None
+    """SFT: target tokens the model ranked first, over all ranks (device, read with the loss); None for DPO."""
+    targets: int = 0
+    """Target tokens of the whole step (all ranks): ``correct``'s denominator."""
 
     def read(self, total_steps: int, peak_flops: float | None, comm: Comm) -> StepEvent:
         """The step's event; a collective over the ranks (every rank calls it, rank 0 emits it)."""
@@ -89,11 +93,12 @@ class PendingStep:
         slowest = max(ranks, key=lambda r: r["step_ms"])
         seconds = slowest["step_ms"] / 1000.0
         world = len(ranks)
+        loss, accuracy = self._loss_and_accuracy()
         return StepEvent(
             step=self.step,
             total_steps=total_steps,
             epoch=round(self.epoch, 4),
-            loss=self.loss.item(),
+            loss=loss,
             lr=self.lr,
             grad_norm=self.grad_norm.item(),
             tokens=self.tokens,
@@ -104,7 +109,15 @@ class PendingStep:
             **{f: _largest(ranks, f) for f in ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss")},
             ranks=ranks if world > 1 else None,
             **dpo.step_fields(self.pair_stats),
+            token_accuracy=accuracy,
         )
+
+    def _loss_and_accuracy(self) -> tuple[float, float | None]:
+        """The loss and the token accuracy, read in one device-to-host transfer."""
+        if self.correct is None:
+            return self.loss.item(), None
+        loss, correct = torch.stack([self.loss.float(), self.correct]).tolist()
+        return loss, correct / max(self.targets, 1)
 
     def event(self, total_steps: int, peak_flops: float | None, comm: Comm) -> dict[str, Any]:
         """The ``step`` event's fields (a collective, see ``read``)."""
@@ -137,13 +150,14 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     mine = parts[world.rank]
     total_loss = torch.zeros((), device=ctx.device)
     pair_stats = dpo.new_stats(ctx.device) if ctx.dpo else None
+    correct = None if ctx.dpo else token_accuracy.new_count(ctx.device)
     todo = _padded(mine, parts, ctx.parallel.strategy)
     for k, j in enumerate(todo):
         host_batch = pack_batch([ctx.samples[i] for i in refs[j].sample_indices])
         with timer.phase("data"):
             batch, meta = ctx.installed.micro_batch(host_batch, ctx.device)
         with ctx.parallel.sync(last=k == len(todo) - 1):
-            with timer.phase("forward"), ctx.autocast:
+            with timer.phase("forward"), ctx.autocast, token_accuracy.counting(correct if k < len(mine) else None):
                 loss = ctx.parallel.loss(batch, meta, step_targets)
                 if k >= len(mine):  # a stand-in: it pairs the collectives, it trains nothing
                     loss = loss * 0.0
@@ -156,6 +170,8 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     ctx.comm.all_reduce_sum(total_loss)
     if pair_stats is not None:
         ctx.comm.all_reduce_sum(pair_stats)
+    if correct is not None:
+        ctx.comm.all_reduce_sum(correct)
     with timer.phase("optimizer"):
         grad_norm, lr = _optimizer_step(ctx, total_loss)
     every = [n for row in lengths for n in row]
@@ -172,6 +188,8 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         timing=timer.finish(),
         memory=metrics.memory_stats(ctx.device),
         pair_stats=pair_stats,
+        correct=correct,
+        targets=step_targets,
     )
 
 

@@ -106,6 +106,8 @@ class StepMetric(Base):
     chosen_logp: Mapped[float | None] = mapped_column(Float)
     rejected_logp: Mapped[float | None] = mapped_column(Float)
     """The DPO step fields (``trainer.events.DPO_STEP_FIELDS``); None for SFT."""
+    token_accuracy: Mapped[float | None] = mapped_column(Float)
+    """SFT: fraction of the step's target tokens the model ranked first; None for DPO."""
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -65,7 +65,7 @@ class TestEvents:
 class TestStepEvent:
     def test_step_fields_are_the_dataclass_fields_in_order(self):
         assert STEP_FIELDS == tuple(f.name for f in dataclasses.fields(StepEvent))
-        assert STEP_FIELDS[:3] == ("step", "total_steps", "epoch") and STEP_FIELDS[-6:] == ("host_rss", "ranks", *DPO_STEP_FIELDS)
+        assert STEP_FIELDS[:3] == ("step", "total_steps", "epoch") and STEP_FIELDS[-7:] == ("host_rss", "ranks", *DPO_STEP_FIELDS, "token_accuracy")
 
     def test_every_field_has_a_one_line_docstring(self):
         body = ast.parse(textwrap.dedent(inspect.getsource(StepEvent))).body[0].body

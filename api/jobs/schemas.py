@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from core.jobs.eta import QueueEntry
 from core.jobs.models import Checkpoint, Job, StepMetric
-from core.jobs.spec import Switch
+from core.jobs.spec import Checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,11 @@ class DecisionOut(BaseModel):
     """One choice of the trainer's plan: a kernel, or an optimization switch."""
 
     name: str
-    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, ``parallelism``, then each switch of
-    ``optimizations``."""
-    requested: Switch
-    """The job's value for a switch; ``auto`` for a kernel choice, which has no switch."""
+    """``attention``, ``loss``, ``lora_kernel``, ``fused_ops``, ``parallelism``,
+    ``gradient_checkpointing`` (the activation policy), then each switch of ``optimizations``."""
+    requested: Checkpointing
+    """The job's value for a switch (``auto``/``on``/``off``, and ``selective`` for
+    ``gradient_checkpointing``); ``auto`` for a kernel choice, which has no switch."""
     enabled: bool
     backend: str | None
     """What runs it (e.g. ``triton``, ``torch_varlen``, ``fused_chunked_ce``, ``grouped_mm``); null when none."""

@@ -10,6 +10,9 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ftq-installed
 TORCH_VERSION ?= 2.13.0
+# llama-cpp-python (dev extra) compiles llama.cpp when pip has no wheel: CPU only, portable, no
+# BLAS/OpenMP/tools/tests; built once, then pip's wheel cache serves every later install.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF
 
 .PHONY: install up test test-fast services browser
 
@@ -18,7 +21,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -e '.[dev]'
+	CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" CMAKE_BUILD_PARALLEL_LEVEL="$${CMAKE_BUILD_PARALLEL_LEVEL:-2}" $(PY) -m pip install -e '.[dev]'
 	@touch $(STAMP)
 
 up: install
@@ -30,9 +33,14 @@ services:
 browser:
 	scripts/browser.sh
 
-# pytest exits 5 when it collected no test: that fails `make test` like any other non-zero code.
+# pytest exits 5 when it collected no test: that fails `make test` like any other non-zero code
+# (pytest-xdist keeps that exit code). TEST_WORKERS processes share the suite, a module per worker
+# at a time (--dist loadscope), so a module's stack starts once: most of the suite waits on
+# subprocesses (servers, workers, trainers), so three workers keep two cores busy. TEST_WORKERS=0
+# runs it in one process.
+TEST_WORKERS ?= 3
 test: install services browser
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope
 
 # The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
 test-fast: install

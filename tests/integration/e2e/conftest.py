@@ -147,12 +147,16 @@ def _postgres_stack(base: Path, model_root: Path, extra_env: dict[str, str] | No
 
 
 def _empty_redis_db(redis: Any) -> int:
-    """A Redis db with no keys, so this session's queue shares nothing with anyone."""
+    """A Redis db with no keys, so this session's queue shares nothing with anyone.
+
+    Claimed with a key set only if absent: two test processes (pytest-xdist workers) that see
+    the same empty db at once cannot both take it; the loser looks further.
+    """
     try:
         for db in range(14, 0, -1):  # 15 belongs to tests/integration/conftest.py
             client = redis.Redis.from_url(f"{REDIS_URL}/{db}", socket_connect_timeout=5)
             try:
-                if client.dbsize() == 0:
+                if client.dbsize() == 0 and client.set("ftq:test:claimed-by", os.getpid(), nx=True):
                     return db
             finally:
                 client.close()

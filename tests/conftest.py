@@ -3,7 +3,7 @@ Plain helpers (not fixtures) are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,12 +14,20 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
+@pytest.fixture(scope="session")
+def _tiny_model_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-template") / "tiny", "llama")
+
+
 @pytest.fixture
-def model_root(tmp_path: Path) -> Path:
-    """A model root holding ``tiny/config.json`` (enough for submission checks, not for training)."""
+def model_root(tmp_path: Path, _tiny_model_template: Path) -> Path:
+    """A model root holding ``tiny``: a tiny random-weight Llama with its tokenizer (built once per
+    session, copied per test), which passes the submission checks (its files match its config,
+    its tokenizer preflights the data)."""
     root = tmp_path / "models"
-    (root / "tiny").mkdir(parents=True)
-    (root / "tiny" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    shutil.copytree(_tiny_model_template, root / "tiny")
     return root
 
 

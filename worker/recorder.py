@@ -7,7 +7,9 @@ transaction: every event gets a ``job_event`` row with the next ``seq``, and
     plan        → job.plan, job.total_steps
     step        → a step_metric row, job.progress_step / total_steps
     checkpoint  → a checkpoint row
-    eval, log   → the event only
+    eval        → an eval_metric row
+    skip, sample, log → the event only
+    step, eval, skip → job.summary recomputed from the rows (``core.jobs.summary``)
 
 After the commit the highest seq is published on Redis for live viewers. A resumed run
 re-emits the steps after its checkpoint: their rows replace the lost attempt's.
@@ -33,14 +35,15 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
-from core.jobs.models import Checkpoint, Job, StepMetric
+from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric
+from core.jobs.summary import summarize
 from core.jobs.service import append_events
 from core.jobs.states import JobStatus
 from trainer.events import STEP_FIELDS
 
 log = logging.getLogger(__name__)
 
-STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint")
+STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample")
 _METRIC_COLUMNS = tuple(f for f in STEP_FIELDS if f not in ("step", "total_steps"))
 
 
@@ -55,6 +58,7 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
     job_values: dict[str, Any] = {}
     steps: dict[int, StepMetric] = {}
     checkpoints: dict[int, Checkpoint] = {}
+    evals: dict[int, EvalMetric] = {}
     stored: list[dict[str, Any]] = []
     for raw in events:
         if raw.get("type") not in STORED_EVENT_TYPES:
@@ -73,6 +77,8 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
                     values["total_steps"] = int(event["total_steps"])
             elif kind == "checkpoint":
                 row = _checkpoint_row(job_id, event)
+            elif kind == "eval":
+                row = _eval_row(job_id, event)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("job %s: dropped a malformed %r event (%r): %s", job_id, kind, exc, _preview(event))
             continue
@@ -82,6 +88,8 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
             job_values["progress_step"] = max(row.step, job_values.get("progress_step", 0))
         elif kind == "checkpoint":
             checkpoints[row.step] = row
+        elif kind == "eval":
+            evals[row.step] = row
         stored.append(event)
     if not stored:
         return 0
@@ -91,7 +99,12 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
     if checkpoints:
         session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(list(checkpoints))))
         session.add_all(checkpoints.values())
+    if evals:
+        session.execute(delete(EvalMetric).where(EvalMetric.job_id == job_id, EvalMetric.step.in_(list(evals))))
+        session.add_all(evals.values())
     rows = append_events(session, job_id, [(e["type"], _payload(e)) for e in stored])
+    if steps or evals or any(e["type"] == "skip" for e in stored):
+        job_values["summary"] = summarize(session, job_id)
     if job_values:
         session.execute(
             update(Job).where(Job.job_id == job_id).values(**job_values).execution_options(synchronize_session=False)
@@ -128,6 +141,13 @@ def _event_time(event: dict[str, Any]) -> dt.datetime:
 def _step_row(job_id: str, event: dict[str, Any]) -> StepMetric:
     values = {name: event.get(name) for name in _METRIC_COLUMNS}
     return StepMetric(job_id=job_id, step=int(event["step"]), time=_event_time(event), **values)
+
+
+def _eval_row(job_id: str, event: dict[str, Any]) -> EvalMetric:
+    loss = event.get("loss")
+    tokens = event.get("tokens")
+    return EvalMetric(job_id=job_id, step=int(event["step"]), loss=None if loss is None else float(loss),
+                      tokens=None if tokens is None else int(tokens), time=_event_time(event))
 
 
 def _checkpoint_row(job_id: str, event: dict[str, Any]) -> Checkpoint:

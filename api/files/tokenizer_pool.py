@@ -29,6 +29,12 @@ from typing import Any
 from core.errors import InvalidInput, Unavailable
 from core.jobs.model_source import ModelSource
 
+_PRELOAD = (
+    "api.files.tokenizer_pool", "core.jobs.preflight", "trainer.dataset", "torch", "transformers.modeling_utils",
+    "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers",
+)
+"""Modules the fork server imports once, so that pool workers start with them loaded."""
+
 MAX_RECORDS = 100_000
 """Records tokenized at most per request: enough for any dataset a dashboard user uploads by
 hand, and a bound on how long one request holds a worker process."""
@@ -70,16 +76,36 @@ class TokenizerPool:
                 "or set FTQ_TOKENIZER_WORKERS lower on a box short of memory"
             ) from None
 
+    async def run(self, fn: Callable[..., Any], model: str, source: ModelSource, *args: Any) -> Any:
+        """``fn(tokenizer, *args)`` in a worker process with ``source``'s tokenizer (``fn`` must be a
+        module-level function: it is pickled by name), e.g. ``core.jobs.preflight.report``.
+
+        Raises:
+            InvalidInput: the tokenizer cannot be loaded, or ``fn`` raised it.
+        """
+        executor = self._executor
+        try:
+            return await asyncio.wrap_future(executor.submit(_run_in_worker, fn, model, source, args))
+        except BrokenProcessPool:
+            if self._executor is executor:
+                self._executor = self._new_executor()
+            raise Unavailable("the tokenizer process ended while working (killed for memory?); try again") from None
+
     def shutdown(self) -> None:
         """Stop the worker processes: queued requests are cancelled, a running one finishes."""
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _new_executor(self) -> ProcessPoolExecutor:
-        # spawn, not fork: the API process runs threads (anyio's, uvicorn's) that fork would copy
-        # mid-flight; a spawned process imports only this module and what the work needs.
+        # forkserver, not fork: the API process runs threads (anyio's, uvicorn's) that fork would
+        # copy mid-flight. The fork server is a fresh process started once per API process that
+        # imports transformers once (``_PRELOAD``); every pool worker, and a new pool after a
+        # broken one, forks from it in milliseconds instead of importing transformers again
+        # (~5-10 s each on a busy 2-core box: every submission preflights its data here).
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(_PRELOAD))
         return ProcessPoolExecutor(
             max_workers=self.workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=context,
             initializer=_start_worker,
             initargs=(self.cache_size,),
         )
@@ -167,6 +193,11 @@ def _start_worker(cache_size: int) -> None:
 def _token_stats_in_worker(path: str, fmt: str, model: str, source: ModelSource, max_seq_len: int) -> dict[str, Any]:
     assert _worker_cache is not None, "runs only in a TokenizerPool worker process"
     return token_stats(path, fmt, _worker_cache.get(model, source), max_seq_len=max_seq_len)
+
+
+def _run_in_worker(fn: Callable[..., Any], model: str, source: ModelSource, args: tuple[Any, ...]) -> Any:
+    assert _worker_cache is not None, "runs only in a TokenizerPool worker process"
+    return fn(_worker_cache.get(model, source), *args)
 
 
 def _summary(values: list[int]) -> dict[str, float | int]:

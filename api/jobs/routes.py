@@ -16,22 +16,29 @@ from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Body, Header, Query, Response, status
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import ValidationError
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
-from api.jobs import artifacts
+from api.inputs import INT32_MAX, INT64_MAX
+from api.jobs import artifacts, exports
+from api.jobs.card import build_card
+from api.jobs.preview import preflight_for
 from api.jobs.schemas import (
     CheckpointList,
     CheckpointOut,
+    EvalOut,
     JobList,
     JobOut,
     MetricList,
     MetricOut,
+    PreflightOut,
     ResumeRequest,
     metrics_csv,
     queue_info,
@@ -73,19 +80,24 @@ async def create_job(
     caller's own files (an admin's, any): 403 otherwise.
     """
 
+    report = await preflight_for(state, spec, caller)
+
     def create() -> tuple[JobOut, bool, int]:
         with state.sessions() as session:
             access.require_usable_files(
                 session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
             )
-            job, created = service.create_job(
-                session, spec, settings=state.settings, idempotency_key=idempotency_key, owner_id=caller.user_id
-            )
-            if not created and job.owner_id != caller.user_id:
-                raise Conflict(
-                    f"Idempotency-Key {idempotency_key!r} was already used by another user; use a new key",
-                    param="Idempotency-Key",
+            try:
+                job, created = service.create_job(
+                    session, spec, settings=state.settings, idempotency_key=idempotency_key, owner_id=caller.user_id,
+                    preflight=report,
                 )
+            except Conflict:  # its message names the key's job: not for another user's key
+                session.rollback()
+                _refuse_foreign_key(session, idempotency_key, caller.user_id)
+                raise
+            if not created:
+                _refuse_foreign_key(session, idempotency_key, caller.user_id)
             session.commit()
             return _out(session, job, state.settings), created, job.last_event_seq
 
@@ -98,6 +110,16 @@ async def create_job(
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
     return job
+
+
+@router.post("/preview", summary="Preflight a job without creating it")
+async def preview_job(spec: JobSpec, state: StateDep, caller: CallerDep) -> PreflightOut:
+    """The dataset under the model's own tokenizer and chat template, as ``POST /v1/jobs`` checks it:
+    records, trainable tokens and their fraction, what ``max_seq_len`` truncation cuts, one rendered
+    record with its trainable runs marked, and the warnings a job would store. 422 (naming the
+    field) where the job would be refused: a dataset with no trainable token, a model whose files
+    do not match its config.json."""
+    return PreflightOut.model_validate(await preflight_for(state, spec, caller))
 
 
 @router.get("", summary="List jobs, newest first")
@@ -236,12 +258,13 @@ def download_metrics_csv(job_id: str, session: SessionDep) -> Response:
 def list_metrics(
     job_id: str,
     session: SessionDep,
-    after_step: Annotated[int, Query(ge=-1)] = -1,
+    after_step: Annotated[int, Query(ge=-1, le=INT32_MAX)] = -1,
     limit: Annotated[int, Query(ge=1, le=service.MAX_METRICS_PAGE)] = 1000,
 ) -> MetricList:
     rows = service.list_metrics(session, job_id, after_step=after_step, limit=limit)
     next_after = rows[-1].step if len(rows) == limit else None
-    return MetricList(data=[MetricOut.of(r) for r in rows], next_after_step=next_after)
+    evals = [EvalOut.model_validate(e, from_attributes=True) for e in service.list_evals(session, job_id)]
+    return MetricList(data=[MetricOut.of(r) for r in rows], next_after_step=next_after, eval=evals)
 
 
 @router.get(
@@ -254,14 +277,14 @@ def stream_events(
     job_id: str,
     session: SessionDep,
     state: StateDep,
-    after: Annotated[int | None, Query(ge=0, description="Start after this seq (Last-Event-ID wins)")] = None,
+    after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Start after this seq (Last-Event-ID wins)")] = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     service.get_job(session, job_id)
     session.close()
     start = after or 0
     if last_event_id is not None and last_event_id.strip():
-        if not (last_event_id.strip().isascii() and last_event_id.strip().isdigit()):
+        if not (last_event_id.strip().isascii() and last_event_id.strip().isdigit()) or len(last_event_id.strip()) > 18:
             raise InvalidInput(
                 f"Last-Event-ID: {last_event_id!r} is not an event id; send the id: of the last event received",
                 param="Last-Event-ID",
@@ -286,7 +309,11 @@ def list_checkpoints(job_id: str, session: SessionDep) -> CheckpointList:
     summary="Download a checkpoint directory as an archive",
 )
 def download_checkpoint(
-    job_id: str, step: int, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
+    job_id: str,
+    step: Annotated[int, PathParam(ge=0, le=INT32_MAX)],
+    session: SessionDep,
+    state: StateDep,
+    format: artifacts.ArchiveFormat = "zip",
 ) -> FileResponse:
     checkpoint = service.get_checkpoint(session, job_id, step)
     root = _job_root(state, service.get_job(session, job_id))
@@ -298,13 +325,15 @@ def download_checkpoint(
     "/{job_id}/adapter",
     response_class=FileResponse,
     responses={200: {"content": {"application/zip": {}, "application/gzip": {}}}},
-    summary="Download the final adapter (adapter_model.safetensors + adapter_config.json)",
+    summary="Download the final adapter (adapter files, README.md model card, the base's tokenizer)",
 )
 def download_adapter(
     job_id: str, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
 ) -> FileResponse:
     """The files are at the archive's root; 409 until the job has succeeded. For method
-    ``full`` this is the whole fine-tuned model (``save_pretrained`` output)."""
+    ``full`` this is the whole fine-tuned model (``save_pretrained`` output). Self-describing
+    (``api.jobs.card``): ``base_model_name_or_path`` is the base's hub id or its name under the
+    model root, ``README.md`` is the model card, the tokenizer and chat template come along."""
     job = service.get_job(session, job_id)
     if job.status != JobStatus.succeeded.value:
         raise Conflict(
@@ -320,8 +349,10 @@ def download_adapter(
             raise NotFound(f"job {job_id} succeeded but its adapter is not on disk", param="job_id")
         adapter = Path(final[-1].path)
     root = _job_root(state, job)
+    card = build_card(session, job, state.settings)
     session.close()
-    return _archive_response(state, adapter, format, f"{job_id}-{export}", root)
+    return _archive_response(state, adapter, format, f"{job_id}-{export}", root,
+                             members=artifacts.adapter_members(adapter, card))
 
 
 def _job_root(state: AppState, job: Job) -> Path:
@@ -329,13 +360,14 @@ def _job_root(state: AppState, job: Job) -> Path:
 
 
 def _archive_response(
-    state: AppState, src: Path, fmt: artifacts.ArchiveFormat, stem: str, root: Path
+    state: AppState, src: Path, fmt: artifacts.ArchiveFormat, stem: str, root: Path,
+    members: list[artifacts.Member] | None = None,
 ) -> FileResponse:
     # Checkpoint paths come from the trainer's stdout: serve only what lies in the job's own
     # directory, whatever a stray or hostile event line said.
     if not src.resolve().is_relative_to(root.resolve()):
         raise NotFound(f"{stem}: the files are not in the job's directory", param="job_id")
-    path = artifacts.build_archive(src, fmt, state.settings.data_dir / "tmp")
+    path = artifacts.build_archive(src, fmt, state.settings.data_dir / "tmp", members)
     return FileResponse(
         path,
         media_type=artifacts.MEDIA_TYPES[fmt],
@@ -351,6 +383,16 @@ def _out(session: Session, job: Job, settings: Settings | None = None) -> JobOut
     if settings is not None and job.status == JobStatus.queued.value:
         out.queue = queue_info(eta.snapshot(session, settings).entry(job.job_id))
     return out
+
+
+def _refuse_foreign_key(session: Session, key: str | None, user_id: str | None) -> None:
+    """409 without naming anything of the job when ``key`` is another user's Idempotency-Key."""
+    owner = session.scalar(select(Job.owner_id).where(Job.idempotency_key == key)) if key else None
+    if owner is not None and owner != user_id:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was already used by another user; use a new key",
+            param="Idempotency-Key",
+        )
 
 
 def _parse_statuses(raw: str | None) -> list[JobStatus] | None:
@@ -383,3 +425,6 @@ async def _notify(state: AppState, job_id: str, seq: int) -> None:
         await state.redis.publish(live.channel(job_id), live.message(seq))
     except Exception as exc:  # viewers fall back to re-reading the store
         log.warning("could not publish job %s event %s to Redis: %s", job_id, seq, exc)
+
+
+router.include_router(exports.router)  # /v1/jobs/{id}/exports (api/jobs/exports.py)

@@ -126,6 +126,57 @@ class PlanOut(BaseModel):
             return None
 
 
+class JobSummary(BaseModel):
+    """The job's results so far (``core.jobs.summary``); losses in nats per target token."""
+
+    final_train_loss: float | None = None
+    best_train_loss: float | None = None
+    trained_tokens: int = 0
+    """Real tokens of the applied steps (a skipped, non-finite step trains nothing)."""
+    steps: int = 0
+    skipped_steps: int = 0
+    """Steps not applied because their loss or grad norm was NaN/inf."""
+    final_eval_loss: float | None = None
+    best_eval_loss: float | None = None
+    best_eval_step: int | None = None
+
+
+class PreflightExample(BaseModel):
+    text: str
+    trainable: bool
+    """Whether these tokens are trained on (have labels)."""
+
+
+class PreflightOut(BaseModel):
+    """The dataset as the model's own tokenizer and chat template see it (``core.jobs.preflight``)."""
+
+    checked: bool
+    """False when the tokenizer is not on this box (a hub model the worker will download): see ``note``."""
+    note: str | None = None
+    format: str | None = None
+    records: int = 0
+    tokens: int = 0
+    """Tokens after truncation to max_seq_len."""
+    trainable_tokens: int = 0
+    """Tokens with a label (the loss is taken on them), after truncation."""
+    trainable_fraction: float = 0.0
+    max_seq_len: int = 0
+    truncated_records: int = 0
+    """Records longer than max_seq_len."""
+    truncated_tokens: int = 0
+    """Tokens truncation cuts, of them trainable: ``truncated_trainable_tokens``."""
+    truncated_trainable_tokens: int = 0
+    dropped_records: int = 0
+    """Records left with no trainable token after truncation (training skips them)."""
+    capped: bool = False
+    """Only the first records were tokenized (``api.files.tokenizer_pool.MAX_RECORDS``)."""
+    example: list[PreflightExample] = []
+    """One rendered record, split into runs of trainable and untrained tokens."""
+    validation: dict[str, Any] | None = None
+    """The same counts for the validation file."""
+    warnings: list[str] = []
+
+
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -158,6 +209,10 @@ class JobOut(BaseModel):
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     updated_at: dt.datetime
+    summary: JobSummary | None = None
+    """Final/best train and eval loss, trained tokens, skipped steps; null before the first step."""
+    preflight: PreflightOut | None = None
+    """The submission-time dataset report, its ``warnings`` included; null for jobs made before it."""
 
     @classmethod
     def of(cls, job: Job, *, owner: str | None = None, held: Sequence[Any] = ()) -> JobOut:
@@ -185,6 +240,8 @@ class JobOut(BaseModel):
             started_at=job.started_at,
             finished_at=job.finished_at,
             updated_at=job.updated_at,
+            summary=JobSummary.model_validate(job.summary) if job.summary else None,
+            preflight=PreflightOut.model_validate(job.preflight) if job.preflight else None,
         )
 
 
@@ -238,9 +295,20 @@ class MetricOut(BaseModel):
         return cls.model_validate(row, from_attributes=True)
 
 
+class EvalOut(BaseModel):
+    """An ``eval_metric`` row: validation loss after ``step``."""
+
+    step: int
+    loss: float | None
+    tokens: int | None
+    time: dt.datetime
+
+
 class MetricList(BaseModel):
     data: list[MetricOut]
     next_after_step: int | None
+    eval: list[EvalOut] = []
+    """Every validation pass of the job (on each page), in step order."""
     """Pass as ``after_step`` for the next page; null when this page was not full."""
 
 

@@ -13,8 +13,10 @@ Rules, in order:
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -85,6 +87,71 @@ def _local_dir(path: Path, root: Path, given: str) -> Path:
             param="model",
         )
     return resolved
+
+
+def check_model_files(directory: Path, given: str) -> dict[str, object]:
+    """What can be checked of a local model without loading it; returns its parsed config.json.
+
+    config.json must be a JSON object with a ``model_type``; weight files (``*.safetensors``,
+    ``*.bin``) must be there; and where safetensors headers (read without loading a tensor) hold
+    the input embedding, its shape must be ``[vocab_size, hidden_size]`` and the decoder layers
+    numbered in the names must be ``num_hidden_layers``: a config.json that claims 70B over tiny
+    weights is refused here instead of failing on the worker.
+
+    Raises:
+        InvalidInput: naming the file and the mismatch.
+    """
+    def refuse(problem: str) -> InvalidInput:
+        return InvalidInput(f"model {given!r}: {problem}", param="model")
+
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise refuse(f"config.json does not parse ({exc}); write it with save_pretrained") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise refuse("config.json has no model_type; it is not a Hugging Face model config")
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards and not any(directory.glob("*.bin")):
+        raise refuse(f"{directory} has config.json but no weight files (*.safetensors or *.bin)")
+    shapes: dict[str, list[int]] = {}
+    for shard in shards:
+        try:
+            shapes.update(safetensors_shapes(shard))
+        except (OSError, ValueError) as exc:
+            raise refuse(f"{shard.name} is not a readable safetensors file ({exc})") from None
+    _check_shapes(config, shapes, refuse)
+    return config
+
+
+def _check_shapes(config: dict, shapes: dict[str, list[int]], refuse) -> None:  # type: ignore[no-untyped-def]
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    embed = next((name for name in shapes if name.endswith("embed_tokens.weight")), None)
+    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
+    if embed and isinstance(vocab, int) and isinstance(hidden, int) and shapes[embed] != [vocab, hidden]:
+        raise refuse(
+            f"config.json says vocab_size {vocab} and hidden_size {hidden}, but the weights' {embed} is "
+            f"{shapes[embed]}: the config does not describe these weights"
+        )
+    layers = {int(m.group(1)) for name in shapes if (m := re.search(r"\.layers\.(\d+)\.", name))}
+    wanted = text.get("num_hidden_layers")
+    if layers and isinstance(wanted, int) and len(layers) != wanted:
+        raise refuse(f"config.json says num_hidden_layers {wanted}, but the weights hold {len(layers)} layers")
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors file's header (8-byte length + JSON), no tensor read."""
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100 << 20:
+            raise ValueError(f"header length {size} is not plausible")
+        header = json.loads(fh.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("shape"), list)}
 
 
 def _hub_offline() -> bool:

@@ -17,7 +17,7 @@ from core.errors import Conflict, InvalidInput, NotFound, Unsupported
 from core.files.models import File
 from core.files.service import get_file
 from core.jobs.model_source import resolve_model
-from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.jobs.models import Checkpoint, EvalMetric, Job, JobEvent, StepMetric
 from core.jobs.scheduling import check_gpus
 from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
@@ -116,6 +116,7 @@ def create_job(
     settings: Settings,
     idempotency_key: str | None = None,
     owner_id: str | None = None,
+    preflight: dict[str, Any] | None = None,
 ) -> tuple[Job, bool]:
     """Validate ``spec`` against the box and record a queued job of ``owner_id``; the caller
     commits, then enqueues.
@@ -170,6 +171,7 @@ def create_job(
         progress_step=0,
         total_steps=spec.hyperparameters.max_steps,
         output_dir=str(output_dir),
+        preflight=preflight,
         created_at=now,
         updated_at=now,
     )
@@ -394,6 +396,11 @@ def list_metrics(
     return list(session.scalars(query))
 
 
+def list_evals(session: Session, job_id: str) -> list[EvalMetric]:
+    """Every validation pass of a job, in step order."""
+    return list(session.scalars(select(EvalMetric).where(EvalMetric.job_id == job_id).order_by(EvalMetric.step)))
+
+
 def events_after(session: Session, job_id: str, after_seq: int, *, limit: int = 500) -> list[JobEvent]:
     """A job's events with ``seq > after_seq`` in seq order (at most ``limit``)."""
     query = (
@@ -450,6 +457,11 @@ def _check_objective(objective: str, row: File, param: str) -> None:
     else:
         fix = "preference records train objective dpo; set objective to dpo, or upload a chat, prompt_completion or text file"
     raise InvalidInput(f"{param}: file {row.file_id} holds {row.format} records, but {fix}", param=param)
+
+
+def usable_file(session: Session, file_id: str, purpose: str, param: str) -> File:
+    """The file row a spec names in ``param``; InvalidInput when it is missing or of another purpose."""
+    return _usable_file(session, file_id, purpose, param)
 
 
 def _usable_file(session: Session, file_id: str, purpose: str, param: str) -> File:

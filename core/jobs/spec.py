@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
 from trainer.config import CHECKPOINTING_VALUES, SWITCH_VALUES, SWITCHES, switch_docs
 
@@ -78,10 +78,16 @@ class Hyperparameters(_Strict):
     learning_rate: Annotated[float, Field(gt=0, le=1.0, description="Peak AdamW learning rate.")] = 2e-4
     lr_scheduler: Annotated[Scheduler, Field(description="Decay after warm-up.")] = "cosine"
     warmup_steps: Annotated[int, Field(ge=0, le=1_000_000, description="Linear warm-up steps.")] = 0
+    max_seq_len: Annotated[
+        int,
+        Field(ge=8, le=1_048_576, description="Samples are truncated to this; when only batch_tokens is set "
+              "below it, it follows batch_tokens."),
+    ] = 4096
     batch_tokens: Annotated[
-        int, Field(ge=64, le=4_194_304, description="Packing budget: real tokens per packed micro-batch.")
+        int,
+        Field(ge=64, le=4_194_304, description="Packing budget: real tokens per packed micro-batch, >= "
+              "max_seq_len; when only max_seq_len is set above it, it follows max_seq_len."),
     ] = 16384
-    max_seq_len: Annotated[int, Field(ge=8, le=1_048_576, description="Samples are truncated to this.")] = 4096
     grad_accum: Annotated[int, Field(ge=1, le=1024, description="Micro-batches per optimizer step.")] = 1
     seed: Annotated[int, Field(ge=0, le=2**31 - 1, description="Seeds torch, Python and the data order.")] = 0
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0, description="AdamW decoupled weight decay.")] = 0.0
@@ -91,25 +97,72 @@ class Hyperparameters(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_one_epoch(cls, raw: object) -> object:
-        if isinstance(raw, dict) and raw.get("max_steps") is None and raw.get("epochs") is None:
-            return {**raw, "epochs": 1.0}
+    def _fill_linked_defaults(cls, raw: object) -> object:
+        """One epoch when neither length is set; a packing budget and a truncation length of which
+        only one is set move the other's default so the longest sample still fits in one batch
+        (``batch_tokens: 2048`` alone trains with ``max_seq_len`` 2048, not a refusal)."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        if raw.get("max_steps") is None and raw.get("epochs") is None:
+            raw["epochs"] = 1.0
+        budget, length = raw.get("batch_tokens"), raw.get("max_seq_len")
+        if isinstance(budget, int) and length is None and budget < cls.model_fields["max_seq_len"].default:
+            raw["max_seq_len"] = budget
+        if isinstance(length, int) and budget is None and length > cls.model_fields["batch_tokens"].default:
+            raw["batch_tokens"] = length
         return raw
 
-    @model_validator(mode="after")
-    def _check_cross_fields(self) -> Hyperparameters:
-        if self.max_steps is not None and self.epochs is not None:
+    # Cross-field rules sit on the field they refuse (fields validate in order, ``info.data`` holds
+    # the earlier ones), so a 422 names ``hyperparameters.warmup_steps``, not ``hyperparameters``.
+    @field_validator("epochs")
+    @classmethod
+    def _check_one_length(cls, epochs: float | None, info: ValidationInfo) -> float | None:
+        if epochs is not None and info.data.get("max_steps") is not None:
             raise ValueError("set max_steps or epochs, not both (remove one of them)")
-        if self.batch_tokens < self.max_seq_len:
+        return epochs
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _check_warmup(cls, warmup: int, info: ValidationInfo) -> int:
+        max_steps = info.data.get("max_steps")
+        if max_steps is not None and warmup >= max_steps:
+            raise ValueError(f"warmup_steps ({warmup}) must be < max_steps ({max_steps})")
+        return warmup
+
+    @field_validator("batch_tokens")
+    @classmethod
+    def _check_budget(cls, budget: int, info: ValidationInfo) -> int:
+        length = info.data.get("max_seq_len")
+        if length is not None and budget < length:
             raise ValueError(
-                f"batch_tokens ({self.batch_tokens}) must be >= max_seq_len ({self.max_seq_len}) so the "
-                "longest sample fits in one packed batch; raise batch_tokens or lower max_seq_len"
+                f"batch_tokens ({budget}) must be >= max_seq_len ({length}) so the longest sample fits in "
+                "one packed batch; raise batch_tokens or lower max_seq_len"
             )
-        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) must be < max_steps ({self.max_steps})"
-            )
-        return self
+        return budget
+
+
+class TrackingSpec(_Strict):
+    """Where the worker mirrors the job's params and metrics (``worker/tracking``). Off unless set
+    here or on the box (``FTQ_MLFLOW_TRACKING_URI``, ``FTQ_TENSORBOARD_DIR``); a tracker that is
+    down never fails or slows the job: it is a warning in the job's events."""
+
+    mlflow: Annotated[
+        bool | None, Field(description="Track on MLflow; null: when the box or mlflow_tracking_uri names a server.")
+    ] = None
+    mlflow_tracking_uri: Annotated[
+        str | None,
+        Field(max_length=2048, pattern=r"^https?://\S+$",
+              description="The MLflow server (http(s)://host:port) for this job; null: the box's."),
+    ] = None
+    mlflow_experiment: Annotated[
+        str | None, Field(min_length=1, max_length=200, description="MLflow experiment; null: the box's (ftq).")
+    ] = None
+    tensorboard: Annotated[
+        bool | None,
+        Field(description="Write TensorBoard event files (the box's FTQ_TENSORBOARD_DIR/<job id>, else "
+              "the job's tensorboard/ directory); null: when the box sets a directory."),
+    ] = None
 
 
 class DpoSpec(_Strict):
@@ -204,6 +257,29 @@ class JobSpec(_Strict):
             "micro-batches of batch_tokens.",
         ),
     ] = 1
+    tracking: TrackingSpec = TrackingSpec()
+    max_non_finite_steps: Annotated[
+        int,
+        Field(ge=1, le=1000, description="Steps in a row with a NaN/inf loss or grad norm (each skipped, not "
+              "applied) after which the job fails non_finite, keeping its last checkpoint."),
+    ] = 3
+    eval_every: Annotated[
+        int,
+        Field(ge=0, le=10_000_000, description="Validation loss every N steps and at the end; 0: at each "
+              "checkpoint. Needs validation_file."),
+    ] = 0
+    sample_prompts: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=4000)]],
+        Field(max_length=16, description="Prompts answered greedily at each checkpoint and at the end, "
+              "shown on the job page."),
+    ] = []
+    sample_count: Annotated[
+        int,
+        Field(ge=0, le=16, description="Without sample_prompts: answer this many prompts of the validation set."),
+    ] = 0
+    sample_max_new_tokens: Annotated[
+        int, Field(ge=1, le=1024, description="Longest sample generation (tokens).")
+    ] = 48
 
     @field_validator("training_file", "validation_file")
     @classmethod
@@ -234,6 +310,9 @@ class JobSpec(_Strict):
             raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
         if self.objective != "dpo" and self.dpo != DpoSpec():  # defaults are stored on every job
             raise ValueError("dpo settings apply to objective dpo; set objective to dpo or remove 'dpo'")
+        if self.sample_count and not self.sample_prompts and self.validation_file is None:
+            raise ValueError("sample_count takes prompts from the validation set: set validation_file, or "
+                             "give sample_prompts")
         if self.validation_file is not None and self.validation_file == self.training_file:
             raise ValueError("validation_file must differ from training_file; upload a held-out set")
         return self

@@ -85,6 +85,11 @@ def to_train_config(
             checkpoint_every=spec.checkpoint_every,
             gradient_checkpointing=spec.gradient_checkpointing,
             max_gpu_memory_gb=spec.max_gpu_memory_gb,
+            max_non_finite_steps=spec.max_non_finite_steps,
+            eval_every=spec.eval_every,
+            sample_prompts=tuple(spec.sample_prompts),
+            sample_count=spec.sample_count,
+            sample_max_new_tokens=spec.sample_max_new_tokens,
             output_dir=str(output_dir),
             job_id=job_id,
         )

@@ -86,8 +86,9 @@ class TestCreate:
             ),
             ({"hyperparameters": {"learning_rate": -1}}, "hyperparameters.learning_rate", "greater than 0"),
             ({"hyperparameters": {"max_steps": 0}}, "hyperparameters.max_steps", "greater than or equal to 1"),
-            ({"hyperparameters": {"max_steps": 5, "epochs": 1}}, "hyperparameters", "not both"),
-            ({"hyperparameters": {"batch_tokens": 1024, "max_seq_len": 2048}}, "hyperparameters", "raise batch_tokens"),
+            ({"hyperparameters": {"max_steps": 5, "epochs": 1}}, "hyperparameters.epochs", "not both"),
+            ({"hyperparameters": {"batch_tokens": 1024, "max_seq_len": 2048}}, "hyperparameters.batch_tokens", "raise batch_tokens"),
+            ({"hyperparameters": {"max_steps": 5, "warmup_steps": 5}}, "hyperparameters.warmup_steps", "must be < max_steps"),
             ({"lora": {"r": 0}}, "lora.r", "greater than or equal to 1"),
             ({"lora": {"dropout": 1.0}}, "lora.dropout", "less than 1"),
             ({"lora": {"target_modules": ["all-linear", "q_proj"]}}, "lora.target_modules", "alone"),
@@ -125,6 +126,7 @@ class TestCreate:
         response = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
         assert response.status_code == 422
         assert "not valid JSON" in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] is None  # not the character offset pydantic puts in loc
 
     @pytest.mark.parametrize(
         ("model", "fragment"),
@@ -343,12 +345,18 @@ class TestMetricsAndArtifacts:
         assert response.status_code == 200
         assert response.headers["content-type"] == "application/zip"
         assert f"{job_id}-adapter.zip" in response.headers["content-disposition"]
+        # Self-describing (api/jobs/card.py): the base named as under the model root, a model card.
         with zipfile.ZipFile(io.BytesIO(response.content)) as zf:
-            assert sorted(zf.namelist()) == ["adapter_config.json", "adapter_model.safetensors"]
-            assert zf.read("adapter_config.json") == b'{"r": 16}'
+            # the model root's tiny model has a tokenizer: the adapter carries it (and its chat template)
+            assert sorted(zf.namelist()) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                             "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+            assert json.loads(zf.read("adapter_config.json")) == {"r": 16, "base_model_name_or_path": "tiny"}
+            card = zf.read("README.md").decode()
+            assert card.startswith("---\nbase_model: tiny\n") and "sha256" in card
         response = client.get(f"/v1/jobs/{job_id}/adapter", params={"format": "tar.gz"})
         with tarfile.open(fileobj=io.BytesIO(response.content), mode="r:gz") as tf:
-            assert sorted(tf.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
+            assert sorted(tf.getnames()) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                             "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
         assert list((settings.data_dir / "tmp").iterdir()) == []
 
     def test_checkpoints_list_and_download(

@@ -1,0 +1,153 @@
+"""Preflight: the dataset as training will see it, computed at submission, before any GPU.
+
+With the model's own tokenizer and chat template, every record is tokenized by the trainer's
+own code (``trainer.dataset``: ``validate_record``, ``tokenize_record``, the same truncation to
+``max_seq_len`` as ``load_samples``), so the counts here are the counts of the run:
+
+- records, tokens and trainable (labelled) tokens after truncation, and their fraction;
+- records longer than ``max_seq_len``, the tokens truncation cuts and how many were trainable;
+- records left with no trainable token (training skips them);
+- one rendered record split into runs of trainable / untrained text.
+
+A dataset that trains nothing is refused (``InvalidInput``, 422) with the reason: the chat
+template renders no assistant tokens (the trainer would fail on that line), or every record is
+cut before its answer. A low trainable fraction (under ``LOW_TRAINABLE_FRACTION``) or records
+that lose tokens become ``warnings``, stored on the job. ``report`` runs in a tokenizer-pool
+process (``api.files.tokenizer_pool``): it needs transformers, which the API process never imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.errors import InvalidInput
+
+LOW_TRAINABLE_FRACTION = 0.05
+"""Below this share of trainable tokens a job is accepted with a warning: a chat set whose long
+system prompts dwarf one-word answers trains mostly on nothing, which a user wants to know."""
+MAX_RECORDS = 100_000
+"""Records tokenized at most (as ``GET /v1/files/{id}/tokens``); the report says when it stopped."""
+EXAMPLE_TOKENS = 400
+"""Tokens of the rendered example shown."""
+
+
+def report(tokenizer: Any, train: tuple[str, str], validation: tuple[str, str] | None, max_seq_len: int) -> dict[str, Any]:
+    """The preflight report (``api.jobs.schemas.PreflightOut``) of a ``(path, format)`` training
+    file and optional validation file under ``tokenizer``.
+
+    Raises:
+        InvalidInput: nothing in the training (or validation) file would be trained on.
+    """
+    out = _counts(tokenizer, *train, max_seq_len, "training_file")
+    out["warnings"] = _warnings(out, max_seq_len)
+    if validation is not None:
+        out["validation"] = {k: v for k, v in _counts(tokenizer, *validation, max_seq_len, "validation_file").items()
+                             if k != "example"}
+    return {"checked": True, **out}
+
+
+def _counts(tokenizer: Any, path: str, fmt: str, max_seq_len: int, param: str) -> dict[str, Any]:
+    from trainer.dataset import detect_format, read_records, tokenize_record, validate_record
+    from trainer.errors import DatasetError
+
+    try:
+        records = read_records(path)
+    except DatasetError as exc:
+        raise InvalidInput(f"{param}: {exc}", param=param) from None
+    fmt = fmt if fmt in ("chat", "prompt_completion", "text") else (detect_format(records[0][1]) or "text")
+    totals = dict.fromkeys(("tokens", "trainable_tokens", "truncated_records", "truncated_tokens",
+                            "truncated_trainable_tokens", "dropped_records"), 0)
+    example: list[dict[str, Any]] = []
+    for number, record in records[:MAX_RECORDS]:
+        problem = validate_record(record, fmt)
+        if problem:
+            raise InvalidInput(f"{param}: line {number}: {problem}", param=param)
+        whole = tokenize_record(record, fmt, tokenizer)
+        if whole.num_loss_tokens == 0:
+            raise InvalidInput(_no_labels(param, number, fmt), param=param)
+        kept = type(whole)(whole.input_ids[:max_seq_len], whole.labels[:max_seq_len])
+        totals["tokens"] += len(kept)
+        totals["trainable_tokens"] += kept.num_loss_tokens
+        if len(whole) > max_seq_len:
+            totals["truncated_records"] += 1
+            totals["truncated_tokens"] += len(whole) - len(kept)
+            totals["truncated_trainable_tokens"] += whole.num_loss_tokens - kept.num_loss_tokens
+        if kept.num_loss_tokens == 0:
+            totals["dropped_records"] += 1
+        elif not example:
+            example = render_example(kept, tokenizer)
+    counted = min(len(records), MAX_RECORDS)
+    if totals["dropped_records"] == counted:
+        raise InvalidInput(
+            f"{param}: every record is cut before its first trainable token by max_seq_len={max_seq_len} "
+            f"(truncation removes all {totals['truncated_trainable_tokens']} trainable tokens); raise "
+            "hyperparameters.max_seq_len or shorten the prompts",
+            param="hyperparameters.max_seq_len",
+        )
+    return {"format": fmt, "records": counted, **totals, "max_seq_len": max_seq_len,
+            "trainable_fraction": round(totals["trainable_tokens"] / max(totals["tokens"], 1), 4),
+            "capped": len(records) > MAX_RECORDS, "example": example}
+
+
+def _no_labels(param: str, number: int, fmt: str) -> str:
+    if fmt == "chat":
+        return (f"{param}: line {number}: the model's chat template puts no assistant tokens in this "
+                "conversation (it does not render the conversation's prefixes as prefixes of the whole, or "
+                "drops the assistant turn), so nothing would be trained; use a model whose template keeps "
+                "assistant turns, or prompt/completion records")
+    return f"{param}: line {number}: the record tokenizes to no trainable token; give it a non-empty answer"
+
+
+def render_example(sample: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """``sample``'s first ``EXAMPLE_TOKENS`` tokens as runs of ``{text, trainable}``."""
+    from trainer.dataset import IGNORE_INDEX
+
+    runs: list[dict[str, Any]] = []
+    ids, labels = sample.input_ids[:EXAMPLE_TOKENS], sample.labels[:EXAMPLE_TOKENS]
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or (labels[i] != IGNORE_INDEX) != (labels[start] != IGNORE_INDEX):
+            runs.append({"text": tokenizer.decode(ids[start:i]), "trainable": labels[start] != IGNORE_INDEX})
+            start = i
+    return runs
+
+
+def _warnings(counts: dict[str, Any], max_seq_len: int) -> list[str]:
+    warnings = []
+    fraction = counts["trainable_fraction"]
+    if fraction < LOW_TRAINABLE_FRACTION:
+        warnings.append(
+            f"only {fraction:.1%} of the tokens are trainable ({counts['trainable_tokens']} of {counts['tokens']}): "
+            "most of each record is prompt the model is not trained on; check that the answers are where "
+            "the loss is taken"
+        )
+    if counts["truncated_records"]:
+        warnings.append(
+            f"{counts['truncated_records']} records are longer than max_seq_len={max_seq_len}: truncation cuts "
+            f"{counts['truncated_tokens']} tokens, {counts['truncated_trainable_tokens']} of them trainable"
+        )
+    if counts["dropped_records"]:
+        warnings.append(f"{counts['dropped_records']} records keep no trainable token within max_seq_len and "
+                        "will be skipped")
+    return warnings
+
+
+def unchecked(note: str) -> dict[str, Any]:
+    """The report of a dataset that could not be tokenized here (``checked`` false, why in ``note``)."""
+    return {"checked": False, "note": note, "warnings": [note]}
+
+
+def checked_report(tokenizer: Any, model_type: str | None, train: tuple[str, str],
+                   validation: tuple[str, str] | None, max_seq_len: int) -> dict[str, Any]:
+    """``report``, after checking that transformers knows a local model's ``model_type`` (run in a
+    tokenizer-pool process, where transformers is loaded anyway)."""
+    if model_type is not None:
+        from transformers import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise InvalidInput(
+                f"model: config.json's model_type {model_type!r} is not an architecture this box's transformers "
+                "knows; check the config, or upgrade transformers on the box",
+                param="model",
+            )
+    return report(tokenizer, train, validation, max_seq_len)

@@ -1,0 +1,148 @@
+"""Submission checks with the model's own tokenizer and files: POST /v1/jobs/preview and POST /v1/jobs.
+
+The counts are the trainer's own (``trainer.dataset.load_samples``); a dataset that trains
+nothing, a model whose config.json does not describe its weights, are 422s naming the field, and
+nothing is stored. Eval rows and the job summary come from the worker's recorder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from transformers import AutoTokenizer
+
+from core.files.models import File
+from core.jobs.models import Job
+from tests.integration.helpers import spec
+from trainer.dataset import load_samples
+from worker.recorder import apply_events
+
+pytestmark = pytest.mark.integration
+
+CHAT = [{"messages": [{"role": "system", "content": "You answer in one short line."},
+                      {"role": "user", "content": f"What is {i} plus one?"},
+                      {"role": "assistant", "content": f"The answer is {i + 1}."}]} for i in range(6)]
+
+
+def upload_records(client: TestClient, records: list[dict], purpose: str = "train") -> str:
+    content = "".join(json.dumps(r) + "\n" for r in records)
+    response = client.post("/v1/files", files={"file": ("d.jsonl", content)}, data={"purpose": purpose})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def jobs(store) -> int:
+    with store.sessions() as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+class TestPreview:
+    def test_counts_are_the_trainers_and_the_example_marks_the_answer(self, client: TestClient, store, model_root: Path) -> None:
+        file_id = upload_records(client, CHAT)
+        response = client.post("/v1/jobs/preview", json=spec(file_id, hyperparameters={"max_seq_len": 128, "batch_tokens": 256}))
+        assert response.status_code == 200, response.text
+        report = response.json()
+        with store.sessions() as session:
+            path = session.get(File, file_id).path
+        tokenizer = AutoTokenizer.from_pretrained(model_root / "tiny")
+        samples = load_samples(path, tokenizer, "chat", 128)
+        assert report["checked"] and report["format"] == "chat" and report["records"] == 6
+        assert report["tokens"] == sum(len(s) for s in samples)
+        assert report["trainable_tokens"] == sum(s.num_loss_tokens for s in samples)
+        assert 0 < report["trainable_fraction"] < 1
+        trained = "".join(run["text"] for run in report["example"] if run["trainable"])
+        assert "The answer is 1." in trained and "What is 0" not in trained
+        assert jobs(store) == 0, "a preview creates no job"
+
+    def test_truncation_is_counted_and_warned(self, client: TestClient, store) -> None:
+        long = {"prompt": "tell me ", "completion": "the cat sat on the mat " * 20}
+        file_id = upload_records(client, [long, {"prompt": "hi", "completion": "hello there"}])
+        body = spec(file_id, hyperparameters={"max_seq_len": 16, "batch_tokens": 64})
+        report = client.post("/v1/jobs/preview", json=body).json()
+        assert report["truncated_records"] == 1 and report["truncated_trainable_tokens"] > 0
+        assert any("longer than max_seq_len=16" in w for w in report["warnings"])
+        created = client.post("/v1/jobs", json=body)
+        assert created.status_code == 201, created.text
+        assert created.json()["preflight"]["warnings"] == report["warnings"], "the warnings are stored on the job"
+
+
+class TestRefusedAtTheDoor:
+    def test_every_answer_cut_by_max_seq_len_is_422_naming_max_seq_len(self, client: TestClient, store) -> None:
+        records = [{"prompt": "the cat sat on the mat " * 10, "completion": "yes"} for _ in range(3)]
+        file_id = upload_records(client, records)
+        body = spec(file_id, hyperparameters={"max_seq_len": 16, "batch_tokens": 64})
+        for route in ("/v1/jobs", "/v1/jobs/preview"):
+            response = client.post(route, json=body)
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert error["param"] == "hyperparameters.max_seq_len"
+            assert "every record is cut before its first trainable token" in error["message"]
+        assert jobs(store) == 0
+
+    def test_a_template_that_drops_the_assistant_turn_is_422_naming_why(self, client: TestClient, store, model_root: Path) -> None:
+        config = json.loads((model_root / "tiny" / "tokenizer_config.json").read_text())
+        (model_root / "tiny" / "chat_template.jinja").write_text(
+            "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n{% endif %}{% endfor %}")
+        config.pop("chat_template", None)
+        (model_root / "tiny" / "tokenizer_config.json").write_text(json.dumps(config))
+        response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT)))
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["param"] == "training_file" and "chat template puts no assistant tokens" in error["message"]
+        assert jobs(store) == 0
+
+    def test_a_config_that_claims_a_bigger_model_than_its_weights_is_422(self, client: TestClient, store, model_root: Path) -> None:
+        path = model_root / "tiny" / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "hidden_size": 8192, "vocab_size": 128256,
+                                    "num_hidden_layers": 80}))
+        response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT)))
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert error["param"] == "model" and "hidden_size 8192" in error["message"] and "[512, 64]" in error["message"]
+
+    @pytest.mark.parametrize(
+        ("change", "wanted"),
+        [({"model_type": "no-such-arch"}, "not an architecture"), (None, "no weight files")],
+    )
+    def test_unknown_architecture_or_missing_weights_are_422(
+        self, client: TestClient, store, model_root: Path, change: dict | None, wanted: str
+    ) -> None:
+        tiny = model_root / "tiny"
+        if change is None:
+            (tiny / "model.safetensors").unlink()
+        else:
+            (tiny / "config.json").write_text(json.dumps({**json.loads((tiny / "config.json").read_text()), **change}))
+        response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT)))
+        assert response.status_code == 422
+        assert response.json()["error"]["param"] == "model" and wanted in response.json()["error"]["message"]
+        assert jobs(store) == 0
+
+
+class TestResults:
+    def test_eval_rows_in_metrics_and_the_summary_on_the_job(self, client: TestClient, store) -> None:
+        job_id = client.post("/v1/jobs", json=spec(upload_records(client, CHAT))).json()["id"]
+        step = {"epoch": 0.1, "lr": 1e-3, "tokens": 100, "sequences": 2, "step_ms": 1.0, "data_ms": 0.1,
+                "forward_ms": 0.3, "backward_ms": 0.4, "optimizer_ms": 0.1, "tokens_per_s": 1e5, "mfu": None,
+                "gpu_mem_allocated": None, "gpu_mem_reserved": None, "gpu_mem_peak": None, "host_rss": 1,
+                "total_steps": 3}
+        events = [
+            {"type": "step", "step": 1, "loss": 2.0, "grad_norm": 1.0, **step},
+            {"type": "step", "step": 2, "loss": None, "grad_norm": None, **step},
+            {"type": "skip", "step": 2, "loss": None, "grad_norm": None, "consecutive": 1, "limit": 3, "first_step": 2},
+            {"type": "eval", "step": 2, "loss": 1.8, "tokens": 40},
+            {"type": "step", "step": 3, "loss": 1.5, "grad_norm": 1.0, **step},
+            {"type": "eval", "step": 3, "loss": 1.9, "tokens": 40},
+            {"type": "sample", "step": 3, "final": True, "samples": [{"prompt": "hi", "completion": "hello", "tokens": 1}]},
+        ]
+        with store.sessions.begin() as session:
+            apply_events(session, job_id, events)
+        metrics = client.get(f"/v1/jobs/{job_id}/metrics").json()
+        assert [(e["step"], e["loss"], e["tokens"]) for e in metrics["eval"]] == [(2, 1.8, 40), (3, 1.9, 40)]
+        assert client.get(f"/v1/jobs/{job_id}").json()["summary"] == {
+            "final_train_loss": 1.5, "best_train_loss": 1.5, "trained_tokens": 200, "steps": 3, "skipped_steps": 1,
+            "final_eval_loss": 1.9, "best_eval_loss": 1.8, "best_eval_step": 2,
+        }

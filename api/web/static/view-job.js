@@ -1,5 +1,5 @@
 // One job, live: status and progress, its GPUs (count, and the ones it holds),
-// charts of loss / tokens/s / step time / memory, per-rank step time and memory
+// charts of loss / tokens/s / step time / memory (and DPO's rewards and log-probs), per-rank step time and memory
 // of a multi-GPU job (the latest step's `ranks`), the trainer's hardware plan,
 // checkpoints, events and log, cancel.
 //
@@ -52,6 +52,10 @@ const COLORS = {
   reserved: "#7c3aed",
   peak: "#dc2626",
   rss: "#059669",
+  margin: "#7c3aed",
+  accuracy: "#059669",
+  chosen: "#2563eb",
+  rejected: "#dc2626",
 };
 
 export function renderJob(main, [jobId]) {
@@ -110,7 +114,31 @@ export function renderJob(main, [jobId]) {
         { key: "host_rss", label: "host RSS", color: COLORS.rss },
       ],
     }),
+    // DPO jobs only (shown by renderJobInfo when the spec's objective is dpo): the step's mean
+    // reward margin beta x (policy - reference) chosen minus rejected, the share of pairs it ranks
+    // right, and the policy's summed log-probabilities of the chosen and rejected answers.
+    reward: new Chart({
+      title: "DPO reward margin and accuracy",
+      testid: "chart-dpo-reward",
+      zero: false,
+      format: (v) => fmtNumber(v, 3),
+      series: [
+        { key: "reward_margin", label: "margin", color: COLORS.margin },
+        { key: "reward_accuracy", label: "accuracy", color: COLORS.accuracy },
+      ],
+    }),
+    logps: new Chart({
+      title: "DPO log-probabilities (policy)",
+      testid: "chart-dpo-logps",
+      zero: false,
+      format: (v) => fmtNumber(v, 4),
+      series: [
+        { key: "chosen_logp", label: "chosen", color: COLORS.chosen },
+        { key: "rejected_logp", label: "rejected", color: COLORS.rejected },
+      ],
+    }),
   };
+  for (const chart of [charts.reward, charts.logps]) chart.element.hidden = true;
 
   // --- Skeleton -------------------------------------------------------------------------
   const title = h("h1", { "data-testid": "job-title", text: jobId });
@@ -184,6 +212,7 @@ export function renderJob(main, [jobId]) {
       ? h("div", { class: "error-box", role: "alert", "data-testid": "job-error" }, h("strong", { text: job.error.code }), job.error.message ? `: ${job.error.message}` : "")
       : null);
     spec.textContent = JSON.stringify(job.spec, null, 2);
+    for (const chart of [charts.reward, charts.logps]) chart.element.hidden = job.spec?.objective !== "dpo";
     if (job.plan) renderPlan(job.plan);
     renderActions();
     renderProgress();
@@ -384,6 +413,8 @@ export function renderJob(main, [jobId]) {
     charts.rate.upsert(row.step, row);
     charts.time.upsert(row.step, { ...row, other_ms: other });
     charts.memory.upsert(row.step, row);
+    charts.reward.upsert(row.step, row);
+    charts.logps.upsert(row.step, row);
     recent.push(row);
     if (recent.length > 20) recent.shift();
     return true;

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.jobs.schemas import DecisionOut, PlanOut
-from trainer.events import STEP_FIELDS
+from trainer.events import DPO_STEP_FIELDS, STEP_FIELDS
 
 pytestmark = pytest.mark.integration
 
@@ -256,3 +256,42 @@ def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_
         assert revoke.returncode == 0, revoke.stderr
         assert as_bob.get("/v1/jobs").status_code == 401
         wait_job(as_alice, job["id"], lambda j: j["status"] == "cancelled", what="cancelled")
+
+
+def _preference_dataset(path: Path) -> Path:
+    """24 OpenAI DPO records: a short right answer preferred to a long refusal."""
+    with path.open("w") as f:
+        for i in range(24):
+            f.write(json.dumps({
+                "input": {"messages": [{"role": "user", "content": f"What is {i % 5} plus one?"}]},
+                "preferred_output": [{"role": "assistant", "content": f"The answer is {i % 5 + 1}."}],
+                "non_preferred_output": [{"role": "assistant", "content": "I do not know, sorry about that."}],
+            }) + "\n")
+    return path
+
+
+# peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_a_dpo_job_trains_to_success_with_its_reward_metrics(stack, tmp_path: Path):
+    with stack.client() as client:
+        file_id = upload(client, _preference_dataset(tmp_path / "pairs.jsonl"))
+        assert client.get(f"/v1/files/{file_id}").json()["format"] == "preference"
+        refused = client.post("/v1/jobs", json={"model": "tiny-llama", "training_file": file_id, "hyperparameters": SHORT})
+        assert refused.status_code == 422 and refused.json()["error"]["param"] == "training_file", refused.text
+        assert "objective" in refused.json()["error"]["message"]
+
+        job = submit(client, file_id, objective="dpo", dpo={"beta": 0.1},
+                     hyperparameters={**SHORT, "max_steps": 8, "learning_rate": 0.005})
+        assert (job["spec"]["objective"], job["spec"]["dpo"]) == ("dpo", {"beta": 0.1, "label_smoothing": 0.0})
+        events = follow(client, job["id"])
+        job = client.get(f"/v1/jobs/{job['id']}").json()
+        assert job["status"] == "succeeded", f"{job}\n{stack.log_tail()}"
+        steps = [data for _, kind, data in events if kind == "step"]
+        rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
+    assert [r["step"] for r in rows] == [s["step"] for s in steps] == list(range(1, 9))
+    for row in rows:
+        assert all(row[f] is not None for f in DPO_STEP_FIELDS), row
+        assert 0.0 <= row["reward_accuracy"] <= 1.0 and row["chosen_logp"] < 0 and row["rejected_logp"] < 0
+    assert rows[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # a new adapter: the policy is the reference
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["reward_margin"] > rows[0]["reward_margin"]
+    assert rows[-1]["reward_accuracy"] == 1.0

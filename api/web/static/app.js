@@ -3,6 +3,7 @@
 //   #/jobs[?status=running]   jobs list            (view-jobs.js)
 //   #/jobs/<id>               one job, live        (view-job.js)
 //   #/new                     submit a job         (view-new.js)
+//   #/compare?ids=a,b         compare runs         (view-compare.js)
 //   #/gpus                    workers and queue    (view-gpus.js)
 //   #/login[?next=#/...]      paste an API key     (view-login.js)
 //
@@ -16,6 +17,7 @@
 import { renderJobs } from "./view-jobs.js";
 import { renderJob } from "./view-job.js";
 import { renderNew } from "./view-new.js";
+import { renderCompare } from "./view-compare.js";
 import { renderGpus } from "./view-gpus.js";
 import { renderLogin } from "./view-login.js";
 import { currentUser, logout } from "./api.js";
@@ -25,6 +27,7 @@ const ROUTES = [
   { pattern: /^\/jobs\/?$/, nav: "jobs", title: "Jobs", render: renderJobs },
   { pattern: /^\/jobs\/([^/]+)$/, nav: "jobs", title: "Job", render: renderJob },
   { pattern: /^\/new\/?$/, nav: "new", title: "New job", render: renderNew },
+  { pattern: /^\/compare\/?$/, nav: "jobs", title: "Compare runs", render: renderCompare },
   { pattern: /^\/gpus\/?$/, nav: "gpus", title: "GPUs", render: renderGpus },
   { pattern: /^\/login\/?$/, nav: "login", title: "Log in", render: renderLogin, open: true },
 ];

@@ -14,6 +14,8 @@
 // event (otherwise EventSource would reconnect to a finished stream forever).
 
 import { api, eventsUrl, mayAct } from "./api.js";
+import { exportsSection } from "./view-job-exports.js";
+import { jobErrorBox, rerunActions } from "./view-job-reruns.js";
 import { Chart } from "./charts.js";
 import {
   h,
@@ -152,6 +154,7 @@ export function renderJob(main, [jobId]) {
   const ranks = h("section", { "aria-labelledby": "ranks-h", "data-testid": "ranks", hidden: true });
   const plan = h("div", { "data-testid": "plan" }, h("p", { class: "muted", text: "The trainer reports its plan when the job starts." }));
   const checkpoints = h("div", { "data-testid": "checkpoints" });
+  const exportsSlot = h("div"); // filled once the job has succeeded (view-job-exports.js)
   const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
   const spec = h("pre", { class: "spec", "data-testid": "job-spec" });
   const problem = h("div");
@@ -169,6 +172,7 @@ export function renderJob(main, [jobId]) {
     h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element)),
     h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
     h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
+    exportsSlot,
     h("section", { "aria-labelledby": "events-h" }, h("h2", { id: "events-h", text: "Events and log" }), h("div", { class: "events-wrap" }, eventList)),
     h("details", { class: "spec-wrap" }, h("summary", { text: "Job spec (as submitted, defaults filled in)" }), spec),
   );
@@ -208,9 +212,8 @@ export function renderJob(main, [jobId]) {
       ]);
     }
     clear(meta, rows.map(([k, v]) => h("div", {}, h("dt", { text: k }), h("dd", {}, v))));
-    clear(errorSlot, job.error
-      ? h("div", { class: "error-box", role: "alert", "data-testid": "job-error" }, h("strong", { text: job.error.code }), job.error.message ? `: ${job.error.message}` : "")
-      : null);
+    if (errorSlot.dataset.shown !== job.status) clear(errorSlot, job.error ? jobErrorBox(job) : null); // keep an open fold
+    errorSlot.dataset.shown = job.status;
     spec.textContent = JSON.stringify(job.spec, null, 2);
     for (const chart of [charts.reward, charts.logps]) chart.element.hidden = job.spec?.objective !== "dpo";
     if (job.plan) renderPlan(job.plan);
@@ -280,10 +283,12 @@ export function renderJob(main, [jobId]) {
     );
   }
 
+  let reruns = null;
   function renderActions() {
     const nodes = [];
     if (job.status === "succeeded") {
       nodes.push(h("a", { class: "button", href: `/v1/jobs/${id}/adapter`, download: "", "data-testid": "download-adapter", text: "Download adapter (.zip)" }));
+      if (!exportsSlot.firstChild) clear(exportsSlot, exportsSection(id, signal));
     }
     // Only the owner or an admin may cancel (the API answers 403 to anyone else anyway).
     if (!FINISHED.has(job.status) && mayAct(job.owner)) {
@@ -304,7 +309,11 @@ export function renderJob(main, [jobId]) {
       });
       nodes.push(cancelBtn, confirmBox);
     }
-    clear(actions, nodes);
+    if (FINISHED.has(job.status) && actions.dataset.reruns !== job.status) {
+      actions.dataset.reruns = job.status; // once per final state: re-rendering would close an open form
+      reruns = rerunActions(job, signal);
+    }
+    clear(actions, nodes, FINISHED.has(job.status) ? reruns : null);
   }
 
   async function doCancel() {

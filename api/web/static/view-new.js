@@ -9,6 +9,11 @@
 // (components.schemas.OptimizationSwitches, built from the trainer's one list,
 // trainer.config.Optimizations), each with its title, description, values and
 // default, so a switch the trainer gains shows up on this form by itself.
+//
+// The other fields' defaults are not here either: the inputs start empty with
+// the API's default as their placeholder (read from the same schema: the job
+// spec, core/jobs/spec.py, defines them once), and an empty input is left out
+// of the body, so the API fills in exactly what the placeholder showed.
 
 import { api, ApiError } from "./api.js";
 import { h, clear, fmtBytes, fmtCompact, errorBox } from "./dom.js";
@@ -17,22 +22,22 @@ const MAX_BAD_LINE_SCAN = 32 << 20; // read at most 32 MiB of the local file to 
 const SWITCH_SCHEMA = "OptimizationSwitches";
 let switchList = null; // the switches read from /openapi.json (a promise), once per page load
 
-// [param, label, default, attributes, help]
+// [param, label, initial value ("": the API's default, shown as placeholder), attributes, help]
 const HYPER = [
-  ["hyperparameters.learning_rate", "Learning rate", "0.0002", { step: "any", min: "0" }, "Peak AdamW learning rate."],
+  ["hyperparameters.learning_rate", "Learning rate", "", { step: "any", min: "0" }, "Peak AdamW learning rate."],
   ["hyperparameters.lr_scheduler", "LR schedule", "cosine", null, "Decay after warm-up."],
-  ["hyperparameters.warmup_steps", "Warm-up steps", "10", { min: "0", step: "1" }, "Linear warm-up; must be below max steps."],
-  ["hyperparameters.batch_tokens", "Tokens per batch", "16384", { min: "64", step: "1" }, "Packing budget: real tokens per micro-batch (no padding)."],
-  ["hyperparameters.max_seq_len", "Max sequence length", "4096", { min: "8", step: "1" }, "Longer samples are truncated; at most tokens per batch."],
-  ["hyperparameters.grad_accum", "Gradient accumulation", "1", { min: "1", step: "1" }, "Micro-batches per optimizer step."],
-  ["hyperparameters.seed", "Seed", "0", { min: "0", step: "1" }, "Seeds weights of the adapter and the data order."],
-  ["checkpoint_every", "Checkpoint every (steps)", "100", { min: "0", step: "1" }, "0 keeps only the final adapter."],
+  ["hyperparameters.warmup_steps", "Warm-up steps", "", { min: "0", step: "1" }, "Linear warm-up; must be below max steps."],
+  ["hyperparameters.batch_tokens", "Tokens per batch", "", { min: "64", step: "1" }, "Packing budget: real tokens per micro-batch (no padding)."],
+  ["hyperparameters.max_seq_len", "Max sequence length", "", { min: "8", step: "1" }, "Longer samples are truncated; at most tokens per batch."],
+  ["hyperparameters.grad_accum", "Gradient accumulation", "", { min: "1", step: "1" }, "Micro-batches per optimizer step."],
+  ["hyperparameters.seed", "Seed", "", { min: "0", step: "1" }, "Seeds weights of the adapter and the data order."],
+  ["checkpoint_every", "Checkpoint every (steps)", "", { min: "0", step: "1" }, "0 keeps only the final adapter."],
 ];
 const LORA = [
-  ["lora.r", "LoRA rank r", "16", { min: "1", step: "1" }, "Adapter rank."],
-  ["lora.alpha", "LoRA alpha", "32", { min: "1", step: "1" }, "The update is scaled by alpha / r."],
-  ["lora.dropout", "LoRA dropout", "0", { min: "0", max: "0.99", step: "any" }, "Dropout on the adapter input."],
-  ["lora.target_modules", "Target modules", "all-linear", null, "Comma-separated module names (q_proj, v_proj) or all-linear."],
+  ["lora.r", "LoRA rank r", "", { min: "1", step: "1" }, "Adapter rank."],
+  ["lora.alpha", "LoRA alpha", "", { min: "1", step: "1" }, "The update is scaled by alpha / r."],
+  ["lora.dropout", "LoRA dropout", "", { min: "0", max: "0.99", step: "any" }, "Dropout on the adapter input."],
+  ["lora.target_modules", "Target modules", "", null, "Comma-separated module names (q_proj, v_proj) or all-linear."],
 ];
 
 let nextId = 0;
@@ -60,10 +65,9 @@ export function renderNew(main) {
     h("option", { value: "max_steps", text: "steps" }),
     h("option", { value: "epochs", text: "epochs" }),
   );
-  const lengthValue = h("input", { type: "number", min: "0", step: "any", value: "500", "data-param": "hyperparameters.max_steps", "data-testid": "field-length" });
+  const lengthValue = h("input", { type: "number", min: "0", step: "any", placeholder: "empty: 1 epoch", "data-param": "hyperparameters.max_steps", "data-testid": "field-length" });
   lengthUnit.addEventListener("change", () => {
     lengthValue.dataset.param = `hyperparameters.${lengthUnit.value}`;
-    lengthValue.value = lengthUnit.value === "epochs" ? "1" : "500";
   });
   const lengthId = uid("length");
   lengthValue.id = lengthId;
@@ -85,6 +89,9 @@ export function renderNew(main) {
     field(param, label, h("input", { type: attrs ? "number" : "text", value, ...(attrs || {}) }), help),
   );
   const switches = h("div", { class: "switches", "data-testid": "switches" }, h("p", { class: "muted", text: "Loading the optimization switches…" }));
+  loadDefaults()
+    .then((defaults) => showDefaults([...hyperFields, ...loraFields], defaults))
+    .catch(() => {}); // placeholders are a hint; the API fills its defaults in anyway
   loadSwitches()
     .then((list) => clear(switches, list.map(switchField)))
     .catch((err) => clear(switches, errorBox(err, "switches-error")));
@@ -183,6 +190,31 @@ function loadSwitches() {
     });
   }
   return switchList;
+}
+
+/** param ("hyperparameters.warmup_steps") -> the API's default, from the job spec's OpenAPI schema. */
+function loadDefaults() {
+  return api("/openapi.json").then((schema) => {
+    const schemas = schema?.components?.schemas || {};
+    const out = {};
+    for (const [prefix, name] of [["", "JobSpec"], ["hyperparameters.", "Hyperparameters"], ["lora.", "LoraSpec"]]) {
+      for (const [key, p] of Object.entries(schemas[name]?.properties || {})) {
+        if (p.default !== undefined && p.default !== null && typeof p.default !== "object") out[prefix + key] = p.default;
+        else if (Array.isArray(p.default)) out[prefix + key] = p.default.join(", ");
+      }
+    }
+    return out;
+  });
+}
+
+function showDefaults(fields, defaults) {
+  for (const wrap of fields) {
+    const input = wrap.querySelector("[data-param]");
+    const value = defaults[input?.dataset.param];
+    if (value === undefined) continue;
+    if (input.tagName === "SELECT") input.value = String(value);
+    else input.placeholder = String(value);
+  }
 }
 
 function switchField({ key, title, description, values, value: initial }) {
@@ -458,7 +490,6 @@ function buildBody(form, model, train, valid, lengthUnit, lengthValue) {
   for (const radio of form.querySelectorAll("input[type=radio]:checked")) setPath(body, radio.name, radio.value);
   if (lengthUnit.value === "epochs") delete body.hyperparameters.max_steps;
   else delete body.hyperparameters.epochs;
-  if (lengthValue.value.trim() === "") throw new FormProblem(lengthValue.dataset.param, `${lengthValue.dataset.param}: required; enter how long to train`);
   return body;
 }
 

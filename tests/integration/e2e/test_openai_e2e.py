@@ -106,11 +106,13 @@ def test_a_supervised_job_succeeds_with_events_checkpoints_and_results(client, o
     metrics = [e.data for e in events if e.type == "metrics" and "train_loss" in e.data]
     steps = sorted(m["step"] for m in metrics)
     assert steps == list(range(1, len(steps) + 1)) and all(m["train_loss"] > 0 for m in metrics)
+    assert all(0.0 <= m["train_mean_token_accuracy"] <= 1.0 for m in metrics)
     assert any(e.type == "metrics" and "valid_loss" in e.data for e in events)
 
     checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
     assert checkpoints and checkpoints[0].step_number == steps[-1]
     assert checkpoints[0].metrics.train_loss > 0 and checkpoints[0].metrics.valid_loss > 0
+    assert 0.0 <= checkpoints[0].metrics.train_mean_token_accuracy <= 1.0
     assert checkpoints[0].fine_tuned_model_checkpoint.endswith(f":ckpt-step-{steps[-1]}")
 
     [result] = job.result_files
@@ -118,6 +120,7 @@ def test_a_supervised_job_succeeds_with_events_checkpoints_and_results(client, o
     rows = list(csv.reader(io.StringIO(client.files.content(result).text)))
     assert rows[0] == ["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"]
     assert [int(r[0]) for r in rows[1:]] == steps and rows[-1][3] != ""
+    assert all(0.0 <= float(r[2]) <= 1.0 for r in rows[1:]), "train_accuracy is the step's token accuracy"
 
     with oa_stack.client() as native:  # one store: the native API has the same job
         assert native.get(f"/v1/jobs/{job.id}").json()["status"] == "succeeded"
@@ -176,7 +179,7 @@ def test_a_dpo_job_succeeds_with_reward_metrics(client, oa_stack, preference_fil
     assert metrics
     for data in metrics:
         assert {"reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"} <= set(data), data
-        assert 0.0 <= data["reward_accuracy"] <= 1.0
+        assert 0.0 <= data["reward_accuracy"] <= 1.0 and data["train_mean_token_accuracy"] is None
 
 
 def test_bad_files_and_bodies_answer_openai_errors(client, train_file):

@@ -173,6 +173,7 @@ def _train(
     comm = distributed.Comm(world, device).start()
     try:
         r = _setup(config, emit, stop, comm)
+        r.ladder = Ladder(r.ctx.installed, r.ctx.optimizer, r.ctx.device, r.hw, r.log, enabled=not world.is_distributed)
         progress["step"] = r.state.step
         if r.stopping():  # stopped while loading: nothing trained since the last checkpoint
             r.log(f"{stop.reason or 'another rank stopped'}: stopped before training", "warning")
@@ -241,7 +242,6 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
             NonFiniteGuard(config.max_non_finite_steps))
     if config.sample_prompts or config.sample_count:
         r.sampler = Sampler.for_run(config, load_tokenizer(config))
-    r.ladder = Ladder(installed, optimizer, device, hw, r.log, enabled=not world.is_distributed)
     resumed = _resume(r)
     _emit_plan(r, plan, resumed)
     return r

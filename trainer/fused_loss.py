@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from trainer import token_accuracy
+from trainer.kernels import cross_entropy
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 256 * 2**20
@@ -72,6 +73,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         softcap: float | None,
         ignore_index: int,
         grad_enabled: bool,
+        kernel: bool = False,
     ) -> torch.Tensor:
         # grad mode is always off inside forward: the caller says whether a backward can follow
         need_h = grad_enabled and ctx.needs_input_grad[0]
@@ -91,6 +93,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_size, n_tokens)
             h_CH = hidden_NH[start:end]
             y_C = labels_N[start:end]
+            if kernel:  # the elementwise part in Triton, the gradient written over the logits
+                chunk_loss, grad_CV = _kernel_chunk(
+                    h_CH, weight_VH, y_C, inv_items, softcap, ignore_index, need_h or need_w
+                )
+                loss_sum += chunk_loss
+                if need_h:
+                    grad_h[start:end] = grad_CV @ weight_VH
+                if need_w:
+                    grad_w.addmm_(grad_CV.T.float(), h_CH.float())
+                del grad_CV
+                continue
             logits_CV = (h_CH @ weight_VH.T).float()
             tanh_CV = None
             if softcap is not None:
@@ -129,7 +142,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def _kernel_chunk(
+    h_CH: torch.Tensor, weight_VH: torch.Tensor, y_C: torch.Tensor, inv_items: Any,
+    softcap: float | None, ignore_index: int, write_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through ``trainer.kernels.cross_entropy``: (the chunk's loss sum, the logits
+    buffer, which holds the logits' gradient when ``write_grad``). Counts token accuracy too."""
+    logits_CV = h_CH @ weight_VH.T
+    loss_C, hit_C = cross_entropy.ce_rows_(logits_CV, y_C, inv_items, softcap, ignore_index, write_grad)
+    token_accuracy.add_hits(hit_C)
+    return loss_C.sum(), logits_CV
 
 
 def fused_linear_cross_entropy(
@@ -141,6 +166,7 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the logits.
 
@@ -154,6 +180,8 @@ def fused_linear_cross_entropy(
         chunk_size: tokens per chunk; None picks ``default_chunk_size(V)``.
         softcap: final-logit soft-capping (Gemma 2/3), or None.
         ignore_index: label value that contributes nothing.
+        kernel: each chunk's softmax, loss and gradient in one Triton kernel
+            (``trainer.kernels.cross_entropy``); None: on CUDA when Triton is installed.
 
     Returns:
         The scalar fp32 loss: sum of per-token NLL over label tokens / ``num_items``.
@@ -190,6 +218,7 @@ def fused_linear_cross_entropy(
         softcap,
         ignore_index,
         torch.is_grad_enabled(),
+        cross_entropy.available(hidden.device) if kernel is None else kernel,
     )
 
 

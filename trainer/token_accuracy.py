@@ -43,3 +43,13 @@ def add(logits_CV: torch.Tensor, target_C: torch.Tensor, valid_C: torch.Tensor) 
         return
     with torch.no_grad():
         count += ((logits_CV.argmax(dim=-1) == target_C) & valid_C).sum()
+
+
+def add_hits(hit_C: torch.Tensor) -> None:
+    """Count rows already marked 1 where the target is the largest logit (0 elsewhere and on
+    ignored rows), as ``trainer.kernels.cross_entropy`` reports them, if a step is counting."""
+    count = _CORRECT.get()
+    if count is None:
+        return
+    with torch.no_grad():
+        count += hit_C.sum()

@@ -22,9 +22,11 @@ def supported(hw: Hardware, facts: ModelFacts) -> str | None:
 def decide(hw: Hardware, facts: ModelFacts) -> Decision:
     missing = supported(hw, facts)
     if missing is None:
+        kernel = hw.device == "cuda" and hw.triton  # trainer.kernels.cross_entropy.available
+        rows = "; each chunk's softmax, loss and gradient in one Triton kernel" if kernel else ""
         return Decision(
             NAME, "auto", True, LOSS_FUSED,
-            "fused chunked LM head + cross-entropy: the full logits are never materialised",
+            f"fused chunked LM head + cross-entropy: the full logits are never materialised{rows}",
         )
     return Decision(
         NAME, "auto", False, LOSS_PLAIN,

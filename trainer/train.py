@@ -193,7 +193,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     _seed_everything(config.seed)
     world, device = comm.world, comm.device
     hw = hardware.detect(config.device)
-    plan = planning.plan(hw, config, model_facts(config), world.world_size, memory.free_gpu_bytes(device))
+    plan = planning.plan(hw, config, model_facts(config), world.world_size, _free_gpu_bytes(comm))
     emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")
     train_samples, validation = _load_data(config)
     schedule = BatchSchedule(
@@ -245,6 +245,15 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     resumed = _resume(r)
     _emit_plan(r, plan, resumed)
     return r
+
+
+def _free_gpu_bytes(comm: distributed.Comm) -> int | None:
+    """The GPU memory free now (before the model loads), the least over the ranks: every rank
+    must pick the same activation policy (DDP's graph, FSDP2's collectives)."""
+    free = memory.free_gpu_bytes(comm.device)
+    if free is None:
+        return None
+    return int(min(row[0] for row in comm.gather_host([float(free)])))
 
 
 def _test_activation_budget() -> int | None:

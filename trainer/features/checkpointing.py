@@ -12,7 +12,10 @@ the policy as its backend, from the fastest down:
 
 ``auto`` takes the first policy whose estimate (``trainer.memory``) fits in the GPU's free
 memory at start (or the job's ``max_gpu_memory_gb``) minus the margin, and says so with the
-figures: ``keep all: est. 84.6 GiB (...) of 139.7 GiB free - 6.2 GiB margin``. ``on`` is
+figures: ``keep all: est. 84.6 GiB (...) of 139.7 GiB free - 6.2 GiB margin``. Checkpointing
+L-1 layers always needs less than ``full`` (the last layer's input is not held beside its
+recompute), so after selective ``auto`` goes to ``full+offload``, and to ``full`` only when
+offloading cannot run (CPU, no pinned memory or host room, FSDP2, ``offload_activations: off``). ``on`` is
 full checkpointing (offloaded only when even that does not fit, or when
 ``offload_activations`` is on), ``off`` keeps everything, ``selective`` checkpoints as few
 layers as fit. Without a GPU, or a model whose shape is unknown, there is nothing to estimate

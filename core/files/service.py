@@ -1,6 +1,9 @@
 """Uploaded datasets: receive, validate, store, list, delete.
 
-An upload is streamed into a temporary file under ``<data_dir>/files/.incoming`` while it is
+The same bytes uploaded again by the same owner for the same purpose are not stored twice: the
+upload answers with the file already stored (``find_duplicate``). A ShareGPT or Alpaca file is
+stored converted to chat ``messages`` (``core.files.convert``; ``stats.converted_from`` says so;
+``sha256`` stays that of the bytes uploaded, so the same upload is still found). An upload is streamed into a temporary file under ``<data_dir>/files/.incoming`` while it is
 hashed and counted (``FileSink``), then validated whole (``core.files.validate``). Only a
 valid file is moved to ``<data_dir>/files/<file_id>.jsonl`` and recorded; on any failure the
 temporary file is removed and no row exists, so a refused upload leaves nothing behind.
@@ -20,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidDataset, InvalidInput, NotFound, TooLarge
+from core.files.convert import convert_to_chat
 from core.files.models import File
 from core.files.validate import validate_dataset
 from core.jobs.models import Job
@@ -88,7 +92,8 @@ def store_upload(
     owner_id: str | None = None,
 ) -> File:
     """Validate the received file and record it as ``owner_id``'s; commits, so row and bytes
-    always agree.
+    always agree. A file this owner already stored with the same sha256 and purpose is returned
+    as it is (nothing new is written).
 
     Raises:
         InvalidInput: bad ``purpose`` or ``filename``.
@@ -97,20 +102,32 @@ def store_upload(
     check_purpose(purpose)
     filename = _clean_filename(filename)
     sink.close()
+    same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id)
+    if same is not None:  # the sink removes the new copy on exit
+        return same
+    source, converted_from = sink.path, None
     try:
-        summary = validate_dataset(sink.path)
+        converted = convert_to_chat(sink.path)
+        if converted is not None:
+            source, converted_from = converted
+        summary = validate_dataset(source)
     except InvalidDataset as exc:
+        if converted_from is not None:
+            source.unlink(missing_ok=True)
         exc.param = exc.param or "file"
         raise
+    if converted_from is not None:
+        summary.stats["converted_from"] = converted_from
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
-    os.replace(sink.path, final)
-    sink.keep()
+    os.replace(source, final)
+    if converted_from is None:
+        sink.keep()
     row = File(
         file_id=file_id,
         filename=filename,
         purpose=purpose,
-        bytes=sink.bytes,
+        bytes=final.stat().st_size,
         sha256=sink.sha256,
         format=summary.format,
         num_records=summary.num_records,
@@ -127,6 +144,15 @@ def store_upload(
         final.unlink(missing_ok=True)
         raise
     return row
+
+
+def find_duplicate(session: Session, sha256: str, *, purpose: str, owner_id: str | None) -> File | None:
+    """The caller's live file with these bytes and purpose, if any: uploading the same dataset
+    again (every ``ftq submit`` of a job file naming a local path does) returns the stored file
+    instead of a second copy. Per owner, so deleting one's file never touches another's."""
+    query = select(File).where(File.sha256 == sha256, File.purpose == purpose, File.deleted_at.is_(None),
+                               File.owner_id == owner_id if owner_id is not None else File.owner_id.is_(None))
+    return session.scalars(query.order_by(File.created_at).limit(1)).first()
 
 
 def check_purpose(purpose: str) -> None:

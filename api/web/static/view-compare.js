@@ -163,7 +163,7 @@ function paramsTable(runs) {
   return h(
     "div",
     { class: "table-wrap" },
-    h("p", { class: "help", "data-testid": "compare-differing", text: differing.length ? `${differing.length} setting${differing.length > 1 ? "s" : ""} differ (highlighted).` : "All settings are the same." }),
+    h("p", { class: "help", "data-testid": "compare-differing", text: differing.length ? `${differing.length} ${differing.length > 1 ? "settings differ" : "setting differs"} (highlighted).` : "All settings are the same." }),
     h(
       "table",
       { class: "compare-table" },

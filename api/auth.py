@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth_throttle import FailedKeyThrottle
 from api.errors import domain_response, store_unreachable, too_many_failures
+from api.openai.errors import openai_shaped
 from api.state import AppState
 from core.errors import Forbidden, FtqError, Unauthenticated
 from core.users.service import Caller, split_key, verify_key
@@ -143,7 +144,7 @@ class AuthGate:
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
         else:
-            await refusal(scope, receive, send)
+            await openai_shaped(refusal, app_path(scope))(scope, receive, send)
 
     async def _refusal(self, request: Request, address: str) -> Response | None:
         try:

@@ -11,12 +11,14 @@ dataset error keeps its message, which starts with the line (``line 3: ...``).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from core.errors import (
     Conflict,
@@ -41,10 +43,30 @@ _MAPPING: tuple[tuple[type[FtqError], int, str], ...] = (
 )
 
 
+OPENAI_PATH = "/openai/"
+_TYPE_BY_STATUS = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+                   503: "server_error"}
+
+
 def openai_error(status: int, message: str, *, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def openai_shaped(refusal: Response, path: str) -> Response:
+    """The auth gate's refusal (401, 403, 429, 503: ``api.auth.AuthGate``, which answers before
+    this sub-app runs) in OpenAI's shape when the request was for ``/openai/``; else unchanged."""
+    if not path.startswith(OPENAI_PATH) or not isinstance(refusal, JSONResponse):
+        return refusal
+    error = json.loads(bytes(refusal.body)).get("error", {})
+    shaped = openai_error(refusal.status_code, str(error.get("message", "")), param=error.get("param"),
+                          type_=_TYPE_BY_STATUS.get(refusal.status_code, "invalid_request_error"),
+                          code=error.get("code"))
+    for name in ("www-authenticate", "retry-after"):
+        if name in refusal.headers:
+            shaped.headers[name] = refusal.headers[name]
+    return shaped
 
 
 def add_openai_exception_handlers(app: FastAPI) -> None:

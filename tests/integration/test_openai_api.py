@@ -182,5 +182,8 @@ class TestRefusals:
     def test_a_wrong_key_is_a_401(self, client: TestClient) -> None:
         with openai.OpenAI(base_url="http://testserver/openai/v1", api_key="ftq_00000000_" + "x" * 30,
                            http_client=client, max_retries=0) as sdk:
-            with pytest.raises(openai.AuthenticationError):
+            with pytest.raises(openai.AuthenticationError) as info:
                 sdk.files.list()
+        error = error_of(info.value)
+        assert error["type"] == "authentication_error" and error["param"] == "Authorization"
+        assert info.value.response.headers["www-authenticate"].startswith("Bearer")

@@ -160,8 +160,10 @@ def _describe(err: dict[str, Any], root: type[BaseModel] | None) -> dict[str, An
         text = f"{label}: unknown field, remove it or fix its spelling{hint}"
     elif kind == "missing":
         text = f"{label}: required; add it"
-    elif kind == "json_invalid":
-        text = f"body: not valid JSON ({err.get('ctx', {}).get('error', msg)}); send a JSON object"
+    elif kind == "json_invalid":  # loc holds a character offset, not a field: name the body
+        at = f" at character {path[0]}" if path and path[0].isdigit() else ""
+        text = f"body: not valid JSON{at} ({err.get('ctx', {}).get('error', msg)}); send a JSON object"
+        param = None
     elif kind in ("value_error", "assertion_error"):
         text = f"{label}: {msg.removeprefix('Value error, ').removeprefix('Assertion failed, ')}"
     else:

@@ -81,9 +81,10 @@ def test_several_problems_are_all_listed(client: TestClient) -> None:
     assert [d["param"] for d in error["details"]] == ["lora.r", "lora.alpha"]
 
 
-def test_model_validator_message_loses_the_pydantic_prefix(client: TestClient) -> None:
+def test_a_cross_field_message_loses_the_pydantic_prefix_and_names_its_field(client: TestClient) -> None:
     response = client.post("/jobs", json={"model": "m/m", "training_file": "file-" + "0" * 24,
                                           "hyperparameters": {"max_steps": 1, "epochs": 1}})
     assert response.json()["error"]["message"] == (
-        "hyperparameters: set max_steps or epochs, not both (remove one of them)"
+        "hyperparameters.epochs: set max_steps or epochs, not both (remove one of them)"
     )
+    assert response.json()["error"]["param"] == "hyperparameters.epochs"

@@ -38,7 +38,7 @@ class TestJobSpec:
 
     def test_length_is_max_steps_or_epochs_not_both(self) -> None:
         [(loc, msg)] = errors(hyperparameters={"max_steps": 10, "epochs": 2})
-        assert loc == "hyperparameters" and "set max_steps or epochs, not both" in msg
+        assert loc == "hyperparameters.epochs" and "set max_steps or epochs, not both" in msg
         spec = JobSpec(model="org/m", training_file=FILE, hyperparameters={"epochs": 0.5})
         assert spec.hyperparameters.epochs == 0.5
         spec = JobSpec(model="org/m", training_file=FILE, hyperparameters={"max_steps": 7})
@@ -84,3 +84,30 @@ class TestJobSpec:
         spec = JobSpec(model="org/m", training_file=FILE, name="x", hyperparameters={"max_steps": 3},
                        lora={"r": 8, "target_modules": ["q_proj"]}, optimizations={"moe_grouped_routing": "off"})
         assert JobSpec.model_validate(spec.to_stored()) == spec
+
+
+class TestLinkedFields:
+    """Cross-field rules name the exact field; a lone budget or length moves the other's default."""
+
+    def test_warmup_and_budget_errors_name_their_field(self) -> None:
+        assert errors(hyperparameters={"max_steps": 5, "warmup_steps": 9}) == [
+            ("hyperparameters.warmup_steps", "Value error, warmup_steps (9) must be < max_steps (5)")]
+        [(loc, msg)] = errors(hyperparameters={"batch_tokens": 1024, "max_seq_len": 2048})
+        assert loc == "hyperparameters.batch_tokens" and "raise batch_tokens or lower max_seq_len" in msg
+
+    def test_max_seq_len_follows_a_small_batch_tokens_and_batch_tokens_a_long_max_seq_len(self) -> None:
+        small = JobSpec(model="org/m", training_file=FILE, hyperparameters={"batch_tokens": 2048}).hyperparameters
+        assert (small.batch_tokens, small.max_seq_len) == (2048, 2048)
+        long = JobSpec(model="org/m", training_file=FILE, hyperparameters={"max_seq_len": 32768}).hyperparameters
+        assert (long.batch_tokens, long.max_seq_len) == (32768, 32768)
+        default = JobSpec(model="org/m", training_file=FILE).hyperparameters
+        assert (default.batch_tokens, default.max_seq_len) == (16384, 4096)
+
+    def test_the_defaults_are_served_in_the_schema_the_form_reads(self) -> None:
+        from api.app import create_app
+        from core.settings import Settings
+
+        schemas = create_app(Settings()).openapi()["components"]["schemas"]
+        hp, lora = schemas["Hyperparameters"]["properties"], schemas["LoraSpec"]["properties"]
+        assert (hp["warmup_steps"]["default"], hp["learning_rate"]["default"], lora["alpha"]["default"]) == (0, 2e-4, 16)
+        assert schemas["JobSpec"]["properties"]["checkpoint_every"]["default"] == 0

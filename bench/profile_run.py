@@ -62,6 +62,22 @@ def busy_fraction(trace: dict[str, Any]) -> tuple[float, float, int]:
     return (busy / window if window > 0 else float("nan")), window / 1000.0, len(spans)
 
 
+def _no_adapter_cache() -> None:
+    from trainer import lora_fused
+
+    lora_fused.AdapterCache.watch = lambda self, optimizer: None  # never on: casts in every use
+
+
+def _no_gc_freeze() -> None:
+    import gc
+
+    gc.freeze = lambda: None
+
+
+_WITHOUT = {"adapter-cache": _no_adapter_cache, "gc-freeze": _no_gc_freeze}
+"""Savings of the trainer's host path that ``--without`` turns off in this process (an A/B)."""
+
+
 class _Driver:
     """The ``emit`` the run calls: keeps events, advances the profiler at each step event."""
 
@@ -110,15 +126,17 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     # A schedule (always recording) makes profiler.step() mark ``ProfilerStep#`` windows.
-    profiler = torch_profile(activities=activities, schedule=lambda _step: ProfilerAction.RECORD)
+    profiler = torch_profile(activities=activities, schedule=lambda _step: ProfilerAction.RECORD) if profiled else None
     cprof = cProfile.Profile() if use_cprofile else None
     driver = _Driver(warmup, profiled, profiler, cprof)
     result = run(TrainConfig.from_dict(job), driver)
     if result.status != "succeeded":
         raise RuntimeError(f"the run ended {result.status}: {result.error_code} {result.message}")
-    profiler.export_chrome_trace(str(trace_path))
-    busy, window_ms, device_events = busy_fraction(json.loads(trace_path.read_text()))
-    host = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    busy, window_ms, device_events, host = float("nan"), 0.0, 0, ""
+    if profiler is not None:
+        profiler.export_chrome_trace(str(trace_path))
+        busy, window_ms, device_events = busy_fraction(json.loads(trace_path.read_text()))
+        host = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     python = ""
     if cprof is not None:
         out = io.StringIO()
@@ -143,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--profile", type=int, default=3, help="steps profiled (after the warm-up)")
+    parser.add_argument("--profile", type=int, default=3, help="steps profiled (after the warm-up); 0: timing only")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--workdir", default="/tmp/ftq-product-path")
@@ -151,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--without", action="append", default=[], choices=sorted(_WITHOUT),
+                        help="turn a host-side saving off for an A/B in one call (see _WITHOUT)")
     args = parser.parse_args(argv)
+    for name in args.without:
+        _WITHOUT[name]()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `python -m trainer run`
     shape = TINY if args.tiny else SHAPES[args.shape]
     tokens = 512 if args.tiny else TOKENS_PER_STEP
@@ -165,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         set_field(job, assignment)
     trace = Path(args.trace or tempfile.mktemp(suffix=".json"))
     found = profile(job, args.warmup, args.profile, trace, args.cprofile)
-    label = " ".join(args.set) or "auto"
+    label = " ".join(args.set + [f"without {w}" for w in args.without]) or "auto"
     print(f"## {shape.name}, {label}")
     print(f"tokens/s (step events, after {args.warmup} warm-up steps): {found['tokens_per_s']:,.0f}; "
           f"median step {found['step_ms_median']:.1f} ms; profiled wall {found['wall_ms_per_step']:.1f} ms/step; "

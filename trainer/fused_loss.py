@@ -93,44 +93,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_size, n_tokens)
             h_CH = hidden_NH[start:end]
             y_C = labels_N[start:end]
-            if kernel:  # the elementwise part in Triton, the gradient written over the logits
-                chunk_loss, grad_CV = _kernel_chunk(
-                    h_CH, weight_VH, y_C, inv_items, softcap, ignore_index, need_h or need_w
-                )
-                loss_sum += chunk_loss
-                if need_h:
-                    grad_h[start:end] = grad_CV @ weight_VH
-                if need_w:
-                    grad_w.addmm_(grad_CV.T.float(), h_CH.float())
-                del grad_CV
-                continue
-            logits_CV = (h_CH @ weight_VH.T).float()
-            tanh_CV = None
-            if softcap is not None:
-                tanh_CV = torch.tanh(logits_CV / softcap)
-                logits_CV = softcap * tanh_CV
-            valid_C = y_C != ignore_index
-            target_C = torch.where(valid_C, y_C, 0)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            picked_C = logits_CV.gather(1, target_C.unsqueeze(1)).squeeze(1)
-            loss_sum += torch.where(valid_C, lse_C - picked_C, 0.0).sum()
-            token_accuracy.add(logits_CV, y_C, valid_C)
-            if not (need_h or need_w):
-                continue
-            # d(loss)/d(logits) = softmax - onehot(label), zero on ignored rows, / num_items
-            grad_CV = torch.exp(logits_CV - lse_C.unsqueeze(1))
-            grad_CV.scatter_add_(
-                1, target_C.unsqueeze(1), torch.full_like(picked_C, -1.0).unsqueeze(1)
+            chunk_loss, grad_CV = (_kernel_chunk if kernel else _torch_chunk)(
+                h_CH, weight_VH, y_C, inv_items, softcap, ignore_index, need_h or need_w
             )
-            grad_CV *= (valid_C.float() * inv_items).unsqueeze(1)
-            if tanh_CV is not None:
-                grad_CV *= 1.0 - tanh_CV * tanh_CV
-            grad_CV = grad_CV.to(hidden_NH.dtype)
+            loss_sum += chunk_loss
+            if grad_CV is None:
+                continue
             if need_h:
                 grad_h[start:end] = grad_CV @ weight_VH
             if need_w:
                 grad_w.addmm_(grad_CV.T.float(), h_CH.float())
-            del logits_CV, grad_CV, tanh_CV
+            del grad_CV
         ctx.save_for_backward(
             grad_h if grad_h is not None else torch.empty(0),
             grad_w.to(weight_VH.dtype) if grad_w is not None else torch.empty(0),
@@ -145,16 +118,63 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None, None, None, None
 
 
+def _torch_chunk(
+    h_CH: torch.Tensor, weight_VH: torch.Tensor, y_C: torch.Tensor, inv_items: Any,
+    softcap: float | None, ignore_index: int, want_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk in torch: (its loss sum, the logits' gradient in the hidden dtype or None)."""
+    logits_CV = (h_CH @ weight_VH.T).float()
+    tanh_CV = None
+    if softcap is not None:
+        tanh_CV = torch.tanh(logits_CV / softcap)
+        logits_CV = softcap * tanh_CV
+    valid_C = y_C != ignore_index
+    target_C = torch.where(valid_C, y_C, 0)
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    picked_C = logits_CV.gather(1, target_C.unsqueeze(1)).squeeze(1)
+    chunk_loss = torch.where(valid_C, lse_C - picked_C, 0.0).sum()
+    token_accuracy.add(logits_CV, y_C, valid_C)
+    if not want_grad:
+        return chunk_loss, None
+    # d(loss)/d(logits) = softmax - onehot(label), zero on ignored rows, / num_items
+    grad_CV = torch.exp(logits_CV - lse_C.unsqueeze(1))
+    grad_CV.scatter_add_(1, target_C.unsqueeze(1), torch.full_like(picked_C, -1.0).unsqueeze(1))
+    grad_CV *= (valid_C.float() * inv_items).unsqueeze(1)
+    if tanh_CV is not None:
+        grad_CV *= 1.0 - tanh_CV * tanh_CV
+    return chunk_loss, grad_CV.to(h_CH.dtype)
+
+
 def _kernel_chunk(
     h_CH: torch.Tensor, weight_VH: torch.Tensor, y_C: torch.Tensor, inv_items: Any,
     softcap: float | None, ignore_index: int, write_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk through ``trainer.kernels.cross_entropy``: (the chunk's loss sum, the logits
-    buffer, which holds the logits' gradient when ``write_grad``). Counts token accuracy too."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk through ``trainer.kernels.cross_entropy``: (its loss sum, the logits' gradient,
+    written over the logits, or None). Counts token accuracy too."""
     logits_CV = h_CH @ weight_VH.T
     loss_C, hit_C = cross_entropy.ce_rows_(logits_CV, y_C, inv_items, softcap, ignore_index, write_grad)
     token_accuracy.add_hits(hit_C)
-    return loss_C.sum(), logits_CV
+    return loss_C.sum(), logits_CV if write_grad else None
+
+
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_items: Any) -> None:
+    """``fused_linear_cross_entropy``'s argument checks (its Raises)."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must match hidden {tuple(hidden.shape)} minus the last dim"
+        )
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one of them"
+        )
+    if isinstance(num_items, (int, float)) and num_items <= 0:
+        raise ValueError(
+            f"num_items must be > 0 (the step's label-token count), got {num_items}"
+        )
 
 
 def fused_linear_cross_entropy(
@@ -189,22 +209,7 @@ def fused_linear_cross_entropy(
     Raises:
         ValueError: mismatched shapes or dtypes, or a non-positive ``num_items``/``chunk_size``.
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} must match hidden {tuple(hidden.shape)} minus the last dim"
-        )
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one of them"
-        )
-    if isinstance(num_items, (int, float)) and num_items <= 0:
-        raise ValueError(
-            f"num_items must be > 0 (the step's label-token count), got {num_items}"
-        )
+    _check_inputs(hidden, weight, labels, num_items)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")

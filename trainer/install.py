@@ -38,7 +38,7 @@ class Installation:
             self.offload = self._add(
                 offload.apply(model, plan.decision(offload.NAME), torch.device(plan.device))
             )
-            self._add(lora_kernel.apply(model, plan.decision(lora_kernel.NAME)))
+            self.lora = self._add(lora_kernel.apply(model, plan.decision(lora_kernel.NAME)))
             self._add(fused_ops.apply(model, plan.decision(fused_ops.NAME)))
             self.loss = self._add(loss.apply(model, plan.decision(loss.NAME)))
         except BaseException:
@@ -53,6 +53,10 @@ class Installation:
     def offloader(self) -> Any:
         """The ``ActivationOffloader`` on the decoder layers, or its no-op twin."""
         return self.offload.offloader
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell the pieces that keep per-step copies of weights when ``optimizer`` changes them."""
+        self.lora.watch(optimizer)
 
     def micro_batch(
         self, batch: PackedBatch, device: torch.device

@@ -74,7 +74,13 @@ def _no_gc_freeze() -> None:
     gc.freeze = lambda: None
 
 
-_WITHOUT = {"adapter-cache": _no_adapter_cache, "gc-freeze": _no_gc_freeze}
+def _no_loss_kernel() -> None:
+    from trainer.kernels import cross_entropy
+
+    cross_entropy.available = lambda device: False  # the fused loss's torch path per chunk
+
+
+_WITHOUT = {"adapter-cache": _no_adapter_cache, "gc-freeze": _no_gc_freeze, "loss-kernel": _no_loss_kernel}
 """Savings of the trainer's host path that ``--without`` turns off in this process (an A/B)."""
 
 

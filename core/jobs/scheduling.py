@@ -168,7 +168,9 @@ def try_claim(
     result = session.execute(
         update(Job)
         .where(*conditions)
-        .values(status=JobStatus.running.value, started_at=now, updated_at=now, **(values or {}))
+        # started_at is the first start: a retry or a hand-back's resume continues the same run.
+        .values(status=JobStatus.running.value, started_at=func.coalesce(Job.started_at, now), updated_at=now,
+                **(values or {}))
         .execution_options(synchronize_session=False)
     )
     return result.rowcount == 1

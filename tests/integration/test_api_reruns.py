@@ -142,3 +142,28 @@ def test_a_failure_shows_one_line_and_folds_the_stderr(client, store) -> None:
     error = client.get(f"/v1/jobs/{job['id']}").json()["error"]
     assert error["message"] == "model 'x' not found under the model root; copy it there or name a hub id"
     assert error["detail"].startswith("--- last 2 lines") and error["detail"].endswith("OSError: x")
+
+
+def test_a_second_claim_keeps_the_first_start(store, tmp_path) -> None:
+    """A job handed back to the queue (worker shutdown) or retried keeps its started_at: run time
+    counts from the first start, not from the resume."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from core.settings import Settings
+    from tests.integration.test_store_scheduling import add_job, runtime_for
+    from worker.runner import claim_next_job
+
+    settings = Settings(data_dir=tmp_path / "data", database_url=store.url).resolved()
+    job_id = add_job(store)
+    runtime = runtime_for(store, settings, "w")
+    assert claim_next_job(runtime).job_id == job_id
+    first = dt.datetime(2026, 11, 1, 12, 0, tzinfo=dt.UTC)
+    with store.sessions.begin() as session:
+        session.execute(update(Job).where(Job.job_id == job_id).values(started_at=first))
+        service.transition(session, job_id, JobStatus.queued, worker_id=None)
+    assert claim_next_job(runtime).job_id == job_id
+    with store.sessions() as session:
+        started = session.get(Job, job_id).started_at
+    assert started.replace(tzinfo=dt.UTC) == first

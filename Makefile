@@ -2,27 +2,38 @@
 #
 # Both create .venv when it is missing, install torch first when none is there (pip picks
 # the CPU build on a box without CUDA wheels; a GPU box installs its own torch beforehand),
-# then ftq itself in editable mode with its dev extras. The install is redone only when
+# then ftq itself in editable mode: `make up` with the service's dependencies only (plus
+# SERVICE_EXTRAS, e.g. `make up SERVICE_EXTRAS=tracking,qlora`), `make test` with the dev
+# extras (test tooling, browsers' driver, MLflow's server). Each install is redone only when
 # pyproject.toml changes.
 
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ftq-installed
+DEV_STAMP := $(VENV)/.ftq-dev-installed
+SERVICE_EXTRAS ?=
 TORCH_VERSION ?= 2.13.0
 # llama-cpp-python (dev extra) compiles llama.cpp when pip has no wheel: CPU only, portable, no
 # BLAS/OpenMP/tools/tests; built once, then pip's wheel cache serves every later install.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF
 
-.PHONY: install up test test-fast services browser
+.PHONY: install install-dev up test test-fast services browser
 
 install: $(STAMP)
+install-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" CMAKE_BUILD_PARALLEL_LEVEL="$${CMAKE_BUILD_PARALLEL_LEVEL:-2}" $(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.$(if $(SERVICE_EXTRAS),[$(SERVICE_EXTRAS)])'
 	@touch $(STAMP)
+
+$(DEV_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
+	CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" CMAKE_BUILD_PARALLEL_LEVEL="$${CMAKE_BUILD_PARALLEL_LEVEL:-2}" $(PY) -m pip install -e '.[dev]'
+	@touch $(DEV_STAMP) $(STAMP)
 
 up: install
 	$(VENV)/bin/ftq up
@@ -39,9 +50,9 @@ browser:
 # subprocesses (servers, workers, trainers), so three workers keep two cores busy. TEST_WORKERS=0
 # runs it in one process.
 TEST_WORKERS ?= 3
-test: install services browser
+test: install-dev services browser
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope
 
 # The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
-test-fast: install
+test-fast: install-dev
 	$(PY) -m pytest -m "not slow and not integration"

@@ -16,6 +16,9 @@
       dense   b x (4H + 2 Hq D + 2 Hkv D + 3I)        (+ Hq D + Hkv D with q/k norms, Qwen3)
       MoE     b x (4H + 2 Hq D + 2 Hkv D + k (H + 3 Ie)) + 4 E   (k of E experts, router fp32)
 
+  plus, with LoRA on the experts, the layer's merged expert weight ``W + B A`` (peft builds it
+  in every forward and the expert matmuls save it): ``b x 3 E H Ie`` per layer, not per token.
+
   ``b`` is the dtype's bytes. Validated on Llama-3.1-8B LoRA (H 4096, Hq 32, Hkv 8, D 128,
   I 14,336): 139.3 KB estimated vs 138.4 KB measured per token per layer (90.1 GB peak
   without checkpointing vs 24.1 GB with full checkpointing at 16,384 tokens, H200).
@@ -32,7 +35,8 @@
 
 - **workspace**: the larger of the fused loss's chunk (``12 x chunk x V`` bytes: fp32 logits,
   their gradient and a low-precision copy; ``12 x T x V`` with the plain loss) and backward's
-  transient MLP gradients (``2 b x I`` per token), plus the hidden-state gradient the fused
+  transient MLP gradients (``2 b x I`` per token; with expert LoRA also the merged expert
+  weight's gradient), plus the hidden-state gradient the fused
   loss keeps from forward to backward (``b x H`` per token), the largest dequantized NF4
   weight (QLoRA). Eager attention (no packed kernel) also keeps each layer's scores and
   probabilities, ``2 b x Hq x T x min(T, max_seq_len)`` (an upper bound: samples are shorter).
@@ -202,7 +206,7 @@ def estimate(shape: Shape, work: Workload, policy: str, checkpointed: int | None
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     n = {"none": 0, "selective": shape.layers // 2 if checkpointed is None else checkpointed}.get(policy, shape.layers)
     b, t = work.dtype_bytes, work.tokens
-    whole = t * b * shape.activation_elements_per_token() + _router_bytes(shape, t)
+    whole = t * b * shape.activation_elements_per_token() + _router_bytes(shape, t) + _merged_experts(shape, work)
     if not work.packed_attention:  # eager attention keeps scores and probabilities per layer
         whole += 2 * b * shape.heads * t * min(t, work.max_seq_len)
     layer_input = t * b * shape.hidden
@@ -211,6 +215,12 @@ def estimate(shape: Shape, work: Workload, policy: str, checkpointed: int | None
     else:
         activations = (shape.layers - n) * whole + n * layer_input + (whole if n == shape.layers else 0)
     return Estimate(policy, n, _weights(shape, work), _trainable(shape, work), activations, _workspace(shape, work))
+
+
+def _merged_experts(shape: Shape, work: Workload) -> int:
+    """LoRA on 3-D expert weights (peft ``target_parameters``) materialises ``W + B A`` for the
+    layer in every forward, and the expert matmuls save it for backward: weight-sized, per layer."""
+    return work.dtype_bytes * shape.expert_params if shape.experts and work.method != "full" else 0
 
 
 def _router_bytes(shape: Shape, tokens: int) -> int:
@@ -243,6 +253,7 @@ def _workspace(shape: Shape, work: Workload) -> int:
     chunk = min(t, default_chunk_size(shape.vocab)) if work.fused_loss else t
     loss = LOSS_CHUNK_BYTES_PER_LOGIT * chunk * shape.vocab
     backward = 2 * b * t * (shape.expert_intermediate * shape.experts_per_token if shape.experts else shape.intermediate)
+    backward += _merged_experts(shape, work)  # the merged expert weight's gradient, for B and A
     dequantized = 2 * b * shape.hidden * max(shape.intermediate, shape.heads * shape.head_dim) if work.method == "qlora" else 0
     return max(loss, backward) + b * t * shape.hidden + dequantized
 

@@ -58,6 +58,19 @@ class TestEstimateArithmetic:
             ), policy
             assert est.peak == weights + lora + activations + workspace
 
+    def test_moe_keeps_k_experts_per_token_and_the_merged_expert_weight(self) -> None:
+        """4 experts of Ie 6, top-2: per token 4H + 2 Hq D + 2 Hkv D + k (H + 3 Ie) = 56 + 52
+        elements, 4 E bytes of fp32 router; per layer the merged W + B A of 3 x 4 x 8 x 6 weights."""
+        moe = dataclasses.replace(TOY, experts=4, experts_per_token=2, expert_intermediate=6)
+        assert moe.activation_elements_per_token() == 108
+        whole = 10 * 2 * 108 + 4 * 4 * 10 + 2 * 3 * 4 * 8 * 6  # 2,160 + 160 + 1,152
+        est = estimate(moe, TOY_WORK, "none")
+        assert est.activations == 2 * whole
+        # backward: 2 b T k Ie = 480, + the merged weight's gradient 1,152; the loss chunk (3,840) is larger
+        assert est.workspace == 12 * 10 * 32 + 2 * 10 * 8
+        full_ft = estimate(moe, dataclasses.replace(TOY_WORK, method="full"), "none")
+        assert full_ft.activations == 2 * (whole - 1152)  # trained experts: no LoRA merge
+
     def test_qlora_weights_are_nf4_for_the_decoder_linears_only(self) -> None:
         est = estimate(TOY, dataclasses.replace(TOY_WORK, method="qlora"), "full")
         linear = 2 * 576
@@ -77,6 +90,28 @@ class TestEstimateArithmetic:
         shape = LLAMA_8B_FACTS.shape
         assert estimate(shape, work, "none").peak / 90.1e9 == pytest.approx(1, abs=0.02)
         assert estimate(shape, work, "full").peak / 24.1e9 == pytest.approx(1, abs=0.02)
+
+    def test_the_issue_4_ablation_peaks_on_an_h200(self) -> None:
+        """docs/benchmarks.md (issue 4, ``max_memory_allocated``, H200): Qwen3-0.6B with full
+        checkpointing 3.34 GiB, Qwen3-14B QLoRA offloaded 14.80 GiB, GPT-OSS-20B offloaded
+        46.76 GiB; the estimate within 10%."""
+        from bench.qlora import QWEN3_14B
+        from bench.workload import GPT_OSS_20B, QWEN3_0_6B
+
+        work = Workload(tokens=16_384, max_seq_len=4096)
+        for bench_shape, method, policy, measured in (
+            (QWEN3_0_6B, "lora", "full", 3.34), (QWEN3_14B, "qlora", "full+offload", 14.80),
+            (GPT_OSS_20B, "lora", "full+offload", 46.76),
+        ):
+            shape = Shape(
+                bench_shape.layers, bench_shape.hidden, bench_shape.heads, bench_shape.kv_heads,
+                bench_shape.head_dim, bench_shape.intermediate, bench_shape.vocab, experts=bench_shape.experts,
+                experts_per_token=bench_shape.experts_per_token,
+                expert_intermediate=bench_shape.intermediate if bench_shape.experts else 0,
+                qk_norm=bench_shape.family == "qwen3", param_count=bench_shape.param_count(),
+            )
+            est = estimate(shape, dataclasses.replace(work, method=method), policy).peak / GIB
+            assert est / measured == pytest.approx(1, abs=0.1), (bench_shape.name, est)
 
     def test_budget_names_the_margin_and_the_cap(self) -> None:
         free = int(139.7 * GIB)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from trainer.config import DpoConfig, TrainConfig
 from trainer.errors import ConfigError
 from trainer.events import DPO_STEP_FIELDS
+from trainer.flops import ATTENTION_BACKWARD, FlopCounter
 from trainer.packed_forward import packed_sequence_logprobs
 from trainer.packing import PackedBatch
 
@@ -100,6 +101,16 @@ class DpoLoss:
             return packed_sequence_logprobs(self.reference, batch, meta, self.loss_kernel)
         with _adapters_off(model):
             return packed_sequence_logprobs(model, batch, meta, self.loss_kernel)
+
+    def step_flops(self, counter: FlopCounter, pairs: list[Any]) -> float:
+        """Model FLOPs of a step over ``pairs`` (``trainer.flops``' one count): the policy's forward
+        and backward on every sequence, as for SFT, plus the reference's forward: 2 per parameter
+        it multiplies per token (the base alone with adapters off; the whole frozen copy for full
+        fine-tuning) and the forward attention."""
+        lengths = [len(seq) for pair in pairs for seq in pair.sequences]
+        reference = counter.frozen_params + (counter.trainable_params if self.reference is not None else 0)
+        attention_forward = counter.attention_flops(lengths) / (1.0 + ATTENTION_BACKWARD)
+        return counter.step_flops(lengths) + 2.0 * reference * sum(lengths) + attention_forward
 
     def _stats(self, policy_S: torch.Tensor, ref_S: torch.Tensor) -> torch.Tensor:
         rewards_S = self.config.beta * (policy_S - ref_S)

@@ -184,7 +184,7 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         tokens=sum(every),
         sequences=len(every),
         rank_tokens=sum(sum(lengths[j]) for j in mine),
-        flops=ctx.flops.step_flops(every),
+        flops=ctx.dpo.step_flops(ctx.flops, [ctx.samples[i] for r in refs for i in r.sample_indices]) if ctx.dpo else ctx.flops.step_flops(every),
         timing=timer.finish(),
         memory=metrics.memory_stats(ctx.device),
         pair_stats=pair_stats,

@@ -20,6 +20,7 @@ from trainer.attention import PackedAttention
 from trainer.config import DataConfig, DpoConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.dataset import IGNORE_INDEX, Sample
 from trainer.errors import ConfigError
+from trainer.flops import AttentionLayers, FlopCounter
 from trainer.fused_loss import fused_linear_sequence_logprobs
 from trainer.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
 from trainer.packing import pack_batch
@@ -139,6 +140,16 @@ class TestLoss:
             "reward_margin": 0.75, "reward_accuracy": 0.5, "chosen_logp": -7.5, "rejected_logp": -11.25,
         }
         assert dpo.step_fields(None) == {}
+
+    def test_step_flops_add_the_reference_forward_by_hand(self) -> None:
+        counter = FlopCounter(frozen_params=100, trainable_params=10, attention=(AttentionLayers(1, 2),))
+        pair = PreferencePair(Sample([1, 2, 3], [1, 2, 3]), Sample([1, 2], [1, 2]))
+        attention_forward = 4 * 2 * (6 + 3)  # 4 x width x in-sample causal pairs of lengths 3 and 2
+        policy = (4 * 100 + 6 * 10) * 5 + 3.5 * attention_forward
+        adapters_off = dpo.DpoLoss(DpoConfig(), LOSS_FUSED).step_flops(counter, [pair])
+        frozen_copy = dpo.DpoLoss(DpoConfig(), LOSS_FUSED, reference=torch.nn.Linear(1, 1)).step_flops(counter, [pair])
+        assert adapters_off == policy + 2 * 100 * 5 + attention_forward
+        assert frozen_copy == policy + 2 * 110 * 5 + attention_forward
 
     def test_fsdp2_is_refused_naming_what_to_change(self) -> None:
         dpo.check_parallelism(None)

@@ -8,12 +8,14 @@ mask / varlen boundaries: 1e-5 relative on the loss, 1e-4 on the LoRA gradients.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from trainer_helpers import Recorder, lora_model, write_jsonl
+from trainer_helpers import Recorder, lora_model, make_job, write_jsonl
 
 from trainer import dpo
 from trainer.attention import PackedAttention
@@ -156,6 +158,38 @@ class TestLoss:
         dpo.check_parallelism("ddp")
         with pytest.raises(ConfigError, match="gpus to 1 or use method lora"):
             dpo.check_parallelism("fsdp2")
+
+
+@pytest.mark.slow  # loads a 4-bit model through the CPU bitsandbytes backend
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the dev extra)")
+class TestQlora:
+    def test_the_reference_is_the_4bit_base_with_the_fused_adapters_off(self, tmp_path, tiny_model_dir) -> None:
+        """QLoRA's reference: the NF4 base with the adapters off (the fused LoRA path falls back to
+        the base layer), and the policy's gradient reaches every LoRA weight (CPU bnb backend, bf16
+        plan as in test_qlora)."""
+        from trainer import hardware, lora_fused, planning
+        from trainer.model import load_model, prepare_for_training
+
+        config = make_job(tmp_path, tiny_model_dir, method="qlora")
+        plan = dataclasses.replace(planning.plan(hardware.detect("cpu"), dataclasses.replace(config, method="lora")),
+                                   dtype="bfloat16")
+        model = prepare_for_training(load_model(config, plan, torch.device("cpu")), config)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                torch.nn.init.normal_(p, std=0.05)
+        lora_fused.install(model)
+        batch = pack_batch(pairs(3))
+        loss = dpo.DpoLoss(DpoConfig(), LOSS_PLAIN)
+        with torch.no_grad():
+            reference = loss.reference_logprobs(model, batch, None)
+            with model.disable_adapter():
+                base = packed_sequence_logprobs(model, batch, None, LOSS_PLAIN)
+            policy = packed_sequence_logprobs(model, batch, None, LOSS_PLAIN)
+        torch.testing.assert_close(reference, base, rtol=0, atol=0)
+        assert not torch.allclose(policy, reference)
+        loss(model, batch, None, 3).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
 
 
 class TestPairs:

@@ -15,6 +15,7 @@
 
 import { api, eventsUrl, mayAct } from "./api.js";
 import { exportsSection } from "./view-job-exports.js";
+import { jobResults } from "./view-job-results.js";
 import { jobErrorBox, rerunActions } from "./view-job-reruns.js";
 import { Chart } from "./charts.js";
 import {
@@ -151,6 +152,7 @@ export function renderJob(main, [jobId]) {
   const actions = h("div", { class: "actions", "data-testid": "job-actions" });
   const progress = h("div", { class: "progress-area", "data-testid": "job-progress" });
   const summary = h("dl", { class: "summary", "data-testid": "job-summary" });
+  const results = jobResults(); // summary, preflight warnings, sample generations (view-job-results.js)
   const ranks = h("section", { "aria-labelledby": "ranks-h", "data-testid": "ranks", hidden: true });
   const plan = h("div", { "data-testid": "plan" }, h("p", { class: "muted", text: "The trainer reports its plan when the job starts." }));
   const checkpoints = h("div", { "data-testid": "checkpoints" });
@@ -168,6 +170,7 @@ export function renderJob(main, [jobId]) {
     meta,
     progress,
     summary,
+    results.element,
     ranks,
     h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element)),
     h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
@@ -180,6 +183,7 @@ export function renderJob(main, [jobId]) {
   // --- Rendering --------------------------------------------------------------------------
   function renderJobInfo() {
     title.textContent = jobTitle(job);
+    results.setJob(job);
     const cancelling = job.cancel_requested && job.status === "running";
     clear(badge, statusBadge(job.status, cancelling ? " (cancelling)" : ""));
     main.dataset.status = job.status;
@@ -333,7 +337,10 @@ export function renderJob(main, [jobId]) {
       ["Device", `${hw.name || p.device || "?"} (${hw.device || p.device || "?"}${hw.capability ? `, sm${hw.capability.join("")}` : ""})`],
       ["GPU memory", hw.gpu_memory ? fmtBytes(hw.gpu_memory) : "– (CPU)"],
       ["Compute dtype", p.dtype || "–"],
-      ["Parameters", model.params ? `${fmtCompact(model.params)} (${fmtCompact(model.trainable_params)} trainable, ${(100 * model.trainable_params / model.params).toFixed(2)}%)` : "–"],
+      // The trainer counts the adapter's weights in params; the form and the models list show the base alone.
+      ["Parameters", !model.params ? "–" : model.trainable_params < model.params
+        ? `${fmtCompact(model.params - model.trainable_params)} base + ${fmtCompact(model.trainable_params)} trainable adapter`
+        : `${fmtCompact(model.params)} (all trainable)`],
       ["Layers", model.layers ?? "–"],
       ["Torch", `${hw.torch_version || "?"}${hw.cuda_version ? ` / CUDA ${hw.cuda_version}` : ""}`],
     ];
@@ -434,6 +441,7 @@ export function renderJob(main, [jobId]) {
     for (;;) {
       const page = await api(`/v1/jobs/${id}/metrics?after_step=${after}&limit=${METRICS_PAGE}`, { signal });
       page.data.forEach(addStep);
+      for (const e of page.eval || []) if (typeof e.loss === "number") charts.loss.upsert(e.step, { eval_loss: e.loss });
       if (page.next_after_step === null || page.next_after_step === undefined) break;
       after = page.next_after_step;
     }
@@ -492,6 +500,7 @@ export function renderJob(main, [jobId]) {
     }
     logEvent(type, data, seq);
     if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
+    if (type === "sample") results.addSample(data);
     if (type === "plan") {
       job.plan = data;
       if (data.total_steps) job.progress.total_steps = data.total_steps;
@@ -532,7 +541,7 @@ export function renderJob(main, [jobId]) {
         live.dataset.state = "reconnecting";
       }
     };
-    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval"]) {
+    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval", "skip", "sample"]) {
       source.addEventListener(type, (message) => onEvent(type, message));
     }
   }
@@ -600,6 +609,10 @@ function describeEvent(type, d) {
       return `step ${d.step}${d.final ? " (final)" : ""}, ${fmtBytes(d.bytes)}`;
     case "eval":
       return `step ${d.step}: eval loss ${fmtNumber(d.loss, 4)} over ${d.tokens ?? "?"} tokens`;
+    case "skip":
+      return `step ${d.step} not applied: loss ${d.loss ?? "NaN/inf"}, grad norm ${d.grad_norm ?? "NaN/inf"} (${d.consecutive} in a row of at most ${d.limit})`;
+    case "sample":
+      return `step ${d.step}: ${(d.samples || []).length} sample generations${d.final ? " (final)" : ""}`;
     default:
       return JSON.stringify(d);
   }

@@ -17,6 +17,7 @@
 
 import { api, ApiError } from "./api.js";
 import { h, clear, fmtBytes, fmtCompact, errorBox } from "./dom.js";
+import { preflightPanel } from "./preflight.js";
 
 const MAX_BAD_LINE_SCAN = 32 << 20; // read at most 32 MiB of the local file to show a bad line
 const SWITCH_SCHEMA = "OptimizationSwitches";
@@ -32,6 +33,8 @@ const HYPER = [
   ["hyperparameters.grad_accum", "Gradient accumulation", "", { min: "1", step: "1" }, "Micro-batches per optimizer step."],
   ["hyperparameters.seed", "Seed", "", { min: "0", step: "1" }, "Seeds weights of the adapter and the data order."],
   ["checkpoint_every", "Checkpoint every (steps)", "", { min: "0", step: "1" }, "0 keeps only the final adapter."],
+  ["eval_every", "Evaluate every (steps)", "", { min: "0", step: "1" }, "Validation loss every N steps and at the end; 0: at each checkpoint."],
+  ["max_non_finite_steps", "Stop after NaN steps", "", { min: "1", step: "1" }, "Steps in a row with a NaN/inf loss (each skipped) before the job fails, keeping its last checkpoint."],
 ];
 const LORA = [
   ["lora.r", "LoRA rank r", "", { min: "1", step: "1" }, "Adapter rank."],
@@ -39,6 +42,9 @@ const LORA = [
   ["lora.dropout", "LoRA dropout", "", { min: "0", max: "0.99", step: "any" }, "Dropout on the adapter input."],
   ["lora.target_modules", "Target modules", "", null, "Comma-separated module names (q_proj, v_proj) or all-linear."],
 ];
+
+/** "1 record", "2 records", "1,024 records". */
+const plural = (n, word) => `${Number(n).toLocaleString()} ${word}${n === 1 ? "" : "s"}`;
 
 let nextId = 0;
 const uid = (base) => `${base}-${(nextId += 1)}`;
@@ -97,6 +103,9 @@ export function renderNew(main) {
     .catch((err) => clear(switches, errorBox(err, "switches-error")));
 
   const submit = h("button", { type: "submit", "data-testid": "submit-job", text: "Submit job" });
+  const preview = h("button", { type: "button", class: "secondary", "data-testid": "preview-job", text: "Preview data" });
+  const panel = preflightPanel();
+  const samplePrompts = field("sample_prompts", "Sample prompts (one per line)", h("textarea", { rows: "2", placeholder: "optional: answered greedily at each checkpoint, shown on the job page" }));
   clear(
     form,
     h("fieldset", {}, h("legend", { text: "Model" }), model.element),
@@ -104,9 +113,31 @@ export function renderNew(main) {
     h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "lora" }, h("legend", { text: "LoRA adapter" }), h("div", { class: "grid" }, ...loraFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), switches),
+    h("fieldset", {}, h("legend", { text: "Evaluation" }), samplePrompts),
     formError,
-    h("div", { class: "actions" }, submit),
+    panel.element,
+    h("div", { class: "actions" }, preview, submit),
   );
+
+  preview.addEventListener("click", async () => {
+    clearErrors(form, formError);
+    panel.hide();
+    let body;
+    try {
+      body = buildBody(form, model, train, valid, lengthUnit, lengthValue);
+    } catch (err) {
+      showErrors(form, formError, err);
+      return;
+    }
+    preview.disabled = true;
+    try {
+      panel.show(await api("/v1/jobs/preview", { method: "POST", json: body, signal: controller.signal }));
+    } catch (err) {
+      if (err.name !== "AbortError") showErrors(form, formError, err);
+    } finally {
+      preview.disabled = false;
+    }
+  });
 
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
@@ -337,7 +368,7 @@ function datasetPicker({ purpose, label, param, required, signal, tokenContext }
       const t = s.tokens;
       const over = s.over_max_seq_len;
       line.textContent =
-        `${s.records.toLocaleString()} records · ${t.total.toLocaleString()} tokens (${t.min}/${t.mean}/${t.max} per record) · ` +
+        `${plural(s.records, "record")} · ${t.total.toLocaleString()} tokens (${t.min}/${t.mean}/${t.max} per record) · ` +
         `${s.loss_tokens.total.toLocaleString()} loss tokens · ${over.records} longer than max_seq_len ${over.max_seq_len}` +
         (s.note ? ` (${s.note})` : "");
       line.dataset.state = "ok";
@@ -353,7 +384,7 @@ function datasetPicker({ purpose, label, param, required, signal, tokenContext }
     const chars = stats.chars_per_record;
     clear(
       result,
-      h("p", { class: "ok" }, h("strong", { text: `${heading} ${file.filename}` }), `: ${file.num_records} records, format ${file.format}, ${fmtBytes(file.bytes)}.`),
+      h("p", { class: "ok" }, h("strong", { text: `${heading} ${file.filename}` }), `: ${plural(file.num_records, "record")}, format ${file.format}${file.stats?.converted_from ? ` (converted from ${file.stats.converted_from})` : ""}, ${fmtBytes(file.bytes)}.`),
       h(
         "ul",
         { class: "stats" },
@@ -374,7 +405,7 @@ function datasetPicker({ purpose, label, param, required, signal, tokenContext }
       for (const f of page.data) known.set(f.id, f);
       choose.replaceChildren(
         h("option", { value: "", text: required ? "— choose an uploaded file —" : "— none —" }),
-        ...page.data.map((f) => h("option", { value: f.id, text: `${f.filename} (${f.num_records} records, ${f.format}) · ${f.id}` })),
+        ...page.data.map((f) => h("option", { value: f.id, text: `${f.filename} (${plural(f.num_records, "record")}, ${f.format}) · ${f.id}` })),
       );
       choose.value = selected || "";
     } catch (err) {
@@ -488,6 +519,8 @@ function buildBody(form, model, train, valid, lengthUnit, lengthValue) {
     setPath(body, param, value);
   }
   for (const radio of form.querySelectorAll("input[type=radio]:checked")) setPath(body, radio.name, radio.value);
+  const prompts = form.querySelector('textarea[data-param="sample_prompts"]')?.value.split("\n").map((s) => s.trim()).filter(Boolean);
+  if (prompts?.length) body.sample_prompts = prompts;
   if (lengthUnit.value === "epochs") delete body.hyperparameters.max_steps;
   else delete body.hyperparameters.epochs;
   return body;

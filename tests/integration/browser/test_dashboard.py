@@ -383,3 +383,47 @@ def test_login_logout_owners_and_who_may_cancel(
     page.locator(f"[data-testid=job-row][data-job-id='{daves['id']}']").wait_for()
     wait_until(lambda: {r.get_attribute("data-job-id") for r in page.get_by_test_id("job-row").all()} == {daves["id"]},
                10, "only dave's jobs under 'Mine'")
+
+
+def test_the_form_previews_the_data_and_the_job_page_shows_eval_and_samples(
+    page: Any, api: httpx.Client, chat_file: Path, no_leftover_jobs: None
+) -> None:
+    """Issue 14 on the dashboard: the new-job form's preflight preview (counts, the rendered record
+    with its trained text marked, a refusal shown on the field it names), then a job's eval loss,
+    summary and greedy sample generations on its page."""
+    before = len(api.get("/v1/jobs", params={"limit": 100}).json()["data"])
+    page.goto("/#/new")
+    page.get_by_label("Base model").select_option(MODEL)
+    page.get_by_label("Upload a JSONL file").first.set_input_files(str(chat_file))
+    page.locator("[data-testid=upload-result-train][data-state=ok]").wait_for()
+    page.get_by_label("Tokens per batch").fill(str(SMALL["batch_tokens"]))
+    page.get_by_label("Max sequence length").fill(str(SMALL["max_seq_len"]))
+    page.get_by_role("button", name="Preview data").click()
+    counts = page.get_by_test_id("preflight-counts")
+    counts.wait_for()
+    assert "48" in counts.inner_text() and "Trainable tokens" in counts.inner_text()
+    trained = page.locator("[data-testid=preflight-example] .trainable")
+    assert trained.count() >= 1 and trained.first.inner_text().strip()
+    assert page.locator("[data-testid=preflight-example] .prompt").count() >= 1
+    assert len(api.get("/v1/jobs", params={"limit": 100}).json()["data"]) == before, "a preview creates no job"
+
+    page.get_by_label("Max sequence length").fill("8")
+    page.get_by_role("button", name="Preview data").click()
+    page.get_by_test_id("submit-error").filter(has_text="cut before its first trainable token").wait_for()
+    assert page.get_by_label("Max sequence length").get_attribute("aria-invalid") == "true"
+
+    with chat_file.open("rb") as fh:
+        validation = api.post("/v1/files", data={"purpose": "validation"}, files={"file": (chat_file.name, fh)})
+    job = submit_job(api, chat_file, 4, "results", validation_file=validation.json()["id"], checkpoint_every=2,
+                     sample_prompts=["the cat sat"], sample_max_new_tokens=4)
+    page.goto(f"/#/jobs/{job['id']}")
+    page.locator("main[data-status=succeeded]").wait_for(timeout=180_000)
+    page.locator("[data-testid=sample-step][data-step='4']").wait_for()
+    assert page.get_by_test_id("sample-step").count() == 2  # at the checkpoints, 2 and 4 (final)
+    assert "the cat sat" in page.get_by_test_id("samples").inner_text()
+    page.get_by_test_id("summary-eval").filter(has_text="/").wait_for()
+    evals = api.get(f"/v1/jobs/{job['id']}/metrics").json()["eval"]
+    assert [e["step"] for e in evals] == [2, 4]
+    shown = repr(float(f"{evals[-1]['loss']:.4g}"))  # the page's fmtNumber: 4 significant digits
+    assert page.get_by_test_id("summary-eval").inner_text().startswith(shown)
+    assert page.locator("[data-testid=event-log] [data-type=sample]").count() == 2

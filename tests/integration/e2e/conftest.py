@@ -13,8 +13,9 @@ Both authenticate as an admin made the way a user would: the embedded stack read
 that ``ftq up`` created on its first start and saved to the client config (``FTQ_CONFIG`` in
 tmp); the PostgreSQL stack runs ``ftq users create e2e --admin`` and reads the printed key.
 
-The model root holds a tiny random-weight Llama made by ``python -m trainer make-tiny-model``
-and a copy whose weights file is garbage (a trainer that must fail). Without PostgreSQL or
+The model root holds a tiny random-weight Llama made by ``python -m trainer make-tiny-model``,
+a copy whose weights file is cut short (a trainer that must fail) and a copy with NaN embeddings
+for a few tokens (``tests.poison``: training on them is non-finite). Without PostgreSQL or
 Redis the ``postgres`` stack is skipped locally and fails under CI (``CI`` set).
 """
 
@@ -33,7 +34,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.e2e.stack import CORRUPT_MODEL, MODEL, STACK_ENV, Stack, free_port, read_bootstrap_key
+from tests.integration.e2e.stack import CORRUPT_MODEL, MODEL, POISONED_MODEL, STACK_ENV, Stack, free_port, read_bootstrap_key
+from tests.poison import poison_model
 
 PG_ADMIN_URL = os.environ.get("FTQ_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("FTQ_TEST_REDIS", "redis://127.0.0.1:6379")
@@ -55,7 +57,11 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     corrupt = root / CORRUPT_MODEL
     shutil.copytree(root / MODEL, corrupt)
-    (corrupt / "model.safetensors").write_bytes(b"this is not a safetensors file" * 100)
+    # A valid header (the submission checks read only headers) over truncated tensor data: the
+    # job is accepted and its trainer fails to load the weights.
+    weights = (corrupt / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(weights[: 8 + int.from_bytes(weights[:8], "little") + 64])
+    poison_model(root / MODEL, root / POISONED_MODEL)
     return root
 
 

@@ -20,6 +20,7 @@ import httpx
 KEY_PATTERN = re.compile(r"ftq_[0-9a-f]{8}_[A-Za-z0-9_-]{20,}")
 MODEL = "tiny-llama"
 CORRUPT_MODEL = "corrupt-llama"
+POISONED_MODEL = "poisoned-llama"
 
 # Fast heartbeats and flushes so the tests see state changes quickly; a generous cancel grace
 # so a slow CI box still lets the trainer write its checkpoint.

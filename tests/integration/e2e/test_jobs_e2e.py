@@ -295,3 +295,49 @@ def test_a_dpo_job_trains_to_success_with_its_reward_metrics(stack, tmp_path: Pa
     assert rows[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # a new adapter: the policy is the reference
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["reward_margin"] > rows[0]["reward_margin"]
     assert rows[-1]["reward_accuracy"] == 1.0
+
+
+def _upload_records(client: httpx.Client, records: list[dict[str, Any]], purpose: str = "train") -> str:
+    content = "".join(json.dumps(r) + "\n" for r in records)
+    response = client.post("/v1/files", files={"file": ("d.jsonl", content)}, data={"purpose": purpose})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def test_preflight_refuses_an_all_masked_set_and_a_non_finite_job_fails_keeping_its_checkpoint(stack):
+    """Issue 14's guards through the real service: an all-masked dataset is a 422 at the door; a
+    model whose embeddings turn some records' loss NaN (tests/poison.py) skips those steps, fails
+    ``non_finite`` at max_non_finite_steps naming the first, keeps its checkpoints (the newest holds
+    the last good weights), and its eval rows and greedy samples were stored on the way."""
+    from tests.integration.e2e.stack import POISONED_MODEL
+    from tests.poison import records, seed_with_order
+
+    with stack.client() as client:
+        masked = _upload_records(client, [{"prompt": "the cat sat on the mat " * 12, "completion": "yes"}] * 4)
+        refused = client.post("/v1/jobs", json={"model": stack.model, "training_file": masked,
+                                                "hyperparameters": {**SHORT, "max_seq_len": 16}})
+        assert refused.status_code == 422, refused.text
+        assert "cut before its first trainable token" in refused.json()["error"]["message"]
+
+        train = _upload_records(client, records("ccppcc"))
+        validation = _upload_records(client, records("cc"), purpose="validation")
+        job = submit(client, train, model=POISONED_MODEL, validation_file=validation, checkpoint_every=1,
+                     max_non_finite_steps=2, sample_prompts=["the cat"], sample_max_new_tokens=4,
+                     hyperparameters={"max_steps": 6, "batch_tokens": 64, "max_seq_len": 64,
+                                      "learning_rate": 0.01, "seed": seed_with_order("ccppcc", "ccpp", 64)})
+        events = follow(client, job["id"])
+        job = client.get(f"/v1/jobs/{job['id']}").json()
+        assert job["status"] == "failed" and job["error"]["code"] == "non_finite", f"{job}\n{stack.log_tail()}"
+        assert job["error"]["message"].startswith("step 3: "), job["error"]
+        skips = [data for _, kind, data in events if kind == "skip"]
+        assert [(s["step"], s["consecutive"]) for s in skips] == [(3, 1), (4, 2)]
+        checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]
+        assert [c["step"] for c in checkpoints] == [1, 2, 3]
+        assert client.get(f"/v1/jobs/{job['id']}/checkpoints/3/download").status_code == 200
+        evals = client.get(f"/v1/jobs/{job['id']}/metrics").json()["eval"]
+        assert [e["step"] for e in evals] == [1, 2, 3] and all(e["loss"] > 0 for e in evals)
+        samples = [data for _, kind, data in events if kind == "sample"]
+        assert [s["step"] for s in samples] == [1, 2, 3] and samples[0]["samples"][0]["prompt"] == "the cat"
+        summary = job["summary"]
+        assert summary["skipped_steps"] == 2 and summary["steps"] == 4, summary
+        assert summary["best_eval_loss"] == min(e["loss"] for e in evals)

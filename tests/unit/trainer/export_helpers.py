@@ -49,10 +49,23 @@ def greedy(model, ids: list[int], n: int = 12) -> list[int]:
     return seq[len(ids):]
 
 
-def adapter_greedy(config, ids: list[int], n: int = 12) -> list[int]:
+def adapter_model(config):
+    """Base + the run's adapter, unmerged (what the exports must reproduce)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(config.model.name_or_path)
-    model = PeftModel.from_pretrained(base, layout.export_dir(config.output_dir, "lora")).eval()
-    return greedy(model, ids, n)
+    return PeftModel.from_pretrained(base, layout.export_dir(config.output_dir, "lora")).eval()
+
+
+def adapter_greedy(config, ids: list[int], n: int = 12) -> list[int]:
+    return greedy(adapter_model(config), ids, n)
+
+
+def adapter_logits(config, ids: list[int]):
+    """The prompt's logits (tokens x vocab, numpy): RoPE or a permutation gone wrong shows here
+    even where a random tiny model's argmax does not move."""
+    import torch
+
+    with torch.no_grad():
+        return adapter_model(config)(torch.tensor([ids])).logits[0].numpy()

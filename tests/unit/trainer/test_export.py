@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.trainer.export_helpers import adapter_greedy, fake_finished_run, greedy, prompt_ids
+from tests.unit.trainer.export_helpers import adapter_greedy, adapter_logits, fake_finished_run, greedy, prompt_ids
 from tests.unit.trainer.trainer_helpers import events_of, run_cli
 from trainer import tiny
 
@@ -44,6 +44,7 @@ class TestMerged:
         assert [(t, p["stage"]) for t, p in seen if p.get("fraction") == 1.0] == [
             ("progress", "load"), ("progress", "merge"), ("progress", "save")]
 
+    @pytest.mark.slow
     def test_missing_weights_is_not_found(self, tmp_path: Path, tiny_model_dir: Path) -> None:
         from tests.unit.trainer.trainer_helpers import make_job
 
@@ -67,6 +68,36 @@ class TestGguf:
         result = run_export(config, "gguf", tmp_path / "gguf", lambda *a, **k: None, quantization="f32", device="cpu")
         (path,) = result.path.glob("*.gguf")
         assert _llama_cpp_greedy(path, ids) == adapter_greedy(config, ids)
+        import numpy as np
+
+        # Logits too: Q/K rows left unpermuted still give these greedy tokens on a random tiny
+        # model, but move its logits by 8e-3 (measured; 2e-7 when right).
+        assert np.abs(_llama_cpp_logits(path, ids) - adapter_logits(config, ids)).max() < 1e-4
+
+    def test_llama3_rope_scaling_becomes_rope_freqs_that_llama_cpp_applies(self, tmp_path: Path) -> None:
+        """Llama 3.1's scaled RoPE (the 8B bench shape's), with an original context of 16 so the
+        scaling reaches the prompt's positions. Greedy tokens of a random tiny model do not see
+        RoPE, logits do: llama.cpp's differ from transformers' by 2e-7 with rope_freqs and by
+        5.5e-3 without them (measured)."""
+        import numpy as np
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from trainer.gguf import write_gguf
+
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=512, max_position_embeddings=4096, rope_parameters=rope,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model_dir = tmp_path / "llama3-rope"
+        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+        tiny.build_tokenizer().save_pretrained(model_dir)
+        ids = prompt_ids(model_dir)
+        info = write_gguf(model_dir, tmp_path / "m.gguf", "f32")
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(model_dir).eval()(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(_llama_cpp_logits(info.path, ids) - want).max() < 1e-4
 
     def test_gguf_carries_the_chat_template_and_special_tokens(self, tmp_path: Path, tiny_model_dir: Path) -> None:
         from gguf import GGUFReader
@@ -128,5 +159,18 @@ def _llama_cpp_greedy(path: Path, ids: list[int], n: int = 12) -> list[int]:
             if len(out) == n:
                 break
         return out
+    finally:
+        llm.close()
+
+
+def _llama_cpp_logits(path: Path, ids: list[int]):
+    import numpy as np
+    from llama_cpp import Llama
+
+    # f32 KV cache (GGML type 0): llama.cpp's default f16 cache alone moves logits by ~3e-3.
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False, logits_all=True, type_k=0, type_v=0)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)])
     finally:
         llm.close()

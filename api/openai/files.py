@@ -21,6 +21,7 @@ from api.files.upload import receive_upload
 from api.openai import reports, translate
 from api.openai.paging import newest_first
 from api.openai.schemas import FileDeleted, FileObject, Page
+from api.openai.twins import is_validation_twin
 from core.errors import InvalidInput, NotFound
 from core.files import service
 from core.files.models import File
@@ -67,7 +68,7 @@ def list_files(
     if order != "desc":
         raise InvalidInput("order: ftq lists files newest first only; use order='desc' or leave it out",
                            param="order")
-    query = select(File).where(File.deleted_at.is_(None))
+    query = select(File).where(File.deleted_at.is_(None), ~is_validation_twin())
     rows, more = newest_first(session, query, File, File.file_id, after=after, limit=limit, what="file")
     return Page.of([translate.file_object(row) for row in rows], more)
 

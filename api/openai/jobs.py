@@ -11,11 +11,12 @@ same job id, with its step history intact. Pausing a queued job takes it out of 
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from typing import Annotated, Any
 
 from anyio import to_thread
-from fastapi import APIRouter, Query
-from sqlalchemy import select
+from fastapi import APIRouter, Query, Request
+from sqlalchemy import Select, or_, select
 from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
@@ -37,6 +38,7 @@ from core.settings import Settings
 from core.users import access
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["openai fine-tuning"])
+_METADATA_KEY = re.compile(r"metadata\[(.{1,64})\]")
 
 
 @router.post("", summary="fine_tuning.jobs.create")
@@ -72,10 +74,32 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
 
 
 @router.get("", summary="fine_tuning.jobs.list: newest first")
-def list_jobs(session: SessionDep, state: StateDep, after: str | None = None,
+def list_jobs(request: Request, session: SessionDep, state: StateDep, after: str | None = None,
               limit: Annotated[int, Query()] = 20) -> Page:
-    rows, more = newest_first(session, select(Job), Job, Job.job_id, after=after, limit=limit, what="job")
+    """``metadata[k]=v`` (several: all must match) lists only the jobs made here with that metadata;
+    ``metadata=null``, those without any."""
+    query = _metadata_filter(select(Job), request)
+    rows, more = newest_first(session, query, Job, Job.job_id, after=after, limit=limit, what="job")
     return Page.of(_views(session, rows, state.settings), more)
+
+
+def _metadata_filter(query: Select[Any], request: Request) -> Select[Any]:
+    pairs = [(k, v) for k, v in request.query_params.multi_items() if k.startswith("metadata")]
+    if not pairs:
+        return query
+    if pairs == [("metadata", "null")]:
+        return query.outerjoin(OpenAIJob, OpenAIJob.job_id == Job.job_id).where(
+            or_(OpenAIJob.job_id.is_(None), OpenAIJob.user_metadata.is_(None)))
+    query = query.join(OpenAIJob, OpenAIJob.job_id == Job.job_id)
+    for name, value in pairs:
+        match = _METADATA_KEY.fullmatch(name)
+        if match is None:
+            raise InvalidInput(
+                f"{name}: filter by metadata as metadata[KEY]=VALUE (or metadata=null), not both forms",
+                param="metadata",
+            )
+        query = query.where(OpenAIJob.user_metadata[match.group(1)].as_string() == value)
+    return query
 
 
 @router.get("/{job_id}", summary="fine_tuning.jobs.retrieve")

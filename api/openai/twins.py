@@ -5,7 +5,7 @@ OpenAI has one purpose, ``fine-tune``, for training and validation files alike; 
 OpenAI upload (stored as ``train``) is named as ``validation_file``, the job validates on its
 twin: a ``validation`` file row of the same owner over a hard link to the same bytes (a copy
 where the file system cannot link), made once and reused by later jobs. The OpenAI view keeps
-showing the id the caller named.
+showing the id the caller named, and ``files.list`` leaves twins out (``is_validation_twin``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, and_, exists, select
+from sqlalchemy.orm import aliased
 from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
@@ -52,3 +53,15 @@ def validation_twin(session: Session, named: File, files_dir: Path) -> File:
         path.unlink(missing_ok=True)
         raise
     return twin
+
+
+def is_validation_twin() -> ColumnElement[bool]:
+    """A ``File`` row that is the validation twin of a live training file of the same owner."""
+    train = aliased(File)
+    return and_(
+        File.purpose == "validation",
+        exists().where(
+            train.purpose == "train", train.sha256 == File.sha256, train.deleted_at.is_(None),
+            train.owner_id.is_not_distinct_from(File.owner_id),
+        ),
+    )

@@ -94,10 +94,11 @@ class TestCreate:
         assert native["name"] == "demo" and native["training_file"] == chat_file
         hp = native["spec"]["hyperparameters"]
         assert (hp["epochs"], hp["learning_rate"], hp["seed"]) == (2.0, pytest.approx(1e-4), 7)
-        # The job validates on a validation twin of the fine-tune upload (same bytes).
+        # The job validates on a validation twin of the fine-tune upload (same bytes), not listed here.
         with store.sessions() as session:
             twin = session.get(File, native["validation_file"])
             assert twin.purpose == "validation" and twin.sha256 == session.get(File, valid).sha256
+        assert {f.id for f in oai.files.list()} == {chat_file, valid}
 
     def test_dpo_resolves_beta_and_trains_objective_dpo(self, oai: openai.OpenAI, client: TestClient) -> None:
         pairs = oai.files.create(file=("pairs.jsonl", jsonl(PAIR, 64)), purpose="fine-tune").id
@@ -119,6 +120,16 @@ class TestCreate:
         # A native job in OpenAI's shape.
         assert rest.data[0].method.type == "supervised" and rest.data[0].hyperparameters.n_epochs == 1
         assert [j.id for j in oai.fine_tuning.jobs.list()] == [*made[::-1], native["id"]]
+
+    def test_list_filters_by_metadata(self, oai: openai.OpenAI, client: TestClient, chat_file: str) -> None:
+        search = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file, metadata={"team": "search"}).id
+        ads = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file,
+                                          metadata={"team": "ads", "run": "7"}).id
+        native = client.post("/v1/jobs", json={"model": "tiny", "training_file": chat_file}).json()["id"]
+        assert [j.id for j in oai.fine_tuning.jobs.list(metadata={"team": "search"})] == [search]
+        assert [j.id for j in oai.fine_tuning.jobs.list(metadata={"team": "ads", "run": "7"})] == [ads]
+        assert [j.id for j in oai.fine_tuning.jobs.list(metadata={"team": "ads", "run": "8"})] == []
+        assert [j.id for j in oai.fine_tuning.jobs.list(extra_query={"metadata": "null"})] == [native]
 
 
 class TestStopAndResume:

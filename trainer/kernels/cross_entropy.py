@@ -8,8 +8,8 @@ twice and writes the gradient once, in place over them (~0.4 GB per chunk): one 
 
 - pass 1: an online max and sum of ``exp`` over the row (``BLOCK`` columns at a time) give
   ``lse``; the row's loss is ``lse - logit[target]`` (0 for an ignored row), and whether the
-  target is the row's largest logit (token accuracy; a tie counts as a hit, where ``argmax``
-  would pick the first of the tied columns);
+  target is the row's argmax (token accuracy; the first column of a tied maximum, as
+  ``torch.argmax`` picks);
 - pass 2 (when a backward follows): ``grad = (exp(logit - lse) - onehot(target)) * scale`` in
   the logits' dtype, written over them; ``scale`` is ``1 / num_items`` (0 on ignored rows).
 
@@ -61,12 +61,16 @@ if triton is not None:
         safe_target = tl.where(valid, target, 0)
         m = tl.zeros([], dtype=tl.float32) - float("inf")
         d = tl.zeros([], dtype=tl.float32)
+        best = tl.zeros([], dtype=tl.int64)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             if HAS_SOFTCAP:
                 x = softcap * _tanh(x / softcap)
-            new_m = tl.maximum(m, tl.max(x, axis=0))
+            block_max, block_at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            # strictly larger: the first column of the row's maximum wins, as torch.argmax picks
+            best = tl.where(block_max > m, start + block_at.to(tl.int64), best)
+            new_m = tl.maximum(m, block_max)
             d = d * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
             m = new_m
         lse = m + tl.log(d)
@@ -74,7 +78,7 @@ if triton is not None:
         if HAS_SOFTCAP:
             x_t = softcap * _tanh(x_t / softcap)
         tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
-        tl.store(hit_ptr + row, tl.where(valid & (x_t >= m), 1.0, 0.0))
+        tl.store(hit_ptr + row, tl.where(valid & (best == target), 1.0, 0.0))
         if WRITE_GRAD:
             if SCALE_IS_PTR:
                 scale = tl.load(scale_ptr).to(tl.float32)
@@ -105,7 +109,7 @@ def ce_rows_(
     ignore_index: int,
     write_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss and target-is-largest flags (fp32 ``[C]`` each); with ``write_grad`` the
+    """Per-row loss and target-is-argmax flags (fp32 ``[C]`` each); with ``write_grad`` the
     gradient of ``sum(loss) * scale`` w.r.t. the logits overwrites ``logits_CV``.
 
     ``scale`` is a number or a device scalar (``1 / num_items``: a Python number costs no copy).

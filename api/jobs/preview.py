@@ -59,7 +59,8 @@ def _locate(state: AppState, spec: JobSpec, caller: Any) -> tuple[ModelSource, s
         if spec.validation_file is not None:
             row = service.usable_file(session, spec.validation_file, "validation", "validation_file")
             validation = (row.path, row.format)
-    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models)
+    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
+                           check_hub=True)
     model_type = None
     if source.kind == "local":
         model_type = str(check_model_files(Path(source.name_or_path), spec.model)["model_type"])

@@ -7,7 +7,10 @@ Rules, in order:
    root are refused: users may name only what the box's owner put there.
 2. Otherwise a value shaped like ``org/name`` is a hub id (if ``allow_hub_models``). With
    ``HF_HUB_OFFLINE=1`` the box cannot download, so the model must already be in the local
-   Hugging Face cache.
+   Hugging Face cache. At submission (``check_hub``) a hub id that is not in the cache is
+   looked up on the hub (``HF_ENDPOINT``, one metadata request for its config.json, at most
+   ``HUB_PROBE_TIMEOUT_S``): a box that cannot reach the hub, an id the hub does not know or a
+   gated one is refused at the door instead of failing on the worker.
 3. Anything else is refused with both options spelled out.
 """
 
@@ -33,8 +36,15 @@ class ModelSource:
     """The absolute directory for ``local``, the hub id for ``hub``: what the trainer loads."""
 
 
-def resolve_model(model: str, *, model_root: Path, allow_hub: bool = True) -> ModelSource:
-    """Resolve the spec's ``model`` to what the trainer loads, or raise ``InvalidInput``."""
+HUB_PROBE_TIMEOUT_S = 5.0
+"""How long a submission waits for the hub to answer whether a model exists."""
+
+
+def resolve_model(model: str, *, model_root: Path, allow_hub: bool = True, check_hub: bool = False) -> ModelSource:
+    """Resolve the spec's ``model`` to what the trainer loads, or raise ``InvalidInput``.
+
+    ``check_hub``: look a hub id that is not in the local cache up on the hub (submission only:
+    the worker and the downloads trust what was accepted)."""
     root = model_root.expanduser().resolve()
     if ".." in PurePosixPath(model).parts or ".." in Path(model).parts:
         raise InvalidInput(
@@ -60,6 +70,14 @@ def resolve_model(model: str, *, model_root: Path, allow_hub: bool = True) -> Mo
                 f"(huggingface-cli download {model}) or put it under {root}",
                 param="model",
             )
+        if check_hub and not _hub_offline() and not _in_hf_cache(model):
+            problem = _hub_problem(model)
+            if problem:
+                raise InvalidInput(
+                    f"model {model!r}: not in this box's Hugging Face cache, and {problem}; download it on a "
+                    f"connected machine (huggingface-cli download {model}) or put it under {root}",
+                    param="model",
+                )
         return ModelSource("hub", model)
     raise InvalidInput(
         f"model {model!r}: no directory {candidate} exists and it is not a hub id (org/name); "
@@ -156,6 +174,29 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
 
 def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_problem(repo_id: str) -> str | None:
+    """None when the hub serves ``repo_id``'s config.json; else why the box cannot get the model."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # re-read: huggingface_hub fixes it at import
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", endpoint=endpoint), timeout=HUB_PROBE_TIMEOUT_S,
+                             endpoint=endpoint)
+    except GatedRepoError:
+        return "the hub says it is gated (accept its licence and set HF_TOKEN on the box)"
+    except (RepositoryNotFoundError, RemoteEntryNotFoundError, RevisionNotFoundError):
+        return "the hub has no such model (or it has no config.json); check the id"
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the hub means the same to the user
+        return f"the hub ({endpoint or 'https://huggingface.co'}) cannot be reached from this box ({type(exc).__name__})"
+    return None
 
 
 def _in_hf_cache(repo_id: str) -> bool:

@@ -149,7 +149,8 @@ def create_job(
         validation_row = _usable_file(session, spec.validation_file, "validation", "validation_file")
         _check_objective(spec.objective, validation_row, "validation_file")
         paths[spec.validation_file] = validation_row.path
-    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models)
+    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
+                           check_hub=True)
     job_id = new_id("job")
     output_dir = settings.jobs_dir / job_id
     to_train_config(spec, job_id=job_id, files=paths, output_dir=output_dir, model_path=source.name_or_path)

@@ -19,6 +19,7 @@ from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.jobs.states import JobStatus
 from core.queue import QUEUE, TASK_RUN_JOB
 from core.settings import Settings
+from tests.integration.fake_hub import FakeHub
 from tests.integration.helpers import bearer, spec, upload
 
 pytestmark = pytest.mark.integration
@@ -166,9 +167,12 @@ class TestCreate:
         self, client: TestClient, store, model_root: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HUB_CACHE", str(model_root.parent / "hf-cache"))
         file_id = upload(client)
         assert client.post("/v1/jobs", json=spec(file_id, model=str(model_root / "tiny"))).status_code == 201
-        assert client.post("/v1/jobs", json=spec(file_id, model="Qwen/Qwen3-0.6B")).status_code == 201
+        with FakeHub({"Qwen/Qwen3-0.6B"}) as hub:  # the hub answers that it has the model
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            assert client.post("/v1/jobs", json=spec(file_id, model="Qwen/Qwen3-0.6B")).status_code == 201
 
     def test_unknown_deleted_or_wrong_purpose_files_are_422(self, client: TestClient, store) -> None:
         missing = "file-" + "0" * 24

@@ -146,3 +146,40 @@ class TestResults:
             "final_train_loss": 1.5, "best_train_loss": 1.5, "trained_tokens": 200, "steps": 3, "skipped_steps": 1,
             "final_eval_loss": 1.9, "best_eval_loss": 1.8, "best_eval_step": 2,
         }
+
+
+class TestHubModels:
+    """A hub id not in the local cache is looked up at submission (issue 15, item 6)."""
+
+    @pytest.fixture(autouse=True)
+    def _online_box_with_empty_cache(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+
+    def test_a_box_that_cannot_reach_the_hub_refuses_an_uncached_id(
+        self, client: TestClient, store, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from tests.integration.e2e.stack import free_port
+
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens: offline
+        response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT), model="meta-llama/Does-Not-Exist-9B"))
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert error["param"] == "model" and "cannot be reached" in error["message"]
+        assert "huggingface-cli download meta-llama/Does-Not-Exist-9B" in error["message"]
+        assert jobs(store) == 0
+
+    def test_an_id_the_hub_does_not_know_is_refused_and_a_known_one_is_accepted_unchecked(
+        self, client: TestClient, store, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from tests.integration.fake_hub import FakeHub
+
+        file_id = upload_records(client, CHAT)
+        with FakeHub({"Qwen/Qwen3-0.6B"}) as hub:
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            missing = client.post("/v1/jobs", json=spec(file_id, model="meta-llama/Does-Not-Exist-9B"))
+            known = client.post("/v1/jobs", json=spec(file_id, model="Qwen/Qwen3-0.6B"))
+        assert missing.status_code == 422 and "the hub has no such model" in missing.json()["error"]["message"]
+        assert known.status_code == 201, known.text
+        preflight = known.json()["preflight"]  # its tokenizer is not on this box: accepted, said so
+        assert preflight["checked"] is False and "not in this box's Hugging Face cache" in preflight["note"]

@@ -427,3 +427,49 @@ def test_the_form_previews_the_data_and_the_job_page_shows_eval_and_samples(
     shown = repr(float(f"{evals[-1]['loss']:.4g}"))  # the page's fmtNumber: 4 significant digits
     assert page.get_by_test_id("summary-eval").inner_text().startswith(shown)
     assert page.locator("[data-testid=event-log] [data-type=sample]").count() == 2
+
+
+def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
+    page: Any, api: httpx.Client, dashboard_stack: Any, chat_file: Path, tmp_path: Path
+) -> None:
+    """DPO step rows (written to the store as the worker would) draw the reward and log-prob
+    charts, which an SFT job's page does not show."""
+    from core.db import make_engine, make_sessionmaker
+    from core.jobs.models import StepMetric
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({
+        "input": {"messages": [{"role": "user", "content": f"What is {i} plus one?"}]},
+        "preferred_output": [{"role": "assistant", "content": f"{i + 1}."}],
+        "non_preferred_output": [{"role": "assistant", "content": "No idea."}],
+    }) + "\n" for i in range(8)))
+    job = submit_job(api, pairs, max_steps=10, name="dpo-charts", objective="dpo")
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
+    try:
+        with make_sessionmaker(engine)() as session:
+            session.add_all(
+                StepMetric(job_id=job["id"], step=step, loss=0.7 - 0.05 * step, tokens_per_s=900.0, step_ms=40.0,
+                           reward_margin=0.25 * step, reward_accuracy=0.5 + 0.1 * step,
+                           chosen_logp=-50.0 + step, rejected_logp=-60.0 - step)
+                for step in range(1, 6)
+            )
+            session.commit()
+    finally:
+        engine.dispose()
+
+    page.goto(f"/#/jobs/{job['id']}")
+    page.locator("main[data-history-loaded=true]").wait_for()
+    assert page.get_by_test_id("chart-dpo-reward").is_visible() and page.get_by_test_id("chart-dpo-logps").is_visible()
+    assert points(page, "chart-dpo-reward") == points(page, "chart-dpo-logps") == 5
+    rewards = page.get_by_test_id("chart-dpo-reward-legend").inner_text()
+    assert "margin 1.25" in rewards and "accuracy 1" in rewards, rewards
+    logps = page.get_by_test_id("chart-dpo-logps-legend").inner_text()
+    assert "chosen -45" in logps and "rejected -65" in logps, logps
+
+    sft = submit_job(api, chat_file, max_steps=10, name="sft-no-dpo-charts")
+    assert api.post(f"/v1/jobs/{sft['id']}/cancel").status_code == 200
+    page.goto(f"/#/jobs/{sft['id']}")
+    page.get_by_test_id("job-title").filter(has_text="sft-no-dpo-charts").wait_for()
+    assert page.get_by_test_id("chart-loss").is_visible()
+    assert not page.get_by_test_id("chart-dpo-reward").is_visible() and not page.get_by_test_id("chart-dpo-logps").is_visible()

@@ -12,9 +12,12 @@ kombu's SQLAlchemy broker live under ``FTQ_DATA_DIR``. Order of start-up:
    else CUDA_VISIBLE_DEVICES, else one CPU slot) as child processes, each in its own session so a
    Ctrl-C reaches only this supervisor, and print the URL once ``/healthz`` answers.
 
-Ctrl-C or SIGTERM stops both: SIGTERM to each, the worker hands a running job back to the
-queue after its trainer checkpointed; a child still running after its grace period is killed.
-If either child dies, the other is stopped and ``ftq up`` exits non-zero.
+Ctrl-C, SIGTERM or SIGHUP (the terminal or SSH session closed) stops both: SIGTERM to each, the
+worker hands a running job back to the queue after its trainer checkpointed; a child still
+running after its grace period is killed. If either child dies, the other is stopped and
+``ftq up`` exits non-zero. The children die with ``ftq up`` even when it is killed outright
+(a parent-death signal), and a new ``ftq up`` stops whatever a dead one left (its pid file,
+``cli/up_state.py``), so the running job resumes as after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from cli import up_state
 from core.settings import Settings
 
 DEMO_MODEL = "tiny-llama"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""SIGHUP: the terminal or SSH session that ran ``ftq up`` closed."""
 
 
 def add_parser(commands: Any) -> None:
@@ -62,15 +68,23 @@ def run_up(args: argparse.Namespace) -> int:
     if not args.no_demo_model:
         seed_demo_model(settings.model_root)
 
+    grace_s = settings.cancel_grace_s + 30
+    try:
+        up_state.stop_leftovers(settings.data_dir, grace_s=grace_s)
+    except up_state.AlreadyRunning as exc:
+        print(f"ftq: {exc}", file=sys.stderr)
+        return 1
     env = child_env(settings)
     base = [sys.executable, "-m", "cli", "--log-level", args.log_level]
     worker_cmd = [*base, "worker", *worker_flags(args)]
-    children = {
-        "api": subprocess.Popen([*base, "api"], env=env, start_new_session=True),
-        "worker": subprocess.Popen(worker_cmd, env=env, start_new_session=True),
-    }
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    armed = up_state.die_with_parent()
+    children = {
+        "api": subprocess.Popen([*base, "api"], env=env, start_new_session=True, preexec_fn=armed),
+        "worker": subprocess.Popen(worker_cmd, env=env, start_new_session=True, preexec_fn=armed),
+    }
+    up_state.record(settings.data_dir, {name: child.pid for name, child in children.items()}, settings.port)
     try:
         url = f"http://{_client_host(settings.host)}:{settings.port}"
         if _wait_healthy(url, children, stop):
@@ -78,7 +92,8 @@ def run_up(args: argparse.Namespace) -> int:
             remember_url(url)
         exited = _supervise(children, stop)
     finally:
-        _stop_all(children, worker_grace_s=settings.cancel_grace_s + 30)
+        _stop_all(children, worker_grace_s=grace_s)
+        up_state.clear(settings.data_dir)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if exited:

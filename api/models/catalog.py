@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.errors import InvalidInput
+from core.jobs.model_source import check_model_files
+
 MAX_DEPTH = 3
 MAX_MODELS = 500
 MAX_HEADER_BYTES = 100 << 20
@@ -72,6 +75,11 @@ def describe_model(directory: Path, root: Path) -> LocalModel:
     params, weight_error = count_params(directory)
     if weight_error:
         errors.append(weight_error)
+    elif config and params is not None:
+        try:  # the submission's own check: a config.json that does not describe the weights
+            check_model_files(directory, name)
+        except InvalidInput as exc:
+            errors.append(exc.message)
     return LocalModel(
         name=name,
         model_type=config.get("model_type") if isinstance(config.get("model_type"), str) else None,

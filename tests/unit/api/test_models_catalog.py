@@ -127,3 +127,12 @@ def test_get_models_route(client: TestClient, tmp_path: Path) -> None:
     assert model["params"] == 6
     assert model["bytes"] > 0
     assert model["error"] is None
+
+
+def test_a_config_that_does_not_describe_its_weights_is_listed_with_the_submissions_refusal(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    make_model(root / "liar", {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192},
+               {"model.embed_tokens.weight": [10, 4]})
+    [model] = find_models(root)
+    assert model.params == 40
+    assert "vocab_size 128256 and hidden_size 8192" in (model.error or "") and "[10, 4]" in model.error

@@ -117,7 +117,7 @@ class DpoLoss:
         margin_P = rewards_S[0::2] - rewards_S[1::2]
         return torch.stack([
             margin_P.sum(), (margin_P > 0).float().sum(), policy_S[0::2].sum(), policy_S[1::2].sum(),
-            torch.tensor(float(margin_P.numel()), device=policy_S.device),
+            torch.full((), float(margin_P.numel()), device=policy_S.device),  # a fill: no host-to-device copy
         ])
 
 

@@ -112,9 +112,9 @@ def packed_sequence_logprobs(
     through ``loss_kernel``: the fused chunked head (no logits materialised) or the full logits."""
     num_seqs = len(batch.lengths)
     device = batch.input_ids.device
-    lengths_S = torch.tensor(batch.lengths, dtype=torch.long).to(device, non_blocking=True)
-    # output_size is the host-known token count, so the repeat reads nothing back from the device
-    seq_T = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths_S, output_size=batch.num_tokens)
+    # Each sequence's positions restart at 0: its index is the count of starts so far, computed on
+    # the device from the row already there (no host copy, no sync).
+    seq_T = (batch.position_ids[0] == 0).cumsum(0) - 1
     if loss_kernel == LOSS_FUSED:
         from trainer.fused_loss import causal_lm_sequence_logprobs
 

@@ -39,6 +39,29 @@ from bench.workload import SHAPES, TOKENS_PER_STEP
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def sync_calls(trace: dict[str, Any]) -> dict[str, int]:
+    """How many host-side waits on the GPU the ``ProfilerStep#`` window holds, by runtime call.
+
+    ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` drain everything queued (an ``.item()``
+    or a blocking copy does this); ``cudaEventSynchronize`` waits for one recorded point only
+    (the trainer's one-step-late read of the previous step's results).
+    """
+    events = trace.get("traceEvents", [])
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
+    if not steps:
+        return {}
+    start = min(e["ts"] for e in steps)
+    end = max(e["ts"] + e["dur"] for e in steps)
+    found = {name: 0 for name in _SYNC_CALLS}
+    for e in events:
+        if e.get("name") in found and start <= e.get("ts", -1) <= end:
+            found[e["name"]] += 1
+    return found
+
+
 def busy_fraction(trace: dict[str, Any]) -> tuple[float, float, int]:
     """(GPU-busy fraction, window ms, device events) of a chrome trace's ``ProfilerStep#`` window."""
     events = trace.get("traceEvents", [])
@@ -138,10 +161,12 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
     result = run(TrainConfig.from_dict(job), driver)
     if result.status != "succeeded":
         raise RuntimeError(f"the run ended {result.status}: {result.error_code} {result.message}")
-    busy, window_ms, device_events, host = float("nan"), 0.0, 0, ""
+    busy, window_ms, device_events, host, syncs = float("nan"), 0.0, 0, "", {}
     if profiler is not None:
         profiler.export_chrome_trace(str(trace_path))
-        busy, window_ms, device_events = busy_fraction(json.loads(trace_path.read_text()))
+        trace = json.loads(trace_path.read_text())
+        busy, window_ms, device_events = busy_fraction(trace)
+        syncs = {k: v / profiled for k, v in sync_calls(trace).items()}
         host = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     python = ""
     if cprof is not None:
@@ -158,6 +183,7 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
         "tokens_per_s": sum(e["tokens"] for e in timed) / (sum(e["step_ms"] for e in timed) / 1000.0),
         "wall_ms_per_step": window_ms / max(profiled, 1),
         "host_table": host,
+        "syncs_per_step": syncs,
         "python_table": python,
         "plan": next((e for e in driver.events if e["type"] == "plan"), {}),
     }
@@ -197,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## {shape.name}, {label}")
     print(f"tokens/s (step events, after {args.warmup} warm-up steps): {found['tokens_per_s']:,.0f}; "
           f"median step {found['step_ms_median']:.1f} ms; profiled wall {found['wall_ms_per_step']:.1f} ms/step; "
-          f"GPU busy {found['busy']:.1%}; device events/step {found['device_events_per_step']:,.0f}")
+          f"GPU busy {found['busy']:.1%}; device events/step {found['device_events_per_step']:,.0f}; "
+          f"host waits/step {found['syncs_per_step']}")
     print(found["host_table"])
     if found["python_table"]:
         print(found["python_table"])

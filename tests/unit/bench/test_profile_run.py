@@ -31,3 +31,16 @@ class TestBusyFraction:
     def test_no_step_markers_is_nan(self) -> None:
         busy, window_ms, events = busy_fraction({"traceEvents": [_event("k", 0, 1)]})
         assert busy != busy and (window_ms, events) == (0.0, 0)
+
+
+class TestSyncCalls:
+    def test_counts_waits_inside_the_window_by_kind(self) -> None:
+        from bench.profile_run import sync_calls
+
+        trace = {"traceEvents": [
+            _event("ProfilerStep#1", 100, 100, cat="user_annotation"),
+            _event("cudaStreamSynchronize", 120, 5, cat="cuda_runtime"),
+            _event("cudaEventSynchronize", 150, 1, cat="cuda_runtime"),
+            _event("cudaEventSynchronize", 250, 1, cat="cuda_runtime"),  # after the window
+        ]}
+        assert sync_calls(trace) == {"cudaStreamSynchronize": 1, "cudaDeviceSynchronize": 0, "cudaEventSynchronize": 1}

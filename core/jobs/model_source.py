@@ -20,6 +20,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -141,7 +142,7 @@ def check_model_files(directory: Path, given: str) -> dict[str, object]:
     return config
 
 
-def _check_shapes(config: dict, shapes: dict[str, list[int]], refuse) -> None:  # type: ignore[no-untyped-def]
+def _check_shapes(config: dict, shapes: dict[str, list[int]], refuse: Callable[[str], InvalidInput]) -> None:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     embed = next((name for name in shapes if name.endswith("embed_tokens.weight")), None)
     vocab, hidden = text.get("vocab_size"), text.get("hidden_size")

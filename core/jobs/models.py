@@ -67,7 +67,7 @@ class JobEvent(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), index=True)
     seq: Mapped[int] = mapped_column(BigInteger)
     type: Mapped[str] = mapped_column(String(16))
-    """``state``, ``plan``, ``step``, ``eval``, ``log`` or ``checkpoint``."""
+    """``state``, ``plan``, ``step``, ``eval``, ``skip``, ``sample``, ``log`` or ``checkpoint``."""
     data: Mapped[dict[str, Any]] = mapped_column(JSONType)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -62,7 +62,11 @@ def _counts(tokenizer: Any, path: str, fmt: str, max_seq_len: int, param: str) -
         problem = validate_record(record, fmt)
         if problem:
             raise InvalidInput(f"{param}: line {number}: {problem}", param=param)
-        whole = tokenize_record(record, fmt, tokenizer)
+        try:
+            whole = tokenize_record(record, fmt, tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a template that raises (e.g. "System role not supported")
+            raise InvalidInput(f"{param}: line {number}: the model's tokenizer or chat template fails on this record "
+                               f"({type(exc).__name__}: {exc}); the trainer would fail the same way", param=param) from None
         if whole.num_loss_tokens == 0:
             raise InvalidInput(_no_labels(param, number, fmt), param=param)
         kept = type(whole)(whole.input_ids[:max_seq_len], whole.labels[:max_seq_len])

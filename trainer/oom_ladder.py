@@ -8,7 +8,9 @@ first checkpoint) is caught, and:
 1. everything the failed step held is freed (its gradients set to None, Python's garbage
    collected, the CUDA cache emptied);
 2. the activation policy moves one rung down, ``none -> selective -> full -> full+offload``
-   (selective from ``none`` checkpoints half the layers; ``full+offload`` only where offloading can run: a CUDA GPU with room in pinned host memory,
+   (selective from ``none`` checkpoints half the layers, each further selective rung half of
+   the layers still kept, so a wrong estimate on a large card costs some speed, not all of it;
+   ``full+offload`` only where offloading can run: a CUDA GPU with room in pinned host memory,
    one rank): ``Installation.replace_activations`` removes the installed policy and offload
    and installs the new ones;
 3. a ``log`` event at level ``warning`` says what ran out, the new policy and that the step is
@@ -97,8 +99,9 @@ class Ladder:
         current = plan.decision(checkpointing.NAME)
         layers = len(self.installed.checkpointing.layers)
         why = "the OOM ladder"
-        if current.backend == "none" and layers > 1:
-            n = layers // 2
+        done = checkpointing.checkpointed_count(current.backend, layers)
+        n = layers // 2 if current.backend == "none" else done + (layers - done) // 2
+        if current.backend not in ("full", "full+offload") and done < n < layers:
             return checkpointing.with_policy(
                 plan, checkpointing.selective_backend(n, layers),
                 f"{why}: checkpoint {n} of {layers} layers after running out of memory",

@@ -11,9 +11,11 @@ exactly (same losses, same trained weights: tolerance 0).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from plan_fakes import CPU, plan_config
+from plan_fakes import CPU, H100, plan_config
 from trainer_helpers import Recorder, lora_model, train_lora
 
 from trainer.errors import error_code
@@ -63,6 +65,22 @@ class TestLadder:
         logs: list[str] = []
         ladder = Ladder(installed, optimizer, torch.device("cpu"), CPU, lambda m, level: logs.append(m))
         return ladder, logs, optimizer
+
+    @pytest.mark.parametrize(("hw", "bottom"), [(CPU, ["full"]), (H100, ["full", "full+offload"])], ids=["cpu", "h100"])
+    def test_the_rungs_of_a_32_layer_model(self, hw, bottom) -> None:
+        """Selective rungs checkpoint half the layers still kept; offload only where it can run."""
+        installed = SimpleNamespace(checkpointing=SimpleNamespace(layers=[None] * 32))
+        ladder = Ladder(installed, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), torch.device("cpu"), hw,
+                        lambda m, level: None)
+        current = checkpointing.with_policy(plan(CPU, plan_config()), "none", "test")
+        rungs = []
+        while (current := ladder.next_plan(current)) is not None:
+            rungs.append(current.decision(checkpointing.NAME).backend)
+        expected = [f"selective:{n}/32" for n in (16, 24, 28, 30, 31)] + bottom
+        assert rungs == expected
+        if hw is H100:
+            offloaded = ladder.next_plan(checkpointing.with_policy(plan(CPU, plan_config()), "full", "test"))
+            assert (offloaded.decision("offload_activations").enabled, offloaded.decision("offload_activations").backend) == (True, "sync")
 
     def test_the_bottom_fails_out_of_memory_with_advice(self) -> None:
         ladder, logs, _ = self._ladder()

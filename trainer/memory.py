@@ -301,5 +301,6 @@ def free_gpu_bytes(device: Any) -> int | None:
 
     if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
         return None
+    torch.cuda.empty_cache()  # blocks this process cached before (hardware's peak measurement) are free
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)

@@ -5,7 +5,7 @@ A packed micro-batch of P pairs holds 2P sequences, pair i's chosen at 2i and it
 attention and every installed optimization run unchanged. Per sequence s the policy's summed
 log-probability of its answer tokens, ``logp_S``, comes from the fused chunked head
 (``trainer.packed_forward.packed_sequence_logprobs`` over
-``trainer.fused_loss.causal_lm_sequence_logprobs``: a segment-sum of the token log-probs, the
+``trainer.fused_logprobs.causal_lm_sequence_logprobs``: a segment-sum of the token log-probs, the
 logits never materialised) or, where the plan chose the plain loss, from the full logits.
 
 The sigmoid DPO loss (Rafailov et al. 2023, eq. 7; TRL's ``loss_type="sigmoid"``), with

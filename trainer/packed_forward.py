@@ -116,7 +116,7 @@ def packed_sequence_logprobs(
     # the device from the row already there (no host copy, no sync).
     seq_T = (batch.position_ids[0] == 0).cumsum(0) - 1
     if loss_kernel == LOSS_FUSED:
-        from trainer.fused_loss import causal_lm_sequence_logprobs
+        from trainer.fused_logprobs import causal_lm_sequence_logprobs
 
         return causal_lm_sequence_logprobs(
             model, batch.input_ids, batch.targets, seq_T.unsqueeze(0), num_seqs, **_boundary_kwargs(model, batch, meta)

@@ -23,7 +23,7 @@ from trainer.config import DataConfig, DpoConfig, LoraConfig, ModelConfig, Optim
 from trainer.dataset import IGNORE_INDEX, Sample
 from trainer.errors import ConfigError
 from trainer.flops import AttentionLayers, FlopCounter
-from trainer.fused_loss import fused_linear_sequence_logprobs
+from trainer.fused_logprobs import fused_linear_sequence_logprobs
 from trainer.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
 from trainer.packing import pack_batch
 from trainer.preference import PreferencePair, tokenize_pair

@@ -2,8 +2,8 @@
 Redis): a user's OpenAI fine-tuning script with three lines changed trains a tiny model.
 
 Upload, a supervised job to ``succeeded`` (events newest first, checkpoints with metrics, the
-metrics CSV as a result file), cancel, pause and resume (the job continues from its
-checkpoint with no gap in its steps), a DPO job to ``succeeded`` with its reward metrics, and
+metrics CSV as a result file), a failed job's ``error``, pause and resume (the job continues
+from its checkpoint with no gap in its steps) then cancel of the running job, a DPO job to ``succeeded`` with its reward metrics, and
 bad files and bodies answered in OpenAI's error shape. One stack for the module.
 """
 
@@ -126,33 +126,40 @@ def test_a_supervised_job_succeeds_with_events_checkpoints_and_results(client, o
         assert native.get(f"/v1/jobs/{job.id}").json()["status"] == "succeeded"
 
 
-def test_cancel_stops_a_running_job(client, oa_stack, train_file):
+def test_a_failed_job_says_why_in_error(client, oa_stack, train_file):
+    job = client.fine_tuning.jobs.create(model=oa_stack.corrupt_model, training_file=train_file)
+    failed = wait(client, job.id, FINISHED, oa_stack)
+    assert failed.status == "failed" and failed.error is not None, f"{failed}\n{oa_stack.log_tail()}"
+    assert failed.error.code and failed.error.message and failed.fine_tuned_model is None
+    assert any(e.level == "error" for e in all_events(client, job.id))
+
+
+def test_pause_then_resume_continues_from_the_checkpoint_and_cancel_stops_it(client, oa_stack, train_file):
+    # Long enough (hundreds of steps) that neither run can end by itself before it is stopped.
     job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file,
                                          hyperparameters={"n_epochs": 50, "batch_size": 1})
-    wait_steps(client, job.id, 1, oa_stack)
-    client.fine_tuning.jobs.cancel(job.id)
-    assert wait(client, job.id, FINISHED, oa_stack).status == "cancelled"
-
-
-def test_pause_then_resume_continues_from_the_checkpoint(client, oa_stack, train_file):
-    job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file,
-                                         hyperparameters={"n_epochs": 4, "batch_size": 2})
     wait_steps(client, job.id, 2, oa_stack)
+    running = client.fine_tuning.jobs.retrieve(job.id)
+    assert running.status == "running" and running.estimated_finish >= running.created_at  # from its pace
     client.fine_tuning.jobs.pause(job.id)
     paused = wait(client, job.id, ("paused", "succeeded", "failed"), oa_stack)
     assert paused.status == "paused", f"{paused}\n{oa_stack.log_tail()}"
-    [stop] = [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id)][:1]
+    stop = client.fine_tuning.jobs.checkpoints.list(job.id).data[0].step_number
 
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
-    done = wait(client, job.id, FINISHED, oa_stack)
-    assert done.status == "succeeded", f"{done}\n{oa_stack.log_tail()}"
-    events = all_events(client, job.id)
-    assert any("resumed" in e.message for e in events) and any("paused" in e.message for e in events)
+    wait_steps(client, job.id, stop + 2, oa_stack)
+    client.fine_tuning.jobs.cancel(job.id)
+    cancelled = wait(client, job.id, FINISHED, oa_stack)
+    assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None and cancelled.error is None
+
+    messages = [e.message for e in all_events(client, job.id)]
+    assert any("resumed" in m for m in messages) and any("paused" in m for m in messages)
     with oa_stack.client() as native:
         rows = native.get(f"/v1/jobs/{job.id}/metrics", params={"limit": 10000}).json()["data"]
         plans = [json.loads(d) for d in _plans(native, job.id)]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "no gap and no repeat across the pause"
-    assert plans[-1]["resumed_from_step"] == stop
+    assert len(rows) > stop + 1
+    assert [p["resumed_from_step"] for p in plans] == [None, stop]
 
 
 def _plans(native, job_id: str) -> list[str]:

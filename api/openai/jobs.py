@@ -29,6 +29,7 @@ from api.openai.twins import validation_twin
 from api.state import AppState
 from core.db import utcnow
 from core.errors import Conflict, InvalidInput, NotFound
+from core.files.models import File
 from core.files.service import get_file
 from core.jobs import eta, service
 from core.jobs.models import Job
@@ -201,7 +202,7 @@ def _owned(session: Session, caller: CallerDep, job_id: str, action: str) -> Job
     return job
 
 
-def _named_file(session: Session, file_id: str, param: str):  # noqa: ANN202 - a File row
+def _named_file(session: Session, file_id: str, param: str) -> File:
     try:
         return get_file(session, file_id)
     except NotFound:

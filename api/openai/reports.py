@@ -56,8 +56,8 @@ def _describe(type_: str, data: dict[str, Any]) -> tuple[str, str, dict[str, Any
         metrics = {"step": data.get("step"), "train_loss": data.get("loss"), "total_steps": data.get("total_steps"),
                    "train_mean_token_accuracy": data.get(ACCURACY_FIELD)}
         metrics.update({k: data[k] for k in DPO_FIELDS if data.get(k) is not None})
-        return "info", f"Step {data.get('step')}/{data.get('total_steps')}: training loss={_num(data.get('loss'))}", \
-            metrics, "metrics"
+        message = f"Step {data.get('step')}/{data.get('total_steps')}: training loss={_num(data.get('loss'))}"
+        return "info", message, metrics, "metrics"
     if type_ == "eval":
         metrics = {"step": data.get("step"), "valid_loss": data.get("loss"), "full_valid_loss": data.get("loss")}
         return "info", f"Step {data.get('step')}: validation loss={_num(data.get('loss'))}", metrics, "metrics"

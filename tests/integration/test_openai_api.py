@@ -169,6 +169,8 @@ class TestRefusals:
         ({"suffix": "a b"}, "suffix", "letters, digits"),
         ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations", "no third party"),
         ({"model": "gpt-4o-mini-2024-07-18"}, "model", "gpt-4o-mini"),
+        ({"hyperparameters": {"n_epochs": 1}, "method": {"type": "supervised"}}, "hyperparameters", "not both"),
+        ({"method": {"type": "supervised", "dpo": {}}}, "method.dpo", "put the settings under method.supervised"),
         ({"training_file": "file-000000000000000000000000"}, "training_file", "no file"),
     ])
     def test_bad_bodies_answer_openai_errors(self, oai: openai.OpenAI, chat_file: str, fields, param, needle) -> None:

@@ -215,24 +215,52 @@ class TestPairs:
         assert batch.position_ids[0, :10].tolist() == [*range(9), 0]
 
 
+def dpo_job(tmp_path, model_dir, **overrides) -> TrainConfig:
+    records = [
+        {"input": {"messages": [{"role": "user", "content": f"What is {i % 5} plus one?"}]},
+         "preferred_output": [{"role": "assistant", "content": f"The answer is {i % 5 + 1}."}],
+         "non_preferred_output": [{"role": "assistant", "content": "I do not know, sorry."}]}
+        for i in range(20)
+    ]
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    fields = dict(
+        model=ModelConfig(str(model_dir)), data=DataConfig(str(path), max_seq_len=64, batch_tokens=256),
+        optim=OptimConfig(max_steps=8, learning_rate=5e-3), lora=LoraConfig(r=8, alpha=16),
+        output_dir=str(tmp_path / "out"), gradient_checkpointing=False, device="cpu",
+        objective="dpo", dpo=DpoConfig(beta=0.1),
+    )
+    return TrainConfig(**{**fields, **overrides})
+
+
 @pytest.mark.slow  # a few dozen CPU training steps
 class TestDpoRun:
+    def test_a_full_dpo_run_resumed_keeps_the_initial_model_as_its_reference(self, tmp_path, tiny_model_dir) -> None:
+        """The frozen reference of method full is the model as loaded, not the checkpoint a
+        resumed run starts from: the resumed steps follow the uninterrupted run."""
+        import shutil
+
+        from trainer import layout
+        from trainer.train import run
+
+        whole = Recorder()
+        config = dpo_job(tmp_path, tiny_model_dir, method="full", checkpoint_every=2,
+                         optim=OptimConfig(max_steps=4, learning_rate=1e-3))
+        assert run(config, whole).status == "succeeded"
+        resumed_out = tmp_path / "resumed"
+        shutil.copytree(layout.checkpoint_dir(config.output_dir, 2), layout.checkpoint_dir(resumed_out, 2))
+        resumed = Recorder()
+        assert run(dataclasses.replace(config, output_dir=str(resumed_out)), resumed).status == "succeeded"
+        want = {e["step"]: e for e in whole.of("step")}
+        got = {e["step"]: e for e in resumed.of("step")}
+        assert sorted(got) == [3, 4] and want[4]["reward_margin"] > 0.05
+        for step in (3, 4):
+            for field in ("loss", "reward_margin", "chosen_logp", "rejected_logp"):
+                assert got[step][field] == pytest.approx(want[step][field], rel=1e-4, abs=1e-6), (step, field)
+
     def test_a_lora_dpo_run_learns_the_preference_and_reports_it(self, tmp_path, tiny_model_dir) -> None:
         from trainer.train import run
 
-        records = [
-            {"input": {"messages": [{"role": "user", "content": f"What is {i % 5} plus one?"}]},
-             "preferred_output": [{"role": "assistant", "content": f"The answer is {i % 5 + 1}."}],
-             "non_preferred_output": [{"role": "assistant", "content": "I do not know, sorry."}]}
-            for i in range(20)
-        ]
-        path = write_jsonl(tmp_path / "pairs.jsonl", records)
-        config = TrainConfig(
-            model=ModelConfig(str(tiny_model_dir)), data=DataConfig(str(path), max_seq_len=64, batch_tokens=256),
-            optim=OptimConfig(max_steps=8, learning_rate=5e-3), lora=LoraConfig(r=8, alpha=16),
-            output_dir=str(tmp_path / "out"), gradient_checkpointing=False, device="cpu",
-            objective="dpo", dpo=DpoConfig(beta=0.1),
-        )
+        config = dpo_job(tmp_path, tiny_model_dir)
         recorder = Recorder()
         assert run(config, recorder).status == "succeeded"
         steps = recorder.of("step")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
@@ -24,3 +24,6 @@ class AppState:
     tokenizers: TokenizerPool | None = None
     """The processes that tokenize datasets for GET /v1/files/{id}/tokens; the lifespan creates
     it (None only in a state a test builds by hand) and shuts it down at exit."""
+    feeds: dict[str, Any] = field(default_factory=dict)
+    """``api.jobs.sse.JobFeed`` per job with live viewers in this process (one store read per
+    wake-up for all of them)."""

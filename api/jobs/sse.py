@@ -12,6 +12,13 @@ it re-reads every ``sse_poll_interval_s``. No store connection is held while wai
 read opens and closes its own session. An idle stream sends a ``: keep-alive`` comment every
 ``sse_heartbeat_s``. The stream ends after the job's final ``state`` event (succeeded, failed,
 cancelled).
+
+Many viewers of one job (a team watching a run: 100 dashboards) share one read per wake-up:
+``JobFeed`` keeps the job's recent events in memory for every stream of this process, and a
+stream woken at time t re-reads the store only if no read has started since t (an earlier
+viewer's read, begun after the same wake-up, already holds what woke it). Before, each of 100
+viewers ran its own two queries per wake-up in the shared thread pool, and submissions queued
+behind them (issue 10). A stream that starts behind the feed's window reads its history itself.
 """
 
 from __future__ import annotations
@@ -40,17 +47,72 @@ def format_event(seq: int, type_: str, data: dict[str, Any]) -> bytes:
     return f"id: {seq}\nevent: {type_}\ndata: {payload}\n\n".encode()
 
 
+class JobFeed:
+    """The recent events of one job (contiguous seqs, up to ``TAIL``) and its status, read once
+    per wake-up for all of this process's streams of the job (see the module docstring)."""
+
+    TAIL = 2000
+
+    def __init__(self, state: AppState, job_id: str) -> None:
+        self.state, self.job_id = state, job_id
+        self.viewers = 0
+        self.events: list[Any] = []
+        self.status: tuple[JobStatus, dt.datetime | None, int] | None = None
+        self.read_started = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def read(self, after: int, woke: float) -> tuple[JobStatus, dt.datetime | None, int, list[Any]]:
+        """The job's status, last seq and the events after ``after``, as fresh as ``woke``."""
+        async with self._lock:
+            if self.status is None or self.read_started < woke:
+                await self._refresh()
+        assert self.status is not None
+        status, finished_at, last_seq = self.status
+        if self.events and self.events[0].seq <= after + 1:
+            return status, finished_at, last_seq, [e for e in self.events if e.seq > after][:BATCH]
+        if not self.events and after >= last_seq:
+            return status, finished_at, last_seq, []
+        return await to_thread.run_sync(_read, self.state, self.job_id, after)  # history before the window
+
+    async def _refresh(self) -> None:
+        self.read_started = time.monotonic()
+        since = self.events[-1].seq if self.events else -1
+        status, finished_at, last_seq, events = await to_thread.run_sync(_read, self.state, self.job_id, since, True)
+        if events and self.events and events[0].seq != self.events[-1].seq + 1:
+            self.events = []  # fell more than BATCH behind: start the window again from the tail
+        self.events = (self.events + events)[-self.TAIL:]
+        self.status = (status, finished_at, last_seq)
+
+
+def _feed(state: AppState, job_id: str) -> JobFeed:
+    feeds = state.feeds
+    feed = feeds.get(job_id)
+    if feed is None:
+        feed = feeds[job_id] = JobFeed(state, job_id)
+    feed.viewers += 1
+    return feed
+
+
+def _release(state: AppState, feed: JobFeed) -> None:
+    feed.viewers -= 1
+    if feed.viewers <= 0 and state.feeds.get(feed.job_id) is feed:
+        del state.feeds[feed.job_id]
+
+
 async def event_stream(state: AppState, job_id: str, after: int) -> AsyncIterator[bytes]:
     settings = state.settings
     pubsub = None
     if state.redis is not None:
         pubsub = state.redis.pubsub()
         await pubsub.subscribe(live.channel(job_id))
+    feed = _feed(state, job_id)
+    poll = settings.sse_poll_interval_s
     try:
-        last_write = time.monotonic()
+        last_write = woke = time.monotonic()
         yield b"retry: 2000\n\n"
         while True:
-            status, finished_at, last_seq, events = await to_thread.run_sync(_read, state, job_id, after)
+            # Polling viewers wake at their own moments: a read of the last interval serves them all.
+            status, finished_at, last_seq, events = await feed.read(after, woke - (0 if pubsub else poll))
             for event in events:
                 yield format_event(event.seq, event.type, event.data)
                 after = event.seq
@@ -66,17 +128,24 @@ async def event_stream(state: AppState, job_id: str, after: int) -> AsyncIterato
                 last_write = time.monotonic()
             wait = settings.sse_heartbeat_s - (time.monotonic() - last_write)
             await _wait(pubsub, min(wait, _poll(settings.sse_poll_interval_s, pubsub)))
+            woke = time.monotonic()
     finally:
+        _release(state, feed)
         if pubsub is not None:
             await pubsub.aclose()
 
 
-def _read(state: AppState, job_id: str, after: int) -> tuple[JobStatus, dt.datetime | None, int, list[Any]]:
+def _read(
+    state: AppState, job_id: str, after: int, tail: bool = False
+) -> tuple[JobStatus, dt.datetime | None, int, list[Any]]:
     """The job's status and last seq, then the events after ``after`` (read in that order, so
-    every event the status row counted is in the events read)."""
+    every event the status row counted is in the events read); with ``tail``, at most the last
+    ``BATCH`` of them."""
     with state.sessions() as session:
         job = service.get_job(session, job_id)
         status, finished_at, last_seq = JobStatus(job.status), job.finished_at, job.last_event_seq
+        if tail:
+            after = max(after, last_seq - BATCH)
         events = service.events_after(session, job_id, after, limit=BATCH)
         session.expunge_all()
     return status, finished_at, last_seq, events

@@ -30,6 +30,17 @@ class Watch:
         self.faults, self.job_id = faults, job_id
         self.prefix = f"{faults.stack.worker_id}|{job_id}|"
         self.overlaps: list[dict[int, str]] = []
+        self.restarts: list[str] = []
+
+    def supervise(self) -> None:
+        """Restart an API or worker process that exited on its own, as docker-compose's
+        ``restart: unless-stopped`` does in production (kombu 5.7's Redis transport can end the
+        Celery worker with an "Unrecoverable error" when Redis dies under a running task)."""
+        for name in ("api", "worker"):
+            proc = self.faults.stack.procs[name]
+            if proc.poll() is not None:
+                self.restarts.append(f"{name} exited with {proc.returncode}")
+                self.faults.stack.restart(name)
 
     def trainers(self) -> dict[int, str]:
         tags = tags_of(self.prefix)
@@ -49,6 +60,7 @@ class Watch:
         deadline = time.monotonic() + timeout_s
         job: dict[str, Any] | None = None
         while time.monotonic() < deadline:
+            self.supervise()
             self.trainers()
             job = self.job() or job
             if job is not None and predicate(job):
@@ -94,7 +106,7 @@ def test_a_job_survives_kill_9_of_trainer_worker_api_redis_and_postgres(faults, 
     faults.pg.start()
 
     done = watch.until(lambda j: j["status"] not in ("queued", "running"), "finished", timeout_s=300)
-    assert done["status"] == "succeeded", f"{done}\n{stack.log_tail()}"
+    assert done["status"] == "succeeded", f"{done}\nrestarted: {watch.restarts}\n{stack.log_tail()}"
     assert not watch.overlaps, f"two trainers of the job were alive at once: {watch.overlaps[:3]}"
     with stack.client() as client:
         rows = client.get(f"/v1/jobs/{watch.job_id}/metrics", params={"limit": 1000}).json()["data"]

@@ -258,6 +258,45 @@ def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_
         wait_job(as_alice, job["id"], lambda j: j["status"] == "cancelled", what="cancelled")
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_a_finished_job_exports_a_portable_adapter_a_merged_model_and_a_gguf(stack, chat_dataset: Path, tmp_path: Path):
+    """The adapter zip loads in a fresh process that knows only the base's name; the merged export
+    and the GGUF (in llama.cpp) give the adapter's greedy tokens; the CLI downloads the GGUF."""
+    from tests.integration.e2e.exports_helpers import fresh_process_greedy, llama_cpp_greedy, wait_export
+
+    with stack.client() as client:
+        job = submit(client, upload(client, chat_dataset), hyperparameters={**SHORT, "max_steps": 4})
+        job = wait_job(client, job["id"], lambda j: j["status"] in ("succeeded", "failed", "cancelled"),
+                       what="finished", timeout_s=240)
+        assert job["status"] == "succeeded", f"{job}\n{stack.log_tail()}"
+        asked = client.post(f"/v1/jobs/{job['id']}/exports", json={"format": "merged"})
+        assert asked.status_code == 202, asked.text
+        adapter = client.get(f"/v1/jobs/{job['id']}/adapter")
+        merged = wait_export(client, job["id"], asked.json()["id"])
+        assert merged["status"] == "succeeded", f"{merged}\n{stack.log_tail()}"
+        merged_zip = client.get(merged["download_url"])
+        # The stream ends at the job's final state; resumed after it, it replays the export events.
+        final = follow(client, job["id"])[-1][0]
+        events = [data for _, kind, data in follow(client, job["id"], last_event_id=final) if kind == "export"]
+    assert {e["stage"] for e in events} >= {"load", "merge", "save"}, events
+    zipfile.ZipFile(io.BytesIO(adapter.content)).extractall(tmp_path / "adapter")
+    zipfile.ZipFile(io.BytesIO(merged_zip.content)).extractall(tmp_path / "merged")
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert f"base_model: {stack.model}" in card and "sha256" in card and "Final train loss" in card
+
+    env = {**stack.env, "FTQ_API_URL": stack.url, "FTQ_API_KEY": stack.api_key}
+    gguf = tmp_path / "model.gguf"
+    cli = subprocess.run([sys.executable, "-m", "cli", "export", job["id"], "--format", "gguf", "--quantization", "f32",
+                          "-o", str(gguf)], env=env, capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0 and gguf.read_bytes()[:4] == b"GGUF", f"{cli.stderr[-2000:]}\n{stack.log_tail()}"
+
+    fresh = fresh_process_greedy(stack.model_root, tmp_path / "adapter", tmp_path / "merged")
+    assert fresh["base"] == stack.model, "the adapter must name its base portably, not by a server path"
+    assert fresh["chat_template"], "the zip carries the chat template the job trained with"
+    assert fresh["merged"] == fresh["adapter"]
+    assert llama_cpp_greedy(gguf, fresh["ids"]) == fresh["adapter"]
+
+
 def _preference_dataset(path: Path) -> Path:
     """24 OpenAI DPO records: a short right answer preferred to a long refusal."""
     with path.open("w") as f:

@@ -8,6 +8,10 @@ uniformly in [80, 120] and [120, 180], fixed seed; each word one token, plus the
 
 - ftq: a job.json with ``objective: dpo`` through ``python -m trainer run`` (every switch
   ``auto``), ``batch_tokens`` 16,384 (about 32 pairs; the trainer packs whole pairs greedily).
+  TRL runs first; ftq's ``max_gpu_memory_gb`` is then TRL's measured peak, so its activation
+  policy (``gradient_checkpointing: auto``) plans within it: "no more memory than TRL" is what the
+  run is asked for, not luck (a large card would otherwise keep every activation, ~85 GiB on the
+  8B shape). ``--uncapped`` adds the plain ``auto`` run; ``--set max_gpu_memory_gb=X`` overrides.
   Figures from its own step events: real tokens (each pair's prompt counted with each answer, no
   padding) over the summed step times after ``--skip`` warm-up steps; peak = largest
   ``gpu_mem_peak``; reward metrics from the same events.
@@ -21,7 +25,7 @@ uniformly in [80, 120] and [120, 180], fixed seed; each word one token, plus the
 
 Run on a GPU::
 
-    python -m bench.dpo [--steps 12] [--skip 3] [--json PATH] [--set FIELD=VALUE] [--no-trl]
+    python -m bench.dpo [--steps 12] [--skip 3] [--json PATH] [--set FIELD=VALUE] [--no-trl] [--uncapped]
 
 ``--device cpu --tiny`` runs the same machinery on a tiny Llama (the unit test's smoke run).
 Target (DESIGN.md): ftq at least 7,500 real tokens/s (5x TRL's 1,463) at no more peak memory.
@@ -193,35 +197,59 @@ def main(argv: list[str] | None = None) -> int:
         Path(out).write_text(json.dumps(figures))
         return 0
     args = parse(argv)
-    from bench.product_path import summarize, table
+    from bench.product_path import table
 
     shape = TINY if args.tiny else SHAPES["llama-8b"]
-    tokens = 512 if args.tiny else TOKENS_PER_STEP
     root = Path(args.workdir) / shape.name
     root.mkdir(parents=True, exist_ok=True)
     model_dir = save_model(shape, root / "model", args.device)
     data = root / "pairs.jsonl"
     write_pairs(data, model_dir, args.steps * PAIRS_PER_STEP * 2, scale=0.1 if args.tiny else 1.0)
-    job = ftq_job(model_dir, data, root / "out-ftq", args.steps, args.device, tokens)
-    for assignment in args.set:
-        set_field(job, assignment)
-    (root / "job-dpo.json").write_text(json.dumps(job, indent=2))
-    started = time.perf_counter()
-    events, stderr = run_job(root / "job-dpo.json", 1, args.timeout)
-    ftq = summarize(shape.name, "ftq DPO (product path)", events, args.skip)
-    ftq.seconds = time.perf_counter() - started
-    if ftq.status != "ok":
-        print(stderr, file=sys.stderr)
-    results = [ftq]
     trl = None if args.no_trl else trl_result(shape.name, model_dir, data, root, args)
+    cap = memory_cap(trl, args)
+    runs = [("ftq DPO (auto" + (f", planned within TRL's {cap:.1f} GiB)" if cap else ")"), cap)]
+    runs += [("ftq DPO (auto, uncapped)", None)] if cap and args.uncapped else []
+    results, events = [], []
+    for label, limit in runs:
+        result, events_of_run = run_ftq(shape.name, label, model_dir, data, root, args, limit)
+        results.append(result)
+        events = events or events_of_run
     results += [trl] if trl is not None else []
     print(table(results))
     print(rewards_line(events))
-    if ftq.status == "ok":
-        print(verdict(ftq, trl))
+    if results[0].status == "ok":
+        print(verdict(results[0], trl))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def memory_cap(trl: ProductResult | None, args: argparse.Namespace) -> float | None:
+    """The GiB ftq's activation policy plans within: TRL's measured peak ("at no more memory"),
+    unless ``--set max_gpu_memory_gb=`` names one or TRL has no GPU figure."""
+    if any(s.startswith("max_gpu_memory_gb=") for s in args.set) or trl is None or trl.status != "ok":
+        return None
+    return trl.peak_gib if trl.peak_gib == trl.peak_gib else None  # NaN on the CPU
+
+
+def run_ftq(shape: str, label: str, model_dir: Path, data: Path, root: Path, args: argparse.Namespace,
+            cap_gib: float | None) -> tuple[ProductResult, list[dict[str, Any]]]:
+    """One ftq DPO job through ``python -m trainer run``; its row and its events."""
+    from bench.product_path import summarize
+
+    name = "capped" if cap_gib else "auto"
+    job = ftq_job(model_dir, data, root / f"out-{name}", args.steps, args.device, 512 if args.tiny else TOKENS_PER_STEP)
+    for assignment in args.set + ([f"max_gpu_memory_gb={cap_gib:.2f}"] if cap_gib else []):
+        set_field(job, assignment)
+    path = root / f"job-dpo-{name}.json"
+    path.write_text(json.dumps(job, indent=2))
+    started = time.perf_counter()
+    events, stderr = run_job(path, 1, args.timeout)
+    result = summarize(shape, label, events, args.skip)
+    result.seconds = time.perf_counter() - started
+    if result.status != "ok":
+        print(stderr, file=sys.stderr)
+    return result, events
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -231,6 +259,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change an ftq job field")
     parser.add_argument("--trl-batch", type=int, default=PAIRS_PER_STEP, help="TRL's per_device_train_batch_size")
     parser.add_argument("--no-trl", action="store_true", help="only the ftq run")
+    parser.add_argument("--uncapped", action="store_true", help="also run ftq without planning within TRL's peak")
     parser.add_argument("--workdir", default="/tmp/ftq-bench-dpo")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (CPU smoke run)")

@@ -21,6 +21,13 @@ class TestDpoBench:
             assert dpo.PROMPT_WORDS[0] <= len(record["input"]["messages"][0]["content"].split()) <= dpo.PROMPT_WORDS[1]
             assert dpo.ANSWER_WORDS[0] <= len(record["preferred_output"][0]["content"].split()) <= dpo.ANSWER_WORDS[1]
 
+    def test_ftq_plans_within_trls_measured_peak(self) -> None:
+        trl = product_path.ProductResult("s", "TRL", peak_gib=65.8)
+        assert dpo.memory_cap(trl, dpo.parse([])) == 65.8
+        assert dpo.memory_cap(trl, dpo.parse(["--set", "max_gpu_memory_gb=40"])) is None
+        assert dpo.memory_cap(product_path.ProductResult("s", "TRL"), dpo.parse([])) is None  # NaN: no GPU figure
+        assert dpo.memory_cap(None, dpo.parse([])) is None
+
     def test_tiny_cpu_run_reports_ftq_and_trl_rows_and_the_verdict(self, tmp_path, capsys) -> None:
         pytest.importorskip("trl")
         out = tmp_path / "results.json"
@@ -28,12 +35,14 @@ class TestDpoBench:
                          "--workdir", str(tmp_path), "--json", str(out)])
         assert code == 0
         ftq, trl = json.loads(out.read_text())
+        assert trl["label"].startswith("TRL") and ftq["label"] == "ftq DPO (auto)"
         assert ftq["status"] == trl["status"] == "ok"
         assert ftq["steps_timed"] == trl["steps_timed"] == 1
         assert ftq["tokens_per_s"] > 0 and trl["tokens_per_s"] > 0
         assert all(0 < t <= 512 for t in ftq["tokens"]) and len(trl["tokens"]) == 2
-        job = json.loads((tmp_path / product_path.TINY.name / "job-dpo.json").read_text())
+        job = json.loads((tmp_path / product_path.TINY.name / "job-dpo-auto.json").read_text())
         assert (job["objective"], job["data"]["format"]) == ("dpo", "preference")
+        assert "max_gpu_memory_gb" not in job  # no GPU peak from TRL on the CPU, so no cap
         printed = capsys.readouterr().out
-        assert "| ftq DPO (product path) |" in printed and "| TRL DPOTrainer (batch 2) |" in printed
+        assert "| ftq DPO (auto) |" in printed and "| TRL DPOTrainer (batch 2) |" in printed
         assert "reward_margin" in printed and "vs TRL:" in printed

@@ -43,7 +43,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('job', schema=None) as batch_op:
-        batch_op.drop_column('preflight')
-        batch_op.drop_column('summary')
+    # Plain ALTER TABLE ... DROP COLUMN (SQLite >= 3.35), not batch mode: batch recreates the job
+    # table on SQLite, and dropping the old one cascades to every job_event and step_metric row.
+    op.drop_column('job', 'preflight')
+    op.drop_column('job', 'summary')
     op.drop_table('eval_metric')

@@ -184,6 +184,11 @@ def test_submit_through_the_form_and_watch_the_charts_grow(
     adapter = page.get_by_test_id("download-adapter")
     assert adapter.get_attribute("href") == f"/v1/jobs/{job_id}/adapter"
     assert api.get(adapter.get_attribute("href")).status_code == 200
+    # The export button: the worker merges the adapter, the table follows it to its download link.
+    page.get_by_test_id("export-merged").click()
+    page.locator("[data-testid=export-row][data-format=merged][data-status=succeeded]").wait_for(timeout=180_000)
+    merged = api.get(page.get_by_test_id("download-export").get_attribute("href"))
+    assert merged.status_code == 200 and merged.headers["content-type"] == "application/zip"
     assert "→ succeeded" in page.locator("[data-testid=event-log] [data-type=state]").last.inner_text()
     assert page.get_by_test_id("cancel-job").count() == 0
 

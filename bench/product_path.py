@@ -34,7 +34,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.workload import LORA_TARGETS, SHAPES, TOKENS_PER_STEP, ModelShape, lognormal_lengths
+from bench.workload import GPT_OSS_20B, LORA_TARGETS, SHAPES, TOKENS_PER_STEP, ModelShape, lognormal_lengths
+
+PRODUCT_SHAPES = {**SHAPES, "gpt-oss-20b": GPT_OSS_20B}
+"""The dense shapes, and GPT-OSS-20B (LoRA on ``all-linear``: attention and the 3-D expert weights)."""
 
 TINY = ModelShape("tiny-Llama", "llama", 64, 2, 4, 2, 16, 128, 512)
 
@@ -107,7 +110,7 @@ def job_for(model_dir: Path, data: Path, out: Path, steps: int, device: str, gpu
         "model": {"name_or_path": str(model_dir)},
         "data": {"train_path": str(data), "format": "text", "max_seq_len": min(4096, tokens), "batch_tokens": tokens},
         "optim": {"max_steps": steps, "learning_rate": 1e-4, "warmup_steps": 1},
-        "lora": {"r": 16, "alpha": 16, "target_modules": list(LORA_TARGETS)},
+        "lora": {"r": 16, "alpha": 16, "target_modules": list(LORA_TARGETS)},  # MoE: bench_shape sets all-linear
         "output_dir": str(out),
         "checkpoint_every": 0,
         "resume": False,
@@ -188,7 +191,7 @@ def table(results: list[ProductResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["llama-8b"], choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["llama-8b"], choices=list(PRODUCT_SHAPES))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the figures")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a job field")
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
-    shapes = [(None, TINY)] if args.tiny else [(s, SHAPES[s]) for s in args.shapes]
+    shapes = [(None, TINY)] if args.tiny else [(s, PRODUCT_SHAPES[s]) for s in args.shapes]
     tokens = 512 if args.tiny else TOKENS_PER_STEP
     runs = [(args.label, list(args.set))] + [parse_variant(v, args.set) for v in args.variant]
     results: list[ProductResult] = []
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, sets in runs:
             results.append(bench_shape(shape, args, tokens, label, sets))
             print(table(results[-1:]), flush=True)
-        if args.compare and key is not None:
+        if args.compare and key in SHAPES:  # bench.train_step has the dense shapes
             results += component_rows(key, shape, args.steps - args.skip, args.skip)
     print("\n" + table(results))
     if len(results) > 1:
@@ -271,6 +274,8 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace, tokens: int, label:
     count = max(64, args.steps * args.nproc * tokens // 250 * 2)
     write_dataset(data, model_dir, count)
     job = job_for(model_dir, data, root / f"out-{label}", args.steps, args.device, args.nproc, tokens)
+    if shape.experts:  # the experts are 3-D parameters, not nn.Linear: all-linear reaches them
+        job["lora"]["target_modules"] = ["all-linear"]
     for assignment in sets:
         set_field(job, assignment)
     job_path = root / f"job-{label}.json"

@@ -45,8 +45,8 @@ def measure(
     """Emit the ``eval`` event (if ``eval_loss`` and a validation set) and the ``sample`` event
     (if ``samples`` and a sampler) for the weights after ``step``."""
     if eval_loss and validation is not None:
-        loss, targets = evaluate(ctx, validation, config.data.batch_tokens)
-        emit("eval", step=step, loss=loss, tokens=targets)
+        loss, targets, accuracy = evaluate(ctx, validation, config.data.batch_tokens)
+        emit("eval", step=step, loss=loss, tokens=targets, accuracy=accuracy)
     if samples and sampler is not None:
         generated = sampler.generate(ctx.model, ctx.installed, ctx.device, ctx.autocast)
         emit("sample", step=step, final=final, samples=generated)

@@ -262,8 +262,9 @@ def _optimizer_step(ctx: StepContext, loss: torch.Tensor) -> tuple[torch.Tensor,
     return grad_norm, lr
 
 
-def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tuple[float, int]:
-    """Token-weighted validation loss over ``samples`` and its target count.
+def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tuple[float, int, float]:
+    """Token-weighted validation loss over ``samples``, its target count and the token accuracy
+    (the fraction of targets the model ranks first, ``trainer.token_accuracy``).
 
     Each rank packs all batches alike and evaluates every W-th; the sums are gathered (a
     collective). Under FSDP2 every forward gathers parameters with all ranks, so a rank with one
@@ -272,6 +273,7 @@ def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tupl
     model = ctx.model
     model.eval()
     total, targets = 0.0, 0
+    correct = token_accuracy.new_count(ctx.device)
     batches = pack_indices([len(s) for s in samples], range(len(samples)), batch_tokens)
     world = ctx.comm.world
     rounds = -(-len(batches) // world.world_size)
@@ -283,16 +285,16 @@ def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tupl
                     break
                 indices = batches[index] if index < len(batches) else batches[0]
                 batch, meta = ctx.installed.micro_batch(pack_batch([samples[i] for i in indices]), ctx.device)
-                with ctx.autocast:
+                with ctx.autocast, token_accuracy.counting(correct if index < len(batches) else None):
                     loss = ctx.parallel.loss(batch, meta, 1).item()
                 if index < len(batches):
                     total += loss
                     targets += batch.num_targets
     finally:
         model.train()
-    rows = ctx.comm.gather_host([total, float(targets)])
-    total, targets = sum(r[0] for r in rows), int(sum(r[1] for r in rows))
-    return total / max(targets, 1), targets
+    rows = ctx.comm.gather_host([total, float(targets), correct.item()])
+    total, targets, hits = sum(r[0] for r in rows), int(sum(r[1] for r in rows)), sum(r[2] for r in rows)
+    return total / max(targets, 1), targets, hits / max(targets, 1)
 
 
 def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:

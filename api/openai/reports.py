@@ -23,8 +23,6 @@ from core.jobs.models import StepMetric
 
 CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
 DPO_FIELDS = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")
-ACCURACY_FIELD = "token_accuracy"
-"""The step metric of the fraction of target tokens predicted right, where the store has it."""
 _LEVELS = {"debug": "info", "info": "info", "warning": "warn", "error": "error"}
 
 
@@ -54,12 +52,14 @@ def _describe(type_: str, data: dict[str, Any]) -> tuple[str, str, dict[str, Any
     """``(level, message, data, type)`` of one stored event."""
     if type_ == "step":
         metrics = {"step": data.get("step"), "train_loss": data.get("loss"), "total_steps": data.get("total_steps"),
-                   "train_mean_token_accuracy": data.get(ACCURACY_FIELD)}
+                   "train_mean_token_accuracy": data.get("token_accuracy")}
         metrics.update({k: data[k] for k in DPO_FIELDS if data.get(k) is not None})
         message = f"Step {data.get('step')}/{data.get('total_steps')}: training loss={_num(data.get('loss'))}"
         return "info", message, metrics, "metrics"
     if type_ == "eval":
-        metrics = {"step": data.get("step"), "valid_loss": data.get("loss"), "full_valid_loss": data.get("loss")}
+        metrics = {"step": data.get("step"), "valid_loss": data.get("loss"), "full_valid_loss": data.get("loss"),
+                   "valid_mean_token_accuracy": data.get("accuracy"),
+                   "full_valid_mean_token_accuracy": data.get("accuracy")}
         return "info", f"Step {data.get('step')}: validation loss={_num(data.get('loss'))}", metrics, "metrics"
     if type_ == "state":
         return _state_message(data)
@@ -103,11 +103,11 @@ def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str 
     steps = {row.step for row in page}
     train = {m.step: m for m in session.scalars(
         select(StepMetric).where(StepMetric.job_id == job.job_id, StepMetric.step.in_(steps)))}
-    valid = _eval_losses(session, job.job_id)
+    valid = _evals(session, job.job_id)
     out = []
     for row in page:
         metric = train.get(row.step)
-        loss = valid.get(row.step)
+        loss, accuracy = valid.get(row.step, (None, None))
         out.append(JobCheckpoint(
             id=f"ftckpt-{_hex(job.job_id)}-{row.step}",
             created_at=int(row.created_at.timestamp()),
@@ -117,9 +117,11 @@ def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str 
             metrics=CheckpointMetrics(
                 step=row.step,
                 train_loss=metric.loss if metric else None,
-                train_mean_token_accuracy=getattr(metric, ACCURACY_FIELD, None) if metric else None,
+                train_mean_token_accuracy=metric.token_accuracy if metric else None,
                 valid_loss=loss,
+                valid_mean_token_accuracy=accuracy,
                 full_valid_loss=loss,
+                full_valid_mean_token_accuracy=accuracy,
             ),
         ))
     return out, len(rows) > limit
@@ -127,13 +129,14 @@ def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str 
 
 def metrics_csv(session: Session, job_id: str) -> str:
     """OpenAI's results file: one row per step; validation columns where the step was evaluated."""
-    valid = _eval_losses(session, job_id)
+    valid = _evals(session, job_id)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     for row in session.scalars(select(StepMetric).where(StepMetric.job_id == job_id).order_by(StepMetric.step)):
-        writer.writerow([row.step, _cell(row.loss), _cell(getattr(row, ACCURACY_FIELD, None)),
-                         _cell(valid.get(row.step)), ""])
+        loss, accuracy = valid.get(row.step, (None, None))
+        writer.writerow([row.step, _cell(row.loss), _cell(row.token_accuracy), _cell(loss),
+                         _cell(accuracy)])
     return buffer.getvalue()
 
 
@@ -146,9 +149,11 @@ def trained_tokens(session: Session, job_ids: list[str]) -> dict[str, int]:
     return {job_id: int(total or 0) for job_id, total, _ in rows}
 
 
-def _eval_losses(session: Session, job_id: str) -> dict[int, float | None]:
+def _evals(session: Session, job_id: str) -> dict[int, tuple[float | None, float | None]]:
+    """step -> (validation loss, validation token accuracy) of each ``eval`` event."""
     rows = session.scalars(select(StoredEvent.data).where(StoredEvent.job_id == job_id, StoredEvent.type == "eval"))
-    return {int(data["step"]): data.get("loss") for data in rows if isinstance(data.get("step"), int)}
+    return {int(data["step"]): (data.get("loss"), data.get("accuracy"))
+            for data in rows if isinstance(data.get("step"), int)}
 
 
 def _position(cursor: str, prefix: str, job_id: str) -> int:

@@ -242,10 +242,10 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
         parallel=parallel.parallelize(reloaded, installed.loss, plan_obj.decision(parallel.NAME), comm),
         comm=comm,
     )
-    reloaded_loss, _ = evaluate(ctx, samples, config.data.batch_tokens)
+    reloaded_loss, _, _ = evaluate(ctx, samples, config.data.batch_tokens)
     assert reloaded_loss == pytest.approx(final_eval["loss"], rel=RELOAD_RTOL)
     with reloaded.disable_adapter():
-        base_loss, _ = evaluate(ctx, samples, config.data.batch_tokens)
+        base_loss, _, _ = evaluate(ctx, samples, config.data.batch_tokens)
     print(
         "qlora losses",
         [round(x, 4) for x in losses],

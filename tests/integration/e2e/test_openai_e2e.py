@@ -113,6 +113,7 @@ def test_a_supervised_job_succeeds_with_events_checkpoints_and_results(client, o
     assert checkpoints and checkpoints[0].step_number == steps[-1]
     assert checkpoints[0].metrics.train_loss > 0 and checkpoints[0].metrics.valid_loss > 0
     assert 0.0 <= checkpoints[0].metrics.train_mean_token_accuracy <= 1.0
+    assert 0.0 <= checkpoints[0].metrics.valid_mean_token_accuracy <= 1.0
     assert checkpoints[0].fine_tuned_model_checkpoint.endswith(f":ckpt-step-{steps[-1]}")
 
     [result] = job.result_files
@@ -121,6 +122,7 @@ def test_a_supervised_job_succeeds_with_events_checkpoints_and_results(client, o
     assert rows[0] == ["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"]
     assert [int(r[0]) for r in rows[1:]] == steps and rows[-1][3] != ""
     assert all(0.0 <= float(r[2]) <= 1.0 for r in rows[1:]), "train_accuracy is the step's token accuracy"
+    assert 0.0 <= float(rows[-1][4]) <= 1.0, "the last step was evaluated"
 
     with oa_stack.client() as native:  # one store: the native API has the same job
         assert native.get(f"/v1/jobs/{job.id}").json()["status"] == "succeeded"

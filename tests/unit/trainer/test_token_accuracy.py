@@ -63,3 +63,15 @@ def test_every_sft_step_reports_an_accuracy_that_rises_as_it_learns(tmp_path, ti
     accuracy = [e["token_accuracy"] for e in recorder.of("step")]
     assert all(a is not None and 0.0 <= a <= 1.0 for a in accuracy), accuracy
     assert sum(accuracy[-3:]) / 3 > sum(accuracy[:3]) / 3 + 0.2, accuracy
+
+
+@pytest.mark.slow  # ~5-15 s: 6 steps of a tiny Llama on CPU, validated at the end
+def test_the_eval_event_reports_the_validation_accuracy(tmp_path, tiny_model_dir):
+    import dataclasses
+
+    recorder = Recorder()
+    config = make_job(tmp_path, tiny_model_dir, optim=OptimConfig(max_steps=6, learning_rate=1e-2))
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, validation_path=config.data.train_path))
+    assert run(config, recorder).status == "succeeded"
+    [evaluation] = recorder.of("eval")
+    assert evaluation["step"] == 6 and 0.0 < evaluation["accuracy"] <= 1.0

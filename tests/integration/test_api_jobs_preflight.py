@@ -70,6 +70,17 @@ class TestPreview:
         assert created.json()["preflight"]["warnings"] == report["warnings"], "the warnings are stored on the job"
 
 
+    def test_a_low_trainable_fraction_is_a_warning_on_the_job(self, client: TestClient, store) -> None:
+        system = "Follow the style guide: be brief, be kind, cite nothing, never use lists. " * 6
+        records = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": "ok?"},
+                                 {"role": "assistant", "content": "ok"}]} for _ in range(3)]
+        created = client.post("/v1/jobs", json=spec(upload_records(client, records)))
+        assert created.status_code == 201, created.text
+        preflight = created.json()["preflight"]
+        assert preflight["trainable_fraction"] < 0.05
+        assert any(w.startswith("only ") and "trainable" in w for w in preflight["warnings"])
+
+
 class TestRefusedAtTheDoor:
     def test_every_answer_cut_by_max_seq_len_is_422_naming_max_seq_len(self, client: TestClient, store) -> None:
         records = [{"prompt": "the cat sat on the mat " * 10, "completion": "yes"} for _ in range(3)]

@@ -44,6 +44,24 @@ class TestMerged:
         assert [(t, p["stage"]) for t, p in seen if p.get("fraction") == 1.0] == [
             ("progress", "load"), ("progress", "merge"), ("progress", "save")]
 
+    def test_a_full_fine_tune_is_saved_in_the_base_dtype(self, tmp_path: Path, tiny_model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from tests.unit.trainer.trainer_helpers import make_job
+        from trainer import layout
+        from trainer.export import run_export
+
+        config = make_job(tmp_path, tiny_model_dir, method="full")
+        tuned = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)  # not the base's float32
+        with torch.no_grad():
+            tuned.lm_head.weight.add_(1.0)
+        tuned.save_pretrained(layout.export_dir(config.output_dir, "full"))
+        result = run_export(config, "merged", tmp_path / "merged", lambda *a, **k: None, device="cpu")
+        merged = AutoModelForCausalLM.from_pretrained(result.path)
+        assert merged.dtype == torch.float32
+        assert torch.equal(merged.lm_head.weight, tuned.lm_head.weight.float())
+
     @pytest.mark.slow
     def test_missing_weights_is_not_found(self, tmp_path: Path, tiny_model_dir: Path) -> None:
         from tests.unit.trainer.trainer_helpers import make_job

@@ -77,6 +77,7 @@ export function renderCompare(main, _params, query) {
       });
       for (const r of runs) plot(chart, r, key);
       chart.canvas.dataset.x = state.x;
+      if (state.x === "tokens") chart.setNote("x: tokens trained (the legend's step is the token count)");
       return chart;
     });
     clear(chartsBox, charts.filter((c, i) => i !== 1 || runs.some((r) => r.evals.length)).map((c) => c.element));

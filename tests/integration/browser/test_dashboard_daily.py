@@ -25,6 +25,7 @@ def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, 
     from core.jobs.models import Checkpoint, Job, StepMetric
     from core.jobs.service import transition
     from core.jobs.states import JobStatus
+    from core.jobs.summary import summarize
     from trainer import layout
 
     with chat_file.open("rb") as fh:
@@ -45,7 +46,8 @@ def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, 
             path.mkdir(parents=True)
             (path / "trainer_state.json").write_text("{}")
             session.add(Checkpoint(job_id=job["id"], step=step, path=str(path), bytes=2, final=False))
-        transition(session, job["id"], JobStatus(status), progress_step=len(losses),
+        session.flush()
+        transition(session, job["id"], JobStatus(status), progress_step=len(losses), summary=summarize(session, job["id"]),
                    **({"error_code": "model_not_found", "error_message": error} if error else {}))
     return api.get(f"/v1/jobs/{job['id']}").json()
 
@@ -81,6 +83,8 @@ def test_compare_two_runs_by_step_and_tokens_with_their_differences(
     page.get_by_text("Train loss (log scale)").wait_for()
     page.get_by_label("Smoothing").fill("0.6")
 
+    finals = page.locator("[data-testid=compare-params] tr.result").first.locator("td").all_inner_texts()
+    assert sorted(finals) == ["1.2000", "2.5000"]  # each job's final train loss, from its summary
     lr_row = page.locator("[data-testid=compare-param][data-key='hyperparameters.learning_rate']")
     assert lr_row.get_attribute("data-differs") == "true"
     assert page.locator("[data-testid=compare-param][data-key='lora.r']").get_attribute("data-differs") == "false"
@@ -107,6 +111,8 @@ def test_the_jobs_list_fits_a_phone_and_searches_by_model_and_owner(
         box = row.bounding_box()
         assert box["x"] >= 0 and box["x"] + box["width"] <= 375
         assert row.get_by_role("link", name="phone-run").is_visible()
+        assert row.get_by_test_id("job-loss").inner_text() == "1.0000"  # from the job's summary
+        assert row.get_by_test_id("job-best-loss").inner_text() == "1.0000 (train)"  # no validation set
         if shots := screenshot_dir():
             page.screenshot(path=str(shots / "dashboard-jobs-phone.png"), full_page=True)
         for text in (MODEL, "admin"):
@@ -156,7 +162,7 @@ def test_the_form_shows_the_apis_defaults_as_placeholders(page: Any, api: httpx.
     schemas = api.get("/openapi.json").json()["components"]["schemas"]
     page.goto("/#/new")
     warmup = page.get_by_label("Warm-up steps")
-    page.wait_for_function("() => document.querySelector('[data-param=\"lora.alpha\"]').placeholder !== ''")
+    page.wait_for_function("() => document.querySelector('[data-param=\"lora.alpha\"]')?.placeholder")
     assert warmup.input_value() == "" and warmup.get_attribute("placeholder") == str(
         schemas["Hyperparameters"]["properties"]["warmup_steps"]["default"])
     assert page.get_by_label("LoRA alpha").get_attribute("placeholder") == str(schemas["LoraSpec"]["properties"]["alpha"]["default"])

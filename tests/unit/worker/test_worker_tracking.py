@@ -84,6 +84,25 @@ class TestDispatch:
         assert "FTQ_MLFLOW_TRACKING_URI" in warnings[0]
 
 
+class TestWhichTrackers:
+    """The job's ``tracking`` over the box's settings (worker/tracking/resolve.py)."""
+
+    def test_the_box_turns_tracking_on_for_every_job_and_a_job_may_opt_out(self, settings, tmp_path):
+        box = settings.model_copy(update={"mlflow_tracking_uri": "http://mlflow:5000", "tensorboard_dir": tmp_path / "tb"})
+        on = trackers_for({}, box, job_id="job-1", output_dir=tmp_path / "job", warn=print)
+        assert [t.label for t in on] == ["MLflow at http://mlflow:5000", f"TensorBoard files in {tmp_path / 'tb' / 'job-1'}"]
+        assert on[0].experiment == "ftq"
+        off = {"tracking": {"mlflow": False, "tensorboard": False}}
+        assert trackers_for(off, box, job_id="job-1", output_dir=tmp_path, warn=print) == []
+
+    def test_a_job_names_its_own_server_experiment_and_tensorboard(self, settings, tmp_path):
+        spec = {"tracking": {"mlflow_tracking_uri": "https://ml.example:443", "mlflow_experiment": "sweeps",
+                             "tensorboard": True}}
+        mlflow, tensorboard = trackers_for(spec, settings, job_id="job-2", output_dir=tmp_path / "job", warn=print)
+        assert (mlflow.tracking_uri, mlflow.experiment) == ("https://ml.example:443", "sweeps")
+        assert tensorboard.logdir == tmp_path / "job" / "tensorboard"
+
+
 def test_params_are_the_spec_flattened_and_metrics_the_numeric_step_and_eval_fields():
     assert flatten({"lora": {"r": 16, "target_modules": ["all-linear"]}, "name": None}) == {
         "lora.r": "16", "lora.target_modules": "['all-linear']", "name": "None"}

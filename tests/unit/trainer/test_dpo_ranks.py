@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from distributed_helpers import launch
-from trainer_helpers import make_job, write_jsonl
+from trainer_helpers import Recorder, make_job, write_jsonl
 
 from trainer.config import DataConfig, DpoConfig, OptimConfig
 from trainer.events import DPO_STEP_FIELDS
@@ -41,14 +41,18 @@ def write_dpo_job(directory: Path, model_dir: Path) -> Path:
     return directory / "job.json"
 
 
+@pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same arithmetic
 def test_two_ranks_follow_one_process_with_the_same_rewards(tmp_path: Path, tiny_model_dir: Path) -> None:
-    one = launch(write_dpo_job(tmp_path / "one", tiny_model_dir), 1)
+    from trainer.config import TrainConfig
+    from trainer.train import run
+
+    one = Recorder()  # the one-process run in this process (saves a start-up), as `python -m trainer run` does
+    assert run(TrainConfig.load(write_dpo_job(tmp_path / "one", tiny_model_dir)), one).status == "succeeded"
     two = launch(write_dpo_job(tmp_path / "two", tiny_model_dir), 2)
-    for run in (one, two):
-        assert run.returncode == 0 and run.done["status"] == "succeeded", (run.done, run.stderr[-3000:])
+    assert two.returncode == 0 and two.done["status"] == "succeeded", (two.done, two.stderr[-3000:])
     [plan] = two.of("plan")
     assert {d["name"]: d["backend"] for d in plan["decisions"]}["parallelism"] == "ddp"
-    got, want = two.steps(), one.steps()
+    got, want = two.steps(), {e["step"]: e for e in one.of("step")}
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in want:
         assert got[step]["sequences"] == want[step]["sequences"] > 2

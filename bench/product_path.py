@@ -76,6 +76,8 @@ def save_model(shape: ModelShape, directory: Path, device: str) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     build_tokenizer(512).save_pretrained(directory)
     del model
+    if device == "cuda":  # else this process keeps the weights' memory cached while the trainer runs
+        torch.cuda.empty_cache()
     return directory
 
 

@@ -36,6 +36,10 @@ _UPLOAD_BODY: dict[str, Any] = {
                     "properties": {
                         "file": {"type": "string", "format": "binary", "description": "JSONL dataset"},
                         "purpose": {"type": "string", "enum": list(service.PURPOSES)},
+                        "format": {"type": "string", "enum": list(service.UPLOAD_LAYOUTS), "default": "auto",
+                                   "description": "auto: ftq's formats as they are, ShareGPT and Alpaca detected "
+                                   "and converted to chat; sharegpt / alpaca: convert, refusing a record "
+                                   "that is not one"},
                     },
                 }
             }
@@ -72,6 +76,7 @@ async def upload_file(request: Request, state: StateDep, caller: CallerDep) -> F
                     purpose=purpose,
                     files_dir=settings.files_dir,
                     owner_id=caller.user_id,
+                    layout=form.fields.get("format") or "auto",
                 )
                 return FileOut.of(row, owner=caller.name)
 

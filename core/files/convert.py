@@ -43,15 +43,17 @@ def detect(record: dict[str, Any]) -> str | None:
     return None
 
 
-def convert_to_chat(path: Path) -> tuple[Path, str] | None:
+def convert_to_chat(path: Path, layout: str | None = None) -> tuple[Path, str] | None:
     """Rewrite a ShareGPT or Alpaca file at ``path`` as chat JSONL beside it.
 
-    Returns ``(new path, "sharegpt" | "alpaca")``, or None when the first record is not one of
-    them (the file is then validated as it is). Raises InvalidDataset naming the first record
-    that does not convert.
+    ``layout`` None detects it from the first record; ``"sharegpt"`` / ``"alpaca"`` (the upload's
+    explicit ``format``) requires it of every record. Returns ``(new path, layout)``, or None when
+    nothing is to convert (the file is then validated as it is). Raises InvalidDataset naming the
+    first record that does not convert.
     """
-    first = next((record for _, record in _records(path)), None)
-    layout = detect(first) if first is not None else None
+    if layout is None:
+        first = next((record for _, record in _records(path)), None)
+        layout = detect(first) if first is not None else None
     if layout is None:
         return None
     convert: Callable[[dict[str, Any], int], list[dict[str, str]]] = _sharegpt if layout == "sharegpt" else _alpaca

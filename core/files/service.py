@@ -32,6 +32,8 @@ from core.paging import page_newest_first, split_page
 
 Purpose = Literal["train", "validation"]
 PURPOSES = ("train", "validation")
+UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca")
+"""The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses."""
 
 
 class FileSink:
@@ -90,6 +92,7 @@ def store_upload(
     purpose: str,
     files_dir: Path,
     owner_id: str | None = None,
+    layout: str = "auto",
 ) -> File:
     """Validate the received file and record it as ``owner_id``'s; commits, so row and bytes
     always agree. A file this owner already stored with the same sha256 and purpose is returned
@@ -100,6 +103,8 @@ def store_upload(
         InvalidDataset: the first bad line and why (the temporary file is removed by the sink).
     """
     check_purpose(purpose)
+    if layout not in UPLOAD_LAYOUTS:
+        raise InvalidInput(f"format: {layout!r} is not one of {', '.join(UPLOAD_LAYOUTS)}", param="format")
     filename = _clean_filename(filename)
     sink.close()
     same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id)
@@ -107,7 +112,7 @@ def store_upload(
         return same
     source, converted_from = sink.path, None
     try:
-        converted = convert_to_chat(sink.path)
+        converted = convert_to_chat(sink.path, layout=None if layout == "auto" else layout)
         if converted is not None:
             source, converted_from = converted
         summary = validate_dataset(source)

@@ -15,9 +15,10 @@ from tests.integration.helpers import bearer, make_user
 pytestmark = pytest.mark.integration
 
 
-def post(client, records: list[dict], purpose: str = "train", name: str = "d.jsonl", headers=None):
+def post(client, records: list[dict], purpose: str = "train", name: str = "d.jsonl", headers=None, **fields):
     body = "".join(json.dumps(r) + "\n" for r in records)
-    return client.post("/v1/files", files={"file": (name, body)}, data={"purpose": purpose}, headers=headers or {})
+    return client.post("/v1/files", files={"file": (name, body)}, data={"purpose": purpose, **fields},
+                       headers=headers or {})
 
 
 class TestSameBytesAgain:
@@ -76,3 +77,12 @@ class TestConversion:
         only_human = {"conversations": [{"from": "human", "value": "Hi"}]}
         refused = post(client, [only_human])
         assert refused.status_code == 422 and "no assistant message" in refused.json()["error"]["message"]
+
+    def test_an_explicit_format_converts_or_refuses_naming_the_line(self, client) -> None:
+        alpaca = {"instruction": "Say hi", "output": "hi"}
+        assert post(client, [alpaca], format="alpaca").json()["stats"]["converted_from"] == "alpaca"
+        refused = post(client, [CHAT_RECORD], format="sharegpt")
+        assert refused.status_code == 422 and refused.json()["error"]["line"] == 1
+        assert "not a sharegpt record" in refused.json()["error"]["message"]
+        unknown = post(client, [CHAT_RECORD], format="csv")
+        assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "format"

@@ -142,7 +142,7 @@ def write_gguf_export(config: TrainConfig, weights: Path, out: Path, report: Rep
     merge(config, weights, work, report, device=device)
     report("progress", stage="convert", fraction=0.0)
     path = out / gguf_name(quantization)
-    write_gguf(work, path, quantization,
+    write_gguf(work, path, quantization, name=f"{Path(config.model.name_or_path).name} ({config.job_id or 'ftq'})",
                progress=lambda done, total: report("progress", stage="convert", fraction=round(done / total, 4)))
     shutil.rmtree(work)
     return path

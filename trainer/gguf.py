@@ -67,8 +67,9 @@ class GgufInfo:
 
 
 def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f16",
-               progress: Progress | None = None) -> GgufInfo:
-    """Convert the model in ``model_dir`` (``config.json``, safetensors, ``tokenizer.json``) to ``out``.
+               progress: Progress | None = None, name: str | None = None) -> GgufInfo:
+    """Convert the model in ``model_dir`` (``config.json``, safetensors, ``tokenizer.json``) to ``out``;
+    ``name`` is its ``general.name`` (default the directory's name).
 
     Raises:
         GgufError: an unsupported architecture, vocabulary or ``outtype``.
@@ -85,7 +86,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f16",
     plan = list(_tensor_plan(model_dir, config, names, permute, outtype))
 
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
-    _add_hparams(writer, config, outtype, model_dir.name)
+    _add_hparams(writer, config, outtype, name or model_dir.name)
     _add_vocab(writer, model_dir, config["vocab_size"])
     for item in plan:
         writer.add_tensor_info(item.name, item.byte_shape, item.np_dtype, item.nbytes, raw_dtype=item.qtype)

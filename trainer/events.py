@@ -14,7 +14,7 @@ Standard library only: the worker parses these lines without torch. Every event 
                 (reward_margin, reward_accuracy, chosen_logp, rejected_logp) are null for SFT,
                 token_accuracy null for DPO
 ``eval``        step, loss, tokens, accuracy (validation set; accuracy: the fraction of its target
-                tokens the model ranks first)
+                tokens the model ranks first, null for DPO)
 ``skip``        step, loss, grad_norm (None where not finite), consecutive, limit, first_step:
                 a non-finite step whose update was not applied (``trainer.guards``)
 ``sample``      step, final (bool), samples: list of {prompt, completion, tokens}: greedy

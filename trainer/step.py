@@ -262,9 +262,10 @@ def _optimizer_step(ctx: StepContext, loss: torch.Tensor) -> tuple[torch.Tensor,
     return grad_norm, lr
 
 
-def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tuple[float, int, float]:
+def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tuple[float, int, float | None]:
     """Token-weighted validation loss over ``samples``, its target count and the token accuracy
-    (the fraction of targets the model ranks first, ``trainer.token_accuracy``).
+    (the fraction of targets the model ranks first, ``trainer.token_accuracy``; None for DPO,
+    whose loss ranks no tokens).
 
     Each rank packs all batches alike and evaluates every W-th; the sums are gathered (a
     collective). Under FSDP2 every forward gathers parameters with all ranks, so a rank with one
@@ -294,7 +295,7 @@ def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tupl
         model.train()
     rows = ctx.comm.gather_host([total, float(targets), correct.item()])
     total, targets, hits = sum(r[0] for r in rows), int(sum(r[1] for r in rows)), sum(r[2] for r in rows)
-    return total / max(targets, 1), targets, hits / max(targets, 1)
+    return total / max(targets, 1), targets, None if ctx.dpo else hits / max(targets, 1)
 
 
 def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:

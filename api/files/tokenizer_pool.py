@@ -139,24 +139,33 @@ class TokenizerCache:
 
 
 def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int) -> dict[str, Any]:
-    """Tokenize up to ``MAX_RECORDS`` records of ``path`` as training does and summarize their lengths."""
+    """Tokenize up to ``MAX_RECORDS`` records of ``path`` as training does and summarize their lengths.
+
+    A DPO pair (format ``preference``, ``trainer.preference``) counts both of its sequences (the
+    prompt with each answer) and both answers' loss tokens; it is over ``max_seq_len`` when either
+    sequence is.
+    """
     from trainer.dataset import read_records, tokenize_record
+    from trainer.preference import tokenize_pair
 
     records = read_records(path)
     capped = len(records) > MAX_RECORDS
     lengths: list[int] = []
     loss: list[int] = []
+    over = 0
     for _, record in records[:MAX_RECORDS]:
-        sample = tokenize_record(record, fmt, tokenizer)
-        lengths.append(len(sample))
-        loss.append(sample.num_loss_tokens)
+        sequences = tokenize_pair(record, tokenizer).sequences if fmt == "preference" else (
+            tokenize_record(record, fmt, tokenizer),)
+        lengths.append(sum(len(s) for s in sequences))
+        loss.append(sum(s.num_loss_tokens for s in sequences))
+        over += any(len(s) > max_seq_len for s in sequences)
     out: dict[str, Any] = {
         "records": len(lengths),
         "tokens": _summary(lengths),
         "loss_tokens": _summary(loss),
         "over_max_seq_len": {
             "max_seq_len": max_seq_len,
-            "records": sum(1 for n in lengths if n > max_seq_len),
+            "records": over,
         },
         "capped": capped,
     }

@@ -56,3 +56,20 @@ class TestDpoJobs:
         [row] = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
         assert {k: row[k] for k in ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")} == {
             "reward_margin": 0.125, "reward_accuracy": 0.5, "chosen_logp": -12.5, "rejected_logp": -20.25}
+
+
+def test_token_stats_of_a_preference_file_count_both_sequences(client: TestClient, settings) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.preference import tokenize_pair
+    from trainer.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(settings.model_root / "tiny", "llama")
+    pairs = upload(client, record=PAIR)
+    response = client.get(f"/v1/files/{pairs}/tokens", params={"model": "tiny", "max_seq_len": 4096})
+    assert response.status_code == 200, response.text
+    pair = tokenize_pair(PAIR, AutoTokenizer.from_pretrained(model_dir))
+    body = response.json()
+    assert body["records"] == 1 and body["tokens"]["total"] == len(pair.chosen) + len(pair.rejected)
+    assert body["loss_tokens"]["total"] == pair.chosen.num_loss_tokens + pair.rejected.num_loss_tokens > 0
+    assert body["over_max_seq_len"]["records"] == 0

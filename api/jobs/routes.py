@@ -280,8 +280,6 @@ def stream_events(
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Start after this seq (Last-Event-ID wins)")] = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
-    service.get_job(session, job_id)
-    session.close()
     start = after or 0
     if last_event_id is not None and last_event_id.strip():
         if not (last_event_id.strip().isascii() and last_event_id.strip().isdigit()) or len(last_event_id.strip()) > 18:
@@ -290,6 +288,8 @@ def stream_events(
                 param="Last-Event-ID",
             )
         start = int(last_event_id)
+    service.get_job(session, job_id)
+    session.close()
     return StreamingResponse(
         event_stream(state, job_id, start),
         media_type="text/event-stream",

@@ -50,8 +50,7 @@ class TestIntegersBeyondTheColumns:
         assert_422(client.post("/v1/users", json={"name": "carol", "max_running_jobs": 2**40}), "max_running_jobs")
 
     def test_event_stream_start_beyond_any_seq_is_refused_not_dropped(self, client: TestClient, store) -> None:
-        job_id = client.post("/v1/jobs", json=spec(upload(client))).json()["id"]
-        url = f"/v1/jobs/{job_id}/events"
+        url = "/v1/jobs/job-x/events"  # refused before the job is looked up
         assert_422(client.get(url, params={"after": "99999999999999999999"}), "after")
         response = client.get(url, headers={"Last-Event-ID": "9" * 30})
         assert_422(response, "Last-Event-ID")
@@ -93,6 +92,8 @@ def upload_as(client: TestClient, key: str) -> str:
 
 
 class TestIdempotencyKeyOfAnotherUser:
+    @pytest.mark.slow  # submissions run the preflight (a tokenizer process): seconds each
+    @pytest.mark.parametrize("store", ["postgresql"], indirect=True)
     def test_is_a_409_that_names_none_of_her_job(self, client: TestClient, store) -> None:
         alice, bob = make_user(store, "alice"), make_user(store, "bob")
         a_file = upload_as(client, alice)

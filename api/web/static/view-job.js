@@ -511,7 +511,7 @@ export function renderJob(main, [jobId]) {
     if (type === "state") {
       job.status = data.status;
       clear(badge, statusBadge(job.status));
-      if (FINISHED.has(data.status)) {
+      if (FINISHED.has(data.status) && !data.paused) {  // a paused stop was resumed: more follows
         closeStream("finished");
         scheduleRefetch(0);
       } else {

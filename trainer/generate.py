@@ -85,8 +85,8 @@ def validation_prompts(path: str, count: int, tokenizer: Any) -> list[Prompt]:
     prompts = []
     for _, record in read_records(path)[:count]:
         fmt = detect_format(record)
-        if fmt == "chat":
-            messages = record["messages"]
+        if fmt == "chat" or "preferred_output" in record:  # a DPO pair: its prompt is input.messages
+            messages = record["messages"] if fmt == "chat" else record["input"]["messages"]
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=len(messages))
             head = messages[:last]
             text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
@@ -110,7 +110,10 @@ def _render_text(prompt: str, tokenizer: Any, chat: bool) -> list[int]:
 
 
 def _is_chat(config: TrainConfig) -> bool:
-    """Whether the training file is chat (its declared format, or its first record's)."""
+    """Whether the training file is chat (its declared format, or its first record's; DPO's
+    preference records are conversations)."""
+    if config.objective == "dpo":
+        return True
     if config.data.format != "auto":
         return config.data.format == "chat"
     with Path(config.data.train_path).open(encoding="utf-8") as f:

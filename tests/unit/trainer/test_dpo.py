@@ -261,6 +261,8 @@ class TestDpoRun:
         from trainer.train import run
 
         config = dpo_job(tmp_path, tiny_model_dir)
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, validation_path=config.data.train_path),
+                                     sample_count=1, sample_max_new_tokens=4)
         recorder = Recorder()
         assert run(config, recorder).status == "succeeded"
         steps = recorder.of("step")
@@ -269,3 +271,7 @@ class TestDpoRun:
         assert steps[0]["reward_margin"] == pytest.approx(0.0, abs=1e-4)
         assert steps[-1]["loss"] < 0.5 and steps[-1]["reward_margin"] > 0.3 and steps[-1]["reward_accuracy"] == 1.0
         assert steps[-1]["chosen_logp"] > steps[0]["chosen_logp"] > steps[0]["rejected_logp"] > steps[-1]["rejected_logp"]
+        [evaluation] = recorder.of("eval")  # the validation pairs' mean DPO loss, at the end
+        assert evaluation["loss"] < math.log(2) and evaluation["tokens"] == 20
+        [sample] = recorder.of("sample")[-1]["samples"]  # greedy answer to a pair's prompt (input.messages)
+        assert sample["prompt"] == "What is 0 plus one?" and sample["tokens"] > 0

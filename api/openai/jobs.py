@@ -176,7 +176,12 @@ async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool)
                     param="job_id",
                 )
             if extra is not None and extra.paused_at is not None:
-                raise Conflict(f"job {job_id} is already paused; resume or leave it", param="job_id")
+                if pause:
+                    raise Conflict(f"job {job_id} is already paused; resume or cancel it", param="job_id")
+                extra.paused_at = None  # a cancel makes the pause final, stopped or still stopping
+                if job.status == JobStatus.cancelled.value:
+                    session.commit()
+                    return _view(session, job), False, job.last_event_seq
             job, finished_now = service.cancel_job(session, job_id)
             if pause and extra is not None:
                 extra.paused_at = utcnow()

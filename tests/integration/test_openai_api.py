@@ -149,6 +149,13 @@ class TestStopAndResume:
         with pytest.raises(openai.ConflictError):
             oai.fine_tuning.jobs.cancel(job.id)
 
+    def test_a_paused_job_can_be_cancelled_for_good(self, oai: openai.OpenAI, chat_file: str) -> None:
+        job = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file)
+        oai.fine_tuning.jobs.pause(job.id)
+        assert oai.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+        with pytest.raises(openai.ConflictError):
+            oai.fine_tuning.jobs.resume(job.id)
+
     def test_someone_elses_job_cannot_be_paused(self, oai: openai.OpenAI, client: TestClient, store,
                                                 chat_file: str) -> None:
         job = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file)

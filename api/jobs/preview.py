@@ -21,9 +21,10 @@ from core.jobs import preflight, service
 from core.jobs.model_source import ModelSource, check_model_files, resolve_model
 from core.jobs.spec import JobSpec
 from core.users import access
+from core.users.service import Caller
 
 
-async def preflight_for(state: AppState, spec: JobSpec, caller: Any) -> dict[str, Any]:
+async def preflight_for(state: AppState, spec: JobSpec, caller: Caller) -> dict[str, Any]:
     """The preflight report of ``spec`` (``api.jobs.schemas.PreflightOut``).
 
     Raises:
@@ -32,7 +33,8 @@ async def preflight_for(state: AppState, spec: JobSpec, caller: Any) -> dict[str
     """
     located = await to_thread.run_sync(_locate, state, spec, caller)
     source, model_type, train, validation = located
-    if getattr(spec, "objective", "sft") != "sft" or "preference" in (train[1], (validation or ("", ""))[1]):
+    formats = {train[1], validation[1] if validation else train[1]}
+    if spec.objective != "sft" or "preference" in formats:
         return preflight.unchecked("preference records: the preflight counts SFT records only")
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
     try:
@@ -46,7 +48,7 @@ async def preflight_for(state: AppState, spec: JobSpec, caller: Any) -> dict[str
         raise
 
 
-def _locate(state: AppState, spec: JobSpec, caller: Any) -> tuple[ModelSource, str | None, tuple[str, str],
+def _locate(state: AppState, spec: JobSpec, caller: Caller) -> tuple[ModelSource, str | None, tuple[str, str],
                                                                       tuple[str, str] | None]:
     settings = state.settings
     with state.sessions() as session:

@@ -7,10 +7,11 @@ Domain errors (``core.errors``) map to status codes by type; request validation 
 instead of pydantic's ``loc`` tuples; HTTP errors (unknown route, wrong method) keep their
 status and get the same envelope.
 
-Two safety nets stand behind the checks at the edges: a store that cannot be reached
-(``OperationalError``) is a 503, and a value the store refuses (``DataError``: a NUL character
-in text, an integer out of the column's range) is a 422 rather than a 500. Neither should be
-reached by a request the schemas already checked; each is logged when it is.
+Safety nets stand behind the checks at the edges: a store that cannot be reached
+(``OperationalError``) or a connection pool exhausted under load (``TimeoutError``) is a 503,
+and a value the store refuses (``DataError``: a NUL character in text, an integer out of the
+column's range) is a 422 rather than a 500. None should be reached by a request the schemas
+already checked; each is logged when it is.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import (
@@ -70,6 +72,7 @@ def add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(OperationalError, _store_error)  # type: ignore[arg-type]
     app.add_exception_handler(DataError, _data_error)  # type: ignore[arg-type]
+    app.add_exception_handler(PoolTimeout, _overloaded)  # type: ignore[arg-type]
 
 
 async def _domain_error(request: Request, exc: FtqError) -> JSONResponse:
@@ -112,6 +115,15 @@ def too_many_failures(retry_after_s: int) -> JSONResponse:
 
 async def _store_error(request: Request, exc: OperationalError) -> JSONResponse:
     return store_unreachable(exc)
+
+
+async def _overloaded(request: Request, exc: PoolTimeout) -> JSONResponse:
+    log.warning("%s %s: no store connection came free in time: %s", request.method, request.url.path, exc)
+    return JSONResponse(
+        error_body("unavailable", "the API is overloaded (no store connection came free in time); retry shortly"),
+        status_code=503,
+        headers={"Retry-After": "2"},
+    )
 
 
 async def _data_error(request: Request, exc: DataError) -> JSONResponse:

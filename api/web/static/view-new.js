@@ -65,6 +65,13 @@ export function renderNew(main) {
 
   const name = field("name", "Job name (optional)", h("input", { type: "text", maxlength: "200", placeholder: "e.g. support-bot-v3" }));
   const gpus = gpusField(controller.signal);
+  const objective = field("objective", "Objective", h("select", {}, [["sft", "supervised (SFT)"], ["dpo", "preference pairs (DPO)"]].map(([v, t]) => h("option", { value: v, text: t }))),
+    "sft trains on chat, prompt/completion or text files; dpo on preference files (OpenAI's DPO records).");
+  const beta = field("dpo.beta", "DPO beta", h("input", { type: "number", min: "0", step: "any" }),
+    "DPO only: how strongly the policy is held to the reference model (larger: closer).");
+  const objectiveSelect = objective.querySelector("select");
+  objectiveSelect.addEventListener("change", () => { beta.hidden = objectiveSelect.value !== "dpo"; });
+  beta.hidden = true;
   const lengthUnit = h(
     "select",
     { "data-testid": "length-unit", "aria-label": "Length unit" },
@@ -96,7 +103,7 @@ export function renderNew(main) {
   );
   const switches = h("div", { class: "switches", "data-testid": "switches" }, h("p", { class: "muted", text: "Loading the optimization switches…" }));
   loadDefaults()
-    .then((defaults) => showDefaults([...hyperFields, ...loraFields], defaults))
+    .then((defaults) => showDefaults([...hyperFields, ...loraFields, beta], defaults))
     .catch(() => {}); // placeholders are a hint; the API fills its defaults in anyway
   loadSwitches()
     .then((list) => clear(switches, list.map(switchField)))
@@ -110,7 +117,7 @@ export function renderNew(main) {
     form,
     h("fieldset", {}, h("legend", { text: "Model" }), model.element),
     h("fieldset", {}, h("legend", { text: "Data" }), train.element, valid.element),
-    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
+    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, objective, beta, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "lora" }, h("legend", { text: "LoRA adapter" }), h("div", { class: "grid" }, ...loraFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), switches),
     h("fieldset", {}, h("legend", { text: "Evaluation" }), samplePrompts),
@@ -228,7 +235,7 @@ function loadDefaults() {
   return api("/openapi.json").then((schema) => {
     const schemas = schema?.components?.schemas || {};
     const out = {};
-    for (const [prefix, name] of [["", "JobSpec"], ["hyperparameters.", "Hyperparameters"], ["lora.", "LoraSpec"]]) {
+    for (const [prefix, name] of [["", "JobSpec"], ["hyperparameters.", "Hyperparameters"], ["lora.", "LoraSpec"], ["dpo.", "DpoSpec"]]) {
       for (const [key, p] of Object.entries(schemas[name]?.properties || {})) {
         if (p.default !== undefined && p.default !== null && typeof p.default !== "object") out[prefix + key] = p.default;
         else if (Array.isArray(p.default)) out[prefix + key] = p.default.join(", ");
@@ -521,6 +528,7 @@ function buildBody(form, model, train, valid, lengthUnit, lengthValue) {
   for (const radio of form.querySelectorAll("input[type=radio]:checked")) setPath(body, radio.name, radio.value);
   const prompts = form.querySelector('textarea[data-param="sample_prompts"]')?.value.split("\n").map((s) => s.trim()).filter(Boolean);
   if (prompts?.length) body.sample_prompts = prompts;
+  if (body.objective !== "dpo") delete body.dpo; // beta is a DPO setting (the field hides for sft)
   if (lengthUnit.value === "epochs") delete body.hyperparameters.max_steps;
   else delete body.hyperparameters.epochs;
   return body;

@@ -434,6 +434,37 @@ def test_the_form_previews_the_data_and_the_job_page_shows_eval_and_samples(
     assert page.locator("[data-testid=event-log] [data-type=sample]").count() == 2
 
 
+def _pairs_file(path: Path) -> Path:
+    path.write_text("".join(json.dumps({
+        "input": {"messages": [{"role": "user", "content": f"What is {i} plus one?"}]},
+        "preferred_output": [{"role": "assistant", "content": f"{i + 1}."}],
+        "non_preferred_output": [{"role": "assistant", "content": "No idea."}],
+    }) + "\n" for i in range(8)))
+    return path
+
+
+def test_a_dpo_job_is_submitted_through_the_form(page: Any, api: httpx.Client, tmp_path: Path,
+                                                 no_leftover_jobs: None) -> None:
+    """Objective and beta on the new-job form; the preference file's token counts (both sequences)."""
+    page.goto("/#/new")
+    page.get_by_label("Base model").select_option(MODEL)
+    page.get_by_label("Upload a JSONL file").first.set_input_files(str(_pairs_file(tmp_path / "pairs.jsonl")))
+    page.locator("[data-testid=upload-result-train][data-state=ok]").wait_for()
+    page.locator("[data-testid=dataset-token-stats][data-state=ok]").wait_for()
+    assert not page.get_by_label("DPO beta").is_visible()
+    page.get_by_label("Objective").select_option("dpo")
+    assert page.get_by_label("DPO beta").get_attribute("placeholder") == "0.1"  # the API's default
+    page.get_by_label("DPO beta").fill("0.2")
+    page.get_by_label("Job name (optional)").fill("form-dpo")
+    page.get_by_label("Train for").fill("2")
+    page.get_by_label("Tokens per batch").fill(str(SMALL["batch_tokens"]))
+    page.get_by_label("Max sequence length").fill(str(SMALL["max_seq_len"]))
+    page.get_by_role("button", name="Submit job").click()
+    page.wait_for_url("**/#/jobs/job-*")
+    spec = api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}").json()["spec"]
+    assert (spec["objective"], spec["dpo"]["beta"], spec["name"]) == ("dpo", 0.2, "form-dpo")
+
+
 def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     page: Any, api: httpx.Client, dashboard_stack: Any, chat_file: Path, tmp_path: Path
 ) -> None:
@@ -442,13 +473,7 @@ def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     from core.db import make_engine, make_sessionmaker
     from core.jobs.models import StepMetric
 
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({
-        "input": {"messages": [{"role": "user", "content": f"What is {i} plus one?"}]},
-        "preferred_output": [{"role": "assistant", "content": f"{i + 1}."}],
-        "non_preferred_output": [{"role": "assistant", "content": "No idea."}],
-    }) + "\n" for i in range(8)))
-    job = submit_job(api, pairs, max_steps=10, name="dpo-charts", objective="dpo")
+    job = submit_job(api, _pairs_file(tmp_path / "pairs.jsonl"), max_steps=10, name="dpo-charts", objective="dpo")
     assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
     engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
     try:

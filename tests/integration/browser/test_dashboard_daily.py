@@ -20,9 +20,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 
 def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, losses: list[float],
-          status: str = "succeeded", error: str | None = None, checkpoints: tuple[int, ...] = ()) -> dict[str, Any]:
-    """A finished 4-GPU job with a step row per loss (tokens 1000 a step), written as its worker would."""
-    from core.jobs.models import Checkpoint, Job, StepMetric
+          status: str = "succeeded", error: str | None = None, checkpoints: tuple[int, ...] = (),
+          evals: dict[int, float] | None = None) -> dict[str, Any]:
+    """A finished 4-GPU job with a step row per loss (tokens 1000 a step) and ``evals`` (step: eval
+    loss), written as its worker would."""
+    from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric
     from core.jobs.service import transition
     from core.jobs.states import JobStatus
     from core.jobs.summary import summarize
@@ -40,6 +42,8 @@ def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, 
         for step, loss in enumerate(losses, 1):
             session.add(StepMetric(job_id=job["id"], step=step, loss=loss, lr=lr * (1 - step / (len(losses) + 1)),
                                    grad_norm=1.0 / step, tokens=1000))
+        for step, loss in (evals or {}).items():
+            session.add(EvalMetric(job_id=job["id"], step=step, loss=loss, tokens=500))
         output_dir = session.get(Job, job["id"]).output_dir
         for step in checkpoints:
             path = layout.checkpoint_dir(output_dir, step)
@@ -55,8 +59,8 @@ def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, 
 def test_compare_two_runs_by_step_and_tokens_with_their_differences(
     page: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path, no_leftover_jobs: None  # noqa: F811
 ) -> None:
-    fast = a_run(api, store, chat_file, "cmp-fast", 1e-3, [3.0, 2.0, 1.5, 1.2])
-    slow = a_run(api, store, chat_file, "cmp-slow", 1e-4, [3.0, 2.8, 2.6, 2.5])
+    fast = a_run(api, store, chat_file, "cmp-fast", 1e-3, [3.0, 2.0, 1.5, 1.2], evals={2: 2.1, 4: 1.4})
+    slow = a_run(api, store, chat_file, "cmp-slow", 1e-4, [3.0, 2.8, 2.6, 2.5], evals={2: 2.9, 4: 2.6})
     page.goto("/#/jobs")
     page.get_by_label("Search").fill("cmp-")
     page.wait_for_function("() => location.hash.includes('q=cmp-')")  # the search is kept in the address
@@ -69,22 +73,23 @@ def test_compare_two_runs_by_step_and_tokens_with_their_differences(
     page.get_by_test_id("compare-button").click()
 
     page.wait_for_url("**/#/compare?ids=*")
-    loss = page.get_by_test_id("chart-compare-loss")
-    page.wait_for_function("() => document.querySelector('[data-testid=chart-compare-loss]')?.dataset.points === '4'")
+    page.wait_for_function("() => ['loss', 'lr', 'grad'].every((k) =>"
+                           " document.querySelector(`[data-testid=chart-compare-${k}]`)?.dataset.points === '4')"
+                           " && document.querySelector('[data-testid=chart-compare-eval]')?.dataset.points === '2'")
     legend = page.get_by_test_id("chart-compare-loss-legend").inner_text()
     assert "cmp-fast" in legend and "cmp-slow" in legend
-    for testid in ("chart-compare-lr", "chart-compare-grad"):
-        assert page.get_by_test_id(testid).get_attribute("data-points") == "4"
 
     page.get_by_label("x axis").select_option("tokens")
-    page.wait_for_function("() => document.querySelector('[data-testid=chart-compare-loss]')?.dataset.x === 'tokens'")
-    assert loss.get_attribute("data-points") == "4"  # 1000, 2000, 3000, 4000 tokens
+    page.wait_for_function("() => { const c = document.querySelector('[data-testid=chart-compare-loss]');"
+                           " return c?.dataset.x === 'tokens' && c.dataset.points === '4'; }")  # 1000 ... 4000 tokens
     page.get_by_label("log scale").check()
     page.get_by_text("Train loss (log scale)").wait_for()
     page.get_by_label("Smoothing").fill("0.6")
 
     finals = page.locator("[data-testid=compare-params] tr.result").first.locator("td").all_inner_texts()
     assert sorted(finals) == ["1.2000", "2.5000"]  # each job's final train loss, from its summary
+    best_eval = page.locator("[data-testid=compare-params] tr.result").nth(1).locator("td").all_inner_texts()
+    assert sorted(best_eval) == ["1.4000", "2.6000"]
     lr_row = page.locator("[data-testid=compare-param][data-key='hyperparameters.learning_rate']")
     assert lr_row.get_attribute("data-differs") == "true"
     assert page.locator("[data-testid=compare-param][data-key='lora.r']").get_attribute("data-differs") == "false"

@@ -86,9 +86,9 @@ class DpoLoss:
         """The last call's sums, in ``STATS`` order (a detached device tensor, read one step late)."""
 
     def __call__(self, model: torch.nn.Module, batch: PackedBatch, meta: Any, num_items: int) -> torch.Tensor:
-        policy_S = packed_sequence_logprobs(model, batch, meta, self.loss_kernel)
-        with torch.no_grad():
+        with torch.no_grad():  # first: its transient memory comes before the policy's saved activations
             ref_S = self.reference_logprobs(model, batch, meta)
+        policy_S = packed_sequence_logprobs(model, batch, meta, self.loss_kernel)
         losses_P = dpo_losses(
             policy_S[0::2], policy_S[1::2], ref_S[0::2], ref_S[1::2], self.config.beta, self.config.label_smoothing
         )

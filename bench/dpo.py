@@ -162,7 +162,9 @@ def trl_result(shape: str, model_dir: Path, data: Path, root: Path, args: argpar
     out = root / "trl.json"
     argv = [sys.executable, "-m", "bench.dpo", "trl", str(model_dir), str(data), str(out), str(args.steps),
             str(args.skip), args.device, str(args.trl_batch)]
-    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {})}
+    # The GPU box is offline: nothing of TRL's (datasets, hub) may try the network.
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **os.environ,
+           **({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {})}
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, env=env)
     result = ProductResult(shape, f"TRL DPOTrainer (batch {args.trl_batch})")
@@ -178,10 +180,11 @@ def trl_result(shape: str, model_dir: Path, data: Path, root: Path, args: argpar
     return result
 
 
-def verdict(ftq: ProductResult, trl: ProductResult | None) -> str:
+def verdict(ftq: ProductResult, trl: ProductResult | None, tiny: bool = False) -> str:
     """The target line: ftq's tokens/s against 7,500 and TRL, and its peak against TRL's."""
-    lines = [f"ftq DPO: {ftq.tokens_per_s:,.0f} real tokens/s (target >= {TARGET_TOKENS_PER_S:,}): "
-             f"{'met' if ftq.tokens_per_s >= TARGET_TOKENS_PER_S else 'MISSED'}"]
+    target = ("a tiny smoke run: the target is for the 8B shape" if tiny
+              else "met" if ftq.tokens_per_s >= TARGET_TOKENS_PER_S else "MISSED")
+    lines = [f"ftq DPO: {ftq.tokens_per_s:,.0f} real tokens/s (target >= {TARGET_TOKENS_PER_S:,}): {target}"]
     if trl is not None and trl.status == "ok":
         memory = "no more" if ftq.peak_gib <= trl.peak_gib else "MORE" if ftq.peak_gib > trl.peak_gib else "n/a"
         lines.append(f"vs TRL: {ftq.tokens_per_s / trl.tokens_per_s:.2f}x tokens/s, peak {ftq.peak_gib:.1f} GiB vs "
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print(rewards_line(events))
     if results[0].status == "ok":
-        print(verdict(results[0], trl))
+        print(verdict(results[0], trl, args.tiny))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0 if all(r.status == "ok" for r in results) else 1

@@ -21,6 +21,14 @@ class TestDpoBench:
             assert dpo.PROMPT_WORDS[0] <= len(record["input"]["messages"][0]["content"].split()) <= dpo.PROMPT_WORDS[1]
             assert dpo.ANSWER_WORDS[0] <= len(record["preferred_output"][0]["content"].split()) <= dpo.ANSWER_WORDS[1]
 
+    def test_the_verdict_names_a_missed_target_and_more_memory(self) -> None:
+        ftq = product_path.ProductResult("s", "ftq", tokens_per_s=7000.0, peak_gib=70.0)
+        trl = product_path.ProductResult("s", "TRL", tokens_per_s=1400.0, peak_gib=65.8)
+        assert dpo.verdict(ftq, trl) == ("ftq DPO: 7,000 real tokens/s (target >= 7,500): MISSED\n"
+                                        "vs TRL: 5.00x tokens/s, peak 70.0 GiB vs 65.8 GiB (MORE)")
+        ftq.tokens_per_s, ftq.peak_gib = 9000.0, 60.0
+        assert "met" in dpo.verdict(ftq, trl) and "(no more)" in dpo.verdict(ftq, trl)
+
     def test_ftq_plans_within_trls_measured_peak(self) -> None:
         trl = product_path.ProductResult("s", "TRL", peak_gib=65.8)
         assert dpo.memory_cap(trl, dpo.parse([])) == 65.8
@@ -45,4 +53,4 @@ class TestDpoBench:
         assert "max_gpu_memory_gb" not in job  # no GPU peak from TRL on the CPU, so no cap
         printed = capsys.readouterr().out
         assert "| ftq DPO (auto) |" in printed and "| TRL DPOTrainer (batch 2) |" in printed
-        assert "reward_margin" in printed and "vs TRL:" in printed
+        assert "reward_margin" in printed and "vs TRL:" in printed and "tiny smoke run" in printed

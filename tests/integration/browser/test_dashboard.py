@@ -435,11 +435,10 @@ def test_the_form_previews_the_data_and_the_job_page_shows_eval_and_samples(
 
 
 def _pairs_file(path: Path) -> Path:
-    path.write_text("".join(json.dumps({
-        "input": {"messages": [{"role": "user", "content": f"What is {i} plus one?"}]},
-        "preferred_output": [{"role": "assistant", "content": f"{i + 1}."}],
-        "non_preferred_output": [{"role": "assistant", "content": "No idea."}],
-    }) + "\n" for i in range(8)))
+    path.write_text("".join(json.dumps({"input": {"messages": [{"role": "user", "content": f"What is {i} plus one?"}]},
+                                        "preferred_output": [{"role": "assistant", "content": f"{i + 1}."}],
+                                        "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}) + "\n"
+                            for i in range(8)))
     return path
 
 
@@ -477,17 +476,12 @@ def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
     engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
     try:
-        with make_sessionmaker(engine)() as session:
-            session.add_all(
-                StepMetric(job_id=job["id"], step=step, loss=0.7 - 0.05 * step, tokens_per_s=900.0, step_ms=40.0,
-                           reward_margin=0.25 * step, reward_accuracy=0.5 + 0.1 * step,
-                           chosen_logp=-50.0 + step, rejected_logp=-60.0 - step)
-                for step in range(1, 6)
-            )
-            session.commit()
+        with make_sessionmaker(engine).begin() as session:
+            session.add_all(StepMetric(job_id=job["id"], step=step, loss=0.7 - 0.05 * step, reward_margin=0.25 * step,
+                                       reward_accuracy=0.5 + 0.1 * step, chosen_logp=-50.0 + step, rejected_logp=-60.0 - step)
+                            for step in range(1, 6))
     finally:
         engine.dispose()
-
     page.goto(f"/#/jobs/{job['id']}")
     page.locator("main[data-history-loaded=true]").wait_for()
     assert page.get_by_test_id("chart-dpo-reward").is_visible() and page.get_by_test_id("chart-dpo-logps").is_visible()

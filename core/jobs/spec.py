@@ -308,6 +308,9 @@ class JobSpec(_Strict):
     def _check_method(self) -> JobSpec:
         if self.method == "full" and "lora" in self.model_fields_set:
             raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
+        if self.objective == "dpo" and self.method == "full" and self.gpus > 1:  # FSDP2: trainer.dpo refuses it
+            raise ValueError("objective dpo with method full runs on one GPU (several GPUs would shard the model "
+                             "with FSDP2, which DPO does not support yet); set gpus to 1 or use method lora")
         if self.objective != "dpo" and self.dpo != DpoSpec():  # defaults are stored on every job
             raise ValueError("dpo settings apply to objective dpo; set objective to dpo or remove 'dpo'")
         if self.sample_count and not self.sample_prompts and self.validation_file is None:

@@ -60,6 +60,12 @@ class TestSpec:
         [(_, message)] = spec_errors(dpo={"beta": 0.2})
         assert "objective" in message and "dpo" in message
 
+    def test_full_dpo_on_several_gpus_is_refused_at_the_door(self) -> None:
+        [(_, message)] = spec_errors(objective="dpo", method="full", gpus=2)
+        assert "set gpus to 1 or use method lora" in message
+        JobSpec(model="m/m", training_file=TRAIN, objective="dpo", method="lora", gpus=2)
+        JobSpec(model="m/m", training_file=TRAIN, objective="dpo", method="full", gpus=1)
+
     def test_dpo_settings_reach_the_trainer(self) -> None:
         spec = JobSpec(model="m/m", training_file=TRAIN, objective="dpo", dpo={"beta": 0.25, "label_smoothing": 0.1})
         config = to_train_config(spec, job_id="j", files={TRAIN: "/t"}, output_dir="/o", model_path="m/m")

@@ -191,7 +191,7 @@ export function renderJob(main, [jobId]) {
       ["Job id", h("span", { class: "mono", text: job.id })],
       ["Owner", h("span", { "data-testid": "job-owner", text: job.owner || "–" })],
       ["Model", h("span", { class: "mono", text: job.model })],
-      ["Method", job.method],
+      ["Method", job.spec?.objective === "dpo" ? `${job.method} · DPO (beta ${job.spec.dpo?.beta})` : job.method],
       ["GPUs", h("span", { "data-testid": "job-gpus", "data-gpus": String(job.gpus ?? 1), text: fmtGpus(job) })],
       ["Training file", h("span", { class: "mono", text: job.training_file })],
       ["Worker", job.worker || "–"],

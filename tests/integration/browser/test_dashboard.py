@@ -486,6 +486,7 @@ def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     page.locator("main[data-history-loaded=true]").wait_for()
     assert page.get_by_test_id("chart-dpo-reward").is_visible() and page.get_by_test_id("chart-dpo-logps").is_visible()
     assert points(page, "chart-dpo-reward") == points(page, "chart-dpo-logps") == 5
+    assert "lora · DPO (beta 0.1)" in page.get_by_test_id("job-meta").inner_text()
     rewards = page.get_by_test_id("chart-dpo-reward-legend").inner_text()
     assert "margin 1.25" in rewards and "accuracy 1" in rewards, rewards
     logps = page.get_by_test_id("chart-dpo-logps-legend").inner_text()

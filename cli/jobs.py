@@ -264,8 +264,10 @@ def progress_line(step: dict[str, Any]) -> str:
         bar = "[" + "#" * filled + "-" * (30 - filled) + "] "
     loss = step.get("loss")
     rate = step.get("tokens_per_s")
+    margin, accuracy = step.get("reward_margin"), step.get("reward_accuracy")  # DPO steps only
     return (f"{bar}step {done}/{total or '?'}"
             + (f"  loss {loss:.4f}" if loss is not None else "")
+            + (f"  margin {margin:.3f} acc {accuracy:.2f}" if margin is not None and accuracy is not None else "")
             + (f"  {rate:,.0f} tok/s" if rate is not None else ""))
 
 

@@ -59,6 +59,8 @@ class TestFollowAndList:
 def test_event_lines_for_people():
     assert progress_line({"step": 3, "total_steps": 6, "loss": 1.23456, "tokens_per_s": 12345.6}) == (
         "[###############---------------] step 3/6  loss 1.2346  12,346 tok/s")
+    dpo = {"step": 2, "total_steps": 4, "loss": 0.5, "reward_margin": 0.4567, "reward_accuracy": 0.75, "tokens_per_s": 900.0}
+    assert progress_line(dpo) == "[###############---------------] step 2/4  loss 0.5000  margin 0.457 acc 0.75  900 tok/s"
     assert describe("checkpoint", {"step": 6, "final": True}) == "checkpoint: step 6 (final)"
     assert describe("state", {"status": "failed", "error_code": "out_of_memory"}) == "state: failed (out_of_memory)"
 

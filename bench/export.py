@@ -90,7 +90,8 @@ def run_variant(job: Path, variant: str, out_root: Path) -> dict[str, Any]:
             "--device", device]
     if fmt == "gguf":
         argv += ["--quantization", parts[1]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repo first, then whatever the caller had on the path (a --target install of gguf, say)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     started = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, env=env, cwd=REPO, check=False)
     stdout, stderr = proc.stdout, proc.stderr

@@ -43,8 +43,9 @@ def test_a_nan_step_is_skipped_on_the_device_without_a_host_sync() -> None:
     assert torch.equal(optimizer.state[param]["step"], before[2])
 
     param.grad = torch.ones_like(param)
+    finite_loss = torch.tensor(1.0, device="cuda")  # a host->device copy: made before the no-sync block
     with no_host_sync():
-        guards.arm(optimizer, torch.tensor(1.0, device="cuda"), torch.linalg.vector_norm(param.grad))
+        guards.arm(optimizer, finite_loss, torch.linalg.vector_norm(param.grad))
         optimizer.step()
     torch.cuda.synchronize()
     assert (param.detach() < before[0]).all() and optimizer.state[param]["step"].item() == before[2].item() + 1

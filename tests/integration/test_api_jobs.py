@@ -189,7 +189,9 @@ class TestCreate:
         assert response.status_code == 422
         assert "purpose=validation" in response.json()["error"]["message"]
         train = upload(client)
-        response = client.post("/v1/jobs", json=spec(train, validation_file=upload(client)))
+        # other bytes than ``train``'s: the same bytes would be the same (deduplicated) file
+        other = {"messages": [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "hi there"}]}
+        response = client.post("/v1/jobs", json=spec(train, validation_file=upload(client, record=other)))
         assert response.status_code == 422
         assert response.json()["error"]["param"] == "validation_file"
         client.delete(f"/v1/files/{train}")

@@ -55,7 +55,7 @@ def live_api(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     ).resolved()
     try:
         with LiveServer(app_settings) as server:
-            yield SimpleNamespace(url=server.url, key=key, root=root)
+            yield SimpleNamespace(url=server.url, key=key, root=root, engine=engine)
     finally:
         with engine.begin() as conn:  # the module's rows must not meet the next test's store
             for table in TABLES:
@@ -83,7 +83,7 @@ def test_no_operation_answers_a_server_error(api_schema: schemathesis.BaseSchema
         @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                   derandomize=True, database=None)
         def fuzz(case: schemathesis.Case) -> None:
-            case.call_and_validate(headers=headers, checks=[not_a_server_error], timeout=20)
+            case.call_and_validate(headers=headers, checks=[not_a_server_error], timeout=60)
 
         try:
             fuzz()
@@ -100,8 +100,17 @@ def test_linked_operations_answer_no_server_error(
     headers = {"Authorization": f"Bearer {live_api.key}"}
 
     class Machine(machine):  # type: ignore[misc, valid-type]
+        def setup(self) -> None:
+            """Each scenario starts from an empty store but for the admin and its key: answers
+            depend on what is stored (an upload of bytes already stored returns that file), and
+            hypothesis replays a scenario expecting the same answers."""
+            with live_api.engine.begin() as conn:
+                for table in TABLES:
+                    if table not in ("user", "api_key"):
+                        conn.execute(text(f'DELETE FROM "{table}"'))
+
         def get_call_kwargs(self, case: schemathesis.Case) -> dict:
-            return {"headers": headers, "timeout": 20}
+            return {"headers": headers, "timeout": 60}  # the first tokenizing request starts a pool: slow on a busy CI box
 
         def validate_response(self, response, case, additional_checks=(), **kwargs) -> None:  # type: ignore[no-untyped-def]
             case.validate_response(response, checks=[not_a_server_error])

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.events import Emitter
+from trainer.events import DPO_STEP_FIELDS, Emitter
 
 STEP_MS = {"Qwen3-0.6B (H200)": 320.0, "Llama-3.1-8B (H200)": 1443.0}
 """ftq step times from docs/benchmarks.md (bench.train_step, this repo)."""
@@ -45,7 +45,7 @@ def step_payload(step: int) -> dict[str, Any]:
         "data_ms": 0.42, "forward_ms": 512.3, "backward_ms": 931.1, "optimizer_ms": 0.61,
         "tokens_per_s": 11_352.7, "mfu": 0.4321, "gpu_mem_allocated": 17_179_869_184,
         "gpu_mem_reserved": 21_474_836_480, "gpu_mem_peak": 20_561_612_390, "host_rss": 6_442_450_944,
-        "ranks": None,
+        "ranks": None, "token_accuracy": 0.4567, **dict.fromkeys(DPO_STEP_FIELDS),
     }
 
 

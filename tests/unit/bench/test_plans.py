@@ -193,6 +193,7 @@ class TestOffloadBench:
         with runner.installed("offload double") as installation:
             assert installation.describe() == [
                 "packed attention: sdpa, metadata built once per batch",
+                "activation policy: full, 2 of 2 layers checkpointed",
                 "activation offload: 2 decoder layers, double-buffered reload",
                 "loss: fused_chunked_ce",
             ]

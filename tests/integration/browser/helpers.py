@@ -82,3 +82,16 @@ def _close(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
+
+
+def cancel_and_wait(api, job_id: str, timeout: float = 120.0) -> None:
+    """Cancel ``job_id`` and wait until it is ``cancelled``: a queued job is removed at once (200),
+    one the worker already claimed stops after its current step (202)."""
+    import time
+
+    response = api.post(f"/v1/jobs/{job_id}/cancel")
+    assert response.status_code in (200, 202), response.text
+    deadline = time.monotonic() + timeout
+    while api.get(f"/v1/jobs/{job_id}").json()["status"] != "cancelled":
+        assert time.monotonic() < deadline, f"{job_id} not cancelled after {timeout} s"
+        time.sleep(0.2)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import MODEL, CuttableProxy, screenshot_dir
+from tests.integration.browser.helpers import MODEL, CuttableProxy, cancel_and_wait, screenshot_dir
 from trainer.config import SWITCHES, switch_docs
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -306,7 +306,7 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
     from core.jobs.models import Job, StepMetric
 
     job = submit_job(api, chat_file, max_steps=10, name="gpu-shaped")
-    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    cancel_and_wait(api, job["id"])
     gib = 1 << 30
     plan = {"device": "cuda", "dtype": "bfloat16", "model_attention": "sdpa",
             "decisions": [{"name": "attention", "requested": "auto", "enabled": True, "backend": "torch_varlen",
@@ -317,6 +317,7 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
     try:
         with make_sessionmaker(engine)() as session:
             session.execute(update(Job).where(Job.job_id == job["id"]).values(plan=plan, progress_step=5))
+            session.query(StepMetric).filter_by(job_id=job["id"]).delete()  # steps it ran before the cancel
             session.add_all(
                 StepMetric(job_id=job["id"], step=step, loss=3.0 - 0.1 * step, tokens_per_s=9000.0 + step,
                            step_ms=400.0, data_ms=5.0, forward_ms=130.0, backward_ms=240.0, optimizer_ms=20.0,
@@ -327,7 +328,6 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
             session.commit()
     finally:
         engine.dispose()
-
     page.goto(f"/#/jobs/{job['id']}")
     page.locator("main[data-history-loaded=true]").wait_for()
     assert points(page, "chart-memory") == 5
@@ -473,10 +473,11 @@ def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     from core.jobs.models import StepMetric
 
     job = submit_job(api, _pairs_file(tmp_path / "pairs.jsonl"), max_steps=10, name="dpo-charts", objective="dpo")
-    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    cancel_and_wait(api, job["id"])
     engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
     try:
         with make_sessionmaker(engine).begin() as session:
+            session.query(StepMetric).filter_by(job_id=job["id"]).delete()  # steps it ran before the cancel
             session.add_all(StepMetric(job_id=job["id"], step=step, loss=0.7 - 0.05 * step, reward_margin=0.25 * step,
                                        reward_accuracy=0.5 + 0.1 * step, chosen_logp=-50.0 + step, rejected_logp=-60.0 - step)
                             for step in range(1, 6))
@@ -491,9 +492,8 @@ def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     assert "margin 1.25" in rewards and "accuracy 1" in rewards, rewards
     logps = page.get_by_test_id("chart-dpo-logps-legend").inner_text()
     assert "chosen -45" in logps and "rejected -65" in logps, logps
-
     sft = submit_job(api, chat_file, max_steps=10, name="sft-no-dpo-charts")
-    assert api.post(f"/v1/jobs/{sft['id']}/cancel").status_code == 200
+    cancel_and_wait(api, sft["id"])
     page.goto(f"/#/jobs/{sft['id']}")
     page.get_by_test_id("job-title").filter(has_text="sft-no-dpo-charts").wait_for()
     assert page.get_by_test_id("chart-loss").is_visible()

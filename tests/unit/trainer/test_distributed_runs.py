@@ -14,8 +14,11 @@ over six steps the losses agree to ~1e-7 and the grad norms to under 1e-6 relati
 ``LOSS_RTOL = 1e-5`` (for both) leaves more than ten times that, while any real error is far
 outside it: a micro-batch lost or counted twice,
 or a loss normalised per rank instead of by the step's global label count, moves the step loss by
-percents. Weights: ``WEIGHT_ATOL = 1e-6`` is a thousandth of one AdamW update (each moves a
-weight by about the learning rate, 1e-3 full / 1e-2 LoRA), so one missed update would show.
+percents. Weights: ``WEIGHT_ATOL = 5e-6`` is under a two-hundredth of one AdamW update (each
+moves a weight by about the learning rate, 1e-3 full / 1e-2 LoRA), so one missed update would
+show; with transformers 5.23 one LoRA A weight of the two-rank run lands 1.15e-6 from the
+one-process run's (every other weight within 1.4e-7), the summation-order noise AdamW divides by
+a small second moment early on.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from trainer import layout
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 1e-6
+WEIGHT_ATOL = 5e-6
 RESUME_AT = CHECKPOINT_EVERY
 
 

@@ -89,17 +89,7 @@ def export_dir(job: Job, export_id: str) -> Path:
 
 def claim(session: Session, export_id: str, worker_id: str) -> Export | None:
     """queued → running for this worker; None when another claim won or the row is gone."""
-    won = session.execute(
-        update(Export).where(Export.export_id == export_id, Export.status == "queued")
-        .values(status="running", worker_id=worker_id, started_at=utcnow())
-        .execution_options(synchronize_session=False)
-    ).rowcount == 1
-    if not won:
-        return None
-    export = session.get(Export, export_id)
-    session.refresh(export)
-    _event(session, export)
-    return export
+    return _transition(session, export_id, "queued", status="running", worker_id=worker_id, started_at=utcnow())
 
 
 def record_progress(session: Session, export_id: str, stage: str, fraction: float) -> None:
@@ -122,8 +112,14 @@ def finish(session: Session, export_id: str, *, path: str | None, size: int | No
                               "error_message": message, "path": path, "bytes": size}
     if status == "succeeded":
         values.update(progress=1.0, stage=None)
+    return _transition(session, export_id, "running", **values)
+
+
+def _transition(session: Session, export_id: str, from_status: str, **values: Any) -> Export | None:
+    """``from_status`` → ``values`` in one conditional UPDATE (two claims cannot both win); the
+    row as it is now, with its job event, or None when the row was not in ``from_status``."""
     won = session.execute(
-        update(Export).where(Export.export_id == export_id, Export.status == "running").values(**values)
+        update(Export).where(Export.export_id == export_id, Export.status == from_status).values(**values)
         .execution_options(synchronize_session=False)
     ).rowcount == 1
     if not won:

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
 from core.files.models import File
+from core.files.service import commit_file
 
 
 def validation_twin(session: Session, named: File, files_dir: Path) -> File:
@@ -45,14 +46,7 @@ def validation_twin(session: Session, named: File, files_dir: Path) -> File:
         bytes=named.bytes, sha256=named.sha256, format=named.format, num_records=named.num_records,
         path=str(path), stats=named.stats, created_at=utcnow(),
     )
-    try:
-        session.add(twin)
-        session.commit()
-    except BaseException:
-        session.rollback()
-        path.unlink(missing_ok=True)
-        raise
-    return twin
+    return commit_file(session, twin)
 
 
 def is_validation_twin() -> ColumnElement[bool]:

@@ -141,12 +141,17 @@ def store_upload(
         owner_id=owner_id,
         created_at=utcnow(),
     )
+    return commit_file(session, row)
+
+
+def commit_file(session: Session, row: File) -> File:
+    """Store ``row``, whose bytes are already at ``row.path``; a failed commit removes the bytes."""
     try:
         session.add(row)
         session.commit()
     except BaseException:
         session.rollback()
-        final.unlink(missing_ok=True)
+        Path(row.path).unlink(missing_ok=True)
         raise
     return row
 

@@ -64,15 +64,16 @@ def settings(tmp_path: Path) -> Settings:
     ).resolved()
 
 
-@pytest.fixture
-def runtime(settings: Settings) -> Iterator[Runtime]:
+def recording_runtime(settings: Settings, gpus: tuple[str, ...], name: str) -> Runtime:
+    """A worker ``Runtime`` over a fresh store that runs the fake trainer and records what it
+    enqueues and publishes (``rt.recorded``); the caller disposes ``rt.engine``."""
     settings.data_dir.mkdir(parents=True)
     engine = make_engine(settings.database_url or "")
     metadata.create_all(engine)
     recorded = Recorded()
     rt = Runtime(
         settings,
-        WorkerOptions(gpus=("3",), name="test-host/gpu3", trainer_argv=(sys.executable, str(FAKE_TRAINER))),
+        WorkerOptions(gpus=gpus, name=name, trainer_argv=(sys.executable, str(FAKE_TRAINER))),
         engine=engine,
         sessionmaker=make_sessionmaker(engine),
         config_builder=FakeBuilder(),
@@ -80,8 +81,14 @@ def runtime(settings: Settings) -> Iterator[Runtime]:
     rt.enqueue = recorded.enqueue  # type: ignore[method-assign]
     rt.publish = lambda job_id, seq: recorded.published.append((job_id, seq))  # type: ignore[method-assign]
     rt.recorded = recorded  # type: ignore[attr-defined]
+    return rt
+
+
+@pytest.fixture
+def runtime(settings: Settings) -> Iterator[Runtime]:
+    rt = recording_runtime(settings, ("3",), "test-host/gpu3")
     yield rt
-    engine.dispose()
+    rt.engine.dispose()
 
 
 @pytest.fixture

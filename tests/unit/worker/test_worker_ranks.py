@@ -17,36 +17,21 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-from core.db import make_engine, make_sessionmaker
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
-from core.models import metadata
 from core.workers.models import GpuSlot
-from tests.unit.worker.conftest import FAKE_TRAINER, FakeBuilder, Recorded
+from tests.unit.worker.conftest import recording_runtime
 from worker.launch import launch_argv, run_tag, torchrun_entry
 from worker.process import signal_tagged, tagged_pids, wait_untagged
 from worker.runner import run_job
-from worker.runtime import Runtime, WorkerOptions
+from worker.runtime import WorkerOptions
 
 
 @pytest.fixture
 def pool_runtime(settings):
     """A host holding GPUs 3, 5 and 7 (names only: the fake trainer needs none)."""
-    settings.data_dir.mkdir(parents=True)
-    engine = make_engine(settings.database_url or "")
-    metadata.create_all(engine)
-    recorded = Recorded()
-    rt = Runtime(
-        settings.model_copy(update={"max_running_jobs_per_user": 0}),
-        WorkerOptions(gpus=("3", "5", "7"), name="box", trainer_argv=(sys.executable, str(FAKE_TRAINER))),
-        engine=engine,
-        sessionmaker=make_sessionmaker(engine),
-        config_builder=FakeBuilder(),
-    )
-    rt.enqueue = recorded.enqueue  # type: ignore[method-assign]
-    rt.publish = lambda job_id, seq: recorded.published.append((job_id, seq))  # type: ignore[method-assign]
-    rt.recorded = recorded  # type: ignore[attr-defined]
+    rt = recording_runtime(settings.model_copy(update={"max_running_jobs_per_user": 0}), ("3", "5", "7"), "box")
     yield rt
-    engine.dispose()
+    rt.engine.dispose()
 
 
 def _job(runtime, job_id: str) -> Job:

@@ -6,7 +6,6 @@ on one pool (threads on one host, and two claimants of overlapping GPUs)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from sqlalchemy import select, update
@@ -18,7 +17,13 @@ from core.jobs.models import Job
 from core.jobs.placement import Placement
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
-from tests.integration.test_store_scheduling import add_job, add_user, runtime_for, status_of
+from tests.integration.test_store_scheduling import (
+    add_job,
+    add_user,
+    runtime_for,
+    second_claim_waits_and_loses,
+    status_of,
+)
 from worker.runner import claim_next_job
 
 pytestmark = pytest.mark.integration
@@ -209,24 +214,9 @@ class TestRacingClaims:
         host(store, settings, "box", 4)
         first_job = add_job(store, owner=add_user(store, "alice"), gpus=2, age_s=0)
         second_job = add_job(store, owner=add_user(store, "bob"), gpus=2, age_s=1)
-        first = store.sessions()
-        assert scheduling.try_claim(first, Placement(first_job, "box", (0, 1)), settings)
-        result: list[bool] = []
-
-        def second() -> None:
-            with store.sessions() as session:
-                won = scheduling.try_claim(session, Placement(second_job, "box", (1, 2)), settings)
-                result.append(won)
-                session.commit() if won else session.rollback()
-
-        thread = threading.Thread(target=second)
-        thread.start()
-        time.sleep(0.5)
-        assert thread.is_alive(), "the second claim did not wait for the first one's transaction"
-        first.commit()
-        first.close()
-        thread.join(timeout=30)
-        assert result == [False]
+        second_claim_waits_and_loses(
+            store, Placement(first_job, "box", (0, 1)), Placement(second_job, "box", (1, 2)), settings
+        )
         assert status_of(store, second_job) == "queued" and held(store) == {first_job: [("box", 0), ("box", 1)]}
 
     def test_a_lost_half_reservation_is_rolled_back_with_the_claim(self, store, settings) -> None:

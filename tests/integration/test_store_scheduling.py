@@ -57,6 +57,29 @@ def status_of(store, job_id: str) -> str:
         return session.execute(select(Job.status).where(Job.job_id == job_id)).scalar_one()
 
 
+def second_claim_waits_and_loses(store: Any, first: Placement, second: Placement, settings: Settings) -> None:
+    """``first`` claimed in an open transaction; ``second``'s claim, in a thread, must wait for
+    that transaction (the row locks) and then lose, rolling its half reservation back."""
+    session = store.sessions()
+    assert scheduling.try_claim(session, first, settings)
+    result: list[bool] = []
+
+    def claim_second() -> None:
+        with store.sessions() as other:
+            won = scheduling.try_claim(other, second, settings)
+            result.append(won)
+            other.commit() if won else other.rollback()
+
+    thread = threading.Thread(target=claim_second)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive(), "the second claim did not wait for the first one's transaction"
+    session.commit()
+    session.close()
+    thread.join(timeout=30)
+    assert result == [False]
+
+
 @pytest.fixture
 def sched_settings(store, tmp_path) -> Settings:
     return Settings(data_dir=tmp_path / "data", database_url=store.url, max_running_jobs_per_user=1).resolved()
@@ -159,24 +182,9 @@ class TestCapUnderConcurrentClaims:
         alice = add_user(store, "alice")
         runtime_for(store, sched_settings, "w", slots=2).ensure_registered()
         first_job, second_job = add_job(store, owner=alice, age_s=0), add_job(store, owner=alice, age_s=1)
-        first = store.sessions()
-        assert scheduling.try_claim(first, Placement(first_job, "w", (0,)), sched_settings)
-        result: list[bool] = []
-
-        def second() -> None:
-            with store.sessions() as session:
-                won = scheduling.try_claim(session, Placement(second_job, "w", (1,)), sched_settings)
-                result.append(won)
-                session.commit() if won else session.rollback()
-
-        thread = threading.Thread(target=second)
-        thread.start()
-        time.sleep(0.5)
-        assert thread.is_alive(), "the second claim did not wait for the first one's transaction"
-        first.commit()
-        first.close()
-        thread.join(timeout=30)
-        assert result == [False]
+        second_claim_waits_and_loses(
+            store, Placement(first_job, "w", (0,)), Placement(second_job, "w", (1,)), sched_settings
+        )
         assert (status_of(store, first_job), status_of(store, second_job)) == ("running", "queued")
 
     def test_racing_workers_never_exceed_any_users_cap(self, store, sched_settings) -> None:

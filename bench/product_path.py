@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -241,7 +242,9 @@ def parse_variant(spec: str, common: list[str]) -> tuple[str, list[str]]:
 
 def component_rows(key: str, shape: ModelShape, timed: int, warmup: int) -> list[ProductResult]:
     """``bench.train_step``'s ftq and stock rows for ``key``, run now in a child process."""
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    handle, name = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+    out = Path(name)
     argv = [sys.executable, "-m", "bench.train_step", "--shapes", key, "--variants", "ftq", "stock packed",
             "--steps", str(max(timed, 3)), "--warmup", str(warmup), "--json", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True)

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     job = job_for(model_dir, data, Path(tempfile.mkdtemp(prefix="ftq-profile-")), args.steps, args.device, 1, tokens)
     for assignment in args.set:
         set_field(job, assignment)
-    trace = Path(args.trace or tempfile.mktemp(suffix=".json"))
+    trace = Path(args.trace or Path(tempfile.mkdtemp(prefix="ftq-trace-")) / "trace.json")
     found = profile(job, args.warmup, args.profile, trace, args.cprofile)
     label = " ".join(args.set + [f"without {w}" for w in args.without]) or "auto"
     print(f"## {shape.name}, {label}")

@@ -63,6 +63,10 @@ def run_worker(args: argparse.Namespace) -> int:
         raise CliError(f"--slots {args.slots}: give 1 or more")
     options = WorkerOptions(gpus=tuple(gpus), slots=args.slots or 1, name=args.name)
     settings = Settings().resolved()
+    try:
+        settings.check_remote_worker()
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     require_migrated_store(settings)
     app = create_worker_app(settings, options)

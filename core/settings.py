@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,6 +27,22 @@ class Settings(BaseSettings):
     """Celery broker URL; default ``sqla+sqlite:///<data_dir>/broker.db``."""
     redis_url: str | None = None
     """Redis for live event pub/sub; unset means viewers poll the store."""
+    api_url: str | None = None
+    """The API's base URL (``http://mainbox:8000``) a remote worker fetches datasets from and
+    uploads checkpoints, adapters and exports to; required with ``worker_key``."""
+    worker_key: SecretStr | None = None
+    """A worker key (``ftqw_...``, ``ftq workers key create NAME``): set, the worker is *remote*:
+    it shares no disk with the API and moves bytes through ``api_url``; unset, it shares
+    ``data_dir`` with the API."""
+    worker_address: str | None = None
+    """The address other machines reach this worker at (torchrun's rendezvous); default: this
+    machine's IP on the route to the store's (or broker's) host."""
+    rdzv_port: int = Field(default=29400, ge=1, le=65535)
+    """The port a multi-machine job's rank-0 machine listens on for torchrun's c10d rendezvous
+    (the next free port upward if it is taken)."""
+    transfer_retries: int = Field(default=4, ge=0)
+    """Retries of one dataset download or artifact upload/download after a checksum mismatch, a
+    truncated body, a 5xx or a connection error (backoff between tries)."""
     host: str = "127.0.0.1"
     port: int = 8000
     max_upload_bytes: int = 1 << 30
@@ -79,6 +95,34 @@ class Settings(BaseSettings):
                 "broker_url": self.broker_url or f"sqla+sqlite:///{data_dir / 'broker.db'}",
             }
         )
+
+    @property
+    def remote_worker(self) -> bool:
+        """A worker with a worker key: no shared disk, bytes go through the API."""
+        return self.worker_key is not None and bool(self.worker_key.get_secret_value())
+
+    def check_remote_worker(self) -> None:
+        """Refuse a remote worker's settings that cannot work (called at worker start).
+
+        Raises:
+            ValueError: ``worker_key`` without ``api_url``, or a key or URL of the wrong shape.
+        """
+        if not self.remote_worker:
+            return
+        assert self.worker_key is not None
+        if not self.worker_key.get_secret_value().startswith("ftqw_"):
+            raise ValueError("FTQ_WORKER_KEY: not a worker key (they start with ftqw_); "
+                             "make one with `ftq workers key create NAME` on the API's machine")
+        if not self.api_url:
+            raise ValueError("FTQ_API_URL: a worker with FTQ_WORKER_KEY needs the API's base URL "
+                             "(e.g. http://mainbox:8000) to fetch datasets and upload checkpoints")
+        if not self.api_url.startswith(("http://", "https://")):
+            raise ValueError(f"FTQ_API_URL: {self.api_url!r} is not an http:// or https:// URL")
+
+    @property
+    def cache_dir(self) -> Path:
+        """A remote worker's downloaded datasets, by sha256 (``cache/files/<sha256>``)."""
+        return self.data_dir / "cache" / "files"
 
     @property
     def files_dir(self) -> Path:

@@ -6,8 +6,8 @@ from core.files.models import File
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.openai.models import OpenAIJob
 from core.users.models import ApiKey, User
-from core.workers.models import GpuSlot, Worker
+from core.workers.models import GpuSlot, Worker, WorkerKey
 
 metadata = Base.metadata
 
-__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "OpenAIJob", "StepMetric", "User", "Worker", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "OpenAIJob", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]

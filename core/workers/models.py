@@ -27,6 +27,13 @@ class Worker(Base):
     which GPUs)."""
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    key_id: Mapped[str | None] = mapped_column(
+        ForeignKey("worker_key.worker_key_id", ondelete="SET NULL"), index=True
+    )
+    """The worker key a remote worker runs with (``core.workers.keys``); None for a local worker
+    sharing the API's data directory."""
+    address: Mapped[str | None] = mapped_column(String(255))
+    """The address other machines reach this worker at (torchrun's rendezvous)."""
 
 
 class GpuSlot(Base):
@@ -45,3 +52,20 @@ class GpuSlot(Base):
     """The GPU as ``CUDA_VISIBLE_DEVICES`` names it (an index or a UUID); None for a CPU slot."""
     job_id: Mapped[str | None] = mapped_column(ForeignKey("job.job_id", ondelete="SET NULL"), index=True)
     reserved_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+
+
+class WorkerKey(Base):
+    """A worker key: lets a worker on another machine use the ``/v1/worker/`` routes, and nothing
+    else. Stored hashed like users' keys (``core.users.models.ApiKey``): only ``prefix`` (for
+    lookup) and the SHA-256 of the whole ``ftqw_<prefix>_<secret>`` key."""
+
+    __tablename__ = "worker_key"
+
+    worker_key_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="SET NULL"))
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)

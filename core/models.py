@@ -3,11 +3,11 @@
 from core.db import Base
 from core.exports.models import Export
 from core.files.models import File
-from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
+from core.jobs.models import Checkpoint, Job, JobEvent, JobNode, StepMetric
 from core.openai.models import OpenAIJob
 from core.users.models import ApiKey, User
 from core.workers.models import GpuSlot, Worker, WorkerKey
 
 metadata = Base.metadata
 
-__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "OpenAIJob", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "JobNode", "OpenAIJob", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]

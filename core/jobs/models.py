@@ -30,6 +30,8 @@ class Job(Base):
     """``low``, ``normal`` or ``high``: the order in which waiting jobs are claimed."""
     gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     """GPUs the job asks for."""
+    nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """Machines the GPUs are spread over (``gpus / nodes`` each); 1: one worker host."""
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     idempotency_hash: Mapped[str | None] = mapped_column(String(64))
     """sha256 of the stored spec sent with ``idempotency_key``: a replay must match it."""
@@ -135,3 +137,23 @@ class Checkpoint(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class JobNode(Base):
+    """One machine of an attempt of a multi-machine job (``nodes > 1``): its worker host, the
+    address its ranks use, the rendezvous endpoint (on the leader, node rank 0) and how its part
+    ended. The leader writes every row of the attempt when its claim commits."""
+
+    __tablename__ = "job_node"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    """0 for the leader (the machine whose address sorts first: it holds global rank 0)."""
+    worker_id: Mapped[str] = mapped_column(String(200), index=True)
+    address: Mapped[str] = mapped_column(String(255))
+    rdzv_endpoint: Mapped[str] = mapped_column(String(300))
+    """``<leader address>:<port>`` of torchrun's c10d rendezvous."""
+    started_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    returncode: Mapped[int | None] = mapped_column(Integer)

@@ -18,6 +18,13 @@ estimates and the wake-up messages all call it, so they agree by construction.
               head starts; later jobs backfill onto the other hosts' free GPUs, which the head
               could not use anyway. The hold needs no row in the store: every claim computes it
               again from the queue. The next big job waits for the head to start, then holds.
+    machines  a job of ``nodes: M`` (M > 1) needs gpus/M free GPUs on each of M distinct machines
+              (distinct ``address``; a host without one takes no part), all or none. Of the
+              machines where its share fits, it takes the M with the fewest free GPUs (best fit).
+              Its part 0, the leader (the only host that claims it), is the machine whose address
+              sorts first: torch's c10d rendezvous gives node ranks in sorted address order, so
+              global rank 0 lands there. As the head it holds M machines, those with the most free
+              GPUs, the same way.
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -33,6 +40,7 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Owner = str | None
 
@@ -49,6 +57,12 @@ class Waiting:
     total_steps: int | None
     created_at: dt.datetime
     name: str | None = None
+    nodes: int = 1
+    """Machines the job's GPUs are spread over (``gpus / nodes`` each)."""
+
+    @property
+    def per_node(self) -> int:
+        return self.gpus // self.nodes
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,8 @@ class Host:
     worker_id: str
     slots: tuple[int, ...]
     free: tuple[int, ...]
+    address: str | None = None
+    """The address other machines reach it at (None: it takes no part in multi-machine jobs)."""
 
     @property
     def size(self) -> int:
@@ -65,22 +81,50 @@ class Host:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One machine's share of a multi-machine job: ``slots`` of host ``worker_id``."""
+
+    worker_id: str
+    slots: tuple[int, ...]
+    address: str | None = None
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Job ``job_id`` starts now on ``slots`` of host ``worker_id``."""
+    """Job ``job_id`` starts now on ``slots`` of host ``worker_id`` (a multi-machine job: its
+    leader's part) and, across machines, on ``followers``' parts too."""
 
     job_id: str
     worker_id: str
     slots: tuple[int, ...]
+    followers: tuple[Part, ...] = ()
+    address: str | None = None
+    """The leader's address (multi-machine jobs)."""
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """Every machine's part, the leader's (node rank 0) first, then in address order."""
+        return (Part(self.worker_id, self.slots, self.address), *self.followers)
+
+    @property
+    def gpus(self) -> int:
+        return sum(len(part.slots) for part in self.parts)
 
 
 @dataclass(frozen=True)
 class Hold:
-    """The head of the queue waits for ``needed`` GPUs of host ``worker_id`` (``free`` now)."""
+    """The head of the queue waits for ``needed`` GPUs of host ``worker_id`` (``free`` now); a
+    multi-machine head also holds the hosts ``also`` (``needed`` GPUs on each)."""
 
     job_id: str
     worker_id: str
     needed: int
     free: int
+    also: tuple[str, ...] = ()
+
+    @property
+    def hosts(self) -> frozenset[str]:
+        return frozenset((self.worker_id, *self.also))
 
 
 @dataclass(frozen=True)
@@ -116,28 +160,75 @@ def place(
     """
     free = {host.worker_id: list(host.free) for host in hosts}
     size = {host.worker_id: host.size for host in hosts}
+    address = {host.worker_id: host.address for host in hosts}
     used: Counter[Owner] = Counter(running)
     blocked: set[Owner] = set()
     placements: list[Placement] = []
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        big_enough = sorted(w for w in size if size[w] >= job.gpus)
+        big_enough = _big_enough(job, size, address)
         if not big_enough or (cap and job.gpus > cap):
-            continue  # too big for any live host or for its owner's cap: holds nothing
+            continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked:
             continue
         if not cap_allows(used[job.owner_id] + job.gpus, cap):
             blocked.add(job.owner_id)
             continue
-        fits = [w for w in big_enough if len(free[w]) >= job.gpus and (hold is None or w != hold.worker_id)]
-        if fits:
-            host = min(fits, key=lambda w: (len(free[w]), w))
-            slots, free[host] = free[host][: job.gpus], free[host][job.gpus :]
-            placements.append(Placement(job.job_id, host, tuple(slots)))
+        held = hold.hosts if hold is not None else frozenset()
+        fits = [w for w in big_enough if len(free[w]) >= job.per_node and w not in held]
+        chosen = _choose(job, fits, free, address)
+        if chosen:
+            parts = []
+            for host in chosen:
+                slots, free[host] = free[host][: job.per_node], free[host][job.per_node :]
+                parts.append(Part(host, tuple(slots), address[host]))
+            leader, *followers = parts
+            placements.append(Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address))
             used[job.owner_id] += job.gpus
         elif hold is None:
-            target = min(big_enough, key=lambda w: (-len(free[w]), w))
-            hold = Hold(job.job_id, target, job.gpus, len(free[target]))
+            target, *also = _hold_targets(job, big_enough, free, address)
+            hold = Hold(job.job_id, target, job.per_node, len(free[target]), tuple(also))
             blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
     return Schedule(tuple(placements), hold)
+
+
+def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None]) -> list[str]:
+    """The hosts that could ever take a part of ``job`` (empty: fewer machines than it needs)."""
+    if job.nodes == 1:
+        return sorted(w for w in size if size[w] >= job.gpus)
+    hosts = sorted(w for w in size if size[w] >= job.per_node and address[w])
+    return hosts if len({address[w] for w in hosts}) >= job.nodes else []
+
+
+def _one_per_machine(hosts: Sequence[str], address: Mapping[str, str | None], key: Any) -> list[str]:
+    """The best host (lowest ``key``) of each address, in ``key`` order."""
+    best: dict[str | None, str] = {}
+    for w in sorted(hosts, key=key):
+        best.setdefault(address[w], w)
+    return sorted(best.values(), key=key)
+
+
+def _choose(job: Waiting, fits: Sequence[str], free: Mapping[str, list[int]],
+            address: Mapping[str, str | None]) -> list[str] | None:
+    """The hosts ``job`` starts on (best fit), the leader first; None: it does not fit now."""
+    def fewest_free(w: str) -> tuple[int, str]:
+        return (len(free[w]), w)
+
+    if job.nodes == 1:
+        return [min(fits, key=fewest_free)] if fits else None
+    machines = _one_per_machine(fits, address, fewest_free)[: job.nodes]
+    if len(machines) < job.nodes:
+        return None
+    return sorted(machines, key=lambda w: (address[w] or "", w))
+
+
+def _hold_targets(job: Waiting, big_enough: Sequence[str], free: Mapping[str, list[int]],
+                  address: Mapping[str, str | None]) -> list[str]:
+    """The hosts the head holds: the one (a multi-machine job: ``nodes`` machines) with the most free GPUs."""
+    def most_free(w: str) -> tuple[int, str]:
+        return (-len(free[w]), w)
+
+    if job.nodes == 1:
+        return [min(big_enough, key=most_free)]
+    return _one_per_machine(big_enough, address, most_free)[: job.nodes]

@@ -83,7 +83,8 @@ def claim_order() -> tuple[Any, ...]:
 
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
-        select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name)
+        select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name,
+               Job.nodes)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
     ).all()
@@ -147,13 +148,14 @@ def try_claim(
     It should have done no write before in the same transaction (SQLite: see the module
     docstring). ``values`` are further job columns to set (worker id, attempts, ...).
     """
-    job = session.execute(select(Job.owner_id, Job.gpus).where(Job.job_id == placement.job_id)).one_or_none()
-    if job is None or job.gpus != len(placement.slots):
+    job = session.execute(select(Job.owner_id, Job.gpus, Job.nodes).where(Job.job_id == placement.job_id)).one_or_none()
+    if job is None or job.gpus != placement.gpus or job.nodes != len(placement.parts):
         return False
     owner_id: Owner = job.owner_id
     cap = _cap(_lock_owner(session, owner_id), settings.max_running_jobs_per_user)
-    if not pool.reserve(session, placement.job_id, placement.worker_id, placement.slots):
-        return False
+    for part in sorted(placement.parts, key=lambda p: p.worker_id):  # one lock order for every claimant
+        if not pool.reserve(session, placement.job_id, part.worker_id, part.slots):
+            return False
     conditions = [Job.job_id == placement.job_id, Job.status == JobStatus.queued.value]
     if cap:
         other = aliased(Job)
@@ -181,17 +183,21 @@ def host_sizes(session: Session, settings: Settings) -> dict[str, int]:
     return {host.worker_id: host.size for host in pool.live_hosts(session, cutoff=live_cutoff(settings))}
 
 
-def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None) -> None:
-    """Refuse at submission a GPU count no live host, or the owner's cap, can ever give.
+def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None, nodes: int = 1) -> None:
+    """Refuse at submission a GPU count no live host (or set of ``nodes`` machines), or the
+    owner's cap, can ever give.
 
     With no live worker host the job is accepted and waits (nothing is known about the box yet).
 
     Raises:
         Unsupported: more GPUs than the largest live host has (the message lists the hosts and
-            their GPU counts), or than the owner's cap on running GPUs.
+            their GPU counts), fewer live machines with an address and gpus/nodes GPUs each than
+            ``nodes``, or more GPUs than the owner's cap on running GPUs.
     """
     sizes = host_sizes(session, settings)
-    if sizes and gpus > max(sizes.values()):
+    if nodes > 1:
+        _check_machines(session, gpus, nodes, settings)
+    elif sizes and gpus > max(sizes.values()):
         hosts = ", ".join(f"{worker_id} ({size} GPU{'s' if size != 1 else ''})" for worker_id, size in sorted(sizes.items()))
         largest = max(sizes.values())
         raise Unsupported(
@@ -205,6 +211,24 @@ def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Own
             f"gpus: {gpus} is more than your cap of {cap} running GPUs (max_running_jobs); set gpus to at "
             "most that, or ask an admin to raise the cap",
             param="gpus",
+        )
+
+
+def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings) -> None:
+    """``nodes`` live machines (distinct addresses) with ``gpus / nodes`` GPUs each, when any host is live."""
+    hosts = pool.live_hosts(session, cutoff=live_cutoff(settings))
+    if not hosts:
+        return
+    per_node = gpus // nodes
+    machines = {h.address for h in hosts if h.address and h.size >= per_node}
+    if len(machines) < nodes:
+        listed = ", ".join(f"{h.worker_id} ({h.size} GPU{'s' if h.size != 1 else ''}, address {h.address or 'none'})"
+                           for h in hosts)
+        raise Unsupported(
+            f"nodes: {nodes} machines with {per_node} GPU{'s' if per_node != 1 else ''} each are asked for, but "
+            f"only {len(machines)} live machine(s) with an address (FTQ_WORKER_ADDRESS) have that many: {listed}; "
+            "lower nodes or gpus, or start workers on more machines",
+            param="nodes",
         )
 
 

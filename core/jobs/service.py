@@ -141,7 +141,7 @@ def create_job(
             return existing, False
     _check_method(session, spec, settings)
     _check_forced_switches(session, spec, settings)
-    check_gpus(session, spec.gpus, settings, owner_id=owner_id)
+    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes)
     train_row = _usable_file(session, spec.training_file, "train", "training_file")
     _check_objective(spec.objective, train_row, "training_file")
     paths = {spec.training_file: train_row.path}
@@ -166,6 +166,7 @@ def create_job(
         validation_file_id=spec.validation_file,
         priority=spec.priority,
         gpus=spec.gpus,
+        nodes=spec.nodes,
         owner_id=owner_id,
         idempotency_key=idempotency_key,
         idempotency_hash=fingerprint if idempotency_key is not None else None,

@@ -257,6 +257,16 @@ class JobSpec(_Strict):
             "micro-batches of batch_tokens.",
         ),
     ] = 1
+    nodes: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=64,
+            description="Machines the job's GPUs are spread over (gpus / nodes on each, one torchrun per machine "
+            "meeting through a c10d rendezvous); gpus must be a multiple of nodes. Above 1 only for methods "
+            "whose checkpoints rank 0 writes alone (lora, qlora).",
+        ),
+    ] = 1
     tracking: TrackingSpec = TrackingSpec()
     max_non_finite_steps: Annotated[
         int,
@@ -319,6 +329,19 @@ class JobSpec(_Strict):
         if self.validation_file is not None and self.validation_file == self.training_file:
             raise ValueError("validation_file must differ from training_file; upload a held-out set")
         return self
+
+    @field_validator("nodes")
+    @classmethod
+    def _check_nodes(cls, nodes: int, info: ValidationInfo) -> int:
+        gpus = info.data.get("gpus", 1)
+        if gpus % nodes:
+            raise ValueError(f"gpus ({gpus}) must be a multiple of nodes ({nodes}): each machine runs gpus / nodes "
+                             "ranks; set gpus to a multiple of nodes")
+        if nodes > 1 and info.data.get("method") == "full":
+            raise ValueError("method full cannot span machines yet: its ranks write sharded checkpoints "
+                             "(FSDP2, torch.distributed.checkpoint) each onto its own machine's disk, so no machine "
+                             "holds a whole checkpoint to resume or upload; set nodes to 1 or use method lora")
+        return nodes
 
     def to_stored(self) -> dict:
         """The spec as stored on the job: JSON, every default filled in."""

@@ -55,19 +55,21 @@ def live_hosts(session: Session, *, cutoff: dt.datetime, include: str | None = N
     if include is not None:
         live = live | (Worker.worker_id == include)
     rows = session.execute(
-        select(GpuSlot.worker_id, GpuSlot.slot, GpuSlot.job_id)
+        select(GpuSlot.worker_id, GpuSlot.slot, GpuSlot.job_id, Worker.address)
         .join(Worker, Worker.worker_id == GpuSlot.worker_id)
         .where(live)
         .order_by(GpuSlot.worker_id, GpuSlot.slot)
     ).all()
     slots: dict[str, list[int]] = {}
     free: dict[str, list[int]] = {}
-    for worker_id, slot, job_id in rows:
+    address: dict[str, str | None] = {}
+    for worker_id, slot, job_id, addr in rows:
         slots.setdefault(worker_id, []).append(slot)
         free.setdefault(worker_id, [])
+        address[worker_id] = addr
         if job_id is None:
             free[worker_id].append(slot)
-    return [Host(w, tuple(slots[w]), tuple(free[w])) for w in sorted(slots)]
+    return [Host(w, tuple(slots[w]), tuple(free[w]), address[w]) for w in sorted(slots)]
 
 
 def reserve(session: Session, job_id: str, worker_id: str, slots: Sequence[int]) -> bool:

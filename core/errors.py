@@ -5,7 +5,9 @@
     ├── InvalidInput        a request or file that cannot be accepted; says what to fix
     │   ├── InvalidDataset  a dataset line that does not parse (line number + reason)
     │   ├── TooLarge        an upload over the size limit
-    │   └── Unsupported     a valid request this box cannot run
+    │   ├── Unsupported     a valid request this box cannot run
+    │   ├── ChecksumMismatch  a transfer whose bytes do not match their sha256 or length
+    │   └── UnsafeArchive   an uploaded tar with a member that could land outside its directory
     ├── Conflict            the object is in a state that forbids the action
     ├── Unauthenticated     no valid API key (missing, unknown, revoked, disabled user)
     ├── Forbidden           a valid caller who may not do this (someone else's job, admin-only)
@@ -70,3 +72,16 @@ class Unsupported(InvalidInput):
     """A valid request for something this box cannot run (e.g. qlora without bitsandbytes)."""
 
     code = "unsupported"
+
+
+class ChecksumMismatch(InvalidInput):
+    """A transfer whose bytes differ from the sha256 (or length) it was sent with: truncated or
+    corrupted on the way; the sender retries."""
+
+    code = "checksum_mismatch"
+
+
+class UnsafeArchive(InvalidInput):
+    """An uploaded tar with an absolute or ``..`` member, a link, a device or a fifo."""
+
+    code = "unsafe_archive"

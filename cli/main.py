@@ -10,6 +10,7 @@
     ftq jobs [--search TEXT] | show ID | logs ID [--follow] | cancel ID | download ID [--step N]
     ftq rerun ID [--set key=value ...] | resume ID [--step N] | metrics ID [-o FILE]
     ftq export ID --format merged|gguf [--quantization q8_0] [-o FILE] | exports ID
+    ftq machines           the machines running workers: live or lost, their GPUs and the jobs on them
     ftq login --key KEY    save the key (and --url) to ~/.config/ftq/config.toml (mode 0600)
 
     ftq users create NAME [--admin] [--max-running N] | list | key NAME | revoke PREFIX | set NAME ...
@@ -26,7 +27,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import db, exports, jobs, runs, serve, up, users
+from cli import db, exports, jobs, machines, runs, serve, up, users
 from cli.errors import CliError
 
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_parsers(commands)
     exports.add_parsers(commands)
     runs.add_parsers(commands)
+    machines.add_parsers(commands)
     users.add_parsers(commands)
     return parser
 

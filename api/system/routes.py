@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 
 from anyio import to_thread
 from fastapi import APIRouter
@@ -13,43 +14,72 @@ from api.deps import SessionDep, StateDep
 from api.errors import error_body
 from api.state import AppState
 from api.jobs.schemas import PlanOut
-from api.system.schemas import GpuOut, HardwareList, Health, Readiness, WorkerOut
+from api.system.schemas import GpuOut, HardwareList, Health, MachineGpuOut, MachineOut, Readiness, WorkerOut
 from core.db import utcnow
 from core.workers import pool
-from core.workers.models import Worker
+from core.workers.models import GpuSlot, Worker
 
 router = APIRouter(tags=["system"])
 
 CHECK_TIMEOUT_S = 3.0
 
 
-@router.get("/v1/hardware", summary="Worker hosts of this box: their GPUs and the jobs holding them, detected hardware, plan, liveness")
+@router.get("/v1/hardware", summary="Worker hosts of this box and the machines they run on: their GPUs and the jobs holding them, detected hardware, plan, liveness")
 def hardware(session: SessionDep, state: StateDep) -> HardwareList:
     now = utcnow()
     timeout = state.settings.heartbeat_timeout_s
-    rows = session.scalars(select(Worker).order_by(Worker.hostname, Worker.device, Worker.worker_id))
+    rows = session.scalars(select(Worker).order_by(Worker.hostname, Worker.device, Worker.worker_id)).all()
     pools = pool.pools(session)
+    workers = [_worker_out(row, pools.get(row.worker_id, []), now, timeout) for row in rows]
+    return HardwareList(data=workers, machines=machines_of(workers))
+
+
+def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: float) -> WorkerOut:
+    age = max((now - row.heartbeat_at).total_seconds(), 0.0)
+    hw = row.hardware or {}
+    return WorkerOut(
+        id=row.worker_id,
+        hostname=row.hostname,
+        machine=row.hostname,
+        address=row.address,
+        remote=row.key_id is not None,
+        device=row.device,
+        gpus=[GpuOut(slot=g.slot, device=g.device, job=g.job_id) for g in slots],
+        # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
+        hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
+        plan=PlanOut.of(hw.get("plan")),
+        current_job=row.current_job_id,
+        started_at=row.started_at,
+        heartbeat_at=row.heartbeat_at,
+        heartbeat_age_s=round(age, 3),
+        alive=age < timeout,
+    )
+
+
+def machines_of(workers: list[WorkerOut]) -> list[MachineOut]:
+    """Workers grouped by machine (hostname and address), in the workers' order; a machine is
+    ``lost`` when none of its workers is alive."""
+    groups: dict[tuple[str, str | None], list[WorkerOut]] = {}
+    for worker in workers:
+        groups.setdefault((worker.hostname, worker.address), []).append(worker)
     out = []
-    for row in rows:
-        age = max((now - row.heartbeat_at).total_seconds(), 0.0)
-        hw = row.hardware or {}
+    for (name, address), members in groups.items():
+        newest = min(members, key=lambda w: w.heartbeat_age_s)
+        gpus = [MachineGpuOut(worker=w.id, **g.model_dump()) for w in members for g in w.gpus]
         out.append(
-            WorkerOut(
-                id=row.worker_id,
-                hostname=row.hostname,
-                device=row.device,
-                gpus=[GpuOut(slot=g.slot, device=g.device, job=g.job_id) for g in pools.get(row.worker_id, [])],
-                # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
-                hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
-                plan=PlanOut.of(hw.get("plan")),
-                current_job=row.current_job_id,
-                started_at=row.started_at,
-                heartbeat_at=row.heartbeat_at,
-                heartbeat_age_s=round(age, 3),
-                alive=age < timeout,
+            MachineOut(
+                name=name,
+                address=address,
+                status="live" if any(w.alive for w in members) else "lost",
+                heartbeat_at=newest.heartbeat_at,
+                heartbeat_age_s=newest.heartbeat_age_s,
+                remote=any(w.remote for w in members),
+                workers=[w.id for w in members],
+                gpus=gpus,
+                jobs=list(dict.fromkeys(g.job for g in gpus if g.job)),
             )
         )
-    return HardwareList(data=out)
+    return out
 
 
 @router.get("/healthz", summary="The API process is up")

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -21,6 +21,12 @@ class GpuOut(BaseModel):
 class WorkerOut(BaseModel):
     id: str
     hostname: str
+    machine: str
+    """The name of the machine it runs on (``machines[].name``)."""
+    address: str | None
+    """Where other machines reach it (torchrun's rendezvous); null when it did not say."""
+    remote: bool
+    """It runs with a worker key (no shared disk; bytes go through the API)."""
     device: str
     """``cuda:0,1,3`` (the GPUs it holds) or ``cpu``."""
     gpus: list[GpuOut]
@@ -37,8 +43,39 @@ class WorkerOut(BaseModel):
     """Heartbeat younger than FTQ_HEARTBEAT_TIMEOUT_S."""
 
 
+class MachineGpuOut(GpuOut):
+    """One GPU of a machine: which of its workers holds it in its pool."""
+
+    worker: str
+
+
+class MachineOut(BaseModel):
+    """One machine: the workers that report the same hostname (and address)."""
+
+    name: str
+    """Its hostname."""
+    address: str | None
+    """Where other machines reach it; null when its workers did not say."""
+    status: Literal["live", "lost"]
+    """``lost``: no worker of it has beaten for longer than FTQ_HEARTBEAT_TIMEOUT_S; the reaper
+    requeues (or fails) its running jobs once their own heartbeat is that old, freeing its GPUs."""
+    heartbeat_at: dt.datetime
+    """Its newest worker heartbeat."""
+    heartbeat_age_s: float
+    remote: bool
+    """Its workers run with a worker key (another machine, no shared disk with the API)."""
+    workers: list[str]
+    """Ids of its workers (``data[].id``)."""
+    gpus: list[MachineGpuOut]
+    jobs: list[str]
+    """The jobs holding its GPUs, in GPU order."""
+
+
 class HardwareList(BaseModel):
     data: list[WorkerOut]
+    """One row per worker host (unchanged for older clients)."""
+    machines: list[MachineOut]
+    """The same workers grouped by machine."""
 
 
 class Health(BaseModel):

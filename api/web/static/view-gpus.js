@@ -1,5 +1,7 @@
-// GPUs: every worker host of the box with its GPUs (its pool: GET /v1/hardware),
-// which job holds each GPU (a multi-GPU job spans several, one rank each), its
+// GPUs: every machine (GET /v1/hardware `machines`: the worker hosts reporting one
+// hostname and address) with its status (`lost` once none of its workers has beaten
+// within FTQ_HEARTBEAT_TIMEOUT_S: the reaper requeues its jobs and frees its GPUs),
+// then each of its worker hosts with its GPUs (its pool), which job holds each GPU (a multi-GPU job spans several, one rank each), its
 // liveness, and each running job's progress and memory per GPU against the
 // card's capacity; then the queue (GET /v1/queue) in claim order with each
 // waiting job's GPU count, position and estimated start.
@@ -15,7 +17,7 @@ import { h, clear, fmtAge, fmtBytes, fmtCompact, fmtDuration, fmtEta, fmtTime, j
 const POLL_MS = 3000;
 
 export function renderGpus(main) {
-  const workersEl = h("div", { class: "cards", "data-testid": "workers" });
+  const workersEl = h("div", { class: "machines", "data-testid": "workers" });
   const queueEl = h("div", { "data-testid": "queue" });
   const problem = h("div");
   const updated = h("span", { class: "muted", "data-testid": "gpus-updated" });
@@ -23,7 +25,7 @@ export function renderGpus(main) {
     main,
     h("div", { class: "view-head" }, h("h1", { text: "GPUs" }), updated),
     problem,
-    h("section", { "aria-labelledby": "workers-h" }, h("h2", { id: "workers-h", text: "Workers" }), workersEl),
+    h("section", { "aria-labelledby": "workers-h" }, h("h2", { id: "workers-h", text: "Machines" }), workersEl),
     h("section", { "aria-labelledby": "queue-h" }, h("h2", { id: "queue-h", text: "Queue" }), queueEl),
   );
 
@@ -130,7 +132,32 @@ export function renderGpus(main) {
     } else {
       body.push(h("p", { class: "idle", "data-testid": "worker-idle", text: jobsOf(worker).length ? `Job ${jobsOf(worker).join(", ")}` : "Idle" }));
     }
-    return h("article", { class: "card", "data-testid": "worker-card", "data-worker-id": worker.id }, h("h3", { text: heading }), body);
+    return h("article", { class: "card", "data-testid": "worker-card", "data-worker-id": worker.id }, h("h4", { text: heading }), body);
+  }
+
+  /** One machine: its status (a lost one in a warning style, saying what happens to its jobs), then its worker hosts. */
+  function machineSection(machine, byId, jobs, finishAt) {
+    const lost = machine.status === "lost";
+    const count = machine.gpus.length;
+    const facts = [
+      machine.address,
+      machine.remote ? "remote (worker key)" : "local",
+      `${count} GPU${count === 1 ? "" : "s"}`,
+      `heartbeat ${fmtDuration(machine.heartbeat_age_s)} ago`,
+    ].filter(Boolean);
+    const workers = machine.workers.map((id) => byId.get(id)).filter(Boolean);
+    return h(
+      "section",
+      { class: `machine${lost ? " lost" : ""}`, "data-testid": "machine", "data-machine": machine.name, "data-status": machine.status, "aria-label": `Machine ${machine.name}` },
+      h("div", { class: "machine-head" },
+        h("h3", { text: machine.name }),
+        h("span", { class: `pill ${lost ? "lost" : "on"}`, "data-testid": "machine-status", text: machine.status }),
+        h("span", { class: "muted", "data-testid": "machine-facts", text: facts.join(" · ") })),
+      lost
+        ? h("p", { class: "warning", "data-testid": "machine-lost", text: `No heartbeat from this machine for ${fmtDuration(machine.heartbeat_age_s)}. Its running jobs are requeued to resume from their last checkpoint (or failed once out of attempts) and its GPUs freed.` })
+        : null,
+      h("div", { class: "cards" }, workers.map((w) => workerCard(w, jobs, finishAt))),
+    );
   }
 
   async function refresh() {
@@ -141,10 +168,11 @@ export function renderGpus(main) {
       const found = await Promise.all(ids.map((jobId) => currentJob(jobId).catch(() => null)));
       const jobs = new Map(ids.map((jobId, i) => [jobId, found[i]]).filter(([, current]) => current));
       if (poll.stopped) return;
+      const byId = new Map(workers.data.map((w) => [w.id, w]));
       clear(
         workersEl,
         workers.data.length
-          ? workers.data.map((w) => workerCard(w, jobs, finishAt))
+          ? workers.machines.map((m) => machineSection(m, byId, jobs, finishAt))
           : h("p", { class: "muted", text: "No worker has registered. Start one with `ftq worker --gpus all` (or `ftq up`)." }),
       );
       renderQueue(queue);

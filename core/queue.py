@@ -22,6 +22,8 @@ from core.settings import Settings
 
 TASK_RUN_JOB = "jobs.run"
 TASK_REAP = "jobs.reap"
+TASK_RUN_NODE = "jobs.run_node"
+"""One follower machine's part of a multi-machine job (worker/nodes.py), sent by its leader."""
 TASK_EXPORT = "exports.run"
 QUEUE = "ftq.jobs"
 
@@ -65,3 +67,9 @@ def enqueue_export(celery: Celery, export_id: str, host: str | None = None) -> N
     """Signal export ``export_id`` to worker host ``host`` (the one holding the job's files;
     None: any); call only after the export row is committed."""
     celery.send_task(TASK_EXPORT, args=[export_id], queue=QUEUE if host is None else host_queue(host))
+
+
+def enqueue_node(celery: Celery, job_id: str, attempt: int, node_rank: int, rdzv_endpoint: str, host: str) -> None:
+    """Start node ``node_rank`` of ``job_id``'s attempt ``attempt`` on follower host ``host``;
+    call only after the claim and its ``job_node`` rows are committed."""
+    celery.send_task(TASK_RUN_NODE, args=[job_id, attempt, node_rank, rdzv_endpoint], queue=host_queue(host))

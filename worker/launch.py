@@ -4,12 +4,20 @@
     N GPUs    <torchrun_argv> --standalone --nproc-per-node=N --log-dir=<dir> --tee=2
                   <trainer module or script> run job.json        (one rank per GPU)
 
+    M machines  <torchrun_argv> --nnodes=M --node-rank=i --nproc-per-node=G --rdzv-backend=c10d
+                  --rdzv-endpoint=<leader address>:<port> --rdzv-id=<job>-<attempt>
+                  --rdzv-conf=is_host=<1 on the leader> --local-addr=<this machine's address> ...
+
 ``--standalone`` runs a local rendezvous on a free port, so several multi-GPU jobs of one host
 never meet. ``CUDA_VISIBLE_DEVICES`` (worker/runner.py ``trainer_env``) holds the job's reserved
 GPUs, so rank r uses the r-th of them. ``--log-dir`` keeps each rank's stderr in a file of its
 own and ``--tee=2`` also copies it, prefixed ``[default<r>]:``, to torchrun's stderr, which the
 worker keeps as ``trainer.stderr.log``. stdout is not redirected: rank 0's events reach the
 worker through torchrun's stdout pipe (only rank 0 emits them).
+
+Across machines (worker/nodes.py), c10d gives node ranks in the sorted order of the nodes'
+``--local-addr``, so global rank 0 is on the machine whose address sorts first: the leader, which
+hosts the rendezvous store (``is_host``, not guessed from host names) and alone reads events.
 
 Every process of the run carries ``run_tag`` in its environment (worker/process.py), so the
 worker can stop all of them, whatever session torchrun put them in.
@@ -18,18 +26,47 @@ worker can stop all of them, whatever session torchrun put them in.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from worker.runtime import WorkerOptions
 
 
-def launch_argv(options: WorkerOptions, job_json: Path, *, ranks: int, rank_log_dir: Path) -> list[str]:
-    """The command that runs ``job_json`` on ``ranks`` ranks (one per reserved GPU)."""
-    if ranks == 1:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where one machine's torchrun meets the others of a multi-machine job."""
+
+    nodes: int
+    node_rank: int
+    endpoint: str
+    """``<leader address>:<port>`` of the c10d rendezvous store (the leader hosts it)."""
+    run_id: str
+    """``<job id>-<attempt>``: attempts never meet each other."""
+    local_addr: str
+    """This machine's address (it orders the node ranks, and the process group's rank 0 is reached at it)."""
+
+    def argv(self) -> list[str]:
+        return [
+            f"--nnodes={self.nodes}",
+            f"--node-rank={self.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf=is_host={1 if self.node_rank == 0 else 0}",
+            f"--local-addr={self.local_addr}",
+        ]
+
+
+def launch_argv(
+    options: WorkerOptions, job_json: Path, *, ranks: int, rank_log_dir: Path, rendezvous: Rendezvous | None = None
+) -> list[str]:
+    """The command that runs ``job_json`` on ``ranks`` ranks (one per reserved GPU of this
+    machine; a multi-machine job: this machine's share, meeting the others at ``rendezvous``)."""
+    if ranks == 1 and rendezvous is None:
         return [*options.trainer_argv, "run", str(job_json)]
     return [
         *options.torchrun_argv,
-        "--standalone",
+        *(rendezvous.argv() if rendezvous is not None else ["--standalone"]),
         f"--nproc-per-node={ranks}",
         f"--log-dir={rank_log_dir}",
         "--tee=2",

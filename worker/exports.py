@@ -29,6 +29,8 @@ from core.exports.models import Export
 from core.jobs.models import Job
 from core.queue import TASK_EXPORT
 from trainer.events import parse_line
+from worker import remote
+from worker.transfer import TransferError
 
 if TYPE_CHECKING:
     from worker.runtime import Runtime
@@ -80,16 +82,24 @@ def run_export(runtime: Runtime, export_id: str) -> str:
             return "skipped"
         job = session.get(Job, export.job_id)
         assert job is not None, f"export {export_id}: job {export.job_id} vanished"
-        out = service.export_dir(job, export_id)
-        argv = [*runtime.options.trainer_argv, "export", str(Path(job.output_dir or ".") / "job.json"),
-                "--format", export.format, "--out", str(out), "--device", "cpu"]
-        if export.quantization:
-            argv += ["--quantization", export.quantization]
+        fmt, quantization = export.format, export.quantization
         job_id, seq = job.job_id, service.last_seq(session, job.job_id)
+        session.expunge(job)
     runtime.publish(job_id, seq)
+    try:
+        job_json, out = remote.export_inputs(runtime.settings, job, export_id)  # a remote worker downloads them
+    except TransferError as exc:
+        return _finish(runtime, export_id, job_id, dict(path=None, size=None, error_code="download_failed",
+                       message=f"could not fetch the job's weights from the API: {exc}"))
+    argv = [*runtime.options.trainer_argv, "export", str(job_json), "--format", fmt, "--out", str(out), "--device", "cpu"]
+    if quantization:
+        argv += ["--quantization", quantization]
     log.info("export %s of job %s: %s", export_id, job_id, " ".join(argv))
     done, stderr_tail, code = _run(runtime, export_id, job_id, argv, out.parent)
-    if done is not None and done.get("status") == "succeeded":
+    failed_upload = remote.upload_export(runtime.settings, job_id, export_id, out) if _succeeded(done) else None
+    if failed_upload:
+        result = dict(path=None, size=None, error_code="upload_failed", message=failed_upload)
+    elif done is not None and done.get("status") == "succeeded":
         result = dict(path=str(out), size=int(done.get("bytes") or 0))
     elif done is not None:
         result = dict(path=None, size=None, error_code=done.get("error_code") or "export_error",
@@ -97,6 +107,14 @@ def run_export(runtime: Runtime, export_id: str) -> str:
     else:
         result = dict(path=None, size=None, error_code="crashed",
                       message=f"the export process exited with code {code} without a result: " + " | ".join(stderr_tail))
+    return _finish(runtime, export_id, job_id, result)
+
+
+def _succeeded(done: dict[str, Any] | None) -> bool:
+    return done is not None and done.get("status") == "succeeded"
+
+
+def _finish(runtime: Runtime, export_id: str, job_id: str, result: dict[str, Any]) -> str:
     with runtime.sessionmaker.begin() as session:
         finished = service.finish(session, export_id, **result)
         seq = service.last_seq(session, job_id)

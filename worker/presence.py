@@ -23,6 +23,7 @@ from core.db import utcnow
 from core.workers.models import Worker
 from core.workers.pool import register_pool
 from worker.reaper import reap
+from worker.remote import identity
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
                 row = Worker(worker_id=runtime.worker_id, started_at=now)
                 session.add(row)
             row.hostname = socket.gethostname()
+            for name, value in identity(session, runtime.settings).items():  # key_id, address
+                setattr(row, name, value)
             row.device = _device(runtime, hardware)
             row.hardware = hardware
             row.current_job_id = runtime.current_job_id

@@ -36,6 +36,7 @@ from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
 from trainer import layout
+from worker import remote
 from worker.outcome import Outcome, StopReason, classify
 from worker.launch import launch_argv, run_tag
 from worker.process import TrainerExit, TrainerProcess
@@ -45,7 +46,7 @@ from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-_SECRET_ENV = ("FTQ_DATABASE_URL", "FTQ_BROKER_URL", "FTQ_REDIS_URL")
+_SECRET_ENV = ("FTQ_DATABASE_URL", "FTQ_BROKER_URL", "FTQ_REDIS_URL", "FTQ_WORKER_KEY")
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -105,6 +106,8 @@ def claim_next_job(runtime: Runtime, *, signalled: str | None = None) -> Claim |
     (the job or one of its GPUs taken, the owner's cap filled meanwhile) rolls back and places again.
     """
     runtime.ensure_registered()
+    if not remote.may_claim(runtime):
+        return None
     for attempt in range(MAX_CLAIM_TRIES):
         with runtime.sessionmaker() as session:
             placement = scheduling.next_placement(session, runtime.settings, runtime.worker_id)
@@ -178,6 +181,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         worker_id=runtime.worker_id,
         attempt=claim.attempt,
     )
+    outputs = remote.job_outputs(runtime, claim, recorder)  # a remote worker's uploads (worker/remote.py)
     done: list[dict[str, Any]] = []
     tracking = tracking_for(runtime, claim.job_id, claim.output_dir)  # a background thread: never waited on
 
@@ -186,7 +190,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         if event["type"] == "done":
             done.append(event)
         else:
-            recorder.add(event)
+            outputs.add(event)
 
     rank_logs = claim.output_dir / "ranks" / f"attempt-{claim.attempt}"
     trainer = TrainerProcess(
@@ -216,6 +220,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
     finally:
         watchdog.stop()
         exit_ = trainer.finish() if _started(trainer) else TrainerExit(returncode=-1, stderr_tail=(), world_size=claim.gpus)
+        outputs.drain()
         _flush(recorder, only_if_due=False, attempts=5)
     if error is not None:
         tracking.finish(JobStatus.failed.value)
@@ -225,6 +230,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s,
         attempt=claim.attempt, max_attempts=settings.max_attempts,
     )
+    outcome = outputs.finish(outcome)
     tracking.finish(outcome.status.value if outcome.status else "lost")
     return outcome, last_done
 

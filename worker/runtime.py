@@ -192,9 +192,12 @@ class Runtime:
                 return
             with self.sessionmaker.begin() as session:
                 if session.get(Worker, self.worker_id) is None:
+                    from worker.remote import identity
+
                     now = utcnow()
                     session.add(Worker(worker_id=self.worker_id, hostname=socket.gethostname(),
-                                       device=self.options.device, hardware={}, started_at=now, heartbeat_at=now))
+                                       device=self.options.device, hardware={}, started_at=now, heartbeat_at=now,
+                                       **identity(session, self.settings)))
                     session.flush()
                 register_pool(session, self.worker_id, self.options.pool)
             self._registered = True
@@ -243,6 +246,10 @@ def build_train_config(session: Session, job: Job, *, settings: Settings, output
 
     spec = JobSpec.model_validate(job.spec)
     files = paths_for(session, [spec.training_file, spec.validation_file])
+    if settings.remote_worker:  # no shared disk: the datasets' cached downloads (worker/remote.py)
+        from worker.remote import fetch_datasets
+
+        files = fetch_datasets(session, settings, list(files))
     for file_id in (spec.training_file, spec.validation_file):
         if file_id and not (file_id in files and Path(files[file_id]).is_file()):
             raise InvalidInput(f"dataset {file_id} was deleted after the job was submitted; upload it again and resubmit")

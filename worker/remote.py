@@ -1,0 +1,282 @@
+"""A remote worker's side of a job: what it fetches before the trainer runs and what it uploads.
+
+A worker with ``FTQ_WORKER_KEY`` (``settings.remote_worker``) shares no disk with the API; the
+store stays its channel for claims, events and heartbeats, and bytes go through the API
+(worker/transfer.py). The runner and the export task call in here at a few points:
+
+    claim       may_claim: a revoked key claims nothing (checked in the store at each claim)
+    register    identity: the worker row's ``key_id`` and ``address``
+    config      fetch_datasets: the job's datasets, cached by sha256 under <data_dir>/cache/files
+    run         job_outputs: on a retry, the newest recorded checkpoint is fetched if missing
+                here; then each ``checkpoint`` event is held back until its directory is
+                uploaded (an uploader thread, training does not wait), and at the end job.json
+                and adapter/ or model/ go up before the job may be ``succeeded`` (an upload
+                that fails for good makes the attempt a retryable failure)
+    export      export_inputs / upload_export: job.json and the weights come down, the export
+                goes up before it is marked done
+
+A local worker gets ``LocalOutputs``, the no-op twin of ``RemoteOutputs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from core.jobs.states import JobStatus
+from trainer import layout
+from worker.outcome import Outcome
+from worker.transfer import TransferClient, TransferError
+
+if TYPE_CHECKING:
+    from core.jobs.models import Job
+    from core.settings import Settings
+    from worker.recorder import EventRecorder
+    from worker.runner import Claim
+    from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def client_for(settings: Settings) -> TransferClient:
+    assert settings.api_url and settings.worker_key, "a remote worker needs FTQ_API_URL and FTQ_WORKER_KEY"
+    tmp = settings.data_dir / "cache" / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return TransferClient(settings.api_url, settings.worker_key.get_secret_value(),
+                          retries=settings.transfer_retries, tmp_dir=tmp)
+
+
+# -- claims and registration ----------------------------------------------------------------
+
+
+def may_claim(runtime: Runtime) -> bool:
+    """A local worker always; a remote one while its key is good (not revoked) in the store."""
+    settings = runtime.settings
+    if not settings.remote_worker:
+        return True
+    from core.workers.keys import worker_key_active
+
+    assert settings.worker_key is not None
+    with runtime.sessionmaker.begin() as session:
+        active = worker_key_active(session, settings.worker_key.get_secret_value())
+    if active is None:
+        log.warning("worker %s claims nothing: its FTQ_WORKER_KEY is revoked or unknown; ask an admin for a "
+                    "new one (`ftq workers key create NAME`) and restart the worker", runtime.worker_id)
+    return active is not None
+
+
+def identity(session: Session, settings: Settings) -> dict[str, Any]:
+    """The worker row's ``key_id`` (None: a local worker, or a key the store does not know) and
+    ``address`` (FTQ_WORKER_ADDRESS, else the local IP of the route to the store's host)."""
+    key_id = None
+    if settings.remote_worker:
+        from core.workers.keys import worker_key_active
+
+        assert settings.worker_key is not None
+        row = worker_key_active(session, settings.worker_key.get_secret_value())
+        key_id = row.worker_key_id if row is not None else None
+    return {"key_id": key_id, "address": settings.worker_address or default_address(settings)}
+
+
+def default_address(settings: Settings) -> str:
+    """This machine's IP on the route to the store's host (else the broker's, else the API's):
+    the interface the other machines of the cluster reach it on. No packet is sent."""
+    for url in (settings.database_url, settings.broker_url, settings.api_url):
+        host = _host_of(url)
+        if not host:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def _host_of(url: str | None) -> str | None:
+    if not url or "://" not in url:
+        return None
+    try:
+        return urlsplit(url).hostname
+    except ValueError:
+        return None
+
+
+# -- datasets -------------------------------------------------------------------------------
+
+
+def fetch_datasets(session: Session, settings: Settings, file_ids: list[str]) -> dict[str, str]:
+    """file id → the cached download's path, for the ids the store still has (a deleted dataset
+    is missing, as in ``core.files.service.paths_for``)."""
+    from core.files.models import File
+
+    rows = session.scalars(select(File).where(File.file_id.in_(file_ids))).all()
+    if not rows:
+        return {}
+    with client_for(settings) as client:
+        return {row.file_id: str(client.fetch_file(row.file_id, settings.cache_dir, sha256=row.sha256)) for row in rows}
+
+
+# -- a job's checkpoints and outputs ----------------------------------------------------------
+
+
+class LocalOutputs:
+    """A local worker shares its disk with the API: every event is recorded as it comes."""
+
+    def __init__(self, recorder: EventRecorder) -> None:
+        self._recorder = recorder
+
+    def add(self, event: dict[str, Any]) -> None:
+        self._recorder.add(event)
+
+    def drain(self) -> None:
+        pass
+
+    def finish(self, outcome: Outcome) -> Outcome:
+        return outcome
+
+
+class RemoteOutputs:
+    """Uploads each checkpoint before its event is recorded; the final outputs at the end."""
+
+    def __init__(self, client: TransferClient, claim: Claim, recorder: EventRecorder, *, max_attempts: int) -> None:
+        self._client = client
+        self._claim = claim
+        self._recorder = recorder
+        self._max_attempts = max_attempts
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"uploads-{claim.job_id}", daemon=True)
+        self._thread.start()
+        self.failed: list[str] = []
+        """Checkpoints whose upload failed for good (their events were not recorded)."""
+
+    def add(self, event: dict[str, Any]) -> None:
+        if event.get("type") == "checkpoint":
+            self._queue.put(event)
+        else:
+            self._recorder.add(event)
+
+    def _loop(self) -> None:
+        while (event := self._queue.get()) is not None:
+            try:
+                name = layout.checkpoint_name(int(event["step"]))
+                self._client.upload_artifact(self._claim.job_id, f"{layout.CHECKPOINTS}/{name}",
+                                             layout.checkpoints_dir(self._claim.output_dir) / name)
+            except (TransferError, KeyError, TypeError, ValueError, OSError) as exc:
+                message = f"checkpoint {event.get('step')} was not uploaded, so it is not recorded: {exc}"
+                log.warning("job %s: %s", self._claim.job_id, message)
+                self.failed.append(str(event.get("step")))
+                self._recorder.add({"type": "log", "level": "warning", "message": message})
+            else:
+                self._recorder.add(event)
+
+    def drain(self) -> None:
+        """Wait for the checkpoints queued so far (called once the trainer exited)."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def finish(self, outcome: Outcome) -> Outcome:
+        """Upload job.json and the final weights of a succeeded run; a failure for good makes
+        the attempt a retryable failure (the run resumes from its last uploaded checkpoint)."""
+        if outcome.status is not JobStatus.succeeded:
+            return outcome
+        out = self._claim.output_dir
+        try:
+            self._client.upload_artifact(self._claim.job_id, "job.json", out / "job.json")
+            for name in ("adapter", "model"):
+                if (out / name).is_dir():
+                    self._client.upload_artifact(self._claim.job_id, name, out / name)
+        except TransferError as exc:
+            message = f"the job trained, but its outputs could not be uploaded to the API: {exc}"
+            log.warning("job %s: %s", self._claim.job_id, message)
+            if self._claim.attempt < self._max_attempts:
+                return Outcome(JobStatus.queued, "upload_failed", message, retry=True)
+            return Outcome(JobStatus.failed, "upload_failed", message)
+        return outcome
+
+
+def job_outputs(runtime: Runtime, claim: Claim, recorder: EventRecorder) -> LocalOutputs | RemoteOutputs:
+    """The runner's handle on a job's checkpoint events and final outputs (see the module doc);
+    on a remote worker, first fetches the newest recorded checkpoint if it is missing here."""
+    settings = runtime.settings
+    if not settings.remote_worker:
+        return LocalOutputs(recorder)
+    client = client_for(settings)
+    fetch_recorded_checkpoint(runtime, claim, client)
+    return RemoteOutputs(client, claim, recorder, max_attempts=settings.max_attempts)
+
+
+def fetch_recorded_checkpoint(runtime: Runtime, claim: Claim, client: TransferClient) -> str | None:
+    """Download the newest checkpoint the store recorded when this machine lacks it (the job ran
+    elsewhere before). A failure is logged on the job and training resumes from what is here."""
+    from core.jobs.models import Checkpoint
+    from core.jobs.service import append_events
+
+    with runtime.sessionmaker() as session:
+        step = session.execute(
+            select(func.max(Checkpoint.step)).where(Checkpoint.job_id == claim.job_id)
+        ).scalar_one_or_none()
+    if not step:
+        return None
+    name = layout.checkpoint_name(step)
+    target = layout.checkpoints_dir(claim.output_dir) / name
+    if target.is_dir():
+        return None
+    try:
+        client.download_artifact(claim.job_id, f"{layout.CHECKPOINTS}/{name}", target)
+        log.info("job %s: fetched checkpoint %s from the API", claim.job_id, name)
+        return name
+    except TransferError as exc:
+        message = f"could not fetch checkpoint {name} from the API ({exc}); resuming from an older one here, if any"
+        log.warning("job %s: %s", claim.job_id, message)
+        with runtime.sessionmaker.begin() as session:
+            (event,) = append_events(session, claim.job_id, [("log", {"level": "warning", "message": message})])
+            seq = event.seq
+        runtime.publish(claim.job_id, seq)
+        return None
+
+
+# -- exports --------------------------------------------------------------------------------
+
+
+def export_inputs(settings: Settings, job: Job, export_id: str) -> tuple[Path, Path]:
+    """``(job.json, export dir)`` on this machine: a remote worker fetches job.json (its
+    ``output_dir`` pointed here) and the final weights if missing; a local one reads them in place."""
+    from core.exports.service import EXPORTS_DIR, export_dir
+    from trainer.config import TrainConfig
+
+    if not settings.remote_worker:
+        return Path(job.output_dir or ".") / "job.json", export_dir(job, export_id)
+    job_dir = settings.jobs_dir / job.job_id
+    with client_for(settings) as client:
+        client.download_artifact(job.job_id, "job.json", job_dir / "job.json")
+        config = dataclasses.replace(TrainConfig.load(job_dir / "job.json"), output_dir=str(job_dir))
+        config.save(job_dir / "job.json")
+        weights = layout.export_name(config.method)
+        if not (job_dir / weights).is_dir():
+            client.download_artifact(job.job_id, weights, job_dir / weights)
+    return job_dir / "job.json", job_dir / EXPORTS_DIR / export_id
+
+
+def upload_export(settings: Settings, job_id: str, export_id: str, out: Path) -> str | None:
+    """Upload a finished export from a remote worker; the error message if that failed for good."""
+    from core.exports.service import EXPORTS_DIR
+
+    if not settings.remote_worker:
+        return None
+    try:
+        with client_for(settings) as client:
+            client.upload_artifact(job_id, f"{EXPORTS_DIR}/{export_id}", out)
+    except TransferError as exc:
+        return f"the export was written but could not be uploaded to the API: {exc}"
+    return None

@@ -28,13 +28,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60) -> None:
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60,
+               host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode} while starting")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
@@ -47,7 +48,10 @@ def postgres_bin() -> Path | None:
 
 
 class ThrowawayPostgres:
-    def __init__(self, root: Path) -> None:
+    """``host``: the address it listens on (another than 127.0.0.1 lets that address's network in,
+    trust auth: the multi-machine tests' API host, in a network namespace of its own)."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
         binaries = postgres_bin()
         if binaries is None:
             raise RuntimeError("no PostgreSQL binaries (initdb) under /usr/lib/postgresql/*/bin or on PATH")
@@ -59,26 +63,30 @@ class ThrowawayPostgres:
             shutil.chown(root, "postgres")
         self.root = root
         self.data = root / "pg"
+        self.host = host
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         root.mkdir(parents=True, exist_ok=True)
         subprocess.run([*self._as, str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
                         "--auth=trust", "--no-sync", "-E", "UTF8"], check=True, capture_output=True, timeout=120)
+        if host != "127.0.0.1":
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {host}/24 trust\n")
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        return f"postgresql+psycopg://postgres@{self.host}:{self.port}/postgres"
 
     def start(self) -> None:
         with (self.root / "postgres.log").open("ab") as log:
             self.proc = subprocess.Popen(
-                [*self._as, str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port), "-h", "127.0.0.1",
+                [*self._as, str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port), "-h", self.host,
                  "-k", str(self.root), "-c", "fsync=off", "-c", "full_page_writes=off"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        _wait_port(self.port, self.proc, "postgres")
+        _wait_port(self.port, self.proc, "postgres", host=self.host)
         deadline = time.monotonic() + 60  # listening is not accepting: crash recovery runs first
-        while subprocess.run([str(self.bin / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-q"],
+        while subprocess.run([str(self.bin / "pg_isready"), "-h", self.host, "-p", str(self.port), "-q"],
                              check=False).returncode != 0:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError(f"postgres on port {self.port} did not become ready")
@@ -115,24 +123,26 @@ def _pid_alive_in(data: Path) -> bool:
 
 
 class ThrowawayRedis:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
         self.root = root
+        self.host = host
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         root.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self) -> None:
         with (self.root / "redis.log").open("ab") as log:
             self.proc = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                ["redis-server", "--port", str(self.port), "--bind", self.host, "--protected-mode", "no",
+                 "--save", "", "--appendonly", "no",
                  "--dir", str(self.root)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        _wait_port(self.port, self.proc, "redis-server")
+        _wait_port(self.port, self.proc, "redis-server", host=self.host)
 
     def kill9(self) -> None:
         assert self.proc is not None

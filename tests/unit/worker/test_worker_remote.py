@@ -1,0 +1,107 @@
+"""worker/remote.py: a remote worker's checkpoint events wait for their uploads; final outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from worker.outcome import Outcome
+from worker.remote import RemoteOutputs, default_address
+from worker.runner import Claim
+from worker.transfer import TransferError
+
+
+class FakeRecorder:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+
+class FakeClient:
+    def __init__(self, fail: set[str] = frozenset()) -> None:
+        self.fail = fail
+        self.uploads: list[tuple[str, str, Path]] = []
+
+    def upload_artifact(self, job_id: str, path: str, source: Path) -> dict[str, Any]:
+        if path in self.fail:
+            raise TransferError(f"upload of {path} failed after 5 tries: 503")
+        assert source.exists(), source
+        self.uploads.append((job_id, path, source))
+        return {}
+
+
+def _claim(tmp_path: Path, attempt: int = 1) -> Claim:
+    out = tmp_path / "job-1"
+    for step in (2, 4):
+        (out / "checkpoints" / f"step-00000{step}").mkdir(parents=True)
+    (out / "adapter").mkdir()
+    (out / "job.json").write_text("{}")
+    return Claim(job_id="job-1", attempt=attempt, output_dir=out)
+
+
+def test_a_checkpoint_is_recorded_only_after_its_upload(tmp_path):
+    recorder, client = FakeRecorder(), FakeClient(fail={"checkpoints/step-000004"})
+    outputs = RemoteOutputs(client, _claim(tmp_path), recorder, max_attempts=3)  # type: ignore[arg-type]
+    outputs.add({"type": "step", "step": 1})
+    outputs.add({"type": "checkpoint", "step": 2, "path": "x"})
+    outputs.add({"type": "step", "step": 3})
+    outputs.add({"type": "checkpoint", "step": 4, "path": "x"})
+    outputs.drain()
+    assert [p for _, p, _ in client.uploads] == ["checkpoints/step-000002"]
+    kinds = [(e["type"], e.get("step")) for e in recorder.events]
+    assert ("checkpoint", 2) in kinds and ("checkpoint", 4) not in kinds
+    assert kinds.index(("step", 1)) < kinds.index(("checkpoint", 2))
+    warning = [e for e in recorder.events if e["type"] == "log"]
+    assert len(warning) == 1 and "checkpoint 4 was not uploaded" in warning[0]["message"]
+    assert outputs.failed == ["4"]
+
+
+def test_a_succeeded_run_uploads_job_json_and_the_adapter(tmp_path):
+    client = FakeClient()
+    outputs = RemoteOutputs(client, _claim(tmp_path), FakeRecorder(), max_attempts=3)  # type: ignore[arg-type]
+    outputs.drain()
+    done = Outcome(JobStatus.succeeded)
+    assert outputs.finish(done) is done
+    assert [p for _, p, _ in client.uploads] == ["job.json", "adapter"]
+
+
+@pytest.mark.parametrize(("attempt", "status"), [(1, JobStatus.queued), (3, JobStatus.failed)])
+def test_an_output_upload_that_fails_for_good_is_a_retryable_failure(tmp_path, attempt, status):
+    client = FakeClient(fail={"adapter"})
+    outputs = RemoteOutputs(client, _claim(tmp_path, attempt), FakeRecorder(), max_attempts=3)  # type: ignore[arg-type]
+    outputs.drain()
+    outcome = outputs.finish(Outcome(JobStatus.succeeded))
+    assert outcome.status is status and outcome.error_code == "upload_failed"
+    assert outcome.retry is (status is JobStatus.queued)
+    assert "could not be uploaded" in (outcome.message or "")
+
+
+def test_a_failed_run_uploads_nothing_at_the_end(tmp_path):
+    client = FakeClient()
+    outputs = RemoteOutputs(client, _claim(tmp_path), FakeRecorder(), max_attempts=3)  # type: ignore[arg-type]
+    outputs.drain()
+    failed = Outcome(JobStatus.failed, "trainer_crashed", "boom")
+    assert outputs.finish(failed) is failed and client.uploads == []
+
+
+def test_remote_settings_are_checked(tmp_path):
+    Settings(data_dir=tmp_path).check_remote_worker()  # local: nothing to check
+    with pytest.raises(ValueError, match="FTQ_API_URL"):
+        Settings(data_dir=tmp_path, worker_key="ftqw_01234567_secret").check_remote_worker()
+    with pytest.raises(ValueError, match="not a worker key"):
+        Settings(data_dir=tmp_path, worker_key="ftq_01234567_secret", api_url="http://x:8000").check_remote_worker()
+    ok = Settings(data_dir=tmp_path, worker_key="ftqw_01234567_secret", api_url="http://x:8000")
+    ok.check_remote_worker()
+    assert ok.remote_worker and ok.transfer_retries == 4 and ok.rdzv_port == 29400
+
+
+def test_the_default_address_is_the_route_to_the_store(tmp_path):
+    settings = Settings(data_dir=tmp_path, database_url="postgresql+psycopg://u@127.0.0.1:5432/ftq")
+    assert default_address(settings) == "127.0.0.1"
+    assert default_address(Settings(data_dir=tmp_path, worker_address="10.1.2.3")) == "127.0.0.1"  # no URL: loopback

@@ -100,7 +100,7 @@ def _handler(api: FakeApi) -> type[BaseHTTPRequestHandler]:
 def api() -> Iterator[tuple[FakeApi, str]]:
     fake = FakeApi()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield fake, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()

@@ -1,0 +1,156 @@
+"""Issue 17's proof on one CPU box: the API host and two worker machines as network namespaces
+(conftest.py, cluster.py), each machine with its own empty data directory and its own copy of
+the model, sharing nothing with the API but the network. One deployment for the module; each
+test starts with both machines up (a test may have killed one).
+
+Machine ``m2`` talks to the API through the corrupting proxy (proxy.py), which only forwards
+until a test arms it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+
+import pytest
+
+from tests.netns.cluster import tree_sha
+from tests.netns.jobs import TINY, checkpoint_steps, events, finished, metrics, same_adapter, submit, upload, wait_job, zip_files
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.netns]
+
+LOSS_TOLERANCE = 1e-5
+"""Relative, per step, between the 2-machine run and the 2-rank one-machine run: the same two
+ranks over the same data shards and gloo's sum of two addends; a difference would be reduction
+order, far under this."""
+
+
+@pytest.fixture
+def up(cluster):
+    cluster.ensure_up()
+    return cluster
+
+
+def _job_dir(machine, job_id: str):
+    return machine.data_dir / "jobs" / job_id
+
+
+def test_jobs_run_on_both_machines_and_their_adapters_come_back_intact(up, netns_dataset):
+    cluster = up
+    machines = {m["address"]: m for m in cluster.hardware()["machines"]}
+    for machine in cluster.machines.values():
+        shown = machines.get(machine.address)
+        assert shown is not None, f"{machine.name} ({machine.address}) is not a machine of GET /v1/hardware: {machines}"
+        assert shown["status"] == "live" and shown["remote"] and shown["workers"] == [machine.name], shown
+    with cluster.client() as client:
+        file_id = upload(client, netns_dataset)
+        jobs = [submit(client, file_id, cluster.model, name=f"both-{i}") for i in range(4)]
+        done = [finished(client, job["id"], logs=cluster.log_tail) for job in jobs]
+        assert [j["status"] for j in done] == ["succeeded"] * 4, f"{done}\n{cluster.log_tail()}"
+        assert {j["worker"] for j in done} == {"m1", "m2"}, [j["worker"] for j in done]
+        downloads = {j["id"]: zip_files(client, f"/v1/jobs/{j['id']}/adapter") for j in done}
+    sha = hashlib.sha256(netns_dataset.read_bytes()).hexdigest()
+    for machine in cluster.machines.values():
+        assert (machine.data_dir / "cache" / "files" / sha).is_file(), f"{machine.name} has no cached dataset"
+    for job in done:
+        ran, other = cluster.machines[job["worker"]], cluster.machines[{"m1": "m2", "m2": "m1"}[job["worker"]]]
+        problems = same_adapter(_job_dir(ran, job["id"]) / "adapter", downloads[job["id"]])
+        assert not problems, f"job {job['id']} on {ran.name}: {problems}"
+        assert not _job_dir(other, job["id"]).exists(), f"{other.name} has files of {job['id']}, which it did not run"
+
+
+def test_a_corrupted_upload_is_refused_and_retried(up, netns_dataset):
+    cluster = up
+    cluster.proxy_arm.touch()  # m2's first artifact upload from now on gets one byte flipped
+    try:
+        with cluster.client() as client:
+            file_id = upload(client, netns_dataset)
+            jobs = [submit(client, file_id, cluster.model, checkpoint_every=2, name=f"upload-{i}") for i in range(2)]
+            done = [finished(client, job["id"], logs=cluster.log_tail) for job in jobs]
+            assert [j["status"] for j in done] == ["succeeded"] * 2, f"{done}\n{cluster.log_tail()}"
+            assert "m2" in {j["worker"] for j in done}, f"no job ran on m2 (behind the proxy): {done}"
+            records = cluster.proxy_records()
+            flipped = [i for i, r in enumerate(records) if r.get("corrupted")]
+            assert len(flipped) == 1, f"expected one corrupted upload, the proxy saw: {records}"
+            bad = records[flipped[0]]
+            assert bad["status"] == 422 and "checksum_mismatch" in bad["body"], bad
+            again = [r for r in records[flipped[0] + 1:] if r["method"] == "PUT" and r["path"] == bad["path"]]
+            assert again and again[0]["status"] == 201, f"the worker did not upload {bad['path']} again: {records}"
+            job_id, path = re.fullmatch(r"/v1/worker/jobs/([^/]+)/artifacts/(.+)", bad["path"]).groups()
+            step = re.fullmatch(r"checkpoints/step-(\d+)", path)
+            if step:
+                assert int(step.group(1)) in checkpoint_steps(client, job_id)
+                served = zip_files(client, f"/v1/jobs/{job_id}/checkpoints/{int(step.group(1))}/download")
+    finally:
+        cluster.proxy_arm.unlink(missing_ok=True)
+    local = _job_dir(cluster.machines["m2"], job_id) / path
+    stored = cluster.api_data_dir / "jobs" / job_id / path
+    assert tree_sha(stored) == tree_sha(local), f"the API's {path} of {job_id} differs from m2's"
+    if step:
+        served_sha = {name: hashlib.sha256(data).hexdigest() for name, data in served.items()}
+        assert served_sha == tree_sha(local), f"the downloaded checkpoint differs from m2's {local}"
+
+
+def test_a_two_machine_job_matches_two_ranks_on_one_machine(up, netns_dataset):
+    cluster = up
+    hyper = {**TINY, "max_steps": 8}
+    with cluster.client() as client:
+        file_id = upload(client, netns_dataset)
+        job = submit(client, file_id, cluster.model, hyperparameters=hyper, gpus=2, nodes=2, name="two machines")
+        done = finished(client, job["id"], logs=cluster.log_tail)
+        assert done["status"] == "succeeded", f"{done}\n{cluster.log_tail()}"
+        spread = metrics(client, job["id"])
+    for machine in cluster.machines.values():
+        assert _job_dir(machine, job["id"]).is_dir(), f"{machine.name} ran no rank of the 2-machine job"
+    assert [r["step"] for r in spread] == list(range(1, 9))
+    assert [sorted(r["rank"] for r in row["ranks"] or []) for row in spread] == [[0, 1]] * 8
+
+    cluster.stop_worker("m1")
+    cluster.start_worker("m1", slots=2)  # the only machine with two CPU slots: the reference runs there
+    try:
+        cluster.wait_workers(["m1", "m2"])
+        with cluster.client() as client:
+            single = submit(client, file_id, cluster.model, hyperparameters=hyper, gpus=2, name="one machine")
+            done = finished(client, single["id"], logs=cluster.log_tail)
+            assert done["status"] == "succeeded" and done["worker"] == "m1", f"{done}\n{cluster.log_tail()}"
+            local = metrics(client, single["id"])
+    finally:
+        cluster.stop_worker("m1")
+        cluster.start_worker("m1", slots=1)
+    assert [r["step"] for r in local] == list(range(1, 9))
+    for a, b in zip(spread, local):
+        assert a["loss"] is not None and math.isclose(a["loss"], b["loss"], rel_tol=LOSS_TOLERANCE), (
+            f"step {a['step']}: 2 machines {a['loss']!r}, 1 machine {b['loss']!r}")
+
+
+def test_a_job_whose_machine_dies_resumes_on_the_other_from_its_uploaded_checkpoint(up, netns_dataset):
+    cluster = up
+    steps = 40
+    with cluster.client() as client:
+        file_id = upload(client, netns_dataset)
+        job = submit(client, file_id, cluster.model, hyperparameters={**TINY, "max_steps": steps},
+                     checkpoint_every=4, name="machine lost")
+        running = wait_job(client, job["id"], lambda j: j["status"] != "queued" and checkpoint_steps(client, j["id"])
+                           and j["progress"]["step"] >= 6, what="past an uploaded checkpoint", logs=cluster.log_tail)
+        assert running["status"] == "running", running
+        victim = cluster.machines[running["worker"]]
+        survivor = next(m for m in cluster.machines.values() if m is not victim)
+        cluster.kill_machine(victim.name)
+        newest = checkpoint_steps(client, job["id"])[-1]  # after the kill: nothing more can be recorded
+
+        done = finished(client, job["id"], logs=cluster.log_tail)
+        assert done["status"] == "succeeded", f"{done}\n{cluster.log_tail()}"
+        assert done["worker"] == survivor.name and done["attempts"] == 2, done
+        rows = metrics(client, job["id"])
+        history = events(client, job["id"])
+        lost = {m["address"]: m["status"] for m in client.get("/v1/hardware").json()["machines"]}
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "a step is missing or repeated"
+    plans = [data for kind, data in history if kind == "plan"]
+    assert len(plans) == 2 and plans[1].get("resumed_from_step") == newest, (newest, plans[-1:])
+    assert "retrying from the last checkpoint after lost worker" in json.dumps(history), history[-5:]
+    name = f"checkpoints/step-{newest:06d}"
+    fetched = _job_dir(survivor, job["id"]) / name
+    assert fetched.is_dir(), f"{survivor.name} did not download {name} before resuming"
+    assert tree_sha(fetched) == tree_sha(cluster.api_data_dir / "jobs" / job["id"] / name)
+    assert lost[victim.address] == "lost", lost

@@ -4,7 +4,9 @@ A ``running`` job whose heartbeat is older than ``heartbeat_timeout_s`` lost its
 machine rebooted, network cut). With attempts left (``attempts < max_attempts``) it goes back to
 ``queued`` and its message is sent again; the trainer then resumes from the newest checkpoint in
 the job's output directory by itself. Otherwise it fails with ``worker_lost``. A job whose cancel
-was requested before its worker vanished is not retried: it ends ``cancelled``.
+was requested before its worker vanished is not retried: it ends ``cancelled``. A multi-machine
+job is reaped the same way when any of its machines is lost (a part not ended whose worker is
+silent as long: ``worker.nodes.lost_parts``), even while its leader still beats.
 
 Every way out of ``running`` releases the job's GPUs in the same transaction
 (``core.jobs.service.transition``), so a lost worker's GPUs are free once its jobs are reaped.
@@ -44,6 +46,7 @@ from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers import pool
+from worker.nodes import lost_parts
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ def reap(
         stale = session.execute(
             select(Job.job_id, Job.attempts, Job.worker_id, Job.heartbeat_at, Job.cancel_requested)
             .where(Job.status == JobStatus.running.value)
-            .where(or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff))
+            .where(or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff, Job.job_id.in_(lost_parts(settings, now))))
             .order_by(Job.created_at)
         ).all()
         for job in stale:

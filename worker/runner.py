@@ -36,9 +36,9 @@ from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
 from trainer import layout
-from worker import remote
+from worker import nodes, remote
 from worker.outcome import Outcome, StopReason, classify
-from worker.launch import launch_argv, run_tag
+from worker.launch import Rendezvous, launch_argv, run_tag
 from worker.process import TrainerExit, TrainerProcess
 from worker.recorder import EventRecorder
 from worker.tracking.resolve import tracking_for
@@ -59,6 +59,7 @@ class Claim:
     """The slots of this host's pool the job holds."""
     devices: tuple[str | None, ...] = (None,)
     """Those slots' GPUs as CUDA_VISIBLE_DEVICES names them (None: CPU slots)."""
+    rendezvous: Rendezvous | None = None  # a multi-machine job's, on its leader (worker/nodes.py)
 
     @property
     def gpus(self) -> int:
@@ -145,13 +146,15 @@ def claim_next_job(runtime: Runtime, *, signalled: str | None = None) -> Claim |
             (event,) = append_events(session, job_id, [state_event(
                 JobStatus.running, worker_id=runtime.worker_id, attempt=attempt_no, slots=list(placement.slots),
             )])
+            rendezvous = nodes.record_parts(session, runtime.settings, placement, attempt_no)
             _set_worker_job(session, runtime.worker_id, job_id)
             seq = event.seq
             session.commit()
         runtime.publish(job_id, seq)
+        nodes.send_followers(runtime, job_id, attempt_no)
         via = "" if signalled in (None, job_id) else f" (woken by the message for {signalled})"
         log.info("claimed job %s on slots %s (attempt %d)%s", job_id, list(placement.slots), attempt_no, via)
-        return Claim(job_id=job_id, attempt=attempt_no, output_dir=output_dir, slots=placement.slots, devices=devices)
+        return Claim(job_id=job_id, attempt=attempt_no, output_dir=output_dir, slots=placement.slots, devices=devices, rendezvous=rendezvous)
     log.warning("message for %s: lost %d claims in a row to other claimants; leaving the rest to them",
                 signalled, MAX_CLAIM_TRIES)
     return None
@@ -194,7 +197,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
 
     rank_logs = claim.output_dir / "ranks" / f"attempt-{claim.attempt}"
     trainer = TrainerProcess(
-        launch_argv(runtime.options, job_json, ranks=claim.gpus, rank_log_dir=rank_logs),
+        launch_argv(runtime.options, job_json, ranks=claim.gpus, rank_log_dir=rank_logs, rendezvous=claim.rendezvous),
         on_event=on_event,
         env=trainer_env(runtime, claim.devices),
         cwd=claim.output_dir,
@@ -205,10 +208,12 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         rank_log_dir=rank_logs,
     )
     watchdog = Watchdog(runtime, claim, trainer)
+    parts = nodes.watch_parts(runtime, claim.job_id, claim.attempt, trainer, claim.rendezvous)  # other machines
     error: Exception | None = None
     try:
         trainer.start()
         watchdog.start()
+        parts.start()
         while not trainer.has_exited():
             recorder.wait(timeout=0.2)
             _flush(recorder, only_if_due=True)
@@ -219,6 +224,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         error = exc
     finally:
         watchdog.stop()
+        parts.stop()
         exit_ = trainer.finish() if _started(trainer) else TrainerExit(returncode=-1, stderr_tail=(), world_size=claim.gpus)
         outputs.drain()
         _flush(recorder, only_if_due=False, attempts=5)
@@ -230,7 +236,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         exit_, last_done, watchdog.stop_reason, cancel_grace_s=settings.cancel_grace_s,
         attempt=claim.attempt, max_attempts=settings.max_attempts,
     )
-    outcome = outputs.finish(outcome)
+    outcome = outputs.finish(parts.settle(outcome, max_attempts=settings.max_attempts))
     tracking.finish(outcome.status.value if outcome.status else "lost")
     return outcome, last_done
 

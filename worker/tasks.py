@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Reject
 
-from core.queue import TASK_REAP, TASK_RUN_JOB
+from core.queue import TASK_REAP, TASK_RUN_JOB, TASK_RUN_NODE
 from worker.exports import register_export_task
+from worker.follower import run_part
 from worker.reaper import reap
 from worker.runner import run_job
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def register_tasks(app: Celery, runtime_of: Any) -> None:
-    """Define ``jobs.run``, ``jobs.reap`` and ``exports.run`` on ``app``; ``runtime_of()`` gives the process's Runtime."""
+    """Define ``jobs.run``, ``jobs.run_node``, ``jobs.reap`` and ``exports.run`` on ``app``; ``runtime_of()`` gives the process's Runtime."""
     register_export_task(app, runtime_of)
 
     @app.task(name=TASK_RUN_JOB, ignore_result=True, shared=False)
@@ -29,6 +30,11 @@ def register_tasks(app: Celery, runtime_of: Any) -> None:
         if result == "deferred":
             raise Reject(f"worker shutting down; job {job_id} stays queued", requeue=True)
         return result
+
+    @app.task(name=TASK_RUN_NODE, ignore_result=True, shared=False)
+    def run_node(job_id: str, attempt: int, node_rank: int, rdzv_endpoint: str) -> str:
+        """Run this host's part of a multi-machine job (worker/follower.py); a redelivery is a no-op."""
+        return run_part(runtime_of(), job_id, attempt, node_rank, rdzv_endpoint)
 
     @app.task(name=TASK_REAP, ignore_result=True, shared=False)
     def reap_jobs() -> dict[str, list[str]]:

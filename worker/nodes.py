@@ -1,0 +1,222 @@
+"""Jobs that span machines (``nodes > 1``): the leader's parts, the followers' runs, who stops whom.
+
+    claim     only the leader claims (core/jobs/placement.py: the part whose machine's address
+              sorts first); its claim reserves every part's GPUs and, in the same transaction,
+              writes one ``job_node`` row per machine with the rendezvous endpoint (its address
+              and the first port from ``rdzv_port`` upward it can bind). After the commit it sends
+              ``jobs.run_node`` to each follower's own queue.
+    run       every machine runs torchrun with its share of the ranks (worker/launch.py
+              ``Rendezvous``); they meet at the leader's c10d store. Events come from global rank
+              0 only, which c10d puts on the leader (node ranks follow sorted ``--local-addr``).
+    follower  re-reads its ``job_node`` row (a redelivered message finds it started, and stops),
+              runs its part, and records when and how it ended (``ended_at``, ``returncode``).
+    lost      the leader's ``PartsWatch`` kills its ranks when a follower's part ended with a
+              signal or an error, or the follower's worker stopped heartbeating; the job then
+              retries from its last checkpoint (``lost_part_outcome``) or fails. A follower's
+              ``FollowerWatch`` kills its ranks when the job no longer runs with its attempt or
+              the leader's worker stopped heartbeating. The reaper requeues a running job whose
+              any machine is lost (``lost_parts``). Neither side waits for the trainer's
+              collective timeout (``trainer.distributed.Comm``, 600 s): the watches act within
+              ``heartbeat_timeout_s``, or at once when a part ends.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import socket
+import threading
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from core.db import utcnow
+from core.jobs.models import Job, JobNode
+from core.jobs.placement import Placement
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from core.workers.models import GpuSlot, Worker
+from worker.launch import Rendezvous, launch_argv, run_tag
+from worker.outcome import Outcome
+from worker.process import TrainerExit, TrainerProcess
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+PORTS_TRIED = 100
+"""Ports from ``rdzv_port`` upward the leader tries before giving up."""
+
+
+def free_port(address: str, first: int, tries: int = PORTS_TRIED) -> int:
+    """The first port from ``first`` upward that can be bound on ``address`` now."""
+    for port in range(first, min(first + tries, 65536)):
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port for the rendezvous on {address} in {first}..{first + tries - 1}; "
+                       "set FTQ_RDZV_PORT to a free range")
+
+
+def endpoint(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def run_id(job_id: str, attempt: int) -> str:
+    return f"{job_id}-{attempt}"
+
+
+def record_parts(session: Session, settings: Settings, placement: Placement, attempt: int) -> Rendezvous | None:
+    """In the claim's transaction: one ``job_node`` row per machine; the leader's rendezvous.
+
+    None for a job on one machine (nothing is written).
+    """
+    if not placement.followers:
+        return None
+    leader = placement.address
+    assert leader, f"job {placement.job_id}: a multi-machine placement without the leader's address"
+    rdzv = endpoint(leader, free_port(leader, settings.rdzv_port))
+    now = utcnow()
+    for rank, part in enumerate(placement.parts):
+        session.add(JobNode(job_id=placement.job_id, attempt=attempt, node_rank=rank, worker_id=part.worker_id,
+                            address=part.address or "", rdzv_endpoint=rdzv, started_at=now if rank == 0 else None))
+    session.flush()
+    return Rendezvous(len(placement.parts), 0, rdzv, run_id(placement.job_id, attempt), leader)
+
+
+def send_followers(runtime: Runtime, job_id: str, attempt: int) -> int:
+    """After the claim's commit: ``jobs.run_node`` to each follower's host; returns how many."""
+    with runtime.sessionmaker() as session:
+        parts = session.scalars(
+            select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node_rank > 0)
+        ).all()
+    if runtime.celery is None:
+        log.warning("job %s: no broker to start its %d follower machine(s)", job_id, len(parts))
+        return 0
+    from core.queue import enqueue_node
+
+    for part in parts:
+        enqueue_node(runtime.celery, job_id, attempt, part.node_rank, part.rdzv_endpoint, part.worker_id)
+    return len(parts)
+
+
+def parts_of(session: Session, job_id: str, attempt: int) -> list[JobNode]:
+    return list(session.scalars(
+        select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt).order_by(JobNode.node_rank)
+    ))
+
+
+def lost_parts(settings: Settings, now: dt.datetime | None = None) -> Any:
+    """Subquery: running multi-machine jobs a machine of whose current attempt is lost (its
+    part not ended and its worker silent for ``heartbeat_timeout_s``), for the reaper."""
+    cutoff = (now or utcnow()) - dt.timedelta(seconds=settings.heartbeat_timeout_s)
+    return (
+        select(JobNode.job_id)
+        .join(Job, (Job.job_id == JobNode.job_id) & (Job.attempts == JobNode.attempt))
+        .join(Worker, Worker.worker_id == JobNode.worker_id, isouter=True)
+        .where(Job.status == JobStatus.running.value, Job.nodes > 1, JobNode.ended_at.is_(None),
+               (Worker.heartbeat_at.is_(None)) | (Worker.heartbeat_at < cutoff))
+    )
+
+
+def _silent(session: Session, worker_id: str, cutoff: dt.datetime) -> bool:
+    beat = session.execute(select(Worker.heartbeat_at).where(Worker.worker_id == worker_id)).scalar_one_or_none()
+    return beat is None or beat < cutoff
+
+
+def lost_follower(session: Session, job_id: str, attempt: int, settings: Settings, *, any_error: bool = True) -> str | None:
+    """Why a follower machine of this attempt is lost (None: every part runs or ended well).
+
+    A part that ended by a signal, or whose worker is silent, is lost; one that ended with an
+    error code too when ``any_error`` (while the leader still runs: after the leader's own ranks
+    failed, the followers' end with an error because of it).
+    """
+    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
+    for part in parts_of(session, job_id, attempt)[1:]:
+        code = part.returncode
+        if part.ended_at is not None and code is not None and (code < 0 or (any_error and code > 0)):
+            return f"node {part.node_rank} ({part.worker_id}) ended with exit code {code}"
+        if part.ended_at is None and _silent(session, part.worker_id, cutoff):
+            return (f"node {part.node_rank} ({part.worker_id}) stopped heartbeating "
+                    f"(heartbeat_timeout_s={settings.heartbeat_timeout_s:g})")
+    return None
+
+
+class PartsWatch:
+    """On the leader: kills its ranks once a follower machine is lost (``lost_follower``), and
+    turns the run's outcome into a retry (``settle``)."""
+
+    def __init__(self, runtime: Runtime, job_id: str, attempt: int, trainer: TrainerProcess) -> None:
+        self._runtime = runtime
+        self._job_id = job_id
+        self._attempt = attempt
+        self._trainer = trainer
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"parts-{job_id}", daemon=True)
+        self.lost: str | None = None
+        """Why the ranks were stopped (a follower machine was lost); None: they were not."""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _lost(self, *, any_error: bool) -> str | None:
+        try:
+            with self._runtime.sessionmaker() as session:
+                return lost_follower(session, self._job_id, self._attempt, self._runtime.settings, any_error=any_error)
+        except Exception as exc:  # noqa: BLE001 - a store hiccup: the runner's watchdog handles a long one
+            log.warning("job %s: could not read its machines: %s", self._job_id, exc)
+            return None
+
+    def _loop(self) -> None:
+        poll_s = min(1.0, self._runtime.settings.heartbeat_interval_s)
+        while not self._stopped.wait(poll_s):
+            why = self._lost(any_error=True)
+            if why is not None and not self._trainer.has_exited():
+                log.warning("job %s: stopping every rank of this machine: %s", self._job_id, why)
+                self.lost = why
+                self._trainer.kill()
+                return
+
+    def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
+        """The run's outcome, or, when a follower machine was lost, a retry from the last
+        checkpoint (counting an attempt) while attempts remain, else failed ``node_lost``.
+        A success, a cancel, a shutdown's hand-back and a job no longer ours are kept."""
+        if outcome.status in (None, JobStatus.succeeded, JobStatus.cancelled):
+            return outcome
+        if outcome.status is JobStatus.queued and not outcome.retry:
+            return outcome
+        why = self.lost or self._lost(any_error=False)
+        if why is None:
+            return outcome
+        if self._attempt < max_attempts:
+            return Outcome(JobStatus.queued, "node_lost", f"retrying from the last checkpoint: {why}", retry=True)
+        return Outcome(JobStatus.failed, "node_lost",
+                       f"{why}; gave up after {self._attempt} attempts (max_attempts={max_attempts})")
+
+
+class NoParts:
+    """``PartsWatch``'s twin for a job on one machine."""
+
+    lost: str | None = None
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
+        return outcome
+
+
+def watch_parts(runtime: Runtime, job_id: str, attempt: int, trainer: TrainerProcess,
+                rendezvous: Rendezvous | None) -> PartsWatch | NoParts:
+    return NoParts() if rendezvous is None else PartsWatch(runtime, job_id, attempt, trainer)

@@ -139,10 +139,11 @@ export function renderGpus(main) {
   function machineSection(machine, byId, jobs, finishAt) {
     const lost = machine.status === "lost";
     const count = machine.gpus.length;
+    const word = count && machine.gpus.every((g) => g.device === null) ? "CPU slot" : "GPU";
     const facts = [
       machine.address,
       machine.remote ? "remote (worker key)" : "local",
-      `${count} GPU${count === 1 ? "" : "s"}`,
+      `${count} ${word}${count === 1 ? "" : "s"}`,
       `heartbeat ${fmtDuration(machine.heartbeat_age_s)} ago`,
     ].filter(Boolean);
     const workers = machine.workers.map((id) => byId.get(id)).filter(Boolean);

@@ -27,6 +27,7 @@ from api.inputs import check_request_text
 from api.jobs.routes import router as jobs_router
 from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
+from api.jobs.wakeups import Wakeups
 from api.openai.app import PREFIX as OPENAI_PREFIX
 from api.openai.app import create_openai_app
 from api.state import AppState
@@ -57,10 +58,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
             redis = Redis.from_url(settings.redis_url)
         tokenizers = TokenizerPool(settings.tokenizer_workers)
-        state = AppState(settings, engine, make_sessionmaker(engine), celery, redis, tokenizers)
+        sessions = make_sessionmaker(engine)
+        wakeups = Wakeups(sessions, settings, celery)
+        state = AppState(settings, engine, sessions, celery, redis, tokenizers, wakeups=wakeups)
         try:
             yield {"ftq": state}
         finally:
+            await to_thread.run_sync(wakeups.close)  # sends what submissions noted
             await to_thread.run_sync(tokenizers.shutdown)  # waits for a running tokenization
             if redis is not None:
                 await redis.aclose()

@@ -10,6 +10,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
 from api.files.tokenizer_pool import TokenizerPool
+from api.jobs.wakeups import Wakeups
 from core.settings import Settings
 
 
@@ -27,3 +28,6 @@ class AppState:
     feeds: dict[str, Any] = field(default_factory=dict)
     """``api.jobs.sse.JobFeed`` per job with live viewers in this process (one store read per
     wake-up for all of them)."""
+    wakeups: Wakeups | None = None
+    """Sends queued jobs' wake-up messages from one thread (``api.jobs.wakeups``); the lifespan
+    creates it and closes it at exit (None only in a state a test builds by hand)."""

@@ -26,6 +26,7 @@ from api.state import AppState
 from core.errors import Conflict, NotFound
 from core.exports import service
 from core.exports.models import Export
+from core.jobs import artifact_store
 from core.jobs.models import Job
 from core.jobs.service import get_job
 from core.queue import enqueue_export
@@ -84,7 +85,7 @@ async def create_export(job_id: str, body: ExportRequest, response: Response, st
             job = get_job(session, job_id)
             access.require_owner(session, caller, job.owner_id, what=f"job {job_id}", action="export", param="job_id")
             export, created = service.create_export(session, job_id, body.format, body.quantization,
-                                                    owner_id=caller.user_id, model_type=_model_type(job))
+                                                    owner_id=caller.user_id, model_type=_model_type(state, job))
             seq = service.last_seq(session, job_id)
             session.commit()
             return ExportOut.of(export), created, export.worker_id, seq
@@ -125,10 +126,10 @@ def download_export(job_id: str, export_id: str, session: SessionDep, state: Sta
     export = service.get_export(session, job_id, export_id)
     if export.status != "succeeded" or not export.path:
         raise Conflict(f"export {export_id} is {export.status}; download it once it has succeeded", param="export_id")
-    job = get_job(session, job_id)
+    get_job(session, job_id)
     session.close()
-    src = Path(export.path)
-    root = Path(job.output_dir) if job.output_dir else state.settings.jobs_dir / job_id
+    src = artifact_store.export_store_dir(state.settings, job_id, export_id)  # not the worker's export.path
+    root = artifact_store.job_store_dir(state.settings, job_id)
     if not src.resolve().is_relative_to(root.resolve()) or not src.is_dir():
         raise NotFound(f"export {export_id}: the files are no longer on disk", param="export_id")
     stem = f"{job_id}-{export.format}" + (f"-{export.quantization}" if export.quantization else "")
@@ -142,10 +143,10 @@ def download_export(job_id: str, export_id: str, session: SessionDep, state: Sta
                         background=BackgroundTask(path.unlink, missing_ok=True))
 
 
-def _model_type(job: Job) -> str | None:
+def _model_type(state: AppState, job: Job) -> str | None:
     """The base's ``config.json`` ``model_type`` as the job's trainer config names it; None if unknown."""
     try:
-        config = json.loads((Path(job.output_dir or "") / "job.json").read_text())
+        config = json.loads(artifact_store.job_config_path(state.settings, job.job_id).read_text())
         base = Path(config["model"]["name_or_path"])
         return json.loads((base / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, KeyError, TypeError):

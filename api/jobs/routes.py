@@ -46,7 +46,7 @@ from api.jobs.schemas import (
 from api.jobs.sse import event_stream
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import eta, live, rerun, scheduling, service
+from core.jobs import artifact_store, eta, live, rerun, scheduling, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
@@ -99,7 +99,7 @@ async def create_job(
             if not created:
                 _refuse_foreign_key(session, idempotency_key, caller.user_id)
             session.commit()
-            return _out(session, job, state.settings), created, job.last_event_seq
+            return _out(session, job, state.settings, estimate=False), created, job.last_event_seq
 
     job, created, seq = await to_thread.run_sync(create)
     if job.status == JobStatus.queued.value:
@@ -318,7 +318,8 @@ def download_checkpoint(
     checkpoint = service.get_checkpoint(session, job_id, step)
     root = _job_root(state, service.get_job(session, job_id))
     session.close()
-    return _archive_response(state, Path(checkpoint.path), format, f"{job_id}-step-{step}", root)
+    src = artifact_store.checkpoint_store_dir(state.settings, job_id, checkpoint.step)
+    return _archive_response(state, src, format, f"{job_id}-step-{step}", root)
 
 
 @router.get(
@@ -342,12 +343,12 @@ def download_adapter(
             param="job_id",
         )
     export = layout.export_name(job.method)
-    adapter = layout.export_dir(job.output_dir or "", job.method)
+    adapter = artifact_store.final_store_dir(state.settings, job_id, job.method)
     if not adapter.is_dir():
         final = [c for c in service.list_checkpoints(session, job_id) if c.final]
         if not final:
             raise NotFound(f"job {job_id} succeeded but its adapter is not on disk", param="job_id")
-        adapter = Path(final[-1].path)
+        adapter = artifact_store.checkpoint_store_dir(state.settings, job_id, final[-1].step)
     root = _job_root(state, job)
     card = build_card(session, job, state.settings)
     session.close()
@@ -356,7 +357,8 @@ def download_adapter(
 
 
 def _job_root(state: AppState, job: Job) -> Path:
-    return Path(job.output_dir) if job.output_dir else state.settings.jobs_dir / job.job_id
+    """The job's directory in the API's artifact store (not the worker's ``output_dir``)."""
+    return artifact_store.job_store_dir(state.settings, job.job_id)
 
 
 def _archive_response(
@@ -376,12 +378,15 @@ def _archive_response(
     )
 
 
-def _out(session: Session, job: Job, settings: Settings | None = None) -> JobOut:
-    """The job as the API shows it; with ``settings``, a queued job also gets its ``queue``."""
+def _out(session: Session, job: Job, settings: Settings | None = None, *, estimate: bool = True) -> JobOut:
+    """The job as the API shows it; with ``settings``, a queued job also gets its ``queue``:
+    its position and, with ``estimate``, its start estimate (a replay of the whole queue, which
+    a submission's answer skips: ``estimated_start_at`` is null there; GET the job for it)."""
     held = pool.held_by(session, [job.job_id]).get(job.job_id, ()) if job.status == JobStatus.running.value else ()
     out = JobOut.of(job, owner=access.owner_name(session, job.owner_id), held=held)
     if settings is not None and job.status == JobStatus.queued.value:
-        out.queue = queue_info(eta.snapshot(session, settings).entry(job.job_id))
+        entry = eta.snapshot(session, settings).entry(job.job_id) if estimate else eta.position(session, job.job_id)
+        out.queue = queue_info(entry)
     return out
 
 
@@ -409,8 +414,12 @@ def _parse_statuses(raw: str | None) -> list[JobStatus] | None:
 
 
 def _enqueue(state: AppState, job_id: str) -> None:
-    """Wake the host the policy places ``job_id`` on now; a job that must wait, any host."""
-    try:
+    """Wake the host the policy places ``job_id`` on now (a job that must wait: any host), from
+    the process's wake-up thread (api/jobs/wakeups.py: one queue replay for many submissions)."""
+    if state.wakeups is not None:
+        state.wakeups.note(job_id)
+        return
+    try:  # a state built by hand (tests) has no wake-up thread
         with state.sessions() as session:
             placed = [p for p in scheduling.signal_targets(session, state.settings) if p.job_id == job_id]
         enqueue_job(state.celery, job_id, placed[0].worker_id if placed else None)

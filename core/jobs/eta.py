@@ -96,6 +96,16 @@ class QueueSnapshot:
         return next((e for e in self.entries if e.job.job_id == job_id), None)
 
 
+def position(session: Session, job_id: str) -> QueueEntry | None:
+    """``job_id``'s place in claim order and the jobs ahead of it, without the replay (so no
+    start estimate and no hold): one query, what a submission answers. None if not queued."""
+    waiting = queued_in_claim_order(session)
+    for i, job in enumerate(waiting):
+        if job.job_id == job_id:
+            return QueueEntry(job, i + 1, tuple(w.job_id for w in waiting[:i]), None)
+    return None
+
+
 def replay_starts(
     hosts: Mapping[str, Sequence[int]],
     running: Iterable[Busy],

@@ -25,12 +25,11 @@ from sqlalchemy.orm import Session
 
 from core.db import utcnow
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import service
+from core.jobs import artifact_store, service
 from core.jobs.models import Checkpoint, Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from trainer import layout
 
 RESUMABLE = (JobStatus.failed.value, JobStatus.cancelled.value)
 _LENGTH_KEYS = ("max_steps", "epochs")
@@ -58,7 +57,7 @@ def cloned_spec(source_spec: dict[str, Any], overrides: dict[str, Any]) -> JobSp
     return JobSpec.model_validate(merge_patch(base, overrides))
 
 
-def pick_checkpoint(session: Session, source: Job, step: int | None) -> Checkpoint:
+def pick_checkpoint(session: Session, source: Job, step: int | None, *, settings: Settings) -> Checkpoint:
     """The checkpoint to resume ``source`` from: ``step``'s, else its newest.
 
     Raises:
@@ -71,7 +70,8 @@ def pick_checkpoint(session: Session, source: Job, step: int | None) -> Checkpoi
             f"(clone it instead: POST /v1/jobs/{source.job_id}/clone)",
             param="job_id",
         )
-    checkpoints = [c for c in service.list_checkpoints(session, source.job_id) if Path(c.path).is_dir()]
+    checkpoints = [c for c in service.list_checkpoints(session, source.job_id)
+                   if artifact_store.checkpoint_store_dir(settings, source.job_id, c.step).is_dir()]
     if not checkpoints:
         raise Conflict(
             f"job {source.job_id} has no checkpoint on disk to resume from; clone it to start over "
@@ -90,12 +90,13 @@ def pick_checkpoint(session: Session, source: Job, step: int | None) -> Checkpoi
     )
 
 
-def seed_checkpoint(session: Session, job: Job, checkpoint: Checkpoint) -> Path:
+def seed_checkpoint(session: Session, job: Job, checkpoint: Checkpoint, *, settings: Settings) -> Path:
     """Link ``checkpoint``'s directory into ``job``'s checkpoints and record it there, so the
     worker keeps it (it sets aside checkpoints the store does not know) and the trainer resumes."""
-    target = layout.checkpoint_dir(job.output_dir or "", checkpoint.step)
+    source = artifact_store.checkpoint_store_dir(settings, checkpoint.job_id, checkpoint.step)
+    target = artifact_store.checkpoint_store_dir(settings, job.job_id, checkpoint.step)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(checkpoint.path, target, copy_function=_link_or_copy, dirs_exist_ok=True)
+    shutil.copytree(source, target, copy_function=_link_or_copy, dirs_exist_ok=True)
     session.add(Checkpoint(job_id=job.job_id, step=checkpoint.step, path=str(target), bytes=checkpoint.bytes,
                            final=False, created_at=utcnow()))
     return target
@@ -111,14 +112,14 @@ def _link_or_copy(src: str, dst: str) -> None:
 def resume_job(session: Session, source: Job, step: int | None, *, settings: Settings,
                owner_id: str | None) -> tuple[Job, Checkpoint]:
     """A new queued job that continues ``source`` from its checkpoint at ``step`` (default newest)."""
-    checkpoint = pick_checkpoint(session, source, step)
+    checkpoint = pick_checkpoint(session, source, step, settings=settings)
     try:
         spec = JobSpec.model_validate(source.spec)
     except ValueError as exc:
         raise InvalidInput(f"job {source.job_id}'s stored spec no longer validates ({exc}); clone it with "
                            "overrides that fix it", param="job_id") from exc
     job, _ = service.create_job(session, spec, settings=settings, owner_id=owner_id)
-    seed_checkpoint(session, job, checkpoint)
+    seed_checkpoint(session, job, checkpoint, settings=settings)
     service.append_events(session, job.job_id, [(
         "log", {"level": "info", "message": f"resumes job {source.job_id} from its checkpoint at step {checkpoint.step}"},
     )])

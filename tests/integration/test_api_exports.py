@@ -31,7 +31,7 @@ def _succeeded_job(client: TestClient, store, settings: Settings) -> str:
         assert service.transition(session, job_id, JobStatus.running, output_dir=str(settings.jobs_dir / job_id))
         assert service.transition(session, job_id, JobStatus.succeeded)
         session.commit()
-    sent_tasks(settings)  # the job's own jobs.run message
+    sent_tasks(settings, client)  # the job's own jobs.run message
     return job_id
 
 

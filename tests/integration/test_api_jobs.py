@@ -25,8 +25,11 @@ from tests.integration.helpers import bearer, spec, upload
 pytestmark = pytest.mark.integration
 
 
-def sent_tasks(settings: Settings) -> list[tuple[str, list[Any]]]:
-    """Drain the broker's queue: (task name, args) of every message sent."""
+def sent_tasks(settings: Settings, client: TestClient | None = None) -> list[tuple[str, list[Any]]]:
+    """Drain the broker's queue: (task name, args) of every message sent (with ``client``, once
+    its API's wake-up thread has sent every job's message: api/jobs/wakeups.py)."""
+    if client is not None:
+        assert client.app_state["ftq"].wakeups.flush(), "the API's wake-up thread did not send its messages"
     out = []
     with Connection(settings.broker_url) as conn:
         queue = conn.SimpleQueue(QUEUE)
@@ -66,7 +69,7 @@ class TestCreate:
         with store.sessions() as session:
             events = service.events_after(session, job["id"], 0)
         assert [(e.seq, e.type, e.data["status"]) for e in events] == [(1, "state", "queued")]
-        assert sent_tasks(settings) == [(TASK_RUN_JOB, [job["id"]])]
+        assert sent_tasks(settings, client) == [(TASK_RUN_JOB, [job["id"]])]
         assert client.get(f"/v1/jobs/{job['id']}").json() == job
 
     def test_epochs_default_to_one_when_no_length_is_given(self, client: TestClient, store) -> None:
@@ -116,7 +119,7 @@ class TestCreate:
         assert error["param"] == param
         assert fragment in error["message"], error["message"]
         assert count(store, Job) == 0
-        assert sent_tasks(settings) == []
+        assert sent_tasks(settings, client) == []
 
     def test_missing_model_field_says_required(self, client: TestClient, store) -> None:
         response = client.post("/v1/jobs", json={"training_file": upload(client)})
@@ -378,7 +381,8 @@ class TestMetricsAndArtifacts:
         (outside / "secret.txt").write_text("not the job's")
         with store.sessions() as session:
             session.add(Checkpoint(job_id=job_id, step=2, path=str(ckpt), bytes=11, final=False))
-            # a row whose path (reported by the trainer) lies outside the job's directory
+            # a row whose path (reported by a worker) lies outside the job's directory: the API reads
+            # the job's artifact store (<jobs_dir>/<job_id>/checkpoints/step-000003), never that path
             session.add(Checkpoint(job_id=job_id, step=3, path=str(outside), bytes=1, final=False))
             session.commit()
         listed = client.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
@@ -388,7 +392,7 @@ class TestMetricsAndArtifacts:
             assert zf.namelist() == ["state.json"]
             assert zf.read("state.json") == b'{"step": 2}'
         refused = client.get(f"/v1/jobs/{job_id}/checkpoints/3/download")
-        assert refused.status_code == 404 and "not in the job's directory" in refused.json()["error"]["message"]
+        assert refused.status_code == 404 and "no longer on disk" in refused.json()["error"]["message"]
         missing = client.get(f"/v1/jobs/{job_id}/checkpoints/9/download")
         assert missing.status_code == 404 and "no checkpoint at step 9" in missing.json()["error"]["message"]
 

@@ -60,13 +60,13 @@ def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
                 row = Worker(worker_id=runtime.worker_id, started_at=now)
                 session.add(row)
             row.hostname = socket.gethostname()
-            for name, value in identity(session, runtime.settings).items():  # key_id, address
-                setattr(row, name, value)
             row.device = _device(runtime, hardware)
             row.hardware = hardware
             row.current_job_id = runtime.current_job_id
             row.started_at = now
             row.heartbeat_at = now
+            for name, value in identity(session, runtime.settings).items():  # key_id, address
+                setattr(row, name, value)
             session.flush()
             register_pool(session, runtime.worker_id, runtime.options.pool)
         runtime.mark_registered()

@@ -26,6 +26,7 @@ import datetime as dt
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from sqlalchemy import select, update
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 PORTS_TRIED = 100
 """Ports from ``rdzv_port`` upward the leader tries before giving up."""
+SETTLE_WAIT_S = 10.0
+"""How long a leader whose ranks failed waits for its followers' ends before judging the run."""
 
 
 def free_port(address: str, first: int, tries: int = PORTS_TRIED) -> int:
@@ -185,6 +188,24 @@ class PartsWatch:
                 self._trainer.kill()
                 return
 
+    def _wait_for_parts(self) -> str | None:
+        """After the leader's ranks failed: whether a follower machine was lost, waiting up to
+        ``SETTLE_WAIT_S`` for the followers to record their ends (a lost follower's ranks make
+        rank 0 fail with a connection error, often before its worker writes the part's end)."""
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        while True:
+            why = self._lost(any_error=False)
+            if why is not None or time.monotonic() >= deadline or self._all_ended():
+                return why
+            time.sleep(0.2)
+
+    def _all_ended(self) -> bool:
+        try:
+            with self._runtime.sessionmaker() as session:
+                return all(p.ended_at is not None for p in parts_of(session, self._job_id, self._attempt)[1:])
+        except Exception:  # noqa: BLE001 - unknown: keep waiting until the deadline
+            return False
+
     def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
         """The run's outcome, or, when a follower machine was lost, a retry from the last
         checkpoint (counting an attempt) while attempts remain, else failed ``node_lost``.
@@ -193,7 +214,7 @@ class PartsWatch:
             return outcome
         if outcome.status is JobStatus.queued and not outcome.retry:
             return outcome
-        why = self.lost or self._lost(any_error=False)
+        why = self.lost or self._wait_for_parts()
         if why is None:
             return outcome
         if self._attempt < max_attempts:

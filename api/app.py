@@ -34,6 +34,7 @@ from api.state import AppState
 from api.system.routes import router as system_router
 from api.users.routes import router as users_router
 from api.web.routes import router as web_router
+from api.workers.routes import router as workers_router
 from core.db import make_engine, make_sessionmaker
 from core.migrate import schema_problem
 from core.queue import make_celery
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(system_router)
     app.include_router(models_router)
     app.include_router(users_router)
+    app.include_router(workers_router)
     app.include_router(web_router)
     app.mount(OPENAI_PREFIX, create_openai_app())  # the official openai client's API (api/openai)
     return app

@@ -6,7 +6,9 @@ Deny by default: ``AuthGate`` is ASGI middleware around the whole app, so it see
 like; a route added later is protected without remembering to be. Open (``OPEN_PATHS``) are
 only the probes (``/healthz``, ``/readyz``), the API docs (``/docs``, ``/redoc``,
 ``/openapi.json``), the dashboard's static shell (``/``, ``/static/...``) and ``/v1/session``
-(the login itself). The verified caller is kept on the request state, so routes that need it
+(the login itself). Paths under ``/v1/worker/`` take only worker keys (``ftqw_...``,
+``api.workers.auth``; a user's key there is 403), and a worker key anywhere else is 403. The
+verified caller is kept on the request state, so routes that need it
 (``CallerDep``) get it without a second check. Failed keys are logged and, repeated from one
 address, slowed down (``api.auth_throttle``).
 
@@ -38,8 +40,10 @@ from api.auth_throttle import FailedKeyThrottle
 from api.errors import domain_response, store_unreachable, too_many_failures
 from api.openai.errors import openai_shaped
 from api.state import AppState
+from api.workers.auth import authenticate_worker, is_worker_path, refuse_worker_key
 from core.errors import Forbidden, FtqError, Unauthenticated
 from core.users.service import Caller, split_key, verify_key
+from core.workers.keys import split_worker_key
 
 SESSION_COOKIE = "ftq_session"
 CSRF_HEADER = "X-Requested-With"
@@ -94,6 +98,7 @@ async def authenticate(request: Request) -> Caller:
             "makes keys with `ftq users create NAME`",
             param="Authorization",
         )
+    refuse_worker_key(raw)
     state: AppState = request.state.ftq
 
     def verify() -> Caller:
@@ -148,7 +153,10 @@ class AuthGate:
 
     async def _refusal(self, request: Request, address: str) -> Response | None:
         try:
-            await authenticate(request)
+            if is_worker_path(app_path(request.scope)):
+                await authenticate_worker(request)  # worker keys only there (api.workers.auth)
+            else:
+                await authenticate(request)
         except FtqError as exc:
             if isinstance(exc, Unauthenticated):
                 self.throttle.record_failure(
@@ -166,7 +174,7 @@ def _prefix(request: Request) -> str | None:
         raw, _ = credentials(request)
     except Unauthenticated:
         return None
-    parts = split_key(raw.strip()) if raw else None
+    parts = (split_key(raw.strip()) or split_worker_key(raw.strip())) if raw else None
     return parts[0] if parts else None
 
 

@@ -15,6 +15,8 @@
 
     ftq users create NAME [--admin] [--max-running N] | list | key NAME | revoke PREFIX | set NAME ...
                            on the box, straight to the store; prints new keys once
+    ftq workers key create NAME | list | revoke NAME
+                           worker keys for workers on other machines (admin, through the API)
 
 Configuration comes from the environment (``FTQ_*``, see core/settings.py); flags override it.
 """
@@ -27,7 +29,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import db, exports, jobs, machines, runs, serve, up, users
+from cli import db, exports, jobs, machines, runs, serve, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_parsers(commands)
     machines.add_parsers(commands)
     users.add_parsers(commands)
+    worker_keys.add_parsers(commands)
     return parser
 
 

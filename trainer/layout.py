@@ -11,6 +11,12 @@
         adapter/                       the final LoRA / QLoRA adapter (peft format)
         model/                         the final weights of method ``full``, instead of adapter/
         unrecorded-checkpoints/        checkpoints the worker set aside after a lost worker
+        exports/<export id>/           an export's files (merged weights or a .gguf)
+        job.json                       the trainer config the worker runs
+
+A worker on another machine uploads these to the API's copy of the job directory, one
+``ARTIFACT_PATHS`` entry at a time (``check_artifact_path``); the API serves nothing else from it
+(no logs: a run's stderr tail is kept in the store).
 
 The trainer writes it (``trainer.checkpoint``, ``trainer.train``); the worker reads it (which
 checkpoints exist, ``worker.runner``) and the API serves it (``api.jobs.routes``).
@@ -80,3 +86,38 @@ def export_dir(output_dir: str | Path, method: str) -> Path:
 
 def unrecorded_checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / UNRECORDED_CHECKPOINTS
+
+
+JOB_CONFIG = "job.json"
+"""The trainer config the worker writes into ``output_dir`` and runs."""
+EXPORTS = "exports"
+"""Directory under ``output_dir`` holding one directory per export."""
+ARTIFACT_PATHS = (
+    JOB_CONFIG,
+    f"{CHECKPOINTS}/step-NNNNNN",
+    "adapter",
+    "model",
+    f"{EXPORTS}/<export id>",
+)
+"""What may be moved between a worker and the API's artifact store, relative to ``output_dir``."""
+
+_EXPORT_ID = re.compile(r"^[a-z]{1,16}-[0-9a-f]{1,64}$")
+
+
+def check_artifact_path(path: str) -> str:
+    """``path`` if it names one of ``ARTIFACT_PATHS`` exactly (``checkpoints/step-000042``,
+    ``exports/exp-...``), else ``ValueError`` saying which are allowed. Only plain names from
+    the list pass: nothing absolute, no ``..``, no ``step-000042.tmp``, no empty part."""
+    parts = path.split("/")
+    allowed = (
+        (len(parts) == 1 and parts[0] in (JOB_CONFIG, "adapter", "model"))
+        or (len(parts) == 2 and parts[0] == CHECKPOINTS and parse_checkpoint_step(parts[1]) is not None
+            and parts[1] == checkpoint_name(int(parts[1][5:])))
+        or (len(parts) == 2 and parts[0] == EXPORTS and _EXPORT_ID.match(parts[1]) is not None)
+    )
+    if not allowed:
+        raise ValueError(
+            f"path: {path[:200]!r} is not an artifact a worker may move; use one of "
+            + ", ".join(ARTIFACT_PATHS)
+        )
+    return path

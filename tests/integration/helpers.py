@@ -91,3 +91,13 @@ class LiveServer:
 
 def serve(settings: Settings) -> LiveServer:
     return LiveServer(settings)
+
+
+def make_worker_key(store, name: str) -> str:
+    """Create a worker key in ``store`` and return it (``ftqw_...``, as `ftq workers key create` prints)."""
+    from core.workers.keys import create_worker_key
+
+    with store.sessions() as session:
+        _row, raw = create_worker_key(session, name, created_by=None)
+        session.commit()
+        return raw

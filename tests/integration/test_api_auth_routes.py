@@ -19,9 +19,10 @@ from starlette.convertors import IntegerConvertor
 from starlette.routing import Mount
 
 from api.auth import CSRF_HEADER, SESSION_COOKIE, is_open
+from api.workers.auth import WORKER_ONLY, is_worker_path
 from core.settings import Settings
 from core.users import service as users
-from tests.integration.helpers import bearer, make_user, upload
+from tests.integration.helpers import bearer, make_user, make_worker_key, upload
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,8 @@ def concrete_routes(routes: list[Any]) -> Iterator[tuple[str, str, str]]:
         path = template
         for name, convertor in getattr(route, "param_convertors", {}).items():
             value = "1" if isinstance(convertor, IntegerConvertor) else "x-1"
-            path = path.replace("{" + name + "}", value).replace("{" + name + ":int}", value)
+            for form in ("{%s}", "{%s:int}", "{%s:path}"):
+                path = path.replace(form % name, value)
         for method in sorted(getattr(route, "methods", None) or {"GET"}):
             yield method, template, path
 
@@ -68,6 +70,8 @@ def bad_credentials(store, gate: TestClient, admin_key: str) -> dict[str, dict[s
     gate.delete(f"/v1/keys/{users.split_key(revoked)[0]}", headers=bearer(admin_key)).raise_for_status()
     disabled = make_user(store, "disabled")
     gate.patch("/v1/users/disabled", json={"disabled": True}, headers=bearer(admin_key)).raise_for_status()
+    revoked_worker = make_worker_key(store, "revoked-box")
+    gate.delete("/v1/workers/keys/revoked-box", headers=bearer(admin_key)).raise_for_status()
     return {
         "none": {},
         "malformed": bearer("not-a-key"),
@@ -77,7 +81,21 @@ def bad_credentials(store, gate: TestClient, admin_key: str) -> dict[str, dict[s
         "disabled user": bearer(disabled),
         "revoked cookie": {"Cookie": f"{SESSION_COOKIE}={revoked}"},
         "disabled cookie": {"Cookie": f"{SESSION_COOKIE}={disabled}"},
+        "unknown worker key": bearer("ftqw_0123abcd_" + "A" * 43),
+        "revoked worker key": bearer(revoked_worker),
+        "malformed worker key": bearer("ftqw_nothex_x"),
     }
+
+
+USER_KEY_KINDS = frozenset({"unknown", "revoked", "disabled user"})
+
+
+def expected_refusal(path: str, kind: str) -> int:
+    """Worker routes: 401 for a bad worker key or none, 403 for any user's key (worker keys only).
+    Other routes: 401 for a bad user key or none, 403 for any worker key (users' keys only)."""
+    if is_worker_path(path):
+        return 403 if kind in USER_KEY_KINDS else 401
+    return 403 if "worker key" in kind else 401
 
 
 class TestEveryRouteNeedsAKey:
@@ -94,13 +112,40 @@ class TestEveryRouteNeedsAKey:
         for method, template, path in keyed_routes(gate.app):
             for kind, headers in kinds.items():
                 response = gate.request(method, path, headers=headers)
-                if response.status_code != 401:
-                    answered.append(f"{method} {template} with {kind}: {response.status_code}")
+                expected = expected_refusal(path, kind)
+                if response.status_code != expected:
+                    answered.append(f"{method} {template} with {kind}: {response.status_code}, not {expected}")
                     continue
                 error = response.json()["error"]
-                assert error["code"] == "unauthenticated" and error["param"] == "Authorization"
-                assert response.headers["WWW-Authenticate"].startswith("Bearer")
+                assert error["code"] == ("unauthenticated" if expected == 401 else "forbidden")
+                assert error["param"] == "Authorization"
+                if expected == 401:
+                    assert response.headers["WWW-Authenticate"].startswith("Bearer")
         assert not answered, "routes that did not refuse a bad key:\n" + "\n".join(answered)
+
+    def test_worker_keys_open_only_the_worker_routes_and_user_keys_never_open_them(
+        self, gate: TestClient, store, admin_key: str
+    ) -> None:
+        worker_key = make_worker_key(store, "box-2")
+        routes = keyed_routes(gate.app)
+        worker_routes = [r for r in routes if is_worker_path(r[2])]
+        assert {t for _, t, _ in worker_routes} >= {
+            "/v1/worker/files/{file_id}", "/v1/worker/jobs/{job_id}/artifacts/{path:path}"
+        }
+        wrong: list[str] = []
+        for method, template, path in routes:
+            if is_worker_path(path):
+                user = gate.request(method, path, headers=bearer(admin_key))
+                worker = gate.request(method, path, headers=bearer(worker_key))
+                if user.status_code != 403 or "only worker keys" not in user.json()["error"]["message"]:
+                    wrong.append(f"{method} {template} with an admin's key: {user.status_code}")
+                if worker.status_code in (401, 403):  # past the gate: the route answers (404, 422, 400)
+                    wrong.append(f"{method} {template} with a worker key: {worker.status_code} {worker.text}")
+            else:
+                worker = gate.request(method, path, headers=bearer(worker_key))
+                if worker.status_code != 403 or worker.json()["error"]["message"] != WORKER_ONLY:
+                    wrong.append(f"{method} {template} with a worker key: {worker.status_code}")
+        assert not wrong, "\n".join(wrong)
 
     def test_a_good_cookie_still_needs_the_csrf_header_to_change_anything(
         self, gate: TestClient, store, admin_key: str
@@ -110,6 +155,9 @@ class TestEveryRouteNeedsAKey:
         assert len(unsafe) >= 6
         for method, template, path in unsafe:
             response = gate.request(method, path, headers=cookie)
+            if is_worker_path(path):  # worker routes read only the Authorization header, never the cookie
+                assert response.status_code == 401, f"{method} {template}: {response.status_code}"
+                continue
             assert response.status_code == 403, f"{method} {template}: {response.status_code}"
             assert response.json()["error"]["param"] == CSRF_HEADER
 

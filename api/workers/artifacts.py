@@ -1,0 +1,184 @@
+"""``/v1/worker/``: the bytes a worker on another machine moves, under a worker key only.
+
+- ``GET /v1/worker/files/{file_id}``: a dataset of a job the worker runs, streamed.
+- ``GET /v1/worker/jobs/{job_id}/artifacts/{path}``: a tar of ``<jobs_dir>/<job_id>/<path>``.
+- ``PUT /v1/worker/jobs/{job_id}/artifacts/{path}``: such a tar, stored atomically.
+
+Each answer or upload carries ``X-Ftq-Sha256`` (the sha256 of its bytes) and a length, so a
+truncated or corrupted transfer is detected on either side and sent again. An upload is streamed
+to ``<jobs_dir>/<job_id>/.incoming/`` and hashed as it arrives (never held in memory); only a
+whole, matching, safe tar (``core.workers.archive``) is unpacked into a staging directory there
+and renamed into place, so nothing half-uploaded is ever at ``<path>``. ``path`` is one of
+``trainer.layout.ARTIFACT_PATHS``; the key must belong to the worker running the job
+(``core.workers.access``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from anyio import to_thread
+from fastapi import APIRouter, Request, status
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
+
+from api.deps import SessionDep, StateDep
+from api.errors import error_body
+from api.state import AppState
+from api.workers.auth import WorkerCaller, WorkerDep
+from api.workers.schemas import ArtifactStored
+from core.errors import ChecksumMismatch, InvalidInput, NotFound
+from core.jobs import artifact_store
+from core.settings import Settings
+from core.workers import access, archive
+from trainer import layout
+
+router = APIRouter(prefix="/v1/worker", tags=["worker"])
+SHA_HEADER = "X-Ftq-Sha256"
+TAR = "application/x-tar"
+
+
+def _checked_path(path: str) -> str:
+    try:
+        return layout.check_artifact_path(path)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), param="path") from None
+
+
+def _authorise(state: AppState, worker: WorkerCaller, job_id: str, path: str, *, upload: bool) -> None:
+    with state.sessions() as session:
+        access.check_job_access(session, worker.worker_key_id, job_id, path, upload=upload)
+
+
+@router.get(
+    "/files/{file_id}",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+    summary="A dataset of a job this worker runs (worker key)",
+)
+def download_file(file_id: str, worker: WorkerDep, session: SessionDep) -> FileResponse:
+    row = access.check_file_access(session, worker.worker_key_id, file_id)
+    path, converted = Path(row.path), "converted_from" in (row.stats or {})
+    session.close()
+    if not path.is_file():
+        raise NotFound(f"file {file_id}: its bytes are no longer on disk", param="file_id")
+    # A converted upload is stored as chat messages; its row's sha256 is the upload's.
+    digest = _file_sha256(path) if converted else row.sha256
+    return FileResponse(path, media_type="application/octet-stream", headers={SHA_HEADER: digest})
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(archive.CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@router.get(
+    "/jobs/{job_id}/artifacts/{path:path}",
+    response_class=FileResponse,
+    responses={200: {"content": {TAR: {}}}},
+    summary="A tar of one of a job's artifacts (worker key of the worker running it)",
+)
+async def download_artifact(job_id: str, path: str, worker: WorkerDep, state: StateDep) -> FileResponse:
+    path = _checked_path(path)
+    await to_thread.run_sync(lambda: _authorise(state, worker, job_id, path, upload=False))
+    out, digest = await to_thread.run_sync(_pack, state.settings, job_id, path)
+    return FileResponse(out, media_type=TAR, headers={SHA_HEADER: digest},
+                        background=BackgroundTask(out.unlink, missing_ok=True))
+
+
+def _pack(settings: Settings, job_id: str, path: str) -> tuple[Path, str]:
+    src = artifact_store.artifact_path(settings, job_id, path)
+    root = artifact_store.job_store_dir(settings, job_id)
+    if not src.exists() or not src.resolve().is_relative_to(root.resolve()):
+        raise NotFound(f"job {job_id} has no {path!r} in the API's artifact store", param="path")
+    tmp_dir = settings.data_dir / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
+    os.close(fd)
+    out = Path(name)
+    try:
+        digest, _size = archive.write_tar(src, out)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out, digest
+
+
+@router.put(
+    "/jobs/{job_id}/artifacts/{path:path}",
+    status_code=status.HTTP_201_CREATED,
+    openapi_extra={"requestBody": {"content": {TAR: {"schema": {"type": "string", "format": "binary"}}},
+                                   "required": True}},
+    summary="Store one of a job's artifacts from a tar, atomically (worker key of the worker running it)",
+)
+async def upload_artifact(
+    job_id: str, path: str, request: Request, worker: WorkerDep, state: StateDep
+) -> ArtifactStored:
+    path = _checked_path(path)
+    try:
+        sha256 = archive.check_sha256_header(request.headers.get(SHA_HEADER))
+    except ValueError as exc:
+        return JSONResponse(error_body("invalid_header", str(exc), param=SHA_HEADER), status_code=400)  # type: ignore[return-value]
+    expected = _content_length(request)
+    await to_thread.run_sync(lambda: _authorise(state, worker, job_id, path, upload=True))
+    incoming = artifact_store.incoming_dir(state.settings, job_id)
+    await to_thread.run_sync(lambda: incoming.mkdir(parents=True, exist_ok=True))
+    received = incoming / f"{uuid.uuid4().hex}.tar"
+    try:
+        got = await _receive(request, received)
+        return await to_thread.run_sync(
+            lambda: _store(state.settings, job_id, path, received, sha256=sha256, got=got, expected=expected)
+        )
+    finally:
+        received.unlink(missing_ok=True)
+
+
+def _content_length(request: Request) -> int | None:
+    value = request.headers.get("content-length")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise InvalidInput("Content-Length: must be a number of bytes", param="Content-Length")
+    return int(value)
+
+
+async def _receive(request: Request, out: Path) -> str:
+    """Stream the request body into ``out``, hashing it; the hex sha256 of what arrived."""
+    digest = hashlib.sha256()
+    with out.open("wb") as fh:
+        try:
+            async for chunk in request.stream():
+                digest.update(chunk)
+                await to_thread.run_sync(fh.write, chunk)
+        except ClientDisconnect:
+            raise ChecksumMismatch("body: the connection closed before the whole body arrived; send it again",
+                                   param="body") from None
+    return digest.hexdigest()
+
+
+def _store(settings: Settings, job_id: str, path: str, received: Path, *, sha256: str, got: str,
+           expected: int | None) -> ArtifactStored:
+    size = archive.verify_received(received, sha256=sha256, got_sha256=got, expected_bytes=expected)
+    incoming = received.parent
+    staging = incoming / f"{received.stem}.d"
+    try:
+        files = archive.extract_into(received, staging)
+        source = staging
+        if path == layout.JOB_CONFIG:
+            source = staging / layout.JOB_CONFIG
+            if files != 1 or not source.is_file() or source.is_symlink():
+                raise InvalidInput(f"body: the tar of {layout.JOB_CONFIG} must hold that one file, named "
+                                   f"{layout.JOB_CONFIG!r}", param="body")
+        archive.replace_atomically(source, artifact_store.artifact_path(settings, job_id, path), incoming)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ArtifactStored(path=path, sha256=sha256, bytes=size, files=files)

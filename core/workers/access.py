@@ -1,0 +1,110 @@
+"""Which jobs a worker key may move bytes for: those claimed now by a worker running with it.
+
+A worker key reaches a job's files only while one of its workers runs that job: the job's
+claiming worker (``job.worker_id``), a machine of a multi-machine job's current attempt
+(``job_node``), or the worker running one of the job's exports. Everything else is 403, so a
+stolen key of one machine reads no other machine's jobs, and a job stops being reachable when
+it ends or is claimed elsewhere.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import Forbidden, NotFound
+from core.exports.models import Export
+from core.files.models import File
+from core.jobs.models import Job, JobNode
+from core.jobs.states import JobStatus
+from core.workers.models import Worker
+from trainer import layout
+
+
+def job_worker_ids(session: Session, job: Job) -> set[str]:
+    """The workers running ``job`` now: its claiming worker and, for a multi-machine job, every
+    machine of its current attempt whose part has not ended."""
+    if job.status != JobStatus.running.value:
+        return set()
+    found = {job.worker_id} if job.worker_id else set()
+    nodes = session.scalars(
+        select(JobNode.worker_id).where(
+            JobNode.job_id == job.job_id, JobNode.attempt == job.attempts, JobNode.ended_at.is_(None)
+        )
+    )
+    return found | set(nodes)
+
+
+def export_worker_ids(session: Session, job_id: str) -> dict[str, str]:
+    """``{export_id: worker_id}`` of the job's exports running now."""
+    rows = session.execute(
+        select(Export.export_id, Export.worker_id).where(
+            Export.job_id == job_id, Export.status == "running", Export.worker_id.is_not(None)
+        )
+    )
+    return {export_id: worker_id for export_id, worker_id in rows}
+
+
+def _keyed(session: Session, worker_ids: set[str], key_id: str) -> bool:
+    if not worker_ids:
+        return False
+    return session.scalar(
+        select(Worker.worker_id).where(Worker.worker_id.in_(worker_ids), Worker.key_id == key_id).limit(1)
+    ) is not None
+
+
+def check_job_access(session: Session, key_id: str, job_id: str, path: str, *, upload: bool) -> Job:
+    """The job, if worker key ``key_id`` may read (or, with ``upload``, write) ``path`` of it.
+
+    A job's running worker may read and write all of its artifacts; an export's worker may read
+    the job's artifacts and write only ``exports/<its export id>``.
+
+    Raises:
+        NotFound: no such job.
+        Forbidden: no worker with this key runs the job (or the export) now.
+    """
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist", param="job_id")
+    if _keyed(session, job_worker_ids(session, job), key_id):
+        return job
+    exports = export_worker_ids(session, job_id)
+    if upload:
+        parts = path.split("/")
+        wanted = exports.get(parts[1]) if len(parts) == 2 and parts[0] == layout.EXPORTS else None
+        allowed = _keyed(session, {wanted} if wanted else set(), key_id)
+    else:
+        allowed = _keyed(session, set(exports.values()), key_id)
+    if not allowed:
+        raise Forbidden(
+            f"job {job_id} is not running on a worker with this worker key ({'write' if upload else 'read'} "
+            f"{path[:200]!r}); a worker moves only the files of the jobs and exports it has claimed",
+            param="job_id",
+        )
+    return job
+
+
+def check_file_access(session: Session, key_id: str, file_id: str) -> File:
+    """The dataset ``file_id``, if a job running on a worker with key ``key_id`` trains on it.
+
+    Raises:
+        NotFound: no such file (or it was deleted).
+        Forbidden: no job running on this key's workers reads it.
+    """
+    row = session.get(File, file_id)
+    if row is None or row.deleted_at is not None:
+        raise NotFound(f"file {file_id} does not exist", param="file_id")
+    jobs = session.scalars(
+        select(Job).where(
+            Job.status == JobStatus.running.value,
+            (Job.training_file_id == file_id) | (Job.validation_file_id == file_id),
+        )
+    )
+    for job in jobs:
+        if _keyed(session, job_worker_ids(session, job), key_id):
+            return row
+    raise Forbidden(
+        f"file {file_id} is not a dataset of a job running on a worker with this worker key; "
+        "a worker downloads only the datasets of the jobs it has claimed",
+        param="file_id",
+    )

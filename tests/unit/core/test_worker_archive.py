@@ -1,0 +1,143 @@
+"""The tars carrying a job's artifacts (``core.workers.archive``) and the paths they may land on
+(``trainer.layout.check_artifact_path``): hostile archives never write outside the staging dir."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from core.errors import ChecksumMismatch, UnsafeArchive
+from core.workers import archive
+from trainer import layout
+
+
+class TestArtifactPaths:
+    @pytest.mark.parametrize("path", ["job.json", "adapter", "model", "checkpoints/step-000042",
+                                      "checkpoints/step-1234567", "exports/exp-0123abcdef"])
+    def test_the_layouts_artifacts_are_allowed(self, path: str) -> None:
+        assert layout.check_artifact_path(path) == path
+
+    @pytest.mark.parametrize("path", [
+        "", "/etc/passwd", "..", "../job-x/adapter", "checkpoints/../adapter", "checkpoints/step-000042.tmp",
+        "checkpoints/step-42", "checkpoints/step-0000042", "checkpoints/step-000042/dcp", "adapter/x",
+        "adapter/", "exports/../x", "exports/EXP-1", "exports", "unrecorded-checkpoints", ".incoming",
+        "job.json/", "checkpoints//step-000042", "trainer.stderr.log",
+    ])
+    def test_anything_else_is_refused_naming_the_allowed_ones(self, path: str) -> None:
+        with pytest.raises(ValueError, match=r"path: .* use one of job.json, checkpoints/step-NNNNNN"):
+            layout.check_artifact_path(path)
+
+
+def tar_bytes(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, linkname
+    return info
+
+
+class TestRoundTrip:
+    def test_a_directory_comes_back_whole_and_the_hash_is_of_the_bytes(self, tmp_path: Path) -> None:
+        src = tmp_path / "step-000002"
+        (src / "dcp").mkdir(parents=True)
+        (src / "state.json").write_text('{"step": 2}')
+        (src / "dcp" / "0.distcp").write_bytes(b"\x00" * 1000)
+        (src / "link").symlink_to(tmp_path)  # never packed
+        out = tmp_path / "a.tar"
+        digest, size = archive.write_tar(src, out)
+        assert digest == hashlib.sha256(out.read_bytes()).hexdigest() and size == out.stat().st_size
+        assert archive.extract_into(out, tmp_path / "back") == 2
+        got = sorted(p.relative_to(tmp_path / "back").as_posix() for p in (tmp_path / "back").rglob("*"))
+        assert got == ["dcp", "dcp/0.distcp", "state.json"]
+        assert (tmp_path / "back" / "dcp" / "0.distcp").read_bytes() == b"\x00" * 1000
+
+    def test_hard_linked_files_are_packed_as_files(self, tmp_path: Path) -> None:
+        src = tmp_path / "adapter"
+        src.mkdir()
+        (src / "a").write_text("same inode")
+        (src / "b").hardlink_to(src / "a")
+        archive.write_tar(src, tmp_path / "a.tar")
+        with tarfile.open(tmp_path / "a.tar") as tar:
+            assert all(m.isfile() for m in tar.getmembers())
+        assert archive.extract_into(tmp_path / "a.tar", tmp_path / "back") == 2
+
+    def test_a_single_file_is_one_member_named_by_its_basename(self, tmp_path: Path) -> None:
+        (tmp_path / "job.json").write_text("{}")
+        archive.write_tar(tmp_path / "job.json", tmp_path / "a.tar")
+        with tarfile.open(tmp_path / "a.tar") as tar:
+            assert tar.getnames() == ["job.json"]
+
+
+class TestHostileTars:
+    @pytest.mark.parametrize(("tar", "says"), [
+        (lambda: tar_bytes((member("/etc/evil"), b"x")), "an absolute name"),
+        (lambda: tar_bytes((member("../evil"), b"x")), "a '..' part"),
+        (lambda: tar_bytes((member("a/../../evil"), b"x")), "a '..' part"),
+        (lambda: tar_bytes((member("ok", tarfile.SYMTYPE, "/etc/passwd"), None)), "a link"),
+        (lambda: tar_bytes((member("rel", tarfile.SYMTYPE, "x"), None)), "a link"),
+        (lambda: tar_bytes((member("x"), b"x"), (member("hard", tarfile.LNKTYPE, "x"), None)), "a link"),
+        (lambda: tar_bytes((member("dev", tarfile.CHRTYPE), None)), "a device or fifo"),
+        (lambda: tar_bytes((member("blk", tarfile.BLKTYPE), None)), "a device or fifo"),
+        (lambda: tar_bytes((member("pipe", tarfile.FIFOTYPE), None)), "a device or fifo"),
+        (lambda: tar_bytes((member("a" * 300), b"x")), "longer than the filesystem allows"),
+        (lambda: tar_bytes((member("/".join(["d" * 200] * 30)), b"x")), "longer than the filesystem allows"),
+        (lambda: b"not a tar at all" * 100, "not a tar"),
+    ])
+    def test_each_is_refused_and_nothing_is_written(self, tmp_path: Path, tar, says: str) -> None:
+        bad = tmp_path / "bad.tar"
+        bad.write_bytes(tar())
+        staging = tmp_path / "jobs" / "job-1" / ".incoming" / "x.d"
+        with pytest.raises(UnsafeArchive, match=says):
+            archive.extract_into(bad, staging)
+        assert not staging.exists()
+        assert {p.name for p in tmp_path.rglob("*")} == {"bad.tar", "jobs", "job-1", ".incoming"}
+        assert not (tmp_path / "evil").exists() and not Path("/etc/evil").exists()
+
+    def test_a_safe_member_before_a_hostile_one_is_not_left_behind(self, tmp_path: Path) -> None:
+        bad = tmp_path / "bad.tar"
+        bad.write_bytes(tar_bytes((member("fine.txt"), b"x"), (member("../evil"), b"x")))
+        with pytest.raises(UnsafeArchive):
+            archive.extract_into(bad, tmp_path / "staging")
+        assert not (tmp_path / "staging").exists() and not (tmp_path / "evil").exists()
+
+
+class TestChecks:
+    def test_the_sha256_header_must_be_64_hex(self) -> None:
+        assert archive.check_sha256_header(" " + "AB" * 32 + " ") == "ab" * 32
+        for bad in (None, "", "x" * 64, "a" * 63):
+            with pytest.raises(ValueError, match="X-Ftq-Sha256"):
+                archive.check_sha256_header(bad)
+
+    def test_a_short_or_changed_body_is_a_checksum_mismatch(self, tmp_path: Path) -> None:
+        body = tmp_path / "b"
+        body.write_bytes(b"abc")
+        good = hashlib.sha256(b"abc").hexdigest()
+        assert archive.verify_received(body, sha256=good, got_sha256=good, expected_bytes=3) == 3
+        with pytest.raises(ChecksumMismatch, match="received 3 bytes of the 10"):
+            archive.verify_received(body, sha256=good, got_sha256=good, expected_bytes=10)
+        with pytest.raises(ChecksumMismatch, match="corrupted"):
+            archive.verify_received(body, sha256="0" * 64, got_sha256=good, expected_bytes=None)
+
+    def test_replacing_renames_the_old_copy_aside_then_removes_it(self, tmp_path: Path) -> None:
+        target, scratch = tmp_path / "job" / "adapter", tmp_path / "job" / ".incoming"
+        scratch.mkdir(parents=True)
+        target.mkdir()
+        (target / "old").write_text("old")
+        staging = scratch / "x.d"
+        staging.mkdir()
+        (staging / "new").write_text("new")
+        archive.replace_atomically(staging, target, scratch)
+        assert [p.name for p in target.iterdir()] == ["new"] and not staging.exists()
+        assert [p.name for p in scratch.iterdir()] == [".lock"]

@@ -189,6 +189,7 @@ class RemoteOutputs:
         """Upload job.json and the final weights of a succeeded run; a failure for good makes
         the attempt a retryable failure (the run resumes from its last uploaded checkpoint)."""
         if outcome.status is not JobStatus.succeeded:
+            self._client.close()
             return outcome
         out = self._claim.output_dir
         try:
@@ -202,6 +203,8 @@ class RemoteOutputs:
             if self._claim.attempt < self._max_attempts:
                 return Outcome(JobStatus.queued, "upload_failed", message, retry=True)
             return Outcome(JobStatus.failed, "upload_failed", message)
+        finally:
+            self._client.close()
         return outcome
 
 

@@ -27,6 +27,10 @@ class FakeClient:
     def __init__(self, fail: set[str] = frozenset()) -> None:
         self.fail = fail
         self.uploads: list[tuple[str, str, Path]] = []
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def upload_artifact(self, job_id: str, path: str, source: Path) -> dict[str, Any]:
         if path in self.fail:
@@ -69,6 +73,7 @@ def test_a_succeeded_run_uploads_job_json_and_the_adapter(tmp_path):
     done = Outcome(JobStatus.succeeded)
     assert outputs.finish(done) is done
     assert [p for _, p, _ in client.uploads] == ["job.json", "adapter"]
+    assert client.closed
 
 
 @pytest.mark.parametrize(("attempt", "status"), [(1, JobStatus.queued), (3, JobStatus.failed)])

@@ -1,0 +1,155 @@
+"""A remote worker (FTQ_WORKER_KEY set) with its own empty data directory runs a tiny CPU job.
+
+The API and the worker share only PostgreSQL and Redis, as two machines would: datasets come
+down through ``/v1/worker/files``, checkpoints, job.json and the adapter go up through
+``/v1/worker/jobs/.../artifacts``, and the user's API serves them from the API's own data
+directory. Revoking the key stops the worker's claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import sys
+import time
+import uuid
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.e2e.conftest import PG_ADMIN_URL, REDIS_URL, _base_env, _empty_redis_db, _unavailable
+from tests.integration.e2e.stack import Stack, free_port
+from tests.integration.e2e.test_jobs_e2e import submit, upload, wait_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+KEY_NAME = "gpubox2"
+
+
+@pytest.fixture(scope="module")
+def remote_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
+    """An API on PostgreSQL + Redis, and one worker with a worker key and a data dir of its own."""
+    import psycopg
+    import redis
+
+    try:
+        admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        _unavailable(f"PostgreSQL is not reachable at {PG_ADMIN_URL}: {exc}")
+    base = tmp_path_factory.mktemp("remote")
+    db_name = f"ftq_e2e_{uuid.uuid4().hex[:12]}"
+    redis_db = _empty_redis_db(redis)
+    admin.execute(f'CREATE DATABASE "{db_name}"')
+    port = free_port()
+    stack = Stack("remote", f"http://127.0.0.1:{port}", base / "api-data", model_root)
+    env = _base_env(stack.data_dir, model_root)
+    env.update(
+        FTQ_DATABASE_URL=PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + "/" + db_name,
+        FTQ_BROKER_URL=f"{REDIS_URL}/{redis_db}",
+        FTQ_REDIS_URL=f"{REDIS_URL}/{redis_db}",
+        FTQ_PORT=str(port),
+    )
+    stack.env = env
+    try:
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "cli", "db", "upgrade"], env=env, check=True, capture_output=True, timeout=120)
+        stack.api_key = stack.create_user("e2e", "--admin")
+        stack.start("api", [sys.executable, "-m", "cli", "api"], env)
+        key = _make_worker_key(stack)
+        worker_env = {**_base_env(base / "worker-data", model_root), "FTQ_DATABASE_URL": env["FTQ_DATABASE_URL"],
+                      "FTQ_BROKER_URL": env["FTQ_BROKER_URL"], "FTQ_REDIS_URL": env["FTQ_REDIS_URL"],
+                      "FTQ_API_URL": stack.url, "FTQ_WORKER_KEY": key, "FTQ_TRANSFER_RETRIES": "2"}
+        stack.worker_id = f"remote-{db_name}"
+        stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", stack.worker_id], worker_env)
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.stop()
+        client = redis.Redis.from_url(f"{REDIS_URL}/{redis_db}")
+        client.flushdb()
+        client.close()
+        admin.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+        admin.close()
+
+
+def _make_worker_key(stack: Stack) -> str:
+    """``POST /v1/workers/keys`` once the API answers; the raw key it shows once."""
+    deadline = time.monotonic() + 120
+    with stack.client() as client:
+        while True:
+            try:
+                response = client.post("/v1/workers/keys", json={"name": KEY_NAME})
+                break
+            except Exception:  # noqa: BLE001 - the API is still starting
+                if time.monotonic() > deadline or stack.procs["api"].poll() is not None:
+                    raise AssertionError(f"the API did not start\n{stack.log_tail()}") from None
+                time.sleep(0.3)
+    assert response.status_code == 201, response.text
+    return response.json()["key"]
+
+
+def _tree_digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_a_remote_worker_trains_from_downloads_and_uploads_what_it_made(remote_stack, chat_dataset: Path):
+    stack = remote_stack
+    api_data, worker_data = stack.data_dir, stack.data_dir.parent / "worker-data"
+    with stack.client() as client:
+        file_id = upload(client, chat_dataset)
+        sha = client.get(f"/v1/files/{file_id}").json()["sha256"]
+        job = submit(client, file_id, checkpoint_every=10, name="remote")
+        done = wait_job(client, job["id"], lambda j: j["status"] in ("succeeded", "failed", "cancelled"),
+                        what="finished", timeout_s=300)
+        assert done["status"] == "succeeded", f"{done}\n{stack.log_tail()}"
+        checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]
+        adapter_zip = client.get(f"/v1/jobs/{job['id']}/adapter")
+    # The dataset came down into the worker's cache, by hash; the worker never saw the API's files/.
+    assert (worker_data / "cache" / "files" / sha).read_bytes() == chat_dataset.read_bytes()
+    assert not (worker_data / "files").exists()
+    # Every recorded checkpoint, job.json and the adapter went up, byte for byte.
+    api_job, worker_job = api_data / "jobs" / job["id"], worker_data / "jobs" / job["id"]
+    steps = sorted(c["step"] for c in checkpoints)
+    assert steps and steps[0] == 10, checkpoints
+    for step in steps:
+        name = f"step-{step:06d}"
+        assert _tree_digests(api_job / "checkpoints" / name) == _tree_digests(worker_job / "checkpoints" / name)
+    assert (api_job / "job.json").read_bytes() == (worker_job / "job.json").read_bytes()
+    assert _tree_digests(api_job / "adapter") == _tree_digests(worker_job / "adapter")
+    assert "adapter_model.safetensors" in _tree_digests(api_job / "adapter")
+    # The user's API serves the adapter from its own store.
+    assert adapter_zip.status_code == 200, adapter_zip.text
+    with zipfile.ZipFile(io.BytesIO(adapter_zip.content)) as archive:
+        served = archive.read("adapter_model.safetensors")
+    assert served == (worker_job / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_the_worker_row_names_its_key_and_address(remote_stack):
+    import psycopg
+
+    url = remote_stack.env["FTQ_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT k.name, w.address FROM worker w JOIN worker_key k ON k.worker_key_id = w.key_id "
+            "WHERE w.worker_id = %s", (remote_stack.worker_id,)).fetchone()
+    assert row is not None and row[0] == KEY_NAME
+    assert row[1] == "127.0.0.1"  # the route to the store's host (127.0.0.1 here)
+
+
+def test_a_revoked_key_claims_nothing(remote_stack, chat_dataset: Path):
+    stack = remote_stack
+    with stack.client() as client:
+        assert client.delete(f"/v1/workers/keys/{KEY_NAME}").status_code == 200
+        job = submit(client, upload(client, chat_dataset), name="after-revoke")
+        log = stack.logs["worker"]
+        deadline = time.monotonic() + 120
+        while "claims nothing: its FTQ_WORKER_KEY is revoked" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the worker never refused to claim\n{stack.log_tail()}"
+            time.sleep(0.3)
+        assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "queued"
+        client.post(f"/v1/jobs/{job['id']}/cancel")

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import tarfile
+import time
 import uuid
 from pathlib import Path, PurePosixPath
 
@@ -29,6 +30,8 @@ MAX_NAME_BYTES = 4096
 """Longest member name accepted (Linux's PATH_MAX)."""
 MAX_PART_BYTES = 255
 """Longest part of a member name accepted (NAME_MAX on the usual filesystems)."""
+EARLIEST_MTIME = 315532800
+"""1980-01-01: an older member time (a tar written with none is at 1970) is stored as now."""
 
 
 def _regular_files(src: Path) -> list[tuple[str, Path]]:
@@ -148,6 +151,8 @@ def extract_into(tar_path: Path, staging: Path) -> int:
     try:
         with tarfile.open(tar_path, mode="r:") as tar:
             members = check_members(tar)
+            for member in members:  # a zip of the artifact (the users' downloads) needs 1980 or later
+                member.mtime = member.mtime if member.mtime >= EARLIEST_MTIME else time.time()
             tar.extractall(staging, members=members, filter="data")
     except tarfile.TarError as exc:
         shutil.rmtree(staging, ignore_errors=True)

@@ -48,6 +48,7 @@ def run_api(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides).resolved()
+    _pin(settings)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower())
     return 0
 
@@ -67,11 +68,23 @@ def run_worker(args: argparse.Namespace) -> int:
         settings.check_remote_worker()
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+    _pin(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     require_migrated_store(settings)
     app = create_worker_app(settings, options)
     app.worker_main(worker_argv(options, loglevel=args.log_level))
     return 0
+
+
+def _pin(settings: Settings) -> None:
+    """Apply ``FTQ_CPUS`` to this process (core/affinity.py)."""
+    from cli.errors import CliError
+    from core.affinity import pin_process
+
+    try:
+        pin_process(settings.cpus)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
 
 
 def worker_gpus(args: argparse.Namespace, env: dict[str, str] | None = None) -> list[str]:

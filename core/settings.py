@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     transfer_retries: int = Field(default=4, ge=0)
     """Retries of one dataset download or artifact upload/download after a checksum mismatch, a
     truncated body, a 5xx or a connection error (backoff between tries)."""
+    cpus: str | None = None
+    """CPU cores this process and its children may run on (``0``, ``0-3``, ``0,2-3``; Linux), set
+    per process: ``FTQ_CPUS=0 ftq api`` and ``FTQ_CPUS=1-15 ftq worker`` keep an API under load
+    off the trainer's cores (core/affinity.py). Unset: all cores."""
     host: str = "127.0.0.1"
     port: int = 8000
     max_upload_bytes: int = 1 << 30

@@ -4,11 +4,13 @@ tiny random-weight Llama, ``ftq api`` and, with ``--worker``, ``ftq worker`` tra
 tiny job whose step time is compared idle vs under load. Everything it started is stopped at
 the end; the machine's own servers are not touched.
 
-    .venv/bin/python scripts/api_load_stack.py [--worker] [--spy] [api_load.py options...]
+    .venv/bin/python scripts/api_load_stack.py [--worker] [--spy] [--pin] [api_load.py options...]
 
 ``--spy`` records the API process with py-spy (``pip install py-spy``) during the run into
-``/tmp/api_spy.txt`` (collapsed stacks). Run from the repository root. On a shared box, pin the
-API and the worker to different cores (``taskset``) and say so beside the figures.
+``/tmp/api_spy.txt`` (collapsed stacks). Run from the repository root. ``--pin`` keeps the API off
+the trainer's core, as ``FTQ_CPUS`` does in production (core/affinity.py): this script, and with it
+PostgreSQL, Redis, the API and the load client, run on core 0; the worker and its trainer get
+``FTQ_CPUS=1`` (the last core, on a box with more).
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ def start_training(stack: Stack) -> str:
 
 
 def main() -> None:
-    with_worker, with_spy = "--worker" in sys.argv, "--spy" in sys.argv
-    args = [a for a in sys.argv[1:] if a not in ("--worker", "--spy")]
+    with_worker, with_spy, pin = "--worker" in sys.argv, "--spy" in sys.argv, "--pin" in sys.argv
+    args = [a for a in sys.argv[1:] if a not in ("--worker", "--spy", "--pin")]
+    trainer_core = max(os.sched_getaffinity(0))
+    if pin:
+        os.sched_setaffinity(0, {0})  # inherited by every process started below but the worker
     base = Path(tempfile.mkdtemp(prefix="ftq-load-"))
     subprocess.run([sys.executable, "-m", "trainer", "make-tiny-model", str(base / "models" / MODEL), "--arch", "llama"],
                    check=True, capture_output=True)
@@ -66,7 +71,8 @@ def main() -> None:
         stack.api_key = stack.create_user("load", "--admin")
         stack.start("api", [sys.executable, "-m", "cli", "api"], env)
         if with_worker:
-            stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", "load"], env)
+            worker_env = {**env, "FTQ_CPUS": str(trainer_core)} if pin else env
+            stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", "load"], worker_env)
             stack.wait_ready()
             job = start_training(stack)
         else:

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 from core.jobs.states import JobStatus
 from trainer import layout
 from worker.outcome import Outcome
-from worker.transfer import TransferClient, TransferError
+from worker.transfer import TransferClient, TransferError, TransferNotFound
 
 if TYPE_CHECKING:
     from core.jobs.models import Job
@@ -125,6 +125,24 @@ def fetch_datasets(session: Session, settings: Settings, file_ids: list[str]) ->
         return {}
     with client_for(settings) as client:
         return {row.file_id: str(client.fetch_file(row.file_id, settings.cache_dir, sha256=row.sha256)) for row in rows}
+
+
+def not_prepared(exc: Exception, attempt: int, max_attempts: int) -> Outcome:
+    """The outcome of a job whose trainer config could not be built: a dataset download that
+    failed (the API unreachable, a transfer cut or refused: this machine's key revoked) is
+    retried, on this or another machine, until ``max_attempts``; a dataset the API no longer has,
+    or a spec that no longer translates, fails the job."""
+    if isinstance(exc, TransferError) and not isinstance(exc, TransferNotFound):
+        message = f"the job's datasets could not be downloaded from the API: {exc}"
+        if attempt < max_attempts:
+            return Outcome(JobStatus.queued, "download_failed", f"{message}; retrying (attempt {attempt} of "
+                           f"{max_attempts})", retry=True)
+        return Outcome(JobStatus.failed, "download_failed", f"{message} (attempt {attempt} of {max_attempts}, "
+                       "FTQ_MAX_ATTEMPTS); check that the worker machines reach FTQ_API_URL and their keys")
+    if isinstance(exc, TransferNotFound):
+        return Outcome(JobStatus.failed, "invalid_job", f"a dataset of the job is gone from the API: {exc}; "
+                       "upload it again and resubmit")
+    return Outcome(JobStatus.failed, "invalid_job", f"the job could not be prepared for the trainer: {exc}")
 
 
 # -- a job's checkpoints and outputs ----------------------------------------------------------

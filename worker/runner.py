@@ -167,9 +167,9 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
             job = session.get(Job, claim.job_id)
             assert job is not None, f"job {claim.job_id} vanished after it was claimed"
             config = runtime.config_builder(session, job, settings=runtime.settings, output_dir=str(claim.output_dir))
-    except Exception as exc:  # noqa: BLE001 - any reason the spec no longer translates fails the job
+    except Exception as exc:  # noqa: BLE001 - a spec that no longer translates fails; a transfer retries
         log.warning("job %s: cannot build the trainer config: %s", claim.job_id, exc)
-        return Outcome(JobStatus.failed, "invalid_job", f"the job could not be prepared for the trainer: {exc}"), None
+        return remote.not_prepared(exc, claim.attempt, runtime.settings.max_attempts), None
     job_json = claim.output_dir / "job.json"
     config.save(job_json)
     set_aside_unrecorded_checkpoints(runtime, claim)

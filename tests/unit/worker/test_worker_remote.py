@@ -10,9 +10,10 @@ import pytest
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from worker.outcome import Outcome
+from worker import remote
 from worker.remote import RemoteOutputs, default_address
 from worker.runner import Claim
-from worker.transfer import TransferError
+from worker.transfer import TransferError, TransferNotFound, TransferRefused
 
 
 class FakeRecorder:
@@ -110,3 +111,20 @@ def test_the_default_address_is_the_route_to_the_store(tmp_path):
     settings = Settings(data_dir=tmp_path, database_url="postgresql+psycopg://u@127.0.0.1:5432/ftq")
     assert default_address(settings) == "127.0.0.1"
     assert default_address(Settings(data_dir=tmp_path, worker_address="10.1.2.3")) == "127.0.0.1"  # no URL: loopback
+
+
+@pytest.mark.parametrize(
+    ("exc", "attempt", "status", "code"),
+    [
+        (TransferError("GET /v1/worker/files/file-1: connection refused"), 1, JobStatus.queued, "download_failed"),
+        (TransferRefused("GET /v1/worker/files/file-1: 401 key revoked"), 2, JobStatus.queued, "download_failed"),
+        (TransferError("GET /v1/worker/files/file-1: connection refused"), 3, JobStatus.failed, "download_failed"),
+        (TransferNotFound("GET /v1/worker/files/file-1: 404"), 1, JobStatus.failed, "invalid_job"),
+        (ValueError("hyperparameters.lr: must be positive"), 1, JobStatus.failed, "invalid_job"),
+    ],
+)
+def test_a_dataset_download_that_fails_is_retried_a_gone_dataset_or_bad_spec_fails(exc, attempt, status, code):
+    outcome = remote.not_prepared(exc, attempt, 3)
+    assert (outcome.status, outcome.error_code) == (status, code)
+    assert outcome.retry == (status is JobStatus.queued)
+    assert str(exc) in (outcome.message or "")

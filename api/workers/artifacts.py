@@ -116,8 +116,10 @@ def _pack(settings: Settings, job_id: str, path: str) -> tuple[Path, str]:
 @router.put(
     "/jobs/{job_id}/artifacts/{path:path}",
     status_code=status.HTTP_201_CREATED,
-    openapi_extra={"requestBody": {"content": {TAR: {"schema": {"type": "string", "format": "binary"}}},
-                                   "required": True}},
+    # Documented as octet-stream (what clients and fuzzers know how to send); the bytes are a tar.
+    openapi_extra={"requestBody": {"description": "an uncompressed tar (application/x-tar)", "required": True,
+                                   "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                      "format": "binary"}}}}},
     summary="Store one of a job's artifacts from a tar, atomically (worker key of the worker running it)",
 )
 async def upload_artifact(

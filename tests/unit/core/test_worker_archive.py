@@ -141,3 +141,10 @@ class TestChecks:
         archive.replace_atomically(staging, target, scratch)
         assert [p.name for p in target.iterdir()] == ["new"] and not staging.exists()
         assert [p.name for p in scratch.iterdir()] == [".lock"]
+
+
+def test_members_without_a_time_are_stored_with_a_time_a_zip_download_accepts(tmp_path: Path) -> None:
+    bad = tmp_path / "a.tar"
+    bad.write_bytes(tar_bytes((member("state.json"), b"{}")))  # TarInfo's mtime is 0: 1970
+    archive.extract_into(bad, tmp_path / "out")
+    assert (tmp_path / "out" / "state.json").stat().st_mtime >= archive.EARLIEST_MTIME

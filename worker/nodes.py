@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import utcnow
@@ -37,10 +37,10 @@ from core.jobs.models import Job, JobNode
 from core.jobs.placement import Placement
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from core.workers.models import GpuSlot, Worker
-from worker.launch import Rendezvous, launch_argv, run_tag
+from core.workers.models import Worker
+from worker.launch import Rendezvous
 from worker.outcome import Outcome
-from worker.process import TrainerExit, TrainerProcess
+from worker.process import TrainerProcess
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -186,3 +186,18 @@ class TestLostFollower:
         with leader.sessionmaker() as session:
             assert session.get(Job, job_id).status == JobStatus.queued.value
             assert session.scalars(select(GpuSlot.job_id).where(GpuSlot.job_id == job_id)).all() == []
+
+
+class TestSubmissionCheck:
+    def test_m_machines_with_their_share_each_are_accepted_and_more_are_refused_naming_nodes(self, leader):
+        from core.errors import Unsupported
+        from core.jobs.scheduling import check_gpus
+
+        with leader.sessionmaker() as session:
+            check_gpus(session, 2, leader.settings, nodes=2)
+            for gpus, nodes_ in ((4, 2), (3, 3)):
+                with pytest.raises(Unsupported) as refused:
+                    check_gpus(session, gpus, leader.settings, nodes=nodes_)
+                assert refused.value.param == "nodes" and "FTQ_WORKER_ADDRESS" in str(refused.value)
+            with pytest.raises(Unsupported):
+                check_gpus(session, 2, leader.settings)  # one machine: 1 GPU each

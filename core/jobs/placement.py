@@ -99,7 +99,7 @@ class Placement:
     slots: tuple[int, ...]
     followers: tuple[Part, ...] = ()
     address: str | None = None
-    """The leader's address (multi-machine jobs)."""
+    """The leader's address (multi-machine jobs only: None for a job on one machine)."""
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -182,7 +182,7 @@ def place(
             parts = []
             for host in chosen:
                 slots, free[host] = free[host][: job.per_node], free[host][job.per_node :]
-                parts.append(Part(host, tuple(slots), address[host]))
+                parts.append(Part(host, tuple(slots), address[host] if job.nodes > 1 else None))
             leader, *followers = parts
             placements.append(Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address))
             used[job.owner_id] += job.gpus

@@ -145,6 +145,21 @@ class TestDatasets:
         assert client.get("/v1/worker/files/file-nope", headers=bearer(box["box-2"])).status_code == 404
 
 
+    def test_a_converted_upload_is_served_with_the_sha256_of_the_bytes_served(
+        self, client: TestClient, store, box
+    ) -> None:
+        sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+        file_id = upload(client, record=sharegpt)
+        job = client.post("/v1/jobs", json=spec(file_id)).json()["id"]
+        with store.sessions() as session:
+            assert service.transition(session, job, JobStatus.running, worker_id="w@box-2")
+            session.commit()
+        response = client.get(f"/v1/worker/files/{file_id}", headers=bearer(box["box-2"]))
+        assert response.status_code == 200 and b"messages" in response.content
+        assert response.headers["X-Ftq-Sha256"] == sha(response.content)
+        assert response.headers["X-Ftq-Sha256"] != client.get(f"/v1/files/{file_id}").json()["sha256"]
+
+
 class TestUpload:
     def test_a_checkpoint_goes_up_and_the_dashboards_download_serves_it(
         self, client: TestClient, store, settings: Settings, box

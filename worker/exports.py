@@ -30,7 +30,7 @@ from core.jobs.models import Job
 from core.queue import TASK_EXPORT
 from trainer.events import parse_line
 from worker import remote
-from worker.transfer import TransferError
+from worker.transfer import TransferError, TransferNotFound
 
 if TYPE_CHECKING:
     from worker.runtime import Runtime
@@ -88,9 +88,10 @@ def run_export(runtime: Runtime, export_id: str) -> str:
     runtime.publish(job_id, seq)
     try:
         job_json, out = remote.export_inputs(runtime.settings, job, export_id)  # a remote worker downloads them
-    except TransferError as exc:
-        return _finish(runtime, export_id, job_id, dict(path=None, size=None, error_code="download_failed",
-                       message=f"could not fetch the job's weights from the API: {exc}"))
+    except (TransferError, OSError, ValueError, KeyError, TypeError) as exc:  # never left running
+        code = "not_found" if isinstance(exc, TransferNotFound) else "download_failed"
+        return _finish(runtime, export_id, job_id, dict(path=None, size=None, error_code=code,
+                       message=f"could not fetch the job's job.json and weights from the API: {exc}"))
     argv = [*runtime.options.trainer_argv, "export", str(job_json), "--format", fmt, "--out", str(out), "--device", "cpu"]
     if quantization:
         argv += ["--quantization", quantization]

@@ -298,6 +298,6 @@ def upload_export(settings: Settings, job_id: str, export_id: str, out: Path) ->
     try:
         with client_for(settings) as client:
             client.upload_artifact(job_id, f"{EXPORTS_DIR}/{export_id}", out)
-    except TransferError as exc:
+    except (TransferError, OSError) as exc:  # the tar could not be written here, or the API refused it
         return f"the export was written but could not be uploaded to the API: {exc}"
     return None

@@ -247,6 +247,32 @@ class TestWhoMayMoveWhat:
         revoked = put(client, job, "adapter", body, box["box-2"])
         assert revoked.status_code == 401 and "revoked" in revoked.json()["error"]["message"]
 
+    def test_a_machine_of_a_multi_machine_jobs_attempt_may_move_its_files_while_its_part_runs(
+        self, client: TestClient, store, box
+    ) -> None:
+        from core.db import utcnow
+        from core.jobs.models import Job, JobNode
+
+        job, three = box["job"], bearer(box["box-3"])
+        url = f"/v1/worker/jobs/{job}/artifacts/job.json"
+        put(client, job, "job.json", tar_of({"job.json": b"{}"}), box["box-2"]).raise_for_status()
+        assert client.get(url, headers=three).status_code == 403
+        with store.sessions() as session:
+            attempt = session.get(Job, job).attempts
+            session.add(JobNode(job_id=job, attempt=attempt - 1, node_rank=1, worker_id="w@box-3", address="b",
+                                rdzv_endpoint="a:1"))  # an earlier attempt's machine
+            session.commit()
+        assert client.get(url, headers=three).status_code == 403
+        with store.sessions() as session:
+            session.add(JobNode(job_id=job, attempt=attempt, node_rank=1, worker_id="w@box-3", address="b",
+                                rdzv_endpoint="a:1"))
+            session.commit()
+        assert client.get(url, headers=three).status_code == 200
+        with store.sessions() as session:
+            session.get(JobNode, (job, attempt, 1)).ended_at = utcnow()
+            session.commit()
+        assert client.get(url, headers=three).status_code == 403
+
     def test_a_finished_job_is_no_longer_reachable(self, client: TestClient, store, box) -> None:
         with store.sessions() as session:
             assert service.transition(session, box["job"], JobStatus.failed)

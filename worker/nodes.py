@@ -47,8 +47,11 @@ log = logging.getLogger(__name__)
 
 PORTS_TRIED = 100
 """Ports from ``rdzv_port`` upward the leader tries before giving up."""
-SETTLE_WAIT_S = 10.0
-"""How long a leader whose ranks failed waits for its followers' ends before judging the run."""
+SETTLE_WAIT_SHARE = 0.5
+"""A leader whose ranks failed waits at most this share of ``heartbeat_timeout_s`` to learn
+whether a follower machine was lost (``PartsWatch.settle``)."""
+SETTLE_SILENT_BEATS = 4
+"""Heartbeats a follower's worker may miss before a leader whose ranks failed counts it lost."""
 
 
 def free_port(address: str, first: int, tries: int = PORTS_TRIED) -> int:
@@ -130,21 +133,23 @@ def _silent(session: Session, worker_id: str, cutoff: dt.datetime) -> bool:
     return beat is None or beat < cutoff
 
 
-def lost_follower(session: Session, job_id: str, attempt: int, settings: Settings, *, any_error: bool = True) -> str | None:
+def lost_follower(session: Session, job_id: str, attempt: int, settings: Settings, *, any_error: bool = True,
+                  silent_s: float | None = None) -> str | None:
     """Why a follower machine of this attempt is lost (None: every part runs or ended well).
 
-    A part that ended by a signal, or whose worker is silent, is lost; one that ended with an
-    error code too when ``any_error`` (while the leader still runs: after the leader's own ranks
-    failed, the followers' end with an error because of it).
+    A part that ended by a signal, or not ended while its worker has been silent for
+    ``silent_s`` (default ``heartbeat_timeout_s``), is lost; one that ended with an error code
+    too when ``any_error`` (while the leader still runs: after the leader's own ranks failed,
+    the followers' end with an error because of it).
     """
-    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
+    silent_s = settings.heartbeat_timeout_s if silent_s is None else silent_s
+    cutoff = utcnow() - dt.timedelta(seconds=silent_s)
     for part in parts_of(session, job_id, attempt)[1:]:
         code = part.returncode
         if part.ended_at is not None and code is not None and (code < 0 or (any_error and code > 0)):
             return f"node {part.node_rank} ({part.worker_id}) ended with exit code {code}"
         if part.ended_at is None and _silent(session, part.worker_id, cutoff):
-            return (f"node {part.node_rank} ({part.worker_id}) stopped heartbeating "
-                    f"(heartbeat_timeout_s={settings.heartbeat_timeout_s:g})")
+            return f"node {part.node_rank} ({part.worker_id}) stopped heartbeating (silent over {silent_s:g}s)"
     return None
 
 
@@ -170,10 +175,11 @@ class PartsWatch:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
-    def _lost(self, *, any_error: bool) -> str | None:
+    def _lost(self, *, any_error: bool, silent_s: float | None = None) -> str | None:
         try:
             with self._runtime.sessionmaker() as session:
-                return lost_follower(session, self._job_id, self._attempt, self._runtime.settings, any_error=any_error)
+                return lost_follower(session, self._job_id, self._attempt, self._runtime.settings,
+                                     any_error=any_error, silent_s=silent_s)
         except Exception as exc:  # noqa: BLE001 - a store hiccup: the runner's watchdog handles a long one
             log.warning("job %s: could not read its machines: %s", self._job_id, exc)
             return None
@@ -189,12 +195,18 @@ class PartsWatch:
                 return
 
     def _wait_for_parts(self) -> str | None:
-        """After the leader's ranks failed: whether a follower machine was lost, waiting up to
-        ``SETTLE_WAIT_S`` for the followers to record their ends (a lost follower's ranks make
-        rank 0 fail with a connection error, often before its worker writes the part's end)."""
-        deadline = time.monotonic() + SETTLE_WAIT_S
+        """After the leader's ranks failed: whether a follower machine was lost. A lost
+        follower's ranks make rank 0 fail with a connection error, often before its worker
+        writes the part's end, or before a dead worker's silence reaches the heartbeat timeout:
+        so this waits until every part ended, one ended by a signal, or a follower's worker
+        missed ``SETTLE_SILENT_BEATS`` heartbeats (a false alarm only turns a failure into a
+        retry), for at most ``SETTLE_WAIT_SHARE`` of the heartbeat timeout (the job's own
+        heartbeat is not beaten meanwhile; the reaper must not take it first)."""
+        settings = self._runtime.settings
+        silent_s = SETTLE_SILENT_BEATS * settings.heartbeat_interval_s
+        deadline = time.monotonic() + SETTLE_WAIT_SHARE * settings.heartbeat_timeout_s
         while True:
-            why = self._lost(any_error=False)
+            why = self._lost(any_error=False, silent_s=silent_s)
             if why is not None or time.monotonic() >= deadline or self._all_ended():
                 return why
             time.sleep(0.2)

@@ -165,6 +165,17 @@ class TestLostFollower:
         crashed = Outcome(JobStatus.failed, "invalid_data", "bad record")
         assert self._watch(leader, job_id).settle(crashed, max_attempts=2) is crashed
 
+    def test_after_the_leaders_ranks_failed_a_follower_worker_missing_beats_counts_as_lost(self, leader):
+        job_id = _insert_job(leader)
+        claim_next_job(leader)
+        with leader.sessionmaker.begin() as session:  # 5 heartbeat intervals: under the timeout, over 4 beats
+            session.execute(update(Worker).where(Worker.worker_id == FOLLOWER)
+                            .values(heartbeat_at=utcnow() - dt.timedelta(seconds=5 * leader.settings.heartbeat_interval_s)))
+            assert nodes.lost_follower(session, job_id, 1, leader.settings) is None
+        crashed = Outcome(JobStatus.failed, "trainer_crashed", "rank 0: connection closed by peer")
+        settled = self._watch(leader, job_id).settle(crashed, max_attempts=2)
+        assert settled.error_code == "node_lost" and "stopped heartbeating" in (settled.message or "")
+
     def test_a_silent_follower_worker_is_lost(self, leader):
         job_id = _insert_job(leader)
         claim_next_job(leader)

@@ -156,3 +156,45 @@ def test_a_follower_killed_mid_job_ends_every_rank_and_the_job_retries(machines,
             time.sleep(0.2)
         for host in (leader, follower):
             assert tagged_pids(f"{host}|{job['id']}|") == [], f"a process of the job survived on {host}"
+
+
+def test_a_follower_machine_lost_whole_requeues_the_job_which_resumes_when_it_returns(machines, chat_dataset: Path):
+    """The follower's worker and its ranks all SIGKILLed (the machine died): the leader's ranks
+    end, the job goes back to the queue (node_lost); the machine's worker starts again and the
+    job runs on both machines from its last checkpoint."""
+    stack = machines
+    leader, follower = stack.worker_id, follower_id(stack)
+    with stack.client() as client:
+        job = submit(client, upload(client, chat_dataset), hyperparameters=LONG, gpus=2, nodes=2,
+                     checkpoint_every=2, name="lost machine")
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 3, what="training on two machines",
+                 timeout_s=300)
+        stack.kill("worker-b")
+        for pid in tagged_pids(f"{follower}|{job['id']}|"):  # its ranks run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and tagged_pids(f"{leader}|{job['id']}|1"):
+            time.sleep(0.2)
+        assert tagged_pids(f"{leader}|{job['id']}|1") == [], f"the leader's ranks outlived the lost machine\n{stack.log_tail()}"
+
+        stack.restart("worker-b")
+        resumed = wait_job(
+            client, job["id"],
+            lambda j: j["status"] == "running" and j["attempts"] >= 2 and bool(tagged_pids(f"{follower}|{job['id']}|")),
+            what="the retry on both machines", timeout_s=240,
+        )
+        step = resumed["progress"]["step"]
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] > step, what="the retry training", timeout_s=300)
+
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+        assert _finished(client, job["id"])["status"] == "cancelled", stack.log_tail()
+        states = [data for _, kind, data in follow(client, job["id"]) if kind == "state"]
+        assert states[2]["status"] == "queued" and states[2]["error_code"] == "node_lost", states
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(tagged_pids(f"{h}|{job['id']}|") for h in (leader, follower)):
+            time.sleep(0.2)
+        for host in (leader, follower):
+            assert tagged_pids(f"{host}|{job['id']}|") == [], f"a process of the job survived on {host}"

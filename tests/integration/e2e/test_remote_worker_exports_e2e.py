@@ -61,7 +61,9 @@ def _ask_merged(client: httpx.Client, job_id: str) -> str:
     return str(asked.json()["id"])
 
 
-def test_an_export_runs_on_the_remote_worker_from_downloads_and_is_served_from_the_api(remote_stack, trained):  # noqa: F811
+def test_an_export_runs_on_the_remote_worker_from_downloads_and_is_served_by_the_api(
+    remote_stack, trained  # noqa: F811 - the imported fixture
+):
     stack, job_id = remote_stack, trained["id"]
     api_job, worker_job = _dirs(stack, job_id)
     # This machine keeps nothing of the job: what the export reads must come down from the API.

@@ -124,7 +124,15 @@ def fetch_datasets(session: Session, settings: Settings, file_ids: list[str]) ->
     if not rows:
         return {}
     with client_for(settings) as client:
-        return {row.file_id: str(client.fetch_file(row.file_id, settings.cache_dir, sha256=row.sha256)) for row in rows}
+        # A converted upload (ShareGPT, Alpaca) is stored as chat messages: its row's sha256 is the
+        # original upload's, so the stored bytes are checked against the API's header alone.
+        return {row.file_id: str(client.fetch_file(row.file_id, settings.cache_dir, sha256=_stored_sha256(row)))
+                for row in rows}
+
+
+def _stored_sha256(row: Any) -> str | None:
+    """The sha256 of the bytes the API stores for a files row, when the row knows it."""
+    return None if (row.stats or {}).get("converted_from") else row.sha256
 
 
 def not_prepared(exc: Exception, attempt: int, max_attempts: int) -> Outcome:

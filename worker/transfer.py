@@ -284,7 +284,14 @@ def make_tar(source: Path, target: Path) -> None:
         for path in sorted(source.rglob("*")):
             if path.is_symlink():
                 raise TransferError(f"{path} is a symbolic link; artifacts hold only files and directories")
-            tar.add(path, arcname=path.relative_to(source).as_posix(), recursive=False)
+            info = tar.gettarinfo(path, arcname=path.relative_to(source).as_posix())
+            if info.islnk():  # a second name of one inode: stored as a file of its own (the API refuses links)
+                info.type, info.linkname, info.size = tarfile.REGTYPE, "", path.stat().st_size
+            if info.isfile():
+                with path.open("rb") as data:
+                    tar.addfile(info, data)
+            else:
+                tar.addfile(info)
 
 
 def safe_extract(archive: Path, dest: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -259,3 +260,26 @@ def test_make_tar_of_one_file_names_it_by_basename(tmp_path):
     make_tar(tmp_path / "job.json", tmp_path / "t.tar")
     with tarfile.open(tmp_path / "t.tar") as tar:
         assert tar.getnames() == ["job.json"]
+
+
+def test_make_tar_stores_a_second_name_of_one_file_as_a_file_of_its_own(tmp_path):
+    source = tmp_path / "adapter"
+    source.mkdir()
+    (source / "a.bin").write_bytes(b"weights")
+    os.link(source / "a.bin", source / "b.bin")
+    make_tar(source, tmp_path / "t.tar")
+    with tarfile.open(tmp_path / "t.tar") as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert sorted(members) == ["a.bin", "b.bin"]
+        assert all(m.isfile() and m.size == 7 for m in members.values())
+        assert tar.extractfile("b.bin").read() == b"weights"
+
+
+def test_a_converted_dataset_is_checked_against_the_apis_hash_only():
+    from types import SimpleNamespace
+
+    from worker.remote import _stored_sha256
+
+    assert _stored_sha256(SimpleNamespace(sha256="ab" * 32, stats={"records": 3})) == "ab" * 32
+    assert _stored_sha256(SimpleNamespace(sha256="ab" * 32, stats={"converted_from": "sharegpt"})) is None
+    assert _stored_sha256(SimpleNamespace(sha256="ab" * 32, stats=None)) == "ab" * 32

@@ -36,6 +36,7 @@ from api.users.routes import router as users_router
 from api.web.routes import router as web_router
 from api.workers.routes import router as workers_router
 from core.db import make_engine, make_sessionmaker
+from core.jobs import artifact_store
 from core.migrate import schema_problem
 from core.queue import make_celery
 from core.settings import Settings
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.jobs_dir.mkdir(parents=True, exist_ok=True)
         engine = make_engine(settings.database_url)  # type: ignore[arg-type]
         _refuse_unmigrated_store(engine)
+        await to_thread.run_sync(artifact_store.sweep_incoming, settings)  # uploads a crash cut off
         celery = make_celery(settings)
         redis = None
         if settings.redis_url:

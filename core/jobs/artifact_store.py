@@ -47,3 +47,32 @@ def export_store_dir(settings: Settings, job_id: str, export_id: str) -> Path:
 
 def job_config_path(settings: Settings, job_id: str) -> Path:
     return job_store_dir(settings, job_id) / layout.JOB_CONFIG
+
+
+STALE_INCOMING_S = 3600.0
+"""An upload's temporary files untouched this long belong to an upload that will never finish."""
+
+
+def sweep_incoming(settings: Settings, *, older_than_s: float = STALE_INCOMING_S) -> list[Path]:
+    """Remove what uploads cut off by a crash left under ``<jobs_dir>/*/.incoming/`` (the API
+    removes its temporaries itself otherwise); entries younger than ``older_than_s`` may belong
+    to an upload still running in another API process and are kept. Returns what was removed."""
+    import shutil
+    import time
+
+    cutoff = time.time() - older_than_s
+    removed: list[Path] = []
+    for entry in settings.jobs_dir.glob(f"*/{INCOMING}/*"):
+        if entry.name == ".lock":  # uploads of one artifact take turns on it (core/workers/archive.py)
+            continue
+        try:
+            if entry.lstat().st_mtime >= cutoff:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+        except OSError:  # gone meanwhile, or not ours to remove: the next start tries again
+            continue
+    return removed

@@ -5,7 +5,9 @@ host then claims the job the policy gives it now, whichever job the message name
 
     claim order   priority (high, normal, low), then created_at, then job_id
     GPUs          a job of ``gpus: N`` runs on N GPUs of ONE worker host, reserved all or none
-                  (``gpu_slot`` rows, core/workers/pool.py) in the claim's transaction
+                  (``gpu_slot`` rows, core/workers/pool.py) in the claim's transaction; a job
+                  of ``nodes: M`` on N/M GPUs of each of M machines, every part reserved in the
+                  one claim, which only its leader makes (worker/nodes.py)
     cap           a user's running jobs hold at most ``user.max_running_jobs`` GPUs, else
                   ``Settings.max_running_jobs_per_user`` (the names are older than multi-GPU
                   jobs; both count GPUs: a 1-GPU job counts 1); 0 = no cap. Jobs without an

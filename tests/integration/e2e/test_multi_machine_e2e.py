@@ -6,7 +6,10 @@ uvicorn API, PostgreSQL and Redis. Each worker has 2 CPU slots; ranks run on the
 - a job of ``gpus: 2, nodes: 2`` runs one rank on each machine (torchrun's c10d rendezvous at the
   leader) to ``succeeded``, and its per-step losses match the same job as 2 ranks on one machine;
 - the follower machine's ranks killed mid-job end every rank of the attempt on both machines and
-  the job retries from its last checkpoint (``node_lost``), no hang.
+  the job retries from its last checkpoint (``node_lost``), no hang;
+- the follower machine lost whole (its worker and ranks SIGKILLed): the job is requeued
+  (``node_lost``) and runs on both machines again once that worker is back;
+- specs the machines cannot hold are refused at submission, naming ``nodes``.
 
 Separate network namespaces (the issue's CI proof) are not used here: these tests need no root.
 """

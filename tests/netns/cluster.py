@@ -6,7 +6,9 @@ What a worker machine shares with the API host: the network, nothing else on pur
 its own empty ``FTQ_DATA_DIR`` and its own copy of the models (``FTQ_MODEL_ROOT``), and runs in a
 mount namespace of its own (``unshare --mount``) where the API host's directory and the other
 machine's are hidden under an empty tmpfs, so a worker that reached for the API's files by path
-would find nothing; and a hostname of its own (``unshare --uts``), as on another box. It knows
+would find nothing; and a hostname of its own (``unshare --uts``), as on another box, which its
+own ``/etc/hosts`` maps to 127.0.1.1 as Debian and Ubuntu install it (so nothing may take the
+hostname's address for the machine's address on the network). It knows
 the API only by URL: ``FTQ_DATABASE_URL`` / ``FTQ_BROKER_URL`` at the API host's address (the
 store is the channel, contract17), ``FTQ_API_URL`` + ``FTQ_WORKER_KEY`` for the bytes, and
 ``FTQ_WORKER_ADDRESS`` = its own address.
@@ -216,8 +218,11 @@ class Cluster:
     def start_worker(self, name: str, *, slots: int | None = None) -> None:
         machine = self.machines[name]
         machine.slots = slots or machine.slots
+        hostname = f"{self.hosts.sid}-{name}"
+        etc_hosts = machine.root / "etc-hosts"  # as Debian and Ubuntu write it: the hostname is 127.0.1.1
+        etc_hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n")
         hide = "".join(f"mount -t tmpfs -o size=1m,mode=0700 ftq-hidden {p} && " for p in self.others(machine))
-        script = (f"hostname {self.hosts.sid}-{name} && {hide}"
+        script = (f"hostname {hostname} && mount --bind {etc_hosts} /etc/hosts && {hide}"
                   f"exec {sys.executable} -m cli worker --name {name} --slots {machine.slots}")
         with self.hosts.inside(name), machine.log.open("ab") as log:
             machine.proc = subprocess.Popen(["unshare", "--uts", "--mount", "--propagation", "private", "--",
@@ -297,10 +302,11 @@ class Cluster:
         for name in self.machines:
             with contextlib.suppress(Exception):
                 self.stop_worker(name, timeout_s=20)
-        if self.api_proc is not None and self.api_proc.poll() is None:
-            self.api_proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.api_proc.wait(timeout=20)
+        for proc in (self.proxy_proc, self.api_proc):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=20)
         for server in (self.redis, self.pg):
             if server is not None:
                 with contextlib.suppress(Exception):

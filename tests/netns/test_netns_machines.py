@@ -45,9 +45,9 @@ def test_jobs_run_on_both_machines_and_their_adapters_come_back_intact(up, netns
         assert shown["status"] == "live" and shown["remote"] and shown["workers"] == [machine.name], shown
     with cluster.client() as client:
         file_id = upload(client, netns_dataset)
-        jobs = [submit(client, file_id, cluster.model, name=f"both-{i}") for i in range(4)]
+        jobs = [submit(client, file_id, cluster.model, name=f"both-{i}") for i in range(3)]
         done = [finished(client, job["id"], logs=cluster.log_tail) for job in jobs]
-        assert [j["status"] for j in done] == ["succeeded"] * 4, f"{done}\n{cluster.log_tail()}"
+        assert [j["status"] for j in done] == ["succeeded"] * 3, f"{done}\n{cluster.log_tail()}"
         assert {j["worker"] for j in done} == {"m1", "m2"}, [j["worker"] for j in done]
         downloads = {j["id"]: zip_files(client, f"/v1/jobs/{j['id']}/adapter") for j in done}
     sha = hashlib.sha256(netns_dataset.read_bytes()).hexdigest()

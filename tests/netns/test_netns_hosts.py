@@ -70,3 +70,15 @@ def test_the_calling_thread_returns_to_its_own_namespace():
             assert Path("/proc/thread-self/ns/net").readlink() != own
             raise ValueError
         assert Path("/proc/thread-self/ns/net").readlink() == own
+
+
+def test_a_box_that_cannot_make_namespaces_fails_the_test_saying_why(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(pytest.fail.Exception, match=r"network namespaces cannot be made .* not root \(euid 1000\)"):
+        with make_hosts({"a": 1}):
+            raise AssertionError("the block must not run")
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(pytest.fail.Exception, match="install iproute2"):
+        with make_hosts({"a": 1}):
+            raise AssertionError("the block must not run")

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 PORTS_TRIED = 100
 """Ports from ``rdzv_port`` upward the leader tries before giving up."""
+PART_START_TIMEOUT_S = 120.0
+"""A follower whose part has not started this long after the claim (at least twice
+``heartbeat_timeout_s``) is lost: its ``jobs.run_node`` message never reached a live worker."""
 SETTLE_WAIT_SHARE = 0.5
 """A leader whose ranks failed waits at most this share of ``heartbeat_timeout_s`` to learn
 whether a follower machine was lost (``PartsWatch.settle``)."""
@@ -143,9 +146,14 @@ def lost_follower(session: Session, job_id: str, attempt: int, settings: Setting
     the followers' end with an error because of it).
     """
     silent_s = settings.heartbeat_timeout_s if silent_s is None else silent_s
-    cutoff = utcnow() - dt.timedelta(seconds=silent_s)
-    for part in parts_of(session, job_id, attempt)[1:]:
+    now = utcnow()
+    cutoff = now - dt.timedelta(seconds=silent_s)
+    parts = parts_of(session, job_id, attempt)
+    start_by = now - dt.timedelta(seconds=max(PART_START_TIMEOUT_S, 2 * settings.heartbeat_timeout_s))
+    for part in parts[1:]:
         code = part.returncode
+        if part.started_at is None and parts[0].started_at is not None and parts[0].started_at < start_by:
+            return f"node {part.node_rank} ({part.worker_id}) never started its part (its message was lost?)"
         if part.ended_at is not None and code is not None and (code < 0 or (any_error and code > 0)):
             return f"node {part.node_rank} ({part.worker_id}) ended with exit code {code}"
         if part.ended_at is None and _silent(session, part.worker_id, cutoff):

@@ -176,6 +176,16 @@ class TestLostFollower:
         settled = self._watch(leader, job_id).settle(crashed, max_attempts=2)
         assert settled.error_code == "node_lost" and "stopped heartbeating" in (settled.message or "")
 
+    def test_a_follower_that_never_starts_its_part_is_lost(self, leader):
+        job_id = _insert_job(leader)
+        claim_next_job(leader)
+        with leader.sessionmaker.begin() as session:
+            assert nodes.lost_follower(session, job_id, 1, leader.settings) is None
+            session.execute(update(JobNode).where(JobNode.job_id == job_id, JobNode.node_rank == 0)
+                            .values(started_at=utcnow() - dt.timedelta(seconds=nodes.PART_START_TIMEOUT_S + 1)))
+            why = nodes.lost_follower(session, job_id, 1, leader.settings)
+        assert why is not None and "never started" in why
+
     def test_a_silent_follower_worker_is_lost(self, leader):
         job_id = _insert_job(leader)
         claim_next_job(leader)

@@ -16,7 +16,8 @@ import re
 import pytest
 
 from tests.netns.cluster import tree_sha
-from tests.netns.jobs import TINY, checkpoint_steps, events, finished, metrics, same_adapter, submit, upload, wait_job, zip_files
+from tests.netns.jobs import (TINY, checkpoint_steps, events, finished, metrics, same_adapter, submit, upload,
+                              wait_job, zip_files)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.netns]
 

@@ -26,7 +26,7 @@ from core.jobs.models import Job, JobNode
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
 from worker.launch import Rendezvous, launch_argv, run_tag
-from worker.nodes import run_id
+from worker.nodes import pin_interface, run_id
 from worker.process import TrainerProcess
 from worker.runner import Claim, set_aside_unrecorded_checkpoints, trainer_env
 from worker.runtime import Runtime
@@ -115,7 +115,7 @@ def _run(runtime: Runtime, job_id: str, attempt: int, node_rank: int, rdzv_endpo
     trainer = TrainerProcess(
         launch_argv(runtime.options, job_json, ranks=len(devices), rank_log_dir=rank_logs, rendezvous=rendezvous),
         on_event=lambda event: None,  # global rank 0, the only one that emits, is on the leader
-        env=trainer_env(runtime, devices),
+        env=pin_interface(trainer_env(runtime, devices), rendezvous),
         cwd=output_dir,
         stderr_path=output_dir / f"trainer.node-{node_rank}.stderr.log",
         tail_lines=runtime.options.stderr_tail_lines,

@@ -70,6 +70,41 @@ def free_port(address: str, first: int, tries: int = PORTS_TRIED) -> int:
                        "set FTQ_RDZV_PORT to a free range")
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (a loopback address: the loopback
+    interface, which answers all of 127/8); None when no interface has it."""
+    import ipaddress
+
+    import psutil
+
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = False
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            ip = addr.address.split("%")[0]
+            if ip == address or (loopback and addr.family in (socket.AF_INET, socket.AF_INET6)
+                                 and ipaddress.ip_address(ip).is_loopback):
+                return name
+    return None
+
+
+def pin_interface(env: dict[str, str], rendezvous: Rendezvous | None) -> dict[str, str]:
+    """``env`` for a machine's ranks of a multi-machine job: gloo and NCCL talk on the interface
+    of the machine's address (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``; values already set
+    are kept). Without it gloo binds to what the host name resolves to, which is a loopback
+    address on hosts whose /etc/hosts maps their name to 127.0.1.1 (Debian, Ubuntu), and the
+    other machines cannot reach it."""
+    if rendezvous is None:
+        return env
+    interface = interface_of(rendezvous.local_addr)
+    if interface is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.setdefault(name, interface)
+    return env
+
+
 def endpoint(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 

@@ -199,7 +199,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
     trainer = TrainerProcess(
         launch_argv(runtime.options, job_json, ranks=claim.gpus, rank_log_dir=rank_logs, rendezvous=claim.rendezvous),
         on_event=on_event,
-        env=trainer_env(runtime, claim.devices),
+        env=nodes.pin_interface(trainer_env(runtime, claim.devices), claim.rendezvous),
         cwd=claim.output_dir,
         stderr_path=claim.output_dir / "trainer.stderr.log",
         tail_lines=runtime.options.stderr_tail_lines,

@@ -222,3 +222,17 @@ class TestSubmissionCheck:
                 assert refused.value.param == "nodes" and "FTQ_WORKER_ADDRESS" in str(refused.value)
             with pytest.raises(Unsupported):
                 check_gpus(session, 2, leader.settings)  # one machine: 1 GPU each
+
+
+class TestInterface:
+    def test_ranks_talk_on_the_interface_of_the_machines_address(self):
+        rdzv = Rendezvous(2, 1, "127.0.0.2:29400", "job-1", "127.0.0.3")
+        env = nodes.pin_interface({}, rdzv)
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == nodes.interface_of("127.0.0.1")
+        assert env["GLOO_SOCKET_IFNAME"] is not None
+
+    def test_a_set_interface_and_one_machine_jobs_are_left_alone(self):
+        rdzv = Rendezvous(2, 1, "127.0.0.2:29400", "job-1", "127.0.0.3")
+        assert nodes.pin_interface({"GLOO_SOCKET_IFNAME": "eth9"}, rdzv)["GLOO_SOCKET_IFNAME"] == "eth9"
+        assert nodes.pin_interface({}, None) == {}
+        assert nodes.interface_of("198.51.100.77") is None, "no interface holds a TEST-NET-2 address"

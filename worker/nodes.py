@@ -57,9 +57,11 @@ SETTLE_SILENT_BEATS = 4
 """Heartbeats a follower's worker may miss before a leader whose ranks failed counts it lost."""
 
 
-def free_port(address: str, first: int, tries: int = PORTS_TRIED) -> int:
-    """The first port from ``first`` upward that can be bound on ``address`` now."""
+def free_port(address: str, first: int, tries: int = PORTS_TRIED, *, skip: frozenset[int] = frozenset()) -> int:
+    """The first port from ``first`` upward, not in ``skip``, that can be bound on ``address`` now."""
     for port in range(first, min(first + tries, 65536)):
+        if port in skip:
+            continue
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((address, port))
@@ -122,13 +124,24 @@ def record_parts(session: Session, settings: Settings, placement: Placement, att
         return None
     leader = placement.address
     assert leader, f"job {placement.job_id}: a multi-machine placement without the leader's address"
-    rdzv = endpoint(leader, free_port(leader, settings.rdzv_port))
+    rdzv = endpoint(leader, free_port(leader, settings.rdzv_port, skip=_ports_in_use(session, leader)))
     now = utcnow()
     for rank, part in enumerate(placement.parts):
         session.add(JobNode(job_id=placement.job_id, attempt=attempt, node_rank=rank, worker_id=part.worker_id,
                             address=part.address or "", rdzv_endpoint=rdzv, started_at=now if rank == 0 else None))
     session.flush()
     return Rendezvous(len(placement.parts), 0, rdzv, run_id(placement.job_id, attempt), leader)
+
+
+def _ports_in_use(session: Session, address: str) -> frozenset[int]:
+    """Rendezvous ports of running jobs led from ``address``: one claimed a moment ago may not
+    have bound its port yet."""
+    rows = session.scalars(
+        select(JobNode.rdzv_endpoint)
+        .join(Job, (Job.job_id == JobNode.job_id) & (Job.attempts == JobNode.attempt))
+        .where(JobNode.node_rank == 0, JobNode.address == address, Job.status == JobStatus.running.value)
+    )
+    return frozenset(int(row.rsplit(":", 1)[1]) for row in rows)
 
 
 def send_followers(runtime: Runtime, job_id: str, attempt: int) -> int:

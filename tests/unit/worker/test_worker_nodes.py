@@ -86,6 +86,14 @@ class TestLeaderClaim:
         assert parts[0].started_at is not None and parts[1].started_at is None
         assert leader.celery.sent == [(TASK_RUN_NODE, [job_id, 1, 1, "127.0.0.1:29700"], host_queue(FOLLOWER))]
 
+    def test_a_second_job_led_from_the_same_machine_gets_another_rendezvous_port(self, leader):
+        first = _insert_job(leader)
+        assert claim_next_job(leader).rendezvous.endpoint == "127.0.0.1:29700"
+        with leader.sessionmaker.begin() as session:  # free the GPUs, the first job still running
+            session.execute(update(GpuSlot).where(GpuSlot.job_id == first).values(job_id=None))
+        _insert_job(leader)
+        assert claim_next_job(leader).rendezvous.endpoint == "127.0.0.1:29701"
+
     def test_the_follower_host_does_not_claim_it(self, leader):
         _insert_job(leader)
         other = Runtime(leader.settings, WorkerOptions(gpus=("0",), name=FOLLOWER), engine=leader.engine,

@@ -56,6 +56,13 @@ class Busy:
     gpus: int = 1
     worker_id: str | None = None
     slots: tuple[int, ...] = ()
+    others: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """A multi-machine job's parts on the other live hosts: ``(worker_id, slots)`` each."""
+
+    def holds(self) -> set[tuple[str, int]]:
+        """The ``(host, slot)`` pairs it holds while it runs."""
+        parts = ((self.worker_id, self.slots), *self.others) if self.worker_id is not None else self.others
+        return {(worker_id, slot) for worker_id, slots in parts for slot in slots}
 
 
 @dataclass(frozen=True)
@@ -112,11 +119,13 @@ def replay_starts(
     waiting: Sequence[Waiting],
     caps: dict[Owner, int],
     durations: dict[str, float | None],
+    addresses: Mapping[str, str | None] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
     Args:
         hosts: each live host's slots.
+        addresses: each live host's machine address (multi-machine jobs need them; default none).
         running: the running jobs (they hold their slots and their owners' caps until they end).
         waiting: queued jobs in claim order.
         caps: each waiting owner's cap on running GPUs (0 = none).
@@ -128,8 +137,9 @@ def replay_starts(
     now = 0.0
     while pending:
         live = [b for b in jobs if b.ends_in_s is None or b.ends_in_s > now]
-        held = {(b.worker_id, s) for b in live if b.worker_id is not None for s in b.slots}
-        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held)) for w, slots in hosts.items()]
+        held = set().union(*(b.holds() for b in live))
+        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w))
+                 for w, slots in hosts.items()]
         used: Counter[Owner] = Counter()
         for b in live:
             used[b.owner_id] += b.gpus
@@ -139,7 +149,7 @@ def replay_starts(
             starts[job.job_id] = now
             duration = durations.get(job.job_id)
             jobs.append(Busy(job.owner_id, None if duration is None else now + duration, job.gpus,
-                             placed.worker_id, placed.slots))
+                             placed.worker_id, placed.slots, tuple((p.worker_id, p.slots) for p in placed.followers)))
         later = [b.ends_in_s for b in jobs if b.ends_in_s is not None and b.ends_in_s > now]
         if not later:
             break
@@ -166,8 +176,12 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
         pace = paces.of_job(row.job_id) or paces.of_model(row.model)
         left = None if row.total_steps is None or pace is None else max(row.total_steps - row.progress_step, 0) * pace
         slots = held.get(row.job_id, [])
-        where = slots[0].worker_id if slots and slots[0].worker_id in live_ids else None
-        busy.append(Busy(row.owner_id, left, row.gpus, where, tuple(s.slot for s in slots) if where else ()))
+        parts: dict[str, tuple[int, ...]] = {}
+        for s in slots:
+            if s.worker_id in live_ids:
+                parts[s.worker_id] = (*parts.get(s.worker_id, ()), s.slot)
+        where = next(iter(parts), None)
+        busy.append(Busy(row.owner_id, left, row.gpus, where, parts.pop(where, ()) if where else (), tuple(parts.items())))
         gpus = tuple((s.worker_id, s.slot, s.device) for s in slots)
         running.append(RunningEntry(row.job_id, row.worker_id, row.owner_id, _at(now, left), row.gpus, gpus))
     durations = {
@@ -176,7 +190,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
         for job in waiting
     }
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
-    starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations)
+    starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations,
+                           {host.worker_id: host.address for host in hosts})
     used: Counter[Owner] = Counter()
     for b in busy:
         used[b.owner_id] += b.gpus

@@ -98,3 +98,26 @@ class TestPace:
     def test_no_rows_is_unknown(self):
         assert pace_of([]) is None
         assert pace_of([(1, _at(0), None)]) is None
+
+
+class TestReplayAcrossMachines:
+    """Multi-machine jobs (``nodes: M``) in the replay: they need M machines with addresses at
+    once, and hold a part of every one of them until they end."""
+
+    ADDRESSES = {"h1": "10.0.0.1", "h2": "10.0.0.2"}
+
+    def test_a_two_machine_job_starts_when_both_machines_are_free(self):
+        jobs = [Waiting("pair", None, "normal", 2, "m", 10, T0, nodes=2), waiting("after")]
+        starts = replay_starts({"h1": [0], "h2": [0]}, [Busy("w", 30.0, 1, "h2", (0,))], jobs, {None: 0},
+                               {"pair": 20.0, "after": 5.0}, self.ADDRESSES)
+        assert starts == {"pair": 30.0, "after": 50.0}
+
+    def test_a_running_two_machine_job_holds_both_machines(self):
+        running = [Busy("w", 40.0, 2, "h1", (0,), (("h2", (0,)),))]
+        starts = replay_starts({"h1": [0], "h2": [0]}, running, [waiting("one")], {None: 0}, {"one": 5.0},
+                               self.ADDRESSES)
+        assert starts == {"one": 40.0}
+
+    def test_without_addresses_a_multi_machine_job_gets_no_estimate(self):
+        jobs = [Waiting("pair", None, "normal", 2, "m", 10, T0, nodes=2)]
+        assert replay_starts({"h1": [0], "h2": [0]}, [], jobs, {None: 0}, {"pair": 20.0}) == {"pair": None}

@@ -197,7 +197,9 @@ class JobOut(BaseModel):
     priority: str
     """low, normal or high: the order in which waiting jobs are claimed."""
     gpus: int
-    """GPUs of one worker host the job runs on (one rank each)."""
+    """GPUs the job runs on (one rank each): of one worker host, or spread evenly over ``nodes`` machines."""
+    nodes: int = 1
+    """Machines the job spans (``gpus / nodes`` GPUs on each; 1: one host)."""
     held_gpus: list[HeldGpu] = []
     """The GPUs it holds while it runs (empty otherwise)."""
     queue: QueueInfo | None = None
@@ -232,6 +234,7 @@ class JobOut(BaseModel):
             owner=owner,
             priority=job.priority,
             gpus=job.gpus,
+            nodes=job.nodes or 1,
             held_gpus=[HeldGpu.of(row) for row in held],
             attempts=job.attempts,
             worker=job.worker_id,

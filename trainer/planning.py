@@ -156,6 +156,7 @@ def plan(
     kernel = attention.choose(hw, facts)
     strategy = parallel.decide(hw, config, facts, world_size, dtype)
     sharded = strategy.backend == "fsdp2"
+    _refuse_sharding_across_machines(sharded, strategy.reason)
     policy, estimated = checkpointing.decide(
         config.gradient_checkpointing, hw, config, facts, dtype, world_size=world_size, sharded=sharded,
         packed_attention=kernel.enabled, free_bytes=free_gpu_bytes,
@@ -207,3 +208,23 @@ def compute_dtype(hw: Hardware, config: TrainConfig) -> str:
     if config.model.dtype != "auto":
         return config.model.dtype
     return "bfloat16" if hw.device == "cuda" and hw.bf16 else "float32"
+
+
+def _refuse_sharding_across_machines(sharded: bool, why: str) -> None:
+    """A run over several machines (torchrun's ``GROUP_WORLD_SIZE``: its nnodes) must not shard:
+    FSDP2's checkpoints are written in pieces, each machine's on its own disk, and a machine
+    shares no disk with the others, so no machine could resume from one.
+
+    Raises:
+        PlanError: ``sharded`` on more than one machine.
+    """
+    import os
+
+    machines = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    if sharded and machines > 1:
+        raise PlanError(
+            f"this run spans {machines} machines and would shard the model (FSDP2: {why}); its checkpoints "
+            "would be split over the machines' own disks and could not be resumed. Run it on one machine "
+            "(nodes: 1, all its GPUs there), or use method lora/qlora with a base that fits one GPU"
+        )
+

@@ -161,3 +161,19 @@ class TestPlanEvent:
         assert set(event) == {"type", "time"} | PLAN_FIELDS | RUN_FIELDS
         assert [d["name"] for d in event["decisions"]] == [*KERNEL_CHOICES, POLICY, *SWITCHES]
         assert all(set(d) == DECISION_FIELDS for d in event["decisions"])
+
+
+class TestAcrossMachines:
+    """A run torchrun spreads over several machines (GROUP_WORLD_SIZE > 1) must not shard: each
+    machine would keep its own pieces of every checkpoint on a disk no other machine reads."""
+
+    def test_sharding_over_two_machines_is_refused_saying_why(self, monkeypatch):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+        with pytest.raises(PlanError, match="spans 2 machines and would shard"):
+            plan(H100, plan_config(method="full"), world_size=2)
+
+    def test_adapters_over_two_machines_and_sharding_on_one_are_planned(self, monkeypatch):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+        assert plan(H100, plan_config(method="lora"), world_size=2).decision("parallelism").backend == "ddp"
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+        assert plan(H100, plan_config(method="full"), world_size=2).decision("parallelism").backend == "fsdp2"

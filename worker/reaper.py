@@ -33,9 +33,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
@@ -46,6 +46,7 @@ from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers import pool
+from core.workers.models import Worker
 from worker.nodes import lost_parts
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,10 @@ def reap(
     with sessionmaker.begin() as session:
         stale = session.execute(
             select(Job.job_id, Job.attempts, Job.worker_id, Job.heartbeat_at, Job.cancel_requested)
+            .outerjoin(Worker, Worker.worker_id == Job.worker_id)
             .where(Job.status == JobStatus.running.value)
-            .where(or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < cutoff, Job.job_id.in_(lost_parts(settings, now))))
+            .where(or_(Job.heartbeat_at.is_(None), _silent(Job.heartbeat_at, cutoff, settings),
+                       Job.job_id.in_(lost_parts(settings, now))))
             .order_by(Job.created_at)
         ).all()
         for job in stale:
@@ -135,6 +138,20 @@ def reap(
         log.warning("reaper: requeued %s, failed %s, cancelled %s, re-sent %s",
                     report.requeued, report.failed, report.cancelled, report.resent)
     return report
+
+
+def _silent(job_beat: Any, cutoff: dt.datetime, settings: Settings) -> Any:
+    """A running job is lost when its heartbeat is older than the timeout and so is its worker's
+    (the placement then counts that worker's machine as gone too, so the retry's message goes to
+    a live host, not to the dead one's queue: the two heartbeats stop together when a machine
+    dies, but the worker's may be up to one interval younger), or when its worker was restarted
+    since (a new life of the worker beats, the job was the old one's). A job silent for twice the
+    timeout is lost even while its worker still beats (a hung job thread)."""
+    return or_(
+        and_(job_beat < cutoff, or_(Worker.heartbeat_at.is_(None), Worker.heartbeat_at < cutoff,
+                                    Worker.started_at > job_beat)),
+        job_beat < cutoff - dt.timedelta(seconds=settings.heartbeat_timeout_s),
+    )
 
 
 def _mark_resent(session: Session, settings: Settings, host: str, waited: dt.datetime, now: dt.datetime) -> list[str]:

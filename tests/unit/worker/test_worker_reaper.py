@@ -8,7 +8,7 @@ from sqlalchemy import select, update
 
 from core.db import utcnow
 from core.jobs.models import Job, JobEvent
-from core.workers.models import GpuSlot
+from core.workers.models import GpuSlot, Worker
 from worker.reaper import reap
 
 
@@ -74,6 +74,33 @@ class TestStaleRunningJobs:
         job_id = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=_ago(1))
         report = _reap(runtime)
         assert report.requeued == report.failed == [] and _job(runtime, job_id).status == "running"
+
+    def test_a_stale_job_of_a_worker_that_still_beats_waits_for_that_worker_to_go_silent(self, runtime, make_job):
+        # A dying machine's worker row may beat up to one interval after its job's last beat: the
+        # job is reaped once the placement, too, counts that worker as gone (so the retry's
+        # message never goes to the dead machine's queue); a job silent for twice the timeout is
+        # reaped even beside a beating worker (its job thread hung).
+        timeout = runtime.settings.heartbeat_timeout_s
+        with runtime.sessionmaker.begin() as session:
+            session.add(Worker(worker_id="dying", hostname="m", device="cpu", heartbeat_at=_ago(timeout - 2),
+                               started_at=_ago(10 * timeout)))
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="dying", heartbeat_at=_ago(timeout + 1))
+        assert _reap(runtime).requeued == [] and _job(runtime, job_id).status == "running"
+        with runtime.sessionmaker.begin() as session:
+            session.execute(update(Worker).where(Worker.worker_id == "dying").values(heartbeat_at=_ago(timeout + 1)))
+        assert _reap(runtime).requeued == [job_id]
+        hung = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=_ago(2 * timeout + 1))
+        with runtime.sessionmaker.begin() as session:
+            session.add(Worker(worker_id="w", hostname="m2", device="cpu", heartbeat_at=_ago(0),
+                               started_at=_ago(10 * timeout)))
+        assert _reap(runtime).requeued == [hung]
+
+    def test_a_job_of_a_restarted_workers_earlier_life_is_reaped_at_the_timeout(self, runtime, make_job):
+        timeout = runtime.settings.heartbeat_timeout_s
+        job_id = make_job("fake:ok", status="running", attempts=1, worker_id="back", heartbeat_at=_ago(timeout + 1))
+        with runtime.sessionmaker.begin() as session:  # the worker came back (same id) and beats again
+            session.add(Worker(worker_id="back", hostname="m", device="cpu", heartbeat_at=_ago(0), started_at=_ago(1)))
+        assert _reap(runtime).requeued == [job_id]
 
     def test_a_running_job_that_never_beat_is_stale(self, runtime, make_job):
         job_id = make_job("fake:ok", status="running", attempts=1, worker_id="w", heartbeat_at=None)

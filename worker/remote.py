@@ -20,11 +20,13 @@ A local worker gets ``LocalOutputs``, the no-op twin of ``RemoteOutputs``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -133,6 +135,47 @@ def fetch_datasets(session: Session, settings: Settings, file_ids: list[str]) ->
 def _stored_sha256(row: Any) -> str | None:
     """The sha256 of the bytes the API stores for a files row, when the row knows it."""
     return None if (row.stats or {}).get("converted_from") else row.sha256
+
+
+@contextlib.contextmanager
+def beating(runtime: Runtime, claim: Claim) -> Iterator[None]:
+    """Keep the claimed job's heartbeat fresh for the whole run on a remote worker.
+
+    The runner's watchdog beats only while the trainer runs; a remote worker also transfers
+    before it (the datasets, the checkpoint a retry resumes from) and after it (the last
+    checkpoints, job.json and the weights: tens of GB for ``method: full``), for longer than the
+    reaper waits. This thread beats meanwhile, only while the job is still this claim's (a job
+    another claim took is left alone: the runner finds it lost when it finishes). Local workers
+    move nothing, so nothing runs for them.
+    """
+    if not runtime.settings.remote_worker:
+        yield
+        return
+    from sqlalchemy import update
+
+    from core.db import utcnow
+    from core.jobs.models import Job
+
+    stop = threading.Event()
+    mine = ((Job.job_id == claim.job_id) & (Job.status == JobStatus.running.value)
+            & (Job.worker_id == runtime.worker_id) & (Job.attempts == claim.attempt))
+
+    def loop() -> None:
+        while not stop.wait(runtime.settings.heartbeat_interval_s):
+            try:
+                with runtime.sessionmaker.begin() as session:
+                    session.execute(update(Job).where(mine).values(heartbeat_at=utcnow())
+                                    .execution_options(synchronize_session=False))
+            except Exception as exc:  # noqa: BLE001 - the store is away: try again next interval
+                log.warning("job %s: heartbeat during transfers failed: %s", claim.job_id, exc)
+
+    thread = threading.Thread(target=loop, name=f"ftq-beat-{claim.job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def not_prepared(exc: Exception, attempt: int, max_attempts: int) -> Outcome:

@@ -85,7 +85,8 @@ def run_job(runtime: Runtime, job_id: str) -> str:
     runtime.started(claim.job_id, claim.gpus)
     try:
         try:
-            outcome, done = _run_claimed(runtime, claim)
+            with remote.beating(runtime, claim):  # a remote worker's transfers outlast the watchdog
+                outcome, done = _run_claimed(runtime, claim)
         except Exception as exc:  # noqa: BLE001 - a claimed job must not stay running until reaped
             log.exception("job %s: the worker failed before the trainer could run", claim.job_id)
             outcome, done = Outcome(JobStatus.failed, "worker_error", f"the worker failed to run the job: {exc!r}"), None

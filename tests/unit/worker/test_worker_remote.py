@@ -128,3 +128,33 @@ def test_a_dataset_download_that_fails_is_retried_a_gone_dataset_or_bad_spec_fai
     assert (outcome.status, outcome.error_code) == (status, code)
     assert outcome.retry == (status is JobStatus.queued)
     assert str(exc) in (outcome.message or "")
+
+
+def test_a_remote_workers_job_keeps_beating_through_its_transfers_and_only_while_it_is_this_claims(
+        runtime, make_job, monkeypatch):
+    import datetime as dt
+    import time
+
+    from sqlalchemy import update
+
+    from core.db import utcnow
+    from core.jobs.models import Job
+
+    old = utcnow() - dt.timedelta(seconds=600)
+    mine = make_job("fake:ok", status="running", attempts=1, worker_id=runtime.worker_id, heartbeat_at=old)
+    taken = make_job("fake:ok", status="running", attempts=2, worker_id=runtime.worker_id, heartbeat_at=old)
+    monkeypatch.setattr(type(runtime.settings), "remote_worker", property(lambda _self: True))
+    with remote.beating(runtime, Claim(job_id=mine, attempt=1, output_dir=Path("/nonexistent"))), \
+            remote.beating(runtime, Claim(job_id=taken, attempt=1, output_dir=Path("/nonexistent"))):
+        time.sleep(4 * runtime.settings.heartbeat_interval_s)  # a long upload
+    with runtime.sessionmaker() as session:
+        beats = {job.job_id: job.heartbeat_at for job in session.query(Job).where(Job.job_id.in_([mine, taken]))}
+    assert beats[mine] > old + dt.timedelta(seconds=590)
+    assert beats[taken] == old  # attempt 2 is another claim's: not ours to keep alive
+    with runtime.sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.job_id == mine).values(heartbeat_at=old))
+    monkeypatch.setattr(type(runtime.settings), "remote_worker", property(lambda _self: False))
+    with remote.beating(runtime, Claim(job_id=mine, attempt=1, output_dir=Path("/nonexistent"))):
+        time.sleep(2 * runtime.settings.heartbeat_interval_s)  # a local worker moves nothing: no thread
+    with runtime.sessionmaker() as session:
+        assert session.get(Job, mine).heartbeat_at == old

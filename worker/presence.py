@@ -23,7 +23,7 @@ from core.db import utcnow
 from core.workers.models import Worker
 from core.workers.pool import register_pool
 from worker.reaper import reap
-from worker.remote import identity
+from worker.remote import identity, may_claim
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,11 @@ class Presence:
 
 
 def register_heartbeat(runtime: Runtime) -> None:
+    """Beat the worker row, unless this is a remote worker whose key is revoked: it claims
+    nothing (worker/remote.py ``may_claim``), so its machine must not look live either, or the
+    placement would keep giving it jobs that wait for it (the GPUs page shows it lost)."""
+    if not may_claim(runtime):
+        return
     with runtime.sessionmaker.begin() as session:
         row = session.get(Worker, runtime.worker_id)
         if row is not None:

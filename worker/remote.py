@@ -70,10 +70,15 @@ def may_claim(runtime: Runtime) -> bool:
     assert settings.worker_key is not None
     with runtime.sessionmaker.begin() as session:
         active = worker_key_active(session, settings.worker_key.get_secret_value())
-    if active is None:
-        log.warning("worker %s claims nothing: its FTQ_WORKER_KEY is revoked or unknown; ask an admin for a "
-                    "new one (`ftq workers key create NAME`) and restart the worker", runtime.worker_id)
+    if active is None and runtime.worker_id not in _REFUSED:
+        log.warning("worker %s claims nothing and stops beating: its FTQ_WORKER_KEY is revoked or unknown; ask "
+                    "an admin for a new one (`ftq workers key create NAME`) and restart the worker", runtime.worker_id)
+    (_REFUSED.add if active is None else _REFUSED.discard)(runtime.worker_id)
     return active is not None
+
+
+_REFUSED: set[str] = set()
+"""Workers of this process told that their key is refused (said once, not at every beat)."""
 
 
 def identity(session: Session, settings: Settings) -> dict[str, Any]:

@@ -158,3 +158,32 @@ def test_a_remote_workers_job_keeps_beating_through_its_transfers_and_only_while
         time.sleep(2 * runtime.settings.heartbeat_interval_s)  # a local worker moves nothing: no thread
     with runtime.sessionmaker() as session:
         assert session.get(Job, mine).heartbeat_at == old
+
+
+def test_a_remote_worker_whose_key_is_revoked_stops_beating_so_its_machine_is_not_placed(runtime, monkeypatch):
+    import datetime as dt
+
+    from pydantic import SecretStr
+
+    from core.db import utcnow
+    from core.workers import keys
+    from core.workers.models import Worker
+    from worker.presence import register_heartbeat
+
+    remote_settings = runtime.settings.model_copy(update={"worker_key": SecretStr("ftqw_0123abcd_x"),
+                                                          "api_url": "http://api:8000"})
+    monkeypatch.setattr(runtime, "settings", remote_settings)
+    old = utcnow() - dt.timedelta(seconds=600)
+    with runtime.sessionmaker.begin() as session:
+        session.add(Worker(worker_id=runtime.worker_id, hostname="m", device="cpu", heartbeat_at=old))
+    active: list[object] = [object()]
+    monkeypatch.setattr(keys, "worker_key_active", lambda _session, _raw: active[0])
+    register_heartbeat(runtime)
+    with runtime.sessionmaker() as session:
+        assert session.get(Worker, runtime.worker_id).heartbeat_at > old  # a good key: it beats
+    with runtime.sessionmaker.begin() as session:
+        session.get(Worker, runtime.worker_id).heartbeat_at = old
+    active[0] = None  # revoked
+    register_heartbeat(runtime)
+    with runtime.sessionmaker() as session:
+        assert session.get(Worker, runtime.worker_id).heartbeat_at == old

@@ -137,7 +137,8 @@ def _prepare_remote(runtime: Runtime, claim: Claim) -> None:
     from worker import remote
 
     set_aside_unrecorded_checkpoints(runtime, claim)
-    remote.fetch_recorded_checkpoint(runtime, claim, remote.client_for(runtime.settings))
+    with remote.client_for(runtime.settings) as client:  # a failure ends this part: the leader retries the job
+        remote.fetch_recorded_checkpoint(runtime, claim, client)
 
 
 def _watch(runtime: Runtime, trainer: TrainerProcess, job_id: str, attempt: int, leader: str | None) -> None:

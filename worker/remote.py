@@ -183,6 +183,15 @@ def beating(runtime: Runtime, claim: Claim) -> Iterator[None]:
         thread.join(timeout=5)
 
 
+def run_failed(exc: Exception, attempt: int, max_attempts: int) -> Outcome:
+    """The outcome of a run the worker itself could not carry out: a transfer that failed (the
+    checkpoint a retry resumes from) is retried like a dataset download; anything else is the
+    worker's own failure."""
+    if isinstance(exc, TransferError):
+        return not_prepared(exc, attempt, max_attempts)
+    return Outcome(JobStatus.failed, "worker_error", f"the worker failed to run the job: {exc!r}")
+
+
 def not_prepared(exc: Exception, attempt: int, max_attempts: int) -> Outcome:
     """The outcome of a job whose trainer config could not be built: a dataset download that
     failed (the API unreachable, a transfer cut or refused: this machine's key revoked) is
@@ -289,13 +298,24 @@ def job_outputs(runtime: Runtime, claim: Claim, recorder: EventRecorder) -> Loca
     if not settings.remote_worker:
         return LocalOutputs(recorder)
     client = client_for(settings)
-    fetch_recorded_checkpoint(runtime, claim, client)
+    try:
+        fetch_recorded_checkpoint(runtime, claim, client)
+    except BaseException:
+        client.close()
+        raise
     return RemoteOutputs(client, claim, recorder, max_attempts=settings.max_attempts)
 
 
 def fetch_recorded_checkpoint(runtime: Runtime, claim: Claim, client: TransferClient) -> str | None:
     """Download the newest checkpoint the store recorded when this machine lacks it (the job ran
-    elsewhere before). A failure is logged on the job and training resumes from what is here."""
+    elsewhere before).
+
+    Raises:
+        TransferError: the download failed for good (logged on the job too): the attempt ends
+            and is retried (``run_failed``), rather than resuming from an older checkpoint, or from
+            step 0, while the store holds a newer one (on a multi-machine job the ranks would
+            even resume from different steps).
+    """
     from core.jobs.models import Checkpoint
     from core.jobs.service import append_events
 
@@ -314,13 +334,13 @@ def fetch_recorded_checkpoint(runtime: Runtime, claim: Claim, client: TransferCl
         log.info("job %s: fetched checkpoint %s from the API", claim.job_id, name)
         return name
     except TransferError as exc:
-        message = f"could not fetch checkpoint {name} from the API ({exc}); resuming from an older one here, if any"
+        message = f"could not fetch checkpoint {name} from the API ({exc}); this attempt ends and is retried"
         log.warning("job %s: %s", claim.job_id, message)
         with runtime.sessionmaker.begin() as session:
             (event,) = append_events(session, claim.job_id, [("log", {"level": "warning", "message": message})])
             seq = event.seq
         runtime.publish(claim.job_id, seq)
-        return None
+        raise
 
 
 # -- exports --------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def run_job(runtime: Runtime, job_id: str) -> str:
                 outcome, done = _run_claimed(runtime, claim)
         except Exception as exc:  # noqa: BLE001 - a claimed job must not stay running until reaped
             log.exception("job %s: the worker failed before the trainer could run", claim.job_id)
-            outcome, done = Outcome(JobStatus.failed, "worker_error", f"the worker failed to run the job: {exc!r}"), None
+            outcome, done = remote.run_failed(exc, claim.attempt, runtime.settings.max_attempts), None
         return finish_job(runtime, claim, outcome, done)
     finally:
         runtime.ended(claim.job_id)

@@ -187,3 +187,27 @@ def test_a_remote_worker_whose_key_is_revoked_stops_beating_so_its_machine_is_no
     register_heartbeat(runtime)
     with runtime.sessionmaker() as session:
         assert session.get(Worker, runtime.worker_id).heartbeat_at == old
+
+
+def test_a_retry_that_cannot_fetch_the_recorded_checkpoint_ends_its_attempt_instead_of_resuming_older(
+        runtime, make_job, tmp_path):
+    from core.jobs.models import Checkpoint, JobEvent
+
+    job_id = make_job("fake:ok", status="running", attempts=2, worker_id=runtime.worker_id)
+    with runtime.sessionmaker.begin() as session:
+        session.add(Checkpoint(job_id=job_id, step=8, path="checkpoints/step-000008", bytes=1))
+
+    class Down:
+        def download_artifact(self, *_args):
+            raise TransferError("GET checkpoints/step-000008: connection refused (5 tries)")
+
+    claim = Claim(job_id=job_id, attempt=2, output_dir=tmp_path / job_id)
+    (claim.output_dir / "checkpoints" / "step-000004").mkdir(parents=True)  # an older one is here
+    with pytest.raises(TransferError):
+        remote.fetch_recorded_checkpoint(runtime, claim, Down())
+    with runtime.sessionmaker() as session:
+        logged = [e.data["message"] for e in session.query(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "log")]
+    assert any("could not fetch checkpoint step-000008" in m for m in logged)
+    outcome = remote.run_failed(TransferError("connection refused"), 2, 3)
+    assert (outcome.status, outcome.error_code, outcome.retry) == (JobStatus.queued, "download_failed", True)
+    assert remote.run_failed(IsADirectoryError("x"), 1, 3).error_code == "worker_error"

@@ -48,6 +48,10 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 T = TypeVar("T")
 
 
+READ_WAIT_S = 1800.0
+"""Longest wait for the API's answer (or the next bytes of it) during one transfer."""
+
+
 class TransferError(Exception):
     """A transfer that failed for good; the message says what and why."""
 
@@ -85,7 +89,10 @@ class TransferClient:
         self._client = httpx.Client(
             base_url=api_url.rstrip("/"),
             headers={"Authorization": f"Bearer {worker_key}"},
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            # The API answers a download only once it has packed the tar, and an upload once it has
+            # verified and unpacked it: tens of GB for a full model take minutes before the first
+            # byte, so a read may wait that long (a stalled connection still ends, at READ_WAIT_S).
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), read=max(timeout_s, READ_WAIT_S)),
             transport=transport,
         )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import queue
 import socket
@@ -94,9 +95,14 @@ def identity(session: Session, settings: Settings) -> dict[str, Any]:
     return {"key_id": key_id, "address": settings.worker_address or default_address(settings)}
 
 
-def default_address(settings: Settings) -> str:
+def default_address(settings: Settings) -> str | None:
     """This machine's IP on the route to the store's host (else the broker's, else the API's):
-    the interface the other machines of the cluster reach it on. No packet is sent."""
+    the interface the other machines of the cluster reach it on. No packet is sent.
+
+    None when that route is the loopback (the store on this very machine: no other machine could
+    reach this one there) or unknown: such a worker takes no part in multi-machine jobs unless
+    ``FTQ_WORKER_ADDRESS`` names its address. (A worker in a container on a bridge network finds
+    the container's address: give it ``FTQ_WORKER_ADDRESS`` or host networking.)"""
     for url in (settings.database_url, settings.broker_url, settings.api_url):
         host = _host_of(url)
         if not host:
@@ -104,10 +110,11 @@ def default_address(settings: Settings) -> str:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
                 probe.connect((host, 9))
-                return str(probe.getsockname()[0])
+                address = str(probe.getsockname()[0])
         except OSError:
             continue
-    return "127.0.0.1"
+        return None if ipaddress.ip_address(address).is_loopback else address
+    return None
 
 
 def _host_of(url: str | None) -> str | None:

@@ -155,9 +155,15 @@ def send_followers(runtime: Runtime, job_id: str, attempt: int) -> int:
         return 0
     from core.queue import enqueue_node
 
+    sent = 0
     for part in parts:
-        enqueue_node(runtime.celery, job_id, attempt, part.node_rank, part.rdzv_endpoint, part.worker_id)
-    return len(parts)
+        try:
+            enqueue_node(runtime.celery, job_id, attempt, part.node_rank, part.rdzv_endpoint, part.worker_id)
+            sent += 1
+        except Exception as exc:  # noqa: BLE001 - the broker is down: the part never starts, the leader's
+            # watch counts it lost after its start timeout and the job is retried; the leader still runs
+            log.warning("job %s: could not send node %d its start message (broker: %s)", job_id, part.node_rank, exc)
+    return sent
 
 
 def parts_of(session: Session, job_id: str, attempt: int) -> list[JobNode]:

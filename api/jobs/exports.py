@@ -144,12 +144,17 @@ def download_export(job_id: str, export_id: str, session: SessionDep, state: Sta
 
 
 def _model_type(state: AppState, job: Job) -> str | None:
-    """The base's ``config.json`` ``model_type`` as the job's trainer config names it; None if unknown."""
+    """The base's ``config.json`` ``model_type``, the model resolved from the job's spec under this
+    box's model root (never a path a worker reported in its job.json); None if unknown (a hub id)."""
+    from core.errors import InvalidInput
+    from core.jobs.model_source import resolve_model
+
     try:
-        config = json.loads(artifact_store.job_config_path(state.settings, job.job_id).read_text())
-        base = Path(config["model"]["name_or_path"])
-        return json.loads((base / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, KeyError, TypeError):
+        source = resolve_model(job.model, model_root=state.settings.model_root, allow_hub=state.settings.allow_hub_models)
+        if source.kind != "local":
+            return None
+        return json.loads((Path(source.name_or_path) / "config.json").read_text()).get("model_type")
+    except (InvalidInput, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -13,9 +13,11 @@ import zipfile
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from core.exports import service as exports
 from core.jobs import service
+from core.jobs.models import Job
 from core.jobs.states import JobStatus
 from core.queue import TASK_EXPORT
 from core.settings import Settings
@@ -62,7 +64,11 @@ class TestCreate:
         (base / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
         job_dir = settings.jobs_dir / job_id
         job_dir.mkdir(parents=True)
-        (job_dir / "job.json").write_text(json.dumps({"model": {"name_or_path": str(base)}}))
+        # what a worker reported is not read: the base is resolved from the job's own model
+        (job_dir / "job.json").write_text(json.dumps({"model": {"name_or_path": str(settings.model_root / "tiny")}}))
+        with store.sessions() as session:
+            session.execute(update(Job).where(Job.job_id == job_id).values(model="moe"))
+            session.commit()
         response = client.post(f"/v1/jobs/{job_id}/exports", json={"format": "gguf"})
         assert response.status_code == 422
         assert "this job's base is 'gpt_oss' (format merged works for every model)" in response.json()["error"]["message"]

@@ -30,7 +30,7 @@ class Job(Base):
     """``low``, ``normal`` or ``high``: the order in which waiting jobs are claimed."""
     gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     """GPUs the job asks for."""
-    nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    nodes: Mapped[int] = mapped_column(Integer, server_default="1")
     """Machines the GPUs are spread over (``gpus / nodes`` each); 1: one worker host."""
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     idempotency_hash: Mapped[str | None] = mapped_column(String(64))

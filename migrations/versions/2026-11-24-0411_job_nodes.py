@@ -49,5 +49,6 @@ def downgrade() -> None:
     with op.batch_alter_table('job_node', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_job_node_worker_id'))
     op.drop_table('job_node')
-    with op.batch_alter_table('job', schema=None) as batch_op:
-        batch_op.drop_column('nodes')
+    # Not a batch operation: on SQLite a batch copies the job table and drops the old one, which
+    # deletes every job_event row by its ON DELETE CASCADE; DROP COLUMN (SQLite 3.35+) does not.
+    op.drop_column('job', 'nodes')

@@ -51,7 +51,7 @@ browser:
 # runs it in one process.
 TEST_WORKERS ?= 3
 test: install-dev services browser
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 # The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
 test-fast: install-dev

@@ -41,9 +41,12 @@ def pin_process(spec: str | None) -> set[int] | None:
     cores = parse_cpus(spec)
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("FTQ_CPUS: this OS cannot pin a process to cores (Linux only); unset it")
-    available = os.sched_getaffinity(0)
-    if not cores & available:
-        raise ValueError(f"FTQ_CPUS={spec!r}: none of these cores is available here (available: "
-                         f"{','.join(map(str, sorted(available)))})")
-    os.sched_setaffinity(0, cores & available)
-    return cores & available
+    machine = set(range(os.cpu_count() or 1))  # not this process's current set: a child may widen it
+    if not cores & machine:
+        raise ValueError(f"FTQ_CPUS={spec!r}: none of these cores is available here (this machine has "
+                         f"0-{max(machine)})")
+    try:
+        os.sched_setaffinity(0, cores & machine)
+    except OSError as exc:  # outside the container's cpuset
+        raise ValueError(f"FTQ_CPUS={spec!r}: cannot run on those cores here ({exc})") from None
+    return cores & machine

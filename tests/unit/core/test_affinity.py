@@ -43,3 +43,13 @@ def test_the_process_and_its_children_run_on_the_named_core() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code, str(core)], capture_output=True, text=True, check=True).stdout
     assert out.split() == [f"[{core}]", f"[{core}]"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="Linux, 2+ cores")
+def test_a_child_pinned_to_one_core_may_move_to_another() -> None:
+    code = ("import os, sys; from core.affinity import pin_process; pin_process('0'); "
+            "pin_process(sys.argv[1]); print(sorted(os.sched_getaffinity(0)))")
+    last = str((os.cpu_count() or 2) - 1)
+    out = subprocess.run([sys.executable, "-c", code, last], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{last}]"
+

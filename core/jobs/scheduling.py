@@ -64,6 +64,7 @@ from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.users.models import User
 from core.workers import pool
+from core.workers.models import GpuSlot
 
 __all__ = [
     "Owner", "Placement", "Schedule", "Waiting", "cap_allows", "caps_of", "check_gpus", "claim_order",
@@ -128,7 +129,16 @@ def schedule(session: Session, settings: Settings, *, include: str | None = None
 
 
 def next_placement(session: Session, settings: Settings, worker_id: str) -> Placement | None:
-    """The job host ``worker_id`` should claim now, on which of its slots; None: nothing for it."""
+    """The job host ``worker_id`` should claim now, on which of its slots; None: nothing for it.
+
+    A host whose every slot is held claims nothing, whatever the queue: it answers without
+    replaying the queue (a busy host receives a wake-up for every job submitted meanwhile; the
+    replay is O(queued jobs) and would run beside its own trainer, on its CPU)."""
+    free = session.scalar(
+        select(func.count()).select_from(GpuSlot).where(GpuSlot.worker_id == worker_id, GpuSlot.job_id.is_(None))
+    )
+    if not free:
+        return None
     return schedule(session, settings, include=worker_id).for_host(worker_id)
 
 

@@ -176,6 +176,27 @@ class TestPerUserCap:
             assert scheduling.signal_targets(session, sched_settings) == [Placement(waiting, "w", (0,))]
 
 
+    def test_a_host_whose_slots_are_all_held_answers_without_replaying_the_queue(
+            self, store, sched_settings, monkeypatch) -> None:
+        runtime_for(store, sched_settings, "w", slots=1).ensure_registered()
+        running = add_job(store, status="running")
+        waiting = add_job(store, age_s=1)
+        with store.sessions.begin() as session:
+            session.execute(update(GpuSlot).where(GpuSlot.worker_id == "w").values(job_id=running))
+        replays: list[str | None] = []
+        real = scheduling.schedule
+        monkeypatch.setattr(scheduling, "schedule", lambda *a, **k: replays.append(k.get("include")) or real(*a, **k))
+        with store.sessions() as session:
+            assert scheduling.next_placement(session, sched_settings, "w") is None
+        assert replays == []  # a busy host gets a wake-up per submission: each must stay cheap
+        with store.sessions.begin() as session:
+            session.execute(update(GpuSlot).where(GpuSlot.worker_id == "w").values(job_id=None))
+            session.execute(update(Job).where(Job.job_id == running).values(status="succeeded"))
+        with store.sessions() as session:  # a free slot: the policy is asked, and places the waiting job
+            assert scheduling.next_placement(session, sched_settings, "w") == Placement(waiting, "w", (0,))
+        assert replays == ["w"]
+
+
 class TestCapUnderConcurrentClaims:
     def test_a_second_claim_of_the_same_user_waits_for_the_first_and_then_loses(self, store, sched_settings) -> None:
         """Two workers each picked a different job of alice (cap 1) before either claimed."""

@@ -60,6 +60,16 @@ class JobFeed:
         self.status: tuple[JobStatus, dt.datetime | None, int] | None = None
         self.read_started = float("-inf")
         self._lock = asyncio.Lock()
+        self._encoded: dict[int, bytes] = {}
+
+    def encoded(self, event: Any) -> bytes:
+        """``event`` as its SSE frame, formatted once for all the viewers of the window."""
+        frame = self._encoded.get(event.seq)
+        if frame is None:
+            frame = format_event(event.seq, event.type, event.data)
+            if self.events and self.events[0].seq <= event.seq:
+                self._encoded[event.seq] = frame
+        return frame
 
     async def read(self, after: int, woke: float) -> tuple[JobStatus, dt.datetime | None, int, list[Any]]:
         """The job's status, last seq and the events after ``after``, as fresh as ``woke``."""
@@ -82,6 +92,8 @@ class JobFeed:
             self.events = []  # fell more than BATCH behind: start the window again from the tail
         self.events = (self.events + events)[-self.TAIL:]
         self.status = (status, finished_at, last_seq)
+        first = self.events[0].seq if self.events else last_seq + 1
+        self._encoded = {seq: frame for seq, frame in self._encoded.items() if seq >= first}
 
 
 def _feed(state: AppState, job_id: str) -> JobFeed:
@@ -113,12 +125,16 @@ async def event_stream(state: AppState, job_id: str, after: int) -> AsyncIterato
         while True:
             # Polling viewers wake at their own moments: a read of the last interval serves them all.
             status, finished_at, last_seq, events = await feed.read(after, woke - (0 if pubsub else poll))
-            for event in events:
-                yield format_event(event.seq, event.type, event.data)
-                after = event.seq
-                if service.is_final_state_event(event.type, event.data):
+            if events:  # one write for what this wake-up read (not one per event: 100 viewers of a
+                frames, final = [], False  # fast job made thousands of small writes a second)
+                for event in events:
+                    frames.append(feed.encoded(event))
+                    after = event.seq
+                    if final := service.is_final_state_event(event.type, event.data):
+                        break
+                yield b"".join(frames)
+                if final:
                     return
-            if events:
                 last_write = time.monotonic()
                 continue
             if status in FINISHED_STATUSES and after >= last_seq and _past_grace(finished_at):

@@ -102,6 +102,7 @@ class Presence:
         runtime = self._runtime
         try:
             register(runtime, {})
+            self.signal_own()
             if self._detect:
                 register(runtime, detect_hardware(runtime))
         except Exception:  # noqa: BLE001 - the worker still runs jobs without its row
@@ -109,6 +110,13 @@ class Presence:
         interval = runtime.settings.heartbeat_interval_s
         while not self._stopped.wait(interval * random.uniform(0.8, 1.2)):
             self.tick()
+
+    def signal_own(self) -> None:
+        """Once registered: wake this host for every queued job the policy now places on it (a
+        job submitted while every host was busy got no message: api/jobs/wakeups.py)."""
+        runtime = self._runtime
+        reap(runtime.sessionmaker, runtime.settings, enqueue=runtime.enqueue, publish=runtime.publish,
+             host=runtime.worker_id, resend_after_s=0.0)
 
     def tick(self) -> None:
         runtime = self._runtime

@@ -5,8 +5,9 @@ Which host a queued job should wake is the queue policy replayed over every queu
 submissions a second with hundreds of jobs queued spent most of the API's CPU on replays and
 made every submission wait for one (issue 10, item 5). Here a request only notes its job id
 (``note``, O(1), never waits); the thread replays once for every id noted since its previous
-replay and sends each its ``jobs.run`` message: to the host the policy places it on now, or to
-any host when it must wait. Replays start at most every ``min_interval_s``; a note on an idle API
+replay and sends each its ``jobs.run`` message: to the host the policy places it on now; a job
+that must wait gets none while some host is live (the worker whose job ends signals what can
+start then, a host that joins signals what it can take), and a message to any host when none is. Replays start at most every ``min_interval_s``; a note on an idle API
 is served at once, so a lone submission reaches its worker as fast as before.
 
 The store stays the source of truth and the message only a wake-up: a note lost with the process
@@ -25,6 +26,7 @@ from celery import Celery
 from sqlalchemy.orm import sessionmaker
 
 from core.jobs import scheduling
+from core.workers import pool
 from core.queue import enqueue_job
 from core.settings import Settings
 
@@ -110,10 +112,16 @@ class Wakeups:
         try:
             with self._sessions() as session:
                 hosts = {p.job_id: p.worker_id for p in scheduling.signal_targets(session, self._settings)}
+                live = bool(pool.live_hosts(session, cutoff=scheduling.live_cutoff(self._settings)))
         except Exception as exc:  # the store is unreachable: wake any host; it places the jobs itself
             log.warning("could not replay the queue for %d wake-ups (%s); sending them to any host", len(job_ids), exc)
-            hosts = {}
+            hosts, live = {}, False
         for job_id in job_ids:
+            if job_id not in hosts and live:
+                # It must wait for a running job to end (whose worker then signals what can start),
+                # or for a host to join (which signals what it can take when it registers): a
+                # message now would only make a busy worker place the queue for nothing.
+                continue
             try:
                 self._send(job_id, hosts.get(job_id))
             except Exception as exc:  # the broker is down: the job stays queued for the reaper

@@ -40,7 +40,15 @@ def _session() -> Any:
 
 
 @pytest.fixture
-def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+def live(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The live hosts ``pool.live_hosts`` reports (none unless a test adds some)."""
+    hosts: list[str] = []
+    monkeypatch.setattr(module.pool, "live_hosts", lambda _session, cutoff: list(hosts))
+    return hosts
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch, live: list[str]) -> Recorder:
     rec = Recorder(placed={"job-a": "host-1"})
     monkeypatch.setattr(module.scheduling, "signal_targets", rec.signal_targets)
     return rec
@@ -50,13 +58,24 @@ def _wakeups(rec: Recorder, min_interval_s: float = 0.0) -> module.Wakeups:
     return module.Wakeups(_session, Settings(), None, min_interval_s=min_interval_s, send=rec.send)  # type: ignore[arg-type]
 
 
-def test_a_placed_job_wakes_its_host_and_a_waiting_one_any_host(recorder: Recorder) -> None:
+def test_a_placed_job_wakes_its_host_and_a_waiting_one_any_host_while_no_host_is_live(recorder: Recorder) -> None:
     wakeups = _wakeups(recorder)
     wakeups.note("job-a")
     wakeups.note("job-b")
     assert wakeups.flush()
     wakeups.close()
     assert sorted(recorder.sent) == [("job-a", "host-1"), ("job-b", None)]
+
+
+def test_a_job_that_must_wait_beside_live_hosts_gets_no_message(recorder: Recorder, live: list[str]) -> None:
+    # its start is signalled by the worker whose job ends, or by a host that joins
+    live.append("host-1")
+    wakeups = _wakeups(recorder)
+    wakeups.note("job-a")
+    wakeups.note("job-b")
+    assert wakeups.flush()
+    wakeups.close()
+    assert recorder.sent == [("job-a", "host-1")]
 
 
 def test_notes_made_during_a_replay_share_the_next_one(recorder: Recorder) -> None:

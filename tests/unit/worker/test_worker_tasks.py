@@ -55,6 +55,13 @@ class TestPresence:
         runtime.options = type(runtime.options)(trainer_argv=("false",), name="x")
         assert "exited with 1" in detect_hardware(runtime)["error"]
 
+    def test_a_registered_worker_wakes_itself_for_the_jobs_it_can_take(self, runtime, make_job):
+        # a job submitted while every host was busy got no message (api/jobs/wakeups.py)
+        job_id = make_job("fake:ok", updated_at=utcnow() - dt.timedelta(seconds=1))
+        register(runtime, {})
+        Presence(runtime, detect=False).signal_own()
+        assert list(zip(runtime.recorded.enqueued, runtime.recorded.hosts)) == [(job_id, "test-host/gpu3")]
+
     def test_a_tick_beats_and_reaps(self, runtime, make_job):
         stale = utcnow() - dt.timedelta(seconds=600)
         job_id = make_job("fake:ok", status="running", attempts=1, worker_id="gone", heartbeat_at=stale)

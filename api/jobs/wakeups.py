@@ -32,8 +32,8 @@ from core.settings import Settings
 
 log = logging.getLogger(__name__)
 
-MIN_INTERVAL_S = 0.2
-"""Shortest time between two replays' starts: at most five replays a second, however many
+MIN_INTERVAL_S = 1.0
+"""Shortest time between two replays' starts: at most one replay a second, however many
 submissions arrive."""
 
 

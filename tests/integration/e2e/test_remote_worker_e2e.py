@@ -148,7 +148,7 @@ def test_a_revoked_key_claims_nothing(remote_stack, chat_dataset: Path):
         job = submit(client, upload(client, chat_dataset), name="after-revoke")
         log = stack.logs["worker"]
         deadline = time.monotonic() + 120
-        while "claims nothing: its FTQ_WORKER_KEY is revoked" not in log.read_text(errors="replace"):
+        while "claims nothing and stops beating: its FTQ_WORKER_KEY is revoked" not in log.read_text(errors="replace"):
             assert time.monotonic() < deadline, f"the worker never refused to claim\n{stack.log_tail()}"
             time.sleep(0.3)
         assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "queued"

@@ -39,6 +39,9 @@ def test_loss_and_lora_gradients_equal_trls_dpo_trainer(tmp_path, tiny_model_dir
     assert report["grad_names_match"]
     assert report["ftq_loss"] == pytest.approx(report["trl_loss"], rel=1e-5)
     assert abs(report["trl_loss"] - 0.6931) > 1e-3, "policy = reference: the comparison would prove little"
-    assert report["ftq_margin"] == pytest.approx(report["trl_margin"], rel=1e-4, abs=1e-6)
+    # The margin is beta x a difference of near-equal sums of float32 log-probabilities: the summation
+    # order (threads, packing) moves it by a few 1e-6 (seen: 2.6e-6 on -0.011), a cancellation the loss
+    # (within 1e-5 rel above) does not suffer; compared within 1e-5 absolute, 1e-4 relative.
+    assert report["ftq_margin"] == pytest.approx(report["trl_margin"], rel=1e-4, abs=1e-5)
     assert report["ftq_grad_norm"] == pytest.approx(report["trl_grad_norm"], rel=1e-5)
     assert report["max_grad_rel_l2"] < 1e-4, report["worst_grad"]

@@ -58,11 +58,12 @@ def hash_key(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def split_key(raw: str) -> tuple[str, str] | None:
-    """``(prefix, secret)`` of a well-formed key, else None."""
+def split_key(raw: str, *, expected: str = KEY_SCHEME) -> tuple[str, str] | None:
+    """``(prefix, secret)`` of a well-formed key of scheme ``expected`` (``ftq``: users' keys,
+    ``ftqw``: worker keys), else None."""
     scheme, sep, rest = raw.partition("_")
     prefix, sep2, secret = rest.partition("_")
-    if scheme != KEY_SCHEME or not sep or not sep2 or len(prefix) != PREFIX_HEX or not secret:
+    if scheme != expected or not sep or not sep2 or len(prefix) != PREFIX_HEX or not secret:
         return None
     if any(c not in "0123456789abcdef" for c in prefix):
         return None

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound, Unauthenticated
-from core.users.service import NAME_PATTERN, hash_key
+from core.users.service import NAME_PATTERN, hash_key, split_key
 from core.workers.models import Worker, WorkerKey
 
 KEY_SCHEME = "ftqw"
@@ -35,14 +35,8 @@ def is_worker_key(raw: str) -> bool:
 
 
 def split_worker_key(raw: str) -> tuple[str, str] | None:
-    """``(prefix, secret)`` of a well-formed worker key, else None."""
-    scheme, sep, rest = raw.partition("_")
-    prefix, sep2, secret = rest.partition("_")
-    if scheme != KEY_SCHEME or not sep or not sep2 or len(prefix) != PREFIX_HEX or not secret:
-        return None
-    if any(c not in "0123456789abcdef" for c in prefix):
-        return None
-    return prefix, secret
+    """``(prefix, secret)`` of a well-formed worker key, else None (the users' key shape, its own scheme)."""
+    return split_key(raw, expected=KEY_SCHEME)
 
 
 def check_key_name(name: str) -> str:

@@ -1,7 +1,7 @@
 """``"auto"`` hyperparameters resolved from the training file, and OpenAI's hyperparameters
 turned into ftq's.
 
-The rule (also in the README, "Moving from OpenAI fine-tuning"), from the training file's record
+The rule (also in docs/openai.md), from the training file's record
 count ``n`` and its characters per record (measured at upload):
 
 - ``n_epochs``: 3, raised for a small file so the job sees at least 300 examples (at most 10

@@ -1,4 +1,4 @@
-"""api.openai.auto: the README's rule for OpenAI's ``"auto"`` hyperparameters, hand-checked."""
+"""api.openai.auto: docs/openai.md's rule for OpenAI's ``"auto"`` hyperparameters, hand-checked."""
 
 from __future__ import annotations
 

@@ -1,39 +1,52 @@
 # ftq: `make up` installs and starts the service; `make test` runs the whole test suite.
 #
-# Both create .venv when it is missing, install torch first when none is there (pip picks
-# the CPU build on a box without CUDA wheels; a GPU box installs its own torch beforehand),
-# then ftq itself in editable mode: `make up` with the service's dependencies only (plus
-# SERVICE_EXTRAS, e.g. `make up SERVICE_EXTRAS=tracking,qlora`), `make test` with the dev
-# extras (test tooling, browsers' driver, MLflow's server). Each install is redone only when
-# pyproject.toml changes.
+# Both create .venv when it is missing and install from the lock, requirements/lock.txt (pip's
+# constraints: every dependency at the version the suite passed with; `make lock` re-resolves it
+# from pyproject.toml's ranges). torch comes first, unless the venv has one (a GPU box may bring
+# its own): the CPU build on a machine with no NVIDIA driver, PyPI's CUDA build where there is one,
+# or whatever TORCH_INDEX_URL names (scripts/install-torch.sh). Then ftq in editable mode: `make up`
+# with the service's dependencies plus SERVICE_EXTRAS (e.g. `make up SERVICE_EXTRAS=tracking,qlora`,
+# also into an existing venv), `make test` with the dev extras (test tooling, browsers' driver,
+# MLflow's server, llama.cpp's bindings). An install is redone when pyproject.toml or the lock
+# changes, or for extras not installed yet.
 
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.ftq-installed
-DEV_STAMP := $(VENV)/.ftq-dev-installed
+LOCK := requirements/lock.txt
 SERVICE_EXTRAS ?=
+comma := ,
+STAMP := $(VENV)/.ftq-installed$(if $(SERVICE_EXTRAS),-$(subst $(comma),-,$(SERVICE_EXTRAS)))
+DEV_STAMP := $(VENV)/.ftq-dev-installed
 TORCH_VERSION ?= 2.13.0
-# llama-cpp-python (dev extra) compiles llama.cpp when pip has no wheel: CPU only, portable, no
-# BLAS/OpenMP/tools/tests; built once, then pip's wheel cache serves every later install.
+PIP_INSTALL := $(PY) -m pip install -c $(LOCK)
+
+# llama-cpp-python (dev extra: the GGUF export tests load exports in real llama.cpp) has no Linux
+# wheel on PyPI, so pip compiles llama.cpp: ~7 min on 2 cores, most of a cold machine's install.
+# scripts/llama-wheel.sh builds the locked version once per machine into WHEELHOUSE (outside pip's
+# cache, so clearing that cache does not bring the compile back) and says so while it builds.
+WHEELHOUSE ?= $(HOME)/.cache/ftq/wheels
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF
 
-.PHONY: install install-dev up test test-fast services browser
+.PHONY: install install-dev up test test-fast test-latest services browser lock
 
 install: $(STAMP)
 install-dev: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml
+$(VENV)/.venv-created:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -e '.$(if $(SERVICE_EXTRAS),[$(SERVICE_EXTRAS)])'
+	@touch $@
+
+$(STAMP): pyproject.toml $(LOCK) | $(VENV)/.venv-created
+	@scripts/install-torch.sh $(PY) $(TORCH_VERSION) $(LOCK)
+	$(PIP_INSTALL) -e '.$(if $(SERVICE_EXTRAS),[$(SERVICE_EXTRAS)])'
 	@touch $(STAMP)
 
-$(DEV_STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" CMAKE_BUILD_PARALLEL_LEVEL="$${CMAKE_BUILD_PARALLEL_LEVEL:-2}" $(PY) -m pip install -e '.[dev]'
-	@touch $(DEV_STAMP) $(STAMP)
+$(DEV_STAMP): pyproject.toml $(LOCK) | $(VENV)/.venv-created
+	@scripts/install-torch.sh $(PY) $(TORCH_VERSION) $(LOCK)
+	@CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" scripts/llama-wheel.sh $(PY) $(LOCK) $(WHEELHOUSE)
+	$(PIP_INSTALL) --find-links $(WHEELHOUSE) -e '.[dev]'
+	@touch $(DEV_STAMP) $(VENV)/.ftq-installed
 
 up: install
 	$(VENV)/bin/ftq up
@@ -56,3 +69,21 @@ test: install-dev services browser
 # The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
 test-fast: install-dev
 	$(PY) -m pytest -m "not slow and not integration"
+
+# The newest releases pyproject.toml's ranges allow, in their own venv and without the lock: the
+# trainer, API and core unit tests on them, so an upstream release (transformers, torch, peft,
+# FastAPI, ...) that breaks ftq is caught here before users meet it. Run before each release and
+# before `make lock`; CI runs `make test` only (see docs/operations.md, "Dependencies").
+LATEST_VENV ?= .venv-latest
+test-latest:
+	@test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	@CMAKE_ARGS="$${CMAKE_ARGS:-$(LLAMA_CMAKE_ARGS)}" scripts/llama-wheel.sh $(LATEST_VENV)/bin/python $(LOCK) $(WHEELHOUSE)
+	@scripts/install-torch.sh $(LATEST_VENV)/bin/python newest
+	$(LATEST_VENV)/bin/python -m pip install --upgrade --upgrade-strategy eager --find-links $(WHEELHOUSE) -e '.[dev]'
+	$(LATEST_VENV)/bin/python scripts/versions.py
+	$(LATEST_VENV)/bin/python -m pytest -n 2 tests/unit/trainer tests/unit/api tests/unit/core
+
+# Re-resolves requirements/lock.txt from pyproject.toml (newest versions the ranges allow, torch
+# pinned to TORCH_VERSION); run `make test-latest` first, then `make test` on the new lock.
+lock: install-dev
+	scripts/lock.sh $(VENV)/bin/uv $(TORCH_VERSION)

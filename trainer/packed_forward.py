@@ -195,11 +195,14 @@ def packed_attention_masks(
         embeds_name = (
             "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
         )  # renamed within 5.x
+        # The KV cache argument is `cache` from transformers 5.24 on; `past_key_values` before
+        # (5.24 still takes it but warns that 5.40 drops it).
+        cache_name = "cache" if "cache" in params else "past_key_values"
         kwargs: dict[str, Any] = {
             "config": config,
             embeds_name: embeds_like,
             "attention_mask": None,
-            "past_key_values": None,
+            cache_name: None,
             "position_ids": batch.position_ids,
         }
         if "cache_position" in params:  # older 5.x releases still take it

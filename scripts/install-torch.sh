@@ -13,7 +13,7 @@
 # TORCH_INDEX_URL=default forces PyPI's default build. torch's own dependencies follow LOCK.
 set -euo pipefail
 py=$1 version=$2 lock=${3:-}
-cpu_index=https://download.pytorch.org/whl/cpu
+cpu_index=${TORCH_CPU_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 
 constraint=()
 [ -n "$lock" ] && constraint=(-c "$lock")

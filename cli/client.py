@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from cli import config
+from cli import config, hints
 from cli.errors import CliError
 
 
@@ -52,19 +52,40 @@ def call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.R
 
 
 def check(response: httpx.Response) -> None:
+    """Raise a ``CliError`` for an API error: its message, route hints said as ``ftq`` commands
+    (``cli/hints.py``), and for a 401 where the key came from and how to get one."""
     if response.is_success:
         return
     try:
         error = response.json()["error"]
         where = f" ({error['param']})" if error.get("param") else ""
-        detail = f"{error['message']}{where}"
+        detail = f"{hints.translate(error['message'])}{where}"
     except (ValueError, KeyError, TypeError):
         detail = response.text[:500]
-    hint = ""
     if response.status_code == 401:
-        hint = (f" (key from {'FTQ_API_KEY' if os.environ.get('FTQ_API_KEY') else config.config_path()}; "
-                "set FTQ_API_KEY or run `ftq login --key KEY`; an admin makes keys with `ftq users create NAME`)")
-    raise CliError(f"{response.request.method} {response.request.url.path} → {response.status_code}: {detail}{hint}")
+        detail = key_hint(response.request, detail)
+    raise CliError(f"{response.request.method} {response.request.url.path} → {response.status_code}: {detail}")
+
+
+GET_A_KEY = ("the first `ftq up` on the box prints the admin key and saves it for the CLI; with a key, "
+             "run `ftq login --key KEY` or export FTQ_API_KEY=KEY; an admin makes keys with "
+             "`ftq users create NAME` (or `ftq users key NAME`)")
+
+
+def key_hint(request: httpx.Request, detail: str) -> str:
+    """A refused request's message with where its key came from (or that none was found) and how to get one."""
+    sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    path = config.config_path()
+    if not sent:
+        where = "has no api_key" if path.exists() else "does not exist"
+        return f"no API key: FTQ_API_KEY is not set and the config file {path} {where}; {GET_A_KEY}"
+    if sent == os.environ.get("FTQ_API_KEY"):
+        source = "FTQ_API_KEY"
+    elif path.exists() and sent == config.load_config(path).get("api_key"):
+        source = str(path)
+    else:
+        source = "the command line"
+    return f"{detail} (the key from {source}; {GET_A_KEY})"
 
 
 def sse_events(response: httpx.Response) -> Iterator[tuple[int, str, dict[str, Any]]]:

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 import time
+import unicodedata
 import uuid
 from pathlib import Path
 from typing import Any, TextIO
@@ -41,8 +42,9 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("--search", "-q", help="only jobs whose name, model or owner contains this text")
     p.set_defaults(run=run_jobs)
 
-    p = commands.add_parser("show", help="one job as JSON")
+    p = commands.add_parser("show", help="one job: state, progress, losses, plan, error, what to download")
     p.add_argument("job_id")
+    p.add_argument("--json", action="store_true", help="the API's job object as JSON instead")
     p.set_defaults(run=run_show)
 
     p = commands.add_parser("logs", help="a job's events; --follow streams them live with a progress line")
@@ -194,8 +196,10 @@ def gpus_cell(job: dict[str, Any]) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from cli.show import show  # cli.show builds on this module's cells
+
     with connect() as client:
-        print(json.dumps(call(client, "GET", f"/v1/jobs/{args.job_id}").json(), indent=2))
+        print(show(client, args.job_id, raw=args.json))
     return 0
 
 
@@ -302,7 +306,32 @@ def describe(kind: str, data: dict[str, Any]) -> str:
     if kind == "eval":
         loss = data.get("loss")
         return f"eval: step {data.get('step')} loss " + (f"{loss:.4f}" if isinstance(loss, (int, float)) else str(loss))
-    return f"{kind}: {json.dumps(data)}"
+    if kind == "sample":
+        return sample_lines(data)
+    return f"{kind}: {json.dumps(data, ensure_ascii=False)}"
+
+
+def sample_lines(data: dict[str, Any]) -> str:
+    """A ``sample`` event as text: a head line, then ``prompt → completion`` per generation.
+
+    The text is printed as the trainer decoded it: a U+FFFD (a token that ends inside a UTF-8
+    character) shows as the replacement character it is; control characters other than newline
+    and tab are escaped (``\\x1b``) so a generation cannot drive the terminal. A line break in a
+    prompt or completion continues on an indented line.
+    """
+    lines = [f"sample: step {data.get('step')}" + (" (final)" if data.get("final") else "")]
+    for sample in data.get("samples") or []:
+        completion = _shown(sample.get("completion")) or "(nothing: end of sequence first)"
+        tokens = sample.get("tokens")
+        lines.append(f"  {_shown(sample.get('prompt'))} → {completion}"
+                     + (f"  ({tokens} token{'s' if tokens != 1 else ''})" if tokens is not None else ""))
+    return "\n".join(lines)
+
+
+def _shown(text: Any) -> str:
+    text = "" if text is None else str(text)
+    escaped = "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else ascii(c)[1:-1] for c in text)
+    return escaped.replace("\n", "\n    ")
 
 
 def run_download(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from sqlalchemy.exc import OperationalError
 
 from api.auth import AuthGate, declare_schemes
 from api.auth_throttle import FailedKeyThrottle
+from api.docs_ui import add_docs_pages, mount_docs_assets
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.files.tokenizer_pool import TokenizerPool
@@ -79,12 +80,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Fine-tuning jobs on a shared GPU box",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc come from api/docs_ui.py, with assets served here (no CDN)
+        redoc_url=None,
         # declare_schemes documents the key (AuthGate checks it); check_request_text: api/inputs.py
         dependencies=[Depends(declare_schemes), Depends(check_request_text)],
     )
     add_exception_handlers(app)
     # Every path but a few open ones needs a key, whatever route serves it (api/auth.py).
     app.add_middleware(AuthGate, throttle=FailedKeyThrottle(settings.auth_failure_limit))
+    mount_docs_assets(app)  # before web_router's /static mount, which would answer 404 for these
+    add_docs_pages(app)
     app.include_router(files_router)
     app.include_router(jobs_router)
     app.include_router(queue_router)

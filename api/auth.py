@@ -5,12 +5,12 @@ Deny by default: ``AuthGate`` is ASGI middleware around the whole app, so it see
 (routes, mounts, nested routers, a 404) by its URL path, whatever the route's template looks
 like; a route added later is protected without remembering to be. Open (``OPEN_PATHS``) are
 only the probes (``/healthz``, ``/readyz``), the API docs (``/docs``, ``/redoc``,
-``/openapi.json``), the dashboard's static shell (``/``, ``/static/...``) and ``/v1/session``
-(the login itself). Paths under ``/v1/worker/`` take only worker keys (``ftqw_...``,
-``api.workers.auth``; a user's key there is 403), and a worker key anywhere else is 403. The
-verified caller is kept on the request state, so routes that need it
-(``CallerDep``) get it without a second check. Failed keys are logged and, repeated from one
-address, slowed down (``api.auth_throttle``).
+``/openapi.json``; their Swagger UI and ReDoc files under ``/static/docs/``, ``api.docs_ui``),
+the dashboard's static shell (``/``, ``/static/...``) and ``/v1/session`` (the login itself).
+Paths under ``/v1/worker/`` take only worker keys (``ftqw_...``, ``api.workers.auth``; a user's
+key there is 403), and a worker key anywhere else is 403. The verified caller is kept on the
+request state, so routes that need it (``CallerDep``) get it without a second check. Failed keys
+are logged and, repeated from one address, slowed down (``api.auth_throttle``).
 
 Browsers cannot put a header on an ``EventSource`` or a download link, so the dashboard logs in
 with ``POST /v1/session`` (body ``{"api_key": ...}``), which sets the ``ftq_session`` cookie

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from api.auth import authenticate
+from api.docs_ui import add_docs_pages
 from api.openai.errors import add_openai_exception_handlers
 from api.openai.files import router as files_router
 from api.openai.jobs import router as jobs_router
@@ -25,7 +26,10 @@ def create_openai_app() -> FastAPI:
         summary="files and fine_tuning.jobs as the official openai client calls them",
         version="0.1.0",
         dependencies=[Depends(authenticate)],
+        docs_url=None,  # its /docs and /redoc: api/docs_ui.py, assets from the parent's /static/docs
+        redoc_url=None,
     )
+    add_docs_pages(app)
     add_openai_exception_handlers(app)
     app.include_router(files_router)
     app.include_router(jobs_router)

@@ -10,7 +10,10 @@ kombu's SQLAlchemy broker live under ``FTQ_DATA_DIR``. Order of start-up:
    (``--no-demo-model`` skips it);
 3. start ``ftq api`` and one ``ftq worker`` (holding ``--gpus`` / ``--gpu`` / ``--slots`` as given,
    else CUDA_VISIBLE_DEVICES, else one CPU slot) as child processes, each in its own session so a
-   Ctrl-C reaches only this supervisor, and print the URL once ``/healthz`` answers.
+   Ctrl-C reaches only this supervisor. Once ``/healthz`` answers and the worker has reported its
+   hardware (so the migrations' and Celery's start-up output, ~80 lines, is behind), print the URL
+   and, last, a box (``welcome_box``): the dashboard and API docs URLs, the admin key on the first
+   start (where it is saved, on later ones) and the line that puts ``ftq`` on PATH.
 
 Ctrl-C, SIGTERM or SIGHUP (the terminal or SSH session closed) stops both: SIGTERM to each, the
 worker hands a running job back to the queue after its trainer checkpointed; a child still
@@ -23,10 +26,14 @@ running after its grace period is killed. If either child dies, the other is sto
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import textwrap
 import threading
 import time
 import urllib.error
@@ -40,6 +47,12 @@ from core.settings import Settings
 DEMO_MODEL = "tiny-llama"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """SIGHUP: the terminal or SSH session that ran ``ftq up`` closed."""
+PROSE_WIDTH = 64
+"""Where the box's sentences wrap; its URLs, key and commands never do."""
+
+
+class Prose(str):
+    """Box text that may be wrapped at ``PROSE_WIDTH``; a plain ``str`` row is printed whole."""
 
 
 def add_parser(commands: Any) -> None:
@@ -57,6 +70,7 @@ def add_parser(commands: Any) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from cli.db import redact, upgrade_store
     from cli.users import bootstrap_admin
+    from core.db import utcnow
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides).resolved()
@@ -64,7 +78,8 @@ def run_up(args: argparse.Namespace) -> int:
     settings.model_root.mkdir(parents=True, exist_ok=True)
     print(f"ftq: store {redact(settings.database_url or '')}, data in {settings.data_dir}", flush=True)
     upgrade_store(settings)
-    bootstrap_admin(settings)  # first start only: an admin key, printed once and saved for the CLI
+    # First start only: an admin key, saved for the CLI now and shown once, in the box below.
+    new_key = bootstrap_admin(settings, show_key=False)
     if not args.no_demo_model:
         seed_demo_model(settings.model_root)
 
@@ -75,6 +90,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"ftq: {exc}", file=sys.stderr)
         return 1
     env = child_env(settings)
+    launched_at = utcnow()
     base = [sys.executable, "-m", "cli", "--log-level", args.log_level]
     worker_cmd = [*base, "worker", *worker_flags(args)]
     stop = threading.Event()
@@ -85,17 +101,24 @@ def run_up(args: argparse.Namespace) -> int:
         "worker": subprocess.Popen(worker_cmd, env=env, start_new_session=True, preexec_fn=armed),
     }
     up_state.record(settings.data_dir, {name: child.pid for name, child in children.items()}, settings.port)
+    key_shown = False
     try:
         url = f"http://{_client_host(settings.host)}:{settings.port}"
-        if _wait_healthy(url, children, stop):
+        if _wait_healthy(url, children, stop) and _wait_worker_registered(settings, launched_at, children, stop):
             print(f"ftq is up: {url}  (API docs: {url}/docs; Ctrl-C stops)", flush=True)
             remember_url(url)
+            print(welcome_box(url, new_key=new_key, **box_facts()), flush=True)
+            key_shown = True
         exited = _supervise(children, stop)
     finally:
         _stop_all(children, worker_grace_s=grace_s)
         up_state.clear(settings.data_dir)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if new_key and not key_shown:  # the service never answered: the only showing is now
+            from cli.users import print_new_key
+
+            print_new_key("admin", new_key)
     if exited:
         print(f"ftq: {exited} exited unexpectedly (code {children[exited].returncode}); stopped the rest",
               file=sys.stderr)
@@ -110,6 +133,77 @@ def remember_url(url: str) -> None:
     if config.remember_api_url(url) is None:
         print(f"ftq: warning: could not save {url} to {config.config_path()}; set FTQ_API_URL={url} "
               "in other shells", file=sys.stderr, flush=True)
+
+
+def welcome_box(url: str, *, new_key: str | None, config_file: Path, saved_key: str | None,
+                bin_dir: Path | None) -> str:
+    """What ``ftq up`` prints last, once the service answers: where to go and with which key.
+
+    Args:
+        url: the API's base URL, as the client commands reach it.
+        new_key: the admin key created at this start (the first), shown here once; None later.
+        config_file: the client config file (``cli/config.py``).
+        saved_key: the ``api_key`` that file holds now, if any (never printed: it only tells
+            whether ``new_key`` was saved, and on later starts whether a key is there).
+        bin_dir: the directory holding the ``ftq`` command, for the PATH line; None if unknown.
+
+    Returns:
+        The box, ASCII only, one line per row; URLs, the key and commands are never wrapped, so
+        each can be copied whole.
+    """
+    rows: list[tuple[str, list[str | Prose]]] = [("Dashboard", [f"{url}/"]), ("API docs", [f"{url}/docs"])]
+    if new_key:
+        saved = (f"Saved to {config_file} for the ftq command; paste it into the dashboard's login."
+                 if saved_key == new_key else
+                 f"Not saved to {config_file}: save it with ftq login --key <the key>.")
+        rows.append(("Admin key", [new_key, Prose(f"shown once: the store keeps only its hash. {saved}"),
+                                   Prose("Add teammates with ftq users create NAME.")]))
+    elif saved_key:
+        rows.append(("API key", [Prose(f"saved in {config_file} for the ftq command."),
+                                 Prose("Lost? A new admin key:"), "ftq users key admin"]))
+    else:
+        rows.append(("API key", [Prose(f"none saved in {config_file}."),
+                                 Prose("A new admin key, then save it for the ftq command:"),
+                                 "ftq users key admin", "ftq login --key <the key>"]))
+    if bin_dir is not None:
+        rows.append(("ftq on PATH", [f'export PATH="{bin_dir}:$PATH"',
+                                     Prose("in another terminal: this one runs ftq until Ctrl-C.")]))
+    label_width = max(len(label) for label, _ in rows) + 2
+    lines = []
+    for label, values in rows:
+        texts = [line for value in values for line in
+                 (_wrap(value) if isinstance(value, Prose) else [value])]
+        lines.extend((label if i == 0 else "").ljust(label_width) + text for i, text in enumerate(texts))
+    width = max(len(line) for line in lines)
+    rule = "+" + "-" * (width + 2) + "+"
+    return "\n".join([rule, *(f"| {line.ljust(width)} |" for line in lines), rule])
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, PROSE_WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+def box_facts() -> dict[str, Any]:
+    """The box's facts about this machine: the config file, its key, the ``ftq`` command's directory."""
+    from cli import config
+    from cli.errors import CliError
+
+    path = config.config_path()
+    try:
+        saved_key = config.load_config(path).get("api_key") or None
+    except CliError:
+        saved_key = None
+    return {"config_file": path, "saved_key": saved_key, "bin_dir": ftq_bin_dir()}
+
+
+def ftq_bin_dir() -> Path | None:
+    """The directory of the ``ftq`` command this interpreter installed (``.venv/bin`` after
+    ``make up``), else the one on PATH, else None."""
+    scripts = Path(sysconfig.get_path("scripts"))
+    if (scripts / "ftq").is_file():
+        return scripts
+    found = shutil.which("ftq")
+    return Path(found).parent if found else None
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
@@ -170,6 +264,32 @@ def _wait_healthy(url: str, children: dict[str, subprocess.Popen[bytes]], stop: 
             pass
         stop.wait(0.3)
     return False
+
+
+def _wait_worker_registered(settings: Settings, since: dt.datetime, children: dict[str, subprocess.Popen[bytes]],
+                            stop: threading.Event, timeout_s: float = 120.0) -> bool:
+    """Until the local worker has written its row with its hardware (its start-up output is then
+    printed, so the box comes after it); False if a child died or a stop came first. After
+    ``timeout_s`` (a slow hardware probe) True anyway: the worker registers later, jobs wait for it."""
+    from sqlalchemy import select
+
+    from core.db import make_engine
+    from core.workers.models import Worker
+
+    engine = make_engine(settings.database_url or "")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and not stop.is_set():
+            if any(child.poll() is not None for child in children.values()):
+                return False
+            with engine.connect() as connection:
+                reported = connection.execute(select(Worker.hardware).where(Worker.started_at >= since)).scalars()
+                if any(reported):
+                    return True
+            stop.wait(0.3)
+    finally:
+        engine.dispose()
+    return not stop.is_set()
 
 
 def _supervise(children: dict[str, subprocess.Popen[bytes]], stop: threading.Event) -> str | None:

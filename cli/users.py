@@ -195,10 +195,11 @@ def run_login(args: argparse.Namespace) -> int:
     return 0
 
 
-def bootstrap_admin(settings: Settings, out: Any = None) -> str | None:
+def bootstrap_admin(settings: Settings, out: Any = None, *, show_key: bool = True) -> str | None:
     """The embedded default's first start: with no users in the store, create ``admin``.
 
-    Prints its key once and saves it to the client config file, so ``ftq submit`` works at once.
+    Saves its key to the client config file, so ``ftq submit`` works at once, and prints it once
+    (``show_key=False``: the caller shows it; ``ftq up`` does in its box, once the service answers).
     Returns the key, or None when the store already has users (then nothing is printed). The
     production path (``ftq api``) never does this: there ``ftq users create`` makes the first admin.
     """
@@ -216,13 +217,18 @@ def bootstrap_admin(settings: Settings, out: Any = None) -> str | None:
             session.commit()
     finally:
         engine.dispose()
-    print("ftq: first start, no users yet: created the admin user 'admin'.", file=out)
-    print_new_key("admin", issued.secret, out)
+    if not show_key:
+        print("ftq: first start, no users yet: created the admin user 'admin'; its key is shown once the "
+              "service is up.", file=out)
+    else:
+        print("ftq: first start, no users yet: created the admin user 'admin'.", file=out)
+        print_new_key("admin", issued.secret, out)
     try:
         path = config.save_config({"api_key": issued.secret})
-        print(f"ftq: saved it to {path} (mode 0600), so `ftq submit`, `ftq jobs`, ... work from this "
-              "account at once; paste it into the dashboard's login. Add teammates with "
-              "`ftq users create NAME`.", file=out, flush=True)
+        if show_key:
+            print(f"ftq: saved it to {path} (mode 0600), so `ftq submit`, `ftq jobs`, ... work from this "
+                  "account at once; paste it into the dashboard's login. Add teammates with "
+                  "`ftq users create NAME`.", file=out, flush=True)
     except (OSError, CliError) as exc:
         print(f"ftq: warning: could not save the key to the client config ({exc}); "
               "run `ftq login --key <key>`", file=out, flush=True)

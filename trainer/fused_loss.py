@@ -36,31 +36,15 @@ head are refused by ``supported`` with the reason.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from trainer import token_accuracy
 from trainer.kernels import cross_entropy
+from trainer.memory import default_chunk_size
 
 IGNORE_INDEX = -100
-CHUNK_BYTES = 256 * 2**20
-"""Target size of one chunk's fp32 logits; ``default_chunk_size`` turns it into tokens."""
-
-
-def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk: a power of two keeping one chunk's fp32 logits near ``CHUNK_BYTES``.
-
-    512 tokens for Llama 3's 128k vocabulary, 256 for Qwen 3's 152k (~250 MiB of fp32 logits
-    per chunk, ~0.75 GiB with the gradient and the low-precision copies); clamped to [128, 8192]
-    so small vocabularies do not launch thousands of tiny matmuls. At 16k tokens that is 32 or
-    64 chunks, each a large enough matmul to keep an H100/H200 busy.
-    """
-    tokens = CHUNK_BYTES // (4 * vocab_size)
-    return int(min(8192, max(128, 2 ** math.floor(math.log2(max(tokens, 1))))))
-
-
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(

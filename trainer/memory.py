@@ -70,6 +70,23 @@ POLICIES = ("none", "selective", "full", "full+offload")
 """The activation policies, from the fastest (most memory) down the OOM ladder."""
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
+CHUNK_BYTES = 256 * 2**20
+"""Target size of one chunk's fp32 logits in the fused loss (``trainer.fused_loss``);
+``default_chunk_size`` turns it into tokens. Here, not there, so this module stays standard-library
+only: the API estimates whether a model fits (``api.models.fit``) without importing torch."""
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk: a power of two keeping one chunk's fp32 logits near ``CHUNK_BYTES``.
+
+    512 tokens for Llama 3's 128k vocabulary, 256 for Qwen 3's 152k (~250 MiB of fp32 logits
+    per chunk, ~0.75 GiB with the gradient and the low-precision copies); clamped to [128, 8192]
+    so small vocabularies do not launch thousands of tiny matmuls. At 16k tokens that is 32 or
+    64 chunks, each a large enough matmul to keep an H100/H200 busy.
+    """
+    tokens = CHUNK_BYTES // (4 * vocab_size)
+    return int(min(8192, max(128, 2 ** math.floor(math.log2(max(tokens, 1))))))
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -247,8 +264,6 @@ def _trainable(shape: Shape, work: Workload) -> int:
 
 
 def _workspace(shape: Shape, work: Workload) -> int:
-    from trainer.fused_loss import default_chunk_size
-
     b, t = work.dtype_bytes, work.tokens
     chunk = min(t, default_chunk_size(shape.vocab)) if work.fused_loss else t
     loss = LOSS_CHUNK_BYTES_PER_LOGIT * chunk * shape.vocab

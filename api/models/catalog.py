@@ -17,7 +17,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ class LocalModel:
     """Parameters in the weights (from safetensors headers); None when unknown."""
     error: str | None = None
     """Why the model's files could not be read fully (an unreadable config.json, a bad header)."""
+    config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """config.json as parsed (empty when unreadable): the sizes ``api.models.fit`` estimates from."""
 
 
 def find_models(model_root: Path) -> list[LocalModel]:
@@ -87,6 +89,7 @@ def describe_model(directory: Path, root: Path) -> LocalModel:
         bytes=_dir_bytes(directory),
         params=params,
         error="; ".join(errors) or None,
+        config=config,
     )
 
 

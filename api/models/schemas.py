@@ -5,6 +5,29 @@ from typing import Literal
 from pydantic import BaseModel
 
 from api.models.catalog import LocalModel
+from api.models.fit import Fit
+
+
+class FitOut(BaseModel):
+    fits: bool | None
+    """null: unknown (no live worker has a GPU, or config.json lacks a size the estimate needs)."""
+    gpus: int | None
+    """The fewest GPUs of one live worker host it trains on; null when it does not fit."""
+    peak_bytes: int | None
+    """Estimated peak GPU memory per GPU (``trainer.memory``) at the job defaults."""
+    reason: str
+    """The estimate against the host's GPU memory, or why there is none."""
+
+    @classmethod
+    def of(cls, fit: Fit) -> FitOut:
+        return cls(fits=fit.fits, gpus=fit.gpus, peak_bytes=fit.peak_bytes, reason=fit.reason)
+
+
+class ModelFitOut(BaseModel):
+    """Whether the model trains on this box's live GPUs (``api.models.fit``), per method."""
+
+    lora: FitOut
+    full: FitOut
 
 
 class ModelOut(BaseModel):
@@ -18,9 +41,10 @@ class ModelOut(BaseModel):
     """Counted from the safetensors headers; null when the weights are not safetensors."""
     error: str | None
     """Set when config.json or a weights header could not be read: the model may fail to load."""
+    fit: ModelFitOut
 
     @classmethod
-    def of(cls, model: LocalModel) -> ModelOut:
+    def of(cls, model: LocalModel, fits: dict[str, Fit]) -> ModelOut:
         return cls(
             id=model.name,
             model_type=model.model_type,
@@ -28,6 +52,7 @@ class ModelOut(BaseModel):
             bytes=model.bytes,
             params=model.params,
             error=model.error,
+            fit=ModelFitOut(lora=FitOut.of(fits["lora"]), full=FitOut.of(fits["full"])),
         )
 
 

@@ -136,3 +136,36 @@ def test_a_config_that_does_not_describe_its_weights_is_listed_with_the_submissi
     [model] = find_models(root)
     assert model.params == 40
     assert "vocab_size 128256 and hidden_size 8192" in (model.error or "") and "[10, 4]" in model.error
+
+
+def test_each_model_says_whether_it_fits_the_live_workers_gpus(client: TestClient, store_url: str, tmp_path: Path) -> None:
+    from core.db import make_engine, make_sessionmaker
+    from core.workers import pool
+    from core.workers.models import Worker
+
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512}
+    make_model(tmp_path / "models" / "sized", {"model_type": "llama", **sizes})
+    unknown = {m["id"]: m["fit"] for m in client.get("/v1/models").json()["data"]}
+    assert unknown["sized"]["lora"]["fits"] is None and unknown["sized"]["lora"]["gpus"] is None
+    assert "no live worker has a GPU" in unknown["sized"]["lora"]["reason"]
+
+    engine = make_engine(store_url)
+    sessions = make_sessionmaker(engine)
+    hardware = {"hardware": {"device": "cuda", "gpu_memory": 80 * 2**30, "bf16": True}, "plan": {}}
+    try:
+        with sessions() as session:
+            session.add(Worker(worker_id="gpu-box", hostname="gpu-box", device="cuda:0,1", hardware=hardware))
+            session.flush()
+            pool.register_pool(session, "gpu-box", ["0", "1"])
+            session.commit()
+
+        fits = {m["id"]: m["fit"] for m in client.get("/v1/models").json()["data"]}
+    finally:
+        with sessions() as session:
+            session.query(Worker).filter_by(worker_id="gpu-box").delete()
+            session.commit()
+        engine.dispose()
+    assert fits["sized"]["lora"]["fits"] is True and fits["sized"]["lora"]["gpus"] == 1
+    assert fits["sized"]["full"]["fits"] is True and 0 < fits["sized"]["full"]["peak_bytes"] < 80 * 2**30
+    assert "1 GPU of gpu-box" in fits["sized"]["full"]["reason"]
+    assert fits["tiny"]["lora"]["fits"] is None and "num_hidden_layers" in fits["tiny"]["lora"]["reason"]

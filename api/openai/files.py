@@ -2,8 +2,11 @@
 
 An upload with ``purpose="fine-tune"`` is validated whole as every ftq upload is (a bad line is
 a 400 whose message starts ``line N:``) and stored as an ftq ``train`` file, so it shows in
-``/v1/files`` too. A job's metrics CSV (``purpose: fine-tune-results``) is made from the store
-when asked for (``api.openai.reports.metrics_csv``).
+``/v1/files`` too. ShareGPT and Alpaca files are converted as ``POST /v1/files`` converts them,
+and the same optional ``format`` field (``auto``, ``sharegpt``, ``alpaca``; an extra form field
+the official client sends with ``extra_body``) is checked against the bytes, stored before or
+not. A job's metrics CSV (``purpose: fine-tune-results``) is made from the store when asked for
+(``api.openai.reports.metrics_csv``).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ async def create_file(request: Request, state: StateDep, caller: CallerDep) -> F
         def store() -> FileObject:
             with state.sessions() as session:
                 row = service.store_upload(session, sink, filename=form.filename or "", purpose="train",
-                                           files_dir=settings.files_dir, owner_id=caller.user_id)
+                                           files_dir=settings.files_dir, owner_id=caller.user_id,
+                                           layout=form.fields.get("format") or "auto")
                 return translate.file_object(row)
 
         return await to_thread.run_sync(store)

@@ -62,8 +62,9 @@ def convert_to_chat(path: Path, layout: str | None = None) -> tuple[Path, str] |
         with target.open("w", encoding="utf-8") as out:
             for number, record in _records(path):
                 if detect(record) != layout:
+                    article = "an" if layout == "alpaca" else "a"
                     raise InvalidDataset(
-                        f"line {number}: not a {layout} record like line 1 (found keys: "
+                        f"line {number}: not {article} {layout} record like line 1 (found keys: "
                         f"{', '.join(sorted(record)) or 'none'}); a file holds one format", line=number)
                 out.write(json.dumps({"messages": convert(record, number)}, ensure_ascii=False) + "\n")
     except BaseException:

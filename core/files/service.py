@@ -96,7 +96,8 @@ def store_upload(
 ) -> File:
     """Validate the received file and record it as ``owner_id``'s; commits, so row and bytes
     always agree. A file this owner already stored with the same sha256 and purpose is returned
-    as it is (nothing new is written).
+    as it is (nothing new is written), once a declared ``layout`` other than ``auto`` is checked
+    against its bytes as new bytes would be.
 
     Raises:
         InvalidInput: bad ``purpose`` or ``filename``.
@@ -109,6 +110,8 @@ def store_upload(
     sink.close()
     same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id)
     if same is not None:  # the sink removes the new copy on exit
+        if layout not in ("auto", (same.stats or {}).get("converted_from")):
+            check_layout(sink.path, layout)
         return same
     source, converted_from = sink.path, None
     try:
@@ -142,6 +145,19 @@ def store_upload(
         created_at=utcnow(),
     )
     return commit_file(session, row)
+
+
+def check_layout(path: Path, layout: str) -> None:
+    """Raise what an upload of ``path`` declared as ``layout`` (sharegpt, alpaca) raises: an
+    ``InvalidDataset`` naming the first record that is not one. For bytes that deduplicate to a
+    file stored under another layout, so the declared format is checked either way."""
+    try:
+        converted = convert_to_chat(path, layout=layout)
+    except InvalidDataset as exc:
+        exc.param = exc.param or "file"
+        raise
+    if converted is not None:
+        converted[0].unlink(missing_ok=True)
 
 
 def commit_file(session: Session, row: File) -> File:

@@ -86,3 +86,46 @@ class TestConversion:
         assert "not a sharegpt record" in refused.json()["error"]["message"]
         unknown = post(client, [CHAT_RECORD], format="csv")
         assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "format"
+
+
+class TestDeclaredFormatOfReusedBytes:
+    """Issue 22 item 9: Alpaca bytes uploaded again with ``format=sharegpt`` answered 201 with the
+    stored file, while new bytes with the same mismatch were a 422."""
+
+    ALPACA = {"instruction": "Say hi", "output": "hi"}
+
+    def test_bytes_stored_before_are_refused_as_new_bytes_are(self, client) -> None:
+        stored = post(client, [self.ALPACA])
+        assert stored.status_code == 201, stored.text
+        again = post(client, [self.ALPACA], format="sharegpt")
+        fresh = post(client, [self.ALPACA, self.ALPACA], format="sharegpt")
+        for refused in (again, fresh):
+            assert refused.status_code == 422, refused.text
+            error = refused.json()["error"]
+            assert (error["line"], error["param"]) == (1, "file") and "not a sharegpt record" in error["message"]
+        assert again.json()["error"]["message"] == fresh.json()["error"]["message"]
+        assert [f["id"] for f in client.get("/v1/files").json()["data"]] == [stored.json()["id"]]
+
+    def test_the_declared_format_that_matches_or_auto_is_the_stored_file(self, client) -> None:
+        first = post(client, [self.ALPACA]).json()["id"]
+        assert post(client, [self.ALPACA], format="alpaca").json()["id"] == first
+        assert post(client, [self.ALPACA], format="auto").json()["id"] == first
+
+    def test_chat_bytes_stored_before_are_not_alpaca(self, client) -> None:
+        assert post(client, [CHAT_RECORD]).status_code == 201
+        refused = post(client, [CHAT_RECORD], format="alpaca")
+        assert refused.status_code == 422 and "not an alpaca record" in refused.json()["error"]["message"]
+
+    def test_the_openai_route_checks_the_declared_format_the_same_way(self, client) -> None:
+        def openai_post(fmt: str | None):
+            body = json.dumps(self.ALPACA) + "\n"
+            return client.post("/openai/v1/files", files={"file": ("d.jsonl", body)},
+                               data={"purpose": "fine-tune", **({"format": fmt} if fmt else {})})
+
+        stored = openai_post(None)
+        assert stored.status_code == 200, stored.text
+        assert openai_post("alpaca").json()["id"] == stored.json()["id"]
+        refused = openai_post("sharegpt")
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "file" and error["message"].startswith("line 1: not a sharegpt record")

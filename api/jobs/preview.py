@@ -5,11 +5,14 @@ the files, the model resolves, a local model's files agree with its config.json
 (``core.jobs.model_source.check_model_files``), and the dataset is tokenized with the model's own
 tokenizer and chat template in a tokenizer-pool process (``core.jobs.preflight``), so the API's
 event loop never waits on transformers. A hub model whose tokenizer is not in the local cache
-cannot be checked here (the worker downloads it): its report says so (``checked: false``).
+cannot be checked here (the worker downloads it): its report says so (``checked: false``). A
+``max_steps`` that repeats the training file over and over is a warning either way
+(``core.jobs.preflight.repeat_warning``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +35,51 @@ async def preflight_for(state: AppState, spec: JobSpec, caller: Caller) -> dict[
         Forbidden: the caller may not use a file.
     """
     located = await to_thread.run_sync(_locate, state, spec, caller)
-    source, model_type, train, validation = located
+    report = await _dataset_report(state, spec, located)
+    hp = spec.hyperparameters
+    warning = preflight.repeat_warning(report, max_steps=hp.max_steps, micro_batches_per_step=hp.grad_accum * spec.gpus,
+                                       batch_tokens=hp.batch_tokens, records=located.train_records)
+    if warning:
+        report["warnings"] = [*report.get("warnings", []), warning]
+    return report
+
+
+@dataclass(frozen=True)
+class _Located:
+    source: ModelSource
+    model_type: str | None
+    """A local model's config.json ``model_type``; None for a hub model."""
+    train: tuple[str, str]
+    """The training file's (path, format)."""
+    validation: tuple[str, str] | None
+    train_records: int
+
+
+async def _dataset_report(state: AppState, spec: JobSpec, located: _Located) -> dict[str, Any]:
+    train, validation = located.train, located.validation
     formats = {train[1], validation[1] if validation else train[1]}
     if spec.objective != "sft" or "preference" in formats:
         return preflight.unchecked("preference records: the preflight counts SFT records only")
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
     try:
-        return await state.tokenizers.run(preflight.checked_report, spec.model, source, model_type, train,
-                                          validation, spec.hyperparameters.max_seq_len)
+        return await state.tokenizers.run(preflight.checked_report, spec.model, located.source, located.model_type,
+                                          train, validation, spec.hyperparameters.max_seq_len)
     except InvalidInput as exc:
-        if source.kind == "hub" and exc.param == "model":
+        if located.source.kind == "hub" and exc.param == "model":
             return preflight.unchecked(
                 f"the dataset was not checked: the tokenizer of {spec.model} is not in this box's Hugging "
                 "Face cache (the worker downloads it)")
         raise
 
 
-def _locate(state: AppState, spec: JobSpec, caller: Caller) -> tuple[ModelSource, str | None, tuple[str, str],
-                                                                      tuple[str, str] | None]:
+def _locate(state: AppState, spec: JobSpec, caller: Caller) -> _Located:
     settings = state.settings
     with state.sessions() as session:
         access.require_usable_files(
             session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
         )
         row = service.usable_file(session, spec.training_file, "train", "training_file")
-        train = (row.path, row.format)
+        train, train_records = (row.path, row.format), row.num_records
         validation = None
         if spec.validation_file is not None:
             row = service.usable_file(session, spec.validation_file, "validation", "validation_file")
@@ -66,4 +89,4 @@ def _locate(state: AppState, spec: JobSpec, caller: Caller) -> tuple[ModelSource
     model_type = None
     if source.kind == "local":
         model_type = str(check_model_files(Path(source.name_or_path), spec.model)["model_type"])
-    return source, model_type, train, validation
+    return _Located(source, model_type, train, validation, train_records)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from core.errors import InvalidInput
+from core.weights import INDEX_FILE, WeightsError, check_safetensors, check_shard_index
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
@@ -112,10 +112,13 @@ def check_model_files(directory: Path, given: str) -> dict[str, object]:
     """What can be checked of a local model without loading it; returns its parsed config.json.
 
     config.json must be a JSON object with a ``model_type``; weight files (``*.safetensors``,
-    ``*.bin``) must be there; and where safetensors headers (read without loading a tensor) hold
-    the input embedding, its shape must be ``[vocab_size, hidden_size]`` and the decoder layers
-    numbered in the names must be ``num_hidden_layers``: a config.json that claims 70B over tiny
-    weights is refused here instead of failing on the worker.
+    ``*.bin``) must be there, every shard a ``model.safetensors.index.json`` names too; each
+    safetensors file must be exactly as long as its header declares (``core.weights``: a file cut
+    short by an interrupted download is refused here, not when the worker loads it); and where
+    safetensors headers (read without loading a tensor) hold the input embedding, its shape must
+    be ``[vocab_size, hidden_size]`` and the decoder layers numbered in the names must be
+    ``num_hidden_layers``: a config.json that claims 70B over tiny weights is refused here instead
+    of failing on the worker.
 
     Raises:
         InvalidInput: naming the file and the mismatch.
@@ -133,11 +136,15 @@ def check_model_files(directory: Path, given: str) -> dict[str, object]:
     if not shards and not any(directory.glob("*.bin")):
         raise refuse(f"{directory} has config.json but no weight files (*.safetensors or *.bin)")
     shapes: dict[str, list[int]] = {}
-    for shard in shards:
-        try:
+    try:
+        missing = check_shard_index(directory)
+        if missing:
+            raise WeightsError(f"{INDEX_FILE} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                               "not in the directory; the download is incomplete: re-download it")
+        for shard in shards:
             shapes.update(safetensors_shapes(shard))
-        except (OSError, ValueError) as exc:
-            raise refuse(f"{shard.name} is not a readable safetensors file ({exc})") from None
+    except WeightsError as exc:
+        raise refuse(str(exc)) from None
     _check_shapes(config, shapes, refuse)
     return config
 
@@ -158,17 +165,9 @@ def _check_shapes(config: dict, shapes: dict[str, list[int]], refuse: Callable[[
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a safetensors file's header (8-byte length + JSON), no tensor read."""
-    with path.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than a safetensors header")
-        (size,) = struct.unpack("<Q", head)
-        if size > 100 << 20:
-            raise ValueError(f"header length {size} is not plausible")
-        header = json.loads(fh.read(size))
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
+    """Tensor name -> shape from a safetensors file's header, no tensor read; the file's size is
+    checked against the header (``core.weights.check_safetensors``, raising ``WeightsError``)."""
+    header = check_safetensors(path)
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
             and isinstance(v.get("shape"), list)}
 

@@ -9,7 +9,9 @@ own code (``trainer.dataset``: ``validate_record``, ``tokenize_record``, the sam
 - records left with no trainable token (training skips them);
 - one rendered record split into runs of trainable / untrained text.
 
-A dataset that trains nothing is refused (``InvalidInput``, 422) with the reason: the chat
+A ``max_steps`` that would pass over the training file more than ``MAX_REPEATS`` times is a
+warning too (``repeat_warning``; counted from the tokens here, or from the records alone where
+the dataset could not be tokenized). A dataset that trains nothing is refused (``InvalidInput``, 422) with the reason: the chat
 template renders no assistant tokens (the trainer would fail on that line), or every record is
 cut before its answer. A low trainable fraction (under ``LOW_TRAINABLE_FRACTION``) or records
 that lose tokens become ``warnings``, stored on the job. ``report`` runs in a tokenizer-pool
@@ -18,6 +20,7 @@ process (``api.files.tokenizer_pool``): it needs transformers, which the API pro
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from core.errors import InvalidInput
@@ -29,6 +32,9 @@ MAX_RECORDS = 100_000
 """Records tokenized at most (as ``GET /v1/files/{id}/tokens``); the report says when it stopped."""
 EXAMPLE_TOKENS = 400
 """Tokens of the rendered example shown."""
+MAX_REPEATS = 100
+"""More passes over the training file than this, set by ``max_steps``, is a warning: 10,000,000
+steps over one record is a typo or a misunderstanding, not a plan."""
 
 
 def report(tokenizer: Any, train: tuple[str, str], validation: tuple[str, str] | None, max_seq_len: int) -> dict[str, Any]:
@@ -155,3 +161,40 @@ def checked_report(tokenizer: Any, model_type: str | None, train: tuple[str, str
                 param="model",
             )
     return report(tokenizer, train, validation, max_seq_len)
+
+
+def repeat_warning(report: dict[str, Any], *, max_steps: int | None, micro_batches_per_step: int,
+                   batch_tokens: int, records: int) -> str | None:
+    """The warning for a ``max_steps`` that repeats the training file more than ``MAX_REPEATS``
+    times, else None.
+
+    A pass over the file is about ``ceil(tokens / batch_tokens)`` packed micro-batches (never more
+    than one per record); a step takes ``micro_batches_per_step`` (``grad_accum x gpus``). Without
+    token counts (``report`` not ``checked``) a pass is counted as one micro-batch per record, the
+    most it can be, so the count is a floor ("at least").
+
+    Args:
+        report: the preflight report (``tokens`` and ``records`` counted, when ``checked``).
+        records: the training file's records (all of them; the report may count fewer).
+    """
+    if max_steps is None or records < 1:
+        return None
+    tokens = None
+    if report.get("checked") and report.get("records"):
+        tokens = report["tokens"] * records / report["records"]  # the report tokenizes MAX_RECORDS at most
+    per_pass = records if tokens is None else min(records, max(1, math.ceil(tokens / batch_tokens)))
+    repeats = max_steps * micro_batches_per_step / per_pass
+    if repeats <= MAX_REPEATS:
+        return None
+    steps = per_pass / micro_batches_per_step
+    size = f"{records:,} record{'s' if records != 1 else ''}"
+    if tokens is not None:
+        size, repeated, pass_is = f"{size}, {round(tokens):,} tokens", "about", "about"
+    else:
+        repeated, pass_is = "at least", "at most"
+    return (f"max_steps {max_steps} repeats the training file {repeated} {round(repeats):,} times (one pass over "
+            f"its {size} is {pass_is} {_amount(steps)} step{'s' if steps != 1 else ''}); set epochs or fewer max_steps")
+
+
+def _amount(x: float) -> str:
+    return f"{round(x):,}" if x >= 10 else f"{x:.2g}"

@@ -133,6 +133,89 @@ class TestRefusedAtTheDoor:
         assert jobs(store) == 0
 
 
+class TestWeightsCheckedAtSubmission:
+    """Issue 22 item 9: a model directory with a truncated .safetensors passed submission (only its
+    header was read) and the job failed on the worker with ``SafetensorError ... incomplete metadata``."""
+
+    def test_a_truncated_safetensors_is_422_naming_the_file_and_the_fix(self, client: TestClient, store,
+                                                                        model_root: Path) -> None:
+        weights = model_root / "tiny" / "model.safetensors"
+        whole = weights.stat().st_size
+        with weights.open("r+b") as fh:
+            fh.truncate(whole - 100)
+        body = spec(upload_records(client, CHAT))
+        for route in ("/v1/jobs", "/v1/jobs/preview"):
+            response = client.post(route, json=body)
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert error["param"] == "model"
+            assert "model.safetensors" in error["message"] and "re-download it" in error["message"]
+            assert f"{whole - 100:,} bytes, but its header declares {whole:,}" in error["message"]
+        assert jobs(store) == 0
+
+    def test_a_safetensors_longer_than_its_header_says_is_422(self, client: TestClient, store,
+                                                            model_root: Path) -> None:
+        with (model_root / "tiny" / "model.safetensors").open("ab") as fh:
+            fh.write(b"\0" * 10)
+        response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT)))
+        assert response.status_code == 422
+        assert "longer than its header says" in response.json()["error"]["message"]
+
+    def test_a_shard_the_index_names_but_the_directory_lacks_is_422(self, client: TestClient, store,
+                                                                  model_root: Path) -> None:
+        tiny = model_root / "tiny"
+        (tiny / "model.safetensors").rename(tiny / "model-00001-of-00002.safetensors")
+        index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                                "lm_head.weight": "model-00002-of-00002.safetensors"}}
+        (tiny / "model.safetensors.index.json").write_text(json.dumps(index))
+        response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT)))
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert error["param"] == "model" and "model-00002-of-00002.safetensors" in error["message"]
+        assert "re-download it" in error["message"]
+
+
+class TestRepeatWarning:
+    """Issue 22 item 9: ``max_steps: 10000000`` on a one-record file was accepted without a word."""
+
+    def test_max_steps_that_repeat_a_one_record_file_are_a_warning_on_the_job(self, client: TestClient,
+                                                                              store) -> None:
+        body = spec(upload_records(client, CHAT[:1]), hyperparameters={"max_steps": 10_000_000})
+        preview = client.post("/v1/jobs/preview", json=body).json()
+        created = client.post("/v1/jobs", json=body)
+        assert created.status_code == 201, created.text
+        warnings = created.json()["preflight"]["warnings"]
+        assert warnings == preview["warnings"]
+        [repeat] = [w for w in warnings if w.startswith("max_steps ")]
+        assert repeat.startswith("max_steps 10000000 repeats the training file about 10,000,000 times (one pass "
+                                 "over its 1 record, ")
+        assert repeat.endswith("is about 1 step); set epochs or fewer max_steps")
+
+    def test_a_step_of_several_micro_batches_counts_them(self, client: TestClient, store) -> None:
+        body = spec(upload_records(client, CHAT[:1]), hyperparameters={"max_steps": 60, "grad_accum": 2})
+        warnings = client.post("/v1/jobs/preview", json=body).json()["warnings"]
+        assert any(w.startswith("max_steps 60 repeats the training file about 120 times") for w in warnings), warnings
+
+    def test_max_steps_within_a_hundred_passes_and_epochs_are_not_warned(self, client: TestClient, store) -> None:
+        file_id = upload_records(client, CHAT)
+        for hyperparameters in ({"max_steps": 100}, {"epochs": 3.0}):
+            body = spec(file_id, hyperparameters=hyperparameters)
+            warnings = client.post("/v1/jobs/preview", json=body).json()["warnings"]
+            assert not any("repeats the training file" in w for w in warnings), warnings
+
+    def test_an_unchecked_dataset_is_counted_by_its_records(self, client: TestClient, store) -> None:
+        pair = {"input": {"messages": [{"role": "user", "content": "hi"}]},
+                "preferred_output": [{"role": "assistant", "content": "hello"}],
+                "non_preferred_output": [{"role": "assistant", "content": "go away"}]}
+        body = spec(upload_records(client, [pair, pair]), objective="dpo", hyperparameters={"max_steps": 5000})
+        created = client.post("/v1/jobs", json=body)
+        assert created.status_code == 201, created.text
+        preflight = created.json()["preflight"]
+        assert preflight["checked"] is False
+        assert ("max_steps 5000 repeats the training file at least 2,500 times (one pass over its 2 records is at "
+                "most 2 steps); set epochs or fewer max_steps") in preflight["warnings"]
+
+
 class TestResults:
     def test_eval_rows_in_metrics_and_the_summary_on_the_job(self, client: TestClient, store) -> None:
         job_id = client.post("/v1/jobs", json=spec(upload_records(client, CHAT))).json()["id"]

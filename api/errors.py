@@ -51,6 +51,11 @@ STATUS_BY_ERROR: tuple[tuple[type[FtqError], int], ...] = (
     (Unavailable, 503),
 )
 _LOC_ROOTS = ("body", "query", "path", "header", "cookie")
+_STRICT_TYPES: dict[str, dict[type, str]] = {  # the job spec's strict types (core.jobs.spec): what to send
+    "int_type": {str: "send a JSON integer, without quotes", float: "send a whole number, without a decimal point"},
+    "float_type": {str: "send a JSON number, without quotes"},
+    "bool_type": {str: "send true or false, without quotes", int: "send true or false", float: "send true or false"},
+}
 
 
 def error_body(code: str, message: str, *, param: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -178,6 +183,8 @@ def _describe(err: dict[str, Any], root: type[BaseModel] | None) -> dict[str, An
         param = None
     elif kind in ("value_error", "assertion_error"):
         text = f"{label}: {msg.removeprefix('Value error, ').removeprefix('Assertion failed, ')}"
+    elif hint := _STRICT_TYPES.get(kind, {}).get(type(err.get("input"))):
+        text = f"{label}: {msg}{_got(err)}; {hint}"
     else:
         text = f"{label}: {msg}{_got(err)}"
     return {"param": param, "message": text}

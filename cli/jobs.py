@@ -1,9 +1,10 @@
 """Client commands: ``submit``, ``jobs``, ``show``, ``logs``, ``cancel``, ``download``.
 
 ``ftq submit job.yaml`` sends the file's body as ``POST /v1/jobs`` (YAML or JSON, the API's
-job fields). ``training_file`` / ``validation_file`` may name a local JSONL file instead of
-a file id: it is uploaded first (purpose ``train`` / ``validation``), so one file describes a
-whole run.
+job fields; YAML numbers read as YAML 1.2 and JSON read them, so ``learning_rate: 5e-4`` is a
+number, not PyYAML's string). ``training_file`` / ``validation_file`` may name a local JSONL
+file instead of a file id: it is uploaded first (purpose ``train`` / ``validation``), so one
+file describes a whole run. The job id goes to stdout; the preflight's warnings to stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from cli.client import call, check, connect, sse_events
 from cli.errors import CliError
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+"""``5e-4``, ``1E6``: floats in YAML 1.2 and JSON; PyYAML's YAML 1.1 rules want a dot (``5.0e-4``)."""
 FINISHED = ("succeeded", "failed", "cancelled")
 
 
@@ -71,12 +74,23 @@ def load_job_file(path: Path) -> dict[str, Any]:
 
     text = path.read_text(encoding="utf-8")
     try:
-        body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        body = json.loads(text) if path.suffix == ".json" else read_yaml(text)
     except (ValueError, yaml.YAMLError) as exc:
         raise CliError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
     if not isinstance(body, dict):
         raise CliError(f"{path}: the job must be a mapping of fields (model, training_file, ...)")
     return body
+
+
+def read_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that reads ``5e-4`` as a float (the API's job spec takes no numbers as strings)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader with one more float pattern
 
 
 def submit(client: httpx.Client, body: dict[str, Any], *, base_dir: Path) -> dict[str, Any]:
@@ -106,6 +120,8 @@ def run_submit(args: argparse.Namespace) -> int:
     with connect() as client:
         job = submit(client, body, base_dir=args.job_file.parent)
         print(job["id"])
+        for warning in (job.get("preflight") or {}).get("warnings") or []:
+            print(f"warning: {warning}", file=sys.stderr)
         if job.get("queue"):
             print(queue_line(job["queue"]), file=sys.stderr)
         if args.follow:

@@ -16,7 +16,8 @@ Auto = Literal["auto"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict as OpenAI is: "3" is not an integer, "auto" is the only string a hyperparameter takes.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SupervisedHyperparameters(_Request):

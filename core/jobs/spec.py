@@ -5,6 +5,10 @@ reaches a GPU that could have been refused here. The validated spec is stored on
 JSON (defaults filled in) and translated to ``trainer.config.TrainConfig`` by
 ``core.jobs.translate.to_train_config``.
 
+Types are strict: ``"5e-4"`` is not a number and ``1`` is not ``true``. A whole number where a
+float is expected is taken (JSON writes ``1.0`` as ``1``); ``2.0`` where an integer is expected
+is refused, as a string is, naming the field.
+
 Length of training: set ``hyperparameters.max_steps`` or ``hyperparameters.epochs``, not
 both. With neither, ``epochs`` is filled in as 1 (one pass), the least surprising default for
 a dataset of unknown size; the stored spec shows it.
@@ -36,7 +40,7 @@ ALL_LINEAR = "all-linear"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class LoraSpec(_Strict):

@@ -2,9 +2,11 @@
 
 Looked up at ``FTQ_CONFIG`` if set, else ``$XDG_CONFIG_HOME/ftq/config.toml`` (default
 ``~/.config/ftq/``), else ``config.json`` next to it. Keys: ``api_key`` and, optionally,
-``api_url``. The environment wins over the file (``FTQ_API_KEY``, ``FTQ_API_URL``), so a
-one-off command can use another key. ``ftq login`` and the first ``ftq up`` write the key,
-every ``ftq up`` the URL it serves on; the file has mode 0600: it holds a secret.
+``api_url`` and ``hf_token`` (the Hugging Face token ``ftq models pull`` sends when ``HF_TOKEN``
+is unset; written by hand). The environment wins over the file (``FTQ_API_KEY``,
+``FTQ_API_URL``), so a one-off command can use another key. ``ftq login`` and the first
+``ftq up`` write the key, every ``ftq up`` the URL it serves on; the file has mode 0600: it
+holds secrets.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from cli.errors import CliError
 
-KNOWN_KEYS = ("api_key", "api_url")
+KNOWN_KEYS = ("api_key", "api_url", "hf_token")
 
 
 def config_dir() -> Path:

@@ -11,6 +11,8 @@
     ftq rerun ID [--set key=value ...] | resume ID [--step N] | metrics ID [-o FILE]
     ftq export ID --format merged|gguf [--quantization q8_0] [-o FILE] | exports ID
     ftq machines           the machines running workers: live or lost, their GPUs and the jobs on them
+    ftq models [pull ORG/NAME [--revision REV]]
+                           the box's models and whether they fit its GPUs; pull one from the hub
     ftq login --key KEY    save the key (and --url) to ~/.config/ftq/config.toml (mode 0600)
 
     ftq users create NAME [--admin] [--max-running N] | list | key NAME | revoke PREFIX | set NAME ...
@@ -29,7 +31,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import db, exports, jobs, machines, runs, serve, up, users, worker_keys
+from cli import db, exports, jobs, machines, models, runs, serve, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     exports.add_parsers(commands)
     runs.add_parsers(commands)
     machines.add_parsers(commands)
+    models.add_parsers(commands)
     users.add_parsers(commands)
     worker_keys.add_parsers(commands)
     return parser

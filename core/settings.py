@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     tensorboard_dir: Path | None = None
     """Every job writes TensorBoard event files under ``<this>/<job id>`` (``tensorboard --logdir``
     on it shows them all); unset: only jobs with ``tracking.tensorboard`` true, in their own directory."""
+    wandb_project: str | None = None
+    """Every job on this box is tracked on Weights & Biases in this project (the worker's
+    ``WANDB_API_KEY``, ``WANDB_ENTITY``, ``WANDB_BASE_URL``) unless its spec turns tracking off;
+    unset: only jobs that ask (``tracking.wandb``, ``tracking.wandb_project``)."""
 
     def resolved(self) -> "Settings":
         data_dir = self.data_dir.expanduser().resolve()

@@ -1,7 +1,9 @@
 """The worker's row in the ``worker`` table and its housekeeping loop.
 
 At start the worker asks the trainer what it would run on (``python -m trainer detect --json``,
-on the worker's GPUs) and stores the answer with its GPU pool (``gpu_slot`` rows), which ``GET /v1/hardware`` serves. Then,
+on the worker's GPUs) and stores the answer with its GPU pool (``gpu_slot`` rows), which ``GET /v1/hardware`` serves,
+and which experiment trackers' packages it has (``"trackers"`` in the same report: the API refuses a
+job asking for a tracker no live worker has, ``core.jobs.trackers``). Then,
 every ``heartbeat_interval_s``, a background thread refreshes the row's ``heartbeat_at`` and runs
 the reaper (reaper.py). The thread lives in the worker process beside the task threads, so
 it keeps beating while jobs run.
@@ -25,6 +27,7 @@ from core.workers.pool import register_pool
 from worker.reaper import reap
 from worker.remote import identity, may_claim
 from worker.runtime import Runtime
+from worker.tracking.resolve import installed as installed_trackers
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +104,11 @@ class Presence:
     def _loop(self) -> None:
         runtime = self._runtime
         try:
-            register(runtime, {})
+            trackers = {"trackers": installed_trackers()}
+            register(runtime, trackers)
             self.signal_own()
             if self._detect:
-                register(runtime, detect_hardware(runtime))
+                register(runtime, {**detect_hardware(runtime), **trackers})
         except Exception:  # noqa: BLE001 - the worker still runs jobs without its row
             log.exception("could not register worker %s", runtime.worker_id)
         interval = runtime.settings.heartbeat_interval_s

@@ -117,7 +117,7 @@ def _param(err: dict[str, Any]) -> str | None:
     loc = [str(p) for p in err.get("loc", ())]
     path = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
     # A union (``"auto" | int``) adds the member that failed to the location: drop it.
-    path = [p for p in path if not p.startswith(_UNION_MEMBERS)]
+    path = [p for p in path if not (p.startswith(_UNION_MEMBERS) or p in _UNION_SCALARS)]
     return ".".join(path) or None
 
 
@@ -134,4 +134,6 @@ def _got(err: dict[str, Any]) -> str:
     return f" (got {value!r})" if isinstance(value, (str, int, float, bool)) and len(repr(value)) <= 80 else ""
 
 
-_UNION_MEMBERS = ("literal[", "int", "float", "constrained-", "function-")
+_UNION_MEMBERS = ("literal[", "constrained-", "function-")
+_UNION_SCALARS = ("int", "float")
+"""Whole names only: a prefix would drop fields such as ``integrations``."""

@@ -45,6 +45,20 @@ class MethodIn(_Request):
     reinforcement: dict[str, Any] | None = None
 
 
+class WandbIntegration(_Request):
+    """OpenAI's ``integrations[].wandb``: the W&B run the job reports to (``tracking.wandb_*``)."""
+
+    project: Annotated[str, Field(min_length=1, max_length=128)]
+    name: Annotated[str | None, Field(min_length=1, max_length=128)] = None
+    entity: Annotated[str | None, Field(min_length=1, max_length=128)] = None
+    tags: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]] | None, Field(max_length=50)] = None
+
+
+class Integration(_Request):
+    type: Literal["wandb"]
+    wandb: WandbIntegration
+
+
 class JobCreate(_Request):
     """The body of ``fine_tuning.jobs.create``."""
 
@@ -57,7 +71,8 @@ class JobCreate(_Request):
     suffix: Annotated[str | None, Field(min_length=1, max_length=64)] = None
     seed: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]] | None, Field(max_length=16)] = None
-    integrations: list[dict[str, Any]] | None = None
+    integrations: Annotated[list[Integration] | None, Field(max_length=1)] = None
+    """At most one, of type ``wandb``: the worker tracks the job on W&B (``api.openai.translate``)."""
 
 
 class FileObject(BaseModel):

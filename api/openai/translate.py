@@ -1,6 +1,9 @@
 """Between OpenAI's objects and ftq's store: a create request becomes a native ``JobSpec`` (plus
 the ``openai_job`` row), and ftq's rows are shown back as OpenAI's files and jobs.
 
+A W&B integration (``integrations: [{"type": "wandb", "wandb": {project, name, entity, tags}}]``)
+becomes the spec's ``tracking.wandb_*``: the worker runs the W&B run (``worker.tracking.wandb``).
+
 One store: a job made here is an ordinary ftq job (``/v1/jobs``, the CLI, the dashboard show it,
 its ``name`` is the suffix), and ``/openai/v1`` shows every ftq job, those made natively too.
 
@@ -17,11 +20,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.openai import auto
-from api.openai.schemas import FileObject, FineTuningJob, Hyperparameters, JobCreate, JobError
+from api.openai.schemas import FileObject, FineTuningJob, Hyperparameters, JobCreate, JobError, WandbIntegration
 from core.errors import InvalidInput, Unsupported
 from core.files.models import File
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
+from core.jobs.trackers import asked_for
 from core.openai.models import OpenAIJob
 
 ORGANIZATION = "ftq"
@@ -34,15 +38,9 @@ def method_of(body: JobCreate) -> tuple[str, dict[str, Any]]:
     """``(type, requested hyperparameters)`` from ``method``, else the older ``hyperparameters``.
 
     Raises:
-        Unsupported: ``reinforcement``, or ``integrations`` (ftq reports to no third party).
+        Unsupported: ``reinforcement``.
         InvalidInput: both forms at once, or a method whose hyperparameters sit under another type.
     """
-    if body.integrations:
-        raise Unsupported(
-            "integrations: ftq sends metrics to no third party (Weights & Biases); remove 'integrations' "
-            "and read them with fine_tuning.jobs.list_events or the dashboard",
-            param="integrations",
-        )
     if body.method is None:
         legacy = body.hyperparameters.model_dump() if body.hyperparameters else {}
         return "supervised", legacy
@@ -101,12 +99,32 @@ def native_spec(body: JobCreate, train: File, *, validation_file: str | None,
     if dpo:
         raw["objective"] = "dpo"
         raw["dpo"] = {"beta": resolved.beta}
+    if body.integrations:
+        raw["tracking"] = tracking_of(body.integrations[0].wandb)
     try:
         return JobSpec.model_validate(raw), resolved
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
         raise InvalidInput(f"the job this request describes is refused: {where}: {err['msg']}") from None
+
+
+def tracking_of(wandb: WandbIntegration) -> dict[str, Any]:
+    """OpenAI's W&B integration as the spec's ``tracking``: the worker runs the W&B run itself, with
+    its own ``WANDB_API_KEY`` (OpenAI's comes from the organization's settings, never the request)."""
+    return {"wandb": True, "wandb_project": wandb.project, "wandb_entity": wandb.entity,
+            "wandb_name": wandb.name, "wandb_tags": wandb.tags or []}
+
+
+def integrations_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``integrations`` a job shows: its W&B tracking, if its spec turns it on (``project`` null:
+    the worker's ``FTQ_WANDB_PROJECT``, else ftq)."""
+    tracking = spec.get("tracking") or {}
+    if "wandb" not in asked_for(tracking):
+        return []
+    wandb = {"project": tracking.get("wandb_project"), "name": tracking.get("wandb_name"),
+             "entity": tracking.get("wandb_entity"), "tags": tracking.get("wandb_tags") or []}
+    return [{"type": "wandb", "wandb": wandb}]
 
 
 def method_dict(kind: str, resolved: auto.Resolved) -> dict[str, Any]:
@@ -163,6 +181,7 @@ def fine_tuning_job(job: Job, extra: OpenAIJob | None, *, owner: str | None, tra
         training_file=extra.training_file if extra is not None else job.training_file_id,
         validation_file=extra.validation_file if extra is not None else job.validation_file_id,
         estimated_finish=estimated_finish if status == "running" else None,
+        integrations=integrations_of(job.spec),
         metadata=extra.user_metadata if extra is not None else None,
         method=method,
         user_provided_suffix=suffix,

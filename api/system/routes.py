@@ -36,7 +36,8 @@ def hardware(session: SessionDep, state: StateDep) -> HardwareList:
 
 def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: float) -> WorkerOut:
     age = max((now - row.heartbeat_at).total_seconds(), 0.0)
-    hw = row.hardware or {}
+    hw = dict(row.hardware or {})
+    trackers = hw.pop("trackers", None)
     return WorkerOut(
         id=row.worker_id,
         hostname=row.hostname,
@@ -48,6 +49,7 @@ def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: fl
         # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
         hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
         plan=PlanOut.of(hw.get("plan")),
+        trackers=trackers if isinstance(trackers, dict) else None,
         current_job=row.current_job_id,
         started_at=row.started_at,
         heartbeat_at=row.heartbeat_at,

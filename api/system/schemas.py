@@ -35,6 +35,9 @@ class WorkerOut(BaseModel):
     """What ``python -m trainer detect --json`` reported on the worker's device."""
     plan: PlanOut | None
     """The optimization plan the trainer would choose there (``hardware["plan"]`` when reported)."""
+    trackers: dict[str, bool] | None = None
+    """Which experiment trackers' packages import there (``mlflow``, ``tensorboard``, ``wandb``); null
+    when it did not say (an older worker). A job asking for a tracker no live worker has is refused."""
     current_job: str | None
     started_at: dt.datetime
     heartbeat_at: dt.datetime

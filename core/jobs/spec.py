@@ -37,6 +37,8 @@ Objective = Literal["sft", "dpo"]
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 ALL_LINEAR = "all-linear"
+WANDB_NAME = r"^[^/\\#?%:\x00-\x1f]+$"
+"""W&B project and entity names: W&B refuses ``/ \\ # ? % :`` in them."""
 
 
 class _Strict(BaseModel):
@@ -148,8 +150,10 @@ class Hyperparameters(_Strict):
 
 class TrackingSpec(_Strict):
     """Where the worker mirrors the job's params and metrics (``worker/tracking``). Off unless set
-    here or on the box (``FTQ_MLFLOW_TRACKING_URI``, ``FTQ_TENSORBOARD_DIR``); a tracker that is
-    down never fails or slows the job: it is a warning in the job's events."""
+    here or on the box (``FTQ_MLFLOW_TRACKING_URI``, ``FTQ_TENSORBOARD_DIR``, ``FTQ_WANDB_PROJECT``);
+    a tracker that is down never fails or slows the job: it is a warning in the job's events. A
+    tracker no live worker has the package for is refused at submission (``core.jobs.trackers``).
+    W&B's API key is the worker's ``WANDB_API_KEY``, never part of a spec."""
 
     mlflow: Annotated[
         bool | None, Field(description="Track on MLflow; null: when the box or mlflow_tracking_uri names a server.")
@@ -167,6 +171,28 @@ class TrackingSpec(_Strict):
         Field(description="Write TensorBoard event files (the box's FTQ_TENSORBOARD_DIR/<job id>, else "
               "the job's tensorboard/ directory); null: when the box sets a directory."),
     ] = None
+    wandb: Annotated[
+        bool | None,
+        Field(description="Track on Weights & Biases (the worker's WANDB_API_KEY; WANDB_BASE_URL for a "
+              "self-hosted server); null: when wandb_project or the box's FTQ_WANDB_PROJECT names a project."),
+    ] = None
+    wandb_project: Annotated[
+        str | None,
+        Field(min_length=1, max_length=128, pattern=WANDB_NAME,
+              description="W&B project; null: the box's FTQ_WANDB_PROJECT, else ftq."),
+    ] = None
+    wandb_entity: Annotated[
+        str | None,
+        Field(min_length=1, max_length=128, pattern=WANDB_NAME,
+              description="W&B team or user the run belongs to; null: the API key's default entity."),
+    ] = None
+    wandb_name: Annotated[
+        str | None, Field(min_length=1, max_length=128, description="W&B run name; null: the job's name, else its id.")
+    ] = None
+    wandb_tags: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=64)]],
+        Field(max_length=50, description="Tags on the W&B run (at most 50, each 1-64 characters)."),
+    ] = []
 
 
 class DpoSpec(_Strict):

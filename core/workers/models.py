@@ -21,7 +21,9 @@ class Worker(Base):
     """``cuda:0,1,3``-style names of the GPUs the worker holds (as CUDA_VISIBLE_DEVICES names
     them), or ``cpu``."""
     hardware: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
-    """Output of ``python -m trainer detect --json``: the hardware and the plan on it."""
+    """Output of ``python -m trainer detect --json`` (the hardware and the plan on it), plus
+    ``trackers``: which experiment trackers' packages import in the worker's Python
+    (``{"mlflow": true, "tensorboard": true, "wandb": false}``; ``core.jobs.trackers``)."""
     current_job_id: Mapped[str | None] = mapped_column(String(40))
     """The job this worker claimed last while it runs (the ``gpu_slot`` rows say which jobs hold
     which GPUs)."""

@@ -110,6 +110,19 @@ class TestCreate:
         spec = client.get(f"/v1/jobs/{job.id}").json()["spec"]
         assert (spec["objective"], spec["dpo"]["beta"]) == ("dpo", 0.1)
 
+    def test_a_wandb_integration_is_the_jobs_wandb_tracking(self, oai: openai.OpenAI, client: TestClient,
+                                                            chat_file: str) -> None:
+        wandb = {"project": "sweeps", "name": "lr a", "entity": "my-team", "tags": ["lora"]}
+        job = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file,
+                                          integrations=[{"type": "wandb", "wandb": wandb}])
+        assert [i.model_dump() for i in job.integrations] == [{"type": "wandb", "wandb": wandb}]
+        tracking = client.get(f"/v1/jobs/{job.id}").json()["spec"]["tracking"]
+        assert {k: v for k, v in tracking.items() if k.startswith("wandb")} == {
+            "wandb": True, "wandb_project": "sweeps", "wandb_name": "lr a", "wandb_entity": "my-team",
+            "wandb_tags": ["lora"]}
+        assert oai.fine_tuning.jobs.retrieve(job.id).integrations[0].wandb.project == "sweeps"
+        assert oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file).integrations == []
+
     def test_list_pages_with_after_and_has_more(self, oai: openai.OpenAI, client: TestClient, chat_file: str) -> None:
         native = client.post("/v1/jobs", json={"model": "tiny", "training_file": chat_file}).json()
         made = [oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file).id for _ in range(2)]
@@ -174,7 +187,9 @@ class TestRefusals:
          "method.dpo.hyperparameters.beta", "greater than 0"),
         ({"method": {"type": "dpo"}}, "training_file", "preference records"),
         ({"suffix": "a b"}, "suffix", "letters, digits"),
-        ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations", "no third party"),
+        ({"integrations": [{"type": "mlflow", "mlflow": {}}]}, "integrations.0.type", "'wandb'"),
+        ({"integrations": [{"type": "wandb", "wandb": {}}]}, "integrations.0.wandb.project", "Missing required"),
+        ({"integrations": [{"type": "wandb", "wandb": {"project": "a/b"}}]}, None, "tracking.wandb_project"),
         ({"model": "gpt-4o-mini-2024-07-18"}, "model", "gpt-4o-mini"),
         ({"hyperparameters": {"n_epochs": 1}, "method": {"type": "supervised"}}, "hyperparameters", "not both"),
         ({"method": {"type": "supervised", "dpo": {}}}, "method.dpo", "put the settings under method.supervised"),

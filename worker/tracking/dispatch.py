@@ -3,7 +3,7 @@
 ``Tracking.add`` only appends to each tracker's bounded buffer (the event reader thread calls it
 once per trainer event); the tracker's thread drains its buffer in batches. A tracker's first
 exception disables it and becomes one warning in the job's events (``warn``), naming the tracker
-and the error. A buffer that fills (a tracker slower than the trainer) drops the newest events
+and the error (an ImportError adds the command that installs the ``tracking`` extra). A buffer that fills (a tracker slower than the trainer) drops the newest events
 and says so once. ``finish`` queues the end (status and the adapter directory of a job that
 succeeded, uploaded where the tracker takes files) and returns at once; the threads are daemons,
 so a worker that exits mid-upload leaves that run unfinished on the tracker, never the job.
@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
+
+from core.jobs.trackers import INSTALL
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,8 @@ class _Lane:
             with self._ready:
                 self._buffer.clear()
             log.warning("job %s: %s failed (%s): %r", self._job.job_id, self.tracker.label, method, exc)
-            self._warn(f"{self.tracker.label}: {_short(exc)}; the job goes on without it")
+            fix = f"; to track with it, {INSTALL}" if isinstance(exc, ImportError) else ""
+            self._warn(f"{self.tracker.label}: {_short(exc)}; the job goes on without it{fix}")
 
 
 def _short(exc: BaseException) -> str:

@@ -1,7 +1,7 @@
 // One job, live: status and progress, its GPUs (count, and the ones it holds),
 // charts of loss / tokens/s / step time / memory (and DPO's rewards and log-probs), per-rank step time and memory
 // of a multi-GPU job (the latest step's `ranks`), the trainer's hardware plan,
-// checkpoints, events and log, cancel.
+// checkpoints, events and log, cancel; a banner for the trackers the worker could not run.
 //
 // No point lost, none drawn twice: on load the charts get the job's whole
 // history from /metrics (paged), then the event stream is attached. The
@@ -149,6 +149,9 @@ export function renderJob(main, [jobId]) {
   const live = h("span", { class: "live", "data-testid": "live-state", role: "status", "data-opens": "0", "data-duplicates": "0" });
   const meta = h("dl", { class: "meta", "data-testid": "job-meta" });
   const errorSlot = h("div");
+  // A tracker the job asked for that the worker could not run (no package, server down): the job
+  // goes on without it, and this says so where it is seen, not only in the event log.
+  const trackingBanner = h("div", { class: "warning banner", role: "status", "data-testid": "job-tracking-warnings", hidden: true });
   const actions = h("div", { class: "actions", "data-testid": "job-actions" });
   const progress = h("div", { class: "progress-area", "data-testid": "job-progress" });
   const summary = h("dl", { class: "summary", "data-testid": "job-summary" });
@@ -167,6 +170,7 @@ export function renderJob(main, [jobId]) {
     h("div", { class: "view-head" }, h("div", { class: "title-line" }, title, badge, live), actions),
     problem,
     errorSlot,
+    trackingBanner,
     meta,
     progress,
     summary,
@@ -461,6 +465,12 @@ export function renderJob(main, [jobId]) {
     if (nearBottom) eventList.parentElement.scrollTop = eventList.parentElement.scrollHeight;
   }
 
+  function showTrackingWarning(message) {
+    if (trackingBanner.hidden) trackingBanner.append(h("strong", { text: "Experiment tracking" }));
+    trackingBanner.append(h("p", { "data-testid": "job-tracking-warning", text: message ?? "" }));
+    trackingBanner.hidden = false;
+  }
+
   function scheduleRefetch(delay = 300) {
     clearTimeout(refetchTimer);
     refetchTimer = setTimeout(async () => {
@@ -499,6 +509,7 @@ export function renderJob(main, [jobId]) {
       return;
     }
     logEvent(type, data, seq);
+    if (type === "log" && data.level === "warning" && data.source === "tracking") showTrackingWarning(data.message);
     if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
     if (type === "sample") results.addSample(data);
     if (type === "plan") {

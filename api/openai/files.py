@@ -28,8 +28,10 @@ from api.openai.twins import is_validation_twin
 from core.errors import InvalidInput, NotFound
 from core.files import service
 from core.files.models import File
+from core.jobs.models import Job
 from core.jobs.service import get_job
 from core.users import access
+from core.users.service import Caller
 
 router = APIRouter(prefix="/files", tags=["openai files"])
 PURPOSE = "fine-tune"
@@ -62,6 +64,7 @@ async def create_file(request: Request, state: StateDep, caller: CallerDep) -> F
 @router.get("", summary="files.list: datasets, newest first")
 def list_files(
     session: SessionDep,
+    caller: CallerDep,
     purpose: str | None = None,
     limit: Annotated[int, Query()] = 100,
     after: str | None = None,
@@ -73,53 +76,53 @@ def list_files(
         raise InvalidInput("order: ftq lists files newest first only; use order='desc' or leave it out",
                            param="order")
     query = select(File).where(File.deleted_at.is_(None), ~is_validation_twin())
-    rows, more = newest_first(session, query, File, File.file_id, after=after, limit=limit, what="file")
+    rows, more = newest_first(session, query, File, File.file_id, after=after, limit=limit, what="file",
+                              scope=access.readable_by(caller, File.owner_id))
     return Page.of([translate.file_object(row) for row in rows], more)
 
 
 @router.get("/{file_id}", summary="files.retrieve")
-def retrieve_file(file_id: str, session: SessionDep) -> FileObject:
+def retrieve_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileObject:
     job_id = translate.job_of_results_file(file_id)
     if job_id is not None:
-        return _results_object(session, file_id, job_id)
-    return translate.file_object(_get(session, file_id))
+        return _results_object(session, caller, file_id, job_id)
+    return translate.file_object(_get(session, caller, file_id))
 
 
 @router.delete("/{file_id}", summary="files.delete (the owner or an admin; not while a job uses it)")
 def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileDeleted:
-    row = _get(session, file_id)
-    access.require_owner(session, caller, row.owner_id, what=f"file {file_id}", action="delete", param="file_id")
+    _get(session, caller, file_id)
     service.delete_file(session, file_id)
     return FileDeleted(id=file_id)
 
 
 @router.get("/{file_id}/content", response_model=None, summary="files.content: the file's bytes")
-def file_content(file_id: str, session: SessionDep) -> Response:
+def file_content(file_id: str, session: SessionDep, caller: CallerDep) -> Response:
     job_id = translate.job_of_results_file(file_id)
     if job_id is not None:
-        _job_for_results(session, file_id, job_id)
+        _job_for_results(session, caller, file_id, job_id)
         return PlainTextResponse(reports.metrics_csv(session, job_id), media_type="text/csv")
-    row = _get(session, file_id)
+    row = _get(session, caller, file_id)
     return FileResponse(row.path, media_type="application/octet-stream", filename=row.filename)
 
 
-def _get(session: SessionDep, file_id: str) -> File:
+def _get(session: SessionDep, caller: Caller, file_id: str) -> File:
+    """The caller's file (an admin: anyone's); another user's is as unknown (``core.users.access``)."""
     try:
-        return service.get_file(session, file_id)
+        return service.get_file(session, file_id, reader=caller)
     except NotFound:
         raise NotFound(f"No such File object: {file_id}", param="file_id") from None
 
 
-def _job_for_results(session: SessionDep, file_id: str, job_id: str) -> None:
+def _job_for_results(session: SessionDep, caller: Caller, file_id: str, job_id: str) -> Job:
     try:
-        get_job(session, job_id)
+        return get_job(session, job_id, reader=caller)
     except NotFound:
         raise NotFound(f"No such File object: {file_id}", param="file_id") from None
 
 
-def _results_object(session: SessionDep, file_id: str, job_id: str) -> FileObject:
-    _job_for_results(session, file_id, job_id)
-    job = get_job(session, job_id)
+def _results_object(session: SessionDep, caller: Caller, file_id: str, job_id: str) -> FileObject:
+    job = _job_for_results(session, caller, file_id, job_id)
     size = len(reports.metrics_csv(session, job_id).encode())
     when = job.finished_at or job.created_at
     return FileObject(id=file_id, bytes=size, created_at=int(when.timestamp()), filename="step_metrics.csv",

@@ -37,6 +37,7 @@ from core.jobs.states import JobStatus
 from core.openai.models import OpenAIJob
 from core.settings import Settings
 from core.users import access
+from core.users.service import Caller
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["openai fine-tuning"])
 _METADATA_KEY = re.compile(r"metadata\[(.{1,64})\]")
@@ -49,13 +50,10 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
 
     def create() -> tuple[FineTuningJob, int]:
         with state.sessions() as session:
-            access.require_usable_files(
-                session, caller, {"training_file": body.training_file, "validation_file": body.validation_file}
-            )
-            train = _named_file(session, body.training_file, "training_file")
+            train = _named_file(session, caller, body.training_file, "training_file")
             validation = None
             if body.validation_file is not None:
-                named = _named_file(session, body.validation_file, "validation_file")
+                named = _named_file(session, caller, body.validation_file, "validation_file")
                 validation = validation_twin(session, named, state.settings.files_dir).file_id
             spec, resolved = translate.native_spec(body, train, validation_file=validation, kind=kind,
                                                    requested=requested)
@@ -75,12 +73,13 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
 
 
 @router.get("", summary="fine_tuning.jobs.list: newest first")
-def list_jobs(request: Request, session: SessionDep, state: StateDep, after: str | None = None,
+def list_jobs(request: Request, session: SessionDep, state: StateDep, caller: CallerDep, after: str | None = None,
               limit: Annotated[int, Query()] = 20) -> Page:
-    """``metadata[k]=v`` (several: all must match) lists only the jobs made here with that metadata;
-    ``metadata=null``, those without any."""
+    """The caller's jobs (an admin's: everyone's). ``metadata[k]=v`` (several: all must match)
+    lists only the jobs made here with that metadata; ``metadata=null``, those without any."""
     query = _metadata_filter(select(Job), request)
-    rows, more = newest_first(session, query, Job, Job.job_id, after=after, limit=limit, what="job")
+    rows, more = newest_first(session, query, Job, Job.job_id, after=after, limit=limit, what="job",
+                              scope=access.readable_by(caller, Job.owner_id))
     return Page.of(_views(session, rows, state.settings), more)
 
 
@@ -104,8 +103,8 @@ def _metadata_filter(query: Select[Any], request: Request) -> Select[Any]:
 
 
 @router.get("/{job_id}", summary="fine_tuning.jobs.retrieve")
-def retrieve_job(job_id: str, session: SessionDep, state: StateDep) -> FineTuningJob:
-    return _view(session, _get(session, job_id), state.settings)
+def retrieve_job(job_id: str, session: SessionDep, state: StateDep, caller: CallerDep) -> FineTuningJob:
+    return _view(session, _get(session, caller, job_id), state.settings)
 
 
 @router.post("/{job_id}/cancel", summary="fine_tuning.jobs.cancel")
@@ -122,7 +121,7 @@ async def pause_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTuni
 async def resume_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTuningJob:
     def resume() -> tuple[FineTuningJob, int]:
         with state.sessions() as session:
-            job = _owned(session, caller, job_id, "resume")
+            job = _get(session, caller, job_id)
             extra = session.get(OpenAIJob, job_id)
             if extra is None or extra.paused_at is None:
                 raise Conflict(f"job {job_id} is not paused ({job.status}); only a paused job can be resumed",
@@ -146,17 +145,17 @@ async def resume_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTun
 
 
 @router.get("/{job_id}/events", summary="fine_tuning.jobs.list_events: newest first")
-def list_events(job_id: str, session: SessionDep, after: str | None = None,
+def list_events(job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> Page:
-    _get(session, job_id)
+    _get(session, caller, job_id)
     events, more = reports.list_events(session, job_id, after=after, limit=limit)
     return Page.of(events, more)
 
 
 @router.get("/{job_id}/checkpoints", summary="fine_tuning.jobs.checkpoints.list: newest first")
-def list_checkpoints(job_id: str, session: SessionDep, after: str | None = None,
+def list_checkpoints(job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
                      limit: Annotated[int, Query(ge=1, le=100)] = 10) -> Page:
-    job = _get(session, job_id)
+    job = _get(session, caller, job_id)
     extra = session.get(OpenAIJob, job_id)
     owner = access.owner_name(session, job.owner_id)
     name = translate.fine_tuned_model(job, owner, extra.suffix if extra else job.name)
@@ -167,7 +166,7 @@ def list_checkpoints(job_id: str, session: SessionDep, after: str | None = None,
 async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool) -> FineTuningJob:
     def stop() -> tuple[FineTuningJob, bool, int]:
         with state.sessions() as session:
-            job = _owned(session, caller, job_id, "pause" if pause else "cancel")
+            job = _get(session, caller, job_id)
             extra = session.get(OpenAIJob, job_id)
             if pause and extra is None:
                 raise InvalidInput(
@@ -194,22 +193,19 @@ async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool)
     return out
 
 
-def _get(session: Session, job_id: str) -> Job:
+def _get(session: Session, caller: Caller, job_id: str) -> Job:
+    """The caller's job (an admin: anyone's); another user's is as unknown (``core.users.access``)."""
     try:
-        return service.get_job(session, job_id)
+        return service.get_job(session, job_id, reader=caller)
     except NotFound:
         raise NotFound(f"No such fine-tuning job: {job_id}", param="job_id") from None
 
 
-def _owned(session: Session, caller: CallerDep, job_id: str, action: str) -> Job:
-    job = _get(session, job_id)
-    access.require_owner(session, caller, job.owner_id, what=f"job {job_id}", action=action, param="job_id")
-    return job
-
-
-def _named_file(session: Session, file_id: str, param: str) -> File:
+def _named_file(session: Session, caller: Caller, file_id: str, param: str) -> File:
+    """The caller's file named in the body; another user's is as unknown, so a job trains only
+    on its submitter's files (an admin's on any), as ``core.users.access`` has it."""
     try:
-        return get_file(session, file_id)
+        return get_file(session, file_id, reader=caller)
     except NotFound:
         raise InvalidInput(
             f"{param}: no file {file_id!r}; upload it with files.create(purpose='fine-tune') and use its id",

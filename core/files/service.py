@@ -29,6 +29,7 @@ from core.files.validate import validate_dataset
 from core.jobs.models import Job
 from core.jobs.states import ACTIVE_STATUSES
 from core.paging import page_newest_first, split_page
+from core.users.service import Caller
 
 Purpose = Literal["train", "validation"]
 PURPOSES = ("train", "validation")
@@ -186,9 +187,15 @@ def check_purpose(purpose: str) -> None:
         raise InvalidInput(f"purpose: {purpose!r} is not one of train, validation", param="purpose")
 
 
-def get_file(session: Session, file_id: str) -> File:
+def get_file(session: Session, file_id: str, *, reader: Caller | None = None) -> File:
+    """The live file ``file_id``.
+
+    ``reader``: reads are per owner (``/openai/v1``'s rule, ``core.users.access``): a file the
+    reader may not act on (another user's, to anyone but an admin) is NotFound exactly as an
+    unknown id is, so another user's id is never confirmed. None: everyone's (``/v1/files``).
+    """
     row = session.get(File, file_id)
-    if row is None or row.deleted_at is not None:
+    if row is None or row.deleted_at is not None or (reader is not None and not reader.may_act_on(row.owner_id)):
         raise NotFound(f"no file {file_id!r}; list uploaded files with GET /v1/files", param="file_id")
     return row
 

@@ -26,6 +26,7 @@ from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
 from core.users.models import User
+from core.users.service import Caller
 from core.workers import pool
 from core.workers.models import Worker
 from trainer.config import SWITCHES
@@ -289,9 +290,15 @@ def _live_reports(session: Session, settings: Settings) -> list[tuple[str, dict[
     return [(worker.worker_id, worker.hardware if isinstance(worker.hardware, dict) else {}) for worker in workers]
 
 
-def get_job(session: Session, job_id: str) -> Job:
+def get_job(session: Session, job_id: str, *, reader: Caller | None = None) -> Job:
+    """The job ``job_id``, read afresh.
+
+    ``reader``: reads are per owner (``/openai/v1``'s rule, ``core.users.access``): a job the
+    reader may not act on (another user's, to anyone but an admin) is NotFound exactly as an
+    unknown id is, so another user's id is never confirmed. None: everyone's (``/v1/jobs``).
+    """
     job = session.get(Job, job_id, populate_existing=True)
-    if job is None:
+    if job is None or (reader is not None and not reader.may_act_on(job.owner_id)):
         raise NotFound(f"no job {job_id!r}; list jobs with GET /v1/jobs", param="job_id")
     return job
 

@@ -7,12 +7,17 @@
 - a job may train only on files its submitter owns (an admin on any): a dataset may hold data
   its uploader was trusted with and others were not, and a job's checkpoints and adapter are
   downloadable by everyone, so using someone's file would publish what it taught the model;
-- rows made before users existed have no owner: only admins act on them.
+- rows made before users existed have no owner: only admins act on them;
+- ``/openai/v1`` reads per owner, as OpenAI's API does: each user sees only their own files and
+  jobs (events, checkpoints, results files), admins everyone's. Another user's id answers 404
+  as an unknown id does, never 403, so it is not even confirmed. The core reads enforce it
+  (``get_file``/``get_job`` with ``reader=``, ``readable_by`` for listings), not each route.
 """
 
 from __future__ import annotations
 
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, true
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.files.models import File
@@ -25,6 +30,12 @@ def owner_name(session: Session, owner_id: str | None) -> str | None:
         return None
     user = session.get(User, owner_id)
     return user.name if user is not None else None
+
+
+def readable_by(caller: Caller, owner_id: InstrumentedAttribute[str | None]) -> ColumnElement[bool]:
+    """The rows a per-owner listing shows ``caller`` (``owner_id``: the model's owner column):
+    all for an admin, else the caller's own; ``Caller.may_act_on`` as SQL."""
+    return true() if caller.is_admin else owner_id == caller.user_id
 
 
 def require_owner(

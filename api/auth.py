@@ -10,7 +10,8 @@ the dashboard's static shell (``/``, ``/static/...``) and ``/v1/session`` (the l
 Paths under ``/v1/worker/`` take only worker keys (``ftqw_...``, ``api.workers.auth``; a user's
 key there is 403), and a worker key anywhere else is 403. The verified caller is kept on the
 request state, so routes that need it (``CallerDep``) get it without a second check. Failed keys
-are logged and, repeated from one address, slowed down (``api.auth_throttle``).
+are logged and, repeated, slowed down: per key id for keys the store has, per address for the
+rest, and never a valid key for other keys' failures (``api.auth_throttle``).
 
 Browsers cannot put a header on an ``EventSource`` or a download link, so the dashboard logs in
 with ``POST /v1/session`` (body ``{"api_key": ...}``), which sets the ``ftq_session`` cookie
@@ -36,14 +37,14 @@ from sqlalchemy.exc import OperationalError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.auth_throttle import FailedKeyThrottle
+from api.auth_throttle import FailedKeyThrottle, by_address, by_key
 from api.errors import domain_response, store_unreachable, too_many_failures
 from api.openai.errors import openai_shaped
 from api.state import AppState
 from api.workers.auth import authenticate_worker, is_worker_path, refuse_worker_key
 from core.errors import Forbidden, FtqError, Unauthenticated
-from core.users.service import Caller, split_key, verify_key
-from core.workers.keys import split_worker_key
+from core.users.service import KEY_SCHEME, Caller, public_key_id, split_key, verify_key
+from core.workers.keys import KEY_SCHEME as WORKER_KEY_SCHEME
 
 SESSION_COOKIE = "ftq_session"
 CSRF_HEADER = "X-Requested-With"
@@ -127,7 +128,8 @@ async def declare_schemes(
 
 class AuthGate:
     """ASGI middleware: refuse every request to a path that is not open unless its key is good
-    (401, or 429 after repeated failures from the address), before any route or mount runs."""
+    (401, or 429 after repeated failures: per key id, or per address for keys the store does not
+    know; ``api.auth_throttle``), before any route or mount runs."""
 
     def __init__(self, app: ASGIApp, throttle: FailedKeyThrottle) -> None:
         self.app = app
@@ -139,11 +141,14 @@ class AuthGate:
             return
         request = Request(scope, receive)
         address = request.client.host if request.client else "unknown"
-        wait = self.throttle.retry_after(address)
+        key_id = _key_id(request)
+        # Before the check, only what cannot be a valid key waits: a locked id, or no well-formed
+        # key at all from a locked address. Any other key is checked first (a valid one passes).
+        wait = self.throttle.retry_after(by_key(key_id) if key_id else by_address(address))
         if wait is not None:
-            refusal = too_many_failures(wait)
+            refusal: Response | None = too_many_failures(wait, key_id=key_id)
         else:
-            refusal = await self._refusal(request, address)
+            refusal = await self._refusal(request, address, key_id)
         if refusal is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
@@ -151,31 +156,43 @@ class AuthGate:
         else:
             await openai_shaped(refusal, app_path(scope))(scope, receive, send)
 
-    async def _refusal(self, request: Request, address: str) -> Response | None:
+    async def _refusal(self, request: Request, address: str, key_id: str | None) -> Response | None:
         try:
             if is_worker_path(app_path(request.scope)):
                 await authenticate_worker(request)  # worker keys only there (api.workers.auth)
             else:
                 await authenticate(request)
+        except Unauthenticated as exc:
+            # A stored key's failures count against its id; the rest against the address,
+            # which, once locked, refuses them even though they were checked.
+            bucket = by_key(exc.key_id) if exc.key_id else by_address(address)
+            wait = None if exc.key_id else self.throttle.retry_after(bucket)
+            if wait is not None:
+                return too_many_failures(wait)
+            self.throttle.record_failure(bucket, address=address, path=app_path(request.scope), key_id=key_id,
+                                         reason=exc.message)
+            return domain_response(exc)
         except FtqError as exc:
-            if isinstance(exc, Unauthenticated):
-                self.throttle.record_failure(
-                    address, path=app_path(request.scope), prefix=_prefix(request), reason=exc.message
-                )
             return domain_response(exc)
         except OperationalError as exc:
             return store_unreachable(exc)
         return None
 
 
-def _prefix(request: Request) -> str | None:
-    """The public prefix of the key a request tried (never the secret), for the log."""
+def _key_id(request: Request) -> str | None:
+    """The public id (``ftq_<prefix>``, ``ftqw_<prefix>``) of the well-formed key a request
+    carries, as ``core.users.service.public_key_id`` writes it; None for no key or a malformed one."""
     try:
         raw, _ = credentials(request)
     except Unauthenticated:
         return None
-    parts = (split_key(raw.strip()) or split_worker_key(raw.strip())) if raw else None
-    return parts[0] if parts else None
+    if raw is None:
+        return None
+    for scheme in (KEY_SCHEME, WORKER_KEY_SCHEME):
+        parts = split_key(raw.strip(), expected=scheme)
+        if parts is not None:
+            return public_key_id(scheme, parts[0])
+    return None
 
 
 async def require_admin(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:

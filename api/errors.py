@@ -105,14 +105,18 @@ def store_unreachable(exc: OperationalError) -> JSONResponse:
     )
 
 
-def too_many_failures(retry_after_s: int) -> JSONResponse:
+def too_many_failures(retry_after_s: int, *, key_id: str | None = None) -> JSONResponse:
+    """429 for a locked bucket of ``api.auth_throttle``: the key id ``key_id``, or (None) the
+    address's requests with no key the store knows."""
+    message = (
+        f"too many failed requests with the API key {key_id}; it answers 429 for {retry_after_s} s more, "
+        "whatever the rest of the key. If it was revoked or its user disabled, ask an admin for a new key"
+        if key_id else
+        f"too many requests with an unknown or malformed API key from this address; wait {retry_after_s} s, "
+        "or send a valid key ('Authorization: Bearer <key>'), which is never refused for others' failures"
+    )
     return JSONResponse(
-        error_body(
-            "too_many_failed_keys",
-            f"too many requests with a bad API key from this address; wait {retry_after_s} s, then "
-            "send a valid key ('Authorization: Bearer <key>')",
-            param="Authorization",
-        ),
+        error_body("too_many_failed_keys", message, param="Authorization"),
         status_code=429,
         headers={"Retry-After": str(retry_after_s)},
     )

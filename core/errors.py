@@ -47,9 +47,18 @@ class Conflict(FtqError):
 
 
 class Unauthenticated(FtqError):
-    """The request carries no valid API key (HTTP 401)."""
+    """The request carries no valid API key (HTTP 401).
+
+    ``key_id``: the public id (``ftq_<prefix>``, ``ftqw_<prefix>``) of a stored key the request
+    named and that was refused (wrong secret, revoked, disabled user); None when no stored key
+    has that id, or the key is missing or malformed. ``api.auth_throttle`` counts by it.
+    """
 
     code = "unauthenticated"
+
+    def __init__(self, message: str, *, param: str | None = None, key_id: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.key_id = key_id
 
 
 class Forbidden(FtqError):

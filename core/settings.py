@@ -72,8 +72,10 @@ class Settings(BaseSettings):
     """Processes the API starts (on first use) to tokenize datasets for GET /v1/files/{id}/tokens;
     each imports transformers and keeps its last 4 tokenizers loaded, the API process neither."""
     auth_failure_limit: int = Field(default=20, ge=0)
-    """Requests with a bad API key one address may make per minute; past it the API answers 429
-    until the oldest leaves the minute (api/auth_throttle.py). 0 turns the limit off."""
+    """Failed requests per minute one stored key id may have (a wrong secret, revoked, disabled
+    user), and one address with keys the store does not know (unknown id, malformed, none); past
+    it that id, or that address's unknown keys, get 429 until the oldest leaves the minute. A
+    valid key is never refused for other keys' failures (api/auth_throttle.py). 0: no limit."""
     sse_heartbeat_s: float = 15.0
     """An idle event stream sends a comment line this often so proxies keep it open."""
     sse_poll_interval_s: float = 0.4

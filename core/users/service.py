@@ -70,6 +70,12 @@ def split_key(raw: str, *, expected: str = KEY_SCHEME) -> tuple[str, str] | None
     return prefix, secret
 
 
+def public_key_id(scheme: str, prefix: str) -> str:
+    """A key's public id, ``<scheme>_<prefix>`` (``ftq_1a2b3c4d``; a worker key's ``ftqw_…``):
+    not secret, it names the key in the log and is what ``api.auth_throttle`` counts failures by."""
+    return f"{scheme}_{prefix}"
+
+
 # --- users ------------------------------------------------------------------------------------
 
 
@@ -238,17 +244,18 @@ def verify_key(session: Session, raw: str) -> Caller:
     if not hmac.compare_digest(hash_key(raw.strip()), expected) or key is None:
         raise Unauthenticated(
             "the API key is not valid; check that it was copied whole, or ask an admin for a new one",
-            param="Authorization",
+            param="Authorization", key_id=None if key is None else public_key_id(KEY_SCHEME, key.prefix),
         )
     if key.revoked_at is not None:
         raise Unauthenticated(
             f"the API key {key.prefix} was revoked at {key.revoked_at.isoformat()}; ask an admin for a new one",
-            param="Authorization",
+            param="Authorization", key_id=public_key_id(KEY_SCHEME, key.prefix),
         )
     user = session.get(User, key.user_id)
     if user is None or user.disabled_at is not None:
         raise Unauthenticated(
-            f"the user of API key {key.prefix} is disabled; ask an admin to enable it", param="Authorization"
+            f"the user of API key {key.prefix} is disabled; ask an admin to enable it", param="Authorization",
+            key_id=public_key_id(KEY_SCHEME, key.prefix),
         )
     now = utcnow()
     if key.last_used_at is None or now - key.last_used_at >= LAST_USED_RESOLUTION:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound, Unauthenticated
-from core.users.service import NAME_PATTERN, hash_key, split_key
+from core.users.service import NAME_PATTERN, hash_key, public_key_id, split_key
 from core.workers.models import Worker, WorkerKey
 
 KEY_SCHEME = "ftqw"
@@ -142,13 +142,13 @@ def verify_worker_key(session: Session, raw: str) -> WorkerKey:
     if not hmac.compare_digest(hash_key(raw), expected) or row is None:
         raise Unauthenticated(
             "the worker key is not valid; check FTQ_WORKER_KEY was copied whole, or ask an admin for a new one",
-            param="Authorization",
+            param="Authorization", key_id=None if row is None else public_key_id(KEY_SCHEME, row.prefix),
         )
     if row.revoked_at is not None:
         raise Unauthenticated(
             f"the worker key {row.name!r} ({row.prefix}) was revoked at {row.revoked_at.isoformat()}; "
             "ask an admin for a new one (`ftq workers key create NAME`)",
-            param="Authorization",
+            param="Authorization", key_id=public_key_id(KEY_SCHEME, row.prefix),
         )
     now = utcnow()
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:

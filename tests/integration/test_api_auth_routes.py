@@ -3,8 +3,9 @@ never the route's answer. Enumerated from the app itself, so a route added later
 without anyone remembering to list it (issue 10: a nested router once served
 ``GET /v1/files/{id}/tokens`` to anyone, because the gate looked at the route's template).
 
-Also: repeated failed keys from one address are logged (prefix, never the secret) and answered
-429 with ``Retry-After``, while other addresses are unaffected.
+Also the failed-key throttle: a stored key's failures lock that key's id, other failures the
+address's unknown keys, each logged (key id, never the secret) and answered 429 with
+``Retry-After``; a valid key is never refused for other keys' failures.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from starlette.convertors import IntegerConvertor
@@ -22,7 +24,7 @@ from api.auth import CSRF_HEADER, SESSION_COOKIE, is_open
 from api.workers.auth import WORKER_ONLY, is_worker_path
 from core.settings import Settings
 from core.users import service as users
-from tests.integration.helpers import bearer, make_user, make_worker_key, upload
+from tests.integration.helpers import bearer, make_user, make_worker_key, serve, upload
 
 pytestmark = pytest.mark.integration
 
@@ -184,21 +186,79 @@ class TestEveryRouteNeedsAKey:
 
 
 class TestFailedKeyThrottle:
-    def test_repeated_failures_from_one_address_are_logged_then_slowed(
+    """Issue 23: the throttle once counted per address, so one script with a revoked key locked a
+    whole NAT, or the dashboard and CLI on the box itself, out for a minute. Now failures of a key
+    the store has count against that key's id, the rest against the address, and a valid key is
+    never refused for other keys' failures."""
+
+    def test_600_bad_keys_from_127_0_0_1_then_a_valid_key_answers_at_once(
+        self, settings: Settings, store, admin_key: str
+    ) -> None:
+        revoked = make_user(store, "script")
+        with serve(settings) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+            http.delete(f"/v1/keys/{users.split_key(revoked)[0]}", headers=bearer(admin_key)).raise_for_status()
+            codes = [http.get("/v1/jobs", headers=bearer(revoked)).status_code for _ in range(600)]
+            assert codes[:20] == [401] * 20 and set(codes[20:]) == {429}  # FTQ_AUTH_FAILURE_LIMIT 20
+            assert http.get("/v1/jobs", headers=bearer(admin_key)).status_code == 200
+            assert http.get("/openai/v1/files", headers=bearer(admin_key)).status_code == 200
+            again = http.get("/v1/jobs", headers=bearer(revoked))
+            assert again.status_code == 429 and int(again.headers["Retry-After"]) >= 1
+            error = again.json()["error"]
+            assert error["param"] == "Authorization" and f"ftq_{users.split_key(revoked)[0]}" in error["message"]
+            # The dashboard's cookie and OpenAI's shape: the same key, the same lock.
+            assert http.get("/v1/jobs", headers={"Cookie": f"{SESSION_COOKIE}={revoked}"}).status_code == 429
+            assert http.get("/openai/v1/files", headers=bearer(revoked)).json()["error"]["type"] == "rate_limit_error"
+
+    def test_a_locked_key_id_refuses_even_its_right_secret_and_only_that_key(
+        self, settings: Settings, store, admin_key: str
+    ) -> None:
+        from api.app import create_app
+
+        alice = make_user(store, "alice")
+        prefix, _ = users.split_key(alice)
+        guesses = [bearer(f"ftq_{prefix}_guess{i}") for i in range(4)]
+        app = create_app(settings.model_copy(update={"auth_failure_limit": 3}))
+        with TestClient(app, client=("127.0.0.1", 1)) as http:
+            assert [http.get("/v1/jobs", headers=h).status_code for h in guesses] == [401, 401, 401, 429]
+            assert http.get("/v1/jobs", headers=bearer(alice)).status_code == 429  # no oracle while locked
+            assert http.get("/v1/jobs", headers=bearer(admin_key)).status_code == 200
+            assert http.get("/v1/jobs", headers=bearer("ftq_0123abcd_" + "A" * 43)).status_code == 401
+
+    def test_an_unknown_id_flood_locks_that_addresses_unknown_ids_not_its_valid_keys(
         self, settings: Settings, store, admin_key: str, caplog: pytest.LogCaptureFixture
     ) -> None:
         from api.app import create_app
 
+        revoked = make_user(store, "revoked")
         app = create_app(settings.model_copy(update={"auth_failure_limit": 3}))
-        secret = "ftq_0123abcd_" + "S" * 43
-        with caplog.at_level(logging.WARNING, logger="api.auth"), TestClient(app, client=("10.0.0.9", 1)) as attacker:
-            codes = [attacker.get("/v1/jobs", headers=bearer(secret)).status_code for _ in range(4)]
-            assert codes == [401, 401, 401, 429]
-            refused = attacker.get("/v1/jobs", headers=bearer(admin_key))
-            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
-            assert refused.json()["error"]["param"] == "Authorization"
+        unknown = "ftq_0123abcd_" + "S" * 43
+        with caplog.at_level(logging.WARNING, logger="api.auth"), TestClient(app, client=("10.0.0.9", 1)) as http:
+            http.delete(f"/v1/keys/{users.split_key(revoked)[0]}", headers=bearer(admin_key)).raise_for_status()
+            codes = [http.get("/v1/jobs", headers=bearer(unknown)).status_code for _ in range(5)]
+            assert codes == [401, 401, 401, 429, 429]
+            refused = http.get("/v1/jobs", headers=bearer("ftq_fedcba98_" + "S" * 43))  # another unknown id
+            assert refused.status_code == 429 and "from this address" in refused.json()["error"]["message"]
+            for headers in ({}, bearer("not-a-key"), {"Authorization": f"Basic {admin_key}"}):
+                assert http.get("/v1/jobs", headers=headers).status_code == 429
+            assert http.get("/v1/jobs", headers=bearer(admin_key)).status_code == 200
+            assert http.get("/v1/jobs", headers=bearer(revoked)).status_code == 401  # its own bucket
         with TestClient(app, client=("10.0.0.10", 1)) as neighbour:
-            assert neighbour.get("/v1/jobs", headers=bearer(admin_key)).status_code == 200
+            assert neighbour.get("/v1/jobs", headers=bearer(unknown)).status_code == 401
         failures = [r.getMessage() for r in caplog.records if "failed API key" in r.getMessage()]
-        assert len(failures) == 3 and all("10.0.0.9" in m and "0123abcd" in m for m in failures)
+        assert len(failures) == 5 and all("10.0.0.9" in m or "10.0.0.10" in m for m in failures)
+        assert sum("ftq_0123abcd" in m for m in failures) == 4
         assert not any("SSSS" in r.getMessage() for r in caplog.records)
+
+    def test_worker_keys_count_per_key_id_too(self, settings: Settings, store, admin_key: str) -> None:
+        from api.app import create_app
+
+        revoked = make_worker_key(store, "old-box")
+        good = make_worker_key(store, "box")
+        app = create_app(settings.model_copy(update={"auth_failure_limit": 3}))
+        path = "/v1/worker/files/file-000000000000000000000000"
+        with TestClient(app, client=("127.0.0.1", 1)) as http:
+            http.delete("/v1/workers/keys/old-box", headers=bearer(admin_key)).raise_for_status()
+            codes = [http.get(path, headers=bearer(revoked)).status_code for _ in range(5)]
+            assert codes == [401, 401, 401, 429, 429]
+            assert http.get(path, headers=bearer(good)).status_code not in (401, 429)  # past the gate
+            assert http.get("/v1/jobs", headers=bearer(admin_key)).status_code == 200

@@ -69,9 +69,18 @@ class Watch:
             time.sleep(0.2)
         raise AssertionError(f"job never {what}; last seen {json.dumps(job)[:1500]}\n{self.faults.stack.log_tail(30)}")
 
-    def past(self, step: int) -> dict[str, Any]:
-        job = self.until(lambda j: j["status"] not in ("queued", "running") or j["progress"]["step"] >= step,
-                         f"reached step {step}")
+    def past(self, step: int, *, attempt: int = 1) -> dict[str, Any]:
+        """Until the job runs attempt ``attempt`` (or a later one) and is at ``step`` or beyond.
+
+        ``progress.step`` is the job's, not the attempt's: the steps a trainer printed just before
+        it was killed are stored after its death, and the job stays ``running`` under that attempt
+        until the worker has recorded the kill. Waiting for ``step`` alone let the next fault (the
+        worker's kill) land before that record, so the kill's outcome was lost and the reaper's
+        "lost worker" retry stood in for it (issue 22). A later attempt means the outcome is stored.
+        """
+        job = self.until(lambda j: j["status"] not in ("queued", "running")
+                         or (j["attempts"] >= attempt and j["progress"]["step"] >= step),
+                         f"reached step {step} in attempt {attempt} or later")
         assert job["status"] == "running", f"the job ended before step {step}, the next kill: raise MAX_STEPS ({job})"
         return job
 
@@ -91,11 +100,11 @@ def test_a_job_survives_kill_9_of_trainer_worker_api_redis_and_postgres(faults, 
     for pid in trainer:
         os.kill(pid, signal.SIGKILL)  # an outside kill, not an OOM: retried from the checkpoint
 
-    watch.past(8)
+    watch.past(8, attempt=2)  # the kill's outcome is stored: the worker claimed the job again
     stack.kill("worker")  # the trainer, in its own session, outlives it until the restart sweeps it
     stack.restart("worker")
 
-    watch.past(13)
+    watch.past(13, attempt=3)  # the reaper requeued the killed worker's attempt
     stack.kill("api")
     stack.restart("api")
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.model import enable_gradient_checkpointing
 from trainer.offload import ActivationOffloader
 
 COMMON = {
@@ -51,9 +52,7 @@ def make_model(
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.config.use_cache = False
     if mode == "checkpoint":
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        enable_gradient_checkpointing(model)  # the trainer's, for each transformers release
     lora = peft.LoraConfig(
         r=4,
         lora_alpha=8,

@@ -236,9 +236,17 @@ class TestCapabilities:
         assert decisions["loss"]["backend"] == "fused_chunked_ce"
 
 
+def _gemma2_own_attention() -> str:
+    """The attention transformers itself declares for Gemma 2: eager from 5.24 on (its SDPA path
+    drops the soft-capping), SDPA before (5.17, the GPU image's). The trainer follows the class."""
+    from transformers import Gemma2PreTrainedModel
+
+    return "transformers_sdpa" if Gemma2PreTrainedModel._supports_sdpa else "transformers_eager"
+
+
 def _tiny_gemma2(directory):
-    """A tiny Gemma 2 (attention logit soft-capping: packed attention cannot run it; no SDPA path
-    in transformers either, so it falls back to eager attention with the packed block masks)."""
+    """A tiny Gemma 2 (attention logit soft-capping: packed attention cannot run it, so it falls
+    back to the model's own attention, ``_gemma2_own_attention()``, with the packed block masks)."""
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -300,7 +308,7 @@ class TestRuns:
         plan_event = next(e for e in events if e["type"] == "plan")
         decisions = _decisions(plan_event)
         attention = decisions["attention"]
-        assert (attention["enabled"], attention["backend"]) == (False, "transformers_eager")
+        assert (attention["enabled"], attention["backend"]) == (False, _gemma2_own_attention())
         # Gemma 2's final-logit soft-capping is one the fused loss applies per chunk.
         assert decisions["loss"]["backend"] == "fused_chunked_ce"
 
@@ -321,10 +329,10 @@ class TestRuns:
         out = run_cli("detect", "--json", "--job", str(tmp_path / "job.json"))
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
-        assert _decisions(report["plan"])["attention"]["backend"] == "transformers_eager"
+        assert _decisions(report["plan"])["attention"]["backend"] == _gemma2_own_attention()
         text = run_cli("detect", "--job", str(tmp_path / "job.json"))
         attention = next(line for line in text.stdout.splitlines() if line.startswith("attention "))
-        assert attention.split()[:5] == ["attention", "auto", "->", "off", "[transformers_eager]"]
+        assert attention.split()[:5] == ["attention", "auto", "->", "off", f"[{_gemma2_own_attention()}]"]
         assert "packed attention cannot run gemma2" in attention
         assert any(
             line.split() == ["can", "be", "on", "packed_metadata_cache"]

@@ -114,7 +114,7 @@ class FineTuningJob(BaseModel):
     error: JobError | None
     fine_tuned_model: str | None
     """``ft:<model>:<owner>:<suffix>:<job id>`` once succeeded: the ftq job whose adapter
-    ``GET /v1/jobs/{id}/adapter`` (``ftq jobs adapter``) downloads."""
+    ``GET /v1/jobs/{id}/adapter`` (``ftq download``) downloads."""
     finished_at: int | None
     hyperparameters: Hyperparameters
     model: str

@@ -4,7 +4,9 @@ Nothing is opened at import. The lifespan builds the store engine and sessionmak
 app used only to send ``jobs.run`` (core.queue), a Redis client when ``FTQ_REDIS_URL`` is set
 (live SSE wake-ups) and the ``TokenizerPool`` behind the token statistics (worker processes,
 started on first use); it hands them to requests as one typed ``AppState`` and closes them at
-shutdown. Serve with ``uvicorn --factory api.app:create_app`` or ``ftq api``.
+shutdown. It also removes what a crash or a finished job left on disk (upload temporaries,
+download archives, unrecorded uploads) and starts the thread that keeps sweeping the latter
+(``api.workers.sweeper``). Serve with ``uvicorn --factory api.app:create_app`` or ``ftq api``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from api.models.routes import router as models_router
 from api.jobs.wakeups import Wakeups
 from api.openai.app import PREFIX as OPENAI_PREFIX
 from api.openai.app import create_openai_app
+from api.responses import sweep_temporaries
 from api.state import AppState
 from api.system.routes import router as system_router
 from api.users.routes import router as users_router
 from api.web.routes import router as web_router
 from api.workers.routes import router as workers_router
+from api.workers.sweeper import UploadSweeper
 from core.db import make_engine, make_sessionmaker
 from core.jobs import artifact_store
 from core.migrate import schema_problem
@@ -55,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = make_engine(settings.database_url)  # type: ignore[arg-type]
         _refuse_unmigrated_store(engine)
         await to_thread.run_sync(artifact_store.sweep_incoming, settings)  # uploads a crash cut off
+        await to_thread.run_sync(sweep_temporaries, settings)  # download archives a crash left
         celery = make_celery(settings)
         redis = None
         if settings.redis_url:
@@ -63,11 +68,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             redis = Redis.from_url(settings.redis_url)
         tokenizers = TokenizerPool(settings.tokenizer_workers)
         sessions = make_sessionmaker(engine)
+        sweeper = UploadSweeper(sessions, settings)  # what finished jobs' uploads left
+        await to_thread.run_sync(sweeper.sweep_all)
+        sweeper.start()
         wakeups = Wakeups(sessions, settings, celery)
         state = AppState(settings, engine, sessions, celery, redis, tokenizers, wakeups=wakeups)
         try:
             yield {"ftq": state}
         finally:
+            await to_thread.run_sync(sweeper.close)
             await to_thread.run_sync(wakeups.close)  # sends what submissions noted
             await to_thread.run_sync(tokenizers.shutdown)  # waits for a running tokenization
             if redis is not None:

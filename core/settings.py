@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     transfer_retries: int = Field(default=4, ge=0)
     """Retries of one dataset download or artifact upload/download after a checksum mismatch, a
     truncated body, a 5xx or a connection error (backoff between tries)."""
+    worker_upload_quota_gib: float = Field(default=200.0, gt=0)
+    """The API: GiB one job's uploads from remote workers (checkpoints, final weights, exports)
+    may occupy in its store once unpacked; an upload past it is 413 and leaves nothing. A full
+    fine-tune of a large model keeps more (each checkpoint holds the optimizer state): raise it."""
+    worker_upload_max_members: int = Field(default=10_000, ge=1)
+    """The API: files and directories one upload's tar may hold (a checkpoint is a few)."""
     cpus: str | None = None
     """CPU cores this process and its children may run on (``0``, ``0-3``, ``0,2-3``; Linux), set
     per process: ``FTQ_CPUS=0 ftq api`` and ``FTQ_CPUS=1-15 ftq worker`` keep an API under load

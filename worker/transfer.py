@@ -14,7 +14,8 @@ datasets and job artifacts from, and uploads checkpoints, adapters and exports t
 A checksum mismatch, a truncated body, a 5xx or a connection error is retried up to
 ``retries`` times with exponential backoff; a 401 or 403 (a revoked or wrong key, a job that
 is not this worker's) is not: ``TransferRefused`` says why. A tar from the network is trusted
-no more than an upload: absolute names, ``..``, links, devices and fifos are refused.
+no more than an upload: it is read by the API's own reader (``core.workers.archive``), which
+refuses absolute names, ``..``, links, devices, fifos and sparse files.
 
 Errors::
 
@@ -39,6 +40,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+
+from core.errors import InvalidInput
+from core.workers import archive as tars
 
 log = logging.getLogger(__name__)
 
@@ -302,16 +306,10 @@ def make_tar(source: Path, target: Path) -> None:
 
 
 def safe_extract(archive: Path, dest: Path) -> None:
-    """Extract ``archive`` into the new directory ``dest``, refusing members that are absolute,
-    contain ``..``, or are links, devices or fifos (the whole archive is checked first)."""
-    with tarfile.open(archive, "r:") as tar:
-        members = tar.getmembers()
-        for member in members:
-            name = member.name
-            parts = Path(name).parts
-            if name.startswith(("/", "\\")) or os.path.isabs(name) or ".." in parts or not parts:
-                raise TransferError(f"unsafe archive: member {name!r} is absolute or leaves its directory")
-            if not (member.isfile() or member.isdir()):
-                raise TransferError(f"unsafe archive: member {name!r} is a link, device or fifo")
-        dest.mkdir(parents=True)
-        tar.extractall(dest, members=members, filter="data")
+    """Extract ``archive`` into the new directory ``dest`` with the API's own reader
+    (``core.workers.archive.extract_into``): absolute or ``..`` names, links, devices, fifos,
+    sparse files and more than its member cap are refused before a byte is written."""
+    try:
+        tars.extract_into(archive, dest)
+    except InvalidInput as exc:
+        raise TransferError(f"unsafe archive: {exc.message.removeprefix('body: ')}") from None

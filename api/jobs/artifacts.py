@@ -1,7 +1,7 @@
 """Download archives of a job's checkpoints, final adapter and exports.
 
 Archives are written to a temporary file under ``<data_dir>/tmp`` and streamed from there
-(removed after the response), so a multi-GB full fine-tune never sits in memory. Files are
+(removed however the response ends: ``api.responses.TemporaryFileResponse``), so a multi-GB full fine-tune never sits in memory. Files are
 at the archive's root: ``unzip adapter.zip -d out`` then ``PeftModel.from_pretrained(base, "out")``.
 
 The final adapter's archive is self-describing (``adapter_members``, ``api.jobs.card``): its

@@ -17,11 +17,11 @@ from anyio import to_thread
 from fastapi import APIRouter, Response, status
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.background import BackgroundTask
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.jobs import artifacts
+from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, NotFound
 from core.exports import service
@@ -138,9 +138,8 @@ def download_export(job_id: str, export_id: str, session: SessionDep, state: Sta
         if not found:
             raise NotFound(f"export {export_id}: the .gguf file is no longer on disk", param="export_id")
         return FileResponse(found[0], media_type="application/octet-stream", filename=f"{stem}.gguf")
-    path = artifacts.build_archive(src, format, state.settings.data_dir / "tmp")
-    return FileResponse(path, media_type=artifacts.MEDIA_TYPES[format], filename=f"{stem}.{format}",
-                        background=BackgroundTask(path.unlink, missing_ok=True))
+    path = artifacts.build_archive(src, format, temporaries_dir(state.settings))
+    return TemporaryFileResponse(path, media_type=artifacts.MEDIA_TYPES[format], filename=f"{stem}.{format}")
 
 
 def _model_type(state: AppState, job: Job) -> str | None:

@@ -22,7 +22,6 @@ from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from starlette.background import BackgroundTask
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
@@ -44,6 +43,7 @@ from api.jobs.schemas import (
     queue_info,
 )
 from api.jobs.sse import event_stream
+from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, eta, live, rerun, scheduling, service
@@ -369,13 +369,8 @@ def _archive_response(
     # directory, whatever a stray or hostile event line said.
     if not src.resolve().is_relative_to(root.resolve()):
         raise NotFound(f"{stem}: the files are not in the job's directory", param="job_id")
-    path = artifacts.build_archive(src, fmt, state.settings.data_dir / "tmp", members)
-    return FileResponse(
-        path,
-        media_type=artifacts.MEDIA_TYPES[fmt],
-        filename=f"{stem}.{fmt}",
-        background=BackgroundTask(path.unlink, missing_ok=True),
-    )
+    path = artifacts.build_archive(src, fmt, temporaries_dir(state.settings), members)
+    return TemporaryFileResponse(path, media_type=artifacts.MEDIA_TYPES[fmt], filename=f"{stem}.{fmt}")
 
 
 def _out(session: Session, job: Job, settings: Settings | None = None, *, estimate: bool = True) -> JobOut:

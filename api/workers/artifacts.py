@@ -10,7 +10,10 @@ to ``<jobs_dir>/<job_id>/.incoming/`` and hashed as it arrives (never held in me
 whole, matching, safe tar (``core.workers.archive``) is unpacked into a staging directory there
 and renamed into place, so nothing half-uploaded is ever at ``<path>``. ``path`` is one of
 ``trainer.layout.ARTIFACT_PATHS``; the key must belong to the worker running the job
-(``core.workers.access``).
+(``core.workers.access``). An upload is bounded (``core.workers.uploads``): a checkpoint's step
+by the job's progress and last step, a recorded checkpoint is never replaced, and the tar by a
+member count and the job's quota, counted as the body arrives and again as it is unpacked. A
+download's tar is a temporary file removed however the response ends (``api.responses``).
 """
 
 from __future__ import annotations
@@ -25,18 +28,18 @@ from pathlib import Path
 from anyio import to_thread
 from fastapi import APIRouter, Request, status
 from fastapi.responses import FileResponse, JSONResponse
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from api.deps import SessionDep, StateDep
 from api.errors import error_body
+from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from api.workers.auth import WorkerCaller, WorkerDep
 from api.workers.schemas import ArtifactStored
 from core.errors import ChecksumMismatch, InvalidInput, NotFound
 from core.jobs import artifact_store
 from core.settings import Settings
-from core.workers import access, archive
+from core.workers import access, archive, uploads
 from trainer import layout
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"])
@@ -91,8 +94,7 @@ async def download_artifact(job_id: str, path: str, worker: WorkerDep, state: St
     path = _checked_path(path)
     await to_thread.run_sync(lambda: _authorise(state, worker, job_id, path, upload=False))
     out, digest = await to_thread.run_sync(_pack, state.settings, job_id, path)
-    return FileResponse(out, media_type=TAR, headers={SHA_HEADER: digest},
-                        background=BackgroundTask(out.unlink, missing_ok=True))
+    return TemporaryFileResponse(out, media_type=TAR, headers={SHA_HEADER: digest})
 
 
 def _pack(settings: Settings, job_id: str, path: str) -> tuple[Path, str]:
@@ -100,7 +102,7 @@ def _pack(settings: Settings, job_id: str, path: str) -> tuple[Path, str]:
     root = artifact_store.job_store_dir(settings, job_id)
     if not src.exists() or not src.resolve().is_relative_to(root.resolve()):
         raise NotFound(f"job {job_id} has no {path!r} in the API's artifact store", param="path")
-    tmp_dir = settings.data_dir / "tmp"
+    tmp_dir = temporaries_dir(settings)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
     os.close(fd)
@@ -131,17 +133,28 @@ async def upload_artifact(
     except ValueError as exc:
         return JSONResponse(error_body("invalid_header", str(exc), param=SHA_HEADER), status_code=400)  # type: ignore[return-value]
     expected = _content_length(request)
-    await to_thread.run_sync(lambda: _authorise(state, worker, job_id, path, upload=True))
+    quota = await to_thread.run_sync(lambda: _admit(state, worker, job_id, path))
     incoming = artifact_store.incoming_dir(state.settings, job_id)
     await to_thread.run_sync(lambda: incoming.mkdir(parents=True, exist_ok=True))
     received = incoming / f"{uuid.uuid4().hex}.tar"
     try:
-        got = await _receive(request, received)
+        if expected is not None:
+            await to_thread.run_sync(quota.check_body, incoming, received, expected)
+        got = await _receive(request, received, quota)
         return await to_thread.run_sync(
-            lambda: _store(state.settings, job_id, path, received, sha256=sha256, got=got, expected=expected)
+            lambda: _store(state, worker, job_id, path, received, sha256=sha256, got=got, expected=expected)
         )
     finally:
         received.unlink(missing_ok=True)
+
+
+def _admit(state: AppState, worker: WorkerCaller, job_id: str, path: str) -> uploads.Quota:
+    """The key may write ``path`` of the job now (``core.workers.access``), a checkpoint's step is
+    one the job can have reached and not recorded yet (``core.workers.uploads``); the job's quota."""
+    with state.sessions() as session:
+        job = access.check_job_access(session, worker.worker_key_id, job_id, path, upload=True)
+        uploads.check_upload(session, job, path)
+    return uploads.Quota.measure(state.settings, job_id, path)
 
 
 def _content_length(request: Request) -> int | None:
@@ -153,34 +166,53 @@ def _content_length(request: Request) -> int | None:
     return int(value)
 
 
-async def _receive(request: Request, out: Path) -> str:
-    """Stream the request body into ``out``, hashing it; the hex sha256 of what arrived."""
+QUOTA_CHECK_BYTES = 64 << 20
+"""While a body arrives, the bytes of the job's uploads in flight are measured again this often."""
+
+
+async def _receive(request: Request, out: Path, quota: uploads.Quota) -> str:
+    """Stream the request body into ``out``, hashing it; the hex sha256 of what arrived.
+
+    Raises:
+        TooLarge: the job's uploads in flight pass its quota (``uploads.Quota.check_body``).
+    """
     digest = hashlib.sha256()
+    received = checked = 0
     with out.open("wb") as fh:
         try:
             async for chunk in request.stream():
                 digest.update(chunk)
                 await to_thread.run_sync(fh.write, chunk)
+                received += len(chunk)
+                if received - checked >= QUOTA_CHECK_BYTES:
+                    checked = received
+                    await to_thread.run_sync(quota.check_body, out.parent, out, received)
         except ClientDisconnect:
             raise ChecksumMismatch("body: the connection closed before the whole body arrived; send it again",
                                    param="body") from None
     return digest.hexdigest()
 
 
-def _store(settings: Settings, job_id: str, path: str, received: Path, *, sha256: str, got: str,
-           expected: int | None) -> ArtifactStored:
+def _store(state: AppState, worker: WorkerCaller, job_id: str, path: str, received: Path, *, sha256: str,
+           got: str, expected: int | None) -> ArtifactStored:
+    """Verify what arrived, then, holding the job's store lock, check the upload again (the job may
+    have ended, the checkpoint been recorded, other uploads landed meanwhile), unpack it within
+    the quota and rename it into place."""
+    settings = state.settings
     size = archive.verify_received(received, sha256=sha256, got_sha256=got, expected_bytes=expected)
     incoming = received.parent
     staging = incoming / f"{received.stem}.d"
-    try:
-        files = archive.extract_into(received, staging)
-        source = staging
-        if path == layout.JOB_CONFIG:
-            source = staging / layout.JOB_CONFIG
-            if files != 1 or not source.is_file() or source.is_symlink():
-                raise InvalidInput(f"body: the tar of {layout.JOB_CONFIG} must hold that one file, named "
-                                   f"{layout.JOB_CONFIG!r}", param="body")
-        archive.replace_atomically(source, artifact_store.artifact_path(settings, job_id, path), incoming)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with artifact_store.job_lock(settings, job_id):
+        quota = _admit(state, worker, job_id, path)
+        try:
+            files = archive.extract_into(received, staging, quota.limits())
+            source = staging
+            if path == layout.JOB_CONFIG:
+                source = staging / layout.JOB_CONFIG
+                if files != 1 or not source.is_file() or source.is_symlink():
+                    raise InvalidInput(f"body: the tar of {layout.JOB_CONFIG} must hold that one file, named "
+                                       f"{layout.JOB_CONFIG!r}", param="body")
+            archive.replace_atomically(source, artifact_store.artifact_path(settings, job_id, path), incoming)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return ArtifactStored(path=path, sha256=sha256, bytes=size, files=files)

@@ -10,6 +10,11 @@ reported.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from core.settings import Settings
@@ -17,6 +22,8 @@ from trainer import layout
 
 INCOMING = ".incoming"
 """Directory in a job's store where uploads are received and unpacked before their rename."""
+LOCK = ".lock"
+"""The job's store lock, in ``INCOMING`` (``job_lock``)."""
 
 
 def job_store_dir(settings: Settings, job_id: str) -> Path:
@@ -49,6 +56,43 @@ def job_config_path(settings: Settings, job_id: str) -> Path:
     return job_store_dir(settings, job_id) / layout.JOB_CONFIG
 
 
+@contextlib.contextmanager
+def job_lock(settings: Settings, job_id: str, *, wait: bool = True) -> Iterator[bool]:
+    """Hold the job's store lock while the block runs: an upload's unpack-and-rename and the
+    sweep of a finished job's store take turns on it, across API processes too. With
+    ``wait=False`` the block gets False at once when another holds it (and runs unlocked:
+    the caller skips its work)."""
+    incoming = incoming_dir(settings, job_id)
+    incoming.mkdir(parents=True, exist_ok=True)
+    with (incoming / LOCK).open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def tree_bytes(path: Path, *, skip: frozenset[Path] = frozenset()) -> int:
+    """Bytes of the regular files under ``path`` (or ``path`` itself), links not followed,
+    the trees in ``skip`` left out; what vanishes meanwhile counts nothing."""
+    total, todo = 0, [path]
+    while todo:
+        current = todo.pop()
+        if current in skip:
+            continue
+        try:
+            mode = current.lstat()
+            if stat.S_ISDIR(mode.st_mode):
+                with os.scandir(current) as entries:
+                    todo.extend(Path(entry.path) for entry in entries)
+            elif stat.S_ISREG(mode.st_mode):
+                total += mode.st_size
+        except OSError:
+            continue
+    return total
+
+
 STALE_INCOMING_S = 3600.0
 """An upload's temporary files untouched this long belong to an upload that will never finish."""
 
@@ -63,7 +107,7 @@ def sweep_incoming(settings: Settings, *, older_than_s: float = STALE_INCOMING_S
     cutoff = time.time() - older_than_s
     removed: list[Path] = []
     for entry in settings.jobs_dir.glob(f"*/{INCOMING}/*"):
-        if entry.name == ".lock":  # uploads of one artifact take turns on it (core/workers/archive.py)
+        if entry.name == LOCK:  # uploads and sweeps of the job take turns on it (job_lock)
             continue
         try:
             if entry.lstat().st_mtime >= cutoff:

@@ -4,7 +4,9 @@ A worker key reaches a job's files only while one of its workers runs that job: 
 claiming worker (``job.worker_id``), a machine of a multi-machine job's current attempt
 (``job_node``), or the worker running one of the job's exports. Everything else is 403, so a
 stolen key of one machine reads no other machine's jobs, and a job stops being reachable when
-it ends or is claimed elsewhere.
+it ends or is claimed elsewhere. ``exports/<id>`` is written only by the worker running that
+export of that job (an id that names no export of the job is 404). What else bounds an upload
+(steps, immutable checkpoints, the quota) is ``core.workers.uploads``.
 """
 
 from __future__ import annotations
@@ -56,29 +58,39 @@ def _keyed(session: Session, worker_ids: set[str], key_id: str) -> bool:
 def check_job_access(session: Session, key_id: str, job_id: str, path: str, *, upload: bool) -> Job:
     """The job, if worker key ``key_id`` may read (or, with ``upload``, write) ``path`` of it.
 
-    A job's running worker may read and write all of its artifacts; an export's worker may read
-    the job's artifacts and write only ``exports/<its export id>``.
+    A job's running worker may read and write every artifact but its exports; an export's worker
+    may read the job's artifacts and write only ``exports/<its export id>``.
 
     Raises:
-        NotFound: no such job.
+        NotFound: no such job, or (upload) ``exports/<id>`` names no export of this job.
         Forbidden: no worker with this key runs the job (or the export) now.
     """
     job = session.get(Job, job_id)
     if job is None:
         raise NotFound(f"job {job_id} does not exist", param="job_id")
+    parts = path.split("/")
+    if upload and len(parts) == 2 and parts[0] == layout.EXPORTS:
+        return _check_export_upload(session, key_id, job, parts[1])
     if _keyed(session, job_worker_ids(session, job), key_id):
         return job
-    exports = export_worker_ids(session, job_id)
-    if upload:
-        parts = path.split("/")
-        wanted = exports.get(parts[1]) if len(parts) == 2 and parts[0] == layout.EXPORTS else None
-        allowed = _keyed(session, {wanted} if wanted else set(), key_id)
-    else:
-        allowed = _keyed(session, set(exports.values()), key_id)
-    if not allowed:
+    if not upload and _keyed(session, set(export_worker_ids(session, job_id).values()), key_id):
+        return job
+    raise Forbidden(
+        f"job {job_id} is not running on a worker with this worker key ({'write' if upload else 'read'} "
+        f"{path[:200]!r}); a worker moves only the files of the jobs and exports it has claimed",
+        param="job_id",
+    )
+
+
+def _check_export_upload(session: Session, key_id: str, job: Job, export_id: str) -> Job:
+    export = session.get(Export, export_id)
+    if export is None or export.job_id != job.job_id:
+        raise NotFound(f"path: job {job.job_id} has no export {export_id}; a worker uploads an export only to "
+                       "exports/<the id of the export it runs>", param="path")
+    if export.status != "running" or not _keyed(session, {export.worker_id} if export.worker_id else set(), key_id):
         raise Forbidden(
-            f"job {job_id} is not running on a worker with this worker key ({'write' if upload else 'read'} "
-            f"{path[:200]!r}); a worker moves only the files of the jobs and exports it has claimed",
+            f"export {export_id} of job {job.job_id} is not running on a worker with this worker key (it is "
+            f"{export.status}); a worker uploads only the exports it has claimed, before it marks them done",
             param="job_id",
         )
     return job

@@ -1,29 +1,33 @@
 """The tars that carry a job's artifacts between a worker and the API, written and unpacked
-safely. Used by the API's worker routes (``api.workers.artifacts``) and free for the worker's
-client to use for the other direction.
+safely. Used by the API's worker routes (``api.workers.artifacts``) and by the worker's client
+(``worker.transfer``) for the other direction: one reader for every tar either side receives.
 
 A tar is uncompressed (checkpoints are already dense; compression would cost CPU for nothing)
 and holds only regular files and directories, named relative to the artifact: extracting it
 into an empty directory D recreates the artifact's contents in D, and a single file is one
-member named by its basename.
+member named by its basename. A second name of one inode (a hard link) is written as a file of
+its own (``write_tar``; the worker's ``make_tar`` does the same), since the reader refuses links.
 
-Unpacking trusts nothing in the tar: ``check_members`` refuses (``UnsafeArchive``) absolute
-names, ``..`` parts, links, devices, fifos and over-long names before a byte is written, then
-``tarfile``'s own ``data`` filter checks again while extracting into a fresh staging directory.
+Unpacking trusts nothing in the tar. ``read_members`` reads the headers alone, one at a time,
+and refuses (``UnsafeArchive``) absolute names, ``..`` parts, links (symbolic and hard),
+devices, fifos, sparse files (a 10 KB GNU sparse member unpacks to 3 GiB), over-long names and
+sizes the tar cannot hold, and (``TooLarge``) more members or bytes than the caller's
+``Limits``, before a byte is written. ``extract_into`` then writes each file itself into a
+fresh staging directory, created exclusively, its bytes counted against the limit as written.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
 import tarfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from core.errors import ChecksumMismatch, UnsafeArchive
+from core.errors import ChecksumMismatch, TooLarge, UnsafeArchive
 
 CHUNK = 1024 * 1024
 MAX_NAME_BYTES = 4096
@@ -32,6 +36,9 @@ MAX_PART_BYTES = 255
 """Longest part of a member name accepted (NAME_MAX on the usual filesystems)."""
 EARLIEST_MTIME = 315532800
 """1980-01-01: an older member time (a tar written with none is at 1970) is stored as now."""
+MAX_MEMBERS = 10_000
+"""Members one tar may hold unless the caller says otherwise (the API: FTQ_WORKER_UPLOAD_MAX_MEMBERS).
+A checkpoint is a handful of files; an FSDP checkpoint one file per rank and a few more."""
 
 
 def _regular_files(src: Path) -> list[tuple[str, Path]]:
@@ -110,50 +117,101 @@ def verify_received(path: Path, *, sha256: str, got_sha256: str, expected_bytes:
     return size
 
 
-def check_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
-    """Every member, each a regular file or directory under a relative, ``..``-free name.
+@dataclass(frozen=True)
+class Limits:
+    """What one tar may hold; ``extract_into`` refuses a tar past them before writing a byte."""
+
+    max_members: int = MAX_MEMBERS
+    """Members (files and directories) a tar may hold."""
+    max_bytes: int | None = None
+    """Bytes its files may unpack to; None: no bound."""
+    members_hint: str = "pack fewer files"
+    """What to do about a tar with too many members (the setting that bounds them)."""
+    bytes_hint: str = ""
+    """What ``max_bytes`` is (a quota, its setting) and what to do, said when a tar passes it."""
+
+
+def _unsafe(member: tarfile.TarInfo, archive_bytes: int) -> str | None:
+    """Why ``member`` may not be unpacked, or None."""
+    name = member.name
+    parts = PurePosixPath(name).parts
+    if not parts:
+        return None if member.isdir() else "an empty name"  # ``./``, as ``tar -C dir .`` writes it
+    if len(name.encode()) > MAX_NAME_BYTES or any(len(p.encode()) > MAX_PART_BYTES for p in parts):
+        return "a name longer than the filesystem allows"
+    if name.startswith("/") or "\\" in name or "\x00" in name or ":" in parts[0]:
+        return "an absolute name"
+    if ".." in parts:
+        return "a '..' part"
+    if member.issym() or member.islnk():
+        return "a link"
+    if member.isdev() or member.isfifo():
+        return "a device or fifo"
+    if member.sparse is not None or member.type == tarfile.GNUTYPE_SPARSE or any(
+        key.startswith("GNU.sparse.") for key in member.pax_headers
+    ):
+        return "a sparse file (it would unpack to more bytes than the tar holds)"
+    if not (member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.isdir()):
+        return "not a regular file or directory"
+    if member.isfile() and member.offset_data + member.size > archive_bytes:
+        return f"{member.size} bytes long, more than the tar holds after it (a truncated or forged header)"
+    return None
+
+
+def read_members(tar: tarfile.TarFile, archive_bytes: int, limits: Limits) -> list[tarfile.TarInfo]:
+    """Every member's header (no data is read), each a regular file or directory under a
+    relative, ``..``-free name, at most ``limits.max_members`` of them, files of at most
+    ``limits.max_bytes`` in all. Headers are read one at a time, so a tar of a million members
+    is refused at the first one past the limit.
 
     Raises:
-        UnsafeArchive: naming the first member that is not.
+        UnsafeArchive: naming the first member that is not safe to unpack.
+        TooLarge: more members, or more bytes, than ``limits`` allows.
     """
-    members = tar.getmembers()
-    for member in members:
-        name = member.name
-        shown = name[:120] + ("..." if len(name) > 120 else "")
-        parts = PurePosixPath(name).parts
-        reason = None
-        if len(name.encode()) > MAX_NAME_BYTES or any(len(p.encode()) > MAX_PART_BYTES for p in parts):
-            reason = "a name longer than the filesystem allows"
-        elif name.startswith("/") or "\\" in name or "\x00" in name or (parts and ":" in parts[0]):
-            reason = "an absolute name"
-        elif ".." in parts:
-            reason = "a '..' part"
-        elif member.issym() or member.islnk():
-            reason = "a link"
-        elif member.isdev() or member.isfifo():
-            reason = "a device or fifo"
-        elif not (member.isfile() or member.isdir()):
-            reason = "not a regular file or directory"
-        if reason is not None:
+    members: list[tarfile.TarInfo] = []
+    total = 0
+    for member in tar:
+        if len(members) == limits.max_members:
+            raise TooLarge(f"body: the tar holds more than {limits.max_members:,} members; {limits.members_hint}",
+                           param="body")
+        if (reason := _unsafe(member, archive_bytes)) is not None:
+            shown = member.name[:120] + ("..." if len(member.name) > 120 else "")
             raise UnsafeArchive(f"body: tar member {shown!r} is {reason}; send only files and directories "
                                 "named relative to the artifact", param="body")
+        total += member.size if member.isfile() else 0
+        members.append(member)
+    if limits.max_bytes is not None and total > limits.max_bytes:
+        raise _over_bytes(limits)
     return members
 
 
-def extract_into(tar_path: Path, staging: Path) -> int:
+def _over_bytes(limits: Limits) -> TooLarge:
+    return TooLarge(f"body: the tar unpacks to more than {limits.max_bytes:,} bytes; {limits.bytes_hint}",
+                    param="body")
+
+
+def extract_into(tar_path: Path, staging: Path, limits: Limits | None = None) -> int:
     """Unpack ``tar_path`` into the new directory ``staging``; the number of files.
 
+    The one reader of every tar that reaches the API from a worker (and of the worker's
+    downloads): the headers are checked first (``read_members``), then each file is written
+    here, never through ``tarfile``'s extraction: created exclusively (a name twice, or a file
+    where a directory was, is refused), no link followed, its bytes counted against
+    ``limits.max_bytes`` as they are written.
+
     Raises:
-        UnsafeArchive: the body is not a tar, or a member fails ``check_members`` (or the
-            ``data`` filter); ``staging`` is removed.
+        UnsafeArchive: the body is not a tar, or a member is unsafe or clashes with another.
+        TooLarge: the tar passes ``limits``.
+        In each case ``staging`` is removed.
     """
+    limits = limits or Limits()
     staging.mkdir(parents=True)
     try:
         with tarfile.open(tar_path, mode="r:") as tar:
-            members = check_members(tar)
-            for member in members:  # a zip of the artifact (the users' downloads) needs 1980 or later
-                member.mtime = member.mtime if member.mtime >= EARLIEST_MTIME else time.time()
-            tar.extractall(staging, members=members, filter="data")
+            members = read_members(tar, tar_path.stat().st_size, limits)
+            written = 0
+            for member in members:
+                written = _unpack(tar, member, staging, written, limits)
     except tarfile.TarError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         raise UnsafeArchive(f"body: not a tar this route accepts ({exc}); send an uncompressed tar",
@@ -164,18 +222,42 @@ def extract_into(tar_path: Path, staging: Path) -> int:
     return sum(1 for m in members if m.isfile())
 
 
+def _unpack(tar: tarfile.TarFile, member: tarfile.TarInfo, staging: Path, written: int, limits: Limits) -> int:
+    """Write one checked member under ``staging``; the bytes written so far, this member's included."""
+    target = staging.joinpath(*PurePosixPath(member.name).parts)
+    try:
+        if member.isdir():
+            target.mkdir(parents=True, exist_ok=True)
+            return written
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except (FileExistsError, NotADirectoryError, IsADirectoryError):
+        raise UnsafeArchive(f"body: tar member {member.name[:120]!r} clashes with an earlier member (a name given "
+                            "twice, or both a file and a directory); send each file once", param="body") from None
+    source = tar.extractfile(member)
+    assert source is not None, f"member {member.name!r} is a regular file without data"
+    with source, os.fdopen(fd, "wb") as sink:
+        while chunk := source.read(CHUNK):
+            written += len(chunk)
+            if limits.max_bytes is not None and written > limits.max_bytes:
+                raise _over_bytes(limits)
+            sink.write(chunk)
+    mtime = member.mtime if member.mtime >= EARLIEST_MTIME else time.time()  # a zip download needs 1980 or later
+    os.utime(target, (mtime, mtime))
+    return written
+
+
 def replace_atomically(staging: Path, target: Path, scratch: Path) -> None:
     """Make ``staging`` be ``target``: one rename, after the old ``target`` (if any) is renamed
     aside into ``scratch``; the old copy is removed last. A reader sees the old artifact or the
-    new one, never a half-written one."""
+    new one, never a half-written one. The caller holds the job's store lock
+    (``core.jobs.artifact_store.job_lock``), so two uploads of one artifact take turns."""
     target.parent.mkdir(parents=True, exist_ok=True)
     aside = None
-    with (scratch / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two uploads of one artifact (API processes too) take turns
-        if target.exists() or target.is_symlink():
-            aside = scratch / f"old-{uuid.uuid4().hex}"
-            os.replace(target, aside)
-        os.replace(staging, target)
+    if target.exists() or target.is_symlink():
+        aside = scratch / f"old-{uuid.uuid4().hex}"
+        os.replace(target, aside)
+    os.replace(staging, target)
     if aside is not None:
         if aside.is_dir() and not aside.is_symlink():
             shutil.rmtree(aside, ignore_errors=True)

@@ -60,7 +60,8 @@ def add_worker(store, worker_id: str, raw_key: str | None) -> None:
 
 
 def claimed_job(client: TestClient, store, worker_id: str) -> str:
-    job_id = client.post("/v1/jobs", json=spec(upload(client))).json()["id"]
+    """A 6,000-step job running on ``worker_id``."""
+    job_id = client.post("/v1/jobs", json=spec(upload(client), hyperparameters={"max_steps": 6000})).json()["id"]
     with store.sessions() as session:
         assert service.transition(session, job_id, JobStatus.running, worker_id=worker_id)
         session.commit()
@@ -234,7 +235,7 @@ class TestUpload:
             response = put(client, box["job"], "adapter", tar_of({name: b"x"}), box["box-2"])
             assert response.status_code == 422 and response.json()["error"]["code"] == "unsafe_archive", name
         assert not (settings.jobs_dir / "escaped").exists() and not (settings.jobs_dir / box["job"] / "adapter").exists()
-        assert list((settings.jobs_dir / box["job"] / ".incoming").iterdir()) == []
+        assert [p.name for p in (settings.jobs_dir / box["job"] / ".incoming").iterdir()] == [".lock"]
 
 
 class TestWhoMayMoveWhat:
@@ -305,7 +306,8 @@ class TestWhoMayMoveWhat:
         assert put(client, job, f"exports/{export_id}", tar_of({"m.safetensors": b"m"}), box["box-3"]).status_code == 201
         assert (settings.jobs_dir / job / "exports" / export_id / "m.safetensors").read_bytes() == b"m"
         assert put(client, job, "adapter", tar_of({"x": b"x"}), box["box-3"]).status_code == 403
-        assert put(client, job, "exports/exp-0000", tar_of({"x": b"x"}), box["box-3"]).status_code == 403
+        unknown = put(client, job, "exports/exp-0000", tar_of({"x": b"x"}), box["box-3"])
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "path"
 
 
 @pytest.mark.slow

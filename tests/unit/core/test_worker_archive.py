@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ChecksumMismatch, UnsafeArchive
+from core.errors import ChecksumMismatch, TooLarge, UnsafeArchive
 from core.workers import archive
+from tests.hostile_tars import GIB, files_tar, gnu_sparse_tar, many_members_tar, pax_sparse_tar
 from trainer import layout
 
 
@@ -94,6 +95,11 @@ class TestHostileTars:
         (lambda: tar_bytes((member("a" * 300), b"x")), "longer than the filesystem allows"),
         (lambda: tar_bytes((member("/".join(["d" * 200] * 30)), b"x")), "longer than the filesystem allows"),
         (lambda: b"not a tar at all" * 100, "not a tar"),
+        (lambda: gnu_sparse_tar(3 * GIB), "a sparse file"),
+        (lambda: pax_sparse_tar(3 * GIB), "a sparse file"),
+        (lambda: tar_bytes((member("a"), b"1"), (member("a"), b"2")), "clashes with an earlier member"),
+        (lambda: tar_bytes((member("a"), b"1"), (member("a/b"), b"2")), "clashes with an earlier member"),
+        (lambda: tar_bytes((member("d", tarfile.DIRTYPE), None), (member("d"), b"2")), "clashes with an earlier member"),
     ])
     def test_each_is_refused_and_nothing_is_written(self, tmp_path: Path, tar, says: str) -> None:
         bad = tmp_path / "bad.tar"
@@ -140,7 +146,56 @@ class TestChecks:
         (staging / "new").write_text("new")
         archive.replace_atomically(staging, target, scratch)
         assert [p.name for p in target.iterdir()] == ["new"] and not staging.exists()
-        assert [p.name for p in scratch.iterdir()] == [".lock"]
+        assert list(scratch.iterdir()) == []
+
+
+class TestBounds:
+    """The requests that broke the API (issue 23): each refused before its bytes land."""
+
+    def test_a_10_kb_tar_with_a_gnu_sparse_member_of_3_gib_writes_nothing(self, tmp_path: Path) -> None:
+        bad = tmp_path / "sparse.tar"
+        bad.write_bytes(gnu_sparse_tar(3 * GIB))
+        assert bad.stat().st_size == 10240
+        with pytest.raises(UnsafeArchive, match=r"tar member 'big' is a sparse file"):
+            archive.extract_into(bad, tmp_path / "staging")
+        assert not (tmp_path / "staging").exists()
+
+    def test_a_tar_of_60000_members_is_refused_naming_the_cap(self, tmp_path: Path) -> None:
+        bad = tmp_path / "many.tar"
+        bad.write_bytes(many_members_tar(60_000))
+        with pytest.raises(TooLarge, match=r"more than 10,000 members; pack fewer files"):
+            archive.extract_into(bad, tmp_path / "staging")
+        assert not (tmp_path / "staging").exists()
+
+    def test_a_tar_of_a_directorys_dot_unpacks(self, tmp_path: Path) -> None:
+        (tmp_path / "a.tar").write_bytes(tar_bytes((member("./", tarfile.DIRTYPE), None), (member("./a"), b"1")))
+        assert archive.extract_into(tmp_path / "a.tar", tmp_path / "out") == 1
+        assert (tmp_path / "out" / "a").read_bytes() == b"1"
+
+    def test_a_tar_at_the_member_cap_unpacks(self, tmp_path: Path) -> None:
+        (tmp_path / "five.tar").write_bytes(many_members_tar(5))
+        assert archive.extract_into(tmp_path / "five.tar", tmp_path / "out", archive.Limits(max_members=5)) == 5
+        with pytest.raises(TooLarge, match="more than 4 members"):
+            archive.extract_into(tmp_path / "five.tar", tmp_path / "again", archive.Limits(max_members=4))
+
+    def test_files_past_the_byte_limit_are_refused_with_the_callers_hint(self, tmp_path: Path) -> None:
+        (tmp_path / "a.tar").write_bytes(files_tar({"a": b"x" * 6, "b": b"y" * 6}))
+        limits = archive.Limits(max_bytes=11, bytes_hint="the job's quota (FTQ_X)")
+        with pytest.raises(TooLarge, match=r"unpacks to more than 11 bytes; the job's quota \(FTQ_X\)"):
+            archive.extract_into(tmp_path / "a.tar", tmp_path / "staging", limits)
+        assert not (tmp_path / "staging").exists()
+        assert archive.extract_into(tmp_path / "a.tar", tmp_path / "out", archive.Limits(max_bytes=12)) == 2
+
+    def test_a_size_the_tar_cannot_hold_is_refused(self, tmp_path: Path) -> None:
+        info = member("forged")
+        info.pax_headers = {"size": str(3 * GIB)}  # read back as the member's size; 1 byte follows
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        (tmp_path / "a.tar").write_bytes(buf.getvalue())
+        with pytest.raises(UnsafeArchive, match="more than the tar holds"):
+            archive.extract_into(tmp_path / "a.tar", tmp_path / "staging")
 
 
 def test_members_without_a_time_are_stored_with_a_time_a_zip_download_accepts(tmp_path: Path) -> None:

@@ -228,6 +228,15 @@ def test_safe_extract_refuses_links(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_safe_extract_is_the_apis_reader_and_refuses_a_sparse_member(tmp_path):
+    from tests.hostile_tars import gnu_sparse_tar
+
+    (tmp_path / "a.tar").write_bytes(gnu_sparse_tar())
+    with pytest.raises(TransferError, match="unsafe archive: tar member 'big' is a sparse file"):
+        safe_extract(tmp_path / "a.tar", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_upload_streams_a_tar_with_its_sha_and_retries_a_mismatch(api, tmp_path):
     fake, url = api
     source = tmp_path / "adapter"

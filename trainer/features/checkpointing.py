@@ -223,17 +223,32 @@ class _BudgetProbe:
     (``torch.OutOfMemoryError`` past it). Parameters saved by reference are not counted."""
 
     def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], budget: int) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
         self.budget, self.used = budget, 0
         self._params = {p.data_ptr() for p in model.parameters()}
         self._hooks: list[Any] = []
         self._active: list[Any] = []
+        self._wrapped: list[tuple[torch.nn.Module, Any]] = []
+        # transformers before 5.2x (5.17) checkpoints in GradientCheckpointingLayer.__call__, so a
+        # checkpointed layer's forward hooks run inside the checkpoint (and again in its recompute):
+        # counting there would see, and keep, every activation. Such a layer is counted around its
+        # checkpoint function instead, as later releases' forward wrapper lets the hooks do.
+        self._in_call = "__call__" in vars(GradientCheckpointingLayer)
         for index, layer in enumerate(layers):
             self._hooks.append(layer.register_forward_pre_hook(self._enter(index == 0)))
             self._hooks.append(layer.register_forward_hook(self._exit, always_call=True))
+            if self._in_call and getattr(layer, "gradient_checkpointing", False):
+                inner = layer._gradient_checkpointing_func
+                self._wrapped.append((layer, inner))
+                layer._gradient_checkpointing_func = self._counted(inner, index == 0)
+
+    def _counts_in_hooks(self, module: torch.nn.Module) -> bool:
+        return not (self._in_call and getattr(module, "gradient_checkpointing", False))
 
     def _enter(self, first: bool) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if not (torch.is_grad_enabled() and module.training):
+            if not (torch.is_grad_enabled() and module.training and self._counts_in_hooks(module)):
                 return
             if first:
                 self.used = 0
@@ -243,8 +258,17 @@ class _BudgetProbe:
 
         return hook
 
+    def _counted(self, inner: Callable[..., Any], first: bool) -> Callable[..., Any]:
+        def checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if first:
+                self.used = 0
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                return inner(*args, **kwargs)
+
+        return checkpoint
+
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._active:
+        if self._active and self._counts_in_hooks(module):
             self._active.pop().__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -259,7 +283,9 @@ class _BudgetProbe:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        for layer, inner in self._wrapped:
+            layer._gradient_checkpointing_func = inner
+        self._hooks, self._wrapped = [], []
 
 
 def apply(model: torch.nn.Module, decision: Decision, budget_bytes: int | None = None) -> CheckpointingHandle:

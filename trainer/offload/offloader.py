@@ -63,6 +63,10 @@ from trainer.offload.schedule import Entry, Load, Pass, ReloadSchedule, Step
 from trainer.offload.streams import CudaStreams, SyncStreams, streams_for
 
 
+_UNSET = object()
+"""A layer without an instance-level ``gradient_checkpointing`` before ``apply``."""
+
+
 @dataclass
 class _Call:
     """Everything one layer call's backward needs, beyond the tensors autograd hands it."""
@@ -202,6 +206,7 @@ class ActivationOffloader:
         self._released: list[Any] = []
         self._input_ready: Any = None
         self._layers: list[torch.nn.Module] = []
+        self._hf_flags: list[object] = []
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -232,16 +237,27 @@ class ActivationOffloader:
         self._copy_done = [s.event() for _ in range(self.schedule.num_slots)]
         self._released = [s.event() for _ in range(self.schedule.num_slots)]
         self._input_ready = s.event()
+        # transformers before 5.2x (5.17, the GPU image's) checkpoints in GradientCheckpointingLayer.__call__
+        # when the layer's flag is set, around whatever forward the instance has: the layer would be
+        # recomputed twice, once by transformers and once here. Later releases checkpoint in a forward
+        # wrapper that _unwrapped_forward skips. Clearing the flag while applied serves both.
+        self._hf_flags = [vars(layer).get("gradient_checkpointing", _UNSET) for layer in layers]
         for index, layer in enumerate(layers):
             layer.forward = self._wrap(layer, index)
+            if hasattr(layer, "gradient_checkpointing"):
+                layer.gradient_checkpointing = False
         self._layers = layers
         return model
 
     def remove(self, model: torch.nn.Module | None = None) -> None:
         """Undo ``apply`` and free the GPU buffers."""
-        for layer in self._layers:
+        for layer, flag in zip(self._layers, self._hf_flags):
             vars(layer).pop("forward", None)
-        self._layers = []
+            if flag is _UNSET:
+                vars(layer).pop("gradient_checkpointing", None)
+            else:
+                layer.gradient_checkpointing = flag
+        self._layers, self._hf_flags = [], []
         self.release_buffers()
 
     def release_buffers(self) -> None:

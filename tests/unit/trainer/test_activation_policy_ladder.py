@@ -31,18 +31,13 @@ pytestmark = [
 ]
 FULL_CHECKPOINTING_BYTES = 2 * 256 * 64 * 4
 """Layers x batch_tokens (``make_job``) x hidden (``trainer.tiny``) x fp32."""
-BUDGET_BYTES = FULL_CHECKPOINTING_BYTES * 5 // 4
-"""Full checkpointing plus a quarter: transformers before 5.2x (5.17, the GPU image's) checkpoints
-through ``gradient_checkpointing_enable``, which also saves each layer's rotary cos/sin (141,312
-bytes here at 5.17, 131,072 at 5.24). Checkpointing half the layers saves a whole layer's
-activations, several times more, so it still runs out."""
 
 
 @pytest.mark.slow  # two real runs of 3 steps: ~3 s
 def test_an_oom_steps_down_and_follows_the_full_checkpointing_run(tmp_path, tiny_model_dir, monkeypatch) -> None:
     reference, ref_weights = train_lora(tmp_path / "full", tiny_model_dir, monkeypatch, steps=3,
                                         gradient_checkpointing="on")
-    monkeypatch.setenv(BUDGET_ENV, str(BUDGET_BYTES))
+    monkeypatch.setenv(BUDGET_ENV, str(FULL_CHECKPOINTING_BYTES))
     laddered, weights = train_lora(tmp_path / "ladder", tiny_model_dir, monkeypatch, steps=3,
                                    gradient_checkpointing="off")
     (policy,) = [d for d in laddered.of("plan")[0]["decisions"] if d["name"] == checkpointing.NAME]

@@ -296,6 +296,18 @@ class TestTupleOutputs:
 
 
 class TestSurface:
+    def test_transformers_own_checkpointing_flag_is_off_while_applied_and_restored(self) -> None:
+        """transformers 5.17 checkpoints in the layer's ``__call__`` when the flag is set: the
+        offloader clears it while applied (else each layer is recomputed twice) and restores it."""
+        model = make_model("llama", "checkpoint")
+        layers = decoder_layers(model)
+        assert all(layer.gradient_checkpointing for layer in layers)
+        offloader = ActivationOffloader("cpu")
+        offloader.apply(model)
+        assert not any(layer.gradient_checkpointing for layer in layers)
+        offloader.remove(model)
+        assert all(layer.gradient_checkpointing for layer in layers)
+
     def test_no_offload_twin_has_the_same_surface(self) -> None:
         public = {n for n in dir(ActivationOffloader) if not n.startswith("_")}
         assert public <= set(dir(NoOffload))

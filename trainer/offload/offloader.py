@@ -63,8 +63,7 @@ from trainer.offload.schedule import Entry, Load, Pass, ReloadSchedule, Step
 from trainer.offload.streams import CudaStreams, SyncStreams, streams_for
 
 
-_UNSET = object()
-"""A layer without an instance-level ``gradient_checkpointing`` before ``apply``."""
+_UNSET = object()  # a layer without an instance-level gradient_checkpointing before apply
 
 
 @dataclass
@@ -237,10 +236,8 @@ class ActivationOffloader:
         self._copy_done = [s.event() for _ in range(self.schedule.num_slots)]
         self._released = [s.event() for _ in range(self.schedule.num_slots)]
         self._input_ready = s.event()
-        # transformers before 5.2x (5.17, the GPU image's) checkpoints in GradientCheckpointingLayer.__call__
-        # when the layer's flag is set, around whatever forward the instance has: the layer would be
-        # recomputed twice, once by transformers and once here. Later releases checkpoint in a forward
-        # wrapper that _unwrapped_forward skips. Clearing the flag while applied serves both.
+        # transformers 5.17 checkpoints in the layer's __call__ when its flag is set (a second recompute
+        # around ours); later releases in a forward wrapper that _unwrapped_forward skips.
         self._hf_flags = [vars(layer).get("gradient_checkpointing", _UNSET) for layer in layers]
         for index, layer in enumerate(layers):
             layer.forward = self._wrap(layer, index)

@@ -57,10 +57,15 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     corrupt = root / CORRUPT_MODEL
     shutil.copytree(root / MODEL, corrupt)
-    # A valid header (the submission checks read only headers) over truncated tensor data: the
-    # job is accepted and its trainer fails to load the weights.
+    # Sizes that agree with the header (what submission checks) but a dtype safetensors does not
+    # know (same length, so the offsets hold): the job is accepted and its trainer fails to load the
+    # weights ("Error while deserializing header"). A truncated file is refused at submission.
     weights = (corrupt / "model.safetensors").read_bytes()
-    (corrupt / "model.safetensors").write_bytes(weights[: 8 + int.from_bytes(weights[:8], "little") + 64])
+    end = 8 + int.from_bytes(weights[:8], "little")
+    header = weights[8:end].decode()
+    assert '"dtype":"F32"' in header, header[:200]
+    header = header.replace('"dtype":"F32"', '"dtype":"Z32"')
+    (corrupt / "model.safetensors").write_bytes(weights[:8] + header.encode() + weights[end:])
     poison_model(root / MODEL, root / POISONED_MODEL)
     return root
 

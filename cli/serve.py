@@ -41,6 +41,22 @@ def add_worker_parser(commands: Any) -> None:
     parser.set_defaults(run=run_worker)
 
 
+KEEP_ALIVE_S = 75
+"""How long the API keeps an idle client connection open. uvicorn's default (5 s) equals httpx's
+own idle expiry (5 s), so a client that pauses about 5 s between requests (a CLI step, a page
+left open) could send on a connection the server was closing at that instant and get "Server
+disconnected without sending a response". Longer than the clients' expiry, the client always
+drops the connection first; longer than a proxy's usual 60 s idle timeout, the proxy does."""
+
+
+def api_server_config(app: Any, host: str, port: int, log_level: str = "info") -> Any:
+    """The uvicorn configuration ``ftq api`` serves with (the tests' live servers use it too)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          timeout_keep_alive=KEEP_ALIVE_S)
+
+
 def run_api(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -49,7 +65,8 @@ def run_api(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides).resolved()
     _pin(settings)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level.lower())
+    uvicorn.Server(api_server_config(create_app(settings), settings.host, settings.port,
+                                     args.log_level.lower())).run()
     return 0
 
 

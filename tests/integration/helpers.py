@@ -61,13 +61,12 @@ class LiveServer:
         import uvicorn
 
         from api.app import create_app
+        from cli.serve import api_server_config
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            create_app(settings), host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
+        config = api_server_config(create_app(settings), "127.0.0.1", self.port, "warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

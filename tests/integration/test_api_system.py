@@ -106,3 +106,25 @@ def test_startup_refuses_a_store_nobody_migrated(tmp_path, settings: Settings) -
     with pytest.raises(RuntimeError, match=r"has no schema, this ftq expects revision .*run `ftq db upgrade`"):
         with TestClient(create_app(blank)):
             pass
+
+
+def test_an_idle_connection_outlives_the_clients_own_idle_expiry(store, settings: Settings) -> None:
+    """A client that pauses 6 s between two requests on one keep-alive connection (httpx keeps
+    idle connections 5 s; uvicorn's default closed them at 5 s too, and a request sent at that
+    instant got "Server disconnected without sending a response") is answered on the same
+    connection: ``ftq api`` keeps idle connections ``KEEP_ALIVE_S``."""
+    import socket
+    import time
+
+    from cli.serve import KEEP_ALIVE_S
+    from tests.integration.helpers import LiveServer
+
+    assert KEEP_ALIVE_S > 60
+    request = b"GET /healthz HTTP/1.1\r\nHost: ftq\r\n\r\n"
+    with LiveServer(settings) as server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        answers = []
+        for pause in (0, 6):
+            time.sleep(pause)
+            sock.sendall(request)
+            answers.append(sock.recv(65536))
+    assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(b'{"status":"ok"}') for a in answers), answers

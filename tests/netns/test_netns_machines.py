@@ -138,7 +138,11 @@ def test_a_job_whose_machine_dies_resumes_on_the_other_from_its_uploaded_checkpo
         victim = cluster.machines[running["worker"]]
         survivor = next(m for m in cluster.machines.values() if m is not victim)
         cluster.kill_machine(victim.name)
-        newest = checkpoint_steps(client, job["id"])[-1]  # after the kill: nothing more can be recorded
+        # The newest checkpoint once the job left the dead machine: an upload whose body the API
+        # already held when the machine died is still recorded after the kill, and the second
+        # attempt resumes from whatever was recorded when it started.
+        wait_job(client, job["id"], lambda j: j["attempts"] >= 2, what="on its second attempt", logs=cluster.log_tail)
+        newest = checkpoint_steps(client, job["id"])[-1]
 
         done = finished(client, job["id"], logs=cluster.log_tail)
         assert done["status"] == "succeeded", f"{done}\n{cluster.log_tail()}"

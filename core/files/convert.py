@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import InvalidDataset
+from core.files.validate import parse_json_line
 
 SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -79,7 +80,7 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, start=1):
             try:
-                record = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
+                record = parse_json_line(raw, number)  # depth bounded before parsing, lone surrogates refused
             except ValueError:
                 if raw.strip():
                     raise InvalidDataset(f"line {number}: not valid JSON; each line must be one JSON object",

@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import InvalidDataset
+from core.jsontext import exceeds_depth, lone_surrogate_at, may_hold_surrogate
 
 FORMATS = ("chat", "prompt_completion", "text", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 MAX_LINE_BYTES = 64 << 20
 """A longer line is refused rather than read into memory (64 MiB)."""
+MAX_NESTING = 100
+"""Arrays and objects nested deeper are refused before parsing (``core.jsontext``); a chat
+record with tool schemas nests about ten levels."""
 
 _FORMAT_KEYS = {
     "chat": ("messages",),
@@ -99,20 +103,14 @@ def _parse_line(raw: bytes, number: int) -> dict[str, Any] | None:
         raise InvalidDataset(
             f"line {number}: not UTF-8 (byte {exc.start}); save the file as UTF-8", line=number
         ) from None
-    if number == 1:
-        text = text.removeprefix("\ufeff")
     if not text.strip():
         return None
     try:
-        record = json.loads(text)
+        record = parse_json_line(raw, number)
     except json.JSONDecodeError as exc:
         raise InvalidDataset(
             f"line {number}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object",
             line=number,
-        ) from None
-    except RecursionError:
-        raise InvalidDataset(
-            f"line {number}: JSON nested too deeply to read; flatten the record", line=number
         ) from None
     except ValueError:  # json refuses an integer of more than 4,300 digits (sys.int_info)
         raise InvalidDataset(
@@ -124,6 +122,31 @@ def _parse_line(raw: bytes, number: int) -> dict[str, Any] | None:
             line=number,
         )
     return record
+
+
+def parse_json_line(raw: bytes, number: int) -> Any:
+    """The JSON value of line ``number`` (a UTF-8 byte string; line 1 may start with a BOM).
+
+    Its nesting is bounded before it is parsed, and its strings must be text once parsed.
+
+    Raises:
+        InvalidDataset: nested more than ``MAX_NESTING`` levels, or a string or key holding an
+            unpaired surrogate escape (``"\\ud800"``), naming the line and the field.
+        ValueError: not UTF-8, not JSON (``json.JSONDecodeError``), an integer of 4,300+ digits.
+    """
+    if exceeds_depth(raw, MAX_NESTING):
+        raise InvalidDataset(
+            f"line {number}: JSON nested too deeply (more than {MAX_NESTING} levels); flatten the record", line=number
+        )
+    text = raw.decode("utf-8")
+    value = json.loads(text.removeprefix("\ufeff") if number == 1 else text)
+    if may_hold_surrogate(raw) and (where := lone_surrogate_at(value)) is not None:
+        raise InvalidDataset(
+            f"line {number}: {where or 'the line'}: an unpaired surrogate escape (\\ud800-\\udfff without "
+            "its partner), which is no character; remove it, or write the character itself",
+            line=number,
+        )
+    return value
 
 
 def _format_of(record: dict[str, Any], number: int) -> str:

@@ -29,6 +29,8 @@ class Export(Base):
     """Fraction of the whole export done (0..1)."""
     owner_id: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="SET NULL"))
     """Who asked for it."""
+    project_id: Mapped[str | None] = mapped_column(ForeignKey("project.project_id", ondelete="RESTRICT"), index=True)
+    """The project of its job."""
     worker_id: Mapped[str | None] = mapped_column(String(200))
     """The worker host that runs (ran) it: the host holding the job's files."""
     path: Mapped[str | None] = mapped_column(String(1024))

@@ -17,6 +17,8 @@ class File(Base):
     file_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     owner_id: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="RESTRICT"), index=True)
     """Who uploaded it; None only for files uploaded before users existed."""
+    project_id: Mapped[str | None] = mapped_column(ForeignKey("project.project_id", ondelete="RESTRICT"), index=True)
+    """The project it belongs to (``core.projects``); None only for rows no migration could place."""
     filename: Mapped[str] = mapped_column(String(255))
     purpose: Mapped[str] = mapped_column(String(16))
     bytes: Mapped[int] = mapped_column(BigInteger)

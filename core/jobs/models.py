@@ -26,6 +26,8 @@ class Job(Base):
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
     owner_id: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="RESTRICT"), index=True)
     """Who submitted it; None only for jobs created before users existed."""
+    project_id: Mapped[str | None] = mapped_column(ForeignKey("project.project_id", ondelete="RESTRICT"), index=True)
+    """The project it belongs to (``core.projects``); its members see it, its quota bounds it."""
     priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
     """``low``, ``normal`` or ``high``: the order in which waiting jobs are claimed."""
     gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")

@@ -18,6 +18,8 @@ class User(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     max_running_jobs: Mapped[int | None] = mapped_column(Integer)
     """Per-user cap on concurrently running jobs; None uses ``FTQ_MAX_RUNNING_JOBS_PER_USER``."""
+    default_project_id: Mapped[str | None] = mapped_column(ForeignKey("project.project_id", ondelete="SET NULL"))
+    """The project the user's work goes to when a request names none (one of their projects)."""
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     disabled_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
 
@@ -36,6 +38,8 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(16), unique=True)
     key_hash: Mapped[str] = mapped_column(String(64))
     name: Mapped[str | None] = mapped_column(String(100))
+    project_id: Mapped[str | None] = mapped_column(ForeignKey("project.project_id", ondelete="SET NULL"))
+    """The key's default project (as an OpenAI project key); None: the user's default project."""
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)

@@ -24,11 +24,11 @@ def insert_job(store) -> str:
     job_id = new_id("job")
     with store.sessions() as session:
         file_id = new_id("file")
-        session.add(File(file_id=file_id, filename="d.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                         format="text", num_records=1, path="/dev/null", stats={}, created_at=utcnow()))
-        session.flush()
-        # Core with these columns only: a test may run this at an older revision, whose job table
+        # Core with these columns only (file and job): a test may run this at an older revision, whose job table
         # lacks the columns later migrations add (the ORM would insert their defaults, e.g. nodes)
+        session.execute(insert(File.__table__).values(
+            file_id=file_id, filename="d.jsonl", purpose="train", bytes=1, sha256="0" * 64, format="text",
+            num_records=1, path="/dev/null", stats={}, created_at=utcnow()))
         session.execute(insert(Job.__table__).values(
             job_id=job_id, model="tiny", method="lora", spec={}, training_file_id=file_id, status="queued",
             priority="normal", gpus=1, progress_step=0, cancel_requested=False, attempts=0, last_event_seq=0,

@@ -13,12 +13,17 @@ Three record formats, one per file (``auto`` detects it from the first record):
 
 Labels use -100 for "no loss" (the ignore index of ``torch.nn.functional.cross_entropy``).
 
-Finding assistant tokens without generation markers: for assistant turn i, render
-``messages[:i]`` with the generation prompt (where the answer starts) and ``messages[:i+1]``
-(where it ends, eos included), and label that span of the full rendering. That needs the template
-to render a conversation's prefix as a prefix of the whole; a turn where it does not (some
-templates rewrite earlier turns, e.g. dropping reasoning) is left unlabelled rather than guessed,
-and a record with no locatable assistant tokens is an error naming its line.
+Finding assistant tokens without generation markers: for assistant turn i, the rendering of
+``messages[:i]`` with the generation prompt ends where the answer starts and that of
+``messages[:i+1]`` where it ends (eos included); that span of the full rendering is labelled.
+That needs the template to render a conversation's prefix as a prefix of the whole; a turn where
+it does not (some templates rewrite earlier turns, e.g. dropping reasoning) is left unlabelled
+rather than guessed, and a record with no locatable assistant tokens is an error naming its line.
+The spans are found from one rendering and one tokenization of the record
+(``trainer.chat_labels``, character spans mapped to tokens by the fast tokenizer's offsets), so a
+record costs time in proportion to its length, not to the square of its turns; a tokenizer
+without offsets (a slow, Python one) renders and tokenizes each prefix, for at most
+``PER_TURN_MAX_TURNS`` answers a record.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.chat_labels import PER_TURN_MAX_TURNS, assistant_spans
 from trainer.errors import DatasetError
 
 IGNORE_INDEX = -100
@@ -195,22 +201,57 @@ def tokenize_record(record: dict[str, Any], fmt: str, tokenizer: Any) -> Sample:
 def _tokenize_chat(
     messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
 ) -> Sample:
-    weights = [message.get("weight", 1) for message in messages]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0]
     messages = [_template_message(message) for message in messages]
 
-    def encode(
-        conversation: list[dict[str, Any]], generation_prompt: bool
-    ) -> list[int]:
-        text = tokenizer.apply_chat_template(
+    def render(conversation: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
             conversation, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
         )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    ids = encode(messages, False)
+    text = render(messages, False)
+    if not getattr(tokenizer, "is_fast", False):
+        return _tokenize_chat_per_turn(messages, turns, tokenizer, render, text)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    boundaries = _token_boundaries(encoded["offset_mapping"], len(text))
     labels = [IGNORE_INDEX] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or weights[i] == 0:
-            continue
+    for start, end in assistant_spans(messages, turns, render, text).values():
+        if start in boundaries and end in boundaries:  # else the prefixes' tokens are not the whole's
+            first, last = boundaries[start], boundaries[end]
+            labels[first:last] = ids[first:last]
+    return Sample(ids, labels)
+
+
+def _token_boundaries(offsets: list[tuple[int, int]], length: int) -> dict[int, int]:
+    """Character position -> index of the first token after it, for the positions between two
+    tokens (and the text's ends); a position inside a token, or in a gap between two tokens'
+    offsets, is no boundary."""
+    boundaries = {0: 0, length: len(offsets)}
+    for k in range(1, len(offsets)):
+        if offsets[k - 1][1] == offsets[k][0]:
+            boundaries[offsets[k][0]] = k
+    return boundaries
+
+
+def _tokenize_chat_per_turn(
+    messages: list[dict[str, Any]], turns: list[int], tokenizer: Any, render: Any, text: str
+) -> Sample:
+    """The definition followed literally, for tokenizers without character offsets: each
+    answer's two prefixes rendered and tokenized (the square of the turns; bounded)."""
+    if len(turns) > PER_TURN_MAX_TURNS:
+        raise DatasetError(
+            f"this tokenizer gives no character offsets (a slow tokenizer), so each answer's prefix is "
+            f"tokenized on its own, which is allowed for at most {PER_TURN_MAX_TURNS} assistant turns a "
+            f"record (this one has {len(turns)}); split the conversation, or give the model a fast tokenizer"
+        )
+
+    def encode(conversation: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        return tokenizer(render(conversation, generation_prompt), add_special_tokens=False)["input_ids"]
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    labels = [IGNORE_INDEX] * len(ids)
+    for i in turns:
         start_ids = encode(messages[:i], True)
         end_ids = ids if i == len(messages) - 1 else encode(messages[: i + 1], False)
         if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:

@@ -8,10 +8,42 @@ With no URLs set, everything is embedded under ``FTQ_DATA_DIR``: a SQLite store
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TRACKING_SERVER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+TRACKING_SERVER_URL = re.compile(r"^https?://[^\s@/]+(/\S*)?$")
+LEGACY_MLFLOW_SERVER = "mlflow"
+"""The name jobs use for the server of ``FTQ_MLFLOW_TRACKING_URI`` (core.jobs.trackers.allowed_trackers)."""
+
+
+class TrackingServer(BaseModel):
+    """One experiment-tracking server the operator lets jobs name (``FTQ_TRACKING_SERVERS``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["mlflow", "wandb"]
+    url: str | None = Field(default=None, max_length=2048, pattern=TRACKING_SERVER_URL.pattern)
+    """http(s)://host[:port][/path], no user:password in it; required for MLflow. W&B without
+    one: W&B's cloud, or the worker's ``WANDB_BASE_URL``."""
+    credential_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The worker's environment variable whose value is sent to this server alone (MLflow:
+    ``Authorization: Bearer``; W&B: the API key). Unset: this server gets no credential."""
+    default: bool = False
+    """The server of its kind a job that names none gets (a default MLflow server tracks every
+    job that does not set ``tracking.mlflow`` false)."""
+
+    @model_validator(mode="after")
+    def _check_url(self) -> "TrackingServer":
+        if self.kind == "mlflow" and not self.url:
+            raise ValueError("url: an MLflow server needs its URL (http(s)://host:port)")
+        if self.url is not None:
+            object.__setattr__(self, "url", self.url.rstrip("/"))
+        return self
 
 
 class Settings(BaseSettings):
@@ -89,7 +121,9 @@ class Settings(BaseSettings):
     the fallback for a missed wake-up (10x this)."""
     mlflow_tracking_uri: str | None = None
     """Every job on this box is tracked on this MLflow server (params, metrics by step, the adapter
-    as an artifact) unless its spec turns tracking off; unset: only jobs that name a server."""
+    as an artifact) unless its spec turns tracking off; unset: only jobs that name a server. It is
+    the default server ``mlflow`` of the allow-list (``tracking_servers``), sent the worker's
+    ``MLFLOW_TRACKING_TOKEN``."""
     mlflow_experiment: str = "ftq"
     """The MLflow experiment of jobs that do not name one."""
     tensorboard_dir: Path | None = None
@@ -99,6 +133,43 @@ class Settings(BaseSettings):
     """Every job on this box is tracked on Weights & Biases in this project (the worker's
     ``WANDB_API_KEY``, ``WANDB_ENTITY``, ``WANDB_BASE_URL``) unless its spec turns tracking off;
     unset: only jobs that ask (``tracking.wandb``, ``tracking.wandb_project``)."""
+    tracking_servers: dict[str, TrackingServer] = Field(default_factory=dict)
+    """``FTQ_TRACKING_SERVERS``, JSON: the tracking servers jobs may name (``tracking.mlflow_server``,
+    ``tracking.wandb_server``), ``{"team": {"kind": "mlflow", "url": "http://mlflow:5000",
+    "credential_env": "MLFLOW_TEAM_TOKEN", "default": true}}``; set the same on the API (which
+    refuses other names and URLs at submission) and on each worker (which sends each server only
+    its own credential). ``FTQ_MLFLOW_TRACKING_URI`` adds a default server named ``mlflow``; with
+    no W&B server listed, one named ``wandb`` is W&B as the worker's environment configures it.
+    The lookup is ``core.jobs.trackers.allowed_trackers``."""
+
+    @field_validator("tracking_servers")
+    @classmethod
+    def _check_tracking_servers(cls, servers: dict[str, TrackingServer]) -> dict[str, TrackingServer]:
+        for name in servers:
+            if not TRACKING_SERVER_NAME.match(name):
+                raise ValueError(f"FTQ_TRACKING_SERVERS: {name!r} is not a server name: use 1-64 lowercase "
+                                 "letters, digits, '.', '_' or '-', starting with a letter or digit")
+        for kind in ("mlflow", "wandb"):
+            defaults = sorted(name for name, server in servers.items() if server.kind == kind and server.default)
+            if len(defaults) > 1:
+                raise ValueError(f"FTQ_TRACKING_SERVERS: {', '.join(defaults)} are all default {kind} servers; "
+                                 "mark at most one of a kind default")
+        return servers
+
+    @model_validator(mode="after")
+    def _check_legacy_mlflow(self) -> "Settings":
+        if not self.mlflow_tracking_uri:
+            return self
+        if LEGACY_MLFLOW_SERVER in self.tracking_servers:
+            raise ValueError(f"FTQ_MLFLOW_TRACKING_URI names the server {LEGACY_MLFLOW_SERVER!r}, which "
+                             "FTQ_TRACKING_SERVERS lists too: list it once (there, with \"default\": true)")
+        if any(s.kind == "mlflow" and s.default for s in self.tracking_servers.values()):
+            raise ValueError("FTQ_MLFLOW_TRACKING_URI and a default MLflow server of FTQ_TRACKING_SERVERS: "
+                             "keep one default (move the URI into FTQ_TRACKING_SERVERS)")
+        if not TRACKING_SERVER_URL.match(self.mlflow_tracking_uri):
+            raise ValueError(f"FTQ_MLFLOW_TRACKING_URI: {self.mlflow_tracking_uri!r} is not an http(s)://host[:port] "
+                             "URL without user:password (the worker speaks MLflow's REST API to it)")
+        return self
 
     def resolved(self) -> "Settings":
         data_dir = self.data_dir.expanduser().resolve()

@@ -21,7 +21,7 @@ from core.jobs.models import Checkpoint, EvalMetric, Job, JobEvent, StepMetric
 from core.jobs.scheduling import check_gpus
 from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
-from core.jobs.trackers import check_trackers
+from core.jobs.trackers import allowed_trackers, check_trackers
 from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
@@ -136,6 +136,7 @@ def create_job(
         Unsupported: an optimization forced ``on`` that no live worker can honour,
             ``gpus`` that no live host or the owner's cap can give (``core.jobs.scheduling.check_gpus``),
             or a tracker whose package no live worker has (``core.jobs.trackers.check_trackers``).
+        InvalidInput: a tracking server or URL the box does not list (``core.jobs.trackers.server_for``).
     """
     fingerprint = spec_hash(spec)
     if idempotency_key is not None:
@@ -144,7 +145,7 @@ def create_job(
             return existing, False
     _check_method(session, spec, settings)
     _check_forced_switches(session, spec, settings)
-    check_trackers(spec.tracking.model_dump(), _live_reports(session, settings))
+    check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings))
     check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes)
     train_row = _usable_file(session, spec.training_file, "train", "training_file")
     _check_objective(spec.objective, train_row, "training_file")

@@ -37,6 +37,8 @@ Objective = Literal["sft", "dpo"]
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 ALL_LINEAR = "all-linear"
+TRACKING_SERVER = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+"""A tracking server's name in the box's list (``core.settings.TRACKING_SERVER_NAME``)."""
 WANDB_NAME = r"^[^/\\#?%:\x00-\x1f]+$"
 """W&B project and entity names: W&B refuses ``/ \\ # ? % :`` in them."""
 
@@ -150,18 +152,27 @@ class Hyperparameters(_Strict):
 
 class TrackingSpec(_Strict):
     """Where the worker mirrors the job's params and metrics (``worker/tracking``). Off unless set
-    here or on the box (``FTQ_MLFLOW_TRACKING_URI``, ``FTQ_TENSORBOARD_DIR``, ``FTQ_WANDB_PROJECT``);
+    here or on the box (a default tracking server, ``FTQ_TENSORBOARD_DIR``, ``FTQ_WANDB_PROJECT``);
     a tracker that is down never fails or slows the job: it is a warning in the job's events. A
-    tracker no live worker has the package for is refused at submission (``core.jobs.trackers``).
-    W&B's API key is the worker's ``WANDB_API_KEY``, never part of a spec."""
+    tracker no live worker has the package for, and a server the box does not list
+    (``FTQ_TRACKING_SERVERS``), are refused at submission (``core.jobs.trackers``). Credentials
+    are the worker's, sent only to the server configured with them, never part of a spec."""
 
     mlflow: Annotated[
-        bool | None, Field(description="Track on MLflow; null: when the box or mlflow_tracking_uri names a server.")
+        bool | None, Field(description="Track on MLflow; null: when the box has a default MLflow server or "
+                           "mlflow_server names one.")
+    ] = None
+    mlflow_server: Annotated[
+        str | None,
+        Field(min_length=1, max_length=64, pattern=TRACKING_SERVER,
+              description="The MLflow server for this job, by its name in the box's list (FTQ_TRACKING_SERVERS; "
+              "a name not on it is refused with the names that are); null: the box's default."),
     ] = None
     mlflow_tracking_uri: Annotated[
         str | None,
         Field(max_length=2048, pattern=r"^https?://\S+$",
-              description="The MLflow server (http(s)://host:port) for this job; null: the box's."),
+              description="Older form of mlflow_server: accepted only when it is the URL of an MLflow server the "
+              "box lists, and then means that server; any other URL is refused. Prefer mlflow_server."),
     ] = None
     mlflow_experiment: Annotated[
         str | None, Field(min_length=1, max_length=200, description="MLflow experiment; null: the box's (ftq).")
@@ -173,8 +184,15 @@ class TrackingSpec(_Strict):
     ] = None
     wandb: Annotated[
         bool | None,
-        Field(description="Track on Weights & Biases (the worker's WANDB_API_KEY; WANDB_BASE_URL for a "
-              "self-hosted server); null: when wandb_project or the box's FTQ_WANDB_PROJECT names a project."),
+        Field(description="Track on Weights & Biases (the W&B server the job names, else the box's default, "
+              "with the API key the operator configured for it); null: when wandb_server, wandb_project or "
+              "the box's FTQ_WANDB_PROJECT names one."),
+    ] = None
+    wandb_server: Annotated[
+        str | None,
+        Field(min_length=1, max_length=64, pattern=TRACKING_SERVER,
+              description="The W&B server for this job, by its name in the box's list (FTQ_TRACKING_SERVERS); "
+              "null: the box's default."),
     ] = None
     wandb_project: Annotated[
         str | None,

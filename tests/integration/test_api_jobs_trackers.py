@@ -2,12 +2,23 @@
 field and the command that installs it; when the API cannot know, the job is accepted and a worker
 without the package says so in the job's events, where the API and the job page show it.
 
+Tracking servers are the box's allow-list (issue 23 item 3): two real listeners on 127.0.0.1 stand
+in for MLflow servers, ``team`` (configured with the worker's ``FTQ_TEST_TEAM_TOKEN``) and ``open``
+(no credential), each recording the ``Authorization`` header of every request and answering 500
+with a secret body. An unlisted URL is 422 at submission; the worker sends each server only its
+own credential (never the ambient ``MLFLOW_TRACKING_TOKEN``), never contacts an unlisted URL of a
+stored job, and the failure in the job's events is ftq's message, without the body.
+
 The workers' rows hold ``{"trackers": {...}}`` as ``worker.presence`` stores it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +28,7 @@ from sqlalchemy import func, select
 
 from core.db import utcnow
 from core.jobs.models import Job
-from core.settings import Settings
+from core.settings import Settings, TrackingServer
 from core.workers.models import Worker
 from tests.integration.helpers import finish, spec, upload
 from tests.integration.test_api_events import events_of
@@ -26,6 +37,67 @@ from worker.tracking import resolve
 pytestmark = pytest.mark.integration
 
 ALL = {"mlflow": True, "tensorboard": True, "wandb": True}
+SECRET = f"SECRET-{uuid.uuid4().hex}"
+"""In every listener's answer: what a service on the box's loopback would return."""
+TEAM_TOKEN = f"team-token-{uuid.uuid4().hex}"
+AMBIENT_TOKEN = f"ambient-token-{uuid.uuid4().hex}"
+
+
+class Listener:
+    """An HTTP server on 127.0.0.1 that records each request's method, path and ``Authorization``
+    header and answers it with ``status`` and a JSON body carrying ``SECRET`` (as MLflow's errors
+    look, so a client that quotes error bodies would quote it)."""
+
+    def __init__(self, status: int = 500) -> None:
+        self.seen: list[tuple[str, str, str | None]] = []
+        listener = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                listener.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                body = f'{{"error_code": "INTERNAL_ERROR", "message": "{SECRET} root:x:0:0:root"}}'.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def authorizations(self) -> list[str | None]:
+        return [auth for _method, _path, auth in self.seen]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def listeners() -> Iterator[dict[str, Listener]]:
+    """``team`` and ``open``, listed; ``unlisted``, a service on the loopback no list names."""
+    started = {name: Listener() for name in ("team", "open", "unlisted")}
+    yield started
+    for listener in started.values():
+        listener.close()
+
+
+@pytest.fixture
+def settings(settings: Settings, listeners: dict[str, Listener]) -> Settings:
+    """The API's and the worker's settings list ``team`` and ``open`` (the same JSON on both)."""
+    return settings.model_copy(update={"tracking_servers": {
+        "team": TrackingServer(kind="mlflow", url=listeners["team"].url, credential_env="FTQ_TEST_TEAM_TOKEN"),
+        "open": TrackingServer(kind="mlflow", url=listeners["open"].url)}})
 
 
 def add_worker(store, worker_id: str, hardware: dict[str, Any], age_s: float = 0.0) -> None:
@@ -55,9 +127,10 @@ class TestRefusedAtSubmission:
 
     def test_naming_a_server_asks_for_the_tracker_too(self, client: TestClient, store) -> None:
         add_worker(store, "box-a/gpu0", {"trackers": {**ALL, "mlflow": False}})
-        body = spec(upload(client), tracking={"mlflow_tracking_uri": "http://mlflow:5000"})
+        body = spec(upload(client), tracking={"mlflow_server": "open"})
         response = client.post("/v1/jobs", json=body)
-        assert response.status_code == 422 and response.json()["error"]["param"] == "tracking.mlflow_tracking_uri"
+        assert response.status_code == 422 and response.json()["error"]["param"] == "tracking.mlflow_server"
+        assert response.json()["error"]["code"] == "unsupported"
         body["tracking"]["mlflow"] = False
         assert client.post("/v1/jobs", json=body).status_code == 201
 
@@ -106,3 +179,4 @@ def test_a_worker_without_the_package_warns_in_the_jobs_events_and_the_job_goes_
     assert published == [int(warning["id"])]  # live viewers were woken
     openai_events = client.get(f"/openai/v1/fine_tuning/jobs/{job_id}/events").json()["data"]
     assert any(e["level"] == "warn" and e["message"] == warning["data"]["message"] for e in openai_events)
+

@@ -180,3 +180,90 @@ def test_a_worker_without_the_package_warns_in_the_jobs_events_and_the_job_goes_
     openai_events = client.get(f"/openai/v1/fine_tuning/jobs/{job_id}/events").json()["data"]
     assert any(e["level"] == "warn" and e["message"] == warning["data"]["message"] for e in openai_events)
 
+
+class TestOnlyListedServers:
+    def test_an_unlisted_url_is_422_naming_the_field_and_the_servers_and_nothing_is_sent(
+        self, client: TestClient, store, listeners: dict[str, Listener]
+    ) -> None:
+        file_id = upload(client)
+        for uri in (listeners["unlisted"].url, "http://127.0.0.1:8000/v1/files", f"{listeners['team'].url}/x"):
+            response = client.post("/v1/jobs", json=spec(file_id, tracking={"mlflow_tracking_uri": uri}))
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_input", "tracking.mlflow_tracking_uri")
+            assert error["message"].endswith("name one with tracking.mlflow_server instead (MLflow servers: open, team)")
+        response = client.post("/v1/jobs", json=spec(file_id, tracking={"mlflow_server": "elsewhere"}))
+        assert response.status_code == 422
+        assert response.json()["error"] == {
+            "code": "invalid_input", "param": "tracking.mlflow_server",
+            "message": "tracking.mlflow_server: 'elsewhere' is not an MLflow server of this box; MLflow servers: open, team"}
+        assert jobs(store) == 0 and all(not listener.seen for listener in listeners.values())
+
+    def test_a_listed_url_is_taken_and_reads_back_as_given(self, client: TestClient, listeners) -> None:
+        body = spec(upload(client), tracking={"mlflow_tracking_uri": listeners["open"].url + "/"})
+        response = client.post("/v1/jobs", json=body)
+        assert response.status_code == 201, response.text
+        stored = client.get(f"/v1/jobs/{response.json()['id']}").json()["spec"]["tracking"]
+        assert stored["mlflow_tracking_uri"] == listeners["open"].url + "/" and stored["mlflow_server"] is None
+
+
+def run_tracking(store, settings: Settings, job_id: str) -> None:
+    """What the worker does for a claimed job: its trackers, one step, the end (tracking_for)."""
+    runtime = SimpleNamespace(sessionmaker=store.sessions, settings=settings, worker_id="box-a/gpu0",
+                              publish=lambda job, seq: None)
+    tracking = resolve.tracking_for(runtime, job_id, settings.jobs_dir / job_id)
+    tracking.add({"type": "step", "step": 1, "loss": 1.0})
+    tracking.finish("succeeded")
+    assert tracking.join(60)
+    finish(store, job_id)
+
+
+class TestTheWorkersCredentials:
+    @pytest.fixture(autouse=True)
+    def worker_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("FTQ_TEST_TEAM_TOKEN", TEAM_TOKEN)
+        monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", AMBIENT_TOKEN)  # what MLflow's own client would send anywhere
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "ambient-user")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", AMBIENT_TOKEN)
+        monkeypatch.setattr(resolve, "installed", lambda: ALL)
+
+    def submit(self, client: TestClient, tracking: dict[str, Any]) -> str:
+        response = client.post("/v1/jobs", json=spec(upload(client), tracking=tracking))
+        assert response.status_code == 201, response.text
+        return response.json()["id"]
+
+    def test_a_server_without_a_credential_gets_no_authorization(self, client, store, settings, listeners) -> None:
+        run_tracking(store, settings, self.submit(client, {"mlflow_server": "open"}))
+        assert listeners["open"].authorizations == [None]
+        assert not listeners["team"].seen and not listeners["unlisted"].seen
+
+    def test_the_token_goes_only_to_its_own_server(self, client, store, settings, listeners) -> None:
+        run_tracking(store, settings, self.submit(client, {"mlflow_server": "team"}))
+        run_tracking(store, settings, self.submit(client, {"mlflow_tracking_uri": listeners["team"].url}))
+        run_tracking(store, settings, self.submit(client, {"mlflow_server": "open"}))
+        assert listeners["team"].authorizations == [f"Bearer {TEAM_TOKEN}"] * 2
+        assert listeners["open"].authorizations == [None]
+        assert not listeners["unlisted"].seen
+
+    def test_an_unlisted_url_of_a_stored_job_is_never_contacted(self, client, store, settings, listeners) -> None:
+        job_id = self.submit(client, {})
+        with store.sessions.begin() as session:  # as a job stored before the allow-list keeps it
+            job = session.get(Job, job_id)
+            job.spec = {**job.spec, "tracking": {"mlflow_tracking_uri": listeners["unlisted"].url}}
+        run_tracking(store, settings, job_id)
+        assert all(not listener.seen for listener in listeners.values())
+        (warning,) = [e for e in events_of(client.get(f"/v1/jobs/{job_id}/events").text) if e["event"] == "log"]
+        assert warning["data"]["message"].endswith(
+            "(MLflow servers: open, team); nothing was sent to it, and the job goes on without MLflow")
+
+    def test_an_erroring_servers_body_never_reaches_the_jobs_events(self, client, store, settings, listeners) -> None:
+        job_id = self.submit(client, {"mlflow_server": "team"})
+        run_tracking(store, settings, job_id)
+        assert listeners["team"].seen  # it was asked, and answered 500 with the secret
+        native = client.get(f"/v1/jobs/{job_id}/events").text
+        openai = client.get(f"/openai/v1/fine_tuning/jobs/{job_id}/events").text
+        (warning,) = [e for e in events_of(native) if e["event"] == "log"]
+        assert warning["data"]["message"] == ("MLflow server team: HTTP 500 from experiments/get-by-name; "
+                                              "the job goes on without it")
+        for served in (native, openai, client.get(f"/v1/jobs/{job_id}").text):
+            assert SECRET not in served and TEAM_TOKEN not in served and "root:x:0:0" not in served

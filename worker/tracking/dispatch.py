@@ -3,7 +3,9 @@
 ``Tracking.add`` only appends to each tracker's bounded buffer (the event reader thread calls it
 once per trainer event); the tracker's thread drains its buffer in batches. A tracker's first
 exception disables it and becomes one warning in the job's events (``warn``), naming the tracker
-and the error (an ImportError adds the command that installs the ``tracking`` extra). A buffer that fills (a tracker slower than the trainer) drops the newest events
+and the error in ftq's own words (``describe``: a ``TrackerFailure``'s message, such as the HTTP
+status; otherwise only the exception's class, never its text, which may carry a tracking server's
+response; an ImportError adds the command that installs the ``tracking`` extra). A buffer that fills (a tracker slower than the trainer) drops the newest events
 and says so once. ``finish`` queues the end (status and the adapter directory of a job that
 succeeded, uploaded where the tracker takes files) and returns at once; the threads are daemons,
 so a worker that exits mid-upload leaves that run unfinished on the tracker, never the job.
@@ -41,11 +43,16 @@ class JobInfo:
     if the job succeeds."""
 
 
+class TrackerFailure(Exception):
+    """A tracker's failure in ftq's own words (``HTTP 503 from runs/create``), safe to show in the
+    job's events: never built from a server's response body."""
+
+
 class Tracker(Protocol):
     """One tracking backend; any method may raise: the dispatcher turns that into a warning."""
 
     label: str
-    """For messages: ``MLflow at http://mlflow:5000``."""
+    """For messages: ``MLflow server team``."""
 
     def start(self, job: JobInfo) -> None: ...
 
@@ -138,11 +145,16 @@ class _Lane:
             self._alive = False
             with self._ready:
                 self._buffer.clear()
-            log.warning("job %s: %s failed (%s): %r", self._job.job_id, self.tracker.label, method, exc)
+            log.warning("job %s: %s failed (%s): %s", self._job.job_id, self.tracker.label, method, describe(exc))
             fix = f"; to track with it, {INSTALL}" if isinstance(exc, ImportError) else ""
-            self._warn(f"{self.tracker.label}: {_short(exc)}; the job goes on without it{fix}")
+            self._warn(f"{self.tracker.label}: {describe(exc)}; the job goes on without it{fix}")
 
 
-def _short(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """``exc`` for the job's events: the first line of ftq's own message (a ``TrackerFailure``) or
+    of a missing package's (ImportError); for anything else its class alone (``ConnectError``,
+    ``CommError``), as a library's text may quote what a server answered."""
+    if not isinstance(exc, (TrackerFailure, ImportError)):
+        return type(exc).__name__
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."

@@ -1,31 +1,41 @@
 """Which trackers a job gets: its spec's ``tracking`` over the box's settings.
 
     MLflow       spec.tracking.mlflow true, or null and a server is named (the spec's
-                 mlflow_tracking_uri, else FTQ_MLFLOW_TRACKING_URI); false turns it off.
-                 Experiment: the spec's, else FTQ_MLFLOW_EXPERIMENT (ftq).
+                 mlflow_server or mlflow_tracking_uri, else the box's default MLflow server);
+                 false turns it off. Experiment: the spec's, else FTQ_MLFLOW_EXPERIMENT (ftq).
     TensorBoard  spec.tracking.tensorboard true, or null and FTQ_TENSORBOARD_DIR is set; files in
                  FTQ_TENSORBOARD_DIR/<job id>, else <job dir>/tensorboard.
-    W&B          spec.tracking.wandb true, or null and a project is named (the spec's
-                 wandb_project, else FTQ_WANDB_PROJECT); project: those, else ftq. Entity, run
-                 name and tags from the spec; the key and server from the worker's environment.
+    W&B          spec.tracking.wandb true, or null and a server or project is named (the spec's
+                 wandb_server or wandb_project, else FTQ_WANDB_PROJECT); project: those, else ftq.
+                 Entity, run name and tags from the spec; the server is the one the spec names,
+                 else the box's default W&B server.
+
+Servers come only from the box's allow-list (``core.jobs.trackers.allowed_trackers``, resolved by
+``server_for`` as the API resolved them at submission); a name or URL that is not on this worker's
+list (a job stored before the list, or an API configured differently) is a warning and that
+tracker is left out: nothing is sent to it. Each server gets only the credential configured for it
+(``credential_env``, read from this worker's environment here), never one of another server or the
+ambient ``MLFLOW_TRACKING_TOKEN``/``WANDB_API_KEY``.
 
 A tracker whose package this worker lacks (``installed``, which the worker also reports to the
 store for the API's check at submission: ``core.jobs.trackers``) is left out with a warning
 naming the field that asked for it and the command that installs it. ``mlflow: true`` with no
-server named anywhere is not refused at submission (the API cannot know the worker host's
-settings): the job runs, and its events carry a warning naming what to set.
+server named anywhere is not refused at submission: the job runs, and its events carry a warning
+naming what to set.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
-from core.jobs.trackers import TRACKERS, asked_for, missing_message
-from core.settings import Settings
+from core.errors import InvalidInput
+from core.jobs.trackers import TRACKERS, allowed_trackers, asked_for, missing_message, server_for
+from core.settings import LEGACY_MLFLOW_SERVER, Settings, TrackingServer
 from worker.tracking.dispatch import JobInfo, Tracker, Tracking
 
 
@@ -45,7 +55,10 @@ def wanted(spec: dict[str, Any], settings: Settings) -> dict[str, str]:
     setting (``FTQ_WANDB_PROJECT``); in ``TRACKERS`` order."""
     want = spec.get("tracking") or {}
     asked = asked_for(want)
-    box = {"mlflow": ("FTQ_MLFLOW_TRACKING_URI", settings.mlflow_tracking_uri),
+    default_mlflow = next((name for name, server in allowed_trackers(settings).items()
+                           if server.kind == "mlflow" and server.default), None)
+    box = {"mlflow": ("FTQ_MLFLOW_TRACKING_URI" if default_mlflow == LEGACY_MLFLOW_SERVER else "FTQ_TRACKING_SERVERS",
+                      default_mlflow),
            "tensorboard": ("FTQ_TENSORBOARD_DIR", settings.tensorboard_dir),
            "wandb": ("FTQ_WANDB_PROJECT", settings.wandb_project)}
     for name, (variable, value) in box.items():
@@ -56,31 +69,56 @@ def wanted(spec: dict[str, Any], settings: Settings) -> dict[str, str]:
 
 def trackers_for(spec: dict[str, Any], settings: Settings, *, job_id: str, output_dir: Path,
                  warn: Callable[[str], None], found: Mapping[str, bool] | None = None,
-                 host: str | None = None) -> list[Tracker]:
+                 host: str | None = None, environ: Mapping[str, str] | None = None) -> list[Tracker]:
     """The trackers ``spec`` asks for on this box (an empty list: tracking is off); ``found``:
-    which packages import here (``installed()``), ``host``: this worker, for the warnings."""
+    which packages import here (``installed()``), ``host``: this worker, for the warnings;
+    ``environ``: where the servers' credentials are read (this process's environment)."""
     want = spec.get("tracking") or {}
     found = installed() if found is None else found
+    servers = allowed_trackers(settings)
+    environ = os.environ if environ is None else environ
     trackers: list[Tracker] = []
     for name, field in wanted(spec, settings).items():
         if not found.get(name):
             warn(missing_message(name, field, host or socket.gethostname()))
             continue
-        tracker = _BUILDERS[name](want, settings, job_id=job_id, output_dir=output_dir, warn=warn)
+        tracker = _BUILDERS[name](want, settings, job_id=job_id, output_dir=output_dir, warn=warn,
+                                  servers=servers, environ=environ)
         if tracker is not None:
             trackers.append(tracker)
     return trackers
 
 
-def _mlflow(want: dict[str, Any], settings: Settings, *, warn: Callable[[str], None], **_: Any) -> Tracker | None:
-    uri = want.get("mlflow_tracking_uri") or settings.mlflow_tracking_uri
-    if not uri:
-        warn("tracking.mlflow is true but no MLflow server is named: set tracking.mlflow_tracking_uri or "
-             "the box's FTQ_MLFLOW_TRACKING_URI; the job goes on without MLflow")
+def _server(want: dict[str, Any], kind: str, servers: Mapping[str, TrackingServer],
+            warn: Callable[[str], None], missing: str) -> tuple[str, TrackingServer] | None:
+    """The listed server this job's ``kind`` tracker sends to, or None with a warning."""
+    try:
+        found = server_for(want, kind, servers)
+    except InvalidInput as exc:
+        warn(f"{exc.message}; nothing was sent to it, and the job goes on without {missing}")
         return None
+    if found is None:
+        warn(f"no {missing} server is named and the box marks none default: set tracking.{kind}_server, or mark "
+             f"one of the box's FTQ_TRACKING_SERVERS default; the job goes on without {missing}")
+    return found
+
+
+def _credential(server: TrackingServer, environ: Mapping[str, str]) -> str | None:
+    """The value of the worker's variable configured for ``server`` (None: none configured, or unset)."""
+    return (environ.get(server.credential_env) or None) if server.credential_env else None
+
+
+def _mlflow(want: dict[str, Any], settings: Settings, *, warn: Callable[[str], None],
+            servers: Mapping[str, TrackingServer], environ: Mapping[str, str], **_: Any) -> Tracker | None:
+    found = _server(want, "mlflow", servers, warn, "MLflow")
+    if found is None:
+        return None
+    name, server = found
     from worker.tracking.mlflow import MlflowTracker
 
-    return MlflowTracker(uri, want.get("mlflow_experiment") or settings.mlflow_experiment)
+    assert server.url is not None, "an MLflow server has a URL (core.settings.TrackingServer)"
+    return MlflowTracker(name, server.url, want.get("mlflow_experiment") or settings.mlflow_experiment,
+                         token=_credential(server, environ), credential_env=server.credential_env)
 
 
 def _tensorboard(want: dict[str, Any], settings: Settings, *, job_id: str, output_dir: Path, **_: Any) -> Tracker:
@@ -90,12 +128,19 @@ def _tensorboard(want: dict[str, Any], settings: Settings, *, job_id: str, outpu
     return TensorBoardTracker(root)
 
 
-def _wandb(want: dict[str, Any], settings: Settings, *, output_dir: Path, **_: Any) -> Tracker:
+def _wandb(want: dict[str, Any], settings: Settings, *, output_dir: Path, warn: Callable[[str], None],
+           servers: Mapping[str, TrackingServer], environ: Mapping[str, str], **_: Any) -> Tracker | None:
+    found = _server(want, "wandb", servers, warn, "W&B")
+    if found is None:
+        return None
+    name, server = found
     from worker.tracking.wandb import WandbTracker
 
     return WandbTracker(project=want.get("wandb_project") or settings.wandb_project or "ftq",
                         entity=want.get("wandb_entity"), name=want.get("wandb_name"),
-                        tags=tuple(want.get("wandb_tags") or ()), directory=output_dir)
+                        tags=tuple(want.get("wandb_tags") or ()), directory=output_dir, server=name,
+                        base_url=server.url, api_key=_credential(server, environ),
+                        credential_env=server.credential_env)
 
 
 _BUILDERS: dict[str, Callable[..., Tracker | None]] = {"mlflow": _mlflow, "tensorboard": _tensorboard, "wandb": _wandb}

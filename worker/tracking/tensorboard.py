@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.tracking.dispatch import JobInfo
+from worker.tracking.dispatch import JobInfo, TrackerFailure
 from worker.tracking.mlflow import metric_points
 
 
@@ -25,7 +25,10 @@ class TensorBoardTracker:
     def start(self, job: JobInfo) -> None:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self.logdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # local, so its reason is safe to show (dispatch.describe shows only classes)
+            raise TrackerFailure(f"cannot create {self.logdir}: {exc.strerror or type(exc).__name__}") from exc
         self._writer = EventFileWriter(str(self.logdir))
         self._writer.add_event(_text_event("spec", json.dumps({"job_id": job.job_id, "name": job.name,
                                                                "model": job.model, **job.spec}, indent=2)))

@@ -1,5 +1,6 @@
 """Experiment tracking in the worker: the dispatcher never holds a job up, a failing tracker is one
-warning in the job's events, and TensorBoard's own reader reads back what a real job run wrote."""
+warning in the job's events in ftq's words, each listed server gets only its own credential, and
+TensorBoard's own reader reads back what a real job run wrote."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 from sqlalchemy import select, update
 
 from core.jobs.models import Job, JobEvent
+from core.settings import TrackingServer
 from worker.runner import run_job
-from worker.tracking import JobInfo, Tracking, trackers_for
+from worker.tracking import JobInfo, TrackerFailure, Tracking, trackers_for
+from worker.tracking.dispatch import describe
 from worker.tracking.mlflow import flatten, metric_points
 
 JOB = JobInfo(job_id="job-1", name="n", model="tiny", spec={"lora": {"r": 16}})
@@ -44,7 +47,16 @@ class Broken(Blocked):
     label = "broken tracker"
 
     def log(self, events: list[dict]) -> None:
-        raise ConnectionError("connection refused\nmore lines")
+        raise TrackerFailure("HTTP 503 from runs/log-batch\nmore lines")
+
+
+class Leaky(Blocked):
+    """A library's exception that quotes what the server answered."""
+
+    label = "leaky tracker"
+
+    def start(self, job: JobInfo) -> None:
+        raise RuntimeError("API request failed. Response body: 'root:x:0:0:root:/root:/bin/bash'")
 
 
 class TestDispatch:
@@ -67,8 +79,16 @@ class TestDispatch:
             tracking.add({"type": "step", "step": step, "loss": 1.0})
         tracking.finish("failed")
         assert tracking.join(30)
-        assert warnings == ["broken tracker: connection refused; the job goes on without it"]
+        assert warnings == ["broken tracker: HTTP 503 from runs/log-batch; the job goes on without it"]
         assert len(good.logged) == 2 and good.ended == ("failed", None)
+
+    def test_a_library_error_shows_its_class_never_its_text(self):
+        warnings: list[str] = []
+        tracking = Tracking([Leaky()], JOB, warn=warnings.append)
+        tracking.finish("succeeded")
+        assert tracking.join(30)
+        assert warnings == ["leaky tracker: RuntimeError; the job goes on without it"]
+        assert describe(ImportError("No module named 'mlflow'")) == "No module named 'mlflow'"  # local: kept
 
     def test_nothing_configured_is_a_no_op(self, settings, tmp_path):
         assert trackers_for({}, settings, job_id="j", output_dir=tmp_path, warn=print) == []
@@ -81,7 +101,17 @@ class TestDispatch:
         warnings: list[str] = []
         assert trackers_for({"tracking": {"mlflow": True}}, settings, job_id="j", output_dir=tmp_path,
                             warn=warnings.append) == []
-        assert "FTQ_MLFLOW_TRACKING_URI" in warnings[0]
+        assert warnings == ["no MLflow server is named and the box marks none default: set tracking.mlflow_server, "
+                            "or mark one of the box's FTQ_TRACKING_SERVERS default; the job goes on without MLflow"]
+
+
+SERVERS = {
+    "team": TrackingServer(kind="mlflow", url="http://team:5000", credential_env="TEAM_TOKEN"),
+    "open": TrackingServer(kind="mlflow", url="http://open:5000"),
+    "wb": TrackingServer(kind="wandb", url="https://wandb.example", credential_env="WB_KEY", default=True),
+}
+ENVIRON = {"TEAM_TOKEN": "team-secret", "WB_KEY": "wb-secret", "MLFLOW_TRACKING_TOKEN": "ambient",
+           "WANDB_API_KEY": "ambient"}
 
 
 class TestWhichTrackers:
@@ -90,17 +120,59 @@ class TestWhichTrackers:
     def test_the_box_turns_tracking_on_for_every_job_and_a_job_may_opt_out(self, settings, tmp_path):
         box = settings.model_copy(update={"mlflow_tracking_uri": "http://mlflow:5000", "tensorboard_dir": tmp_path / "tb"})
         on = trackers_for({}, box, job_id="job-1", output_dir=tmp_path / "job", warn=print)
-        assert [t.label for t in on] == ["MLflow at http://mlflow:5000", f"TensorBoard files in {tmp_path / 'tb' / 'job-1'}"]
-        assert on[0].experiment == "ftq"
+        assert [t.label for t in on] == ["MLflow server mlflow", f"TensorBoard files in {tmp_path / 'tb' / 'job-1'}"]
+        assert (on[0].url, on[0].experiment) == ("http://mlflow:5000", "ftq")
         off = {"tracking": {"mlflow": False, "tensorboard": False}}
         assert trackers_for(off, box, job_id="job-1", output_dir=tmp_path, warn=print) == []
 
     def test_a_job_names_its_own_server_experiment_and_tensorboard(self, settings, tmp_path):
-        spec = {"tracking": {"mlflow_tracking_uri": "https://ml.example:443", "mlflow_experiment": "sweeps",
-                             "tensorboard": True}}
-        mlflow, tensorboard = trackers_for(spec, settings, job_id="job-2", output_dir=tmp_path / "job", warn=print)
-        assert (mlflow.tracking_uri, mlflow.experiment) == ("https://ml.example:443", "sweeps")
+        box = settings.model_copy(update={"tracking_servers": SERVERS})
+        spec = {"tracking": {"mlflow_server": "open", "mlflow_experiment": "sweeps", "tensorboard": True}}
+        mlflow, tensorboard = trackers_for(spec, box, job_id="job-2", output_dir=tmp_path / "job", warn=print)
+        assert (mlflow.label, mlflow.url, mlflow.experiment) == ("MLflow server open", "http://open:5000", "sweeps")
         assert tensorboard.logdir == tmp_path / "job" / "tensorboard"
+
+
+class TestCredentials:
+    """Each server gets the value of its own ``credential_env`` and nothing else of the worker's."""
+
+    def trackers(self, settings, tmp_path, tracking, environ=ENVIRON, warn=print):
+        box = settings.model_copy(update={"tracking_servers": SERVERS})
+        return trackers_for({"tracking": tracking}, box, job_id="j", output_dir=tmp_path, warn=warn,
+                            found={"mlflow": True, "tensorboard": True, "wandb": True}, environ=environ)
+
+    def test_a_server_gets_its_own_token_and_one_without_a_credential_gets_none(self, settings, tmp_path):
+        (team,) = self.trackers(settings, tmp_path, {"mlflow_server": "team"})
+        (open_,) = self.trackers(settings, tmp_path, {"mlflow_server": "open"})
+        assert (team._token, open_._token) == ("team-secret", None)  # not the ambient MLFLOW_TRACKING_TOKEN
+        (legacy,) = self.trackers(settings, tmp_path, {"mlflow_tracking_uri": "http://team:5000/"})
+        assert (legacy.label, legacy._token) == ("MLflow server team", "team-secret")
+
+    def test_a_configured_variable_unset_on_the_worker_sends_nothing(self, settings, tmp_path):
+        (team,) = self.trackers(settings, tmp_path, {"mlflow_server": "team"}, environ={"MLFLOW_TRACKING_TOKEN": "x"})
+        assert team._token is None
+
+    def test_w_and_b_gets_its_servers_url_and_key_explicitly(self, settings, tmp_path):
+        (wandb,) = self.trackers(settings, tmp_path, {"wandb": True, "wandb_project": "p"})
+        assert wandb._server_settings() == {"base_url": "https://wandb.example", "api_key": "wb-secret"}
+        assert wandb.label == "W&B server wb, project p"
+
+    def test_w_and_b_online_without_a_key_is_refused_before_w_and_b_looks_for_one(self, settings, tmp_path, monkeypatch):
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        (wandb,) = self.trackers(settings, tmp_path, {"wandb": True}, environ={"WANDB_API_KEY": "ambient"})
+        with pytest.raises(TrackerFailure, match="W&B needs an API key and WB_KEY is not set on this worker"):
+            wandb._server_settings()
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        assert wandb._server_settings() == {"base_url": "https://wandb.example"}
+
+    def test_an_unlisted_url_of_a_stored_job_is_a_warning_and_no_tracker(self, settings, tmp_path):
+        warnings: list[str] = []
+        assert self.trackers(settings, tmp_path, {"mlflow_tracking_uri": "http://127.0.0.1:8000"},
+                             warn=warnings.append) == []
+        assert warnings[0].startswith("tracking.mlflow_tracking_uri: jobs may send only to the tracking servers "
+                                      "this box lists")
+        assert warnings[0].endswith("(MLflow servers: open, team); nothing was sent to it, and the job goes on "
+                                    "without MLflow")
 
 
 def test_params_are_the_spec_flattened_and_metrics_the_numeric_step_and_eval_fields():
@@ -131,10 +203,12 @@ def test_a_job_writes_tensorboard_files_and_a_down_mlflow_is_a_warning_not_a_fai
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     down = f"http://127.0.0.1:{_closed_port()}"
+    runtime.settings = runtime.settings.model_copy(update={
+        "tracking_servers": {"down": TrackingServer(kind="mlflow", url=down)}})
     job_id = make_job("fake:ok:5")
     with runtime.sessionmaker.begin() as session:
         session.execute(update(Job).where(Job.job_id == job_id).values(
-            spec={"tracking": {"tensorboard": True, "mlflow_tracking_uri": down}}))
+            spec={"tracking": {"tensorboard": True, "mlflow_server": "down"}}))
 
     assert run_job(runtime, job_id) == "succeeded"
 
@@ -156,6 +230,7 @@ def test_a_job_writes_tensorboard_files_and_a_down_mlflow_is_a_warning_not_a_fai
             return [e.data for e in rows if e.data.get("level") == "warning"]
 
     warned = _wait_for(warning)
-    assert warned and warned[0]["message"].startswith(f"MLflow at {down}: ") and warned[0]["source"] == "tracking"
+    assert warned and warned[0]["message"] == "MLflow server down: ConnectError; the job goes on without it"
+    assert warned[0]["source"] == "tracking"
     with runtime.sessionmaker() as session:
         assert session.get(Job, job_id).status == "succeeded"

@@ -1,5 +1,7 @@
-"""A job tracked on a real ``mlflow server`` (SQLite backend, proxied artifacts) started here: the
-run has the spec as params, the step metrics by step and the adapter as an artifact."""
+"""A job tracked on a real ``mlflow server`` (SQLite backend, proxied artifacts) started here, listed
+as a tracking server of the box (``FTQ_TRACKING_SERVERS``): the run has the spec as params, the step
+metrics by step and the adapter as an artifact, whether the job names the server or gives its URL
+(the older ``mlflow_tracking_uri``), the worker speaking MLflow's REST API itself."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 from sqlalchemy import update
 
 from core.jobs.models import Job
+from core.settings import TrackingServer
 from trainer import layout
 from worker.runner import run_job
 
@@ -63,33 +66,51 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log.close()
 
 
-def test_a_job_is_an_mlflow_run_with_params_metrics_by_step_and_the_adapter(runtime, make_job, settings, mlflow_server):
+def finished_run(tracking_uri: str, experiment: str) -> object:
     from mlflow.tracking import MlflowClient
 
-    job_id = make_job("fake:ok:5", name="lr sweep a")
-    spec = {"hyperparameters": {"learning_rate": 0.0002, "max_steps": 5},
-            "tracking": {"mlflow_tracking_uri": mlflow_server, "mlflow_experiment": "ftq-test"}}
-    with runtime.sessionmaker.begin() as session:
-        session.execute(update(Job).where(Job.job_id == job_id).values(spec=spec))
-    adapter = layout.export_dir(settings.jobs_dir / job_id, "lora")  # what the real trainer writes at the end
-    adapter.mkdir(parents=True)
-    (adapter / "adapter_config.json").write_text('{"r": 16}')
-
-    assert run_job(runtime, job_id) == "succeeded"
-
-    client = MlflowClient(tracking_uri=mlflow_server)
+    client = MlflowClient(tracking_uri=tracking_uri)
     deadline = time.monotonic() + 120
+    runs: list = []
     while time.monotonic() < deadline:
-        runs = client.search_runs([client.get_experiment_by_name("ftq-test").experiment_id]) \
-            if client.get_experiment_by_name("ftq-test") else []
+        found = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([found.experiment_id]) if found else []
         if runs and runs[0].info.status == "FINISHED":
             break
         time.sleep(0.5)
-    assert runs and runs[0].info.status == "FINISHED", runs
-    run = runs[0]
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", runs
+    return runs[0]
+
+
+@pytest.mark.parametrize("named_by", [{"mlflow_server": "local"}, {"mlflow_tracking_uri": "<url>/"}])
+def test_a_job_is_an_mlflow_run_with_params_metrics_by_step_and_the_adapter(
+    runtime, make_job, settings, mlflow_server, named_by
+):
+    from mlflow.tracking import MlflowClient
+
+    runtime.settings = settings.model_copy(update={"tracking_servers": {
+        "local": TrackingServer(kind="mlflow", url=mlflow_server)}})
+    experiment = f"ftq-test-{next(iter(named_by))}"
+    job_id = make_job("fake:ok:5", name="lr sweep a")
+    tracking = {key: value.replace("<url>", mlflow_server) for key, value in named_by.items()}
+    spec = {"hyperparameters": {"learning_rate": 0.0002, "max_steps": 5},
+            "tracking": {**tracking, "mlflow_experiment": experiment}}
+    with runtime.sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.job_id == job_id).values(spec=spec))
+    adapter = layout.export_dir(settings.jobs_dir / job_id, "lora")  # what the real trainer writes at the end
+    (adapter / "tokenizer").mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"r": 16}')
+    (adapter / "tokenizer" / "tokenizer config.json").write_text("{}")  # a space: quoted in the URL
+
+    assert run_job(runtime, job_id) == "succeeded"
+
+    run = finished_run(mlflow_server, experiment)
+    client = MlflowClient(tracking_uri=mlflow_server)
     assert run.info.run_name == "lr sweep a" and run.data.tags["ftq.job_id"] == job_id
     assert run.data.params["hyperparameters.learning_rate"] == "0.0002" and run.data.params["job_id"] == job_id
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "adapter")]
-    assert artifacts == ["adapter/adapter_config.json"]
+    assert artifacts == ["adapter/adapter_config.json", "adapter/tokenizer"]
+    nested = [a.path for a in client.list_artifacts(run.info.run_id, "adapter/tokenizer")]
+    assert nested == ["adapter/tokenizer/tokenizer config.json"]

@@ -165,7 +165,7 @@ def test_a_box_setting_names_itself_in_the_warning(settings, tmp_path):
     assert warnings[0].startswith("FTQ_WANDB_PROJECT: the wandb package is not installed on worker h")
     tracker, = resolve.trackers_for({}, box, job_id="j", output_dir=tmp_path, warn=pytest.fail,
                                     found={**found, "wandb": True})
-    assert (tracker.project, tracker.label) == ("team", "W&B project team")
+    assert (tracker.project, tracker.label) == ("team", "W&B server wandb, project team")
     assert resolve.trackers_for({"tracking": {"wandb": False}}, box, job_id="j", output_dir=tmp_path,
                                 warn=pytest.fail, found=found) == []
 

@@ -12,6 +12,7 @@ download archives, unrecorded uploads) and starts the thread that keeps sweeping
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,7 +27,7 @@ from api.docs_ui import add_docs_pages, mount_docs_assets
 from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.files.tokenizer_pool import TokenizerPool
-from api.inputs import check_request_text
+from api.inputs import BoundedJsonBodies, check_request_text
 from api.jobs.routes import router as jobs_router
 from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
@@ -95,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         dependencies=[Depends(declare_schemes), Depends(check_request_text)],
     )
     add_exception_handlers(app)
+    app.add_middleware(BoundedJsonBodies)  # JSON depth, before any parser; inside the auth gate (api/inputs.py)
     # Every path but a few open ones needs a key, whatever route serves it (api/auth.py).
     app.add_middleware(AuthGate, throttle=FailedKeyThrottle(settings.auth_failure_limit))
     mount_docs_assets(app)  # before web_router's /static mount, which would answer 404 for these
@@ -108,6 +110,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(workers_router)
     app.include_router(web_router)
     app.mount(OPENAI_PREFIX, create_openai_app())  # the official openai client's API (api/openai)
+    # A Mount matches the rest of the path with ``.*``, which stops at a newline: an OpenAI path id
+    # holding %0A matched no route (a 404); DOTALL carries it to the route, whose check names it.
+    openai_mount = app.routes[-1]
+    openai_mount.path_regex = re.compile(openai_mount.path_regex.pattern, re.DOTALL)  # type: ignore[attr-defined]
     return app
 
 

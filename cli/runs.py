@@ -86,7 +86,11 @@ def qualify(key: str, schema: dict[str, Any]) -> str:
 
 
 def _submitted(client: httpx.Client, job: dict[str, Any], follow_it: bool) -> int:
+    """The new job's id on stdout; its preflight's warnings (a rerun is checked as a new job) and
+    its place in the queue on stderr, as ``ftq submit`` prints them."""
     print(job["id"])
+    for warning in (job.get("preflight") or {}).get("warnings") or []:
+        print(f"warning: {warning}", file=sys.stderr)
     if job.get("queue"):
         print(queue_line(job["queue"]), file=sys.stderr)
     return follow(client, job["id"], sys.stdout) if follow_it else 0

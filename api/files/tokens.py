@@ -14,10 +14,13 @@ from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.deps import StateDep
 from core.files import service
 from core.jobs.model_source import ModelSource, resolve_model
+from core.jobs.spec import JobSpec
 
 router = APIRouter(tags=["files"])
 """Included by ``api.files.routes.router``, which adds the ``/v1/files`` prefix."""
@@ -36,6 +39,7 @@ async def file_tokens(
     ] = 4096,
 ) -> dict[str, Any]:
     """Errors: 404 unknown file; 422 a model the box cannot resolve or whose tokenizer it lacks."""
+    check_model(model)
     settings = state.settings
 
     def locate() -> tuple[str, str, ModelSource]:
@@ -51,3 +55,18 @@ async def file_tokens(
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
     stats = await state.tokenizers.token_stats(path, fmt, model, source, max_seq_len=max_seq_len)
     return stats | {"file_id": file_id, "model": model}
+
+
+def check_model(model: str) -> None:
+    """Check ``model`` as ``POST /v1/jobs`` checks its ``model`` (``JobSpec.model``: length, no
+    surrounding whitespace), so the two routes answer the same name with the same 422.
+
+    Raises:
+        RequestValidationError: naming the query parameter ``model``.
+    """
+    try:
+        JobSpec.model_validate({"model": model, "training_file": "-"})
+    except ValidationError as exc:
+        errors = [err for err in exc.errors() if err["loc"][:1] == ("model",)]
+        if errors:
+            raise RequestValidationError([{**err, "loc": ("query", "model")} for err in errors]) from None

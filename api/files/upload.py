@@ -15,6 +15,7 @@ from fastapi import Request
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from api.inputs import check_field
 from core.errors import InvalidInput, TooLarge
 from core.files.service import FileSink
 
@@ -58,6 +59,7 @@ class _Reader:
     def on_headers_finished(self) -> None:
         _, options = parse_options_header(self._disposition)
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
+        check_field(self._name, self._name)
         # `curl -F file=<data.jsonl` sends the file as a plain field: still the dataset.
         self._is_file = b"filename" in options or self._name == "file"
         if self._is_file:
@@ -69,6 +71,7 @@ class _Reader:
             if self.form.filename is not None:
                 raise InvalidInput("file: send one file per upload", param="file")
             self.form.filename = options.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
+            check_field(self.form.filename, "file")  # the filename, stored with the file
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         if self._is_file:
@@ -81,6 +84,7 @@ class _Reader:
     def on_part_end(self) -> None:
         if not self._is_file and self._name:
             self.form.fields[self._name] = self._value.decode("utf-8", "replace")
+            check_field(self.form.fields[self._name], self._name)
 
     def flush(self) -> None:
         for chunk in self.pending:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
+from api.inputs import shown
 from api.jobs import artifacts
 from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
@@ -35,6 +37,8 @@ from core.users import access
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["exports"])
 """Included by ``api.jobs.routes.router`` (prefix ``/v1/jobs``)."""
+EXPORT_ID = re.compile(r"exp-[0-9a-f]{24}")
+"""``core.db.new_id("exp")``; any other id (``..``, ``exp-%00``) is unknown without asking the store."""
 
 
 class ExportRequest(BaseModel):
@@ -112,7 +116,7 @@ def list_exports(job_id: str, session: SessionDep) -> ExportList:
 
 @router.get("/{job_id}/exports/{export_id}", summary="One export")
 def get_export(job_id: str, export_id: str, session: SessionDep) -> ExportOut:
-    return ExportOut.of(service.get_export(session, job_id, export_id))
+    return ExportOut.of(_export(session, job_id, export_id))
 
 
 @router.get(
@@ -123,7 +127,7 @@ def get_export(job_id: str, export_id: str, session: SessionDep) -> ExportOut:
 )
 def download_export(job_id: str, export_id: str, session: SessionDep, state: StateDep,
                     format: artifacts.ArchiveFormat = "zip") -> FileResponse:
-    export = service.get_export(session, job_id, export_id)
+    export = _export(session, job_id, export_id)
     if export.status != "succeeded" or not export.path:
         raise Conflict(f"export {export_id} is {export.status}; download it once it has succeeded", param="export_id")
     get_job(session, job_id)
@@ -140,6 +144,24 @@ def download_export(job_id: str, export_id: str, session: SessionDep, state: Sta
         return FileResponse(found[0], media_type="application/octet-stream", filename=f"{stem}.gguf")
     path = artifacts.build_archive(src, format, temporaries_dir(state.settings))
     return TemporaryFileResponse(path, media_type=artifacts.MEDIA_TYPES[format], filename=f"{stem}.{format}")
+
+
+@router.get("/{job_id}/exports/{export_id:path}", include_in_schema=False)
+def unknown_export(job_id: str, export_id: str) -> None:
+    """Any other path under a job's exports (``..%2f..%2fetc``, ``a/b/download``): the one 404."""
+    raise _unknown(job_id, export_id)
+
+
+def _export(session: SessionDep, job_id: str, export_id: str) -> Export:
+    """The job's export; an unknown or malformed id (``exp-000...``, ``..``, a NUL) is one 404."""
+    if EXPORT_ID.fullmatch(export_id) is None:
+        raise _unknown(job_id, export_id)
+    return service.get_export(session, job_id, export_id)
+
+
+def _unknown(job_id: str, export_id: str) -> NotFound:
+    """``core.exports.service.get_export``'s own 404, for the ids it is never asked about."""
+    return NotFound(f"export {shown(export_id)} of job {job_id} does not exist", param="export_id")
 
 
 def _model_type(state: AppState, job: Job) -> str | None:

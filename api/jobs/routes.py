@@ -1,16 +1,17 @@
 """``/v1/jobs``: submit, list, read, cancel, clone, resume; metrics (JSON, CSV), events (SSE),
 checkpoints, adapter.
 
-Submission commits the job, then signals the worker host the queue policy places it on
-(``core.queue.enqueue_job``; any host when it must wait). If the broker is down at that moment
-the job is still created (201) and stays ``queued``: the store is the source of truth, the
-message only a wake-up, and the worker's reaper re-sends it for
-queued jobs nobody claimed (as does a retry of the same request with its ``Idempotency-Key``).
+Submit, clone and resume make a job through one path (``api.jobs.submit``, over
+``core.jobs.submit``): the same checks and dataset preflight for each. It commits the job, then
+signals the worker host the queue policy places it on (``core.queue.enqueue_job``; any host when
+it must wait). If the broker is down at that moment the job is still created (201) and stays
+``queued``: the store is the source of truth, the message only a wake-up, and the worker's reaper
+re-sends it for queued jobs nobody claimed (as does a retry of the same request with its
+``Idempotency-Key``).
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +21,6 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
@@ -43,22 +43,23 @@ from api.jobs.schemas import (
     queue_info,
 )
 from api.jobs.sse import event_stream
+from api.jobs.submit import notify, submit
 from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import artifact_store, eta, live, rerun, scheduling, service
+from core.jobs import artifact_store, eta, rerun, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
+from core.jobs.submit import SubmitRequest
 from core.paging import MAX_LIMIT
-from core.queue import enqueue_job
+from core.projects.service import names_by_id as project_names
 from core.settings import Settings
 from core.users import access
 from core.users.service import names_by_id
 from core.workers import pool
 from trainer import layout
 
-log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _JOB_RESPONSES = {200: {"model": JobOut, "description": "Replay of an Idempotency-Key: the job made earlier"}}
@@ -80,33 +81,9 @@ async def create_job(
     caller's own files (an admin's, any): 403 otherwise.
     """
 
-    report = await preflight_for(state, spec, caller)
-
-    def create() -> tuple[JobOut, bool, int]:
-        with state.sessions() as session:
-            access.require_usable_files(
-                session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
-            )
-            try:
-                job, created = service.create_job(
-                    session, spec, settings=state.settings, idempotency_key=idempotency_key, owner_id=caller.user_id,
-                    preflight=report,
-                )
-            except Conflict:  # its message names the key's job: not for another user's key
-                session.rollback()
-                _refuse_foreign_key(session, idempotency_key, caller.user_id)
-                raise
-            if not created:
-                _refuse_foreign_key(session, idempotency_key, caller.user_id)
-            session.commit()
-            return _out(session, job, state.settings, estimate=False), created, job.last_event_seq
-
-    job, created, seq = await to_thread.run_sync(create)
-    if job.status == JobStatus.queued.value:
-        await to_thread.run_sync(_enqueue, state, job.id)
-    if created:
-        await _notify(state, job.id, seq)
-    else:
+    request = SubmitRequest(spec, caller, idempotency_key=idempotency_key)
+    job, created = await submit(state, request, lambda session, row: _out(session, row, state.settings, estimate=False))
+    if not created:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
     return job
@@ -130,28 +107,33 @@ def list_jobs(
         str | None, Query(alias="status", description="One status or several, comma-separated")
     ] = None,
     owner: Annotated[str | None, Query(description="Only this user's jobs; `me` for the caller's")] = None,
+    project: Annotated[str | None, Query(description="Only this project's jobs (one of yours)")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 20,
     after: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
     q: Annotated[str | None, Query(max_length=200, description="Only jobs whose name, model or owner's "
                                    "name contains this text (case-insensitive)")] = None,
 ) -> JobList:
-    """Everyone's jobs (everyone on the box sees all of them), each with its ``owner``."""
+    """The jobs of the caller's projects (a global admin: every project's), each with its ``owner``
+    and ``project``."""
     owner_id = access.owner_filter(session, caller, owner)
     jobs, next_cursor = service.list_jobs(
-        session, statuses=_parse_statuses(status_), owner_id=owner_id, limit=limit, after=after, text=q
+        session, statuses=_parse_statuses(status_), owner_id=owner_id, limit=limit, after=after, text=q,
+        reader=caller, project_id=access.project_filter(session, caller, project),
     )
     names = names_by_id(session, {j.owner_id for j in jobs})
+    projects = project_names(session, {j.project_id for j in jobs})
     held = pool.held_by(session, [j.job_id for j in jobs if j.status == JobStatus.running.value])
     return JobList(
-        data=[JobOut.of(j, owner=names.get(j.owner_id or ""), held=held.get(j.job_id, ())) for j in jobs],
+        data=[JobOut.of(j, owner=names.get(j.owner_id or ""), held=held.get(j.job_id, ()),
+                        project=projects.get(j.project_id or "")) for j in jobs],
         next_cursor=next_cursor,
     )
 
 
 @router.get("/{job_id}", summary="Read one job")
-def get_job(job_id: str, session: SessionDep, state: StateDep) -> JobOut:
+def get_job(job_id: str, session: SessionDep, state: StateDep, caller: CallerDep) -> JobOut:
     """A queued job also has ``queue``: its position and estimated start (see ``GET /v1/queue``)."""
-    return _out(session, service.get_job(session, job_id), state.settings)
+    return _out(session, service.get_job(session, job_id, reader=caller), state.settings)
 
 
 @router.post(
@@ -166,7 +148,7 @@ async def cancel_job(job_id: str, response: Response, state: StateDep, caller: C
 
     def cancel() -> tuple[JobOut, bool, int]:
         with state.sessions() as session:
-            owner_id = service.get_job(session, job_id).owner_id
+            owner_id = service.get_job(session, job_id, reader=caller).owner_id
             access.require_owner(
                 session, caller, owner_id, what=f"job {job_id}", action="cancel", param="job_id"
             )
@@ -176,7 +158,7 @@ async def cancel_job(job_id: str, response: Response, state: StateDep, caller: C
 
     job, finished_now, seq = await to_thread.run_sync(cancel)
     if finished_now:
-        await _notify(state, job_id, seq)
+        await notify(state, job_id, seq)
     else:
         response.status_code = status.HTTP_202_ACCEPTED
     return job
@@ -192,48 +174,38 @@ async def clone_job(
         '{"hyperparameters": {"learning_rate": 1e-4}, "name": "lr 1e-4"}; null restores a field\'s default')] = None,
 ) -> JobOut:
     """A new queued job from the source's stored spec (defaults as they were then) merged with
-    ``overrides``, validated like ``POST /v1/jobs`` (errors name the field, e.g.
-    ``hyperparameters.learning_rate``). The caller owns the new job."""
+    ``overrides``, submitted like ``POST /v1/jobs``: the same checks and dataset preflight, the
+    same 422 naming the field (e.g. ``hyperparameters.learning_rate``, or ``training_file`` when
+    the model's tokenizer can no longer train on the source's data). The caller owns the new job."""
 
-    def create() -> tuple[JobOut, int]:
+    def cloned() -> JobSpec:
         with state.sessions() as session:
-            source = service.get_job(session, job_id)
-            try:
-                spec = rerun.cloned_spec(source.spec, overrides or {})
-            except ValidationError as exc:
-                raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            files = {"training_file": spec.training_file, "validation_file": spec.validation_file}
-            access.require_usable_files(session, caller, files)
-            job, _ = service.create_job(session, spec, settings=state.settings, owner_id=caller.user_id)
-            session.commit()
-            return _out(session, job, state.settings), job.last_event_seq
+            source = service.get_job(session, job_id, reader=caller)
+        try:
+            return _in_project(rerun.cloned_spec(source.spec, overrides or {}), source)
+        except ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
-    return await _submitted(state, *await to_thread.run_sync(create))
+    spec = await to_thread.run_sync(cloned)
+    job, _ = await submit(state, SubmitRequest(spec, caller), lambda session, row: _out(session, row, state.settings))
+    return job
 
 
 @router.post("/{job_id}/resume", status_code=status.HTTP_201_CREATED, summary="Resume a stopped job from a checkpoint")
 async def resume_job(job_id: str, state: StateDep, caller: CallerDep, body: ResumeRequest | None = None) -> JobOut:
     """A new queued job continuing a ``failed`` or ``cancelled`` one from its checkpoint at
-    ``step`` (default: its newest), with the same spec; the source is left as it is. 409 for a
-    job in another state or without checkpoints; 404 for a step without a checkpoint."""
+    ``step`` (default: its newest), with the same spec, submitted like ``POST /v1/jobs`` (the same
+    checks and dataset preflight); the source is left as it is. 409 for a job in another state or
+    without checkpoints; 404 for a step without a checkpoint."""
 
-    def create() -> tuple[JobOut, int]:
+    def resumed() -> SubmitRequest:
         with state.sessions() as session:
-            source = service.get_job(session, job_id)
-            access.require_usable_files(session, caller, {"training_file": source.training_file_id,
-                                                          "validation_file": source.validation_file_id})
-            job, _ = rerun.resume_job(session, source, body.step if body else None,
-                                      settings=state.settings, owner_id=caller.user_id)
-            session.commit()
-            return _out(session, job, state.settings), job.last_event_seq
+            source = service.get_job(session, job_id, reader=caller)
+            checkpoint = rerun.pick_checkpoint(session, source, body.step if body else None, settings=state.settings)
+            return SubmitRequest(_in_project(rerun.resumed_spec(source), source), caller, resume_from=checkpoint)
 
-    return await _submitted(state, *await to_thread.run_sync(create))
-
-
-async def _submitted(state: AppState, job: JobOut, seq: int) -> JobOut:
-    if job.status == JobStatus.queued.value:
-        await to_thread.run_sync(_enqueue, state, job.id)
-    await _notify(state, job.id, seq)
+    request = await to_thread.run_sync(resumed)
+    job, _ = await submit(state, request, lambda session, row: _out(session, row, state.settings))
     return job
 
 
@@ -243,11 +215,12 @@ async def _submitted(state: AppState, job: JobOut, seq: int) -> JobOut:
     responses={200: {"content": {"text/csv": {}}, "description": "One row per step, a column per metric"}},
     summary="Step metrics as a CSV file",
 )
-def download_metrics_csv(job_id: str, session: SessionDep) -> Response:
+def download_metrics_csv(job_id: str, session: SessionDep, caller: CallerDep) -> Response:
     """Every step row (the fields of ``GET /v1/jobs/{id}/metrics`` but the per-rank list),
     ready for a spreadsheet or pandas."""
     rows, after = [], -1
-    while page := service.list_metrics(session, job_id, after_step=after, limit=service.MAX_METRICS_PAGE):
+    while page := service.list_metrics(session, job_id, after_step=after, limit=service.MAX_METRICS_PAGE,
+                                       reader=caller):
         rows.extend(page)
         after = page[-1].step
     return Response(metrics_csv(rows), media_type="text/csv",
@@ -258,10 +231,11 @@ def download_metrics_csv(job_id: str, session: SessionDep) -> Response:
 def list_metrics(
     job_id: str,
     session: SessionDep,
+    caller: CallerDep,
     after_step: Annotated[int, Query(ge=-1, le=INT32_MAX)] = -1,
     limit: Annotated[int, Query(ge=1, le=service.MAX_METRICS_PAGE)] = 1000,
 ) -> MetricList:
-    rows = service.list_metrics(session, job_id, after_step=after_step, limit=limit)
+    rows = service.list_metrics(session, job_id, after_step=after_step, limit=limit, reader=caller)
     next_after = rows[-1].step if len(rows) == limit else None
     evals = [EvalOut.model_validate(e, from_attributes=True) for e in service.list_evals(session, job_id)]
     return MetricList(data=[MetricOut.of(r) for r in rows], next_after_step=next_after, eval=evals)
@@ -277,6 +251,7 @@ def stream_events(
     job_id: str,
     session: SessionDep,
     state: StateDep,
+    caller: CallerDep,
     after: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="Start after this seq (Last-Event-ID wins)")] = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
@@ -288,7 +263,7 @@ def stream_events(
                 param="Last-Event-ID",
             )
         start = int(last_event_id)
-    service.get_job(session, job_id)
+    service.get_job(session, job_id, reader=caller)
     session.close()
     return StreamingResponse(
         event_stream(state, job_id, start),
@@ -298,8 +273,8 @@ def stream_events(
 
 
 @router.get("/{job_id}/checkpoints", summary="The job's checkpoints")
-def list_checkpoints(job_id: str, session: SessionDep) -> CheckpointList:
-    return CheckpointList(data=[CheckpointOut.of(c) for c in service.list_checkpoints(session, job_id)])
+def list_checkpoints(job_id: str, session: SessionDep, caller: CallerDep) -> CheckpointList:
+    return CheckpointList(data=[CheckpointOut.of(c) for c in service.list_checkpoints(session, job_id, reader=caller)])
 
 
 @router.get(
@@ -313,9 +288,10 @@ def download_checkpoint(
     step: Annotated[int, PathParam(ge=0, le=INT32_MAX)],
     session: SessionDep,
     state: StateDep,
+    caller: CallerDep,
     format: artifacts.ArchiveFormat = "zip",
 ) -> FileResponse:
-    checkpoint = service.get_checkpoint(session, job_id, step)
+    checkpoint = service.get_checkpoint(session, job_id, step, reader=caller)
     root = _job_root(state, service.get_job(session, job_id))
     session.close()
     src = artifact_store.checkpoint_store_dir(state.settings, job_id, checkpoint.step)
@@ -329,13 +305,13 @@ def download_checkpoint(
     summary="Download the final adapter (adapter files, README.md model card, the base's tokenizer)",
 )
 def download_adapter(
-    job_id: str, session: SessionDep, state: StateDep, format: artifacts.ArchiveFormat = "zip"
+    job_id: str, session: SessionDep, state: StateDep, caller: CallerDep, format: artifacts.ArchiveFormat = "zip"
 ) -> FileResponse:
     """The files are at the archive's root; 409 until the job has succeeded. For method
     ``full`` this is the whole fine-tuned model (``save_pretrained`` output). Self-describing
     (``api.jobs.card``): ``base_model_name_or_path`` is the base's hub id or its name under the
     model root, ``README.md`` is the model card, the tokenizer and chat template come along."""
-    job = service.get_job(session, job_id)
+    job = service.get_job(session, job_id, reader=caller)
     if job.status != JobStatus.succeeded.value:
         raise Conflict(
             f"job {job_id} is {job.status}; the adapter can be downloaded once it has succeeded. Its checkpoints "
@@ -354,6 +330,11 @@ def download_adapter(
     session.close()
     return _archive_response(state, adapter, format, f"{job_id}-{export}", root,
                              members=artifacts.adapter_members(adapter, card))
+
+
+def _in_project(spec: JobSpec, source: Job) -> JobSpec:
+    """A clone or resume goes to its source's project unless the spec names one."""
+    return spec if spec.project or source.project_id is None else spec.model_copy(update={"project": source.project_id})
 
 
 def _job_root(state: AppState, job: Job) -> Path:
@@ -378,21 +359,12 @@ def _out(session: Session, job: Job, settings: Settings | None = None, *, estima
     its position and, with ``estimate``, its start estimate (a replay of the whole queue, which
     a submission's answer skips: ``estimated_start_at`` is null there; GET the job for it)."""
     held = pool.held_by(session, [job.job_id]).get(job.job_id, ()) if job.status == JobStatus.running.value else ()
-    out = JobOut.of(job, owner=access.owner_name(session, job.owner_id), held=held)
+    out = JobOut.of(job, owner=access.owner_name(session, job.owner_id), held=held,
+                    project=project_names(session, {job.project_id}).get(job.project_id or ""))
     if settings is not None and job.status == JobStatus.queued.value:
         entry = eta.snapshot(session, settings).entry(job.job_id) if estimate else eta.position(session, job.job_id)
         out.queue = queue_info(entry)
     return out
-
-
-def _refuse_foreign_key(session: Session, key: str | None, user_id: str | None) -> None:
-    """409 without naming anything of the job when ``key`` is another user's Idempotency-Key."""
-    owner = session.scalar(select(Job.owner_id).where(Job.idempotency_key == key)) if key else None
-    if owner is not None and owner != user_id:
-        raise Conflict(
-            f"Idempotency-Key {key!r} was already used by another user; use a new key",
-            param="Idempotency-Key",
-        )
 
 
 def _parse_statuses(raw: str | None) -> list[JobStatus] | None:
@@ -406,29 +378,6 @@ def _parse_statuses(raw: str | None) -> list[JobStatus] | None:
             "(comma-separated for several)",
             param="status",
         ) from None
-
-
-def _enqueue(state: AppState, job_id: str) -> None:
-    """Wake the host the policy places ``job_id`` on now (a job that must wait: any host), from
-    the process's wake-up thread (api/jobs/wakeups.py: one queue replay for many submissions)."""
-    if state.wakeups is not None:
-        state.wakeups.note(job_id)
-        return
-    try:  # a state built by hand (tests) has no wake-up thread
-        with state.sessions() as session:
-            placed = [p for p in scheduling.signal_targets(session, state.settings) if p.job_id == job_id]
-        enqueue_job(state.celery, job_id, placed[0].worker_id if placed else None)
-    except Exception as exc:  # the broker is down: the job stays queued for the reaper
-        log.warning("job %s committed but not signalled to the workers (broker: %s)", job_id, exc)
-
-
-async def _notify(state: AppState, job_id: str, seq: int) -> None:
-    if state.redis is None:
-        return
-    try:
-        await state.redis.publish(live.channel(job_id), live.message(seq))
-    except Exception as exc:  # viewers fall back to re-reading the store
-        log.warning("could not publish job %s event %s to Redis: %s", job_id, seq, exc)
 
 
 router.include_router(exports.router)  # /v1/jobs/{id}/exports (api/jobs/exports.py)

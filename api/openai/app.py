@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI
 
 from api.auth import authenticate
 from api.docs_ui import add_docs_pages
+from api.inputs import check_request_text
 from api.openai.errors import add_openai_exception_handlers
 from api.openai.files import router as files_router
 from api.openai.jobs import router as jobs_router
@@ -25,7 +26,7 @@ def create_openai_app() -> FastAPI:
         title="ftq: OpenAI-compatible fine-tuning",
         summary="files and fine_tuning.jobs as the official openai client calls them",
         version="0.1.0",
-        dependencies=[Depends(authenticate)],
+        dependencies=[Depends(authenticate), Depends(check_request_text)],  # the parent's do not reach a mount
         docs_url=None,  # its /docs and /redoc: api/docs_ui.py, assets from the parent's /static/docs
         redoc_url=None,
     )

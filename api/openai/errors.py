@@ -123,7 +123,7 @@ def _param(err: dict[str, Any]) -> str | None:
 
 def _reasons(errs: list[dict[str, Any]]) -> str:
     """One reason, or a union's: ``'auto', or Input should be greater than or equal to 1``."""
-    texts = [str(e.get("msg", "invalid")) for e in errs]
+    texts = [str(e.get("msg", "invalid")).removeprefix("Value error, ") for e in errs]
     if len(texts) > 1 and texts[0].startswith("Input should be 'auto'"):
         return "use 'auto', or " + "; ".join(texts[1:])
     return "; ".join(dict.fromkeys(texts))

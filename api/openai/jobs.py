@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
-from api.jobs import routes as native
+from api.jobs.submit import enqueue, notify, submit
 from api.openai import reports, translate
 from api.openai.paging import newest_first
 from api.openai.schemas import FineTuningJob, JobCreate, Page
@@ -33,7 +33,9 @@ from core.files.models import File
 from core.files.service import get_file
 from core.jobs import eta, service
 from core.jobs.models import Job
+from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
+from core.jobs.submit import SubmitRequest
 from core.openai.models import OpenAIJob
 from core.settings import Settings
 from core.users import access
@@ -48,27 +50,25 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
     kind, requested = translate.method_of(body)
     translate.check_suffix(body.suffix)
 
-    def create() -> tuple[FineTuningJob, int]:
+    def translated() -> tuple[JobSpec, Any]:
         with state.sessions() as session:
             train = _named_file(session, caller, body.training_file, "training_file")
             validation = None
             if body.validation_file is not None:
                 named = _named_file(session, caller, body.validation_file, "validation_file")
                 validation = validation_twin(session, named, state.settings.files_dir).file_id
-            spec, resolved = translate.native_spec(body, train, validation_file=validation, kind=kind,
-                                                   requested=requested)
-            job, _ = service.create_job(session, spec, settings=state.settings, owner_id=caller.user_id)
-            session.add(OpenAIJob(
-                job_id=job.job_id, suffix=body.suffix, user_metadata=body.metadata,
-                method=translate.method_dict(kind, resolved), training_file=body.training_file,
-                validation_file=body.validation_file, created_at=utcnow(),
-            ))
-            session.commit()
-            return _view(session, job), job.last_event_seq
+            return translate.native_spec(body, train, validation_file=validation, kind=kind, requested=requested)
 
-    out, seq = await to_thread.run_sync(create)
-    await to_thread.run_sync(native._enqueue, state, out.id)
-    await native._notify(state, out.id, seq)
+    spec, resolved = await to_thread.run_sync(translated)
+
+    def attach(session: Session, job: Job) -> None:
+        session.add(OpenAIJob(
+            job_id=job.job_id, suffix=body.suffix, user_metadata=body.metadata,
+            method=translate.method_dict(kind, resolved), training_file=body.training_file,
+            validation_file=body.validation_file, created_at=utcnow(),
+        ))
+
+    out, _ = await submit(state, SubmitRequest(spec, caller, attach=attach), _view)
     return out
 
 
@@ -79,7 +79,7 @@ def list_jobs(request: Request, session: SessionDep, state: StateDep, caller: Ca
     lists only the jobs made here with that metadata; ``metadata=null``, those without any."""
     query = _metadata_filter(select(Job), request)
     rows, more = newest_first(session, query, Job, Job.job_id, after=after, limit=limit, what="job",
-                              scope=access.readable_by(caller, Job.owner_id))
+                              scope=access.readable_by(caller, Job))
     return Page.of(_views(session, rows, state.settings), more)
 
 
@@ -139,8 +139,8 @@ async def resume_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTun
             return _view(session, job), job.last_event_seq
 
     out, seq = await to_thread.run_sync(resume)
-    await to_thread.run_sync(native._enqueue, state, job_id)
-    await native._notify(state, job_id, seq)
+    await to_thread.run_sync(enqueue, state, job_id)
+    await notify(state, job_id, seq)
     return out
 
 
@@ -189,7 +189,7 @@ async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool)
 
     out, finished_now, seq = await to_thread.run_sync(stop)
     if finished_now:
-        await native._notify(state, job_id, seq)
+        await notify(state, job_id, seq)
     return out
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Auto = Literal["auto"]
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's limits on a job's ``metadata``."""
 
 
 class _Request(BaseModel):
@@ -70,9 +72,32 @@ class JobCreate(_Request):
     method: MethodIn | None = None
     suffix: Annotated[str | None, Field(min_length=1, max_length=64)] = None
     seed: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]] | None, Field(max_length=16)] = None
+    metadata: Annotated[dict[str, str] | None, Field(description=(
+        f"At most {METADATA_KEYS} string pairs, keys up to {METADATA_KEY_CHARS} characters, values up to "
+        f"{METADATA_VALUE_CHARS} (OpenAI's limits)"))] = None
     integrations: Annotated[list[Integration] | None, Field(max_length=1)] = None
     """At most one, of type ``wandb``: the worker tracks the job on W&B (``api.openai.translate``)."""
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _check_metadata(cls, value: Any) -> Any:
+        """OpenAI's limits, checked before the types so that every break names ``metadata``."""
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"metadata must be an object of string keys and values, got {type(value).__name__}")
+        if len(value) > METADATA_KEYS:
+            raise ValueError(f"metadata has {len(value)} keys; at most {METADATA_KEYS} are allowed")
+        for key, item in value.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"metadata key {key[:20]!r}... has {len(key)} characters; at most "
+                                 f"{METADATA_KEY_CHARS} are allowed")
+            if not isinstance(item, str):
+                raise ValueError(f"metadata[{key!r}] is a {type(item).__name__}; values must be strings")
+            if len(item) > METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata[{key!r}] has {len(item)} characters; at most {METADATA_VALUE_CHARS} "
+                                 "are allowed")
+        return value
 
 
 class FileObject(BaseModel):

@@ -55,7 +55,7 @@ def resolve_model(model: str, *, model_root: Path, allow_hub: bool = True, check
     if os.path.isabs(model):
         return ModelSource("local", str(_local_dir(Path(model), root, model)))
     candidate = root / model
-    if candidate.is_dir():
+    if _is_dir(candidate):
         return ModelSource("local", str(_local_dir(candidate, root, model)))
     if HUB_ID.match(model):
         if not allow_hub:
@@ -87,6 +87,14 @@ def resolve_model(model: str, *, model_root: Path, allow_hub: bool = True, check
     )
 
 
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, False for a name the file system cannot hold (ENAMETOOLONG) rather than an OSError."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def _local_dir(path: Path, root: Path, given: str) -> Path:
     resolved = path.resolve()
     if resolved != root and root not in resolved.parents:
@@ -94,7 +102,7 @@ def _local_dir(path: Path, root: Path, given: str) -> Path:
             f"model {given!r}: {resolved} is outside the model root {root}; name a directory under it",
             param="model",
         )
-    if not resolved.is_dir():
+    if not _is_dir(resolved):
         raise InvalidInput(
             f"model {given!r}: {resolved} is not a directory; name a model directory under {root}",
             param="model",

@@ -1,6 +1,9 @@
 """Clone a job with overrides, or resume a stopped one from a chosen checkpoint.
 
-Both make a NEW job, so a finished job's record, metrics and files stay as they were:
+Both make a NEW job, so a finished job's record, metrics and files stay as they were, and both
+are submissions like any other: the spec built here goes through ``core.jobs.submit`` with the
+same checks and dataset preflight as ``POST /v1/jobs`` (a dataset, model or setting refused for a
+new job is refused for a rerun of an old one, with the same 422).
 
 - clone: the source's stored spec (every default filled in, so a later change of the defaults
   does not change a re-run) merged with the caller's overrides as a JSON merge patch (RFC 7386:
@@ -109,18 +112,14 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def resume_job(session: Session, source: Job, step: int | None, *, settings: Settings,
-               owner_id: str | None) -> tuple[Job, Checkpoint]:
-    """A new queued job that continues ``source`` from its checkpoint at ``step`` (default newest)."""
-    checkpoint = pick_checkpoint(session, source, step, settings=settings)
+def resumed_spec(source: Job) -> JobSpec:
+    """``source``'s stored spec, for a job that continues it.
+
+    Raises:
+        InvalidInput: the stored spec no longer validates (a rule added since).
+    """
     try:
-        spec = JobSpec.model_validate(source.spec)
+        return JobSpec.model_validate(source.spec)
     except ValueError as exc:
         raise InvalidInput(f"job {source.job_id}'s stored spec no longer validates ({exc}); clone it with "
                            "overrides that fix it", param="job_id") from exc
-    job, _ = service.create_job(session, spec, settings=settings, owner_id=owner_id)
-    seed_checkpoint(session, job, checkpoint, settings=settings)
-    service.append_events(session, job.job_id, [(
-        "log", {"level": "info", "message": f"resumes job {source.job_id} from its checkpoint at step {checkpoint.step}"},
-    )])
-    return job, checkpoint

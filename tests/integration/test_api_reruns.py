@@ -1,17 +1,24 @@
-"""Clone with overrides, resume from a checkpoint, metrics as CSV, search, the folded error: both stores."""
+"""Clone with overrides, resume from a checkpoint, metrics as CSV, search, the folded error: both stores.
+
+Clone, resume and the OpenAI create are submissions like ``POST /v1/jobs`` (one path,
+``api.jobs.submit``): issue 23 found a clone accepted where a new job with the same spec was
+refused by the dataset preflight."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 
 from core.jobs import service
-from core.jobs.models import Checkpoint, Job, StepMetric
+from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.jobs.states import JobStatus
+from core.openai.models import OpenAIJob
 from tests.integration.helpers import bearer, finish, make_user, spec, upload
 from trainer import layout
 
@@ -105,6 +112,90 @@ class TestResume:
         bare = submitted(client)
         finish(store, bare["id"], JobStatus.failed)
         assert client.post(f"/v1/jobs/{bare['id']}/resume").status_code == 409
+
+
+def upload_records(client: TestClient, records: list[dict]) -> str:
+    content = "".join(json.dumps(r) + "\n" for r in records)
+    response = client.post("/v1/files", files={"file": ("d.jsonl", content)}, data={"purpose": "train"})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def stored(store, settings) -> dict:
+    """What a refused submission must leave as it was: every row it could add, and the job directories."""
+    with store.sessions() as session:
+        counts = {model.__tablename__: session.scalar(select(func.count()).select_from(model))
+                  for model in (Job, JobEvent, Checkpoint, OpenAIJob)}
+    jobs_dir = settings.data_dir / "jobs"
+    return {**counts, "dirs": sorted(p.name for p in jobs_dir.iterdir()) if jobs_dir.is_dir() else []}
+
+
+def drop_assistant_turns(model_root: Path) -> None:
+    """The tiny model's chat template from now on renders no assistant turn: nothing to train on."""
+    tiny = model_root / "tiny"
+    config = json.loads((tiny / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tiny / "tokenizer_config.json").write_text(json.dumps(config))
+    (tiny / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n{% endif %}{% endfor %}")
+
+
+class TestRerunsAreSubmissions:
+    """Each refusal is compared with the answer ``POST /v1/jobs`` gives the same spec."""
+
+    def test_a_clone_runs_the_dataset_preflight_and_stores_its_report(self, client) -> None:
+        source = submitted(client, hyperparameters={"max_steps": 10_000_000})
+        clone = client.post(f"/v1/jobs/{source['id']}/clone", json={"name": "again"})
+        assert clone.status_code == 201, clone.text
+        report = clone.json()["preflight"]
+        assert report["checked"] and report["records"] == 1 and report["tokens"] > 0
+        assert report["warnings"] == source["preflight"]["warnings"]
+        assert any(w.startswith("max_steps 10000000 repeats") for w in report["warnings"])
+
+    def test_data_the_model_can_no_longer_train_refuses_clone_and_resume_as_a_new_job(
+        self, client, store, settings, model_root: Path
+    ) -> None:
+        source = submitted(client)
+        with_checkpoints(store, source["id"], [1])
+        finish(store, source["id"], JobStatus.cancelled)
+        drop_assistant_turns(model_root)
+        before = stored(store, settings)
+        new = client.post("/v1/jobs", json=source["spec"])
+        assert new.status_code == 422, new.text
+        assert new.json()["error"]["param"] == "training_file"
+        assert "chat template puts no assistant tokens" in new.json()["error"]["message"]
+        for route in ("clone", "resume"):
+            refused = client.post(f"/v1/jobs/{source['id']}/{route}")
+            assert (refused.status_code, refused.json()) == (422, new.json()), route
+        assert stored(store, settings) == before
+
+    def test_a_clone_override_that_breaks_a_rule_is_refused_as_a_new_job(self, client, store, settings) -> None:
+        records = [{"prompt": "the cat sat on the mat " * 10, "completion": "yes"} for _ in range(3)]
+        source = client.post("/v1/jobs", json=spec(upload_records(client, records))).json()
+        before = stored(store, settings)
+        cut = {"hyperparameters": {"max_seq_len": 16, "batch_tokens": 64}}
+        body = {**source["spec"], "hyperparameters": {**source["spec"]["hyperparameters"], **cut["hyperparameters"]}}
+        new = client.post("/v1/jobs", json=body)
+        assert new.status_code == 422 and new.json()["error"]["param"] == "hyperparameters.max_seq_len", new.text
+        refused = client.post(f"/v1/jobs/{source['id']}/clone", json=cut)
+        assert (refused.status_code, refused.json()) == (422, new.json())
+        qlora = client.post(f"/v1/jobs/{source['id']}/clone", json={"method": "qlora"})  # no live GPU worker
+        new = client.post("/v1/jobs", json={**source["spec"], "method": "qlora"})
+        assert (qlora.status_code, qlora.json()) == (422, new.json())
+        assert qlora.json()["error"]["param"] == "method", qlora.text
+        assert stored(store, settings) == before
+
+    def test_the_openai_create_runs_the_same_preflight(self, client, store, settings, model_root: Path) -> None:
+        file_id = upload_records(client, [{"messages": [{"role": "user", "content": "the cat"},
+                                                        {"role": "assistant", "content": "sat on a mat"}]}] * 10)
+        drop_assistant_turns(model_root)
+        before = stored(store, settings)
+        native = client.post("/v1/jobs", json=spec(file_id))
+        refused = client.post("/openai/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": file_id})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "training_file"
+        assert refused.json()["error"]["message"] == native.json()["error"]["message"]
+        assert stored(store, settings) == before
 
 
 class TestMetricsCsvAndSearch:

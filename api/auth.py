@@ -28,6 +28,7 @@ Bearer requests need no such header: a browser never adds a Bearer key on its ow
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 from anyio import to_thread
@@ -43,6 +44,7 @@ from api.openai.errors import openai_shaped
 from api.state import AppState
 from api.workers.auth import authenticate_worker, is_worker_path, refuse_worker_key
 from core.errors import Forbidden, FtqError, Unauthenticated
+from core.users import access
 from core.users.service import KEY_SCHEME, Caller, public_key_id, split_key, verify_key
 from core.workers.keys import KEY_SCHEME as WORKER_KEY_SCHEME
 
@@ -117,6 +119,34 @@ async def authenticate(request: Request) -> Caller:
         )
     request.state.caller = caller
     return caller
+
+
+OPENAI_PROJECT_HEADER = "OpenAI-Project"
+
+
+async def authenticate_openai(request: Request) -> Caller:
+    """``authenticate`` for ``/openai/v1`` (the OpenAI app overrides it with this): the caller seen
+    through the project the ``OpenAI-Project`` header names (a name or id), else their key's or
+    their own default project, reading only their own rows there (``Caller.per_owner``), as an
+    OpenAI project key does. A project that does not exist or is not theirs is a 404 naming the header."""
+    known = getattr(request.state, "openai_caller", None)
+    if isinstance(known, Caller):
+        return known
+    caller = await authenticate(request)
+    named = request.headers.get(OPENAI_PROJECT_HEADER, "").strip()
+    project_id = caller.project_id
+    if named:
+        state: AppState = request.state.ftq
+
+        def lookup() -> str:
+            with state.sessions() as session:
+                return access.project_named(session, caller, named, param=OPENAI_PROJECT_HEADER)
+
+        project_id = await to_thread.run_sync(lookup)
+    scoped = dataclasses.replace(caller, project_ids=frozenset({project_id}) if project_id else frozenset(),
+                                 project_id=project_id, per_owner=True)
+    request.state.openai_caller = scoped
+    return scoped
 
 
 async def declare_schemes(

@@ -1,7 +1,8 @@
 """``/v1/files``: upload, list, read and delete datasets.
 
-Every file belongs to its uploader. Everyone sees every file's description (with ``owner``);
-only the owner or an admin deletes one, and a job may train only on its submitter's files
+Every file belongs to its uploader and to a project. A project's members see its files'
+descriptions (with ``owner``), others get 404 as for an unknown id; only the owner or an admin
+deletes one, and a job may train only on its submitter's files of its own project
 (``core.users.access``).
 """
 
@@ -20,6 +21,7 @@ from api.files.upload import receive_upload
 from core.errors import InvalidInput
 from core.files import service
 from core.paging import MAX_LIMIT
+from core.projects.service import names_by_id as project_names
 from core.users import access
 from core.users.service import names_by_id
 
@@ -36,6 +38,8 @@ _UPLOAD_BODY: dict[str, Any] = {
                     "properties": {
                         "file": {"type": "string", "format": "binary", "description": "JSONL dataset"},
                         "purpose": {"type": "string", "enum": list(service.PURPOSES)},
+                        "project": {"type": "string", "description": "The project (name) it goes to; you "
+                                    "must be a member. Default: your key's or your own default project"},
                         "format": {"type": "string", "enum": list(service.UPLOAD_LAYOUTS), "default": "auto",
                                    "description": "auto: ftq's formats as they are, ShareGPT and Alpaca detected "
                                    "and converted to chat; sharegpt / alpaca: convert, refusing a record "
@@ -69,6 +73,7 @@ async def upload_file(request: Request, state: StateDep, caller: CallerDep) -> F
 
         def store() -> FileOut:
             with state.sessions() as session:
+                project_id = access.project_for_create(session, caller, form.fields.get("project"))
                 row = service.store_upload(
                     session,
                     sink,
@@ -77,8 +82,9 @@ async def upload_file(request: Request, state: StateDep, caller: CallerDep) -> F
                     files_dir=settings.files_dir,
                     owner_id=caller.user_id,
                     layout=form.fields.get("format") or "auto",
+                    project_id=project_id,
                 )
-                return FileOut.of(row, owner=caller.name)
+                return _out(session, row, caller.name)
 
         return await to_thread.run_sync(store)
 
@@ -89,19 +95,28 @@ def list_files(
     caller: CallerDep,
     purpose: str | None = None,
     owner: Annotated[str | None, Query(description="Only this user's files; `me` for the caller's")] = None,
+    project: Annotated[str | None, Query(description="Only this project's files (one of yours)")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
     after: str | None = None,
 ) -> FileList:
+    """The files of the caller's projects (a global admin: all), newest first."""
     owner_id = access.owner_filter(session, caller, owner)
-    rows, next_cursor = service.list_files(session, purpose=purpose, owner_id=owner_id, limit=limit, after=after)
+    rows, next_cursor = service.list_files(session, purpose=purpose, owner_id=owner_id, limit=limit, after=after,
+                                           reader=caller, project_id=access.project_filter(session, caller, project))
     names = names_by_id(session, {r.owner_id for r in rows})
-    return FileList(data=[FileOut.of(r, owner=names.get(r.owner_id or "")) for r in rows], next_cursor=next_cursor)
+    projects = project_names(session, {r.project_id for r in rows})
+    return FileList(data=[FileOut.of(r, owner=names.get(r.owner_id or ""), project=projects.get(r.project_id or ""))
+                          for r in rows], next_cursor=next_cursor)
 
 
 @router.get("/{file_id}", summary="Describe one dataset")
-def get_file(file_id: str, session: SessionDep) -> FileOut:
-    row = service.get_file(session, file_id)
-    return FileOut.of(row, owner=access.owner_name(session, row.owner_id))
+def get_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileOut:
+    row = service.get_file(session, file_id, reader=caller)
+    return _out(session, row, access.owner_name(session, row.owner_id))
+
+
+def _out(session: SessionDep, row: service.File, owner: str | None) -> FileOut:
+    return FileOut.of(row, owner=owner, project=project_names(session, {row.project_id}).get(row.project_id or ""))
 
 
 @router.delete(
@@ -109,9 +124,9 @@ def get_file(file_id: str, session: SessionDep) -> FileOut:
     summary="Delete a dataset (the owner or an admin; 409 while a queued or running job uses it)",
 )
 def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileDeleted:
-    owner_id = service.get_file(session, file_id).owner_id
+    owner_id = service.get_file(session, file_id, reader=caller).owner_id
     access.require_owner(session, caller, owner_id, what=f"file {file_id}", action="delete", param="file_id")
-    row = service.delete_file(session, file_id)
+    row = service.delete_file(session, file_id, reader=caller)
     return FileDeleted(id=row.file_id)
 
 # Token statistics live in their own module (they need a model's tokenizer).

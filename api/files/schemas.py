@@ -21,10 +21,12 @@ class FileOut(BaseModel):
     stats: dict[str, Any]
     owner: str | None
     """The uploader's user name (null for files uploaded before users existed)."""
+    project: str | None = None
+    """The project it belongs to: jobs of that project may train on it."""
     created_at: dt.datetime
 
     @classmethod
-    def of(cls, row: File, *, owner: str | None = None) -> FileOut:
+    def of(cls, row: File, *, owner: str | None = None, project: str | None = None) -> FileOut:
         return cls(
             id=row.file_id,
             filename=row.filename,
@@ -35,6 +37,7 @@ class FileOut(BaseModel):
             num_records=row.num_records,
             stats=row.stats or {},
             owner=owner,
+            project=project,
             created_at=row.created_at,
         )
 

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from api.auth import CallerDep
 from api.deps import StateDep
 from core.files import service
 from core.jobs.model_source import ModelSource, resolve_model
@@ -33,6 +34,7 @@ router = APIRouter(tags=["files"])
 async def file_tokens(
     file_id: str,
     state: StateDep,
+    caller: CallerDep,
     model: Annotated[str, Query(description="The model as POST /v1/jobs accepts it")],
     max_seq_len: Annotated[
         int, Query(ge=1, description="Count the records longer than this")
@@ -44,7 +46,7 @@ async def file_tokens(
 
     def locate() -> tuple[str, str, ModelSource]:
         with state.sessions() as session:
-            row = service.get_file(session, file_id)
+            row = service.get_file(session, file_id, reader=caller)
             path, fmt = row.path, row.format
         source = resolve_model(
             model, model_root=settings.model_root, allow_hub=settings.allow_hub_models

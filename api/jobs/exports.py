@@ -86,7 +86,7 @@ async def create_export(job_id: str, body: ExportRequest, response: Response, st
 
     def create() -> tuple[ExportOut, bool, str | None, int]:
         with state.sessions() as session:
-            job = get_job(session, job_id)
+            job = get_job(session, job_id, reader=caller)
             access.require_owner(session, caller, job.owner_id, what=f"job {job_id}", action="export", param="job_id")
             export, created = service.create_export(session, job_id, body.format, body.quantization,
                                                     owner_id=caller.user_id, model_type=_model_type(state, job))
@@ -110,12 +110,13 @@ async def create_export(job_id: str, body: ExportRequest, response: Response, st
 
 
 @router.get("/{job_id}/exports", summary="A job's exports, oldest first")
-def list_exports(job_id: str, session: SessionDep) -> ExportList:
-    return ExportList(data=[ExportOut.of(e) for e in service.list_exports(session, job_id)])
+def list_exports(job_id: str, session: SessionDep, caller: CallerDep) -> ExportList:
+    return ExportList(data=[ExportOut.of(e) for e in service.list_exports(session, job_id, reader=caller)])
 
 
 @router.get("/{job_id}/exports/{export_id}", summary="One export")
-def get_export(job_id: str, export_id: str, session: SessionDep) -> ExportOut:
+def get_export(job_id: str, export_id: str, session: SessionDep, caller: CallerDep) -> ExportOut:
+    get_job(session, job_id, reader=caller)
     return ExportOut.of(_export(session, job_id, export_id))
 
 
@@ -125,8 +126,9 @@ def get_export(job_id: str, export_id: str, session: SessionDep) -> ExportOut:
     responses={200: {"content": {"application/zip": {}, "application/octet-stream": {}}}},
     summary="Download an export: merged as a zip (or tar.gz), gguf as the .gguf file",
 )
-def download_export(job_id: str, export_id: str, session: SessionDep, state: StateDep,
+def download_export(job_id: str, export_id: str, session: SessionDep, state: StateDep, caller: CallerDep,
                     format: artifacts.ArchiveFormat = "zip") -> FileResponse:
+    get_job(session, job_id, reader=caller)
     export = _export(session, job_id, export_id)
     if export.status != "succeeded" or not export.path:
         raise Conflict(f"export {export_id} is {export.status}; download it once it has succeeded", param="export_id")

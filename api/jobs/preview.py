@@ -78,11 +78,12 @@ def _locate(state: AppState, spec: JobSpec, caller: Caller) -> _Located:
         access.require_usable_files(
             session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
         )
-        row = service.usable_file(session, spec.training_file, "train", "training_file")
+        project_id = access.project_for_create(session, caller, spec.project)
+        row = service.usable_file(session, spec.training_file, "train", "training_file", project_id)
         train, train_records = (row.path, row.format), row.num_records
         validation = None
         if spec.validation_file is not None:
-            row = service.usable_file(session, spec.validation_file, "validation", "validation_file")
+            row = service.usable_file(session, spec.validation_file, "validation", "validation_file", project_id)
             validation = (row.path, row.format)
     source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
                            check_hub=True)

@@ -194,6 +194,8 @@ class JobOut(BaseModel):
     spec: dict[str, Any]
     owner: str | None
     """The submitter's user name (null for jobs made before users existed)."""
+    project: str | None = None
+    """The project it belongs to (its members see it; its GPU quota and priority ceiling bound it)."""
     priority: str
     """low, normal or high: the order in which waiting jobs are claimed."""
     gpus: int
@@ -217,7 +219,7 @@ class JobOut(BaseModel):
     """The submission-time dataset report, its ``warnings`` included; null for jobs made before it."""
 
     @classmethod
-    def of(cls, job: Job, *, owner: str | None = None, held: Sequence[Any] = ()) -> JobOut:
+    def of(cls, job: Job, *, owner: str | None = None, held: Sequence[Any] = (), project: str | None = None) -> JobOut:
         """``held``: the job's ``gpu_slot`` rows (core/workers/pool.py ``held_by``)."""
         return cls(
             id=job.job_id,
@@ -232,6 +234,7 @@ class JobOut(BaseModel):
             error=JobError.of(job.error_code, job.error_message) if job.error_code else None,
             spec=job.spec,
             owner=owner,
+            project=project,
             priority=job.priority,
             gpus=job.gpus,
             nodes=job.nodes or 1,

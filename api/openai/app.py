@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from api.auth import authenticate
+from api.auth import authenticate, authenticate_openai
 from api.docs_ui import add_docs_pages
 from api.inputs import check_request_text
 from api.openai.errors import add_openai_exception_handlers
@@ -30,6 +30,7 @@ def create_openai_app() -> FastAPI:
         docs_url=None,  # its /docs and /redoc: api/docs_ui.py, assets from the parent's /static/docs
         redoc_url=None,
     )
+    app.dependency_overrides[authenticate] = authenticate_openai  # OpenAI-Project picks the project
     add_docs_pages(app)
     add_openai_exception_handlers(app)
     app.include_router(files_router)

@@ -55,7 +55,8 @@ async def create_file(request: Request, state: StateDep, caller: CallerDep) -> F
             with state.sessions() as session:
                 row = service.store_upload(session, sink, filename=form.filename or "", purpose="train",
                                            files_dir=settings.files_dir, owner_id=caller.user_id,
-                                           layout=form.fields.get("format") or "auto")
+                                           layout=form.fields.get("format") or "auto",
+                                           project_id=access.project_for_create(session, caller, None))
                 return translate.file_object(row)
 
         return await to_thread.run_sync(store)
@@ -77,7 +78,7 @@ def list_files(
                            param="order")
     query = select(File).where(File.deleted_at.is_(None), ~is_validation_twin())
     rows, more = newest_first(session, query, File, File.file_id, after=after, limit=limit, what="file",
-                              scope=access.readable_by(caller, File.owner_id))
+                              scope=access.readable_by(caller, File))
     return Page.of([translate.file_object(row) for row in rows], more)
 
 
@@ -92,7 +93,7 @@ def retrieve_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileO
 @router.delete("/{file_id}", summary="files.delete (the owner or an admin; not while a job uses it)")
 def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileDeleted:
     _get(session, caller, file_id)
-    service.delete_file(session, file_id)
+    service.delete_file(session, file_id, reader=caller)
     return FileDeleted(id=file_id)
 
 

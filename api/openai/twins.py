@@ -3,7 +3,7 @@
 OpenAI has one purpose, ``fine-tune``, for training and validation files alike; ftq keeps
 ``train`` and ``validation`` apart and a job validates only on a ``validation`` file. So when an
 OpenAI upload (stored as ``train``) is named as ``validation_file``, the job validates on its
-twin: a ``validation`` file row of the same owner over a hard link to the same bytes (a copy
+twin: a ``validation`` file row of the same owner and project over a hard link to the same bytes (a copy
 where the file system cannot link), made once and reused by later jobs. The OpenAI view keeps
 showing the id the caller named, and ``files.list`` leaves twins out (``is_validation_twin``).
 """
@@ -31,6 +31,7 @@ def validation_twin(session: Session, named: File, files_dir: Path) -> File:
         select(File).where(
             File.purpose == "validation", File.sha256 == named.sha256, File.deleted_at.is_(None),
             File.owner_id.is_(None) if named.owner_id is None else File.owner_id == named.owner_id,
+            File.project_id.is_not_distinct_from(named.project_id),
         ).limit(1)
     )
     if existing is not None:
@@ -42,7 +43,8 @@ def validation_twin(session: Session, named: File, files_dir: Path) -> File:
     except OSError:
         shutil.copyfile(named.path, path)
     twin = File(
-        file_id=file_id, owner_id=named.owner_id, filename=named.filename, purpose="validation",
+        file_id=file_id, owner_id=named.owner_id, project_id=named.project_id, filename=named.filename,
+        purpose="validation",
         bytes=named.bytes, sha256=named.sha256, format=named.format, num_records=named.num_records,
         path=str(path), stats=named.stats, created_at=utcnow(),
     )
@@ -56,6 +58,6 @@ def is_validation_twin() -> ColumnElement[bool]:
         File.purpose == "validation",
         exists().where(
             train.purpose == "train", train.sha256 == File.sha256, train.deleted_at.is_(None),
-            train.owner_id.is_not_distinct_from(File.owner_id),
+            train.owner_id.is_not_distinct_from(File.owner_id), train.project_id.is_not_distinct_from(File.project_id),
         ),
     )

@@ -21,6 +21,7 @@ from core.exports.models import Export
 from core.jobs.models import Job
 from core.jobs.service import append_events, get_job
 from core.jobs.states import JobStatus
+from core.users.service import Caller
 
 FORMATS = ("merged", "gguf")
 QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0")
@@ -63,22 +64,26 @@ def create_export(session: Session, job_id: str, fmt: str, quantization: str | N
     if running is not None:
         return running, False
     export = Export(export_id=new_id("exp"), job_id=job_id, format=fmt, quantization=quantization,
-                    status="queued", progress=0.0, owner_id=owner_id, worker_id=job.worker_id)
+                    status="queued", progress=0.0, owner_id=owner_id, project_id=job.project_id,
+                    worker_id=job.worker_id)
     session.add(export)
     session.flush()
     _event(session, export)
     return export, True
 
 
-def get_export(session: Session, job_id: str, export_id: str) -> Export:
+def get_export(session: Session, job_id: str, export_id: str, *, reader: Caller | None = None) -> Export:
+    """The export ``export_id`` of job ``job_id``; ``reader`` as for ``core.jobs.service.get_job``
+    (a job of another project is NotFound as an unknown one)."""
+    get_job(session, job_id, reader=reader)
     export = session.get(Export, export_id)
     if export is None or export.job_id != job_id:
         raise NotFound(f"export {export_id} of job {job_id} does not exist", param="export_id")
     return export
 
 
-def list_exports(session: Session, job_id: str) -> list[Export]:
-    get_job(session, job_id)
+def list_exports(session: Session, job_id: str, *, reader: Caller | None = None) -> list[Export]:
+    get_job(session, job_id, reader=reader)
     return list(session.scalars(select(Export).where(Export.job_id == job_id).order_by(Export.created_at)))
 
 

@@ -29,6 +29,7 @@ from core.files.validate import validate_dataset
 from core.jobs.models import Job
 from core.jobs.states import ACTIVE_STATUSES
 from core.paging import page_newest_first, split_page
+from core.users.access import readable_by
 from core.users.service import Caller
 
 Purpose = Literal["train", "validation"]
@@ -94,9 +95,11 @@ def store_upload(
     files_dir: Path,
     owner_id: str | None = None,
     layout: str = "auto",
+    project_id: str | None = None,
 ) -> File:
-    """Validate the received file and record it as ``owner_id``'s; commits, so row and bytes
-    always agree. A file this owner already stored with the same sha256 and purpose is returned
+    """Validate the received file and record it as ``owner_id``'s in ``project_id``; commits, so
+    row and bytes always agree. A file this owner already stored in this project with the same
+    sha256 and purpose is returned
     as it is (nothing new is written), once a declared ``layout`` other than ``auto`` is checked
     against its bytes as new bytes would be.
 
@@ -109,7 +112,7 @@ def store_upload(
         raise InvalidInput(f"format: {layout!r} is not one of {', '.join(UPLOAD_LAYOUTS)}", param="format")
     filename = _clean_filename(filename)
     sink.close()
-    same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id)
+    same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id, project_id=project_id)
     if same is not None:  # the sink removes the new copy on exit
         if layout not in ("auto", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
@@ -143,6 +146,7 @@ def store_upload(
         path=str(final),
         stats=summary.stats,
         owner_id=owner_id,
+        project_id=project_id,
         created_at=utcnow(),
     )
     return commit_file(session, row)
@@ -173,12 +177,15 @@ def commit_file(session: Session, row: File) -> File:
     return row
 
 
-def find_duplicate(session: Session, sha256: str, *, purpose: str, owner_id: str | None) -> File | None:
-    """The caller's live file with these bytes and purpose, if any: uploading the same dataset
-    again (every ``ftq submit`` of a job file naming a local path does) returns the stored file
-    instead of a second copy. Per owner, so deleting one's file never touches another's."""
+def find_duplicate(session: Session, sha256: str, *, purpose: str, owner_id: str | None,
+                   project_id: str | None = None) -> File | None:
+    """The caller's live file with these bytes and purpose in this project, if any: uploading the
+    same dataset again (every ``ftq submit`` of a job file naming a local path does) returns the
+    stored file instead of a second copy. Per owner, so deleting one's file never touches another's,
+    and per project, so a job of one project never trains on a file of another."""
     query = select(File).where(File.sha256 == sha256, File.purpose == purpose, File.deleted_at.is_(None),
-                               File.owner_id == owner_id if owner_id is not None else File.owner_id.is_(None))
+                               File.owner_id == owner_id if owner_id is not None else File.owner_id.is_(None),
+                               File.project_id == project_id if project_id is not None else File.project_id.is_(None))
     return session.scalars(query.order_by(File.created_at).limit(1)).first()
 
 
@@ -190,12 +197,12 @@ def check_purpose(purpose: str) -> None:
 def get_file(session: Session, file_id: str, *, reader: Caller | None = None) -> File:
     """The live file ``file_id``.
 
-    ``reader``: reads are per owner (``/openai/v1``'s rule, ``core.users.access``): a file the
-    reader may not act on (another user's, to anyone but an admin) is NotFound exactly as an
-    unknown id is, so another user's id is never confirmed. None: everyone's (``/v1/files``).
+    ``reader``: the caller (``core.users.access``): a file of a project they are not in (on
+    ``/openai/v1``, also another user's) is NotFound exactly as an unknown id is, so its id is
+    never confirmed. None: the system's own read (worker, job creation), every file.
     """
     row = session.get(File, file_id)
-    if row is None or row.deleted_at is not None or (reader is not None and not reader.may_act_on(row.owner_id)):
+    if row is None or row.deleted_at is not None or (reader is not None and not reader.may_read(row.project_id, row.owner_id)):
         raise NotFound(f"no file {file_id!r}; list uploaded files with GET /v1/files", param="file_id")
     return row
 
@@ -207,8 +214,16 @@ def list_files(
     owner_id: str | None = None,
     limit: int = 50,
     after: str | None = None,
+    reader: Caller | None = None,
+    project_id: str | None = None,
 ) -> tuple[list[File], str | None]:
+    """Live files newest first: those ``reader`` may read (None: all), of ``owner_id`` and
+    ``project_id`` when given."""
     query = select(File).where(File.deleted_at.is_(None))
+    if reader is not None:
+        query = query.where(readable_by(reader, File))
+    if project_id is not None:
+        query = query.where(File.project_id == project_id)
     if owner_id is not None:
         query = query.where(File.owner_id == owner_id)
     if purpose is not None:
@@ -219,13 +234,13 @@ def list_files(
     return split_page(rows, limit, "created_at", "file_id")
 
 
-def delete_file(session: Session, file_id: str) -> File:
+def delete_file(session: Session, file_id: str, *, reader: Caller | None = None) -> File:
     """Remove a file's bytes and hide it; refused while a queued or running job uses it.
 
     The row stays (marked deleted) because finished jobs still name it. Commits, then removes
     the bytes, so a failed commit never leaves a row pointing at nothing.
     """
-    row = get_file(session, file_id)
+    row = get_file(session, file_id, reader=reader)
     in_use = session.scalar(
         select(
             exists().where(

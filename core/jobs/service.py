@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound, Unsupported
 from core.files.models import File
-from core.files.service import get_file
 from core.jobs.model_source import resolve_model
 from core.jobs.models import Checkpoint, EvalMetric, Job, JobEvent, StepMetric
 from core.jobs.scheduling import check_gpus
@@ -25,6 +24,7 @@ from core.jobs.trackers import allowed_trackers, check_trackers
 from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
 from core.settings import Settings
+from core.users.access import readable_by
 from core.users.models import User
 from core.users.service import Caller
 from core.workers import pool
@@ -119,9 +119,10 @@ def create_job(
     idempotency_key: str | None = None,
     owner_id: str | None = None,
     preflight: dict[str, Any] | None = None,
+    project_id: str | None = None,
 ) -> tuple[Job, bool]:
-    """Validate ``spec`` against the box and record a queued job of ``owner_id``; the caller
-    commits, then enqueues.
+    """Validate ``spec`` against the box and record a queued job of ``owner_id`` in
+    ``project_id`` (whose files it must use); the caller commits, then enqueues.
 
     Returns ``(job, created)``: ``created`` is False when ``idempotency_key`` names a job made
     earlier from the same spec.
@@ -147,11 +148,11 @@ def create_job(
     _check_forced_switches(session, spec, settings)
     check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings))
     check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes)
-    train_row = _usable_file(session, spec.training_file, "train", "training_file")
+    train_row = usable_file(session, spec.training_file, "train", "training_file", project_id)
     _check_objective(spec.objective, train_row, "training_file")
     paths = {spec.training_file: train_row.path}
     if spec.validation_file is not None:
-        validation_row = _usable_file(session, spec.validation_file, "validation", "validation_file")
+        validation_row = usable_file(session, spec.validation_file, "validation", "validation_file", project_id)
         _check_objective(spec.objective, validation_row, "validation_file")
         paths[spec.validation_file] = validation_row.path
     source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
@@ -173,6 +174,7 @@ def create_job(
         gpus=spec.gpus,
         nodes=spec.nodes,
         owner_id=owner_id,
+        project_id=project_id,
         idempotency_key=idempotency_key,
         idempotency_hash=fingerprint if idempotency_key is not None else None,
         progress_step=0,
@@ -294,12 +296,12 @@ def _live_reports(session: Session, settings: Settings) -> list[tuple[str, dict[
 def get_job(session: Session, job_id: str, *, reader: Caller | None = None) -> Job:
     """The job ``job_id``, read afresh.
 
-    ``reader``: reads are per owner (``/openai/v1``'s rule, ``core.users.access``): a job the
-    reader may not act on (another user's, to anyone but an admin) is NotFound exactly as an
-    unknown id is, so another user's id is never confirmed. None: everyone's (``/v1/jobs``).
+    ``reader``: the caller (``core.users.access``): a job of a project they are not in (on
+    ``/openai/v1``, also another user's) is NotFound exactly as an unknown id is, so its id is
+    never confirmed. None: the system's own read (worker, scheduler), every job.
     """
     job = session.get(Job, job_id, populate_existing=True)
-    if job is None or (reader is not None and not reader.may_act_on(job.owner_id)):
+    if job is None or (reader is not None and not reader.may_read(job.project_id, job.owner_id)):
         raise NotFound(f"no job {job_id!r}; list jobs with GET /v1/jobs", param="job_id")
     return job
 
@@ -312,10 +314,14 @@ def list_jobs(
     limit: int = 20,
     after: str | None = None,
     text: str | None = None,
+    reader: Caller | None = None,
+    project_id: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Jobs newest first, optionally only those in ``statuses`` / of ``owner_id`` / whose name,
-    model or owner's name contains ``text``; returns the page and the next cursor."""
-    query = select(Job)
+    """Jobs newest first that ``reader`` may read (None: all), optionally only those in ``statuses``
+    / of ``owner_id`` / ``project_id`` / whose name, model or owner's name contains ``text``."""
+    query = select(Job) if reader is None else select(Job).where(readable_by(reader, Job))
+    if project_id is not None:
+        query = query.where(Job.project_id == project_id)
     if text and text.strip():
         query = query.where(_matching(text.strip()))
     if statuses:
@@ -394,10 +400,10 @@ def resume_stopped(session: Session, job_id: str) -> bool:
 
 
 def list_metrics(
-    session: Session, job_id: str, *, after_step: int = -1, limit: int = 1000
+    session: Session, job_id: str, *, after_step: int = -1, limit: int = 1000, reader: Caller | None = None
 ) -> list[StepMetric]:
     """Step rows with ``step > after_step`` in step order (at most ``limit``)."""
-    get_job(session, job_id)
+    get_job(session, job_id, reader=reader)
     if not 1 <= limit <= MAX_METRICS_PAGE:
         raise InvalidInput(f"limit: must be between 1 and {MAX_METRICS_PAGE}, got {limit}", param="limit")
     query = (
@@ -425,13 +431,13 @@ def events_after(session: Session, job_id: str, after_seq: int, *, limit: int = 
     return list(session.scalars(query))
 
 
-def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
-    get_job(session, job_id)
+def list_checkpoints(session: Session, job_id: str, *, reader: Caller | None = None) -> list[Checkpoint]:
+    get_job(session, job_id, reader=reader)
     return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
 
 
-def get_checkpoint(session: Session, job_id: str, step: int) -> Checkpoint:
-    get_job(session, job_id)
+def get_checkpoint(session: Session, job_id: str, step: int, *, reader: Caller | None = None) -> Checkpoint:
+    get_job(session, job_id, reader=reader)
     row = session.get(Checkpoint, (job_id, step))
     if row is None:
         raise NotFound(
@@ -472,23 +478,14 @@ def _check_objective(objective: str, row: File, param: str) -> None:
     raise InvalidInput(f"{param}: file {row.file_id} holds {row.format} records, but {fix}", param=param)
 
 
-def usable_file(session: Session, file_id: str, purpose: str, param: str) -> File:
-    """The file row a spec names in ``param``; InvalidInput when it is missing or of another purpose."""
-    return _usable_file(session, file_id, purpose, param)
-
-
-def _usable_file(session: Session, file_id: str, purpose: str, param: str) -> File:
-    try:
-        row = get_file(session, file_id)
-    except NotFound:
-        raise InvalidInput(
-            f"{param}: no file {file_id!r}; upload it with POST /v1/files (purpose={purpose}) and use its id",
-            param=param,
-        ) from None
+def usable_file(session: Session, file_id: str, purpose: str, param: str, project_id: str | None = None) -> File:
+    """The file row a spec names in ``param``; InvalidInput when it is missing, of another
+    purpose, or (``project_id``) of another project (said as for an unknown id)."""
+    row = session.get(File, file_id)
+    if row is None or row.deleted_at is not None or project_id not in (None, row.project_id):
+        raise InvalidInput(f"{param}: no file {file_id!r}; upload it with POST /v1/files (purpose={purpose}) "
+                           "and use its id", param=param)
     if row.purpose != purpose:
-        raise InvalidInput(
-            f"{param}: file {file_id} was uploaded with purpose={row.purpose}; upload it again with "
-            f"purpose={purpose}",
-            param=param,
-        )
+        raise InvalidInput(f"{param}: file {file_id} was uploaded with purpose={row.purpose}; upload it again with "
+                           f"purpose={purpose}", param=param)
     return row

@@ -248,6 +248,10 @@ class JobSpec(_Strict):
     """The body of ``POST /v1/jobs``."""
 
     name: Annotated[str | None, Field(min_length=1, max_length=200, description="A label for people.")] = None
+    project: Annotated[str | None, Field(
+        min_length=1, max_length=64, exclude=True,
+        description="The project (name) the job belongs to; you must be a member. Default: your key's or your "
+        "own default project. Not stored in the spec: the job's ``project`` says it.")] = None
     model: Annotated[
         str,
         Field(

@@ -1,26 +1,33 @@
 """Who may act on what. The rules of a shared box, in one place:
 
-- everyone with a key sees everything: all jobs (list, read, metrics, events, checkpoints,
-  adapters) and all files' descriptions (with their owner), so the team can tell who is using
-  the GPUs and why;
+- work belongs to a project (``core.projects``): a member reads their projects' work, all of it
+  (jobs, metrics, events, checkpoints, adapters, exports, files' descriptions with their owner),
+  so a team can tell who is using the GPUs and why; a global admin reads every project's. Another
+  project's id answers 404 as an unknown id does (``Caller.may_read`` in the core reads
+  ``get_file``/``get_job``/``get_export`` with ``reader=``, ``readable_by`` for listings);
+- what a user creates goes into the project they name, if they are a member (a global admin: any
+  project), else their key's or their own default project (``project_for_create``);
 - only a job's owner or an admin cancels it; only a file's owner or an admin deletes it;
 - a job may train only on files its submitter owns (an admin on any): a dataset may hold data
   its uploader was trusted with and others were not, and a job's checkpoints and adapter are
   downloadable by everyone, so using someone's file would publish what it taught the model;
 - rows made before users existed have no owner: only admins act on them;
-- ``/openai/v1`` reads per owner, as OpenAI's API does: each user sees only their own files and
-  jobs (events, checkpoints, results files), admins everyone's. Another user's id answers 404
-  as an unknown id does, never 403, so it is not even confirmed. The core reads enforce it
-  (``get_file``/``get_job`` with ``reader=``, ``readable_by`` for listings), not each route.
+- ``/openai/v1`` reads per owner within the project ``OpenAI-Project`` selects, as OpenAI's API
+  does: each user sees only their own files and jobs (events, checkpoints, results files), admins
+  everyone's. Another user's id answers 404 as an unknown id does, never 403, so it is not even
+  confirmed (``Caller.per_owner``).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, true
-from sqlalchemy.orm import InstrumentedAttribute, Session
+from typing import Any
+
+from sqlalchemy import ColumnElement, select, true
+from sqlalchemy.orm import Session
 
 from core.errors import Forbidden, InvalidInput, NotFound
 from core.files.models import File
+from core.projects.models import Project
 from core.users.models import User
 from core.users.service import Caller, get_user
 
@@ -32,10 +39,39 @@ def owner_name(session: Session, owner_id: str | None) -> str | None:
     return user.name if user is not None else None
 
 
-def readable_by(caller: Caller, owner_id: InstrumentedAttribute[str | None]) -> ColumnElement[bool]:
-    """The rows a per-owner listing shows ``caller`` (``owner_id``: the model's owner column):
-    all for an admin, else the caller's own; ``Caller.may_act_on`` as SQL."""
-    return true() if caller.is_admin else owner_id == caller.user_id
+def readable_by(caller: Caller, model: Any) -> ColumnElement[bool]:
+    """The rows of ``model`` (a table with ``project_id`` and ``owner_id``) a listing shows
+    ``caller``: ``Caller.may_read`` as SQL."""
+    if caller.is_admin:
+        return model.project_id == caller.project_id if caller.per_owner and caller.project_id else true()
+    mine = model.project_id.in_(sorted(caller.project_ids))
+    return mine & (model.owner_id == caller.user_id) if caller.per_owner else mine
+
+
+def project_named(session: Session, caller: Caller, name: str, *, param: str = "project") -> str:
+    """The id of the project ``name`` (a name or id) that ``caller`` is a member of (a global
+    admin: any project); NotFound alike for one that does not exist and one of others."""
+    project_id = session.scalar(select(Project.project_id).where((Project.name == name) | (Project.project_id == name)))
+    if project_id is None or not (caller.is_admin or project_id in caller.project_ids):
+        raise NotFound(f"{param}: no project {name!r} among yours; GET /v1/projects lists the projects you are in",
+                       param=param)
+    return project_id
+
+
+def project_for_create(session: Session, caller: Caller, name: str | None, *, param: str = "project") -> str:
+    """Where new work goes: the project ``name`` if the caller may use it, else (None) the
+    caller's default project (the key's, else the user's)."""
+    if name:
+        return project_named(session, caller, name, param=param)
+    if caller.project_id is None:
+        raise Forbidden(f"{param}: you ({caller.name!r}) are a member of no project, so there is nowhere to put "
+                        "this; ask an admin to add you to one (`ftq projects add-member PROJECT USER`)", param=param)
+    return caller.project_id
+
+
+def project_filter(session: Session, caller: Caller, name: str | None) -> str | None:
+    """The project id ``?project=`` names, or None for no filter."""
+    return project_named(session, caller, name) if name else None
 
 
 def require_owner(
@@ -55,13 +91,16 @@ def require_owner(
 def require_usable_files(session: Session, caller: Caller, files: dict[str, str | None]) -> None:
     """Refuse a job that names another user's file (``files``: request field -> file id).
 
-    Unknown or deleted ids pass: job creation reports those with what to upload.
+    Unknown or deleted ids pass, as do files of projects the caller cannot read (so nothing of
+    theirs is named): job creation reports those as unknown, with what to upload.
     """
     for param, file_id in files.items():
         if file_id is None:
             continue
         row = session.get(File, file_id)
         if row is None or row.deleted_at is not None or caller.may_act_on(row.owner_id):
+            continue
+        if not caller.may_read(row.project_id, row.owner_id):
             continue
         name = owner_name(session, row.owner_id)
         whose = f"belongs to {name!r}" if name else "has no owner (it predates users)"

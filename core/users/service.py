@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound, Unauthenticated
+from core.projects import service as projects
 from core.users.models import ApiKey, User
 
 KEY_SCHEME = "ftq"
@@ -34,16 +35,36 @@ RESERVED_NAMES = frozenset({"me"})  # ``?owner=me`` means the caller
 
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request: a snapshot of the user, detached from any session."""
+    """Who sent a request: a snapshot of the user, detached from any session.
+
+    ``project_ids``: the projects whose work the caller reads (their memberships; narrowed to one
+    on ``/openai/v1``, where ``OpenAI-Project`` picks it); ``admin_of``: those they are a project
+    admin of; ``project_id``: where what they create goes when they name no project (the key's,
+    else the user's default); ``per_owner``: the ``/openai/v1`` view, as OpenAI's API has it: reads
+    also need the caller to own the row, and listings show ``project_id``'s rows only (an admin's too).
+    """
 
     user_id: str
     name: str
     is_admin: bool
     api_key_id: str | None = None
+    project_ids: frozenset[str] = field(default_factory=frozenset)
+    admin_of: frozenset[str] = field(default_factory=frozenset)
+    project_id: str | None = None
+    per_owner: bool = False
 
     def may_act_on(self, owner_id: str | None) -> bool:
         """Owners act on their own jobs and files; admins on everyone's (and on unowned rows)."""
         return self.is_admin or (owner_id is not None and owner_id == self.user_id)
+
+    def may_read(self, project_id: str | None, owner_id: str | None) -> bool:
+        """A row of ``project_id`` (owned by ``owner_id``) is the caller's to read: a global admin
+        reads every row; anyone else those of their projects (and, ``per_owner``, only their own)."""
+        if self.is_admin:
+            return True
+        if project_id is None or project_id not in self.project_ids:
+            return False
+        return not self.per_owner or owner_id == self.user_id
 
 
 @dataclass(frozen=True)
@@ -100,16 +121,21 @@ def check_max_running(value: int | None) -> int | None:
 
 
 def create_user(
-    session: Session, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None
+    session: Session, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None,
+    project_names: list[str] | None = None,
 ) -> User:
-    """Record a new user (no key yet: see ``issue_key``).
+    """Record a new user (no key yet: see ``issue_key``), a member of ``project_names`` (the
+    first their default), or of the ``default`` project when none is named.
 
     Raises:
         InvalidInput: a name that is not a user name, or a negative cap.
         Conflict: the name is taken.
+        NotFound: a project that does not exist.
     """
     check_name(name)
     check_max_running(max_running_jobs)
+    joined = [projects.find_project(session, p) for p in project_names] if project_names else [
+        projects.ensure_default(session)]
     if session.scalar(select(User).where(User.name == name)) is not None:
         raise Conflict(f"name: a user named {name!r} exists; pick another name, or issue it a new key",
                        param="name")
@@ -123,6 +149,8 @@ def create_user(
     except IntegrityError:
         session.rollback()
         raise Conflict(f"name: a user named {name!r} exists; pick another name", param="name") from None
+    for project in joined:
+        projects.add_member(session, project, user)
     return user
 
 
@@ -173,8 +201,15 @@ def update_user(
     return user
 
 
-def caller_of(user: User, api_key_id: str | None = None) -> Caller:
-    return Caller(user_id=user.user_id, name=user.name, is_admin=user.is_admin, api_key_id=api_key_id)
+def caller_of(session: Session, user: User, key: ApiKey | None = None) -> Caller:
+    """The caller ``user`` is (through ``key``), with their projects as they stand now."""
+    member = projects.memberships(session, user, key.project_id if key is not None else None)
+    return Caller(
+        user_id=user.user_id, name=user.name, is_admin=user.is_admin,
+        api_key_id=key.api_key_id if key is not None else None, project_ids=frozenset(member.roles),
+        admin_of=frozenset(p for p, role in member.roles.items() if role == "admin"),
+        project_id=member.default_project_id,
+    )
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -265,12 +300,14 @@ def verify_key(session: Session, raw: str) -> Caller:
             .values(last_used_at=now)
             .execution_options(synchronize_session=False)
         )
-    return caller_of(user, key.api_key_id)
+    return caller_of(session, user, key)
 
 
 def create_user_with_key(
-    session: Session, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None
+    session: Session, name: str, *, is_admin: bool = False, max_running_jobs: int | None = None,
+    project_names: list[str] | None = None,
 ) -> tuple[User, IssuedKey]:
     """``create_user`` then ``issue_key``: what ``ftq users create`` and ``POST /v1/users`` do."""
-    user = create_user(session, name, is_admin=is_admin, max_running_jobs=max_running_jobs)
+    user = create_user(session, name, is_admin=is_admin, max_running_jobs=max_running_jobs,
+                       project_names=project_names)
     return user, issue_key(session, user, name="initial")

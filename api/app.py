@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from redis.asyncio import Redis
 
             redis = Redis.from_url(settings.redis_url)
-        tokenizers = TokenizerPool(settings.tokenizer_workers)
+        tokenizers = TokenizerPool(settings.tokenizer_workers, settings.tokenizer_budget_s)
         sessions = make_sessionmaker(engine)
         sweeper = UploadSweeper(sessions, settings)  # what finished jobs' uploads left
         await to_thread.run_sync(sweeper.sweep_all)

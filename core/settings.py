@@ -106,9 +106,19 @@ class Settings(BaseSettings):
     """The worker writes buffered events to the store at least this often."""
     allow_hub_models: bool = True
     """Accept hub ids as ``model`` (resolved from the local HF cache when offline)."""
-    tokenizer_workers: int = Field(default=1, ge=1)
-    """Processes the API starts (on first use) to tokenize datasets for GET /v1/files/{id}/tokens;
-    each imports transformers and keeps its last 4 tokenizers loaded, the API process neither."""
+    tokenizer_workers: int = Field(default=2, ge=1)
+    """Processes the API starts (on first use) to tokenize datasets (the submission preflight,
+    previews, GET /v1/files/{id}/tokens); each imports transformers and keeps its last 4
+    tokenizers loaded, the API process neither. One user's requests hold at most all of them
+    but one, so another user's finds one free (api/files/tokenizer_pool.py)."""
+    tokenizer_budget_s: float = Field(default=60.0, gt=0)
+    """Seconds one tokenizing request may hold a process: past it the process is killed and
+    replaced and the request answers 422 naming the line it was on."""
+    record_max_messages: int = Field(default=10_000, ge=1)
+    """Messages one chat record may have (a preference record's input and outputs together);
+    checked before it is tokenized, a record over it is a 422 naming its line."""
+    record_max_chars: int = Field(default=4_000_000, ge=1)
+    """Characters of all one record's strings together (about a million tokens), checked the same way."""
     auth_failure_limit: int = Field(default=20, ge=0)
     """Failed requests per minute one stored key id may have (a wrong secret, revoked, disabled
     user), and one address with keys the store does not know (unknown id, malformed, none); past

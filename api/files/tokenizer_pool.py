@@ -1,33 +1,42 @@
-"""Tokenizer work for ``GET /v1/files/{id}/tokens``, in worker processes the app state owns.
+"""Tokenizer work for ``GET /v1/files/{id}/tokens`` and the preflight, in worker processes the app state owns.
 
 Loading a tokenizer imports transformers and takes ~0.1-2 s, and a fast tokenizer must not be
 used by two threads at once ("Already borrowed"). So the API process does neither: the lifespan
 creates one ``TokenizerPool`` (``AppState.tokenizers``, ``FTQ_TOKENIZER_WORKERS`` processes,
-default 1, started on first use) and shuts it down at exit. A worker process runs one task at a
-time and keeps its own ``TokenizerCache`` of the tokenizers it loaded last, so each loaded
+default 2, each started on first use) and shuts it down at exit. A worker process runs one task
+at a time and keeps its own ``TokenizerCache`` of the tokenizers it loaded last, so each loaded
 tokenizer has one user at a time::
 
     API process (event loop)                    worker process (one task at a time)
     file row + resolve_model  (thread)
-    await TokenizerPool.token_stats  ───────▶   cache.get(model, source) -> tokenizer
-                                                token_stats(path, fmt, tokenizer, max_seq_len)
-                                     ◀───────   stats dict, or the InvalidInput (pickled)
+    await TokenizerPool.run(fn, ...)  ──pipe──▶ cache.get(model, source) -> tokenizer
+      (a worker by fair turn; budget)           fn(tokenizer, *args, progress=...)  line -> shared
+                                     ◀──pipe──  the result, or the InvalidInput
+
+Fairness: a request takes a worker by turn, the user with the fewest requests running first,
+and one user holds at most all workers but one, so a user's slow requests leave a worker for
+everybody else (with one worker, ``FTQ_TOKENIZER_WORKERS=1``, the others wait a budget at most). Each request has a time budget
+(``FTQ_TOKENIZER_BUDGET_S``): past it the worker process is killed (a record it would take
+minutes over cannot hold it), the request answers 422 naming the line it was on, and the next
+request starts a fresh process (forked from the fork server in milliseconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from core.errors import InvalidInput, Unavailable
 from core.jobs.model_source import ModelSource
+from core.jobs.preflight import RecordBounds, tokenized
 
 _PRELOAD = (
     "api.files.tokenizer_pool", "core.jobs.preflight", "trainer.dataset", "torch", "transformers.modeling_utils",
@@ -43,72 +52,249 @@ TOKENIZER_CACHE_SIZE = 4
 """Tokenizers each worker process keeps loaded between requests (loading one takes ~0.1-2 s; a
 dashboard user asks again for the same model with every dataset or length they try)."""
 
+DEFAULT_BUDGET_S = 60.0
+"""``Settings.tokenizer_budget_s``'s default."""
+
+PARAMS = ("model", "file", "training_file", "validation_file")
+"""What a worker can be on (``progress(param, line)``), by index in the shared position."""
+
+Progress = Callable[[str, int], None]
+
 
 class TokenizerPool:
-    """The processes that tokenize datasets; ``token_stats`` awaits one without blocking the loop.
+    """The processes that tokenize datasets; ``run`` awaits one without blocking the loop.
 
     Args:
         workers: worker processes (``Settings.tokenizer_workers``); each is started on first use.
+        budget_s: seconds one request may hold a worker (``Settings.tokenizer_budget_s``).
         cache_size: tokenizers each worker process keeps loaded.
     """
 
-    def __init__(self, workers: int, cache_size: int = TOKENIZER_CACHE_SIZE) -> None:
-        self.workers, self.cache_size = workers, cache_size
-        self._executor = self._new_executor()
+    def __init__(self, workers: int, budget_s: float = DEFAULT_BUDGET_S, cache_size: int = TOKENIZER_CACHE_SIZE) -> None:
+        self.workers, self.budget_s, self.cache_size = workers, budget_s, cache_size
+        self._idle: list[_Worker] = []
+        self._started = 0
+        self._running: Counter[str] = Counter()
+        self._waiting: list[_Waiter] = []
+        self._order = itertools.count()
+        self._closed = False
+
+    @property
+    def running(self) -> int:
+        """Requests holding a worker now."""
+        return sum(self._running.values())
 
     async def token_stats(
-        self, path: str, fmt: str, model: str, source: ModelSource, *, max_seq_len: int
+        self, path: str, fmt: str, model: str, source: ModelSource, *, max_seq_len: int,
+        bounds: RecordBounds | None = None, user: str = "",
     ) -> dict[str, Any]:
         """The token statistics of dataset ``path`` under ``source``'s tokenizer (``token_stats``).
 
         Raises:
-            InvalidInput: the model's tokenizer cannot be loaded (the message says what to do).
+            InvalidInput: the model's tokenizer cannot be loaded (the message says what to do), a
+                record is over ``bounds``, or the request ran past the budget (naming the line).
         """
-        executor = self._executor
-        try:
-            future = executor.submit(_token_stats_in_worker, path, fmt, model, source, max_seq_len)
-            return await asyncio.wrap_future(future)
-        except BrokenProcessPool:
-            if self._executor is executor:  # the next request gets fresh processes
-                self._executor = self._new_executor()
-            raise Unavailable(
-                "the tokenizer process ended while tokenizing (killed for memory?); try again, "
-                "or set FTQ_TOKENIZER_WORKERS lower on a box short of memory"
-            ) from None
+        return await self.run(_token_stats_task, model, source, path, fmt, max_seq_len, bounds or RecordBounds(),
+                              user=user)
 
-    async def run(self, fn: Callable[..., Any], model: str, source: ModelSource, *args: Any) -> Any:
-        """``fn(tokenizer, *args)`` in a worker process with ``source``'s tokenizer (``fn`` must be a
-        module-level function: it is pickled by name), e.g. ``core.jobs.preflight.report``.
+    async def run(self, fn: Callable[..., Any], model: str, source: ModelSource, *args: Any, user: str = "") -> Any:
+        """``fn(tokenizer, *args, progress=...)`` in a worker process with ``source``'s tokenizer
+        (``fn`` must be a module-level function: it is pickled by name), e.g.
+        ``core.jobs.preflight.checked_report``; ``progress(param, line)`` says where it is, for
+        the message of a request that runs out of time. ``user`` shares the workers fairly.
 
         Raises:
-            InvalidInput: the tokenizer cannot be loaded, or ``fn`` raised it.
+            InvalidInput: the tokenizer cannot be loaded, ``fn`` raised it, or the budget ran out.
+            Unavailable: the worker process died (killed for memory?) or the pool is shut down.
         """
-        executor = self._executor
+        worker = await self._acquire(user)
         try:
-            return await asyncio.wrap_future(executor.submit(_run_in_worker, fn, model, source, args))
-        except BrokenProcessPool:
-            if self._executor is executor:
-                self._executor = self._new_executor()
-            raise Unavailable("the tokenizer process ended while working (killed for memory?); try again") from None
+            worker = worker or await asyncio.to_thread(_Worker.start, self.cache_size)
+            return await worker.call((fn, model, source, args), self.budget_s, model)
+        finally:
+            self._release(worker, user)
 
     def shutdown(self) -> None:
-        """Stop the worker processes: queued requests are cancelled, a running one finishes."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop the worker processes: waiting requests are refused, a running one is ended."""
+        self._closed = True
+        for waiter in self._waiting:
+            if not waiter.future.done():
+                waiter.future.get_loop().call_soon_threadsafe(_refuse, waiter.future)
+        self._waiting.clear()
+        while self._idle:
+            self._idle.pop().stop()
 
-    def _new_executor(self) -> ProcessPoolExecutor:
+    async def _acquire(self, user: str) -> _Worker | None:
+        """A worker (None: start one in the free slot) once it is ``user``'s turn."""
+        if self._closed:
+            raise Unavailable("the API is shutting down; try again")
+        waiter = _Waiter(user, next(self._order), asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        self._dispatch()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self._release(waiter.future.result(), user)  # granted as it was cancelled
+            raise
+
+    def _release(self, worker: _Worker | None, user: str) -> None:
+        self._running[user] -= 1
+        if self._running[user] <= 0:
+            del self._running[user]
+        if worker is not None and worker.ready and not self._closed:
+            self._idle.append(worker)
+        else:  # never started, killed, dead, or cut off mid-task: the slot starts a fresh one
+            if worker is not None:
+                worker.stop()
+            self._started -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand free workers to waiting requests: the user with the fewest running first, then
+        first come; no user holds more than all workers but one (so another user's request
+        finds a worker free, or one within a budget)."""
+        limit = max(1, self.workers - 1)
+        while self._waiting and (self._idle or self._started < self.workers):
+            eligible = [w for w in self._waiting if self._running[w.user] < limit]
+            if not eligible:
+                return
+            waiter = min(eligible, key=lambda w: (self._running[w.user], w.order))
+            self._waiting.remove(waiter)
+            self._running[waiter.user] += 1
+            if self._idle:
+                worker: _Worker | None = self._idle.pop()
+            else:
+                worker, self._started = None, self._started + 1
+            waiter.future.set_result(worker)
+
+
+@dataclass
+class _Waiter:
+    user: str
+    order: int
+    future: asyncio.Future = field(compare=False)
+
+
+def _refuse(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(Unavailable("the API is shutting down; try again"))
+
+
+class _Worker:
+    """One worker process, its pipe and where it is (``position``: param index, line)."""
+
+    def __init__(self, process: Any, conn: Connection, position: Any) -> None:
+        self.process, self.conn, self.position = process, conn, position
+        self.ready = True
+
+    @classmethod
+    def start(cls, cache_size: int) -> _Worker:
         # forkserver, not fork: the API process runs threads (anyio's, uvicorn's) that fork would
         # copy mid-flight. The fork server is a fresh process started once per API process that
-        # imports transformers once (``_PRELOAD``); every pool worker, and a new pool after a
-        # broken one, forks from it in milliseconds instead of importing transformers again
-        # (~5-10 s each on a busy 2-core box: every submission preflights its data here).
+        # imports transformers once (``_PRELOAD``); every worker, and each that replaces a killed
+        # one, forks from it in milliseconds instead of importing transformers again (~5-10 s
+        # each on a busy 2-core box: every submission preflights its data here).
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(_PRELOAD))
-        return ProcessPoolExecutor(
-            max_workers=self.workers,
-            mp_context=context,
-            initializer=_start_worker,
-            initargs=(self.cache_size,),
-        )
+        ours, theirs = context.Pipe()
+        position = context.Array("q", 2, lock=False)
+        process = context.Process(target=_serve, args=(theirs, position, cache_size), daemon=True,
+                                  name="ftq-tokenizer")
+        process.start()
+        theirs.close()
+        return cls(process, ours, position)
+
+    async def call(self, task: tuple[Any, ...], budget_s: float, model: str) -> Any:
+        """Send ``task``, await its outcome for ``budget_s`` at most (then kill the process)."""
+        self.ready = False
+        self.position[0], self.position[1] = 0, 0
+        try:
+            self.conn.send(task)
+        except OSError:
+            raise _died() from None
+        reading = asyncio.ensure_future(asyncio.to_thread(self._receive))
+        try:
+            outcome, value = await asyncio.wait_for(asyncio.shield(reading), budget_s)
+        except TimeoutError:
+            where = (PARAMS[self.position[0]], int(self.position[1]))
+            await self._kill(reading)
+            raise _over_budget(where, budget_s, model) from None
+        except asyncio.CancelledError:  # the client went away: the task would run on unseen
+            await self._kill(reading)
+            raise
+        if outcome == "died":
+            raise _died()
+        self.ready = True
+        if outcome == "error":
+            raise _rebuilt(*value)
+        return value
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return "died", None
+
+    async def _kill(self, reading: asyncio.Future) -> None:
+        # The reading thread ends on the pipe's EOF once the process is gone; only then is the
+        # pipe closed (closing it under a blocked read could hand its descriptor to a new pipe).
+        self.process.kill()
+        await asyncio.shield(reading)
+
+    def stop(self) -> None:
+        """End the process (killed: it may be stuck in one record) and close the pipe."""
+        self.ready = False
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def _died() -> Unavailable:
+    return Unavailable("the tokenizer process ended while working (killed for memory?); try again, "
+                       "or set FTQ_TOKENIZER_WORKERS lower on a box short of memory")
+
+
+def _over_budget(where: tuple[str, int], budget_s: float, model: str) -> InvalidInput:
+    param, line = where
+    if line == 0:
+        return InvalidInput(f"model: loading the tokenizer of {model} took longer than the {budget_s:g} s a "
+                            "request may take (FTQ_TOKENIZER_BUDGET_S); try again", param="model")
+    return InvalidInput(
+        f"{param}: line {line}: tokenizing took longer than the {budget_s:g} s a request may take "
+        f"(FTQ_TOKENIZER_BUDGET_S) and was on line {line}: a record that long, or a file that large, cannot "
+        "be checked here; split the record (or the file), or ask the operator to raise the budget",
+        param=param)
+
+
+def _serve(conn: Connection, position: Any, cache_size: int) -> None:
+    """A worker process's loop: one task at a time until the pipe closes."""
+    cache = TokenizerCache(cache_size)
+
+    def progress(param: str, line: int) -> None:
+        position[0], position[1] = PARAMS.index(param), line
+
+    while True:
+        try:
+            fn, model, source, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            tokenizer = cache.get(model, source)
+            conn.send(("ok", fn(tokenizer, *args, progress=progress)))
+        except Exception as exc:  # noqa: BLE001 - sent back and raised in the API process
+            conn.send(("error", (type(exc), exc.args, vars(exc))))
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], attributes: dict[str, Any]) -> BaseException:
+    """The worker's exception as it was (``param``, ``line`` kept: pickling keeps only ``args``)."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
 
 
 class TokenizerCache:
@@ -138,24 +324,32 @@ class TokenizerCache:
         return tokenizer
 
 
-def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int) -> dict[str, Any]:
+def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int, bounds: RecordBounds | None = None,
+                progress: Progress | None = None) -> dict[str, Any]:
     """Tokenize up to ``MAX_RECORDS`` records of ``path`` as training does and summarize their lengths.
 
     A DPO pair (format ``preference``, ``trainer.preference``) counts both of its sequences (the
     prompt with each answer) and both answers' loss tokens; it is over ``max_seq_len`` when either
-    sequence is.
+    sequence is. Each record is checked against ``bounds`` before it is tokenized.
+
+    Raises:
+        InvalidInput: a record over ``bounds``, or one the tokenizer or template fails on (naming the line).
     """
-    from trainer.dataset import read_records, tokenize_record
+    from trainer.dataset import read_records
     from trainer.preference import tokenize_pair
 
+    bounds = bounds or RecordBounds()
     records = read_records(path)
     capped = len(records) > MAX_RECORDS
     lengths: list[int] = []
     loss: list[int] = []
     over = 0
-    for _, record in records[:MAX_RECORDS]:
+    for number, record in records[:MAX_RECORDS]:
+        if progress is not None:
+            progress("file", number)
+        bounds.check(record, number, "file")
         sequences = tokenize_pair(record, tokenizer).sequences if fmt == "preference" else (
-            tokenize_record(record, fmt, tokenizer),)
+            tokenized(record, fmt, tokenizer, number, "file"),)
         lengths.append(sum(len(s) for s in sequences))
         loss.append(sum(s.num_loss_tokens for s in sequences))
         over += any(len(s) > max_seq_len for s in sequences)
@@ -190,23 +384,9 @@ def load_tokenizer(model: str, source: ModelSource) -> Any:
         ) from None
 
 
-_worker_cache: TokenizerCache | None = None
-"""Set in each worker process by ``_start_worker`` (the per-process set-up); None in the API."""
-
-
-def _start_worker(cache_size: int) -> None:
-    global _worker_cache
-    _worker_cache = TokenizerCache(cache_size)
-
-
-def _token_stats_in_worker(path: str, fmt: str, model: str, source: ModelSource, max_seq_len: int) -> dict[str, Any]:
-    assert _worker_cache is not None, "runs only in a TokenizerPool worker process"
-    return token_stats(path, fmt, _worker_cache.get(model, source), max_seq_len=max_seq_len)
-
-
-def _run_in_worker(fn: Callable[..., Any], model: str, source: ModelSource, args: tuple[Any, ...]) -> Any:
-    assert _worker_cache is not None, "runs only in a TokenizerPool worker process"
-    return fn(_worker_cache.get(model, source), *args)
+def _token_stats_task(tokenizer: Any, path: str, fmt: str, max_seq_len: int, bounds: RecordBounds, *,
+                      progress: Progress) -> dict[str, Any]:
+    return token_stats(path, fmt, tokenizer, max_seq_len=max_seq_len, bounds=bounds, progress=progress)
 
 
 def _summary(values: list[int]) -> dict[str, float | int]:

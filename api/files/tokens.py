@@ -5,7 +5,8 @@ user has picked one, this route tokenizes every record exactly as training will
 (``trainer.dataset.tokenize_record``: the chat template, loss on assistant tokens only), so the
 dashboard can show how many tokens a run would see and how many records ``max_seq_len`` cuts.
 The tokenizing runs in the app state's ``TokenizerPool`` (``api.files.tokenizer_pool``): worker
-processes that keep the tokenizers loaded, so the API process never imports transformers.
+processes that keep the tokenizers loaded, so the API process never imports transformers; each
+record is held to the per-record bounds first, and the request to the pool's time budget.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from api.auth import CallerDep
 from api.deps import StateDep
+from api.jobs.preview import record_bounds
 from core.files import service
 from core.jobs.model_source import ModelSource, resolve_model
 from core.jobs.spec import JobSpec
@@ -40,7 +42,8 @@ async def file_tokens(
         int, Query(ge=1, description="Count the records longer than this")
     ] = 4096,
 ) -> dict[str, Any]:
-    """Errors: 404 unknown file; 422 a model the box cannot resolve or whose tokenizer it lacks."""
+    """Errors: 404 unknown file; 422 a model the box cannot resolve or whose tokenizer it lacks, a
+    record over the per-record bounds, or tokenizing that ran past the time budget (naming the line)."""
     check_model(model)
     settings = state.settings
 
@@ -55,7 +58,8 @@ async def file_tokens(
 
     path, fmt, source = await to_thread.run_sync(locate)
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
-    stats = await state.tokenizers.token_stats(path, fmt, model, source, max_seq_len=max_seq_len)
+    stats = await state.tokenizers.token_stats(path, fmt, model, source, max_seq_len=max_seq_len,
+                                               bounds=record_bounds(settings), user=caller.user_id)
     return stats | {"file_id": file_id, "model": model}
 
 

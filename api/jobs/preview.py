@@ -7,7 +7,9 @@ tokenizer and chat template in a tokenizer-pool process (``core.jobs.preflight``
 event loop never waits on transformers. A hub model whose tokenizer is not in the local cache
 cannot be checked here (the worker downloads it): its report says so (``checked: false``). A
 ``max_steps`` that repeats the training file over and over is a warning either way
-(``core.jobs.preflight.repeat_warning``).
+(``core.jobs.preflight.repeat_warning``). Each record is held to the per-record bounds before it
+is tokenized (``record_bounds``), and the pool gives each caller a fair turn and each request a
+time budget (``api.files.tokenizer_pool``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from core.errors import InvalidInput
 from core.jobs import preflight, service
 from core.jobs.model_source import ModelSource, check_model_files, resolve_model
 from core.jobs.spec import JobSpec
+from core.settings import Settings
 from core.users import access
 from core.users.service import Caller
 
@@ -35,7 +38,7 @@ async def preflight_for(state: AppState, spec: JobSpec, caller: Caller) -> dict[
         Forbidden: the caller may not use a file.
     """
     located = await to_thread.run_sync(_locate, state, spec, caller)
-    report = await _dataset_report(state, spec, located)
+    report = await _dataset_report(state, spec, located, caller.user_id)
     hp = spec.hyperparameters
     warning = preflight.repeat_warning(report, max_steps=hp.max_steps, micro_batches_per_step=hp.grad_accum * spec.gpus,
                                        batch_tokens=hp.batch_tokens, records=located.train_records)
@@ -55,7 +58,12 @@ class _Located:
     train_records: int
 
 
-async def _dataset_report(state: AppState, spec: JobSpec, located: _Located) -> dict[str, Any]:
+def record_bounds(settings: Settings) -> preflight.RecordBounds:
+    """The per-record bounds of ``settings`` (``FTQ_RECORD_MAX_MESSAGES``, ``FTQ_RECORD_MAX_CHARS``)."""
+    return preflight.RecordBounds(settings.record_max_messages, settings.record_max_chars)
+
+
+async def _dataset_report(state: AppState, spec: JobSpec, located: _Located, user: str) -> dict[str, Any]:
     train, validation = located.train, located.validation
     formats = {train[1], validation[1] if validation else train[1]}
     if spec.objective != "sft" or "preference" in formats:
@@ -63,7 +71,8 @@ async def _dataset_report(state: AppState, spec: JobSpec, located: _Located) -> 
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
     try:
         return await state.tokenizers.run(preflight.checked_report, spec.model, located.source, located.model_type,
-                                          train, validation, spec.hyperparameters.max_seq_len)
+                                          train, validation, spec.hyperparameters.max_seq_len,
+                                          record_bounds(state.settings), user=user)
     except InvalidInput as exc:
         if located.source.kind == "hub" and exc.param == "model":
             return preflight.unchecked(

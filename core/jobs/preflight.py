@@ -16,11 +16,17 @@ template renders no assistant tokens (the trainer would fail on that line), or e
 cut before its answer. A low trainable fraction (under ``LOW_TRAINABLE_FRACTION``) or records
 that lose tokens become ``warnings``, stored on the job. ``report`` runs in a tokenizer-pool
 process (``api.files.tokenizer_pool``): it needs transformers, which the API process never imports.
+
+Before a record is tokenized it is held to ``RecordBounds`` (``FTQ_RECORD_MAX_MESSAGES``,
+``FTQ_RECORD_MAX_CHARS``): a 10^6-turn conversation is refused by its count, in microseconds,
+instead of being rendered.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from core.errors import InvalidInput
@@ -37,23 +43,94 @@ MAX_REPEATS = 100
 steps over one record is a typo or a misunderstanding, not a plan."""
 
 
-def report(tokenizer: Any, train: tuple[str, str], validation: tuple[str, str] | None, max_seq_len: int) -> dict[str, Any]:
+Progress = Callable[[str, int], None]
+"""``progress(param, line)``: the record a tokenizer-pool task is on (for a timed-out request's message)."""
+
+
+@dataclass(frozen=True)
+class RecordBounds:
+    """What one record may hold before it is tokenized (``Settings.record_max_messages``,
+    ``Settings.record_max_chars``)."""
+
+    max_messages: int = 10_000
+    """Messages of a chat record (a preference record's input and outputs together)."""
+    max_chars: int = 4_000_000
+    """Characters of all the record's strings together (about 1M tokens)."""
+
+    def check(self, record: dict[str, Any], number: int, param: str) -> None:
+        """Raises InvalidInput naming the line and the bound ``record`` (line ``number``) is over."""
+        messages = _messages(record)
+        if messages > self.max_messages:
+            raise InvalidInput(
+                f"{param}: line {number}: {messages:,} messages, more than the {self.max_messages:,} a record may "
+                "have (FTQ_RECORD_MAX_MESSAGES); split the conversation into several records", param=param)
+        chars = _chars(record)
+        if chars > self.max_chars:
+            raise InvalidInput(
+                f"{param}: line {number}: {chars:,} characters, more than the {self.max_chars:,} a record may have "
+                "(FTQ_RECORD_MAX_CHARS); split the record", param=param)
+
+
+def _messages(record: dict[str, Any]) -> int:
+    lists = [record.get("messages"), record.get("preferred_output"), record.get("non_preferred_output")]
+    if isinstance(record.get("input"), dict):
+        lists.append(record["input"].get("messages"))
+    return sum(len(value) for value in lists if isinstance(value, list))
+
+
+def _chars(value: Any) -> int:
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def tokenized(record: dict[str, Any], fmt: str, tokenizer: Any, number: int, param: str) -> Any:
+    """``trainer.dataset.tokenize_record``, its failures an InvalidInput naming the line."""
+    from trainer.dataset import tokenize_record
+    from trainer.errors import DatasetError
+
+    try:
+        return tokenize_record(record, fmt, tokenizer)
+    except DatasetError as exc:
+        raise InvalidInput(f"{param}: line {number}: {exc}", param=param) from None
+    except Exception as exc:  # noqa: BLE001 - a template that raises (e.g. "System role not supported")
+        raise InvalidInput(f"{param}: line {number}: the model's tokenizer or chat template fails on this record "
+                           f"({type(exc).__name__}: {exc}); the trainer would fail the same way", param=param) from None
+
+
+def report(tokenizer: Any, train: tuple[str, str], validation: tuple[str, str] | None, max_seq_len: int,
+           bounds: RecordBounds | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
     """The preflight report (``api.jobs.schemas.PreflightOut``) of a ``(path, format)`` training
-    file and optional validation file under ``tokenizer``.
+    file and optional validation file under ``tokenizer``, each record held to ``bounds`` first.
 
     Raises:
-        InvalidInput: nothing in the training (or validation) file would be trained on.
+        InvalidInput: nothing in the training (or validation) file would be trained on, or a record
+            is over ``bounds`` or fails to tokenize (naming the line).
     """
-    out = _counts(tokenizer, *train, max_seq_len, "training_file")
+    bounds, progress = bounds or RecordBounds(), progress or _no_progress
+    out = _counts(tokenizer, *train, max_seq_len, "training_file", bounds, progress)
     out["warnings"] = _warnings(out, max_seq_len)
     if validation is not None:
-        out["validation"] = {k: v for k, v in _counts(tokenizer, *validation, max_seq_len, "validation_file").items()
-                             if k != "example"}
+        counts = _counts(tokenizer, *validation, max_seq_len, "validation_file", bounds, progress)
+        out["validation"] = {k: v for k, v in counts.items() if k != "example"}
     return {"checked": True, **out}
 
 
-def _counts(tokenizer: Any, path: str, fmt: str, max_seq_len: int, param: str) -> dict[str, Any]:
-    from trainer.dataset import detect_format, read_records, tokenize_record, validate_record
+def _no_progress(param: str, line: int) -> None:
+    return None
+
+
+def _counts(tokenizer: Any, path: str, fmt: str, max_seq_len: int, param: str, bounds: RecordBounds,
+            progress: Progress) -> dict[str, Any]:
+    from trainer.dataset import detect_format, read_records, validate_record
     from trainer.errors import DatasetError
 
     try:
@@ -65,14 +142,12 @@ def _counts(tokenizer: Any, path: str, fmt: str, max_seq_len: int, param: str) -
                             "truncated_trainable_tokens", "dropped_records"), 0)
     example: list[dict[str, Any]] = []
     for number, record in records[:MAX_RECORDS]:
+        progress(param, number)
+        bounds.check(record, number, param)
         problem = validate_record(record, fmt)
         if problem:
             raise InvalidInput(f"{param}: line {number}: {problem}", param=param)
-        try:
-            whole = tokenize_record(record, fmt, tokenizer)
-        except Exception as exc:  # noqa: BLE001 - a template that raises (e.g. "System role not supported")
-            raise InvalidInput(f"{param}: line {number}: the model's tokenizer or chat template fails on this record "
-                               f"({type(exc).__name__}: {exc}); the trainer would fail the same way", param=param) from None
+        whole = tokenized(record, fmt, tokenizer, number, param)
         if whole.num_loss_tokens == 0:
             raise InvalidInput(_no_labels(param, number, fmt), param=param)
         kept = type(whole)(whole.input_ids[:max_seq_len], whole.labels[:max_seq_len])
@@ -148,7 +223,8 @@ def unchecked(note: str) -> dict[str, Any]:
 
 
 def checked_report(tokenizer: Any, model_type: str | None, train: tuple[str, str],
-                   validation: tuple[str, str] | None, max_seq_len: int) -> dict[str, Any]:
+                   validation: tuple[str, str] | None, max_seq_len: int, bounds: RecordBounds | None = None, *,
+                   progress: Progress | None = None) -> dict[str, Any]:
     """``report``, after checking that transformers knows a local model's ``model_type`` (run in a
     tokenizer-pool process, where transformers is loaded anyway)."""
     if model_type is not None:
@@ -160,7 +236,7 @@ def checked_report(tokenizer: Any, model_type: str | None, train: tuple[str, str
                 "knows; check the config, or upgrade transformers on the box",
                 param="model",
             )
-    return report(tokenizer, train, validation, max_seq_len)
+    return report(tokenizer, train, validation, max_seq_len, bounds, progress=progress)
 
 
 def repeat_warning(report: dict[str, Any], *, max_steps: int | None, micro_batches_per_step: int,

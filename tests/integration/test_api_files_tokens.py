@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 from core.files.models import File
 from core.settings import Settings
 from tests.helpers import CHAT_RECORD
+from tests.integration.helpers import bearer, make_user
 from trainer.dataset import read_records, tokenize_record
 from trainer.tiny import make_tiny_model
 
@@ -118,3 +120,73 @@ def test_model_without_tokenizer_is_422(client: TestClient, settings: Settings) 
     response = client.get(f"/v1/files/{file_id}/tokens", params={"model": "bare"})
     assert response.status_code == 422, response.text
     assert "no tokenizer could be loaded" in response.text
+
+
+def _chat_lines(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def _upload_as(client: TestClient, key: str, records: list[dict]) -> str:
+    response = client.post("/v1/files", files={"file": ("d.jsonl", _chat_lines(records), "application/jsonl")},
+                           data={"purpose": "train"}, headers=bearer(key))
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def _turns(n: int) -> dict:
+    return {"messages": [{"role": role, "content": f"{role} turn {i}"} for i in range(n) for role in ("user", "assistant")]}
+
+
+@pytest.mark.parametrize(("bound", "record", "named"), [
+    ({"record_max_messages": 10}, _turns(6), "12 messages, more than the 10 a record may have (FTQ_RECORD_MAX_MESSAGES)"),
+    ({"record_max_chars": 200}, _turns(10), "characters, more than the 200 a record may have (FTQ_RECORD_MAX_CHARS)"),
+])
+def test_a_record_over_a_bound_is_422_naming_its_line_and_the_bound(store, settings: Settings, admin_key: str,
+                                                                     bound: dict, record: dict, named: str) -> None:
+    from api.app import create_app
+
+    with TestClient(create_app(settings.model_copy(update=bound)), headers=bearer(admin_key)) as client:
+        file_id = upload(client, [CHAT_RECORD, record])
+        response = client.get(f"/v1/files/{file_id}/tokens", params={"model": "tiny"})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and error["message"].startswith("file: line 2: ") and named in error["message"]
+
+
+@pytest.mark.slow  # ~15 s: two budgets run out, worker processes import transformers
+def test_a_slow_request_does_not_hold_back_another_users(store, settings: Settings) -> None:
+    """Alice asks twice for a record of 60,000 messages (each takes longer than the budget), then Bob for
+    a small file: Bob is answered while Alice's second request still waits or runs, and each of
+    Alice's answers 422 naming the line; her next small request gets a fresh worker."""
+    from api.app import create_app
+
+    alice, bob = make_user(store, "alice"), make_user(store, "bob")
+    slow = settings.model_copy(update={"tokenizer_workers": 2, "tokenizer_budget_s": 5.0, "record_max_messages": 200_000,
+                                       "max_upload_bytes": 16 << 20})
+    with TestClient(create_app(slow)) as client:
+        huge = _upload_as(client, alice, [_turns(30_000)])
+        small_alice, small_bob = _upload_as(client, alice, [CHAT_RECORD]), _upload_as(client, bob, RECORDS)
+        done: dict[str, object] = {}
+
+        def ask(name: str, key: str, file_id: str) -> None:
+            done[name] = client.get(f"/v1/files/{file_id}/tokens", params={"model": "tiny"}, headers=bearer(key))
+
+        alices = [threading.Thread(target=ask, args=(f"alice{i}", alice, huge)) for i in range(2)]
+        for thread in alices:
+            thread.start()
+        pool = client.app_state["ftq"].tokenizers
+        while pool.running < 1:  # alice's first holds a worker (her second waits: one is kept for others)
+            threading.Event().wait(0.02)
+        ask("bob", bob, small_bob)
+        assert done["bob"].status_code == 200, done["bob"].text
+        assert done["bob"].json()["records"] == len(RECORDS)
+        assert any(thread.is_alive() for thread in alices), "bob was answered before alice's requests ended"
+        for thread in alices:
+            thread.join(timeout=300)
+        for name in ("alice0", "alice1"):
+            assert done[name].status_code == 422, done[name].text
+            error = done[name].json()["error"]
+            assert error["param"] == "file" and error["message"].startswith("file: line 1: tokenizing took longer")
+            assert "FTQ_TOKENIZER_BUDGET_S" in error["message"]
+        again = client.get(f"/v1/files/{small_alice}/tokens", params={"model": "tiny"}, headers=bearer(alice))
+        assert again.status_code == 200, again.text

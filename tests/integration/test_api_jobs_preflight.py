@@ -277,3 +277,23 @@ class TestHubModels:
         assert known.status_code == 201, known.text
         preflight = known.json()["preflight"]  # its tokenizer is not on this box: accepted, said so
         assert preflight["checked"] is False and "not in this box's Hugging Face cache" in preflight["note"]
+
+
+class TestRecordBounds:
+    def test_a_conversation_over_the_message_bound_is_422_naming_the_line_and_the_bound(
+            self, store, settings, admin_key: str) -> None:
+        from api.app import create_app
+        from tests.integration.helpers import bearer
+
+        long = {"messages": [{"role": role, "content": f"{role} {i}"} for i in range(30) for role in ("user", "assistant")]}
+        with TestClient(create_app(settings.model_copy(update={"record_max_messages": 50})),
+                        headers=bearer(admin_key)) as client:
+            file_id = upload_records(client, [*CHAT[:2], long])
+            for route in ("/v1/jobs/preview", "/v1/jobs"):
+                response = client.post(route, json=spec(file_id))
+                assert response.status_code == 422, response.text
+                error = response.json()["error"]
+                assert error["param"] == "training_file"
+                assert error["message"].startswith("training_file: line 3: 60 messages, more than the 50 a record may "
+                                                   "have (FTQ_RECORD_MAX_MESSAGES)")
+        assert jobs(store) == 0

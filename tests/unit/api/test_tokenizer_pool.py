@@ -5,7 +5,10 @@
 - ``TokenizerPool``: the tokenizing runs in a spawned worker process and gives what training's
   own tokenization gives; a model without a tokenizer is the same InvalidInput as before; the
   process that awaits the pool never imports transformers (run in a fresh interpreter); a
-  worker process that died is replaced for the next request.
+  worker process that died is replaced for the next request; a request past the budget is an
+  InvalidInput naming the line and its process is replaced.
+- Fair turns (fake workers, in this process): one user never holds every worker while another
+  waits, and a freed worker goes to the user with the fewest requests running.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -157,14 +159,87 @@ def test_a_worker_process_that_died_is_replaced_for_the_next_request(dataset) ->
     pool = TokenizerPool(workers=1)
     try:
         assert stats()["records"] == 2
-        [worker] = pool._executor._processes.values()  # as the kernel's OOM killer would
-        worker.kill()
-        worker.join()
-        deadline = time.monotonic() + 30
-        while not pool._executor._broken and time.monotonic() < deadline:
-            time.sleep(0.05)
+        [worker] = pool._idle  # as the kernel's OOM killer would
+        worker.process.kill()
+        worker.process.join()
         with pytest.raises(Unavailable, match="FTQ_TOKENIZER_WORKERS"):
             stats()
         assert stats()["records"] == 2
     finally:
         pool.shutdown()
+
+
+class FakeWorker:
+    """Stands for a worker process: a call runs until the test releases its user's gate."""
+
+    ready = True
+
+    def __init__(self, gates: dict[str, asyncio.Event], log: list[str]) -> None:
+        self.gates, self.log = gates, log
+
+    async def call(self, task: tuple, budget_s: float, model: str) -> str:
+        user = task[3][0]
+        self.log.append(f"start {user}")
+        await self.gates[user].wait()
+        self.log.append(f"end {user}")
+        return user
+
+    def stop(self) -> None:
+        self.ready = False
+
+
+class TestFairTurns:
+    def run_pool(self, monkeypatch, workers: int, script) -> list[str]:
+        from api.files import tokenizer_pool
+
+        log: list[str] = []
+        gates: dict[str, asyncio.Event] = {}
+        monkeypatch.setattr(tokenizer_pool._Worker, "start", classmethod(lambda cls, size: FakeWorker(gates, log)))
+
+        async def main() -> None:
+            pool = TokenizerPool(workers=workers)
+            for user in ("alice", "bob", "carol"):
+                gates[user] = asyncio.Event()
+
+            def request(user: str) -> asyncio.Task:
+                return asyncio.create_task(pool.run(len, "m", ModelSource("local", "/m"), user, user=user))
+
+            await script(pool, request, gates, log)
+
+        asyncio.run(main())
+        return log
+
+    def test_one_users_requests_leave_a_worker_for_another_user(self, monkeypatch) -> None:
+        async def script(pool, request, gates, log):
+            alice = [request("alice") for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert pool.running == 1, "alice holds all workers but one"
+            bob = request("bob")
+            await asyncio.sleep(0.05)
+            assert log == ["start alice", "start bob"]
+            gates["bob"].set()
+            assert await bob == "bob"
+            assert not any(task.done() for task in alice), "bob was answered while alice's first still ran"
+            gates["alice"].set()
+            assert await asyncio.gather(*alice) == ["alice"] * 3
+
+        self.run_pool(monkeypatch, 2, script)
+
+    def test_a_freed_worker_goes_to_the_user_with_fewest_running(self, monkeypatch) -> None:
+        async def script(pool, request, gates, log):
+            bob = [request("bob"), request("bob")]
+            alice = [request("alice"), request("alice")]
+            await asyncio.sleep(0.05)
+            assert pool.running == 4
+            later = [request("alice"), request("carol")]  # alice asked first, carol has none running
+            await asyncio.sleep(0.05)
+            gates["bob"].set()
+            await bob[0]
+            await asyncio.sleep(0.05)
+            starts = [line for line in log if line.startswith("start")]
+            assert starts[4:] == ["start carol", "start alice"]
+            for gate in gates.values():
+                gate.set()
+            await asyncio.gather(*alice, *bob, *later)
+
+        self.run_pool(monkeypatch, 4, script)

@@ -167,7 +167,10 @@ def load_samples(
         problem = validate_record(record, fmt)
         if problem:
             raise DatasetError(f"{path}, line {number}: {problem}")
-        sample = tokenize_record(record, fmt, tokenizer)
+        try:
+            sample = tokenize_record(record, fmt, tokenizer)
+        except DatasetError as exc:
+            raise DatasetError(f"{path}, line {number}: {exc}") from None
         if fmt == "chat" and sample.num_loss_tokens == 0:
             raise DatasetError(
                 f"{path}, line {number}: the chat template does not render this conversation's prefixes as "

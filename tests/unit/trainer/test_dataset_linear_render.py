@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 from chat_templates import TEMPLATES, tokenizer_with
+from trainer_helpers import write_jsonl
 
 from trainer import chat_labels
-from trainer.dataset import IGNORE_INDEX, Sample, _template_message, tokenize_record, validate_record
+from trainer.dataset import IGNORE_INDEX, Sample, _template_message, load_samples, tokenize_record, validate_record
 from trainer.errors import DatasetError
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "park"}'}}
@@ -173,6 +174,13 @@ class TestCost:
         turns = [("system", "sys")] + [(role, f"{role} {i}") for i in range(100) for role in ("user", "assistant")]
         with pytest.raises(DatasetError, match=r"at most 64 assistant turns \(this record has 100\)"):
             tokenize_record(chat(*turns), "chat", tokenizer)
+
+    def test_load_samples_names_the_line_of_a_record_too_long_to_follow_per_turn(self, tmp_path, tiny_tokenizer):
+        tokenizer = tokenizer_with(tiny_tokenizer, "mistral_v3_tools")
+        turns = [("system", "sys")] + [(role, f"{role} {i}") for i in range(70) for role in ("user", "assistant")]
+        path = write_jsonl(tmp_path / "d.jsonl", [RECORDS["two_turns"], chat(*turns)])
+        with pytest.raises(DatasetError, match=r"d.jsonl, line 2: .*at most 64 assistant turns"):
+            load_samples(path, tokenizer)
 
     def test_a_slow_tokenizer_is_followed_per_turn_within_the_bound(self, tiny_tokenizer, monkeypatch):
         tokenizer = tokenizer_with(tiny_tokenizer, "tiny")

@@ -119,7 +119,7 @@ class TestCreate:
         tracking = client.get(f"/v1/jobs/{job.id}").json()["spec"]["tracking"]
         assert {k: v for k, v in tracking.items() if k.startswith("wandb")} == {
             "wandb": True, "wandb_project": "sweeps", "wandb_name": "lr a", "wandb_entity": "my-team",
-            "wandb_tags": ["lora"]}
+            "wandb_tags": ["lora"], "wandb_server": None}  # OpenAI's integration names no server: the default
         assert oai.fine_tuning.jobs.retrieve(job.id).integrations[0].wandb.project == "sweeps"
         assert oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file).integrations == []
 

@@ -8,6 +8,10 @@ estimates and the wake-up messages all call it, so they agree by construction.
               cap (0 = none). A job held back by its owner's cap, and the head (below), hold
               back that owner's later jobs: they would take the cap it waits for, so a user's
               stream of 1-GPU jobs cannot starve the same user's 4-GPU job.
+    quota     the same per project (``ProjectQuotas``): a job starts only if its project's
+              running GPUs plus its own fit under the project's quota (``project.max_gpus``;
+              none when unset, 0 stops the project), and one held back by it, or the head of
+              a project with a quota, holds back that project's later jobs.
     fit       a job of N GPUs needs N free GPUs on ONE host. Of the hosts where it fits, it
               takes the one with the fewest free GPUs (best fit: the big holes stay for big
               jobs), and on it the lowest free slots.
@@ -59,6 +63,7 @@ class Waiting:
     name: str | None = None
     nodes: int = 1
     """Machines the job's GPUs are spread over (``gpus / nodes`` each)."""
+    project_id: str | None = None
 
     @property
     def per_node(self) -> int:
@@ -139,6 +144,15 @@ class Schedule:
         return next((p for p in self.placements if p.worker_id == worker_id), None)
 
 
+@dataclass(frozen=True)
+class ProjectQuotas:
+    """Each project's quota on running GPUs (a project missing from ``caps`` has none) and the
+    GPUs its running jobs hold."""
+
+    caps: Mapping[str | None, int]
+    running: Mapping[str | None, int]
+
+
 def cap_allows(running: int, cap: int) -> bool:
     """``running`` GPUs (this job's included) are within ``cap`` (0 = no cap)."""
     return cap == 0 or running <= cap
@@ -149,6 +163,7 @@ def place(
     hosts: Sequence[Host],
     running: Mapping[Owner, int],
     caps: Mapping[Owner, int],
+    quotas: ProjectQuotas | None = None,
 ) -> Schedule:
     """The jobs of ``waiting`` (claim order) that start now on ``hosts``, and the head's hold.
 
@@ -157,7 +172,11 @@ def place(
         hosts: the live hosts and their free slots.
         running: GPUs each owner's running jobs hold.
         caps: each owner's cap on running GPUs (0 = none); a missing owner has none.
+        quotas: each project's quota on running GPUs; None: no project has one.
     """
+    quotas = quotas or ProjectQuotas({}, {})
+    project_used: Counter[str | None] = Counter(quotas.running)
+    blocked_projects: set[str | None] = set()
     free = {host.worker_id: list(host.free) for host in hosts}
     size = {host.worker_id: host.size for host in hosts}
     address = {host.worker_id: host.address for host in hosts}
@@ -170,10 +189,16 @@ def place(
         big_enough = _big_enough(job, size, address)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
-        if job.owner_id in blocked:
+        if job.owner_id in blocked or job.project_id in blocked_projects:
             continue
+        quota = quotas.caps.get(job.project_id)
+        if quota is not None and job.gpus > quota:
+            continue  # more than its project may ever hold at once: holds nothing
         if not cap_allows(used[job.owner_id] + job.gpus, cap):
             blocked.add(job.owner_id)
+            continue
+        if quota is not None and project_used[job.project_id] + job.gpus > quota:
+            blocked_projects.add(job.project_id)
             continue
         held = hold.hosts if hold is not None else frozenset()
         fits = [w for w in big_enough if len(free[w]) >= job.per_node and w not in held]
@@ -186,10 +211,13 @@ def place(
             leader, *followers = parts
             placements.append(Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address))
             used[job.owner_id] += job.gpus
+            project_used[job.project_id] += job.gpus
         elif hold is None:
             target, *also = _hold_targets(job, big_enough, free, address)
             hold = Hold(job.job_id, target, job.per_node, len(free[target]), tuple(also))
             blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
+            if quota is not None:  # nor its project's later jobs the quota (a project without one: backfill)
+                blocked_projects.add(job.project_id)
     return Schedule(tuple(placements), hold)
 
 

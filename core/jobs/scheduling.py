@@ -3,7 +3,9 @@
 The store decides, the broker only signals. A ``jobs.run`` message wakes a worker host; the
 host then claims the job the policy gives it now, whichever job the message named:
 
-    claim order   priority (high, normal, low), then created_at, then job_id
+    claim order   priority (high, normal, low; a job asks for at most its project's ceiling,
+                  ``project.max_priority``, and is ordered at that when the ceiling was
+                  lowered after it was queued), then created_at, then job_id
     GPUs          a job of ``gpus: N`` runs on N GPUs of ONE worker host, reserved all or none
                   (``gpu_slot`` rows, core/workers/pool.py) in the claim's transaction; a job
                   of ``nodes: M`` on N/M GPUs of each of M machines, every part reserved in the
@@ -12,6 +14,8 @@ host then claims the job the policy gives it now, whichever job the message name
                   ``Settings.max_running_jobs_per_user`` (the names are older than multi-GPU
                   jobs; both count GPUs: a 1-GPU job counts 1); 0 = no cap. Jobs without an
                   owner share one cap, as one anonymous user.
+    quota         a project's running jobs hold at most ``project.max_gpus`` GPUs (unset: no
+                  quota; 0: none of its jobs starts), beside each user's cap.
     policy        ``core.jobs.placement.place`` (pure, so claims, wake-ups and start estimates
                   share it): in claim order, each job within its owner's cap takes N free GPUs
                   of one live host, the host with the fewest free GPUs where it fits (best fit)
@@ -33,10 +37,10 @@ lost. So two claimants never take the same job or the same GPU, and the cap hold
 - SQLite has one writer: the first UPDATE takes the write lock before anything is counted, so
   a second claimant's statements see the first one's reservation and running job.
 - PostgreSQL: the claimant first locks its owner's ``user`` row (``SELECT ... FOR UPDATE``; an
-  advisory transaction lock for the anonymous owner), so a second claimant of that owner waits
-  until the first commits and then counts its job (a new statement under READ COMMITTED). The
-  GPU rows are locked in slot order (pool.reserve). Every claimant takes owner, then GPUs, then
-  its job row: no lock cycle.
+  advisory transaction lock for the anonymous owner), then its project's row, so a second
+  claimant of that owner or project waits until the first commits and then counts its job (a new
+  statement under READ COMMITTED). The GPU rows are locked in slot order (pool.reserve). Every
+  claimant takes owner, then project, then GPUs, then its job row: no lock cycle.
 
 The placement itself is computed from a read of the queue just before; a claim racing another
 change (a job ending, a new head) may place one job as the older state allowed. The next claim
@@ -57,9 +61,10 @@ from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session, aliased
 
 from core.db import utcnow
-from core.errors import Unsupported
+from core.errors import InvalidInput, Unsupported
 from core.jobs.models import Job
-from core.jobs.placement import Owner, Placement, Schedule, Waiting, cap_allows, place
+from core.jobs.placement import Owner, Placement, ProjectQuotas, Schedule, Waiting, cap_allows, place
+from core.projects.models import Project
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.users.models import User
@@ -67,8 +72,9 @@ from core.workers import pool
 from core.workers.models import GpuSlot
 
 __all__ = [
-    "Owner", "Placement", "Schedule", "Waiting", "cap_allows", "caps_of", "check_gpus", "claim_order",
-    "next_placement", "queued_in_claim_order", "running_by_owner", "schedule", "signal_targets", "try_claim",
+    "Owner", "Placement", "ProjectQuotas", "Schedule", "Waiting", "cap_allows", "caps_of", "check_gpus",
+    "check_project", "claim_order", "next_placement", "project_quotas", "queued_in_claim_order", "running_by_owner",
+    "schedule", "signal_targets", "try_claim",
 ]
 
 PRIORITIES = ("high", "normal", "low")
@@ -79,19 +85,30 @@ ANONYMOUS_LOCK_KEY = 0x6674_7100
 
 
 def claim_order() -> tuple[Any, ...]:
-    """``ORDER BY`` terms of the claim order (unknown priorities sort as normal)."""
+    """``ORDER BY`` terms of the claim order (unknown priorities sort as normal; a job no higher
+    than its project's ceiling); the query outer-joins ``project`` on the job's project."""
     rank = case(PRIORITY_RANK, value=Job.priority, else_=PRIORITY_RANK["normal"])
-    return (rank, Job.created_at, Job.job_id)
+    ceiling = case(PRIORITY_RANK, value=Project.max_priority, else_=PRIORITY_RANK["high"])
+    return (case((ceiling > rank, ceiling), else_=rank), Job.created_at, Job.job_id)
 
 
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
         select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name,
-               Job.nodes)
+               Job.nodes, Job.project_id)
+        .outerjoin(Project, Project.project_id == Job.project_id)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
     ).all()
     return [Waiting(*row) for row in rows]
+
+
+def project_quotas(session: Session) -> ProjectQuotas:
+    """Each project's GPU quota (those that set one) and the GPUs its running jobs hold."""
+    caps = dict(session.execute(select(Project.project_id, Project.max_gpus).where(Project.max_gpus.is_not(None))).all())
+    rows = session.execute(select(Job.project_id, func.sum(Job.gpus))
+                           .where(Job.status == JobStatus.running.value).group_by(Job.project_id)).all()
+    return ProjectQuotas(caps, {project_id: int(gpus or 0) for project_id, gpus in rows})
 
 
 def running_by_owner(session: Session) -> Counter[Owner]:
@@ -125,7 +142,7 @@ def schedule(session: Session, settings: Settings, *, include: str | None = None
     waiting = queued_in_claim_order(session)
     hosts = pool.live_hosts(session, cutoff=live_cutoff(settings), include=include)
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
-    return place(waiting, hosts, running_by_owner(session), caps)
+    return place(waiting, hosts, running_by_owner(session), caps, project_quotas(session))
 
 
 def next_placement(session: Session, settings: Settings, worker_id: str) -> Placement | None:
@@ -160,11 +177,13 @@ def try_claim(
     It should have done no write before in the same transaction (SQLite: see the module
     docstring). ``values`` are further job columns to set (worker id, attempts, ...).
     """
-    job = session.execute(select(Job.owner_id, Job.gpus, Job.nodes).where(Job.job_id == placement.job_id)).one_or_none()
+    job = session.execute(select(Job.owner_id, Job.gpus, Job.nodes, Job.project_id)
+                          .where(Job.job_id == placement.job_id)).one_or_none()
     if job is None or job.gpus != placement.gpus or job.nodes != len(placement.parts):
         return False
     owner_id: Owner = job.owner_id
     cap = _cap(_lock_owner(session, owner_id), settings.max_running_jobs_per_user)
+    quota = _lock_project(session, job.project_id)
     for part in sorted(placement.parts, key=lambda p: p.worker_id):  # one lock order for every claimant
         if not pool.reserve(session, placement.job_id, part.worker_id, part.slots):
             return False
@@ -178,6 +197,14 @@ def try_claim(
             .scalar_subquery()
         )
         conditions.append(running + Job.gpus <= cap)
+    if quota is not None:
+        other = aliased(Job)
+        in_project = (
+            select(func.coalesce(func.sum(other.gpus), 0)).select_from(other)
+            .where(other.status == JobStatus.running.value, other.project_id == job.project_id)
+            .scalar_subquery()
+        )
+        conditions.append(in_project + Job.gpus <= quota)
     now = utcnow()
     result = session.execute(
         update(Job)
@@ -226,6 +253,26 @@ def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Own
         )
 
 
+def check_project(session: Session, project_id: str | None, gpus: int, priority: str) -> None:
+    """Refuse at submission what the job's project can never give: more GPUs than its quota, or a
+    priority above its ceiling.
+
+    Raises:
+        Unsupported: ``gpus`` over ``project.max_gpus``.
+        InvalidInput: ``priority`` above ``project.max_priority``.
+    """
+    project = session.get(Project, project_id) if project_id is not None else None
+    if project is None:
+        return
+    if project.max_gpus is not None and gpus > project.max_gpus:
+        raise Unsupported(f"gpus: {gpus} is more than project {project.name!r} may hold at once ({project.max_gpus} "
+                          "GPUs, its quota); set gpus to at most that, or ask an admin to raise the quota", param="gpus")
+    ceiling = project.max_priority
+    if ceiling is not None and PRIORITY_RANK.get(priority, 1) < PRIORITY_RANK[ceiling]:
+        raise InvalidInput(f"priority: {priority!r} is above project {project.name!r}'s ceiling {ceiling!r}; use "
+                           f"{' or '.join(PRIORITIES[PRIORITY_RANK[ceiling]:])}", param="priority")
+
+
 def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings) -> None:
     """``nodes`` live machines (distinct addresses) with ``gpus / nodes`` GPUs each, when any host is live."""
     hosts = pool.live_hosts(session, cutoff=live_cutoff(settings))
@@ -246,6 +293,17 @@ def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings)
 
 def _cap(override: int | None, default: int) -> int:
     return default if override is None else override
+
+
+def _lock_project(session: Session, project_id: str | None) -> int | None:
+    """Serialise claims of one project on PostgreSQL; returns the project's GPU quota (None: none)."""
+    if project_id is None:
+        return None
+    query = select(Project.max_gpus).where(Project.project_id == project_id)
+    if session.get_bind().dialect.name == "postgresql":
+        query = query.with_for_update()
+    row = session.execute(query).one_or_none()
+    return row[0] if row is not None else None
 
 
 def _lock_owner(session: Session, owner_id: Owner) -> int | None:

@@ -17,7 +17,7 @@ from core.errors import Conflict, InvalidInput, NotFound, Unsupported
 from core.files.models import File
 from core.jobs.model_source import resolve_model
 from core.jobs.models import Checkpoint, EvalMetric, Job, JobEvent, StepMetric
-from core.jobs.scheduling import check_gpus
+from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
 from core.jobs.trackers import allowed_trackers, check_trackers
@@ -148,6 +148,7 @@ def create_job(
     _check_forced_switches(session, spec, settings)
     check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings))
     check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes)
+    check_project(session, project_id, spec.gpus, spec.priority)
     train_row = usable_file(session, spec.training_file, "train", "training_file", project_id)
     _check_objective(spec.objective, train_row, "training_file")
     paths = {spec.training_file: train_row.path}

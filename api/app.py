@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await to_thread.run_sync(sweeper.close)
             await to_thread.run_sync(wakeups.close)  # sends what submissions noted
-            await to_thread.run_sync(tokenizers.shutdown)  # waits for a running tokenization
+            await to_thread.run_sync(tokenizers.shutdown)  # idle processes end; a running one with its request
             if redis is not None:
                 await redis.aclose()
             celery.close()

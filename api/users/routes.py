@@ -54,7 +54,8 @@ def list_users(_admin: AdminDep, session: SessionDep) -> UserList:
 def create_user(body: UserCreate, _admin: AdminDep, session: SessionDep) -> UserCreated:
     """The response holds the new user's key: hand it over, it is not shown again."""
     user, issued = service.create_user_with_key(
-        session, body.name, is_admin=body.is_admin, max_running_jobs=body.max_running_jobs
+        session, body.name, is_admin=body.is_admin, max_running_jobs=body.max_running_jobs,
+        project_names=body.projects,
     )
     session.commit()
     return UserCreated(user=UserOut.of(user), api_key=issued.secret, key=KeyOut.of(issued.key, user.name))

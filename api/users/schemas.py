@@ -72,6 +72,8 @@ class UserCreate(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     is_admin: bool = False
     max_running_jobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    projects: list[str] | None = Field(default=None, min_length=1, max_length=100)
+    """Projects (names) the user joins as a member, the first their default; omitted: ``default``."""
 
 
 class UserPatch(BaseModel):

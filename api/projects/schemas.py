@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.inputs import INT32_MAX
+from core.projects.models import Project
+
+Priority = Literal["low", "normal", "high"]
+Role = Literal["member", "admin"]
+
+
+class ProjectOut(BaseModel):
+    id: str
+    object: Literal["project"] = "project"
+    name: str
+    max_gpus: int | None
+    """GPUs the project's running jobs may hold at once; null: no project quota."""
+    max_priority: Priority | None
+    """The highest priority its jobs may ask for; null: any."""
+    role: Role | None
+    """The caller's role in it (null: a global admin who is not a member)."""
+    default: bool
+    """Whether the caller's work goes here when a request names no project."""
+    created_at: dt.datetime
+
+    @classmethod
+    def of(cls, project: Project, *, role: str | None, default: bool) -> ProjectOut:
+        return cls(id=project.project_id, name=project.name, max_gpus=project.max_gpus,
+                   max_priority=project.max_priority, role=role, default=default,  # type: ignore[arg-type]
+                   created_at=project.created_at)
+
+
+class ProjectList(BaseModel):
+    data: list[ProjectOut]
+
+
+class ProjectCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    max_gpus: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_priority: Priority | None = None
+
+
+class ProjectPatch(BaseModel):
+    """Only the fields sent change; ``null`` removes the quota or the ceiling."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_gpus: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_priority: Priority | None = None
+
+
+class MemberOut(BaseModel):
+    object: Literal["project.member"] = "project.member"
+    user: str
+    role: Role
+
+
+class MemberList(BaseModel):
+    data: list[MemberOut]
+
+
+class MemberPut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role = "member"

@@ -63,7 +63,7 @@ def assistant_spans(messages: list[dict[str, Any]], turns: list[int], render: Re
     """
     if not turns:
         return {}
-    found = _walk(messages, turns, render, text)
+    found = _walk(messages, render, text)
     if found is None:
         return _all_per_turn(messages, turns, render, text)
     unplaced = [i for i in turns if found[i] is _UNPLACED]
@@ -98,15 +98,15 @@ def _all_per_turn(messages: list[dict[str, Any]], turns: list[int], render: Rend
     return {i: span for i, span in spans.items() if span is not None}
 
 
-def _walk(messages: list[dict[str, Any]], turns: list[int], render: Render, text: str) -> dict[int, Any] | None:
+def _walk(messages: list[dict[str, Any]], render: Render, text: str) -> dict[int, Any] | None:
     """Every answer located in order (untrained ones too, so the search moves past them); None
-    once more than ``MAX_CHECKED_TURNS`` trained answers are unplaced."""
-    walk, trained, found, unplaced = _Walk(messages, render, text), set(turns), {}, 0
+    once more than ``MAX_CHECKED_TURNS`` answers are unplaced (each may have searched to the end)."""
+    walk, found, unplaced = _Walk(messages, render, text), {}, 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         found[i] = walk.locate(i)
-        unplaced += found[i] is _UNPLACED and i in trained
+        unplaced += found[i] is _UNPLACED
         if unplaced > MAX_CHECKED_TURNS:
             return None
     return found

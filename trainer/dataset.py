@@ -228,12 +228,13 @@ def _tokenize_chat(
 
 def _token_boundaries(offsets: list[tuple[int, int]], length: int) -> dict[int, int]:
     """Character position -> index of the first token after it, for the positions between two
-    tokens (and the text's ends); a position inside a token, or in a gap between two tokens'
-    offsets, is no boundary."""
+    tokens (and the text's ends); a position inside a token is no boundary. Where offsets leave a
+    gap (byte-level tokenizers with ``trim_offsets`` drop a token's leading space from its offsets)
+    the gap belongs to the next token: the boundary is where the previous one ends."""
     boundaries = {0: 0, length: len(offsets)}
     for k in range(1, len(offsets)):
-        if offsets[k - 1][1] == offsets[k][0]:
-            boundaries[offsets[k][0]] = k
+        if offsets[k - 1][1] <= offsets[k][0]:
+            boundaries.setdefault(offsets[k - 1][1], k)
     return boundaries
 
 

@@ -102,6 +102,21 @@ def test_one_render_gives_the_per_turn_tokens_and_labels(tiny_tokenizer, templat
     assert got == expected
 
 
+@pytest.mark.parametrize("template", ["mistral_v3", "llama2", "tiny", "llama3"])
+@pytest.mark.parametrize("name", ["two_turns", "padded_contents", "weights", "unicode_and_markup"])
+def test_offsets_trimmed_of_their_spaces_give_the_per_turn_labels_too(tiny_tokenizer, template, name):
+    """Byte-level tokenizers with ``trim_offsets`` leave the leading space of " Green" out of its
+    offsets; the boundary before it is still where the previous token ends."""
+    from tokenizers import processors
+
+    tokenizer = tokenizer_with(tiny_tokenizer, template)
+    tokenizer.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    text = tokenizer.apply_chat_template(RECORDS[name]["messages"], tokenize=False)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert any(a[1] < b[0] for a, b in zip(offsets, offsets[1:])), "the offsets do have gaps"
+    assert outcome(tokenize_record, RECORDS[name], "chat", tokenizer) == outcome(per_turn_reference, RECORDS[name], tokenizer)
+
+
 def labelled(tokenizer: Any, sample: Sample) -> str:
     return tokenizer.decode([t for t in sample.labels if t != IGNORE_INDEX])
 

@@ -2,9 +2,11 @@
 
 Looked up at ``FTQ_CONFIG`` if set, else ``$XDG_CONFIG_HOME/ftq/config.toml`` (default
 ``~/.config/ftq/``), else ``config.json`` next to it. Keys: ``api_key`` and, optionally,
-``api_url`` and ``hf_token`` (the Hugging Face token ``ftq models pull`` sends when ``HF_TOKEN``
-is unset; written by hand). The environment wins over the file (``FTQ_API_KEY``,
-``FTQ_API_URL``), so a one-off command can use another key. ``ftq login`` and the first
+``api_url``, ``project`` (the project commands that create or list work use when given no
+``--project``; ``ftq projects default NAME --local`` writes it) and ``hf_token`` (the Hugging
+Face token ``ftq models pull`` sends when ``HF_TOKEN`` is unset; written by hand). The
+environment wins over the file (``FTQ_API_KEY``, ``FTQ_API_URL``, ``FTQ_PROJECT``), so a one-off
+command can use another key. ``ftq login`` and the first
 ``ftq up`` write the key, every ``ftq up`` the URL it serves on; the file has mode 0600: it
 holds secrets.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from cli.errors import CliError
 
-KNOWN_KEYS = ("api_key", "api_url", "hf_token")
+KNOWN_KEYS = ("api_key", "api_url", "hf_token", "project")
 
 
 def config_dir() -> Path:
@@ -72,6 +74,11 @@ def save_config(values: dict[str, str], path: Path | None = None) -> Path:
 def api_key() -> str | None:
     """``FTQ_API_KEY``, else the config file's ``api_key``, else None."""
     return os.environ.get("FTQ_API_KEY") or load_config().get("api_key") or None
+
+
+def default_project() -> str | None:
+    """``FTQ_PROJECT``, else the config file's ``project``, else None (the box's default for the key)."""
+    return os.environ.get("FTQ_PROJECT") or load_config().get("project") or None
 
 
 def remember_api_url(url: str) -> Path | None:

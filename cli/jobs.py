@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from cli import config, projects
 from cli.client import call, check, connect, sse_events
 from cli.errors import CliError
 
@@ -36,6 +37,7 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("job_file", type=Path, help="the job: model, training_file (id or local path), ...")
     p.add_argument("--follow", action="store_true", help="then stream its progress until it ends")
     p.add_argument("--priority", choices=["low", "normal", "high"], help="queue priority (overrides the file's)")
+    projects.add_project_flag(p, "the project the job and its uploads go to (overrides the file's)")
     p.set_defaults(run=run_submit)
 
     p = commands.add_parser("jobs", help="list jobs, newest first")
@@ -43,6 +45,7 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("--owner", help="only this user's jobs ('me' for yours)")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--search", "-q", help="only jobs whose name, model or owner contains this text")
+    p.add_argument("--project", help="only this project's jobs (default: all of your projects')")
     p.set_defaults(run=run_jobs)
 
     p = commands.add_parser("show", help="one job: state, progress, losses, plan, error, what to download")
@@ -94,7 +97,8 @@ def read_yaml(text: str) -> Any:
 
 
 def submit(client: httpx.Client, body: dict[str, Any], *, base_dir: Path) -> dict[str, Any]:
-    """Upload local dataset paths named in ``body``, then create the job; returns the job."""
+    """Upload local dataset paths named in ``body`` (to the job's ``project``, if it names one),
+    then create the job; returns the job."""
     body = dict(body)
     for key, purpose in (("training_file", "train"), ("validation_file", "validation")):
         value = body.get(key)
@@ -102,21 +106,25 @@ def submit(client: httpx.Client, body: dict[str, Any], *, base_dir: Path) -> dic
             path = (base_dir / value).expanduser()
             if not path.is_file():
                 raise CliError(f"{key}: {value!r} is neither a file id nor a readable file")
-            body[key] = upload(client, path, purpose)["id"]
+            body[key] = upload(client, path, purpose, body.get("project"))["id"]
     # One key per submission: a retried request after a dropped connection makes no second job.
     headers = {"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}
     return call(client, "POST", "/v1/jobs", json=body, headers=headers).json()
 
 
-def upload(client: httpx.Client, path: Path, purpose: str) -> dict[str, Any]:
+def upload(client: httpx.Client, path: Path, purpose: str, project: str | None = None) -> dict[str, Any]:
+    data = {"purpose": purpose, **({"project": project} if project else {})}
     with path.open("rb") as f:
-        return call(client, "POST", "/v1/files", files={"file": (path.name, f)}, data={"purpose": purpose}).json()
+        return call(client, "POST", "/v1/files", files={"file": (path.name, f)}, data=data).json()
 
 
 def run_submit(args: argparse.Namespace) -> int:
     body = load_job_file(args.job_file)
     if args.priority:
         body["priority"] = args.priority
+    project = args.project or body.get("project") or config.default_project()
+    if project:
+        body["project"] = project
     with connect() as client:
         job = submit(client, body, base_dir=args.job_file.parent)
         print(job["id"])
@@ -147,6 +155,8 @@ def run_jobs(args: argparse.Namespace) -> int:
         params["owner"] = args.owner
     if args.search:
         params["q"] = args.search
+    if args.project:
+        params["project"] = args.project
     with connect() as client:
         jobs = call(client, "GET", "/v1/jobs", params=params).json()["data"]
     print(format_jobs(jobs))

@@ -17,6 +17,10 @@
 
     ftq users create NAME [--admin] [--max-running N] | list | key NAME | revoke PREFIX | set NAME ...
                            on the box, straight to the store; prints new keys once
+    ftq projects list | create NAME | set NAME | members NAME | add-member NAME USER [--role admin]
+               | remove-member NAME USER | default NAME [--local]
+                           the teams work belongs to (through the API); --project NAME on submit,
+                           jobs and rerun, else the config file's project
     ftq workers key create NAME | list | revoke NAME
                            worker keys for workers on other machines (admin, through the API)
 
@@ -31,7 +35,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import db, exports, jobs, machines, models, runs, serve, up, users, worker_keys
+from cli import db, exports, jobs, machines, models, projects, runs, serve, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     machines.add_parsers(commands)
     models.add_parsers(commands)
     users.add_parsers(commands)
+    projects.add_parsers(commands)
     worker_keys.add_parsers(commands)
     return parser
 

@@ -32,6 +32,7 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a field to change, e.g. learning_rate=1e-4 or lora.r=32 (repeatable)")
     p.add_argument("--follow", action="store_true", help="then stream its progress until it ends")
+    p.add_argument("--project", help="the project the copy goes to (default: the source job's)")
     p.set_defaults(run=run_rerun)
 
     p = commands.add_parser("resume", help="continue a failed or cancelled job from a checkpoint, as a new job")
@@ -96,10 +97,12 @@ def _submitted(client: httpx.Client, job: dict[str, Any], follow_it: bool) -> in
     return follow(client, job["id"], sys.stdout) if follow_it else 0
 
 
-def rerun(client: httpx.Client, job_id: str, sets: list[str]) -> dict[str, Any]:
-    """Submit a copy of ``job_id`` with the ``--set`` changes; returns the new job."""
+def rerun(client: httpx.Client, job_id: str, sets: list[str], project: str | None = None) -> dict[str, Any]:
+    """Submit a copy of ``job_id`` with the ``--set`` changes (into ``project``, else the
+    source's); returns the new job."""
     schema = call(client, "GET", "/openapi.json").json() if sets else {}
-    return call(client, "POST", f"/v1/jobs/{job_id}/clone", json=parse_sets(sets, schema)).json()
+    overrides = {**parse_sets(sets, schema), **({"project": project} if project else {})}
+    return call(client, "POST", f"/v1/jobs/{job_id}/clone", json=overrides).json()
 
 
 def resume(client: httpx.Client, job_id: str, step: int | None) -> dict[str, Any]:
@@ -109,7 +112,7 @@ def resume(client: httpx.Client, job_id: str, step: int | None) -> dict[str, Any
 
 def run_rerun(args: argparse.Namespace) -> int:
     with connect() as client:
-        return _submitted(client, rerun(client, args.job_id, args.sets), args.follow)
+        return _submitted(client, rerun(client, args.job_id, args.sets, args.project), args.follow)
 
 
 def run_resume(args: argparse.Namespace) -> int:

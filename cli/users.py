@@ -33,6 +33,8 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("name")
     p.add_argument("--admin", action="store_true", help="may manage users and cancel/delete anyone's jobs/files")
     p.add_argument("--max-running", type=int, help="cap on the user's concurrently running jobs")
+    p.add_argument("--project", dest="projects", action="append", metavar="NAME",
+                   help="a project the user joins (repeatable; the first is their default; none: 'default')")
     p.set_defaults(run=run_create)
 
     p = sub.add_parser("list", help="users with their caps and keys (prefixes only)")
@@ -99,7 +101,8 @@ def run_create(args: argparse.Namespace) -> int:
 
     with store_session() as session:
         user, issued = _domain(lambda: service.create_user_with_key(
-            session, args.name, is_admin=args.admin, max_running_jobs=args.max_running
+            session, args.name, is_admin=args.admin, max_running_jobs=args.max_running,
+            project_names=getattr(args, "projects", None),
         ))
         session.commit()
         role = "admin" if user.is_admin else "user"

@@ -258,12 +258,16 @@ def _died() -> Unavailable:
                        "or set FTQ_TOKENIZER_WORKERS lower on a box short of memory")
 
 
-def _over_budget(where: tuple[str, int], budget_s: float, model: str) -> InvalidInput:
+class OverBudget(InvalidInput):
+    """A request that held a worker past ``FTQ_TOKENIZER_BUDGET_S`` (422, naming the line it was on)."""
+
+
+def _over_budget(where: tuple[str, int], budget_s: float, model: str) -> OverBudget:
     param, line = where
     if line == 0:
-        return InvalidInput(f"model: loading the tokenizer of {model} took longer than the {budget_s:g} s a "
+        return OverBudget(f"model: loading the tokenizer of {model} took longer than the {budget_s:g} s a "
                             "request may take (FTQ_TOKENIZER_BUDGET_S); try again", param="model")
-    return InvalidInput(
+    return OverBudget(
         f"{param}: line {line}: tokenizing took longer than the {budget_s:g} s a request may take "
         f"(FTQ_TOKENIZER_BUDGET_S) and was on line {line}: a record that long, or a file that large, cannot "
         "be checked here; split the record (or the file), or ask the operator to raise the budget",

@@ -20,6 +20,7 @@ from typing import Any
 
 from anyio import to_thread
 
+from api.files.tokenizer_pool import OverBudget
 from api.state import AppState
 from core.errors import InvalidInput
 from core.jobs import preflight, service
@@ -74,7 +75,7 @@ async def _dataset_report(state: AppState, spec: JobSpec, located: _Located, use
                                           train, validation, spec.hyperparameters.max_seq_len,
                                           record_bounds(state.settings), user=user)
     except InvalidInput as exc:
-        if located.source.kind == "hub" and exc.param == "model":
+        if located.source.kind == "hub" and exc.param == "model" and not isinstance(exc, OverBudget):
             return preflight.unchecked(
                 f"the dataset was not checked: the tokenizer of {spec.model} is not in this box's Hugging "
                 "Face cache (the worker downloads it)")

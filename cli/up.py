@@ -17,10 +17,14 @@ kombu's SQLAlchemy broker live under ``FTQ_DATA_DIR``. Order of start-up:
 
 Ctrl-C, SIGTERM or SIGHUP (the terminal or SSH session closed) stops both: SIGTERM to each, the
 worker hands a running job back to the queue after its trainer checkpointed; a child still
-running after its grace period is killed. If either child dies, the other is stopped and
-``ftq up`` exits non-zero. The children die with ``ftq up`` even when it is killed outright
-(a parent-death signal), and a new ``ftq up`` stops whatever a dead one left (its pid file,
-``cli/up_state.py``), so the running job resumes as after Ctrl-C.
+running after its grace period is killed, and so is any process of the instance left after them
+(every one carries the instance's tag, ``cli/up_state.py``). If either child dies, the other is
+stopped and ``ftq up`` exits non-zero. Killed outright (``kill -9`` of its process group
+included), its children get SIGTERM (a parent-death signal) and a guardian process started first
+SIGKILLs whatever of the instance is left after the grace period (an API held open by an event
+stream, a trainer); a new ``ftq up`` stops whatever a dead one left before it starts its own
+children (its pid file and the tag), so it never runs a second worker beside the old one and the
+running job resumes as after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -77,30 +81,33 @@ def run_up(args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     settings.model_root.mkdir(parents=True, exist_ok=True)
     print(f"ftq: store {redact(settings.database_url or '')}, data in {settings.data_dir}", flush=True)
+    grace_s = settings.cancel_grace_s + 30
+    try:  # before the store is touched: the old instance's API and worker may still use it
+        up_state.stop_leftovers(settings.data_dir, grace_s=grace_s)
+    except up_state.AlreadyRunning as exc:
+        print(f"ftq: {exc}", file=sys.stderr)
+        return 1
     upgrade_store(settings)
     # First start only: an admin key, saved for the CLI now and shown once, in the box below.
     new_key = bootstrap_admin(settings, show_key=False)
     if not args.no_demo_model:
         seed_demo_model(settings.model_root)
 
-    grace_s = settings.cancel_grace_s + 30
-    try:
-        up_state.stop_leftovers(settings.data_dir, grace_s=grace_s)
-    except up_state.AlreadyRunning as exc:
-        print(f"ftq: {exc}", file=sys.stderr)
-        return 1
-    env = child_env(settings)
+    tag = up_state.instance_tag(settings.data_dir)
+    env = {**child_env(settings), up_state.INSTANCE_ENV: tag}
     launched_at = utcnow()
     base = [sys.executable, "-m", "cli", "--log-level", args.log_level]
     worker_cmd = [*base, "worker", *worker_flags(args)]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    guardian, lifeline = up_state.start_guardian(tag, grace_s)
     armed = up_state.die_with_parent()
     children = {
         "api": subprocess.Popen([*base, "api"], env=env, start_new_session=True, preexec_fn=armed),
         "worker": subprocess.Popen(worker_cmd, env=env, start_new_session=True, preexec_fn=armed),
     }
-    up_state.record(settings.data_dir, {name: child.pid for name, child in children.items()}, settings.port)
+    up_state.record(settings.data_dir, {name: child.pid for name, child in children.items()}, settings.port,
+                    guardian.pid)
     key_shown = False
     try:
         url = f"http://{_client_host(settings.host)}:{settings.port}"
@@ -112,6 +119,7 @@ def run_up(args: argparse.Namespace) -> int:
         exited = _supervise(children, stop)
     finally:
         _stop_all(children, worker_grace_s=grace_s)
+        _end_instance(tag, guardian, lifeline)
         up_state.clear(settings.data_dir)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -312,6 +320,20 @@ def _stop_all(children: dict[str, subprocess.Popen[bytes]], *, worker_grace_s: f
             print(f"ftq: {name} did not stop in time; killing it", file=sys.stderr)
             _signal(child, signal.SIGKILL)
             child.wait()
+
+
+def _end_instance(tag: str, guardian: subprocess.Popen[bytes], lifeline: int) -> None:
+    """After the children stopped: kill what of the instance outlived them (a trainer whose worker
+    was killed), then let the guardian go (it finds nothing left)."""
+    left = up_state.kill_tagged(tag)
+    if left:
+        print(f"ftq: processes of this instance survived SIGKILL: {left}", file=sys.stderr)
+    os.close(lifeline)
+    try:
+        guardian.wait(timeout=up_state.KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        guardian.kill()
+        guardian.wait()
 
 
 def _signal(child: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -20,15 +20,16 @@ every prefix costs the square of the turns (1,000 turns 5.6 s, 4,000 turns 106 s
    lead, its content (as written, or trimmed, as templates that ``trim`` print it) and its tail.
    Where the template wrote something else than the probe's lead or tail around an answer whose
    content is in place, the turn is unlabelled, as the definition leaves it.
-3. The definition itself checks the result: the first and last answers the walk placed, and
-   every answer it could not place (a content the template rewrote, an empty message before an answer), are
-   located by rendering their two prefixes (no tokenizing), at most ``MAX_CHECKED_TURNS`` of them.
-   A check that disagrees with the walk (a template whose rendering of a turn depends on later
-   messages, as Mistral's placing the system prompt in the last user turn) or more unplaced
-   answers than that makes the whole record located per turn, which is allowed for at most
-   ``PER_TURN_MAX_TURNS`` answers and is a ``DatasetError`` beyond.
+3. The definition itself checks the result by rendering an answer's two prefixes (no
+   tokenizing): the first and the last answer the walk placed in each situation an answer can be
+   rendered differently in (the message before it, a user turn before it or not, tool calls, an
+   empty content), and every answer it could not place (a content the template rewrote, an empty
+   message before an answer). A check that disagrees with the walk (a template whose rendering of
+   a turn depends on later messages, as one placing a block before the last user turn), or more
+   than ``MAX_CHECKED_TURNS`` unplaced answers, makes the whole record located per turn, which is
+   allowed for at most ``PER_TURN_MAX_TURNS`` answers and is a ``DatasetError`` beyond.
 
-Renders: 1 + 3 per distinct message shape (small) + 4 (checks), plus 2 per unplaced answer.
+Renders: 1 + up to 3 per distinct message shape (small) + 2 per checked answer (usually 2).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ Render = Callable[[list[dict[str, Any]], bool], str]
 Span = tuple[int, int]
 
 MAX_CHECKED_TURNS = 8
-"""Answers located per turn beside the first and last before the whole record is."""
+"""Unplaced answers located per turn before the whole record is (the situations' first answers
+and the last are checked beside them)."""
 PER_TURN_MAX_TURNS = 64
 """Answers a record may have when its template can only be followed per turn (two renderings of
 a prefix each: 64 answers of a long record is about a second; 4,000 were 106 s)."""
@@ -68,12 +70,26 @@ def assistant_spans(messages: list[dict[str, Any]], turns: list[int], render: Re
         return _all_per_turn(messages, turns, render, text)
     unplaced = [i for i in turns if found[i] is _UNPLACED]
     placed = [i for i in turns if found[i] is not _UNPLACED]
-    for i in sorted({*placed[:1], *placed[-1:], *unplaced}):
+    first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    firsts: dict[tuple[Any, ...], int] = {}
+    lasts: dict[tuple[Any, ...], int] = {}
+    for i in placed:
+        situation = _situation(messages, i, first_user)
+        firsts.setdefault(situation, i)
+        lasts[situation] = i
+    for i in sorted({*firsts.values(), *lasts.values(), *unplaced}):  # at most 2 x 34 + 8
         reference = span_per_turn(messages, i, render, text)
         if found[i] is not _UNPLACED and found[i] != reference:
             return _all_per_turn(messages, turns, render, text)
         found[i] = reference
     return {i: span for i in turns if isinstance(span := found[i], tuple)}
+
+
+def _situation(messages: list[dict[str, Any]], i: int, first_user: int) -> tuple[Any, ...]:
+    """What a template may render an answer differently by: the message before it, whether a user
+    turn came before (Qwen3 thinks only after one), whether it calls tools or says nothing."""
+    answer = messages[i]
+    return (messages[i - 1]["role"] if i else None, first_user < i, bool(answer.get("tool_calls")), bool(_content(answer)))
 
 
 def span_per_turn(messages: list[dict[str, Any]], i: int, render: Render, text: str) -> Span | None:
@@ -144,14 +160,16 @@ class _Walk:
         if not self.text.startswith(lead, start):
             return None if _variant_at(self.text, content, start) is not None else _UNPLACED
         at = start + len(lead)
-        written = _variant_at(self.text, content, at)
-        if written is None:
+        written = [v for v in _variants(content) if self.text.startswith(v, at)]
+        if not written:
             return _UNPLACED
-        self.cursor = at + len(written)
-        if not self.text.startswith(tail, self.cursor):
-            return None
-        self.cursor += len(tail)
-        return start, self.cursor
+        for variant in written:  # 'a ' as written may be 'a' trimmed followed by the template's ' '
+            end = at + len(variant) + len(tail)
+            if self.text.startswith(tail, at + len(variant)):
+                self.cursor = end
+                return start, end
+        self.cursor = at + len(written[0])
+        return None
 
     def _answer_start(self, i: int) -> int | None:
         if i == 0:

@@ -8,14 +8,21 @@ from pydantic import BaseModel
 from api.jobs.schemas import HeldGpu
 from core.jobs.eta import QueueEntry, QueueSnapshot, RunningEntry
 
+Shown = dict[str, tuple[bool, str | None]]
+"""Per job id: whether the caller may see it, and its project's name (``core.users.access.shown_jobs``)."""
+
 
 class QueuedJobOut(BaseModel):
-    id: str
+    """A queued job; one of a project the caller is not in shows only its project, priority, GPUs,
+    position and estimate (``id``, ``name``, ``owner`` and ``model`` are null)."""
+
+    id: str | None
     name: str | None
+    project: str | None = None
     position: int
     """1-based place in claim order (priority, then age)."""
-    ahead: list[str]
-    """Ids of the queued jobs before it."""
+    ahead: list[str | None]
+    """Ids of the queued jobs before it (null for another project's)."""
     estimated_start_at: dt.datetime | None
     """Null when unknown (no live worker, or no pace to go by): see core/jobs/eta.py."""
     holds: str | None
@@ -24,17 +31,19 @@ class QueuedJobOut(BaseModel):
     priority: str
     owner: str | None
     gpus: int
-    model: str
+    model: str | None
     created_at: dt.datetime
 
     @classmethod
-    def of(cls, entry: QueueEntry, owners: dict[str, str]) -> QueuedJobOut:
+    def of(cls, entry: QueueEntry, owners: dict[str, str], shown: Shown) -> QueuedJobOut:
         job = entry.job
-        return cls(
+        visible, project = shown.get(job.job_id, (False, None))
+        out = cls(
             id=job.job_id,
             name=job.name,
+            project=project,
             position=entry.position,
-            ahead=list(entry.ahead),
+            ahead=[a if shown.get(a, (False,))[0] else None for a in entry.ahead],
             estimated_start_at=entry.estimated_start_at,
             holds=entry.holds,
             priority=job.priority,
@@ -43,10 +52,14 @@ class QueuedJobOut(BaseModel):
             model=job.model,
             created_at=job.created_at,
         )
+        return out if visible else out.model_copy(update={"id": None, "name": None, "owner": None, "model": None})
 
 
 class RunningJobOut(BaseModel):
-    id: str
+    """A running job; one of a project the caller is not in shows no ``id`` and no ``owner``."""
+
+    id: str | None
+    project: str | None = None
     worker: str | None
     owner: str | None
     gpus: int
@@ -56,11 +69,13 @@ class RunningJobOut(BaseModel):
     """From its remaining steps and recent pace; null when unknown."""
 
     @classmethod
-    def of(cls, entry: RunningEntry, owners: dict[str, str]) -> RunningJobOut:
+    def of(cls, entry: RunningEntry, owners: dict[str, str], shown: Shown) -> RunningJobOut:
+        visible, project = shown.get(entry.job_id, (False, None))
         return cls(
-            id=entry.job_id,
+            id=entry.job_id if visible else None,
+            project=project,
             worker=entry.worker_id,
-            owner=owners.get(entry.owner_id) if entry.owner_id else None,
+            owner=owners.get(entry.owner_id) if entry.owner_id and visible else None,
             gpus=entry.gpus,
             held_gpus=[HeldGpu(worker=w, slot=s, device=d) for w, s, d in entry.held],
             estimated_finish_at=entry.estimated_finish_at,
@@ -82,10 +97,10 @@ class QueueOut(BaseModel):
     computed_at: dt.datetime
 
     @classmethod
-    def of(cls, snap: QueueSnapshot, owners: dict[str, str], default_cap: int) -> QueueOut:
+    def of(cls, snap: QueueSnapshot, owners: dict[str, str], default_cap: int, shown: Shown) -> QueueOut:
         return cls(
-            data=[QueuedJobOut.of(e, owners) for e in snap.entries],
-            running=[RunningJobOut.of(r, owners) for r in snap.running],
+            data=[QueuedJobOut.of(e, owners, shown) for e in snap.entries],
+            running=[RunningJobOut.of(r, owners, shown) for r in snap.running],
             live_workers=snap.live_workers,
             live_gpus=snap.live_gpus,
             max_running_jobs_per_user=default_cap,

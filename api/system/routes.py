@@ -10,12 +10,14 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy import select, text
 
+from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.errors import error_body
 from api.state import AppState
 from api.jobs.schemas import PlanOut
 from api.system.schemas import GpuOut, HardwareList, Health, MachineGpuOut, MachineOut, Readiness, WorkerOut
 from core.db import utcnow
+from core.users import access
 from core.workers import pool
 from core.workers.models import GpuSlot, Worker
 
@@ -25,16 +27,20 @@ CHECK_TIMEOUT_S = 3.0
 
 
 @router.get("/v1/hardware", summary="Worker hosts of this box and the machines they run on: their GPUs and the jobs holding them, detected hardware, plan, liveness")
-def hardware(session: SessionDep, state: StateDep) -> HardwareList:
+def hardware(session: SessionDep, state: StateDep, caller: CallerDep) -> HardwareList:
+    """Each GPU shows the project holding it; the job's id only to those who may read the job."""
     now = utcnow()
     timeout = state.settings.heartbeat_timeout_s
     rows = session.scalars(select(Worker).order_by(Worker.hostname, Worker.device, Worker.worker_id)).all()
     pools = pool.pools(session)
-    workers = [_worker_out(row, pools.get(row.worker_id, []), now, timeout) for row in rows]
+    held = {g.job_id for slots in pools.values() for g in slots if g.job_id} | {r.current_job_id for r in rows if r.current_job_id}
+    shown = access.shown_jobs(session, caller, held)
+    workers = [_worker_out(row, pools.get(row.worker_id, []), now, timeout, shown) for row in rows]
     return HardwareList(data=workers, machines=machines_of(workers))
 
 
-def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: float) -> WorkerOut:
+def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: float,
+                shown: dict[str, tuple[bool, str | None]]) -> WorkerOut:
     age = max((now - row.heartbeat_at).total_seconds(), 0.0)
     hw = dict(row.hardware or {})
     trackers = hw.pop("trackers", None)
@@ -45,12 +51,13 @@ def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: fl
         address=row.address,
         remote=row.key_id is not None,
         device=row.device,
-        gpus=[GpuOut(slot=g.slot, device=g.device, job=g.job_id) for g in slots],
+        gpus=[GpuOut(slot=g.slot, device=g.device, job=g.job_id if shown.get(g.job_id or "", (False,))[0] else None,
+                     project=shown.get(g.job_id or "", (False, None))[1]) for g in slots],
         # `python -m trainer detect --json` prints {"hardware": {...}, "plan": {...}}
         hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
         plan=PlanOut.of(hw.get("plan")),
         trackers=trackers if isinstance(trackers, dict) else None,
-        current_job=row.current_job_id,
+        current_job=row.current_job_id if shown.get(row.current_job_id or "", (False,))[0] else None,
         started_at=row.started_at,
         heartbeat_at=row.heartbeat_at,
         heartbeat_age_s=round(age, 3),

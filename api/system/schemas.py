@@ -15,7 +15,9 @@ class GpuOut(BaseModel):
     device: str | None
     """As CUDA_VISIBLE_DEVICES names it (index or UUID); null for a CPU slot."""
     job: str | None
-    """The job holding it, null when free."""
+    """The job holding it, null when free or when the job is another project's (see ``project``)."""
+    project: str | None = None
+    """The project whose job holds it (shown to everyone: GPUs are shared by scheduling)."""
 
 
 class WorkerOut(BaseModel):

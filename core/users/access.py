@@ -48,6 +48,20 @@ def readable_by(caller: Caller, model: Any) -> ColumnElement[bool]:
     return mine & (model.owner_id == caller.user_id) if caller.per_owner else mine
 
 
+def shown_jobs(session: Session, caller: Caller, job_ids: set[str]) -> dict[str, tuple[bool, str | None]]:
+    """For box-wide views of shared GPUs and the queue: per job, whether ``caller`` may see it
+    (its id, name, owner, model) and its project's name, which is shown either way: GPUs are
+    shared by scheduling, and who holds one is the box's business, what runs on it the project's."""
+    from core.jobs.models import Job
+
+    if not job_ids:
+        return {}
+    rows = session.execute(select(Job.job_id, Job.project_id, Job.owner_id, Project.name)
+                           .outerjoin(Project, Project.project_id == Job.project_id)
+                           .where(Job.job_id.in_(sorted(job_ids)))).all()
+    return {job_id: (caller.may_read(project_id, owner_id), name) for job_id, project_id, owner_id, name in rows}
+
+
 def project_named(session: Session, caller: Caller, name: str, *, param: str = "project") -> str:
     """The id of the project ``name`` (a name or id) that ``caller`` is a member of (a global
     admin: any project); NotFound alike for one that does not exist and one of others."""

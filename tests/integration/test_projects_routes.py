@@ -285,3 +285,17 @@ class TestOpenAIProjectHeader:
             error = refused.json()["error"]
             assert error["param"] == "OpenAI-Project" and set(error) == {"message", "type", "param", "code"}
             assert "OpenAI-Project" in error["message"] and work.ids["job_id"][1] not in refused.text
+
+
+class TestSharedViews:
+    def test_the_queue_shows_another_projects_job_by_its_project_alone(self, client: TestClient,
+                                                                       keys: dict[str, str], work: Work) -> None:
+        alice, bob = bearer(keys["alice"]), bearer(keys["bob"])
+        queued = client.post("/v1/jobs", json={"model": "tiny", "training_file": work.ids["file_id"][0],
+                                               "name": "alice-p-job"}, headers=alice).json()
+        [theirs] = client.get("/v1/queue", headers=bob).json()["data"]
+        assert (theirs["id"], theirs["name"], theirs["owner"], theirs["model"], theirs["project"]) == (
+            None, None, None, None, "team-p")
+        assert queued["id"] not in client.get("/v1/queue", headers=bob).text
+        [mine] = client.get("/v1/queue", headers=alice).json()["data"]
+        assert (mine["id"], mine["project"]) == (queued["id"], "team-p")

@@ -113,6 +113,27 @@ export async function currentUser({ refresh = false } = {}) {
   return me;
 }
 
+const PROJECT_KEY = "ftq.project";
+
+/**
+ * The project the header's switcher selected, "" for all of the user's projects. The views list
+ * its work only, and new jobs and uploads go to it ("": the user's default project on the box).
+ * A name, not a secret: kept in localStorage.
+ */
+export function selectedProject() {
+  return localStorage.getItem(PROJECT_KEY) || "";
+}
+
+export function selectProject(name) {
+  if (name) localStorage.setItem(PROJECT_KEY, name);
+  else localStorage.removeItem(PROJECT_KEY);
+}
+
+/** The projects the logged-in user is in (a global admin: all), with their role and the default. */
+export async function myProjects() {
+  return (await api("/v1/projects")).data;
+}
+
 /** May the logged-in user cancel or delete this job/file? (The server enforces it anyway.) */
 export function mayAct(owner) {
   return Boolean(me && (me.is_admin || me.name === owner));

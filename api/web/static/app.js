@@ -11,6 +11,10 @@
 // or any request answers 401 later) the app goes to #/login and comes back
 // to where it was after the login.
 //
+// The header's project switcher lists the user's projects (GET /v1/projects):
+// the views then show that project's work only, and new jobs and uploads go
+// to it; "All my projects" shows all of them and creates in the default one.
+//
 // A view is `render(main, params, query) -> cleanup`; the cleanup stops its
 // timers and streams when the route changes.
 
@@ -20,7 +24,7 @@ import { renderNew } from "./view-new.js";
 import { renderCompare } from "./view-compare.js";
 import { renderGpus } from "./view-gpus.js";
 import { renderLogin } from "./view-login.js";
-import { currentUser, logout } from "./api.js";
+import { currentUser, logout, myProjects, selectProject, selectedProject } from "./api.js";
 import { h, clear } from "./dom.js";
 
 const ROUTES = [
@@ -47,6 +51,8 @@ function showUser(user) {
   if (!slot) return;
   if (!user) {
     clear(slot);
+    const projects = document.querySelector("[data-testid=project-switch]");
+    if (projects) projects.hidden = true;
     return;
   }
   const out = h("button", { type: "button", class: "secondary small", "data-testid": "logout", text: "Log out" });
@@ -59,6 +65,31 @@ function showUser(user) {
     }
   });
   clear(slot, h("span", { "data-testid": "whoami-name", text: user.is_admin ? `${user.name} (admin)` : user.name }), " ", out);
+}
+
+/** Fill the project switcher with the user's projects; a stale selection (another user's) is dropped. */
+async function showProjects(user) {
+  const label = document.querySelector("[data-testid=project-switch]");
+  const select = document.querySelector("[data-testid=project-switcher]");
+  if (!label || !select) return;
+  if (!user) {
+    label.hidden = true;
+    return;
+  }
+  let projects = [];
+  try {
+    projects = await myProjects();
+  } catch {
+    return; // the view shows what is wrong with the API
+  }
+  if (selectedProject() && !projects.some((p) => p.name === selectedProject())) selectProject("");
+  const fallback = projects.find((p) => p.default);
+  select.replaceChildren(
+    h("option", { value: "", text: `All my projects${fallback ? ` (new work: ${fallback.name})` : ""}` }),
+    ...projects.map((p) => h("option", { value: p.name, text: p.role === "admin" ? `${p.name} (admin)` : p.name })),
+  );
+  select.value = selectedProject();
+  label.hidden = false;
 }
 
 function toLogin() {
@@ -79,6 +110,7 @@ async function route() {
     }
     if (!user) return toLogin();
     showUser(user.name === "?" ? null : user);
+    await showProjects(user.name === "?" ? null : user);
   }
   const main = document.getElementById("main");
   if (cleanup) {
@@ -110,6 +142,10 @@ async function route() {
   );
 }
 
+document.querySelector("[data-testid=project-switcher]")?.addEventListener("change", (event) => {
+  selectProject(event.target.value);
+  route(); // the current view again, in the selected project
+});
 window.addEventListener("hashchange", route);
 window.addEventListener("ftq:unauthenticated", toLogin);
 if (!window.location.hash) history.replaceState(null, "", "#/jobs");

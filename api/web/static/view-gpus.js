@@ -10,6 +10,10 @@
 // on one host; the first job that fits no host yet holds the host it waits for
 // (later jobs only use other hosts' GPUs), and a job whose owner's running jobs
 // hold their cap of GPUs keeps its place but waits (core/jobs/placement.py).
+//
+// Every GPU says which project holds it; another project's job shows only that
+// (GPUs are shared by scheduling, the work on them is the project's), and in the
+// queue such a job shows its project, GPUs, priority and estimate, no name.
 
 import { api } from "./api.js";
 import { h, clear, fmtAge, fmtBytes, fmtCompact, fmtDuration, fmtEta, fmtTime, jobTitle, progressBar, errorBox, poller, statusBadge } from "./dom.js";
@@ -57,13 +61,15 @@ export function renderGpus(main) {
         const mine = gpus.filter((x) => x.job && x.job === g.job);
         const rank = mine.indexOf(g);
         const name = g.device !== null && g.device !== undefined ? `GPU ${g.device}` : `Slot ${g.slot}`;
+        const held = g.job || g.project;
         return h(
           "div",
-          { class: `gpu-slot${g.job ? " busy" : ""}`, "data-testid": "gpu-slot", "data-slot": String(g.slot), "data-job-id": g.job || "" },
+          { class: `gpu-slot${held ? " busy" : ""}`, "data-testid": "gpu-slot", "data-slot": String(g.slot), "data-job-id": g.job || "", "data-project": g.project || "" },
           h("span", { class: "gpu-name", text: name }),
           g.job
             ? h("a", { href: `#/jobs/${encodeURIComponent(g.job)}`, title: g.job, text: current ? jobTitle(current.job) : g.job })
-            : h("span", { class: "free", text: "free" }),
+            : h("span", { class: held ? "muted" : "free", text: held ? "another project's job" : "free" }),
+          g.project ? h("span", { class: "muted", "data-testid": "gpu-project", text: `project ${g.project}` }) : null,
           g.job && mine.length > 1 ? h("span", { class: "muted", "data-testid": "gpu-rank", text: `rank ${rank} of ${mine.length}` }) : null,
         );
       }),
@@ -164,7 +170,7 @@ export function renderGpus(main) {
   async function refresh() {
     try {
       const [workers, queue] = await Promise.all([api("/v1/hardware"), api("/v1/queue")]);
-      const finishAt = Object.fromEntries(queue.running.map((r) => [r.id, r.estimated_finish_at]));
+      const finishAt = Object.fromEntries(queue.running.filter((r) => r.id).map((r) => [r.id, r.estimated_finish_at]));
       const ids = [...new Set(workers.data.flatMap(jobsOf))];
       const found = await Promise.all(ids.map((jobId) => currentJob(jobId).catch(() => null)));
       const jobs = new Map(ids.map((jobId, i) => [jobId, found[i]]).filter(([, current]) => current));
@@ -198,21 +204,22 @@ export function renderGpus(main) {
       h(
         "table",
         { "data-testid": "queue-table" },
-        h("thead", {}, h("tr", {}, ["Position", "Job", "GPUs", "Priority", "Owner", "Model", "Waiting", "Estimated start"].map((t) => h("th", { scope: "col", text: t })))),
+        h("thead", {}, h("tr", {}, ["Position", "Job", "Project", "GPUs", "Priority", "Owner", "Model", "Waiting", "Estimated start"].map((t) => h("th", { scope: "col", text: t })))),
         h(
           "tbody",
           {},
           waiting.map((job) =>
             h(
               "tr",
-              { "data-testid": "queue-row", "data-job-id": job.id, "data-position": String(job.position) },
+              { "data-testid": "queue-row", "data-job-id": job.id || "", "data-position": String(job.position) },
               h("td", { class: "num", text: String(job.position) }),
-              h("td", {}, h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }),
+              h("td", {}, job.id ? h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }) : h("span", { class: "muted", text: "another project's job" }),
                 job.holds ? h("div", { class: "muted", "data-testid": "queue-holds", text: `holds the free GPUs of ${job.holds}` }) : null),
+              h("td", { "data-testid": "queue-project", text: job.project || "–" }),
               h("td", { class: "num", "data-testid": "queue-gpus", text: String(job.gpus) }),
               h("td", { "data-testid": "queue-priority", text: job.priority }),
               h("td", { text: job.owner || "–" }),
-              h("td", { class: "mono", text: job.model }),
+              h("td", { class: "mono", text: job.model || "–" }),
               h("td", { text: fmtAge(job.created_at) }),
               h("td", { "data-testid": "queue-eta", title: job.estimated_start_at ? fmtTime(job.estimated_start_at) : "no estimate: no live worker, or no pace to go by", text: fmtEta(job.estimated_start_at) }),
             ),

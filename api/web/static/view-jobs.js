@@ -13,7 +13,7 @@
 // URL as ?q=). Ticking jobs and pressing Compare opens #/compare?ids=...
 // (view-compare.js). At phone width each row is a card of label: value lines.
 
-import { api } from "./api.js";
+import { api, selectedProject } from "./api.js";
 import { h, clear, fmtAge, fmtCompact, fmtGpus, progressBar, statusBadge, STATUSES, errorBox, jobTitle, poller } from "./dom.js";
 import { MAX_COMPARED } from "./view-compare.js";
 
@@ -186,6 +186,7 @@ export function renderJobs(main, _params, query) {
       if (status) qs.set("status", status);
       if (owner) qs.set("owner", owner);
       if (search) qs.set("q", search);
+      if (selectedProject()) qs.set("project", selectedProject());
       const page = await api(`/v1/jobs?${qs}`);
       const before = owners.size;
       page.data.forEach((job) => job.owner && owners.add(job.owner));

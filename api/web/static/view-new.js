@@ -15,7 +15,7 @@
 // spec, core/jobs/spec.py, defines them once), and an empty input is left out
 // of the body, so the API fills in exactly what the placeholder showed.
 
-import { api, ApiError } from "./api.js";
+import { api, ApiError, selectedProject } from "./api.js";
 import { h, clear, fmtBytes, fmtCompact, errorBox } from "./dom.js";
 import { preflightPanel } from "./preflight.js";
 
@@ -113,8 +113,12 @@ export function renderNew(main) {
   const preview = h("button", { type: "button", class: "secondary", "data-testid": "preview-job", text: "Preview data" });
   const panel = preflightPanel();
   const samplePrompts = field("sample_prompts", "Sample prompts (one per line)", h("textarea", { rows: "2", placeholder: "optional: answered greedily at each checkpoint, shown on the job page" }));
+  const project = selectedProject();
   clear(
     form,
+    h("p", { class: "muted", "data-testid": "new-project", text: project
+      ? `This job and its uploads go to project ${project} (the switcher in the header changes it).`
+      : "This job and its uploads go to your default project (pick one with the switcher in the header)." }),
     h("fieldset", {}, h("legend", { text: "Model" }), model.element),
     h("fieldset", {}, h("legend", { text: "Data" }), train.element, valid.element),
     h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, objective, beta, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
@@ -408,7 +412,8 @@ function datasetPicker({ purpose, label, param, required, signal, tokenContext }
 
   async function refreshChoices(selected) {
     try {
-      const page = await api(`/v1/files?purpose=${purpose}&limit=100`, { signal });
+      const inProject = selectedProject() ? `&project=${encodeURIComponent(selectedProject())}` : "";
+      const page = await api(`/v1/files?purpose=${purpose}&limit=100${inProject}`, { signal });
       for (const f of page.data) known.set(f.id, f);
       choose.replaceChildren(
         h("option", { value: "", text: required ? "— choose an uploaded file —" : "— none —" }),
@@ -430,6 +435,7 @@ function datasetPicker({ purpose, label, param, required, signal, tokenContext }
     clear(result, h("p", { class: "muted", text: `Uploading and checking ${file.name} (${fmtBytes(file.size)})…` }));
     const form = new FormData();
     form.append("purpose", purpose);
+    if (selectedProject()) form.append("project", selectedProject());
     form.append("file", file, file.name);
     try {
       const stored = await api("/v1/files", { method: "POST", body: form, signal });
@@ -509,6 +515,7 @@ function buildBody(form, model, train, valid, lengthUnit, lengthValue) {
   const trainingFile = train.value();
   if (!trainingFile) throw new FormProblem("training_file", "training_file: upload a training dataset or choose an uploaded one");
   const body = { model: modelName, training_file: trainingFile, hyperparameters: {}, lora: {}, optimizations: {} };
+  if (selectedProject()) body.project = selectedProject();
   const validation = valid.value();
   if (validation) body.validation_file = validation;
 

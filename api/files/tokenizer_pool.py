@@ -340,7 +340,6 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
         InvalidInput: a record over ``bounds``, or one the tokenizer or template fails on (naming the line).
     """
     from trainer.dataset import read_records
-    from trainer.preference import tokenize_pair
 
     bounds = bounds or RecordBounds()
     records = read_records(path)
@@ -352,7 +351,7 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
         if progress is not None:
             progress("file", number)
         bounds.check(record, number, "file")
-        sequences = tokenize_pair(record, tokenizer).sequences if fmt == "preference" else (
+        sequences = _pair(record, tokenizer, number) if fmt == "preference" else (
             tokenized(record, fmt, tokenizer, number, "file"),)
         lengths.append(sum(len(s) for s in sequences))
         loss.append(sum(s.num_loss_tokens for s in sequences))
@@ -370,6 +369,16 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
     if capped:
         out["note"] = f"only the first {MAX_RECORDS} of {len(records)} records were tokenized"
     return out
+
+
+def _pair(record: dict[str, Any], tokenizer: Any, number: int) -> tuple[Any, ...]:
+    from trainer.preference import tokenize_pair
+
+    try:
+        return tokenize_pair(record, tokenizer).sequences
+    except Exception as exc:  # noqa: BLE001 - a template that raises on this pair
+        raise InvalidInput(f"file: line {number}: the model's tokenizer or chat template fails on this record "
+                           f"({type(exc).__name__}: {exc}); the trainer would fail the same way", param="file") from None
 
 
 def load_tokenizer(model: str, source: ModelSource) -> Any:

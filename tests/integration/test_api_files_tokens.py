@@ -190,3 +190,20 @@ def test_a_slow_request_does_not_hold_back_another_users(store, settings: Settin
             assert "FTQ_TOKENIZER_BUDGET_S" in error["message"]
         again = client.get(f"/v1/files/{small_alice}/tokens", params={"model": "tiny"}, headers=bearer(alice))
         assert again.status_code == 200, again.text
+
+
+def test_a_template_that_raises_on_a_record_is_422_naming_the_line(client: TestClient, settings: Settings) -> None:
+    """Token statistics answered 500 for a record the model's template refuses (it is a 422 in the preflight)."""
+    model = settings.model_root / "tiny"
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+    file_id = upload(client, RECORDS)
+    response = client.get(f"/v1/files/{file_id}/tokens", params={"model": "tiny"})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and error["message"].startswith("file: line 2: the model's tokenizer or chat template fails")
+    assert "System role not supported" in error["message"]

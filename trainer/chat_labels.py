@@ -45,8 +45,8 @@ Render = Callable[[list[dict[str, Any]], bool], str]
 Span = tuple[int, int]
 
 MAX_CHECKED_TURNS = 8
-"""Unplaced answers located per turn before the whole record is (the situations' first answers
-and the last are checked beside them)."""
+"""Unplaced answers located per turn before the whole record is (the first and last answer of
+each situation are checked beside them)."""
 PER_TURN_MAX_TURNS = 64
 """Answers a record may have when its template can only be followed per turn (two renderings of
 a prefix each: 64 answers of a long record is about a second; 4,000 were 106 s)."""

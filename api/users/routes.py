@@ -91,7 +91,7 @@ def list_keys(name: str, caller: CallerDep, session: SessionDep) -> KeyList:
 )
 def issue_key(name: str, caller: CallerDep, session: SessionDep, body: KeyCreate | None = None) -> KeyIssued:
     user = _named(session, caller, name, "get a key for this user")
-    issued = service.issue_key(session, user, name=body.name if body else None)
+    issued = service.issue_key(session, user, name=body.name if body else None, project=body.project if body else None)
     session.commit()
     return KeyIssued(api_key=issued.secret, key=KeyOut.of(issued.key, user.name))
 

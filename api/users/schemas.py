@@ -48,6 +48,9 @@ class KeyOut(BaseModel):
     last_used_at: dt.datetime | None
     """Updated at most once a minute."""
     revoked_at: dt.datetime | None
+    project_id: str | None = None
+    """The key's default project (``/openai/v1`` works there without an ``OpenAI-Project``
+    header; native creates go there); null: its user's default project."""
 
     @classmethod
     def of(cls, key: ApiKey, user_name: str) -> KeyOut:
@@ -59,6 +62,7 @@ class KeyOut(BaseModel):
             created_at=key.created_at,
             last_used_at=key.last_used_at,
             revoked_at=key.revoked_at,
+            project_id=key.project_id,
         )
 
 
@@ -92,6 +96,8 @@ class KeyCreate(BaseModel):
 
     name: str | None = Field(default=None, max_length=100)
     """A label for the key (e.g. the laptop it lives on)."""
+    project: str | None = Field(default=None, min_length=1, max_length=64)
+    """The key's default project (a name or id; one of the user's projects), as an OpenAI project key."""
 
 
 class KeyIssued(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
@@ -61,7 +62,11 @@ def create_project(session: Session, name: str, *, max_gpus: int | None = None,
     project = Project(project_id=new_id("proj"), name=name, max_gpus=max_gpus, max_priority=max_priority,
                       created_at=utcnow())
     session.add(project)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError:  # made by a concurrent request since the check
+        session.rollback()
+        raise Conflict(f"name: a project named {name!r} exists; pick another name", param="name") from None
     return project
 
 

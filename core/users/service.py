@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound, Unauthenticated
 from core.projects import service as projects
+from core.projects.models import Project
 from core.users.models import ApiKey, User
 
 KEY_SCHEME = "ftq"
@@ -215,8 +216,20 @@ def caller_of(session: Session, user: User, key: ApiKey | None = None) -> Caller
 # --- keys -------------------------------------------------------------------------------------
 
 
-def issue_key(session: Session, user: User, *, name: str | None = None) -> IssuedKey:
-    """Make a new key for ``user``; the returned ``secret`` is the only copy of the whole key."""
+def issue_key(session: Session, user: User, *, name: str | None = None, project: str | None = None) -> IssuedKey:
+    """Make a new key for ``user`` (its default project ``project``, one of the user's, else the
+    user's own default); the returned ``secret`` is the only copy of the whole key.
+
+    Raises:
+        NotFound: ``project`` is not one of the user's projects.
+    """
+    project_id = None
+    if project is not None:
+        found = session.scalar(select(Project.project_id).where((Project.name == project) | (Project.project_id == project)))
+        if found is None or found not in projects.memberships(session, user).roles:  # one answer: no name confirmed
+            raise NotFound(f"project: {user.name!r} has no project {project!r}; GET /v1/projects lists theirs",
+                           param="project")
+        project_id = found
     for _ in range(5):  # 8 hex chars: a prefix collision is rare, but it is a unique column
         prefix = secrets.token_hex(PREFIX_HEX // 2)
         if session.scalar(select(ApiKey.api_key_id).where(ApiKey.prefix == prefix)) is None:
@@ -226,7 +239,7 @@ def issue_key(session: Session, user: User, *, name: str | None = None) -> Issue
     raw = f"{KEY_SCHEME}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
     key = ApiKey(
         api_key_id=new_id("key"), user_id=user.user_id, prefix=prefix, key_hash=hash_key(raw),
-        name=name, created_at=utcnow(),
+        name=name, project_id=project_id, created_at=utcnow(),
     )
     session.add(key)
     session.flush()

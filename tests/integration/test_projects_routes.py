@@ -299,3 +299,27 @@ class TestSharedViews:
         assert queued["id"] not in client.get("/v1/queue", headers=bob).text
         [mine] = client.get("/v1/queue", headers=alice).json()["data"]
         assert (mine["id"], mine["project"]) == (queued["id"], "team-p")
+
+
+class TestKeyDefaults:
+    def test_a_keys_project_is_where_its_work_goes_and_what_openai_shows(self, client: TestClient, store,
+                                                                         keys: dict[str, str], work: Work) -> None:
+        with store.sessions() as session:
+            alice_user = session.scalars(projects.select(projects.User).where(projects.User.name == "alice")).one()
+            projects.add_member(session, projects.find_project(session, "team-q"), alice_user)
+            session.commit()
+        alice = bearer(keys["alice"])
+        refused = client.post("/v1/users/bob/keys", json={"project": "team-p"})  # bob is not in team-p
+        assert refused.status_code == 404 and refused.json()["error"]["param"] == "project"
+        issued = client.post("/v1/users/me/keys", json={"name": "q-key", "project": "team-q"}, headers=alice)
+        assert issued.status_code == 201, issued.text
+        q_key = bearer(issued.json()["api_key"])
+        stored = client.post("/v1/files", files={"file": ("q.jsonl", json.dumps(RECORD) + "\n")},
+                             data={"purpose": "train"}, headers=q_key)
+        assert stored.json()["project"] == "team-q"
+        listed = client.get(f"{OPENAI_PREFIX}/files", headers=q_key).json()["data"]
+        assert [f["id"] for f in listed] == [stored.json()["id"]]  # team-p's files are not in team-q's view
+        job = client.post(f"{OPENAI_PREFIX}/fine_tuning/jobs", json={"model": "tiny", "training_file": stored.json()["id"]},
+                          headers={**alice, "OpenAI-Project": "team-q"})
+        assert job.status_code == 200, job.text
+        assert client.get(f"/v1/jobs/{job.json()['id']}", headers=alice).json()["project"] == "team-q"

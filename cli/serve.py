@@ -49,12 +49,19 @@ disconnected without sending a response". Longer than the clients' expiry, the c
 drops the connection first; longer than a proxy's usual 60 s idle timeout, the proxy does."""
 
 
+SHUTDOWN_GRACE_S = 5
+"""How long ``ftq api`` waits at SIGTERM for open requests before it cancels them. Event streams
+(``GET /v1/jobs/{id}/events``) end only with their job, so without a bound an open dashboard
+kept a stopped API alive until its job finished; a cancelled stream's client reconnects with
+``Last-Event-ID`` to the next API and misses nothing."""
+
+
 def api_server_config(app: Any, host: str, port: int, log_level: str = "info") -> Any:
     """The uvicorn configuration ``ftq api`` serves with (the tests' live servers use it too)."""
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_keep_alive=KEEP_ALIVE_S)
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
 def run_api(args: argparse.Namespace) -> int:

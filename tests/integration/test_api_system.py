@@ -128,3 +128,37 @@ def test_an_idle_connection_outlives_the_clients_own_idle_expiry(store, settings
             sock.sendall(request)
             answers.append(sock.recv(65536))
     assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(b'{"status":"ok"}') for a in answers), answers
+
+
+def test_the_api_stops_at_sigterm_while_an_event_stream_is_open(client: TestClient, store, settings: Settings) -> None:
+    """A dashboard following a queued job (a stream that ends only with its job) does not keep a
+    stopped API alive: uvicorn cancels open requests ``SHUTDOWN_GRACE_S`` after the signal."""
+    import threading
+
+    import httpx
+
+    from tests.integration.helpers import LiveServer, spec, upload
+
+    job_id = client.post("/v1/jobs", json=spec(upload(client))).json()["id"]
+    server = LiveServer(settings)
+    opened, cut = threading.Event(), threading.Event()
+
+    def follow() -> None:
+        with httpx.stream("GET", f"{server.url}/v1/jobs/{job_id}/events", headers=dict(client.headers),
+                          timeout=120) as stream:
+            opened.set()
+            try:
+                for _ in stream.iter_bytes():
+                    pass
+            except httpx.RemoteProtocolError:  # the stream is cut at the grace's end, as it should be
+                cut.set()
+
+    with server:
+        viewer = threading.Thread(target=follow, daemon=True)
+        viewer.start()
+        assert opened.wait(30), "the event stream never opened"
+        server.server.should_exit = True
+        server.thread.join(timeout=60)
+        assert not server.thread.is_alive(), "the API was still serving the open stream 60 s after SIGTERM"
+        viewer.join(timeout=30)
+    assert cut.is_set(), "the viewer's stream did not end with the API"

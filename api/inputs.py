@@ -78,9 +78,9 @@ def check_field(value: str, name: str) -> None:
 
 
 class BoundedJsonBodies:
-    """ASGI middleware: a JSON body nested more than ``MAX_BODY_DEPTH`` levels is a 422 (400 in
-    OpenAI's shape under ``/openai/``) before any parser sees it. Other bodies pass untouched;
-    a JSON body is read whole first, as the route would read it."""
+    """ASGI middleware: a JSON body nested more than ``MAX_BODY_DEPTH`` levels, or not UTF-8, is a
+    422 (400 in OpenAI's shape under ``/openai/``) before any parser sees it. Other bodies pass
+    untouched; a JSON body is read whole first, as the route would read it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -98,12 +98,26 @@ class BoundedJsonBodies:
                 return
             chunks.append(message.get("body", b""))
         body = b"".join(chunks)
-        if exceeds_depth(body, MAX_BODY_DEPTH):
-            message = (f"body: JSON nested more than {MAX_BODY_DEPTH} levels deep; no request of this API "
-                       "nests that far, send the object its schema describes")
-            await _refusal(scope["path"], message)(scope, receive, send)
+        problem = _body_problem(body)
+        if problem is not None:
+            await _refusal(scope["path"], problem)(scope, receive, send)
             return
         await self.app(scope, _replay(body, None, receive), send)
+
+
+def _body_problem(body: bytes) -> str | None:
+    """What makes a JSON body unreadable before any parser runs: nesting past ``MAX_BODY_DEPTH``,
+    or bytes that are not the UTF-8 they claim (FastAPI's answer was a 400 'There was an error
+    parsing the body', naming nothing)."""
+    if exceeds_depth(body, MAX_BODY_DEPTH):
+        return (f"body: JSON nested more than {MAX_BODY_DEPTH} levels deep; no request of this API "
+                "nests that far, send the object its schema describes")
+    if json.detect_encoding(body) == "utf-8":
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"body: not UTF-8 (byte {exc.start}); send JSON encoded as UTF-8"
+    return None
 
 
 def _refusal(path: str, message: str) -> JSONResponse:

@@ -227,6 +227,14 @@ class TestDeeplyNestedJson:
                                headers={"Content-Type": "application/json"})
         assert "nested more than 32 levels" in assert_openai_400(response, None)["message"]
 
+    def test_a_body_not_utf8_is_a_4xx_in_the_apis_shape_not_a_parser_message(self, client: TestClient,
+                                                                               store) -> None:
+        body = b'{"name": "ng\xd8\xbf\xad\xc4-B"}'  # what schemathesis sent POST /v1/projects
+        response = client.post("/v1/users", content=body, headers={"Content-Type": "application/json"})
+        assert "not UTF-8 (byte 14)" in assert_native_422(response, None)["message"]
+        response = client.post("/openai/v1/fine_tuning/jobs", content=body, headers={"Content-Type": "application/json"})
+        assert "not UTF-8" in assert_openai_400(response, None)["message"]
+
     def test_a_body_within_the_bound_still_reaches_its_route(self, client: TestClient, store) -> None:
         response = client.post("/v1/jobs/job-x/exports", json={"format": "merged", "x": [[[[]]]]})
         assert_native_422(response, "x")  # the route's own schema answers, not the depth bound

@@ -67,6 +67,7 @@ ROUTES: tuple[RouteHint, ...] = (
     RouteHint("POST /v1/jobs/{id}/exports", "export {id} --format merged|gguf"),
     RouteHint("GET /v1/queue", "jobs --status queued"),
     RouteHint("GET /v1/hardware", "machines"),
+    RouteHint("GET /v1/projects", "projects list"),
     RouteHint("GET /v1/workers/keys", "workers key list"),
     RouteHint("POST /v1/workers/keys", "workers key create NAME"),
     # The CLI uploads a dataset as part of a submission: a local path where the file id goes.

@@ -80,8 +80,7 @@ def find_project(session: Session, name: str) -> Project:
     """The project ``name`` (or id), for admins and the CLI; NotFound otherwise."""
     project = session.scalar(select(Project).where((Project.name == name) | (Project.project_id == name)))
     if project is None:
-        raise NotFound(f"project: no project {name!r}; list projects with GET /v1/projects (`ftq projects list`)",
-                       param="project")
+        raise NotFound(f"project: no project {name!r}; list projects with GET /v1/projects", param="project")
     return project
 
 

@@ -3,7 +3,7 @@
 Position is a waiting job's 1-based place in claim order (core/jobs/scheduling.py: priority,
 then age), counting every queued job, capped or not. The start estimate replays the queue
 policy (``core.jobs.placement.place``: GPU counts, one host per job, best fit, the head's hold,
-the per-user cap on GPUs) on the box's current state:
+the per-user cap on GPUs, the per-project quota) on the box's current state:
 
     pace       seconds per step of a job: the wall time spanned by its last 20 step rows over
                the steps between them (one row: its ``step_ms``)
@@ -35,8 +35,8 @@ from sqlalchemy.orm import Session
 
 from core.db import utcnow
 from core.jobs.models import Job, StepMetric
-from core.jobs.placement import Hold, Host, Owner, Waiting, place
-from core.jobs.scheduling import caps_of, live_cutoff, queued_in_claim_order
+from core.jobs.placement import Hold, Host, Owner, ProjectQuotas, Waiting, place
+from core.jobs.scheduling import caps_of, live_cutoff, project_quotas, queued_in_claim_order
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers import pool
@@ -58,6 +58,8 @@ class Busy:
     slots: tuple[int, ...] = ()
     others: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """A multi-machine job's parts on the other live hosts: ``(worker_id, slots)`` each."""
+    project_id: str | None = None
+    """Its project, whose GPU quota it counts against while it runs."""
 
     def holds(self) -> set[tuple[str, int]]:
         """The ``(host, slot)`` pairs it holds while it runs."""
@@ -120,6 +122,7 @@ def replay_starts(
     caps: dict[Owner, int],
     durations: dict[str, float | None],
     addresses: Mapping[str, str | None] | None = None,
+    quota_caps: Mapping[str | None, int] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
@@ -130,6 +133,7 @@ def replay_starts(
         waiting: queued jobs in claim order.
         caps: each waiting owner's cap on running GPUs (0 = none).
         durations: each waiting job's expected seconds (None unknown).
+        quota_caps: each project's GPU quota (``ProjectQuotas.caps``; default none).
     """
     jobs = list(running)
     pending = list(waiting)
@@ -141,15 +145,18 @@ def replay_starts(
         state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w))
                  for w, slots in hosts.items()]
         used: Counter[Owner] = Counter()
+        in_project: Counter[str | None] = Counter()
         for b in live:
             used[b.owner_id] += b.gpus
-        for placed in place(pending, state, used, caps).placements:
+            in_project[b.project_id] += b.gpus
+        for placed in place(pending, state, used, caps, ProjectQuotas(quota_caps or {}, in_project)).placements:
             job = next(j for j in pending if j.job_id == placed.job_id)
             pending.remove(job)
             starts[job.job_id] = now
             duration = durations.get(job.job_id)
             jobs.append(Busy(job.owner_id, None if duration is None else now + duration, job.gpus,
-                             placed.worker_id, placed.slots, tuple((p.worker_id, p.slots) for p in placed.followers)))
+                             placed.worker_id, placed.slots, tuple((p.worker_id, p.slots) for p in placed.followers),
+                             job.project_id))
         later = [b.ends_in_s for b in jobs if b.ends_in_s is not None and b.ends_in_s > now]
         if not later:
             break
@@ -163,7 +170,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
     waiting = queued_in_claim_order(session)
     hosts = pool.live_hosts(session, cutoff=live_cutoff(settings, now))
     running_rows = session.execute(
-        select(Job.job_id, Job.worker_id, Job.owner_id, Job.model, Job.progress_step, Job.total_steps, Job.gpus)
+        select(Job.job_id, Job.worker_id, Job.owner_id, Job.model, Job.progress_step, Job.total_steps, Job.gpus,
+               Job.project_id)
         .where(Job.status == JobStatus.running.value)
         .order_by(Job.started_at)
     ).all()
@@ -181,7 +189,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
             if s.worker_id in live_ids:
                 parts[s.worker_id] = (*parts.get(s.worker_id, ()), s.slot)
         where = next(iter(parts), None)
-        busy.append(Busy(row.owner_id, left, row.gpus, where, parts.pop(where, ()) if where else (), tuple(parts.items())))
+        busy.append(Busy(row.owner_id, left, row.gpus, where, parts.pop(where, ()) if where else (), tuple(parts.items()),
+                         row.project_id))
         gpus = tuple((s.worker_id, s.slot, s.device) for s in slots)
         running.append(RunningEntry(row.job_id, row.worker_id, row.owner_id, _at(now, left), row.gpus, gpus))
     durations = {
@@ -190,12 +199,13 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
         for job in waiting
     }
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
+    quotas = project_quotas(session)
     starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations,
-                           {host.worker_id: host.address for host in hosts})
+                           {host.worker_id: host.address for host in hosts}, quotas.caps)
     used: Counter[Owner] = Counter()
     for b in busy:
         used[b.owner_id] += b.gpus
-    hold = place(waiting, hosts, used, caps).hold
+    hold = place(waiting, hosts, used, caps, quotas).hold
     ids = [job.job_id for job in waiting]
     entries = tuple(
         QueueEntry(job, i + 1, tuple(ids[:i]), _at(now, starts[job.job_id]),

@@ -8,9 +8,9 @@ what lies beyond them and would answer a 500 instead of a 4xx naming the field.
   ``metadata.note``, ``purpose``); in a JSON body's string values tab, newline and carriage
   return stay legal (free text such as ``sample_prompts``), the others do not. An unpaired
   surrogate (``"\\ud800"``), valid JSON but no text the store can encode, is refused the same way.
-* Depth: a JSON body nested more than ``MAX_BODY_DEPTH`` levels is refused before anything
-  parses it (``BoundedJsonBodies``), since the parser and everything that walks the value
-  after it recurse once per level.
+* Depth and encoding: a JSON body nested more than ``MAX_BODY_DEPTH`` levels, or not UTF-8, is
+  refused before anything parses it (``BoundedJsonBodies``), since the parser and everything that
+  walks the value after it recurse once per level.
 * Integers: ``INT32_MAX`` / ``INT64_MAX`` bound the query and path integers that meet an
   ``integer`` / ``bigint`` column (``after_step``, a checkpoint's ``step``, ``max_running_jobs``,
   an event ``seq``); routes and schemas declare them with ``le=``.

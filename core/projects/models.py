@@ -4,7 +4,8 @@ A project holds files, jobs and exports (``project_id`` on each); its members se
 nothing of another project's (``core.users.access``). A member is a ``member`` or a project
 ``admin`` (who manages the project's members); the box's global admins (``user.is_admin``) see
 every project. ``max_gpus`` and ``max_priority`` bound what the project's jobs take at once
-(``core.jobs.scheduling``), beside each user's own running-job cap.
+(``core.jobs.scheduling``), beside each user's own running-job cap; ``tracking_servers`` narrows
+the box's tracking servers to those its jobs may send to (``core.jobs.trackers.allowed_trackers``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import datetime as dt
 from sqlalchemy import ForeignKey, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from core.db import Base, UTCDateTime, utcnow
+from core.db import Base, JSONType, UTCDateTime, utcnow
 
 ROLES = ("member", "admin")
 """``member``: sees and submits the project's work; ``admin``: also adds and removes members."""
@@ -33,6 +34,8 @@ class Project(Base):
     """GPUs the project's running jobs may hold at once; None: no project quota."""
     max_priority: Mapped[str | None] = mapped_column(String(8))
     """The highest priority its jobs may ask for (``low``, ``normal``, ``high``); None: any."""
+    tracking_servers: Mapped[list[str] | None] = mapped_column(JSONType)
+    """The names of the box's tracking servers its jobs may send to; None: all of them, []: none."""
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

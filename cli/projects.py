@@ -1,8 +1,11 @@
 """``ftq projects ...``: the projects you are in, through the API.
 
     ftq projects list                              yours (an admin: all), your role, the default
-    ftq projects create NAME [--max-gpus N] [--max-priority P]    (global admin)
-    ftq projects set NAME [--max-gpus N|none] [--max-priority P|none]    (global admin)
+    ftq projects create NAME [--max-gpus N] [--max-priority P] [--tracking-servers S]  (global admin)
+    ftq projects set NAME [--max-gpus N|none] [--max-priority P|none] [--tracking-servers S]  (global admin)
+                                                   S: NAME[,NAME...] of the box's tracking servers
+                                                   its jobs may use, all (the box's: the default)
+                                                   or none (a server named all or none: "none,")
     ftq projects members NAME                      who is in it, with their roles
     ftq projects add-member NAME USER [--role admin]               (project or global admin)
     ftq projects remove-member NAME USER                           (project or global admin)
@@ -24,7 +27,7 @@ from cli import config
 from cli.client import call, connect
 from cli.errors import CliError
 
-HEADER = ("NAME", "ROLE", "DEFAULT", "MAX GPUS", "MAX PRIORITY")
+HEADER = ("NAME", "ROLE", "DEFAULT", "MAX GPUS", "MAX PRIORITY", "TRACKING SERVERS")
 
 
 def add_parsers(commands: Any) -> None:
@@ -37,6 +40,9 @@ def add_parsers(commands: Any) -> None:
         p.add_argument("name")
         p.add_argument("--max-gpus", help="GPUs its running jobs may hold at once (none: no quota)")
         p.add_argument("--max-priority", help="the highest priority its jobs may ask for: low, normal, high or none")
+        p.add_argument("--tracking-servers", metavar="NAME[,NAME...]|all|none",
+                       help="the box's tracking servers its jobs may send to: names, comma-separated, "
+                            "all (the box's, the default) or none")
         p.set_defaults(run=run)
     p = sub.add_parser("members", help="a project's members and roles")
     p.add_argument("name")
@@ -82,7 +88,20 @@ def _quota_body(args: argparse.Namespace) -> dict[str, Any]:
         body["max_gpus"] = None if args.max_gpus == "none" else int(args.max_gpus)
     if args.max_priority is not None:
         body["max_priority"] = None if args.max_priority == "none" else args.max_priority
+    if args.tracking_servers is not None:
+        body["tracking_servers"] = _server_names(args.tracking_servers)
     return body
+
+
+def _server_names(value: str) -> list[str] | None:
+    """``--tracking-servers``: ``all`` is None (the box's), ``none`` [], else the names; a list
+    with a comma (``none,``) is always names."""
+    if value.strip() in ("all", "none"):
+        return None if value.strip() == "all" else []
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        raise CliError(f"--tracking-servers: {value!r} names no server; give NAME[,NAME...], all or none")
+    return names
 
 
 def run_create(args: argparse.Namespace, out: Any = None) -> int:
@@ -133,10 +152,16 @@ def run_default(args: argparse.Namespace, out: Any = None) -> int:
     return 0
 
 
+def _servers_cell(project: dict[str, Any]) -> str:
+    servers = project.get("tracking_servers")
+    return "all" if servers is None else (",".join(servers) or "none")
+
+
 def format_projects(projects: list[dict[str, Any]]) -> str:
     if not projects:
         return "you are in no project; ask an admin to add you (`ftq projects add-member PROJECT USER`)"
-    rows = [HEADER, *((p["name"], p["role"] or "-", "yes" if p["default"] else "", str(p["max_gpus"] or "-")
-                       if p["max_gpus"] is not None else "-", p["max_priority"] or "-") for p in projects)]
+    rows = [HEADER, *((p["name"], p["role"] or "-", "yes" if p["default"] else "", str(p["max_gpus"])
+                       if p["max_gpus"] is not None else "-", p["max_priority"] or "-", _servers_cell(p))
+                      for p in projects)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,7 +1,7 @@
 """``/v1/projects``: the teams work belongs to, their members, quotas and ceilings.
 
 Everyone lists the projects they are in (a global admin: all). A global admin creates projects
-and sets their GPU quota and priority ceiling; a project admin (or a global admin) adds and
+and sets their GPU quota, priority ceiling and tracking servers (``core.jobs.trackers``); a project admin (or a global admin) adds and
 removes its members and sets their roles. A project the caller is not in answers 404 as an
 unknown one, so its name is never confirmed (``core.users.access.project_named``).
 """
@@ -12,7 +12,7 @@ from fastapi import APIRouter, status
 from sqlalchemy import select
 
 from api.auth import AdminDep, CallerDep
-from api.deps import SessionDep
+from api.deps import SessionDep, SettingsDep
 from api.projects.schemas import MemberList, MemberOut, MemberPut, ProjectCreate, ProjectList, ProjectOut, ProjectPatch
 from core.errors import Forbidden
 from core.projects import service
@@ -51,8 +51,9 @@ def list_projects(session: SessionDep, caller: CallerDep) -> ProjectList:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, summary="Create a project (global admin)")
-def create_project(body: ProjectCreate, admin: AdminDep, session: SessionDep) -> ProjectOut:
-    project = service.create_project(session, body.name, max_gpus=body.max_gpus, max_priority=body.max_priority)
+def create_project(body: ProjectCreate, admin: AdminDep, session: SessionDep, settings: SettingsDep) -> ProjectOut:
+    project = service.create_project(session, body.name, max_gpus=body.max_gpus, max_priority=body.max_priority,
+                                     tracking_servers=body.tracking_servers, settings=settings)
     session.commit()
     return _out(admin, project)
 
@@ -62,13 +63,16 @@ def get_project(name: str, session: SessionDep, caller: CallerDep) -> ProjectOut
     return _out(caller, _visible(session, caller, name))
 
 
-@router.patch("/{name}", summary="Change a project's GPU quota or priority ceiling (global admin)")
-def update_project(name: str, body: ProjectPatch, admin: AdminDep, session: SessionDep) -> ProjectOut:
+@router.patch("/{name}", summary="Change a project's GPU quota, priority ceiling or tracking servers (global admin)")
+def update_project(name: str, body: ProjectPatch, admin: AdminDep, session: SessionDep,
+                   settings: SettingsDep) -> ProjectOut:
     fields = body.model_fields_set
     project = service.update_project(
         session, _visible(session, admin, name), max_gpus=body.max_gpus,
         clear_max_gpus="max_gpus" in fields and body.max_gpus is None, max_priority=body.max_priority,
-        clear_max_priority="max_priority" in fields and body.max_priority is None)
+        clear_max_priority="max_priority" in fields and body.max_priority is None,
+        tracking_servers=body.tracking_servers,
+        clear_tracking_servers="tracking_servers" in fields and body.tracking_servers is None, settings=settings)
     session.commit()
     return _out(admin, project)
 

@@ -23,6 +23,7 @@ from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
 from core.jobs.trackers import allowed_trackers, check_trackers
 from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
+from core.projects.models import Project
 from core.settings import Settings
 from core.users.access import readable_by
 from core.users.models import User
@@ -137,7 +138,8 @@ def create_job(
         Unsupported: an optimization forced ``on`` that no live worker can honour,
             ``gpus`` that no live host or the owner's cap can give (``core.jobs.scheduling.check_gpus``),
             or a tracker whose package no live worker has (``core.jobs.trackers.check_trackers``).
-        InvalidInput: a tracking server or URL the box does not list (``core.jobs.trackers.server_for``).
+        InvalidInput: a tracking server or URL the box, or the job's project, does not list
+            (``core.jobs.trackers.server_for``).
     """
     fingerprint = spec_hash(spec)
     if idempotency_key is not None:
@@ -146,7 +148,8 @@ def create_job(
             return existing, False
     _check_method(session, spec, settings)
     _check_forced_switches(session, spec, settings)
-    check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings))
+    project = session.get(Project, project_id) if project_id is not None else None
+    check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings, project))
     check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes)
     check_project(session, project_id, spec.gpus, spec.priority)
     train_row = usable_file(session, spec.training_file, "train", "training_file", project_id)

@@ -7,6 +7,7 @@ Each takes a session; the caller commits. Names follow user names' rule (lowerca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -15,7 +16,9 @@ from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound
+from core.jobs.trackers import allowed_trackers
 from core.projects.models import DEFAULT_PROJECT, ROLES, Project, ProjectMember
+from core.settings import Settings
 from core.users.models import User
 
 PRIORITIES = ("low", "normal", "high")
@@ -47,20 +50,41 @@ def check_quota(max_gpus: int | None, max_priority: str | None) -> None:
                            param="max_priority")
 
 
-def create_project(session: Session, name: str, *, max_gpus: int | None = None,
-                   max_priority: str | None = None) -> Project:
-    """Record a new project (no members yet: see ``add_member``).
+def check_tracking_servers(names: Sequence[str] | None, settings: Settings) -> list[str] | None:
+    """``names`` as stored (sorted, each once), each one of the box's tracking servers
+    (``core.jobs.trackers.allowed_trackers``); None stays None (all of the box's).
 
     Raises:
-        InvalidInput: a name that is not a project name, a negative quota, an unknown priority.
+        InvalidInput: a name the box does not list, naming ``tracking_servers`` and the box's servers.
+    """
+    if names is None:
+        return None
+    box = allowed_trackers(settings)
+    unknown = [name for name in names if name not in box]
+    if unknown:
+        raise InvalidInput(f"tracking_servers: {unknown[0]!r} is not a tracking server of this box; its servers: "
+                           f"{', '.join(sorted(box))} (FTQ_TRACKING_SERVERS, and the implicit mlflow and wandb); "
+                           "null allows all of them, [] none", param="tracking_servers")
+    return sorted(set(names))
+
+
+def create_project(session: Session, name: str, *, max_gpus: int | None = None, max_priority: str | None = None,
+                   tracking_servers: Sequence[str] | None = None, settings: Settings | None = None) -> Project:
+    """Record a new project (no members yet: see ``add_member``). ``tracking_servers``: the
+    box's tracking servers its jobs may use (None: all), checked against ``settings``.
+
+    Raises:
+        InvalidInput: a name that is not a project name, a negative quota, an unknown priority,
+            a tracking server the box does not list.
         Conflict: the name is taken.
     """
     check_project_name(name)
     check_quota(max_gpus, max_priority)
+    servers = None if tracking_servers is None else check_tracking_servers(tracking_servers, _needed(settings))
     if session.scalar(select(Project.project_id).where(Project.name == name)) is not None:
         raise Conflict(f"name: a project named {name!r} exists; pick another name", param="name")
     project = Project(project_id=new_id("proj"), name=name, max_gpus=max_gpus, max_priority=max_priority,
-                      created_at=utcnow())
+                      tracking_servers=servers, created_at=utcnow())
     session.add(project)
     try:
         session.flush()
@@ -85,14 +109,28 @@ def find_project(session: Session, name: str) -> Project:
 
 
 def update_project(session: Session, project: Project, *, max_gpus: int | None = None, clear_max_gpus: bool = False,
-                   max_priority: str | None = None, clear_max_priority: bool = False) -> Project:
+                   max_priority: str | None = None, clear_max_priority: bool = False,
+                   tracking_servers: Sequence[str] | None = None, clear_tracking_servers: bool = False,
+                   settings: Settings | None = None) -> Project:
+    """Change what is given; ``clear_*``: back to None (no quota, no ceiling, all the box's
+    tracking servers). ``tracking_servers`` is checked against ``settings``."""
     check_quota(max_gpus, max_priority)
+    if tracking_servers is not None:
+        project.tracking_servers = check_tracking_servers(tracking_servers, _needed(settings))
+    elif clear_tracking_servers:
+        project.tracking_servers = None
     if clear_max_gpus or max_gpus is not None:
         project.max_gpus = None if clear_max_gpus else max_gpus
     if clear_max_priority or max_priority is not None:
         project.max_priority = None if clear_max_priority else max_priority
     session.flush()
     return project
+
+
+def _needed(settings: Settings | None) -> Settings:
+    if settings is None:
+        raise TypeError("tracking_servers are checked against the box's settings: pass settings=")
+    return settings
 
 
 def list_projects(session: Session, project_ids: frozenset[str] | None = None) -> list[Project]:

@@ -39,13 +39,31 @@ class TestProjectsCommands:
         assert "project vision (proj-" in run(["projects", "create", "vision", "--max-gpus", "4",
                                                 "--max-priority", "normal"])
         listed = run(["projects", "list"])
-        assert listed.splitlines()[0].split() == ["NAME", "ROLE", "DEFAULT", "MAX", "GPUS", "MAX", "PRIORITY"]
-        assert any(line.split()[:1] == ["vision"] and line.split()[-2:] == ["4", "normal"] for line in listed.splitlines())
+        assert listed.splitlines()[0].split() == ["NAME", "ROLE", "DEFAULT", "MAX", "GPUS", "MAX", "PRIORITY",
+                                                  "TRACKING", "SERVERS"]
+        assert any(line.split()[:1] == ["vision"] and line.split()[-3:] == ["4", "normal", "all"]
+                   for line in listed.splitlines())
         assert "admin is a project admin of vision" in run(["projects", "add-member", "vision", "admin", "--role", "admin"])
         assert run(["projects", "members", "vision"]).strip() == "admin  admin"
-        assert run(["projects", "set", "vision", "--max-gpus", "none"]).splitlines()[1].split()[-2:] == ["-", "normal"]
+        assert run(["projects", "set", "vision", "--max-gpus", "none"]).splitlines()[1].split()[-3:] == [
+            "-", "normal", "all"]
+        assert run(["projects", "set", "vision", "--max-gpus", "0"]).splitlines()[1].split()[-3:] == [
+            "0", "normal", "all"]  # a quota of 0 GPUs shows as 0, not as no quota
         with pytest.raises(CliError, match="--max-gpus: 'lots' is not a number of GPUs"):
             run(["projects", "set", "vision", "--max-gpus", "lots"])
+
+    def test_tracking_servers_names_all_or_none(self, cli: TestClient) -> None:
+        run(["projects", "create", "vision", "--tracking-servers", "wandb"])
+        assert cli.get("/v1/projects/vision").json()["tracking_servers"] == ["wandb"]
+        for value, stored, shown in (("none", [], "none"), ("all", None, "all"), ("wandb,", ["wandb"], "wandb")):
+            line = run(["projects", "set", "vision", "--tracking-servers", value]).splitlines()[1]
+            assert cli.get("/v1/projects/vision").json()["tracking_servers"] == stored
+            assert line.split()[-1] == shown
+        with pytest.raises(CliError, match=r"422: tracking_servers: 'elsewhere' is not a tracking server of this box; "
+                                           r"its servers: .*wandb"):
+            run(["projects", "set", "vision", "--tracking-servers", "wandb,elsewhere"])
+        with pytest.raises(CliError, match="--tracking-servers: ',' names no server"):
+            run(["projects", "set", "vision", "--tracking-servers", ","])
 
     def test_default_local_writes_the_config_file_and_submit_uses_it(self, cli: TestClient, job_file: Path) -> None:
         run(["projects", "create", "vision"])

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from core.errors import InvalidInput, Unsupported
 from core.jobs.spec import TrackingSpec
 from core.jobs.trackers import allowed_trackers, asked_for, check_servers, check_trackers, server_for
+from core.projects.models import Project
 from core.settings import Settings, TrackingServer
 
 ALL = {"mlflow": True, "tensorboard": True, "wandb": True}
@@ -84,7 +85,7 @@ class TestAllowedTrackers:
             "wandb": TrackingServer(kind="wandb", url=None, credential_env="WANDB_API_KEY", default=True)}
         listed = Settings(tracking_servers=SERVERS)
         assert allowed_trackers(listed) == SERVERS  # a listed W&B server: no implicit one
-        assert allowed_trackers(listed, project="any") == SERVERS  # no per-project lists yet
+        assert allowed_trackers(listed, Project(name="any", tracking_servers=None)) == SERVERS  # null: all the box's
 
     def test_the_box_mlflow_uri_is_the_default_server_mlflow_sent_mlflows_own_token(self):
         servers = allowed_trackers(Settings(mlflow_tracking_uri="http://mlflow:5000/",

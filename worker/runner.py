@@ -41,7 +41,7 @@ from worker.outcome import Outcome, StopReason, classify
 from worker.launch import Rendezvous, launch_argv, run_tag
 from worker.process import TrainerExit, TrainerProcess
 from worker.recorder import EventRecorder
-from worker.tracking.resolve import tracking_for
+from worker.tracking.resolve import tracking_for, without_credentials
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -353,7 +353,7 @@ def trainer_env(runtime: Runtime, devices: tuple[str | None, ...] | None = None)
     """The worker's environment without the service's connection URLs, pinned to ``devices``
     (a job's reserved GPUs; None: all of the host's) by ``CUDA_VISIBLE_DEVICES``. CPU slots
     leave it as the worker inherited it."""
-    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
+    env = without_credentials({k: v for k, v in os.environ.items() if k not in _SECRET_ENV}, runtime.settings)
     env["PYTHONUNBUFFERED"] = "1"
     gpus = [d for d in (runtime.options.pool if devices is None else devices) if d is not None]
     if gpus:

@@ -10,10 +10,12 @@
                  Entity, run name and tags from the spec; the server is the one the spec names,
                  else the box's default W&B server.
 
-Servers come only from the box's allow-list (``core.jobs.trackers.allowed_trackers``, resolved by
-``server_for`` as the API resolved them at submission); a name or URL that is not on this worker's
-list (a job stored before the list, or an API configured differently) is a warning and that
-tracker is left out: nothing is sent to it. Each server gets only the credential configured for it
+Servers come only from the box's allow-list as the job's project narrows it
+(``core.jobs.trackers.allowed_trackers(settings, project)``, resolved by ``server_for`` as the API
+resolved them at submission); a name or URL that is not on this worker's list for that project (a
+job stored before the list, a project whose list a global admin narrowed since, or an API
+configured differently) is a warning and that tracker is left out: nothing is sent to it. The
+box's default servers turn a tracker on only for projects that may use them. Each server gets only the credential configured for it
 (``credential_env``, read from this worker's environment here), never one of another server or the
 ambient ``MLFLOW_TRACKING_TOKEN``/``WANDB_API_KEY``.
 
@@ -34,7 +36,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.errors import InvalidInput
-from core.jobs.trackers import TRACKERS, allowed_trackers, asked_for, missing_message, server_for
+from core.jobs.trackers import (
+    TRACKERS,
+    allowed_trackers,
+    asked_for,
+    credential_variables,
+    default_refusal,
+    missing_message,
+    server_for,
+    withheld_default,
+)
 from core.settings import LEGACY_MLFLOW_SERVER, Settings, TrackingServer
 from worker.tracking.dispatch import JobInfo, Tracker, Tracking
 
@@ -50,17 +61,21 @@ def installed() -> dict[str, bool]:
     return found
 
 
-def wanted(spec: dict[str, Any], settings: Settings) -> dict[str, str]:
+def wanted(spec: dict[str, Any], settings: Settings,
+           servers: Mapping[str, TrackingServer] | None = None) -> dict[str, str]:
     """Tracker → what turns it on for this job: a spec field (``tracking.wandb``) or a box
-    setting (``FTQ_WANDB_PROJECT``); in ``TRACKERS`` order."""
+    setting (``FTQ_WANDB_PROJECT``); in ``TRACKERS`` order. ``servers``: the job's
+    (``allowed_trackers(settings, project)``; None: the box's); a box setting turns a tracker on
+    only where the job may use the box's default server of its kind."""
     want = spec.get("tracking") or {}
     asked = asked_for(want)
-    default_mlflow = next((name for name, server in allowed_trackers(settings).items()
-                           if server.kind == "mlflow" and server.default), None)
+    servers = allowed_trackers(settings) if servers is None else servers
+    default_mlflow = next((name for name, server in servers.items() if server.kind == "mlflow" and server.default), None)
+    wandb_project = None if withheld_default("wandb", servers) else settings.wandb_project
     box = {"mlflow": ("FTQ_MLFLOW_TRACKING_URI" if default_mlflow == LEGACY_MLFLOW_SERVER else "FTQ_TRACKING_SERVERS",
                       default_mlflow),
            "tensorboard": ("FTQ_TENSORBOARD_DIR", settings.tensorboard_dir),
-           "wandb": ("FTQ_WANDB_PROJECT", settings.wandb_project)}
+           "wandb": ("FTQ_WANDB_PROJECT", wandb_project)}
     for name, (variable, value) in box.items():
         if name not in asked and want.get(name) is None and value:
             asked[name] = variable
@@ -69,35 +84,41 @@ def wanted(spec: dict[str, Any], settings: Settings) -> dict[str, str]:
 
 def trackers_for(spec: dict[str, Any], settings: Settings, *, job_id: str, output_dir: Path,
                  warn: Callable[[str], None], found: Mapping[str, bool] | None = None,
-                 host: str | None = None, environ: Mapping[str, str] | None = None) -> list[Tracker]:
+                 host: str | None = None, environ: Mapping[str, str] | None = None,
+                 servers: Mapping[str, TrackingServer] | None = None) -> list[Tracker]:
     """The trackers ``spec`` asks for on this box (an empty list: tracking is off); ``found``:
     which packages import here (``installed()``), ``host``: this worker, for the warnings;
-    ``environ``: where the servers' credentials are read (this process's environment)."""
+    ``environ``: where the servers' credentials are read (this process's environment);
+    ``servers``: those the job's project may use (``allowed_trackers``; None: the box's)."""
     want = spec.get("tracking") or {}
     found = installed() if found is None else found
-    servers = allowed_trackers(settings)
+    servers = allowed_trackers(settings) if servers is None else servers
     environ = os.environ if environ is None else environ
     trackers: list[Tracker] = []
-    for name, field in wanted(spec, settings).items():
+    for name, field in wanted(spec, settings, servers).items():
         if not found.get(name):
             warn(missing_message(name, field, host or socket.gethostname()))
             continue
         tracker = _BUILDERS[name](want, settings, job_id=job_id, output_dir=output_dir, warn=warn,
-                                  servers=servers, environ=environ)
+                                  servers=servers, environ=environ, field=field)
         if tracker is not None:
             trackers.append(tracker)
     return trackers
 
 
 def _server(want: dict[str, Any], kind: str, servers: Mapping[str, TrackingServer],
-            warn: Callable[[str], None], missing: str) -> tuple[str, TrackingServer] | None:
-    """The listed server this job's ``kind`` tracker sends to, or None with a warning."""
+            warn: Callable[[str], None], missing: str, field: str) -> tuple[str, TrackingServer] | None:
+    """The listed server this job's ``kind`` tracker (turned on by ``field``) sends to, or None
+    with a warning."""
     try:
         found = server_for(want, kind, servers)
     except InvalidInput as exc:
         warn(f"{exc.message}; nothing was sent to it, and the job goes on without {missing}")
         return None
-    if found is None:
+    refusal = default_refusal(kind, field, servers) if found is None else None
+    if refusal:
+        warn(f"{refusal}; nothing was sent to it, and the job goes on without {missing}")
+    elif found is None:
         warn(f"no {missing} server is named and the box marks none default: set tracking.{kind}_server, or mark "
              f"one of the box's FTQ_TRACKING_SERVERS default; the job goes on without {missing}")
     return found
@@ -109,8 +130,8 @@ def _credential(server: TrackingServer, environ: Mapping[str, str]) -> str | Non
 
 
 def _mlflow(want: dict[str, Any], settings: Settings, *, warn: Callable[[str], None],
-            servers: Mapping[str, TrackingServer], environ: Mapping[str, str], **_: Any) -> Tracker | None:
-    found = _server(want, "mlflow", servers, warn, "MLflow")
+            servers: Mapping[str, TrackingServer], environ: Mapping[str, str], field: str, **_: Any) -> Tracker | None:
+    found = _server(want, "mlflow", servers, warn, "MLflow", field)
     if found is None:
         return None
     name, server = found
@@ -129,8 +150,9 @@ def _tensorboard(want: dict[str, Any], settings: Settings, *, job_id: str, outpu
 
 
 def _wandb(want: dict[str, Any], settings: Settings, *, output_dir: Path, warn: Callable[[str], None],
-           servers: Mapping[str, TrackingServer], environ: Mapping[str, str], **_: Any) -> Tracker | None:
-    found = _server(want, "wandb", servers, warn, "W&B")
+           servers: Mapping[str, TrackingServer], environ: Mapping[str, str], field: str,
+           **_: Any) -> Tracker | None:
+    found = _server(want, "wandb", servers, warn, "W&B", field)
     if found is None:
         return None
     name, server = found
@@ -147,16 +169,20 @@ _BUILDERS: dict[str, Callable[..., Tracker | None]] = {"mlflow": _mlflow, "tenso
 
 
 def start_tracking(spec: dict[str, Any], settings: Settings, job: JobInfo, *, output_dir: Path,
-                   warn: Callable[[str], None], host: str | None = None) -> Tracking:
-    """A running ``Tracking`` for the job (a no-op one when nothing is configured)."""
-    trackers = trackers_for(spec, settings, job_id=job.job_id, output_dir=output_dir, warn=warn, host=host)
+                   warn: Callable[[str], None], host: str | None = None,
+                   servers: Mapping[str, TrackingServer] | None = None) -> Tracking:
+    """A running ``Tracking`` for the job (a no-op one when nothing is configured); ``servers``:
+    those the job's project may use (None: the box's)."""
+    trackers = trackers_for(spec, settings, job_id=job.job_id, output_dir=output_dir, warn=warn, host=host,
+                            servers=servers)
     return Tracking(trackers, job, warn)
 
 
 def tracking_for(runtime: Any, job_id: str, output_dir: Path) -> Tracking:
-    """The claimed job's ``Tracking`` (``runtime``: the worker's ``Runtime``): its spec read from
-    the store, its warnings written there as ``log`` events."""
+    """The claimed job's ``Tracking`` (``runtime``: the worker's ``Runtime``): its spec and its
+    project's tracking servers read from the store, its warnings written there as ``log`` events."""
     from core.jobs.models import Job
+    from core.projects.models import Project
     from core.users.access import owner_name
     from trainer import layout
 
@@ -166,8 +192,10 @@ def tracking_for(runtime: Any, job_id: str, output_dir: Path) -> Tracking:
             job = session.get(Job, job_id)
             info = JobInfo(job_id=job_id, name=job.name, model=job.model, spec=dict(job.spec or {}),
                            owner=owner_name(session, job.owner_id), artifact_dir=layout.export_dir(output_dir, job.method))
+            project = session.get(Project, job.project_id) if job.project_id is not None else None
+            servers = allowed_trackers(runtime.settings, project)
         return start_tracking(info.spec, runtime.settings, info, output_dir=output_dir, warn=warn,
-                              host=runtime.worker_id)
+                              host=runtime.worker_id, servers=servers)
     except Exception as exc:  # noqa: BLE001 - tracking must never fail a job, even by its own bug
         warn(f"tracking could not start ({exc!r}); the job goes on without it")
         return Tracking([], JobInfo(job_id=job_id, name=None, model=""), warn)
@@ -191,3 +219,10 @@ def warning_writer(runtime: Any, job_id: str) -> Callable[[str], None]:
             logging.getLogger(__name__).warning("job %s: tracking warning not stored (%s): %s", job_id, exc, message)
 
     return warn
+
+
+def without_credentials(env: Mapping[str, str], settings: Settings) -> dict[str, str]:
+    """``env`` less every tracking credential the worker holds (``credential_variables``): what
+    the trainer's environment starts from, since the worker, not the trainer, talks to trackers."""
+    hidden = credential_variables(settings)
+    return {name: value for name, value in env.items() if name not in hidden}

@@ -125,6 +125,23 @@ class TestRefusedAtSubmission:
         assert submit(client, "vision", {}).status_code == 201  # the default is not asked for: no MLflow
 
 
+def test_an_openai_wandb_integration_in_a_project_without_w_and_b_is_refused(client, store) -> None:
+    make_project(client, "sealed", ["team"])
+    headers = {"OpenAI-Project": "sealed"}
+    uploaded = client.post("/openai/v1/files", headers=headers, data={"purpose": "fine-tune"}, files={
+        "file": ("t.jsonl", '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')})
+    assert uploaded.status_code == 200, uploaded.text
+    response = client.post("/openai/v1/fine_tuning/jobs", headers=headers, json={
+        "model": "tiny", "training_file": uploaded.json()["id"],
+        "integrations": [{"type": "wandb", "wandb": {"project": "sweeps"}}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "project 'sealed' may not use the box's default W&B server 'wandb'" in error["message"]
+    assert "project 'sealed' may use no W&B server" in error["message"]
+    assert jobs(store) == 0
+
+
 class TestTheWorkerAppliesTheList:
     def test_a_server_the_project_lost_after_submission_is_a_warning_and_never_contacted(
         self, client, store, settings, listeners

@@ -153,19 +153,41 @@ def test_a_record_over_a_bound_is_422_naming_its_line_and_the_bound(store, setti
     assert error["param"] == "file" and error["message"].startswith("file: line 2: ") and named in error["message"]
 
 
-@pytest.mark.slow  # ~15 s: two budgets run out, worker processes import transformers
+SPIN = "spin"
+"""A record whose first message is this makes the template below loop for hours (10^10 empty
+iterations in the sandbox's largest ranges): longer than any budget on any machine, so the budget
+always runs out on it, and every other record renders at once."""
+
+
+def _spinning_template(settings: Settings) -> None:
+    model = settings.model_root / "tiny"
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").write_text(
+        f"{{% if messages[0]['content'] == '{SPIN}' %}}{{% for a in range(100000) %}}{{% for b in range(100000) %}}"
+        "{% endfor %}{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}")
+
+
+@pytest.mark.slow  # ~50 s: two 20 s budgets run out one after the other
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the pool's fairness, not the store's
 def test_a_slow_request_does_not_hold_back_another_users(store, settings: Settings) -> None:
-    """Alice asks twice for a record of 60,000 messages (each takes longer than the budget), then Bob for
-    a small file: Bob is answered while Alice's second request still waits or runs, and each of
-    Alice's answers 422 naming the line; her next small request gets a fresh worker."""
+    """Alice asks twice for a record that takes longer than any budget, then Bob for a small file:
+    Bob is answered while Alice's second request still waits or runs, and each of Alice's answers
+    422 naming the line; her next small request gets a fresh worker. The budget (20 s) only has to
+    outlast Bob's small request on a warm pool, whatever the machine's load."""
     from api.app import create_app
 
+    _spinning_template(settings)
     alice, bob = make_user(store, "alice"), make_user(store, "bob")
-    slow = settings.model_copy(update={"tokenizer_workers": 2, "tokenizer_budget_s": 5.0, "record_max_messages": 200_000,
-                                       "max_upload_bytes": 16 << 20})
+    slow = settings.model_copy(update={"tokenizer_workers": 2, "tokenizer_budget_s": 20.0})
     with TestClient(create_app(slow)) as client:
-        huge = _upload_as(client, alice, [_turns(30_000)])
+        spinning = {"messages": [{"role": "user", "content": SPIN}, {"role": "assistant", "content": "ok"}]}
+        huge = _upload_as(client, alice, [spinning])
         small_alice, small_bob = _upload_as(client, alice, [CHAT_RECORD]), _upload_as(client, bob, RECORDS)
+        warm = client.get(f"/v1/files/{small_alice}/tokens", params={"model": "tiny"}, headers=bearer(alice))
+        assert warm.status_code == 200, warm.text  # the fork server is up: a worker starts in milliseconds
         done: dict[str, object] = {}
 
         def ask(name: str, key: str, file_id: str) -> None:
@@ -180,7 +202,7 @@ def test_a_slow_request_does_not_hold_back_another_users(store, settings: Settin
         ask("bob", bob, small_bob)
         assert done["bob"].status_code == 200, done["bob"].text
         assert done["bob"].json()["records"] == len(RECORDS)
-        assert any(thread.is_alive() for thread in alices), "bob was answered before alice's requests ended"
+        assert any(thread.is_alive() for thread in alices), "bob was answered only after alice's requests ended"
         for thread in alices:
             thread.join(timeout=300)
         for name in ("alice0", "alice1"):

@@ -69,6 +69,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
             redis = Redis.from_url(settings.redis_url)
         tokenizers = TokenizerPool(settings.tokenizer_workers, settings.tokenizer_budget_s)
+        if settings.tokenizer_prestart:
+            tokenizers.prestart()
         sessions = make_sessionmaker(engine)
         sweeper = UploadSweeper(sessions, settings)  # what finished jobs' uploads left
         await to_thread.run_sync(sweeper.sweep_all)

@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     previews, GET /v1/files/{id}/tokens); each imports transformers and keeps its last 4
     tokenizers loaded, the API process neither. One user's requests hold at most all of them
     but one, so another user's finds one free (api/files/tokenizer_pool.py)."""
+    tokenizer_prestart: bool = True
+    """Start one tokenizer process when the API starts, in the background, so the first
+    submission's preflight does not wait 20-40 s for transformers to import (the test suite turns
+    it off for the hundreds of in-process apps it makes: tests/conftest.py)."""
     tokenizer_budget_s: float = Field(default=60.0, gt=0)
     """Seconds one tokenizing request may hold a process: past it the process is killed and
     replaced and the request answers 422 naming the line it was on."""

@@ -3,6 +3,7 @@ Plain helpers (not fixtures) are in tests/helpers.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The suite makes hundreds of in-process apps that never tokenize: none starts a tokenizer process
+# ahead of use (a fork server importing transformers each). Stacks of real `ftq api` processes
+# (tests/integration/e2e) leave FTQ_* behind and start one, as a deployment does.
+os.environ.setdefault("FTQ_TOKENIZER_PRESTART", "false")
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing
 import os
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ from typing import Any
 from core.errors import InvalidInput, Unavailable
 from core.jobs.model_source import ModelSource
 from core.jobs.preflight import RecordBounds, tokenized
+
+log = logging.getLogger(__name__)
 
 _PRELOAD = (
     "api.files.tokenizer_pool", "core.jobs.preflight", "trainer.dataset", "torch", "transformers.modeling_utils",
@@ -113,6 +117,39 @@ class TokenizerPool:
             return await worker.call((fn, model, source, args), self.budget_s, model)
         finally:
             self._release(worker, user)
+
+    def prestart(self) -> threading.Thread:
+        """Start one worker now, in the background (``Settings.tokenizer_prestart``): the first
+        start launches the fork server, which imports torch and transformers (20-40 s on a busy
+        2-core box), and without this the API's first submission waited for it in its preflight.
+        The worker joins the idle ones; a request that comes first starts another or waits for it."""
+        loop = asyncio.get_running_loop()
+        self._started += 1
+
+        def start() -> None:
+            try:
+                worker = _Worker.start(self.cache_size)
+            except Exception:  # the first request starts one and reports what fails
+                log.warning("the tokenizer pool could not start a worker ahead of use", exc_info=True)
+                worker = None
+            try:
+                loop.call_soon_threadsafe(self._adopt, worker)
+            except RuntimeError:  # the API's loop has already ended
+                if worker is not None:
+                    worker.stop()
+
+        thread = threading.Thread(target=start, name="ftq-tokenizer-prestart", daemon=True)
+        thread.start()
+        return thread
+
+    def _adopt(self, worker: _Worker | None) -> None:
+        if worker is None or self._closed:
+            if worker is not None:
+                worker.stop()
+            self._started -= 1
+        else:
+            self._idle.append(worker)
+        self._dispatch()
 
     def shutdown(self) -> None:
         """Stop the worker processes: waiting requests are refused, a running one is ended."""

@@ -229,3 +229,25 @@ def test_a_template_that_raises_on_a_record_is_422_naming_the_line(client: TestC
     error = response.json()["error"]
     assert error["param"] == "file" and error["message"].startswith("file: line 2: the model's tokenizer or chat template fails")
     assert "System role not supported" in error["message"]
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_the_api_starts_a_tokenizer_process_ahead_of_the_first_request(admin_key: str, settings: Settings) -> None:
+    """``tokenizer_prestart`` (on by default; the suite turns it off): the API starts one worker
+    as it starts, and the first token statistics use that worker instead of starting one."""
+    from api.app import create_app
+
+    with TestClient(create_app(settings.model_copy(update={"tokenizer_prestart": True})),
+                    headers=bearer(admin_key)) as warm:
+        pool = warm.app_state["ftq"].tokenizers
+        assert pool._started == 1  # counted at once, so a request arriving now does not start a second
+        deadline = threading.Event()
+        for _ in range(3000):  # until the fork server has imported transformers and the worker is up
+            if pool._idle:
+                break
+            deadline.wait(0.1)
+        assert len(pool._idle) == 1, "the prestarted worker never became idle"
+        started = pool._idle[0]
+        response = warm.get(f"/v1/files/{upload(warm, RECORDS)}/tokens", params={"model": "tiny"})
+        assert response.status_code == 200, response.text
+        assert pool._started == 1 and pool._idle == [started], "the request started a worker of its own"

@@ -67,22 +67,28 @@ function showUser(user) {
   clear(slot, h("span", { "data-testid": "whoami-name", text: user.is_admin ? `${user.name} (admin)` : user.name }), " ", out);
 }
 
-/** Fill the project switcher with the user's projects; a stale selection (another user's) is dropped. */
+/**
+ * Fill the project switcher with the user's projects; a stale selection (another user's) is
+ * dropped. Resolves true when it dropped one (the view on screen was made for it). Not awaited
+ * by route(): the view must replace the previous one at once, or what the old view shows (an
+ * unfiltered list after a filter change) stands in for the new one while GET /v1/projects runs.
+ */
 async function showProjects(user) {
   const label = document.querySelector("[data-testid=project-switch]");
   const select = document.querySelector("[data-testid=project-switcher]");
-  if (!label || !select) return;
+  if (!label || !select) return false;
   if (!user) {
     label.hidden = true;
-    return;
+    return false;
   }
   let projects = [];
   try {
     projects = await myProjects();
   } catch {
-    return; // the view shows what is wrong with the API
+    return false; // the view shows what is wrong with the API
   }
-  if (selectedProject() && !projects.some((p) => p.name === selectedProject())) selectProject("");
+  const stale = Boolean(selectedProject()) && !projects.some((p) => p.name === selectedProject());
+  if (stale) selectProject("");
   const fallback = projects.find((p) => p.default);
   select.replaceChildren(
     h("option", { value: "", text: `All my projects${fallback ? ` (new work: ${fallback.name})` : ""}` }),
@@ -90,6 +96,7 @@ async function showProjects(user) {
   );
   select.value = selectedProject();
   label.hidden = false;
+  return stale;
 }
 
 function toLogin() {
@@ -110,7 +117,9 @@ async function route() {
     }
     if (!user) return toLogin();
     showUser(user.name === "?" ? null : user);
-    await showProjects(user.name === "?" ? null : user);
+    showProjects(user.name === "?" ? null : user).then((stale) => {
+      if (stale) route(); // the view again, without the project the user is no longer in
+    });
   }
   const main = document.getElementById("main");
   if (cleanup) {

@@ -77,13 +77,19 @@ def pat_page(browser: Any, dashboard_stack: Any, pat: httpx.Client) -> Iterator[
 
 
 def claim(store: Any, job_id: str, slots: tuple[int, ...]) -> None:  # noqa: F811 - store is the fixture's value
+    import datetime as dt
+
+    from core.db import utcnow
     from core.jobs import scheduling
     from core.jobs.placement import Placement
     from core.settings import Settings
 
+    # The job's heartbeat set ahead, as the host's is: the stack's reaper would otherwise requeue it
+    # (freeing its GPUs) once the heartbeat timeout passed on a slow box, before the page is read.
     with store() as session:
         assert scheduling.try_claim(session, Placement(job_id, HOST, slots), Settings(max_running_jobs_per_user=0),
-                                    values={"worker_id": HOST, "attempts": 1})
+                                    values={"worker_id": HOST, "attempts": 1,
+                                            "heartbeat_at": utcnow() + dt.timedelta(minutes=10)})
         session.commit()
 
 

@@ -1,8 +1,8 @@
 """``/v1/files``: upload, list, read and delete datasets.
 
 Every file belongs to its uploader and to a project. A project's members see its files'
-descriptions (with ``owner``), others get 404 as for an unknown id; only the owner or an admin
-deletes one, and a job may train only on its submitter's files of its own project
+descriptions (with ``owner``), others get 404 as for an unknown id; only the owner, an admin of its
+project or a global admin deletes one, and a job may train only on its submitter's files of its own project
 (``core.users.access``).
 """
 
@@ -121,11 +121,12 @@ def _out(session: SessionDep, row: service.File, owner: str | None) -> FileOut:
 
 @router.delete(
     "/{file_id}",
-    summary="Delete a dataset (the owner or an admin; 409 while a queued or running job uses it)",
+    summary="Delete a dataset (the owner, an admin of its project or an admin; 409 while a queued or running job uses it)",
 )
 def delete_file(file_id: str, session: SessionDep, caller: CallerDep) -> FileDeleted:
-    owner_id = service.get_file(session, file_id, reader=caller).owner_id
-    access.require_owner(session, caller, owner_id, what=f"file {file_id}", action="delete", param="file_id")
+    row = service.get_file(session, file_id, reader=caller)
+    access.require_owner(session, caller, row.owner_id, what=f"file {file_id}", action="delete", param="file_id",
+                         project_id=row.project_id)
     row = service.delete_file(session, file_id, reader=caller)
     return FileDeleted(id=row.file_id)
 

@@ -82,12 +82,13 @@ async def create_export(job_id: str, body: ExportRequest, response: Response, st
                         caller: CallerDep) -> ExportOut:
     """202 with the new export, queued on the host that ran the job. An export of the same format
     and quantization still queued or running is answered instead (200). 409 unless the job has
-    succeeded; only the job's owner or an admin may export it (403)."""
+    succeeded; only the job's owner, an admin of its project or an admin may export it (403)."""
 
     def create() -> tuple[ExportOut, bool, str | None, int]:
         with state.sessions() as session:
             job = get_job(session, job_id, reader=caller)
-            access.require_owner(session, caller, job.owner_id, what=f"job {job_id}", action="export", param="job_id")
+            access.require_owner(session, caller, job.owner_id, what=f"job {job_id}", action="export", param="job_id",
+                                 project_id=job.project_id)
             export, created = service.create_export(session, job_id, body.format, body.quantization,
                                                     owner_id=caller.user_id, model_type=_model_type(state, job))
             seq = service.last_seq(session, job_id)

@@ -144,13 +144,15 @@ def get_job(job_id: str, session: SessionDep, state: StateDep, caller: CallerDep
 async def cancel_job(job_id: str, response: Response, state: StateDep, caller: CallerDep) -> JobOut:
     """A queued job is cancelled at once (200). A running one is asked to stop (202,
     ``cancel_requested: true``); its state turns ``cancelled`` when the trainer has exited.
-    A finished job answers 409; someone else's job 403 (unless the caller is an admin)."""
+    A finished job answers 409; someone else's job 403 (unless the caller is an admin of its
+    project or of the box)."""
 
     def cancel() -> tuple[JobOut, bool, int]:
         with state.sessions() as session:
-            owner_id = service.get_job(session, job_id, reader=caller).owner_id
+            row = service.get_job(session, job_id, reader=caller)
             access.require_owner(
-                session, caller, owner_id, what=f"job {job_id}", action="cancel", param="job_id"
+                session, caller, row.owner_id, what=f"job {job_id}", action="cancel", param="job_id",
+                project_id=row.project_id,
             )
             job, finished_now = service.cancel_job(session, job_id)
             session.commit()

@@ -7,10 +7,11 @@
   ``get_file``/``get_job``/``get_export`` with ``reader=``, ``readable_by`` for listings);
 - what a user creates goes into the project they name, if they are a member (a global admin: any
   project), else their key's or their own default project (``project_for_create``);
-- only a job's owner or an admin cancels it; only a file's owner or an admin deletes it;
+- only a job's owner, an admin of its project or a global admin cancels or exports it; the same
+  for deleting a file;
 - a job may train only on files its submitter owns (an admin on any): a dataset may hold data
   its uploader was trusted with and others were not, and a job's checkpoints and adapter are
-  downloadable by everyone, so using someone's file would publish what it taught the model;
+  downloadable by its whole project, so using someone's file would publish what it taught the model;
 - rows made before users existed have no owner: only admins act on them;
 - ``/openai/v1`` reads per owner within the project ``OpenAI-Project`` selects, as OpenAI's API
   does: each user sees only their own files and jobs (events, checkpoints, results files), admins
@@ -91,15 +92,18 @@ def project_filter(session: Session, caller: Caller, name: str | None) -> str | 
 
 
 def require_owner(
-    session: Session, caller: Caller, owner_id: str | None, *, what: str, action: str, param: str
+    session: Session, caller: Caller, owner_id: str | None, *, what: str, action: str, param: str,
+    project_id: str | None = None,
 ) -> None:
-    """Raise ``Forbidden`` naming the owner unless ``caller`` owns the row or is an admin."""
-    if caller.may_act_on(owner_id):
+    """Raise ``Forbidden`` naming the owner unless ``caller`` owns the row, is an admin of its
+    project (``project_id``) or a global admin."""
+    if caller.may_act_on(owner_id, project_id):
         return
     name = owner_name(session, owner_id)
     whose = f"belongs to {name!r}" if name else "has no owner (it predates users)"
     raise Forbidden(
-        f"{what} {whose}; only its owner or an admin may {action} it (you are {caller.name!r})",
+        f"{what} {whose}; only its owner, an admin of its project or an admin may {action} it "
+        f"(you are {caller.name!r})",
         param=param,
     )
 

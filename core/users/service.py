@@ -54,9 +54,12 @@ class Caller:
     project_id: str | None = None
     per_owner: bool = False
 
-    def may_act_on(self, owner_id: str | None) -> bool:
-        """Owners act on their own jobs and files; admins on everyone's (and on unowned rows)."""
-        return self.is_admin or (owner_id is not None and owner_id == self.user_id)
+    def may_act_on(self, owner_id: str | None, project_id: str | None = None) -> bool:
+        """Owners act on their own jobs and files, a project's admins on its work (``project_id``:
+        the row's project, where the action allows it), global admins on everyone's (and on
+        unowned rows)."""
+        return (self.is_admin or (owner_id is not None and owner_id == self.user_id)
+                or (project_id is not None and project_id in self.admin_of))
 
     def may_read(self, project_id: str | None, owner_id: str | None) -> bool:
         """A row of ``project_id`` (owned by ``owner_id``) is the caller's to read: a global admin

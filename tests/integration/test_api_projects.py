@@ -76,3 +76,51 @@ class TestProjects:
         assert client.put("/v1/projects/second/default", headers=gina).json()["default"] is True
         defaults = {p["name"]: p["default"] for p in client.get("/v1/projects", headers=gina).json()["data"]}
         assert defaults == {"default": False, "second": True}
+
+
+class TestProjectAdminsActOnTheProjectsWork:
+    """A project admin cancels and exports members' jobs and deletes members' files in their
+    project; a plain member may not (403 naming the owner); an admin of another project cannot
+    even see them (404)."""
+
+    def test_cancel_export_and_delete(self, client: TestClient, store, settings) -> None:
+        from core.jobs import service
+        from core.jobs.states import JobStatus
+        from tests.integration.helpers import CHAT_RECORD, spec
+
+        client.post("/v1/projects", json={"name": "speech"})
+        client.post("/v1/projects", json={"name": "other"})
+        lead, dev, peer = (new_user(client, n, ["speech"]) for n in ("lead", "dev", "peer"))
+        outsider = new_user(client, "outsider", ["other"])
+        assert client.put("/v1/projects/speech/members/lead", json={"role": "admin"}).status_code == 200
+        assert client.put("/v1/projects/other/members/outsider", json={"role": "admin"}).status_code == 200
+        body = (__import__("json").dumps(CHAT_RECORD) + "\n").encode()
+        uploaded = client.post("/v1/files", files={"file": ("d.jsonl", body)}, data={"purpose": "train"}, headers=dev)
+        assert uploaded.status_code == 201, uploaded.text
+        file_id = uploaded.json()["id"]
+        job = client.post("/v1/jobs", json=spec(file_id), headers=dev)
+        assert job.status_code == 201, job.text
+        job_id = job.json()["id"]
+
+        refused = client.post(f"/v1/jobs/{job_id}/cancel", headers=peer)
+        assert refused.status_code == 403, refused.text
+        assert "belongs to 'dev'" in refused.json()["error"]["message"]
+        assert "an admin of its project" in refused.json()["error"]["message"]
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=outsider).status_code == 404
+        assert client.delete(f"/v1/files/{file_id}", headers=outsider).status_code == 404
+        assert client.delete(f"/v1/files/{file_id}", headers=peer).status_code == 403
+
+        done = client.post("/v1/jobs", json=spec(file_id), headers=dev).json()["id"]
+        with store.sessions() as session:
+            assert service.transition(session, done, JobStatus.running, output_dir=str(settings.jobs_dir / done))
+            assert service.transition(session, done, JobStatus.succeeded)
+            session.commit()
+        assert client.post(f"/v1/jobs/{done}/exports", json={"format": "merged"}, headers=peer).status_code == 403
+        exported = client.post(f"/v1/jobs/{done}/exports", json={"format": "merged"}, headers=lead)
+        assert exported.status_code == 202 and exported.json()["status"] == "queued", exported.text
+
+        cancelled = client.post(f"/v1/jobs/{job_id}/cancel", headers=lead)
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        assert client.delete(f"/v1/files/{file_id}", headers=lead).status_code == 200
+        assert client.get(f"/v1/files/{file_id}", headers=dev).status_code == 404

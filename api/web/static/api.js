@@ -129,14 +129,19 @@ export function selectProject(name) {
   else localStorage.removeItem(PROJECT_KEY);
 }
 
+let adminOf = new Set(); // names of the projects the logged-in user is an admin of (from myProjects)
+
 /** The projects the logged-in user is in (a global admin: all), with their role and the default. */
 export async function myProjects() {
-  return (await api("/v1/projects")).data;
+  const projects = (await api("/v1/projects")).data;
+  adminOf = new Set(projects.filter((p) => p.role === "admin").map((p) => p.name));
+  return projects;
 }
 
-/** May the logged-in user cancel or delete this job/file? (The server enforces it anyway.) */
-export function mayAct(owner) {
-  return Boolean(me && (me.is_admin || me.name === owner));
+/** May the logged-in user cancel or delete this job/file of `project`? Its owner, an admin of
+ * its project or a global admin may (the server enforces it anyway). */
+export function mayAct(owner, project) {
+  return Boolean(me && (me.is_admin || me.name === owner || (project && adminOf.has(project))));
 }
 
 /**

@@ -299,7 +299,7 @@ export function renderJob(main, [jobId]) {
       if (!exportsSlot.firstChild) clear(exportsSlot, exportsSection(id, signal));
     }
     // Only the owner or an admin may cancel (the API answers 403 to anyone else anyway).
-    if (!FINISHED.has(job.status) && mayAct(job.owner)) {
+    if (!FINISHED.has(job.status) && mayAct(job.owner, job.project)) {
       const confirmBox = h(
         "div",
         { class: "confirm", hidden: true, role: "group", "aria-label": "Confirm cancel" },

@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from worker.process import environ_value
+
 PID_FILE = "up.json"
 PR_SET_PDEATHSIG = 1
 INSTANCE_ENV = "FTQ_UP_INSTANCE"
@@ -131,16 +133,7 @@ def tagged(key: str) -> dict[int, str]:
 
 
 def _instance_of(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
-    except OSError:
-        return None  # gone, a zombie (empty), or not ours to read
-    needle = f"{INSTANCE_ENV}=".encode()
-    for entry in environ.split(b"\0"):
-        if entry.startswith(needle):
-            return entry[len(needle):].decode(errors="replace")
-    return None
+    return environ_value(pid, INSTANCE_ENV)
 
 
 def signal_tagged(pids: Iterable[int], key: str, sig: signal.Signals) -> None:

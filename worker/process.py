@@ -297,17 +297,23 @@ def tags_of(prefix: str) -> dict[int, str]:
     return found
 
 
-def _tag(pid: int) -> str | None:
+def environ_value(pid: int, name: str) -> str | None:
+    """The value of ``name`` in process ``pid``'s environment (None: unset, or the process is
+    gone, a zombie, or not ours to read)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = f.read()
     except OSError:
-        return None  # gone, a zombie (empty), or not ours to read
-    needle = f"{TAG_ENV}=".encode()
+        return None
+    needle = f"{name}=".encode()
     for entry in environ.split(b"\0"):
         if entry.startswith(needle):
             return entry[len(needle):].decode(errors="replace")
     return None
+
+
+def _tag(pid: int) -> str | None:
+    return environ_value(pid, TAG_ENV)
 
 
 def _has_tag(pid: int, tag: str) -> bool:

@@ -1,5 +1,6 @@
-// Jobs list: every job newest first (everyone on the box sees all of them, with
-// their owner), filtered by status and owner, refreshed every few seconds.
+// Jobs list: the jobs of the user's projects newest first (the header's switcher
+// narrows it to one project; a global admin sees every project's), with their
+// owner, filtered by status and owner, refreshed every few seconds.
 //
 // The list endpoint has no throughput, so for each running job the view asks
 // /metrics for its latest step row (one small request per running job: a box

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from worker.process import environ_value
+from worker.process import environ_value, signal_if
 
 PID_FILE = "up.json"
 PR_SET_PDEATHSIG = 1
@@ -140,17 +140,7 @@ def signal_tagged(pids: Iterable[int], key: str, sig: signal.Signals) -> None:
     """Send ``sig`` to each pid still tagged ``key`` (as ``tagged``), through a pidfd opened
     before the check, so a pid recycled meanwhile is left alone."""
     for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            if _matches(_instance_of(pid), key):
-                signal.pidfd_send_signal(fd, sig)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        signal_if(pid, sig, lambda p: _matches(_instance_of(p), key))
 
 
 def kill_tagged(key: str, timeout_s: float = KILL_WAIT_S) -> list[int]:

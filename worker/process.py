@@ -321,24 +321,28 @@ def _has_tag(pid: int, tag: str) -> bool:
     return value is not None and (value == tag or (tag.endswith("|") and value.startswith(tag)))
 
 
+def signal_if(pid: int, sig: signal.Signals, still: Callable[[int], bool]) -> bool:
+    """Send ``sig`` to ``pid`` if ``still(pid)``, through a pidfd opened before the check, so a
+    pid recycled meanwhile is left alone; whether it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if still(pid):
+            signal.pidfd_send_signal(fd, sig)
+            return True
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return False
+
+
 def signal_pids(pids: Sequence[int], sig: signal.Signals, *, tag: str | None = None) -> int:
-    """Send ``sig`` to each pid still carrying ``tag`` (any, without one), through a pidfd opened
-    before the check, so a pid recycled meanwhile is left alone; returns how many were signalled."""
-    sent = 0
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            if tag is None or _has_tag(pid, tag):
-                signal.pidfd_send_signal(fd, sig)
-                sent += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return sent
+    """Send ``sig`` to each pid still carrying ``tag`` (any, without one) (``signal_if``); returns
+    how many were signalled."""
+    return sum(signal_if(pid, sig, lambda p: tag is None or _has_tag(p, tag)) for pid in pids)
 
 
 def signal_tagged(tag: str, sig: signal.Signals) -> int:

@@ -62,6 +62,21 @@ so a request never waits 30 s for a pooled connection and fails (issue 10: SQLAl
 5 + 10 under 20 submissions/s beside 100 viewers)."""
 
 
+DEAD_PEER_S = {"idle": 10, "interval": 5, "count": 4}
+"""TCP keepalive for PostgreSQL connections, both ends: a peer silent this long (10 s idle, then 4
+probes 5 s apart: 30 s) is dead. A worker machine that loses power or its network mid-transaction
+sends no FIN; without this the server would keep its backend, its open transaction and the row
+locks it holds (the job row a runner locked, the worker row presence locked) for the kernel's
+default two hours, and every other machine's reaper would block on them. The client end lets a
+worker whose database host vanished fail its query instead of waiting as long."""
+
+
+def _postgres_connect_args() -> dict[str, object]:
+    server = " ".join(f"-c tcp_keepalives_{k}={v}" for k, v in DEAD_PEER_S.items())
+    client = {"keepalives": 1, **{f"keepalives_{k}": v for k, v in DEAD_PEER_S.items()}}
+    return {"options": server, **client}
+
+
 def make_engine(url: str, *, echo: bool = False) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, echo=echo, connect_args={"timeout": 30, "check_same_thread": False}, **POOL)
@@ -75,7 +90,7 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, echo=echo, pool_pre_ping=True, **POOL)
+    return create_engine(url, echo=echo, pool_pre_ping=True, connect_args=_postgres_connect_args(), **POOL)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker:

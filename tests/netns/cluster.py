@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 
 from tests.faults.services import ThrowawayPostgres, ThrowawayRedis
 from tests.integration.e2e.stack import MODEL, STACK_ENV, printed_key
@@ -297,6 +299,24 @@ class Cluster:
                 return result
             time.sleep(every_s)
         raise AssertionError(f"never {what} within {timeout_s:.0f}s\n{self.log_tail()}")
+
+    def diagnose(self, name: str) -> str:
+        """What a stuck machine is doing, for a failure message: every thread's stack of its
+        worker (Celery logs them on SIGUSR1) and the store's sessions with their waits and locks."""
+        for pid in self.hosts.pids(name):
+            with contextlib.suppress(OSError):
+                if b"python" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
+                    os.kill(pid, signal.SIGUSR1)
+        sessions = ""
+        if self.pg is not None:
+            query = ("SELECT a.pid, a.client_addr, a.state, a.xact_start, a.wait_event_type, a.wait_event, "
+                     "pg_blocking_pids(a.pid), left(a.query, 160) FROM pg_stat_activity a "
+                     "WHERE a.datname IS NOT NULL AND a.pid <> pg_backend_pid() ORDER BY a.xact_start")
+            with contextlib.suppress(Exception), self.hosts.inside("api"), \
+                    psycopg.connect(self.pg.url.replace("+psycopg", ""), connect_timeout=5) as conn:
+                sessions = "\n".join(repr(row) for row in conn.execute(query).fetchall())
+        time.sleep(2.0)
+        return f"--- store sessions ---\n{sessions}\n{self.log_tail(lines=150)}"
 
     def stop(self) -> None:
         for name in self.machines:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.hostile_tars import HOSTILE
 from worker.transfer import (
     TransferClient,
     TransferError,
@@ -213,6 +214,16 @@ def test_download_refuses_an_escaping_archive(api, tmp_path, name):
     assert len(fake.requests) == 1  # a hostile archive is not asked for again
     assert not (tmp_path / "job" / "adapter").exists()
     assert not (tmp_path / "escape").exists()
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=lambda h: h.id)
+def test_every_hostile_tar_the_api_could_send_is_refused_by_the_one_reader(api, tmp_path, hostile):
+    fake, url = api
+    fake.artifacts[("job-1", "adapter")] = hostile.build()
+    with _client(url, tmp_path) as client, pytest.raises(TransferError, match=f"unsafe archive: .*{hostile.says}"):
+        client.download_artifact("job-1", "adapter", tmp_path / "job" / "adapter")
+    assert len(fake.requests) == 1  # a hostile archive is not asked for again
+    assert [p.name for p in tmp_path.rglob("*")] == ["job"] and not Path("/etc/evil").exists()
 
 
 def test_safe_extract_refuses_links(tmp_path):

@@ -83,6 +83,13 @@ def _js_copies(source: str, rel: str) -> list[str]:
     return found
 
 
+def test_the_catalog_imports_only_the_standard_library() -> None:
+    tree = ast.parse(HOME.read_text())
+    imported = [n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    assert imported == ["__future__"]
+
+
 class TestNoCopies:
     def test_no_module_spells_a_list_of_the_catalog(self) -> None:
         offenders = [

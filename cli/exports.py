@@ -18,6 +18,7 @@ import httpx
 
 from cli.client import call, connect
 from cli.errors import CliError
+from trainer.catalog import DEFAULT_QUANTIZATION, EXPORT_FORMATS, QUANTIZATIONS
 
 POLL_S = 1.0
 
@@ -25,8 +26,8 @@ POLL_S = 1.0
 def add_parsers(commands: Any) -> None:
     p = commands.add_parser("export", help="export a finished job: merged safetensors or GGUF, then download it")
     p.add_argument("job_id")
-    p.add_argument("--format", required=True, choices=["merged", "gguf"])
-    p.add_argument("--quantization", choices=["f32", "f16", "bf16", "q8_0"], help="gguf tensor type (default f16)")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help=f"gguf tensor type (default {DEFAULT_QUANTIZATION})")
     p.add_argument("-o", "--output", type=Path, help="file to write (default <job>-<format>[-<quantization>].zip|.gguf)")
     p.add_argument("--no-wait", action="store_true", help="only ask for it; print the export as JSON")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds to wait for it (default 6 h)")

@@ -26,6 +26,8 @@ import itertools
 import re
 from dataclasses import dataclass
 
+from trainer.catalog import EXPORT_FORMATS
+
 ROUTE = re.compile(r"\b(GET|POST|PUT|PATCH|DELETE) (/v1/[^\s;,()`'\"]*[^\s;,()`'\".])")
 """A method and a path in a message (a trailing full stop is the sentence's, not the path's)."""
 BESIDE = re.compile(r" \(or (`ftq [^`]+`)\)| or (`ftq [^`]+`)|; (`ftq [^`]+`)")
@@ -64,7 +66,7 @@ ROUTES: tuple[RouteHint, ...] = (
     RouteHint("GET /v1/jobs/{id}/metrics.csv", "metrics {id}"),
     RouteHint("GET /v1/jobs/{id}/adapter", "download {id}"),
     RouteHint("GET /v1/jobs/{id}/exports", "exports {id}"),
-    RouteHint("POST /v1/jobs/{id}/exports", "export {id} --format merged|gguf"),
+    RouteHint("POST /v1/jobs/{id}/exports", "export {id} --format " + "|".join(EXPORT_FORMATS)),
     RouteHint("GET /v1/queue", "jobs --status queued"),
     RouteHint("GET /v1/hardware", "machines"),
     RouteHint("GET /v1/projects", "projects list"),

@@ -21,6 +21,7 @@ import httpx
 
 from cli.client import call
 from cli.jobs import duration_cell, gpus_cell, queue_line
+from trainer.catalog import EXPORT_FORMATS
 
 SPEED_STEPS = 10
 """Steps averaged for tokens/s and MFU (one step's rate jitters with its sequence lengths)."""
@@ -143,7 +144,7 @@ def next_commands(job: dict[str, Any], checkpoints: list[dict[str, Any]],
     if status == "succeeded":
         what = "the fine-tuned model" if job["method"] == "full" else "the adapter"
         rows.append(("download", f"ftq download {job_id}  ({what}, zip; --format tar.gz)"))
-        rows.append(("export", f"ftq export {job_id} --format merged|gguf"))
+        rows.append(("export", f"ftq export {job_id} --format {'|'.join(EXPORT_FORMATS)}"))
         if exports:
             kinds = ", ".join(f"{e['format']}{'/' + e['quantization'] if e.get('quantization') else ''} {e['status']}"
                               for e in exports)

@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainer.catalog import SERVER_TRACKERS
+
 TRACKING_SERVER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 TRACKING_SERVER_URL = re.compile(r"^https?://[^\s@/]+(/\S*)?$")
 LEGACY_MLFLOW_SERVER = "mlflow"
@@ -26,7 +28,7 @@ class TrackingServer(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["mlflow", "wandb"]
+    kind: Literal[SERVER_TRACKERS]  # type: ignore[valid-type]
     url: str | None = Field(default=None, max_length=2048, pattern=TRACKING_SERVER_URL.pattern)
     """http(s)://host[:port][/path], no user:password in it; required for MLflow. W&B without
     one: W&B's cloud, or the worker's ``WANDB_BASE_URL``."""
@@ -163,7 +165,7 @@ class Settings(BaseSettings):
             if not TRACKING_SERVER_NAME.match(name):
                 raise ValueError(f"FTQ_TRACKING_SERVERS: {name!r} is not a server name: use 1-64 lowercase "
                                  "letters, digits, '.', '_' or '-', starting with a letter or digit")
-        for kind in ("mlflow", "wandb"):
+        for kind in SERVER_TRACKERS:
             defaults = sorted(name for name, server in servers.items() if server.kind == kind and server.default)
             if len(defaults) > 1:
                 raise ValueError(f"FTQ_TRACKING_SERVERS: {', '.join(defaults)} are all default {kind} servers; "

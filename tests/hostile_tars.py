@@ -1,10 +1,15 @@
-"""Tars a hostile worker sends (issue 23), built in memory: the reader's unit tests and the
-worker routes' integration tests share them."""
+"""Tars a hostile worker (or API) sends (issue 23), built in memory. ``HOSTILE`` lists every case
+the one reader (``core.workers.archive.extract_into``) must refuse; each path that reads a tar
+runs all of them: the reader itself (tests/unit/core/test_worker_archive.py), the worker's
+downloads (tests/unit/worker/test_worker_transfer.py) and the API's upload route
+(tests/integration/test_api_worker_uploads_bounded.py)."""
 
 from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
 
 GIB = 1 << 30
 
@@ -71,3 +76,68 @@ def files_tar(files: dict[str, bytes]) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def tar_bytes(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, linkname
+    return info
+
+
+def forged_size_tar() -> bytes:
+    """A member whose pax header claims 3 GiB (read back as its size) with 1 byte after it."""
+    info = member("forged")
+    info.pax_headers = {"size": str(3 * GIB)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class Hostile:
+    id: str
+    build: Callable[[], bytes]
+    says: str
+    """What the refusal's message says."""
+    too_large: bool = False
+    """Refused as past a bound (``TooLarge``, HTTP 413) rather than unsafe (``UnsafeArchive``, 422)."""
+
+
+HOSTILE = (
+    Hostile("absolute", lambda: tar_bytes((member("/etc/evil"), b"x")), "an absolute name"),
+    Hostile("dotdot", lambda: tar_bytes((member("../evil"), b"x")), "a '..' part"),
+    Hostile("inner-dotdot", lambda: tar_bytes((member("a/../../evil"), b"x")), "a '..' part"),
+    Hostile("symlink-absolute", lambda: tar_bytes((member("ok", tarfile.SYMTYPE, "/etc/passwd"), None)), "a link"),
+    Hostile("symlink-relative", lambda: tar_bytes((member("rel", tarfile.SYMTYPE, "x"), None)), "a link"),
+    Hostile("hardlink", lambda: tar_bytes((member("x"), b"x"), (member("hard", tarfile.LNKTYPE, "x"), None)), "a link"),
+    Hostile("chardev", lambda: tar_bytes((member("dev", tarfile.CHRTYPE), None)), "a device or fifo"),
+    Hostile("blockdev", lambda: tar_bytes((member("blk", tarfile.BLKTYPE), None)), "a device or fifo"),
+    Hostile("fifo", lambda: tar_bytes((member("pipe", tarfile.FIFOTYPE), None)), "a device or fifo"),
+    Hostile("long-part", lambda: tar_bytes((member("a" * 300), b"x")), "longer than the filesystem allows"),
+    Hostile("long-name", lambda: tar_bytes((member("/".join(["d" * 200] * 30)), b"x")),
+            "longer than the filesystem allows"),
+    Hostile("not-a-tar", lambda: b"not a tar at all" * 100, "not a tar"),
+    Hostile("gnu-sparse", lambda: gnu_sparse_tar(3 * GIB), "a sparse file"),
+    Hostile("pax-sparse", lambda: pax_sparse_tar(3 * GIB), "a sparse file"),
+    Hostile("forged-size", forged_size_tar, "more than the tar holds"),
+    Hostile("same-name-twice", lambda: tar_bytes((member("a"), b"1"), (member("a"), b"2")),
+            "clashes with an earlier member"),
+    Hostile("file-then-child", lambda: tar_bytes((member("a"), b"1"), (member("a/b"), b"2")),
+            "clashes with an earlier member"),
+    Hostile("dir-then-file", lambda: tar_bytes((member("d", tarfile.DIRTYPE), None), (member("d"), b"2")),
+            "clashes with an earlier member"),
+    Hostile("60000-members", lambda: many_members_tar(60_000), "more than 10,000 members", too_large=True),
+)
+"""Every hostile tar, each refused before a byte of it lands (ids name them in test reports)."""

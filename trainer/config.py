@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.catalog import METHODS, SCHEDULERS
+
 SWITCH_VALUES = ("auto", "on", "off")
 CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
 """``gradient_checkpointing``: the activation policy (``trainer.features.checkpointing``)."""
-METHODS = ("lora", "qlora", "full")
-SCHEDULERS = ("cosine", "linear", "constant")
 DATA_FORMATS = ("auto", "chat", "prompt_completion", "text", "preference")
 OBJECTIVES = ("sft", "dpo")
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer import layout
+from trainer.catalog import DEFAULT_QUANTIZATION, EXPORT_FORMATS, QUANTIZATIONS
 from trainer.config import TrainConfig
 
-FORMATS = ("merged", "gguf")
 STAGES = ("load", "merge", "save", "convert")
 """Stages in order; a merged export ends after ``save``."""
 
@@ -44,13 +44,14 @@ class ExportResult:
 
 
 def run_export(config: TrainConfig, fmt: str, out: str | Path, report: Report, *,
-               quantization: str = "f16", device: str = "auto", weights: str | Path | None = None) -> ExportResult:
+               quantization: str = DEFAULT_QUANTIZATION, device: str = "auto",
+               weights: str | Path | None = None) -> ExportResult:
     """Write the ``fmt`` export of ``config``'s run into ``out`` (replaced if present).
 
     ``weights``: the adapter (or full model) directory; default the run's final one.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"format: {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
     started = time.perf_counter()
     out = Path(out)
     tmp = out.with_name(out.name + layout.PARTIAL_SUFFIX)
@@ -132,12 +133,12 @@ def copy_tokenizer(name_or_path: str, out: Path, *, trust_remote_code: bool = Fa
 
 
 def write_gguf_export(config: TrainConfig, weights: Path, out: Path, report: Report, *,
-                      quantization: str = "f16", device: str = "auto") -> Path:
+                      quantization: str = DEFAULT_QUANTIZATION, device: str = "auto") -> Path:
     """Merge into ``out/merged.work`` (removed after), then write ``out/model-<quantization>.gguf``."""
-    from trainer.gguf import OUTTYPES, GgufError, write_gguf
+    from trainer.gguf import GgufError, write_gguf
 
-    if quantization not in OUTTYPES:
-        raise GgufError(f"quantization: {quantization!r} is not one of {', '.join(OUTTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise GgufError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     work = out / "merged.work"
     merge(config, weights, work, report, device=device)
     report("progress", stage="convert", fraction=0.0)

@@ -17,6 +17,7 @@ import sys
 import traceback
 from typing import Any
 
+from trainer.catalog import DEFAULT_QUANTIZATION, EXPORT_FORMATS, QUANTIZATIONS
 from trainer.config import TrainConfig
 from trainer.events import Emitter
 
@@ -24,8 +25,9 @@ from trainer.events import Emitter
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("export", help="merge the run's adapter into its base (safetensors) or write a GGUF")
     p.add_argument("job", help="the run's job.json (trainer.config.TrainConfig)")
-    p.add_argument("--format", required=True, choices=("merged", "gguf"))
-    p.add_argument("--quantization", default="f16", help="gguf tensor type: f32, f16, bf16, q8_0 (default f16)")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    p.add_argument("--quantization", default=DEFAULT_QUANTIZATION,
+                   help=f"gguf tensor type: {', '.join(QUANTIZATIONS)} (default {DEFAULT_QUANTIZATION})")
     p.add_argument("--out", required=True, help="directory to write (replaced when the export completes)")
     p.add_argument("--weights", help="adapter or model directory (default: the run's final one)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

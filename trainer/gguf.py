@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-"""GGUF tensor types we write: gguf-py quantizes these in numpy (llama.cpp's ``--outtype``)."""
+from trainer.catalog import DEFAULT_QUANTIZATION, QUANTIZATIONS
 
 ARCHITECTURES = {
     # HF architecture -> (gguf arch, permute Q/K for llama.cpp's interleaved RoPE)
@@ -66,7 +65,7 @@ class GgufInfo:
     bytes: int
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f16",
+def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = DEFAULT_QUANTIZATION,
                progress: Progress | None = None, name: str | None = None) -> GgufInfo:
     """Convert the model in ``model_dir`` (``config.json``, safetensors, ``tokenizer.json``) to ``out``;
     ``name`` is its ``general.name`` (default the directory's name).
@@ -77,8 +76,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f16",
     import gguf
 
     model_dir, out = Path(model_dir), Path(out)
-    if outtype not in OUTTYPES:
-        raise GgufError(f"quantization: {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    if outtype not in QUANTIZATIONS:
+        raise GgufError(f"quantization: {outtype!r} is not one of {', '.join(QUANTIZATIONS)}")
     config = json.loads((model_dir / "config.json").read_text())
     arch_name, permute = _arch(config)
     arch = gguf.MODEL_ARCH[arch_name.upper()]

@@ -8,8 +8,9 @@ datasets and job artifacts from, and uploads checkpoints, adapters and exports t
                        renamed; a file already cached under its hash is not fetched again)
     download_artifact  GET /v1/worker/jobs/{job}/artifacts/{path} → a tar, verified, extracted
                        into a temporary directory beside the target, then renamed into place
-    upload_artifact    a directory (or one file) → a tar in a temporary file (first pass: its
-                       sha256), then PUT /v1/worker/jobs/{job}/artifacts/{path} streaming it
+    upload_artifact    a directory (or one file) → a tar in a temporary file (written by the
+                       API's own writer, ``core.workers.archive.write_tar``, its sha256 computed
+                       on the way), then PUT /v1/worker/jobs/{job}/artifacts/{path} streaming it
 
 A checksum mismatch, a truncated body, a 5xx or a connection error is retried up to
 ``retries`` times with exponential backoff; a 401 or 403 (a revoked or wrong key, a job that
@@ -31,7 +32,6 @@ import logging
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 import time
 import uuid
@@ -178,8 +178,7 @@ class TransferClient:
         os.close(fd)
         tar = Path(name)
         try:
-            make_tar(source, tar)
-            digest, size = file_sha256(tar), tar.stat().st_size
+            digest, size = tars.write_tar(source, tar)
 
             def once() -> dict[str, Any]:
                 headers = {SHA_HEADER: digest, "Content-Length": str(size), "Content-Type": "application/x-tar"}
@@ -275,34 +274,6 @@ def _replace(source: Path, dest: Path) -> None:
     os.replace(source, dest)
     if had:
         shutil.rmtree(aside) if aside.is_dir() and not aside.is_symlink() else aside.unlink()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as source:
-        while chunk := source.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def make_tar(source: Path, target: Path) -> None:
-    """An uncompressed tar of ``source``: a directory's contents with names relative to it, or one
-    file named by its basename. Links are not followed into the archive (refused)."""
-    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
-        if source.is_file():
-            tar.add(source, arcname=source.name, recursive=False)
-            return
-        for path in sorted(source.rglob("*")):
-            if path.is_symlink():
-                raise TransferError(f"{path} is a symbolic link; artifacts hold only files and directories")
-            info = tar.gettarinfo(path, arcname=path.relative_to(source).as_posix())
-            if info.islnk():  # a second name of one inode: stored as a file of its own (the API refuses links)
-                info.type, info.linkname, info.size = tarfile.REGTYPE, "", path.stat().st_size
-            if info.isfile():
-                with path.open("rb") as data:
-                    tar.addfile(info, data)
-            else:
-                tar.addfile(info)
 
 
 def safe_extract(archive: Path, dest: Path) -> None:

@@ -11,62 +11,49 @@ trained and how, and the base's tokenizer files (chat template included) come al
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import tarfile
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 from typing import Literal
 
 from api.jobs.card import TOKENIZER_FILES, AdapterCard
 from core.errors import NotFound
+from core.workers.archive import Member, tree_members, write_tar
 
 ArchiveFormat = Literal["zip", "tar.gz"]
 MEDIA_TYPES = {"zip": "application/zip", "tar.gz": "application/gzip"}
 
 
-Member = tuple[str, Path | bytes]
-"""A file of an archive: its name in the archive and a file to copy or the bytes to write."""
-
-
 def build_archive(src: Path, fmt: ArchiveFormat, tmp_dir: Path, members: list[Member] | None = None) -> Path:
     """Pack every file under ``src`` (paths relative to it) into a new temporary archive;
-    ``members`` (``directory_members``, ``adapter_members``) replaces that list when given."""
+    ``members`` (``adapter_members``) replaces that list when given. Links are left out, as from
+    every archive ftq writes (``core.workers.archive.tree_members``): they could point anywhere on the box."""
     if not src.is_dir():
         raise NotFound(f"{src.name}: the files are no longer on disk", param="job_id")
     tmp_dir.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=tmp_dir, suffix="." + fmt)
     os.close(fd)
     out = Path(name)
-    members = directory_members(src) if members is None else members
+    members = tree_members(src) if members is None else members
     try:
         if fmt == "zip":
             with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
                 for arcname, item in members:
                     zf.writestr(arcname, item) if isinstance(item, bytes) else zf.write(item, arcname)
         else:
-            with tarfile.open(out, "w:gz") as tf:
-                for arcname, item in members:
-                    _add_to_tar(tf, arcname, item)
+            write_tar(members, out, gzip=True)
     except BaseException:
         out.unlink(missing_ok=True)
         raise
     return out
 
 
-def directory_members(src: Path) -> list[Member]:
-    # Links are left out: they could point anywhere on the box.
-    files = sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink())
-    return [(path.relative_to(src).as_posix(), path) for path in files]
-
-
 def adapter_members(src: Path, card: AdapterCard) -> list[Member]:
     """The adapter's files with ``base_model_name_or_path`` made portable, the card as
     ``README.md`` and the base's tokenizer files (those the adapter directory lacks)."""
-    members = [(name, path) for name, path in directory_members(src) if name != "README.md"]
+    members = [(name, path) for name, path in tree_members(src) if name != "README.md"]
     for i, (name, path) in enumerate(members):
         if name == "adapter_config.json" and isinstance(path, Path):
             config = json.loads(path.read_text())
@@ -81,11 +68,3 @@ def adapter_members(src: Path, card: AdapterCard) -> list[Member]:
     members.append(("README.md", card.readme.encode()))
     return members
 
-
-def _add_to_tar(tf: tarfile.TarFile, arcname: str, item: Path | bytes) -> None:
-    if isinstance(item, Path):
-        tf.add(item, arcname=arcname, recursive=False)
-        return
-    info = tarfile.TarInfo(arcname)
-    info.size, info.mtime, info.mode = len(item), int(time.time()), 0o644
-    tf.addfile(info, io.BytesIO(item))

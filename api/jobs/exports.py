@@ -33,6 +33,7 @@ from core.jobs.models import Job
 from core.jobs.service import get_job
 from core.queue import enqueue_export
 from core.users import access
+from trainer.catalog import DEFAULT_QUANTIZATION, EXPORT_FORMATS, GGUF_MODEL_TYPES, QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["exports"])
@@ -44,11 +45,11 @@ EXPORT_ID = re.compile(r"exp-[0-9a-f]{24}")
 class ExportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: Annotated[Literal["merged", "gguf"], Field(
+    format: Annotated[Literal[EXPORT_FORMATS], Field(  # type: ignore[valid-type]
         description="merged: base + adapter in the base's dtype, safetensors, tokenizer and chat template; "
-        "gguf: one llama.cpp file, chat template in its metadata (llama, mistral, qwen2, qwen3).")]
-    quantization: Annotated[Literal["f32", "f16", "bf16", "q8_0"] | None, Field(
-        description="gguf only: tensor type (default f16).")] = None
+        f"gguf: one llama.cpp file, chat template in its metadata ({', '.join(GGUF_MODEL_TYPES)}).")]
+    quantization: Annotated[Literal[QUANTIZATIONS] | None, Field(  # type: ignore[valid-type]
+        description=f"gguf only: tensor type (default {DEFAULT_QUANTIZATION}).")] = None
 
 
 class ExportOut(BaseModel):

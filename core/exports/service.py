@@ -22,13 +22,8 @@ from core.jobs.models import Job
 from core.jobs.service import append_events, get_job
 from core.jobs.states import JobStatus
 from core.users.service import Caller
+from trainer.catalog import DEFAULT_QUANTIZATION, EXPORT_FORMATS, GGUF_MODEL_TYPES, QUANTIZATIONS
 
-FORMATS = ("merged", "gguf")
-QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0")
-"""GGUF tensor types (``trainer.gguf.OUTTYPES``; the API must not import the trainer's torch side)."""
-DEFAULT_QUANTIZATION = "f16"
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-"""``config.json`` model types ``trainer.gguf`` writes."""
 STAGE_WEIGHTS = {"merged": {"load": (0.0, 0.5), "merge": (0.5, 0.1), "save": (0.6, 0.4)},
                  "gguf": {"load": (0.0, 0.3), "merge": (0.3, 0.05), "save": (0.35, 0.15), "convert": (0.5, 0.5)}}
 """Per format, each stage's (start, share) of the whole export, for one progress number."""
@@ -46,8 +41,8 @@ def create_export(session: Session, job_id: str, fmt: str, quantization: str | N
     job = get_job(session, job_id)
     if job.status != JobStatus.succeeded.value:
         raise Conflict(f"job {job_id} is {job.status}; it can be exported once it has succeeded", param="job_id")
-    if fmt not in FORMATS:
-        raise InvalidInput(f"format: {fmt!r} is not one of {', '.join(FORMATS)}", param="format")
+    if fmt not in EXPORT_FORMATS:
+        raise InvalidInput(f"format: {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}", param="format")
     if fmt == "merged" and quantization is not None:
         raise InvalidInput("quantization: only format gguf has one; leave it out for merged", param="quantization")
     if fmt == "gguf":
@@ -55,8 +50,8 @@ def create_export(session: Session, job_id: str, fmt: str, quantization: str | N
         if quantization not in QUANTIZATIONS:
             raise InvalidInput(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}",
                                param="quantization")
-        if model_type is not None and model_type not in GGUF_ARCHITECTURES:
-            raise InvalidInput(f"format: gguf supports the architectures {', '.join(GGUF_ARCHITECTURES)}; this "
+        if model_type is not None and model_type not in GGUF_MODEL_TYPES:
+            raise InvalidInput(f"format: gguf supports the architectures {', '.join(GGUF_MODEL_TYPES)}; this "
                                f"job's base is {model_type!r} (format merged works for every model)", param="format")
     same_kind = Export.quantization.is_(None) if quantization is None else Export.quantization == quantization
     running = session.scalars(select(Export).where(

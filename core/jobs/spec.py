@@ -16,6 +16,7 @@ a dataset of unknown size; the stored spec shows it.
 The optimization switches are not listed here: ``OptimizationSwitches`` is built from
 ``trainer.config.Optimizations`` (``SWITCHES``, ``switch_docs``), the one list, so a switch the
 trainer gains is accepted here, shown in the API's schema and on the dashboard's form at once.
+Methods and schedulers are ``trainer.catalog``'s lists in the same way.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
+from trainer.catalog import METHODS, SCHEDULERS
 from trainer.config import CHECKPOINTING_VALUES, SWITCH_VALUES, SWITCHES, switch_docs
 
 Switch = Literal[SWITCH_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off"
-Method = Literal["lora", "qlora", "full"]
+Method = Literal[METHODS]  # type: ignore[valid-type]
 Priority = Literal["low", "normal", "high"]
-Scheduler = Literal["cosine", "linear", "constant"]
+Scheduler = Literal[SCHEDULERS]  # type: ignore[valid-type]
 Checkpointing = Literal[CHECKPOINTING_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off" | "selective"
 Objective = Literal["sft", "dpo"]
 

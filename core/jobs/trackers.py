@@ -33,18 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 from core.errors import InvalidInput, Unsupported
 from core.settings import LEGACY_MLFLOW_SERVER, Settings, TrackingServer
+from trainer.catalog import SERVER_TRACKERS, TRACKERS
 
 if TYPE_CHECKING:
     from core.projects.models import Project
 
-TRACKERS = {"mlflow": "MLflow", "tensorboard": "TensorBoard", "wandb": "W&B"}
-"""Each tracker, by its ``tracking`` field and Python package (the same name), and its name for people."""
 INSTALL = ("install the 'tracking' extra: make up SERVICE_EXTRAS=tracking, or pip install 'ftq[tracking]' "
            "on the worker host, then restart the worker")
 _NAMED_BY = {"mlflow": ("mlflow_server", "mlflow_tracking_uri"), "wandb": ("wandb_server", "wandb_project")}
 """With ``<tracker>: null``, naming one of these turns the tracker on."""
-KINDS = {"mlflow": "MLflow", "wandb": "W&B"}
-"""The trackers that send to a server, by ``TrackingServer.kind``."""
+KINDS = {kind: TRACKERS[kind] for kind in SERVER_TRACKERS}
+"""The trackers that send to a server, by ``TrackingServer.kind``, and their names for people."""
 CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "WANDB_API_KEY")
 """The trackers' own credential variables, which their clients read wherever they send."""
 

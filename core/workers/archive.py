@@ -1,12 +1,19 @@
-"""The tars that carry a job's artifacts between a worker and the API, written and unpacked
-safely. Used by the API's worker routes (``api.workers.artifacts``) and by the worker's client
-(``worker.transfer``) for the other direction: one reader for every tar either side receives.
+"""Every tar ftq writes, and every tar it unpacks: one writer and one reader with one set of rules.
 
-A tar is uncompressed (checkpoints are already dense; compression would cost CPU for nothing)
-and holds only regular files and directories, named relative to the artifact: extracting it
-into an empty directory D recreates the artifact's contents in D, and a single file is one
-member named by its basename. A second name of one inode (a hard link) is written as a file of
-its own (``write_tar``; the worker's ``make_tar`` does the same), since the reader refuses links.
+The writer (``write_tar``) packs the tars that carry a job's artifacts between a worker and the
+API (the API's worker routes, ``api.workers.artifacts``, and the worker's client,
+``worker.transfer``) and the ``.tar.gz`` downloads of the API (``api.jobs.artifacts``, whose zip
+downloads list their files with the same ``tree_members``). The reader (``extract_into``) unpacks
+every tar either side receives.
+
+A tar holds only regular files, named relative to the artifact (``tree_members``): extracting it
+into an empty directory D recreates the artifact's files in D, and a single file is one member
+named by its basename. Links are left out, never followed (a symbolic link could point anywhere
+on the box), as are devices and fifos; a second name of one inode (a hard link) is written as a
+file of its own, since the reader refuses links; a directory is implied by its files' names (an
+empty one is not carried). Each member is mode 0644 with its file's time and no owner's name.
+Worker tars are uncompressed (checkpoints are already dense; compression would cost CPU for
+nothing); the API's downloads may be gzipped.
 
 Unpacking trusts nothing in the tar. ``read_members`` reads the headers alone, one at a time,
 and refuses (``UnsafeArchive``) absolute names, ``..`` parts, links (symbolic and hard),
@@ -19,6 +26,7 @@ fresh staging directory, created exclusively, its bytes counted against the limi
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import tarfile
@@ -41,35 +49,46 @@ MAX_MEMBERS = 10_000
 A checkpoint is a handful of files; an FSDP checkpoint one file per rank and a few more."""
 
 
-def _regular_files(src: Path) -> list[tuple[str, Path]]:
-    """``(name in the tar, file)`` for every regular file under ``src`` (or ``src`` itself),
-    in sorted order; links and other special files are left out."""
+Member = tuple[str, Path | bytes]
+"""A file of a tar: its name in the tar, and the file to copy or the bytes to write."""
+
+
+def tree_members(src: Path) -> list[Member]:
+    """``(name in the tar, file)`` for every regular file under ``src`` (or ``src`` itself, named
+    by its basename), in sorted order; links and other special files under it are left out."""
     if src.is_file():
         return [(src.name, src)]
-    found = []
-    for root, dirs, files in os.walk(src):
-        dirs.sort()
-        for name in sorted(files):
+    found: list[Member] = []
+    for root, _dirs, files in os.walk(src):
+        for name in files:
             path = Path(root) / name
             if path.is_file() and not path.is_symlink():
                 found.append((path.relative_to(src).as_posix(), path))
-    return found
+    return sorted(found, key=lambda member: PurePosixPath(member[0]).parts)
 
 
-def write_tar(src: Path, out: Path) -> tuple[str, int]:
-    """Write the tar of ``src`` (a directory or one file) to ``out``; ``(sha256 hex, bytes)``.
+def write_tar(src: Path | list[Member], out: Path, *, gzip: bool = False) -> tuple[str, int]:
+    """Write the tar of ``src`` (a directory or one file, as ``tree_members`` lists it; or the
+    members themselves) to ``out``, gzipped if asked; ``(sha256 hex of out, bytes)``.
 
     Members are built by hand rather than with ``TarFile.add``, which would write a second
-    name of one inode as a hard link (a member type the receiver refuses).
+    name of one inode as a hard link (a member type the reader refuses) and the owner's names.
     """
+    members = tree_members(src) if isinstance(src, Path) else src
     digest = hashlib.sha256()
     with out.open("wb") as raw:
-        with tarfile.open(fileobj=_HashingWriter(raw, digest), mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for name, path in _regular_files(src):
-                stat = path.stat()
+        mode = "w|gz" if gzip else "w|"
+        with tarfile.open(fileobj=_HashingWriter(raw, digest), mode=mode, format=tarfile.PAX_FORMAT) as tar:
+            for name, item in members:
                 info = tarfile.TarInfo(name)
-                info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
-                with path.open("rb") as fh:
+                info.mode = 0o644
+                if isinstance(item, bytes):
+                    info.size, info.mtime = len(item), int(time.time())
+                    tar.addfile(info, io.BytesIO(item))
+                    continue
+                with item.open("rb") as fh:
+                    stat = os.fstat(fh.fileno())
+                    info.size, info.mtime = stat.st_size, int(stat.st_mtime)
                     tar.addfile(info, fh)
     return digest.hexdigest(), out.stat().st_size
 

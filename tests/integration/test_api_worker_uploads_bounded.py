@@ -17,7 +17,7 @@ from core.jobs import service
 from core.jobs.models import Checkpoint, Job
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from tests.hostile_tars import GIB, files_tar, gnu_sparse_tar, many_members_tar
+from tests.hostile_tars import GIB, HOSTILE, Hostile, files_tar, gnu_sparse_tar, many_members_tar
 from tests.integration.helpers import bearer, make_worker_key
 from tests.integration.test_api_worker_routes import add_worker, claimed_job, put, sha, store_tree
 
@@ -52,6 +52,17 @@ def end(store, job_id: str, status: JobStatus) -> None:
 
 
 class TestHostileTars:
+    @pytest.mark.parametrize("hostile", HOSTILE, ids=lambda h: h.id)
+    def test_every_hostile_tar_is_refused_by_the_one_reader_and_writes_nothing(
+        self, client: TestClient, settings: Settings, box, hostile: Hostile
+    ) -> None:
+        response = put(client, box["job"], "adapter", hostile.build(), box["key"])
+        code, status = ("too_large", 413) if hostile.too_large else ("unsafe_archive", 422)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == code and hostile.says in error["message"] and error["param"] == "body"
+        assert kept(settings, box["job"]) == [] and not (settings.jobs_dir / "evil").exists()
+
     def test_a_10_kb_tar_with_a_gnu_sparse_member_of_3_gib_is_422_and_writes_nothing(
         self, client: TestClient, settings: Settings, box
     ) -> None:

@@ -6,6 +6,9 @@ import { api } from "./api.js";
 import { h, clear, fmtBytes, fmtTime, errorBox } from "./dom.js";
 
 const POLL_MS = 1500;
+// Presets, not the lists: the formats and quantizations are trainer.catalog's
+// (EXPORT_FORMATS, QUANTIZATIONS); tests/unit/test_catalog_contracts.py checks
+// that each button names listed values and that every format has a button.
 const KINDS = [
   { label: "Export merged (safetensors)", body: { format: "merged" }, testid: "export-merged" },
   { label: "Export GGUF (f16)", body: { format: "gguf", quantization: "f16" }, testid: "export-gguf" },

@@ -13,7 +13,9 @@
 // The other fields' defaults are not here either: the inputs start empty with
 // the API's default as their placeholder (read from the same schema: the job
 // spec, core/jobs/spec.py, defines them once), and an empty input is left out
-// of the body, so the API fills in exactly what the placeholder showed.
+// of the body, so the API fills in exactly what the placeholder showed. A
+// select's values are the schema's enum (the LR schedules: trainer.catalog's
+// SCHEDULERS), its default selected.
 
 import { api, ApiError, selectedProject } from "./api.js";
 import { h, clear, fmtBytes, fmtCompact, errorBox } from "./dom.js";
@@ -26,7 +28,7 @@ let switchList = null; // the switches read from /openapi.json (a promise), once
 // [param, label, initial value ("": the API's default, shown as placeholder), attributes, help]
 const HYPER = [
   ["hyperparameters.learning_rate", "Learning rate", "", { step: "any", min: "0" }, "Peak AdamW learning rate."],
-  ["hyperparameters.lr_scheduler", "LR schedule", "cosine", null, "Decay after warm-up."],
+  ["hyperparameters.lr_scheduler", "LR schedule", "", null, "Decay after warm-up."],
   ["hyperparameters.warmup_steps", "Warm-up steps", "", { min: "0", step: "1" }, "Linear warm-up; must be below max steps."],
   ["hyperparameters.batch_tokens", "Tokens per batch", "", { min: "64", step: "1" }, "Packing budget: real tokens per micro-batch (no padding)."],
   ["hyperparameters.max_seq_len", "Max sequence length", "", { min: "8", step: "1" }, "Longer samples are truncated; at most tokens per batch."],
@@ -95,7 +97,7 @@ export function renderNew(main) {
 
   const hyperFields = HYPER.map(([param, label, value, attrs, help]) =>
     param === "hyperparameters.lr_scheduler"
-      ? field(param, label, h("select", {}, ["cosine", "linear", "constant"].map((v) => h("option", { value: v, text: v, selected: v === value }))), help)
+      ? field(param, label, h("select", {}), help) // its options: the schema's enum (showDefaults)
       : field(param, label, h("input", { type: "number", value, ...attrs }), help),
   );
   const loraFields = LORA.map(([param, label, value, attrs, help]) =>
@@ -104,7 +106,7 @@ export function renderNew(main) {
   const switches = h("div", { class: "switches", "data-testid": "switches" }, h("p", { class: "muted", text: "Loading the optimization switches…" }));
   loadDefaults()
     .then((defaults) => showDefaults([...hyperFields, ...loraFields, beta], defaults))
-    .catch(() => {}); // placeholders are a hint; the API fills its defaults in anyway
+    .catch(() => {}); // a hint: an empty input or schedule is left out, and the API fills its default in
   loadSwitches()
     .then((list) => clear(switches, list.map(switchField)))
     .catch((err) => clear(switches, errorBox(err, "switches-error")));
@@ -234,25 +236,32 @@ function loadSwitches() {
   return switchList;
 }
 
-/** param ("hyperparameters.warmup_steps") -> the API's default, from the job spec's OpenAPI schema. */
+/**
+ * From the job spec's OpenAPI schema: param ("hyperparameters.warmup_steps") -> the API's
+ * default (`defaults`), and -> the values a field takes, where the schema lists them (`choices`).
+ */
 function loadDefaults() {
   return api("/openapi.json").then((schema) => {
     const schemas = schema?.components?.schemas || {};
-    const out = {};
+    const defaults = {};
+    const choices = {};
     for (const [prefix, name] of [["", "JobSpec"], ["hyperparameters.", "Hyperparameters"], ["lora.", "LoraSpec"], ["dpo.", "DpoSpec"]]) {
       for (const [key, p] of Object.entries(schemas[name]?.properties || {})) {
-        if (p.default !== undefined && p.default !== null && typeof p.default !== "object") out[prefix + key] = p.default;
-        else if (Array.isArray(p.default)) out[prefix + key] = p.default.join(", ");
+        if (p.default !== undefined && p.default !== null && typeof p.default !== "object") defaults[prefix + key] = p.default;
+        else if (Array.isArray(p.default)) defaults[prefix + key] = p.default.join(", ");
+        if (Array.isArray(p.enum)) choices[prefix + key] = p.enum;
       }
     }
-    return out;
+    return { defaults, choices };
   });
 }
 
-function showDefaults(fields, defaults) {
+function showDefaults(fields, { defaults, choices }) {
   for (const wrap of fields) {
     const input = wrap.querySelector("[data-param]");
-    const value = defaults[input?.dataset.param];
+    const param = input?.dataset.param;
+    if (input?.tagName === "SELECT" && choices[param]) clear(input, choices[param].map((v) => h("option", { value: v, text: v })));
+    const value = defaults[param];
     if (value === undefined) continue;
     if (input.tagName === "SELECT") input.value = String(value);
     else input.placeholder = String(value);

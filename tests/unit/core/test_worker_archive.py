@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
 from pathlib import Path
 
@@ -12,7 +11,17 @@ import pytest
 
 from core.errors import ChecksumMismatch, TooLarge, UnsafeArchive
 from core.workers import archive
-from tests.hostile_tars import GIB, files_tar, gnu_sparse_tar, many_members_tar, pax_sparse_tar
+from tests.hostile_tars import (
+    GIB,
+    HOSTILE,
+    Hostile,
+    files_tar,
+    forged_size_tar,
+    gnu_sparse_tar,
+    many_members_tar,
+    member,
+    tar_bytes,
+)
 from trainer import layout
 
 
@@ -31,22 +40,6 @@ class TestArtifactPaths:
     def test_anything_else_is_refused_naming_the_allowed_ones(self, path: str) -> None:
         with pytest.raises(ValueError, match=r"path: .* use one of job.json, checkpoints/step-NNNNNN"):
             layout.check_artifact_path(path)
-
-
-def tar_bytes(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for info, data in members:
-            if data is not None:
-                info.size = len(data)
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
-def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname = kind, linkname
-    return info
 
 
 class TestRoundTrip:
@@ -82,30 +75,12 @@ class TestRoundTrip:
 
 
 class TestHostileTars:
-    @pytest.mark.parametrize(("tar", "says"), [
-        (lambda: tar_bytes((member("/etc/evil"), b"x")), "an absolute name"),
-        (lambda: tar_bytes((member("../evil"), b"x")), "a '..' part"),
-        (lambda: tar_bytes((member("a/../../evil"), b"x")), "a '..' part"),
-        (lambda: tar_bytes((member("ok", tarfile.SYMTYPE, "/etc/passwd"), None)), "a link"),
-        (lambda: tar_bytes((member("rel", tarfile.SYMTYPE, "x"), None)), "a link"),
-        (lambda: tar_bytes((member("x"), b"x"), (member("hard", tarfile.LNKTYPE, "x"), None)), "a link"),
-        (lambda: tar_bytes((member("dev", tarfile.CHRTYPE), None)), "a device or fifo"),
-        (lambda: tar_bytes((member("blk", tarfile.BLKTYPE), None)), "a device or fifo"),
-        (lambda: tar_bytes((member("pipe", tarfile.FIFOTYPE), None)), "a device or fifo"),
-        (lambda: tar_bytes((member("a" * 300), b"x")), "longer than the filesystem allows"),
-        (lambda: tar_bytes((member("/".join(["d" * 200] * 30)), b"x")), "longer than the filesystem allows"),
-        (lambda: b"not a tar at all" * 100, "not a tar"),
-        (lambda: gnu_sparse_tar(3 * GIB), "a sparse file"),
-        (lambda: pax_sparse_tar(3 * GIB), "a sparse file"),
-        (lambda: tar_bytes((member("a"), b"1"), (member("a"), b"2")), "clashes with an earlier member"),
-        (lambda: tar_bytes((member("a"), b"1"), (member("a/b"), b"2")), "clashes with an earlier member"),
-        (lambda: tar_bytes((member("d", tarfile.DIRTYPE), None), (member("d"), b"2")), "clashes with an earlier member"),
-    ])
-    def test_each_is_refused_and_nothing_is_written(self, tmp_path: Path, tar, says: str) -> None:
+    @pytest.mark.parametrize("hostile", HOSTILE, ids=lambda h: h.id)
+    def test_each_is_refused_and_nothing_is_written(self, tmp_path: Path, hostile: Hostile) -> None:
         bad = tmp_path / "bad.tar"
-        bad.write_bytes(tar())
+        bad.write_bytes(hostile.build())
         staging = tmp_path / "jobs" / "job-1" / ".incoming" / "x.d"
-        with pytest.raises(UnsafeArchive, match=says):
+        with pytest.raises(TooLarge if hostile.too_large else UnsafeArchive, match=hostile.says):
             archive.extract_into(bad, staging)
         assert not staging.exists()
         assert {p.name for p in tmp_path.rglob("*")} == {"bad.tar", "jobs", "job-1", ".incoming"}
@@ -187,13 +162,7 @@ class TestBounds:
         assert archive.extract_into(tmp_path / "a.tar", tmp_path / "out", archive.Limits(max_bytes=12)) == 2
 
     def test_a_size_the_tar_cannot_hold_is_refused(self, tmp_path: Path) -> None:
-        info = member("forged")
-        info.pax_headers = {"size": str(3 * GIB)}  # read back as the member's size; 1 byte follows
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            info.size = 1
-            tar.addfile(info, io.BytesIO(b"x"))
-        (tmp_path / "a.tar").write_bytes(buf.getvalue())
+        (tmp_path / "a.tar").write_bytes(forged_size_tar())
         with pytest.raises(UnsafeArchive, match="more than the tar holds"):
             archive.extract_into(tmp_path / "a.tar", tmp_path / "staging")
 

@@ -62,7 +62,7 @@ def test_an_export_whose_archive_cannot_be_written_fails_as_upload_failed(
     def full_disk(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(transfer, "make_tar", full_disk)
+    monkeypatch.setattr(transfer.tars, "write_tar", full_disk)
     assert run_export(export_runtime, export_id) == "failed"
     row = _row(export_runtime, export_id)
     assert row.error_code == "upload_failed" and "No space left on device" in row.error_message, row.error_message

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from tests.hostile_tars import HOSTILE
 from worker.transfer import (
     TransferClient,
     TransferError,
     TransferNotFound,
     TransferRefused,
-    make_tar,
     safe_extract,
 )
 
@@ -216,6 +216,16 @@ def test_download_refuses_an_escaping_archive(api, tmp_path, name):
     assert not (tmp_path / "escape").exists()
 
 
+@pytest.mark.parametrize("hostile", HOSTILE, ids=lambda h: h.id)
+def test_every_hostile_tar_the_api_could_send_is_refused_by_the_one_reader(api, tmp_path, hostile):
+    fake, url = api
+    fake.artifacts[("job-1", "adapter")] = hostile.build()
+    with _client(url, tmp_path) as client, pytest.raises(TransferError, match=f"unsafe archive: .*{hostile.says}"):
+        client.download_artifact("job-1", "adapter", tmp_path / "job" / "adapter")
+    assert len(fake.requests) == 1  # a hostile archive is not asked for again
+    assert [p.name for p in tmp_path.rglob("*")] == ["job"] and not Path("/etc/evil").exists()
+
+
 def test_safe_extract_refuses_links(tmp_path):
     archive = tmp_path / "a.tar"
     with tarfile.open(archive, "w") as tar:
@@ -250,7 +260,7 @@ def test_upload_streams_a_tar_with_its_sha_and_retries_a_mismatch(api, tmp_path)
     ((job, path, sha, body),) = fake.uploads
     assert (job, path, sha) == ("job-1", "adapter", hashlib.sha256(body).hexdigest())
     with tarfile.open(fileobj=io.BytesIO(body)) as tar:
-        assert sorted(tar.getnames()) == ["adapter_model.safetensors", "sub", "sub/c.json"]
+        assert sorted(tar.getnames()) == ["adapter_model.safetensors", "sub/c.json"]
     assert len(fake.requests) == 3
     assert not list(tmp_path.glob("ftq-upload-*"))  # the temporary tar is gone
 
@@ -264,24 +274,41 @@ def test_upload_403_is_not_retried(api, tmp_path):
     assert len(fake.requests) == 1
 
 
-def test_make_tar_of_one_file_names_it_by_basename(tmp_path):
+def _uploaded_tar(api, tmp_path, source: Path) -> dict[str, bytes]:
+    """Upload ``source`` to the fake API; the uploaded tar's members as name → bytes."""
+    fake, url = api
+    with _client(url, tmp_path) as client:
+        client.upload_artifact("job-1", "adapter", source)
+    ((*_, body),) = fake.uploads
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        assert all(m.isfile() and m.mode == 0o644 and not m.uname for m in tar.getmembers())
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
+def test_an_upload_of_one_file_names_it_by_basename(api, tmp_path):
     (tmp_path / "job.json").write_text("{}")
-    make_tar(tmp_path / "job.json", tmp_path / "t.tar")
-    with tarfile.open(tmp_path / "t.tar") as tar:
-        assert tar.getnames() == ["job.json"]
+    assert _uploaded_tar(api, tmp_path, tmp_path / "job.json") == {"job.json": b"{}"}
 
 
-def test_make_tar_stores_a_second_name_of_one_file_as_a_file_of_its_own(tmp_path):
+def test_an_upload_stores_a_second_name_of_one_file_as_a_file_of_its_own(api, tmp_path):
     source = tmp_path / "adapter"
     source.mkdir()
     (source / "a.bin").write_bytes(b"weights")
     os.link(source / "a.bin", source / "b.bin")
-    make_tar(source, tmp_path / "t.tar")
-    with tarfile.open(tmp_path / "t.tar") as tar:
-        members = {m.name: m for m in tar.getmembers()}
-        assert sorted(members) == ["a.bin", "b.bin"]
-        assert all(m.isfile() and m.size == 7 for m in members.values())
-        assert tar.extractfile("b.bin").read() == b"weights"
+    assert _uploaded_tar(api, tmp_path, source) == {"a.bin": b"weights", "b.bin": b"weights"}
+
+
+def test_an_upload_leaves_links_out_and_never_follows_them(api, tmp_path):
+    """The one writer's rule (``core.workers.archive.tree_members``), as for the API's downloads."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("not the job's")
+    source = tmp_path / "adapter"
+    source.mkdir()
+    (source / "a.bin").write_bytes(b"weights")
+    (source / "to-file").symlink_to(outside / "secret")
+    (source / "to-dir").symlink_to(outside, target_is_directory=True)
+    assert _uploaded_tar(api, tmp_path, source) == {"a.bin": b"weights"}
 
 
 def test_a_converted_dataset_is_checked_against_the_apis_hash_only():

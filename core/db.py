@@ -70,10 +70,20 @@ locks it holds (the job row a runner locked, the worker row presence locked) for
 default two hours, and every other machine's reaper would block on them. The client end lets a
 worker whose database host vanished fail its query instead of waiting as long."""
 
+UNACKED_MS = 30_000
+"""``tcp_user_timeout``, both ends: data sent but not acknowledged for 30 s ends the connection.
+Keepalive probes only start on a connection with nothing in flight; a machine that died just
+after the server sent it a result leaves that result unacknowledged, and the kernel then
+retransmits for about 15 minutes (``tcp_retries2``) with the locks held (seen in the netns
+machine-loss test: the dead machine's session ``idle in transaction`` 5 min later, the survivor's
+reaper waiting on its lock)."""
+
 
 def _postgres_connect_args() -> dict[str, object]:
-    server = " ".join(f"-c tcp_keepalives_{k}={v}" for k, v in DEAD_PEER_S.items())
-    client = {"keepalives": 1, **{f"keepalives_{k}": v for k, v in DEAD_PEER_S.items()}}
+    server = " ".join([f"-c tcp_keepalives_{k}={v}" for k, v in DEAD_PEER_S.items()]
+                      + [f"-c tcp_user_timeout={UNACKED_MS}"])
+    client = {"keepalives": 1, **{f"keepalives_{k}": v for k, v in DEAD_PEER_S.items()},
+              "tcp_user_timeout": UNACKED_MS}
     return {"options": server, **client}
 
 

@@ -2,7 +2,8 @@
 
 A worker machine that loses power mid-transaction sends no FIN. The server must drop that
 backend, and with it the row locks its transaction holds, within seconds rather than the kernel's
-two-hour keepalive default, or every other machine's reaper blocks on the dead machine's job row
+two-hour keepalive default (or the ~15 min of retransmissions of a result the dead machine never
+acknowledged), or every other machine's reaper blocks on the dead machine's job row
 (the netns machine-loss test).
 """
 
@@ -11,17 +12,19 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from core.db import DEAD_PEER_S, make_engine
+from core.db import DEAD_PEER_S, UNACKED_MS, make_engine
 
 
-def test_both_ends_of_a_tcp_connection_probe_a_silent_peer_within_a_minute(postgres_url: str) -> None:
+def test_both_ends_of_a_tcp_connection_drop_a_silent_or_unacknowledging_peer_within_a_minute(postgres_url: str) -> None:
     engine = make_engine(make_url(postgres_url).set(host="127.0.0.1").render_as_string(hide_password=False))
     try:
         with engine.connect() as conn:
             server = {k: conn.execute(text(f"SHOW tcp_keepalives_{k}")).scalar_one() for k in DEAD_PEER_S}
+            unacked = conn.execute(text("SHOW tcp_user_timeout")).scalar_one()
             client = conn.connection.dbapi_connection.info.dsn
     finally:
         engine.dispose()
     assert server == {k: str(v) for k, v in DEAD_PEER_S.items()}, server
+    assert unacked == str(UNACKED_MS) and f"tcp_user_timeout={UNACKED_MS}" in client, (unacked, client)
     assert "keepalives=1" in client and all(f"keepalives_{k}={v}" in client for k, v in DEAD_PEER_S.items()), client
     assert DEAD_PEER_S["idle"] + DEAD_PEER_S["interval"] * DEAD_PEER_S["count"] <= 60

@@ -26,7 +26,7 @@ from core.jobs.trackers import allowed_trackers, check_trackers
 from core.jobs.translate import to_train_config
 from core.projects.models import Project
 from core.settings import Settings
-from core.workers.models import Worker
+from core.workers import registry
 from trainer.config import SWITCHES
 
 
@@ -153,7 +153,7 @@ def _live_reports(session: Session, settings: Settings) -> list[tuple[str, dict[
     """``(worker_id, detect report)`` of each worker whose heartbeat is younger than
     ``heartbeat_timeout_s``; a worker that registered before its detect finished has ``{}``."""
     cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
-    workers = session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.worker_id))
+    workers = registry.live_workers(session, cutoff=cutoff)
     return [(worker.worker_id, worker.hardware if isinstance(worker.hardware, dict) else {}) for worker in workers]
 
 

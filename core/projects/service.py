@@ -98,6 +98,14 @@ def ensure_default(session: Session) -> Project:
     return project if project is not None else create_project(session, DEFAULT_PROJECT)
 
 
+def get_project(session: Session, project_id: str) -> Project:
+    """The project ``project_id`` (an id found by ``core.users.access.project_named``)."""
+    project = session.get(Project, project_id)
+    if project is None:
+        raise NotFound(f"no project {project_id!r}; GET /v1/projects lists yours", param="project")
+    return project
+
+
 def find_project(session: Session, name: str) -> Project:
     """The project ``name`` (or id), for admins and the CLI; NotFound otherwise."""
     project = session.scalar(select(Project).where((Project.name == name) | (Project.project_id == name)))

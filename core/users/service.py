@@ -151,6 +151,18 @@ def get_user(session: Session, name: str) -> User:
     return user
 
 
+def user_by_id(session: Session, user_id: str) -> User:
+    """The user ``user_id`` (a caller's own row, a key's owner).
+
+    Raises:
+        NotFound: no such user (deleted since).
+    """
+    user = session.get(User, user_id)
+    if user is None:
+        raise NotFound(f"no user {user_id!r}; list users with GET /v1/users (or `ftq users list`)", param="user_id")
+    return user
+
+
 def list_users(session: Session) -> list[User]:
     return list(session.scalars(select(User).order_by(User.name)))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import utcnow

@@ -45,8 +45,9 @@ from api.state import AppState
 from api.workers.auth import authenticate_worker, is_worker_path, refuse_worker_key
 from core.errors import Forbidden, FtqError, Unauthenticated
 from core.users import access
-from core.users.service import KEY_SCHEME, Caller, public_key_id, split_key, verify_key
-from core.workers.keys import KEY_SCHEME as WORKER_KEY_SCHEME
+from core.keys import public_key_id, split_key
+from core.users.service import USER_KEYS, Caller, verify_key
+from core.workers.keys import WORKER_KEYS
 
 SESSION_COOKIE = "ftq_session"
 CSRF_HEADER = "X-Requested-With"
@@ -211,17 +212,17 @@ class AuthGate:
 
 def _key_id(request: Request) -> str | None:
     """The public id (``ftq_<prefix>``, ``ftqw_<prefix>``) of the well-formed key a request
-    carries, as ``core.users.service.public_key_id`` writes it; None for no key or a malformed one."""
+    carries, as ``core.keys.public_key_id`` writes it; None for no key or a malformed one."""
     try:
         raw, _ = credentials(request)
     except Unauthenticated:
         return None
     if raw is None:
         return None
-    for scheme in (KEY_SCHEME, WORKER_KEY_SCHEME):
-        parts = split_key(raw.strip(), expected=scheme)
+    for kind in (USER_KEYS, WORKER_KEYS):
+        parts = split_key(raw.strip(), expected=kind.scheme)
         if parts is not None:
-            return public_key_id(scheme, parts[0])
+            return public_key_id(kind.scheme, parts[0])
     return None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import JSON, DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy import JSON, DateTime, Engine, MetaData, create_engine, event, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -105,3 +105,9 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def ping(engine: Engine) -> None:
+    """One round trip to the store (``SELECT 1``); raises what the driver raises when it is down."""
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))

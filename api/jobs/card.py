@@ -20,13 +20,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.errors import InvalidInput
-from core.files.models import File
+from core.files.service import find_file
 from core.jobs.model_source import resolve_model
-from core.jobs.models import Job, JobEvent, StepMetric
+from core.jobs.models import Job
+from core.jobs.summary import eval_losses, step_totals
 from core.settings import Settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -71,8 +71,8 @@ def build_card(session: Session, job: Job, settings: Settings) -> AdapterCard:
     spec: dict[str, Any] = job.spec or {}
     train = _file_lines(session, job.training_file_id, "Training")
     valid = _file_lines(session, job.validation_file_id, "Validation") if job.validation_file_id else []
-    steps, final_loss, best_loss, tokens = _train_summary(session, job.job_id)
-    evals = _eval_losses(session, job.job_id)
+    steps, final_loss, best_loss, tokens = step_totals(session, job.job_id)
+    evals = eval_losses(session, job.job_id)
     hyper = {"method": job.method, **({"lora": spec.get("lora")} if job.method != "full" else {}),
              "hyperparameters": spec.get("hyperparameters"), "objective": spec.get("objective", "sft")}
     lines = [
@@ -105,27 +105,11 @@ def ftq_version() -> str:
 
 
 def _file_lines(session: Session, file_id: str, label: str) -> list[str]:
-    row = session.get(File, file_id)
+    row = find_file(session, file_id)
     if row is None:
         return [f"- {label} file `{file_id}` (no longer in the store)"]
     return [f"- {label} file: `{row.filename}` (`{row.file_id}`), sha256 `{row.sha256}`, "
             f"{row.num_records:,} records, {row.format} format, {row.bytes:,} bytes"]
-
-
-def _train_summary(session: Session, job_id: str) -> tuple[int, float | None, float | None, int]:
-    """(steps, final loss, best loss, tokens trained) from the stored step metrics."""
-    steps, best, tokens = session.execute(
-        select(func.max(StepMetric.step), func.min(StepMetric.loss), func.coalesce(func.sum(StepMetric.tokens), 0))
-        .where(StepMetric.job_id == job_id)).one()
-    final = session.execute(select(StepMetric.loss).where(StepMetric.job_id == job_id)
-                            .order_by(StepMetric.step.desc()).limit(1)).scalar_one_or_none()
-    return int(steps or 0), final, best, int(tokens)
-
-
-def _eval_losses(session: Session, job_id: str) -> list[float]:
-    rows = session.scalars(select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == "eval")
-                           .order_by(JobEvent.seq))
-    return [float(d["loss"]) for d in rows if isinstance(d.get("loss"), (int, float))]
 
 
 def _fmt(value: float | None) -> str:

@@ -23,7 +23,7 @@ from anyio import to_thread
 from api.files.tokenizer_pool import OverBudget
 from api.state import AppState
 from core.errors import InvalidInput
-from core.jobs import preflight, service
+from core.jobs import admission, preflight
 from core.jobs.model_source import ModelSource, check_model_files, resolve_model
 from core.jobs.spec import JobSpec
 from core.settings import Settings
@@ -89,11 +89,11 @@ def _locate(state: AppState, spec: JobSpec, caller: Caller) -> _Located:
             session, caller, {"training_file": spec.training_file, "validation_file": spec.validation_file}
         )
         project_id = access.project_for_create(session, caller, spec.project)
-        row = service.usable_file(session, spec.training_file, "train", "training_file", project_id)
+        row = admission.usable_file(session, spec.training_file, "train", "training_file", project_id)
         train, train_records = (row.path, row.format), row.num_records
         validation = None
         if spec.validation_file is not None:
-            row = service.usable_file(session, spec.validation_file, "validation", "validation_file", project_id)
+            row = admission.usable_file(session, spec.validation_file, "validation", "validation_file", project_id)
             validation = (row.path, row.format)
     source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
                            check_hub=True)

@@ -1,8 +1,8 @@
 """``/v1/jobs``: submit, list, read, cancel, clone, resume; metrics (JSON, CSV), events (SSE),
 checkpoints, adapter.
 
-Submit, clone and resume make a job through one path (``api.jobs.submit``, over
-``core.jobs.submit``): the same checks and dataset preflight for each. It commits the job, then
+Submit, clone and resume make a job through one path (``core.jobs.submit``, with this process's
+``api.jobs.submit.ApiPorts``): the same checks and dataset preflight for each. It commits the job, then
 signals the worker host the queue policy places it on (``core.queue.enqueue_job``; any host when
 it must wait). If the broker is down at that moment the job is still created (201) and stays
 ``queued``: the store is the source of truth, the message only a wake-up, and the worker's reaper
@@ -43,7 +43,7 @@ from api.jobs.schemas import (
     queue_info,
 )
 from api.jobs.sse import event_stream
-from api.jobs.submit import notify, submit
+from api.jobs.submit import ApiPorts, notify
 from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
@@ -51,7 +51,7 @@ from core.jobs import artifact_store, eta, rerun, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
-from core.jobs.submit import SubmitRequest
+from core.jobs.submit import Origin, submit
 from core.paging import MAX_LIMIT
 from core.projects.service import names_by_id as project_names
 from core.settings import Settings
@@ -81,8 +81,8 @@ async def create_job(
     caller's own files (an admin's, any): 403 otherwise.
     """
 
-    request = SubmitRequest(spec, caller, idempotency_key=idempotency_key)
-    job, created = await submit(state, request, lambda session, row: _out(session, row, state.settings, estimate=False))
+    job, created = await submit(ApiPorts(state), spec, caller, Origin(idempotency_key=idempotency_key),
+                                view=lambda session, row: _out(session, row, state.settings, estimate=False))
     if not created:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
@@ -184,12 +184,12 @@ async def clone_job(
         with state.sessions() as session:
             source = service.get_job(session, job_id, reader=caller)
         try:
-            return _in_project(rerun.cloned_spec(source.spec, overrides or {}), source)
+            return rerun.in_project_of(rerun.cloned_spec(source.spec, overrides or {}), source)
         except ValidationError as exc:
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
     spec = await to_thread.run_sync(cloned)
-    job, _ = await submit(state, SubmitRequest(spec, caller), lambda session, row: _out(session, row, state.settings))
+    job, _ = await submit(ApiPorts(state), spec, caller, view=lambda session, row: _out(session, row, state.settings))
     return job
 
 
@@ -200,14 +200,15 @@ async def resume_job(job_id: str, state: StateDep, caller: CallerDep, body: Resu
     checks and dataset preflight); the source is left as it is. 409 for a job in another state or
     without checkpoints; 404 for a step without a checkpoint."""
 
-    def resumed() -> SubmitRequest:
+    def resumed() -> tuple[JobSpec, Origin]:
         with state.sessions() as session:
             source = service.get_job(session, job_id, reader=caller)
             checkpoint = rerun.pick_checkpoint(session, source, body.step if body else None, settings=state.settings)
-            return SubmitRequest(_in_project(rerun.resumed_spec(source), source), caller, resume_from=checkpoint)
+            return rerun.in_project_of(rerun.resumed_spec(source), source), Origin(resume_from=checkpoint)
 
-    request = await to_thread.run_sync(resumed)
-    job, _ = await submit(state, request, lambda session, row: _out(session, row, state.settings))
+    spec, origin = await to_thread.run_sync(resumed)
+    job, _ = await submit(ApiPorts(state), spec, caller, origin,
+                          view=lambda session, row: _out(session, row, state.settings))
     return job
 
 
@@ -332,11 +333,6 @@ def download_adapter(
     session.close()
     return _archive_response(state, adapter, format, f"{job_id}-{export}", root,
                              members=artifacts.adapter_members(adapter, card))
-
-
-def _in_project(spec: JobSpec, source: Job) -> JobSpec:
-    """A clone or resume goes to its source's project unless the spec names one."""
-    return spec if spec.project or source.project_id is None else spec.model_copy(update={"project": source.project_id})
 
 
 def _job_root(state: AppState, job: Job) -> Path:

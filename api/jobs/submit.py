@@ -1,56 +1,55 @@
-"""The API's half of the one submission path (``core.jobs.submit``): every route that makes a job
-(``POST /v1/jobs``, ``/clone``, ``/resume``, ``/openai/v1/fine_tuning/jobs``) calls ``submit``.
+"""The API's ports for the one submission path (``core.jobs.submit``): what a submission needs
+from this process. Every route that queues a job (``POST /v1/jobs``, ``/clone``, ``/resume``,
+``/openai/v1/fine_tuning/jobs`` and its ``resume``) calls ``core.jobs.submit.submit(ApiPorts(state), ...)``.
 
-    1. the dataset preflight (``api.jobs.preview.preflight_for``): files, model, and the dataset
-       under the model's own tokenizer, in a tokenizer-pool process;
-    2. ``core.jobs.submit.record`` and the commit, in one transaction (a worker thread);
-    3. after the commit: wake the worker host the queue policy places the job on, and tell the
-       job's viewers (Redis). If the broker is down the job stays ``queued`` for the reaper.
+    preflight   ``api.jobs.preview.preflight_for``: files, model, and the dataset under the
+                model's own tokenizer, in a tokenizer-pool process
+    wake        after the commit: wake the worker host the queue policy places the job on
+                (``api.jobs.wakeups``: one thread for the process)
+    notify      after the commit: tell the job's viewers (Redis pub/sub)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TypeVar
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
-from anyio import to_thread
 from sqlalchemy.orm import Session
 
 from api.jobs.preview import preflight_for
 from api.state import AppState
 from core.jobs import live, scheduling
-from core.jobs.models import Job
-from core.jobs.states import JobStatus
-from core.jobs.submit import SubmitRequest, record
+from core.jobs.spec import JobSpec
 from core.queue import enqueue_job
+from core.settings import Settings
+from core.users.service import Caller
 
 log = logging.getLogger(__name__)
-View = TypeVar("View")
 
 
-async def submit(state: AppState, request: SubmitRequest, view: Callable[[Session, Job], View]) -> tuple[View, bool]:
-    """Check, record and queue ``request``'s job; ``view(session, job)`` after the commit.
+@dataclass(frozen=True)
+class ApiPorts:
+    """``core.jobs.submit.Ports`` over the app's state."""
 
-    Returns ``(view, created)``: ``created`` False for an Idempotency-Key replay.
+    state: AppState
 
-    Raises:
-        InvalidInput, Forbidden, Conflict, Unsupported: the job is refused; nothing was stored.
-    """
-    report = await preflight_for(state, request.spec, request.caller)
+    @property
+    def settings(self) -> Settings:
+        return self.state.settings
 
-    def create() -> tuple[View, str, str, int, bool]:
-        with state.sessions() as session:
-            job, created = record(session, request, settings=state.settings, preflight=report)
-            session.commit()
-            return view(session, job), job.job_id, job.status, job.last_event_seq, created
+    def sessions(self) -> AbstractContextManager[Session]:
+        return self.state.sessions()
 
-    out, job_id, status, seq, created = await to_thread.run_sync(create)
-    if status == JobStatus.queued.value:
-        await to_thread.run_sync(enqueue, state, job_id)
-    if created:
-        await notify(state, job_id, seq)
-    return out, created
+    async def preflight(self, spec: JobSpec, owner: Caller) -> dict[str, Any]:
+        return await preflight_for(self.state, spec, owner)
+
+    def wake(self, job_id: str) -> None:
+        enqueue(self.state, job_id)
+
+    async def notify(self, job_id: str, seq: int) -> None:
+        await notify(self.state, job_id, seq)
 
 
 def enqueue(state: AppState, job_id: str) -> None:

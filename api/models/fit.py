@@ -22,13 +22,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import utcnow
 from core.jobs.spec import Hyperparameters, LoraSpec
-from core.workers import pool
-from core.workers.models import Worker
+from core.workers import pool, registry
 from trainer import memory
 
 METHODS = ("lora", "full")
@@ -64,7 +62,7 @@ def live_gpu_hosts(session: Session, heartbeat_timeout_s: float) -> list[GpuHost
     cutoff = utcnow() - dt.timedelta(seconds=heartbeat_timeout_s)
     slots = {host.worker_id: len(host.slots) for host in pool.live_hosts(session, cutoff=cutoff)}
     hosts = []
-    for worker in session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.worker_id)):
+    for worker in registry.live_workers(session, cutoff=cutoff):
         report = worker.hardware if isinstance(worker.hardware, dict) else {}
         hardware = report.get("hardware") if isinstance(report.get("hardware"), dict) else report
         memory_bytes = hardware.get("gpu_memory")

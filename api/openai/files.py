@@ -16,18 +16,15 @@ from typing import Annotated
 from anyio import to_thread
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, PlainTextResponse, Response
-from sqlalchemy import select
-
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.files.upload import receive_upload
 from api.openai import reports, translate
-from api.openai.paging import newest_first
 from api.openai.schemas import FileDeleted, FileObject, Page
-from api.openai.twins import is_validation_twin
 from core.errors import InvalidInput, NotFound
 from core.files import service
 from core.files.models import File
+from core.openai import twins
 from core.jobs.models import Job
 from core.jobs.service import get_job
 from core.users import access
@@ -76,9 +73,7 @@ def list_files(
     if order != "desc":
         raise InvalidInput("order: ftq lists files newest first only; use order='desc' or leave it out",
                            param="order")
-    query = select(File).where(File.deleted_at.is_(None), ~is_validation_twin())
-    rows, more = newest_first(session, query, File, File.file_id, after=after, limit=limit, what="file",
-                              scope=access.readable_by(caller, File))
+    rows, more = twins.list_files(session, caller, after=after, limit=limit)
     return Page.of([translate.file_object(row) for row in rows], more)
 
 

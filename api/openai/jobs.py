@@ -1,48 +1,40 @@
 """``/openai/v1/fine_tuning/jobs``: create, retrieve, list, cancel, pause, resume, list_events and
-``checkpoints.list``, each over ftq's own job service.
+``checkpoints.list``, each over ftq's own job services.
 
-Pause and resume: ftq's native API has no pause, so a pause is a cancel that keeps its
-checkpoint. Pausing a running job asks its worker to stop it as a cancel does (the trainer
-finishes its step, writes a checkpoint, exits); the job reads ``running`` until the trainer has
-stopped, then ``paused`` (ftq's status is ``cancelled``). ``resume`` queues it again
-(``core.jobs.service.resume_stopped``) and the trainer continues from that checkpoint, on the
-same job id, with its step history intact. Pausing a queued job takes it out of the queue.
+Create and resume queue a job through the one submission path (``core.jobs.submit``): the same
+checks and dataset preflight as ``POST /v1/jobs``. Pause is a cancel that keeps its checkpoint;
+resume queues the paused job again under its own id (``core.openai.jobs`` says how).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Query, Request
-from sqlalchemy import Select, or_, select
 from sqlalchemy.orm import Session
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
-from api.jobs.submit import enqueue, notify, submit
+from api.jobs.submit import ApiPorts, notify
 from api.openai import reports, translate
-from api.openai.paging import newest_first
 from api.openai.schemas import FineTuningJob, JobCreate, Page
-from api.openai.twins import validation_twin
 from api.state import AppState
-from core.db import utcnow
-from core.errors import Conflict, InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound
 from core.files.models import File
 from core.files.service import get_file
-from core.jobs import eta, service
+from core.jobs import eta, rerun, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
-from core.jobs.states import JobStatus
-from core.jobs.submit import SubmitRequest
-from core.openai.models import OpenAIJob
+from core.jobs.submit import Origin, submit
+from core.openai import history
+from core.openai import jobs as openai_jobs
+from core.openai.twins import validation_twin
 from core.settings import Settings
 from core.users import access
 from core.users.service import Caller
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["openai fine-tuning"])
-_METADATA_KEY = re.compile(r"metadata\[(.{1,64})\]")
 
 
 @router.post("", summary="fine_tuning.jobs.create")
@@ -62,13 +54,11 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
     spec, resolved = await to_thread.run_sync(translated)
 
     def attach(session: Session, job: Job) -> None:
-        session.add(OpenAIJob(
-            job_id=job.job_id, suffix=body.suffix, user_metadata=body.metadata,
-            method=translate.method_dict(kind, resolved), training_file=body.training_file,
-            validation_file=body.validation_file, created_at=utcnow(),
-        ))
+        openai_jobs.keep(session, job, suffix=body.suffix, metadata=body.metadata,
+                         method=translate.method_dict(kind, resolved), training_file=body.training_file,
+                         validation_file=body.validation_file)
 
-    out, _ = await submit(state, SubmitRequest(spec, caller, attach=attach), _view)
+    out, _ = await submit(ApiPorts(state), spec, caller, Origin(attach=attach), view=_view)
     return out
 
 
@@ -77,29 +67,9 @@ def list_jobs(request: Request, session: SessionDep, state: StateDep, caller: Ca
               limit: Annotated[int, Query()] = 20) -> Page:
     """The caller's jobs (an admin's: everyone's). ``metadata[k]=v`` (several: all must match)
     lists only the jobs made here with that metadata; ``metadata=null``, those without any."""
-    query = _metadata_filter(select(Job), request)
-    rows, more = newest_first(session, query, Job, Job.job_id, after=after, limit=limit, what="job",
-                              scope=access.readable_by(caller, Job))
-    return Page.of(_views(session, rows, state.settings), more)
-
-
-def _metadata_filter(query: Select[Any], request: Request) -> Select[Any]:
     pairs = [(k, v) for k, v in request.query_params.multi_items() if k.startswith("metadata")]
-    if not pairs:
-        return query
-    if pairs == [("metadata", "null")]:
-        return query.outerjoin(OpenAIJob, OpenAIJob.job_id == Job.job_id).where(
-            or_(OpenAIJob.job_id.is_(None), OpenAIJob.user_metadata.is_(None)))
-    query = query.join(OpenAIJob, OpenAIJob.job_id == Job.job_id)
-    for name, value in pairs:
-        match = _METADATA_KEY.fullmatch(name)
-        if match is None:
-            raise InvalidInput(
-                f"{name}: filter by metadata as metadata[KEY]=VALUE (or metadata=null), not both forms",
-                param="metadata",
-            )
-        query = query.where(OpenAIJob.user_metadata[match.group(1)].as_string() == value)
-    return query
+    rows, more = openai_jobs.list_jobs(session, caller, pairs, after=after, limit=limit)
+    return Page.of(_views(session, rows, state.settings), more)
 
 
 @router.get("/{job_id}", summary="fine_tuning.jobs.retrieve")
@@ -119,28 +89,15 @@ async def pause_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTuni
 
 @router.post("/{job_id}/resume", summary="fine_tuning.jobs.resume: queue a paused job again")
 async def resume_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTuningJob:
-    def resume() -> tuple[FineTuningJob, int]:
+    def paused() -> JobSpec:
         with state.sessions() as session:
             job = _get(session, caller, job_id)
-            extra = session.get(OpenAIJob, job_id)
-            if extra is None or extra.paused_at is None:
-                raise Conflict(f"job {job_id} is not paused ({job.status}); only a paused job can be resumed",
-                               param="job_id")
-            if not service.resume_stopped(session, job_id):
-                raise Conflict(
-                    f"job {job_id} is still stopping ({job.status}); resume it once its status reads 'paused'"
-                    if job.status == JobStatus.running.value else
-                    f"job {job_id} {job.status} before the pause took effect; there is nothing to resume",
-                    param="job_id",
-                )
-            extra.paused_at = None
-            session.commit()
-            job = service.get_job(session, job_id)
-            return _view(session, job), job.last_event_seq
+            openai_jobs.check_paused(session, job)
+            return rerun.in_project_of(rerun.resumed_spec(job), job)
 
-    out, seq = await to_thread.run_sync(resume)
-    await to_thread.run_sync(enqueue, state, job_id)
-    await notify(state, job_id, seq)
+    spec = await to_thread.run_sync(paused)
+    origin = Origin(requeue=job_id, attach=openai_jobs.unpause)
+    out, _ = await submit(ApiPorts(state), spec, caller, origin, view=_view)
     return out
 
 
@@ -156,7 +113,7 @@ def list_events(job_id: str, session: SessionDep, caller: CallerDep, after: str 
 def list_checkpoints(job_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
                      limit: Annotated[int, Query(ge=1, le=100)] = 10) -> Page:
     job = _get(session, caller, job_id)
-    extra = session.get(OpenAIJob, job_id)
+    extra = openai_jobs.extra(session, job_id)
     owner = access.owner_name(session, job.owner_id)
     name = translate.fine_tuned_model(job, owner, extra.suffix if extra else job.name)
     checkpoints, more = reports.list_checkpoints(session, job, name, after=after, limit=limit)
@@ -166,24 +123,7 @@ def list_checkpoints(job_id: str, session: SessionDep, caller: CallerDep, after:
 async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool) -> FineTuningJob:
     def stop() -> tuple[FineTuningJob, bool, int]:
         with state.sessions() as session:
-            job = _get(session, caller, job_id)
-            extra = session.get(OpenAIJob, job_id)
-            if pause and extra is None:
-                raise InvalidInput(
-                    f"job {job_id} was submitted to ftq's native API, which has no pause; cancel it instead "
-                    "(or pause jobs made through this API)",
-                    param="job_id",
-                )
-            if extra is not None and extra.paused_at is not None:
-                if pause:
-                    raise Conflict(f"job {job_id} is already paused; resume or cancel it", param="job_id")
-                extra.paused_at = None  # a cancel makes the pause final, stopped or still stopping
-                if job.status == JobStatus.cancelled.value:
-                    session.commit()
-                    return _view(session, job), False, job.last_event_seq
-            job, finished_now = service.cancel_job(session, job_id)
-            if pause and extra is not None:
-                extra.paused_at = utcnow()
+            job, finished_now = openai_jobs.stop(session, _get(session, caller, job_id), pause=pause)
             session.commit()
             return _view(session, job), finished_now, job.last_event_seq
 
@@ -220,8 +160,8 @@ def _view(session: Session, job: Job, settings: Settings | None = None) -> FineT
 def _views(session: Session, jobs: list[Job], settings: Settings | None = None) -> list[FineTuningJob]:
     """Jobs as OpenAI shows them, with three reads for the whole page (extras, tokens, owners)."""
     ids = [job.job_id for job in jobs]
-    extras = {row.job_id: row for row in session.scalars(select(OpenAIJob).where(OpenAIJob.job_id.in_(ids)))}
-    tokens = reports.trained_tokens(session, ids)
+    extras = openai_jobs.extras(session, ids)
+    tokens = history.trained_tokens(session, ids)
     finish = _finish_estimates(session, settings) if settings and any(j.status == "running" for j in jobs) else {}
     return [
         translate.fine_tuning_job(

@@ -1,8 +1,8 @@
 """A job's history in OpenAI's terms: events (message and metrics), checkpoints with their
 metrics, and the metrics CSV OpenAI attaches as a result file.
 
-All of it is read from what the worker already stores (``job_event``, ``step_metric``,
-``checkpoint``): nothing is written twice. Event and checkpoint ids carry the job and the
+All of it is read from what the worker already stores (``core.openai.history``): nothing is
+written twice. Event and checkpoint ids carry the job and the
 position (``ftevent-<job>-<seq>``, ``ftckpt-<job>-<step>``) so ``after=`` pages by them.
 """
 
@@ -12,14 +12,13 @@ import csv
 import io
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.openai.schemas import CheckpointMetrics, JobCheckpoint, JobEvent
 from core.errors import InvalidInput
-from core.jobs.models import Checkpoint, Job
+from core.jobs.models import Job
 from core.jobs.models import JobEvent as StoredEvent
-from core.jobs.models import StepMetric
+from core.openai import history
 
 CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
 DPO_FIELDS = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")
@@ -28,12 +27,9 @@ _LEVELS = {"debug": "info", "info": "info", "warning": "warn", "error": "error"}
 
 def list_events(session: Session, job_id: str, *, after: str | None, limit: int) -> tuple[list[JobEvent], bool]:
     """Newest first, as OpenAI lists them; ``after`` is the id of the last event already read."""
-    query = select(StoredEvent).where(StoredEvent.job_id == job_id)
-    if after is not None:
-        query = query.where(StoredEvent.seq < _position(after, "ftevent", job_id))
-    rows = list(session.scalars(query.order_by(StoredEvent.seq.desc()).limit(limit + 1)))
-    events = [event_of(job_id, row) for row in rows[:limit]]
-    return events, len(rows) > limit
+    before = _position(after, "ftevent", job_id) if after is not None else None
+    rows, more = history.events_newest_first(session, job_id, before_seq=before, limit=limit)
+    return [event_of(job_id, row) for row in rows], more
 
 
 def event_of(job_id: str, row: StoredEvent) -> JobEvent:
@@ -95,15 +91,10 @@ def _state_message(data: dict[str, Any]) -> tuple[str, str, dict[str, Any] | Non
 def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str | None,
                      limit: int) -> tuple[list[JobCheckpoint], bool]:
     """The job's checkpoints newest first, each with the metrics of its step."""
-    query = select(Checkpoint).where(Checkpoint.job_id == job.job_id)
-    if after is not None:
-        query = query.where(Checkpoint.step < _position(after, "ftckpt", job.job_id))
-    rows = list(session.scalars(query.order_by(Checkpoint.step.desc()).limit(limit + 1)))
-    page = rows[:limit]
-    steps = {row.step for row in page}
-    train = {m.step: m for m in session.scalars(
-        select(StepMetric).where(StepMetric.job_id == job.job_id, StepMetric.step.in_(steps)))}
-    valid = _evals(session, job.job_id)
+    before = _position(after, "ftckpt", job.job_id) if after is not None else None
+    page, more = history.checkpoints_newest_first(session, job.job_id, before_step=before, limit=limit)
+    train = {m.step: m for m in history.step_metrics(session, job.job_id, {row.step for row in page})}
+    valid = history.eval_results(session, job.job_id)
     out = []
     for row in page:
         metric = train.get(row.step)
@@ -124,36 +115,20 @@ def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str 
                 full_valid_mean_token_accuracy=accuracy,
             ),
         ))
-    return out, len(rows) > limit
+    return out, more
 
 
 def metrics_csv(session: Session, job_id: str) -> str:
     """OpenAI's results file: one row per step; validation columns where the step was evaluated."""
-    valid = _evals(session, job_id)
+    valid = history.eval_results(session, job_id)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
-    for row in session.scalars(select(StepMetric).where(StepMetric.job_id == job_id).order_by(StepMetric.step)):
+    for row in history.step_metrics(session, job_id):
         loss, accuracy = valid.get(row.step, (None, None))
         writer.writerow([row.step, _cell(row.loss), _cell(row.token_accuracy), _cell(loss),
                          _cell(accuracy)])
     return buffer.getvalue()
-
-
-def trained_tokens(session: Session, job_ids: list[str]) -> dict[str, int]:
-    """Real tokens over every recorded step, per job."""
-    rows = session.execute(
-        select(StepMetric.job_id, func.sum(StepMetric.tokens), func.count())
-        .where(StepMetric.job_id.in_(job_ids)).group_by(StepMetric.job_id)
-    )
-    return {job_id: int(total or 0) for job_id, total, _ in rows}
-
-
-def _evals(session: Session, job_id: str) -> dict[int, tuple[float | None, float | None]]:
-    """step -> (validation loss, validation token accuracy) of each ``eval`` event."""
-    rows = session.scalars(select(StoredEvent.data).where(StoredEvent.job_id == job_id, StoredEvent.type == "eval"))
-    return {int(data["step"]): (data.get("loss"), data.get("accuracy"))
-            for data in rows if isinstance(data.get("step"), int)}
 
 
 def _position(cursor: str, prefix: str, job_id: str) -> int:

@@ -9,7 +9,6 @@ unknown one, so its name is never confirmed (``core.users.access.project_named``
 from __future__ import annotations
 
 from fastapi import APIRouter, status
-from sqlalchemy import select
 
 from api.auth import AdminDep, CallerDep
 from api.deps import SessionDep, SettingsDep
@@ -18,15 +17,14 @@ from core.errors import Forbidden
 from core.projects import service
 from core.projects.models import Project
 from core.users import access
-from core.users.models import User
-from core.users.service import Caller, get_user
+from core.users.service import Caller, get_user, user_by_id
 
 router = APIRouter(prefix="/v1/projects", tags=["projects"])
 
 
 def _visible(session: SessionDep, caller: Caller, name: str) -> Project:
     """The project ``name`` if the caller is in it (a global admin: any), else 404."""
-    return session.get(Project, access.project_named(session, caller, name, param="name"))
+    return service.get_project(session, access.project_named(session, caller, name, param="name"))
 
 
 def _out(caller: Caller, project: Project) -> ProjectOut:
@@ -103,7 +101,7 @@ def remove_member(name: str, user: str, session: SessionDep, caller: CallerDep) 
 @router.put("/{name}/default", summary="Make this project where your work goes when a request names none")
 def set_default(name: str, session: SessionDep, caller: CallerDep) -> ProjectOut:
     project = _visible(session, caller, name)
-    user = session.scalar(select(User).where(User.user_id == caller.user_id))
+    user = user_by_id(session, caller.user_id)
     service.set_default(session, user, project)
     session.commit()
     return ProjectOut.of(project, role="admin" if project.project_id in caller.admin_of else "member", default=True)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from sqlalchemy import select
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.queue.schemas import QueueOut
 from core.jobs import eta
 from core.users import access
-from core.users.models import User
+from core.users.service import names_by_id
 
 router = APIRouter(tags=["jobs"])
 
@@ -26,7 +25,6 @@ def get_queue(session: SessionDep, state: StateDep, caller: CallerDep) -> QueueO
     GPUs and times."""
     snap = eta.snapshot(session, state.settings)
     owner_ids = {e.job.owner_id for e in snap.entries} | {r.owner_id for r in snap.running}
-    owner_ids.discard(None)
-    owners = dict(session.execute(select(User.user_id, User.name).where(User.user_id.in_(owner_ids))).all()) if owner_ids else {}
+    owners = names_by_id(session, owner_ids)
     shown = access.shown_jobs(session, caller, {e.job.job_id for e in snap.entries} | {r.job_id for r in snap.running})
     return QueueOut.of(snap, owners, state.settings.max_running_jobs_per_user, shown)

@@ -8,7 +8,6 @@ import datetime as dt
 from anyio import to_thread
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from sqlalchemy import select, text
 
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
@@ -16,9 +15,9 @@ from api.errors import error_body
 from api.state import AppState
 from api.jobs.schemas import PlanOut
 from api.system.schemas import GpuOut, HardwareList, Health, MachineGpuOut, MachineOut, Readiness, WorkerOut
-from core.db import utcnow
+from core.db import ping, utcnow
 from core.users import access
-from core.workers import pool
+from core.workers import pool, registry
 from core.workers.models import GpuSlot, Worker
 
 router = APIRouter(tags=["system"])
@@ -31,7 +30,7 @@ def hardware(session: SessionDep, state: StateDep, caller: CallerDep) -> Hardwar
     """Each GPU shows the project holding it; the job's id only to those who may read the job."""
     now = utcnow()
     timeout = state.settings.heartbeat_timeout_s
-    rows = session.scalars(select(Worker).order_by(Worker.hostname, Worker.device, Worker.worker_id)).all()
+    rows = registry.list_workers(session)
     pools = pool.pools(session)
     held = {g.job_id for slots in pools.values() for g in slots if g.job_id} | {r.current_job_id for r in rows if r.current_job_id}
     shown = access.shown_jobs(session, caller, held)
@@ -124,8 +123,7 @@ async def readyz(state: StateDep) -> Readiness:
 
 
 def _check_store(state: AppState) -> None:
-    with state.engine.connect() as conn:
-        conn.execute(text("SELECT 1"))
+    ping(state.engine)
 
 
 def _check_broker(state: AppState) -> None:

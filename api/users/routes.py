@@ -25,7 +25,7 @@ from api.users.schemas import (
     UserPatch,
 )
 from core.errors import Forbidden
-from core.users import service
+from core.users import access, service
 from core.users.models import User
 from core.users.service import Caller
 
@@ -99,8 +99,7 @@ def issue_key(name: str, caller: CallerDep, session: SessionDep, body: KeyCreate
 @router.delete("/v1/keys/{key_id}", summary="Revoke an API key (by id or prefix); yours or, for an admin, anyone's")
 def revoke_key(key_id: str, caller: CallerDep, session: SessionDep) -> KeyOut:
     key = service.find_key(session, key_id)
-    owner = session.get(User, key.user_id)
-    owner_name = owner.name if owner is not None else "?"
+    owner_name = access.owner_name(session, key.user_id) or "?"
     if key.user_id != caller.user_id and not caller.is_admin:
         raise Forbidden(
             f"API key {key.prefix} belongs to {owner_name!r}; only they or an admin may revoke it",

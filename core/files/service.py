@@ -25,7 +25,7 @@ from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidDataset, InvalidInput, NotFound, TooLarge
 from core.files.convert import convert_to_chat
 from core.files.models import File
-from core.files.validate import validate_dataset
+from core.files.validate import DatasetSummary, validate_dataset
 from core.jobs.models import Job
 from core.jobs.states import ACTIVE_STATUSES
 from core.paging import page_newest_first, split_page
@@ -117,19 +117,7 @@ def store_upload(
         if layout not in ("auto", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
         return same
-    source, converted_from = sink.path, None
-    try:
-        converted = convert_to_chat(sink.path, layout=None if layout == "auto" else layout)
-        if converted is not None:
-            source, converted_from = converted
-        summary = validate_dataset(source)
-    except InvalidDataset as exc:
-        if converted_from is not None:
-            source.unlink(missing_ok=True)
-        exc.param = exc.param or "file"
-        raise
-    if converted_from is not None:
-        summary.stats["converted_from"] = converted_from
+    source, converted_from, summary = _converted_and_validated(sink.path, layout)
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
     os.replace(source, final)
@@ -150,6 +138,25 @@ def store_upload(
         created_at=utcnow(),
     )
     return commit_file(session, row)
+
+
+def _converted_and_validated(path: Path, layout: str) -> tuple[Path, str | None, DatasetSummary]:
+    """``(the chat file to keep, the layout it was converted from or None, its summary)`` of the
+    upload at ``path``; a converted copy is removed again when it does not validate."""
+    source, converted_from = path, None
+    try:
+        converted = convert_to_chat(path, layout=None if layout == "auto" else layout)
+        if converted is not None:
+            source, converted_from = converted
+        summary = validate_dataset(source)
+    except InvalidDataset as exc:
+        if converted_from is not None:
+            source.unlink(missing_ok=True)
+        exc.param = exc.param or "file"
+        raise
+    if converted_from is not None:
+        summary.stats["converted_from"] = converted_from
+    return source, converted_from, summary
 
 
 def check_layout(path: Path, layout: str) -> None:
@@ -192,6 +199,11 @@ def find_duplicate(session: Session, sha256: str, *, purpose: str, owner_id: str
 def check_purpose(purpose: str) -> None:
     if purpose not in PURPOSES:
         raise InvalidInput(f"purpose: {purpose!r} is not one of train, validation", param="purpose")
+
+
+def find_file(session: Session, file_id: str) -> File | None:
+    """The row of ``file_id``, deleted or not (a finished job still names its files); None if unknown."""
+    return session.get(File, file_id)
 
 
 def get_file(session: Session, file_id: str, *, reader: Caller | None = None) -> File:

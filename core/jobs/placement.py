@@ -204,12 +204,7 @@ def place(
         fits = [w for w in big_enough if len(free[w]) >= job.per_node and w not in held]
         chosen = _choose(job, fits, free, address)
         if chosen:
-            parts = []
-            for host in chosen:
-                slots, free[host] = free[host][: job.per_node], free[host][job.per_node :]
-                parts.append(Part(host, tuple(slots), address[host] if job.nodes > 1 else None))
-            leader, *followers = parts
-            placements.append(Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address))
+            placements.append(_take(job, chosen, free, address))
             used[job.owner_id] += job.gpus
             project_used[job.project_id] += job.gpus
         elif hold is None:
@@ -219,6 +214,17 @@ def place(
             if quota is not None:  # nor its project's later jobs the quota (a project without one: backfill)
                 blocked_projects.add(job.project_id)
     return Schedule(tuple(placements), hold)
+
+
+def _take(job: Waiting, chosen: Sequence[str], free: dict[str, list[int]],
+          address: Mapping[str, str | None]) -> Placement:
+    """Place ``job`` on the ``chosen`` hosts (its leader first): their first free slots are its."""
+    parts = []
+    for host in chosen:
+        slots, free[host] = free[host][: job.per_node], free[host][job.per_node :]
+        parts.append(Part(host, tuple(slots), address[host] if job.nodes > 1 else None))
+    leader, *followers = parts
+    return Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address)
 
 
 def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None]) -> list[str]:

@@ -123,3 +123,8 @@ def resumed_spec(source: Job) -> JobSpec:
     except ValueError as exc:
         raise InvalidInput(f"job {source.job_id}'s stored spec no longer validates ({exc}); clone it with "
                            "overrides that fix it", param="job_id") from exc
+
+
+def in_project_of(spec: JobSpec, source: Job) -> JobSpec:
+    """A clone, resume or re-queue goes to its source's project unless the spec names one."""
+    return spec if spec.project or source.project_id is None else spec.model_copy(update={"project": source.project_id})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 from collections.abc import Iterable
@@ -13,24 +12,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
-from core.errors import Conflict, InvalidInput, NotFound, Unsupported
-from core.files.models import File
-from core.jobs.model_source import resolve_model
+from core.errors import Conflict, InvalidInput, NotFound
+from core.jobs.admission import admit
 from core.jobs.models import Checkpoint, EvalMetric, Job, JobEvent, StepMetric
-from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
-from core.jobs.trackers import allowed_trackers, check_trackers
-from core.jobs.translate import to_train_config
 from core.paging import page_newest_first, split_page
-from core.projects.models import Project
 from core.settings import Settings
 from core.users.access import readable_by
 from core.users.models import User
 from core.users.service import Caller
 from core.workers import pool
-from core.workers.models import Worker
-from trainer.config import SWITCHES
 
 MAX_METRICS_PAGE = 10_000
 FINISHED_VALUES = frozenset(s.value for s in FINISHED_STATUSES)
@@ -122,7 +114,7 @@ def create_job(
     preflight: dict[str, Any] | None = None,
     project_id: str | None = None,
 ) -> tuple[Job, bool]:
-    """Validate ``spec`` against the box and record a queued job of ``owner_id`` in
+    """Check ``spec`` against the box (``core.jobs.admission.admit``) and record a queued job of ``owner_id`` in
     ``project_id`` (whose files it must use); the caller commits, then enqueues.
 
     Returns ``(job, created)``: ``created`` is False when ``idempotency_key`` names a job made
@@ -130,64 +122,18 @@ def create_job(
 
     Raises:
         Conflict: ``idempotency_key`` was used with a different spec.
-        Unsupported: ``method`` is ``qlora`` and no live worker reports a CUDA GPU with
-            bitsandbytes (``_check_method``).
-        InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a file whose
-            format does not fit ``objective`` (preference files for dpo, others for sft), a model
-            that cannot be resolved, or a spec the trainer's config refuses.
-        Unsupported: an optimization forced ``on`` that no live worker can honour,
-            ``gpus`` that no live host or the owner's cap can give (``core.jobs.scheduling.check_gpus``),
-            or a tracker whose package no live worker has (``core.jobs.trackers.check_trackers``).
-        InvalidInput: a tracking server or URL the box, or the job's project, does not list
-            (``core.jobs.trackers.server_for``).
+        InvalidInput, Unsupported: whatever ``admit`` refuses.
     """
     fingerprint = spec_hash(spec)
     if idempotency_key is not None:
         existing = _by_idempotency_key(session, idempotency_key, fingerprint)
         if existing is not None:
             return existing, False
-    _check_method(session, spec, settings)
-    _check_forced_switches(session, spec, settings)
-    project = session.get(Project, project_id) if project_id is not None else None
-    check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings, project))
-    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes)
-    check_project(session, project_id, spec.gpus, spec.priority)
-    train_row = usable_file(session, spec.training_file, "train", "training_file", project_id)
-    _check_objective(spec.objective, train_row, "training_file")
-    paths = {spec.training_file: train_row.path}
-    if spec.validation_file is not None:
-        validation_row = usable_file(session, spec.validation_file, "validation", "validation_file", project_id)
-        _check_objective(spec.objective, validation_row, "validation_file")
-        paths[spec.validation_file] = validation_row.path
-    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
-                           check_hub=True)
     job_id = new_id("job")
-    output_dir = settings.jobs_dir / job_id
-    to_train_config(spec, job_id=job_id, files=paths, output_dir=output_dir, model_path=source.name_or_path)
-    now = utcnow()
-    job = Job(
-        job_id=job_id,
-        name=spec.name,
-        status=JobStatus.queued.value,
-        model=spec.model,
-        method=spec.method,
-        spec=spec.to_stored(),
-        training_file_id=spec.training_file,
-        validation_file_id=spec.validation_file,
-        priority=spec.priority,
-        gpus=spec.gpus,
-        nodes=spec.nodes,
-        owner_id=owner_id,
-        project_id=project_id,
-        idempotency_key=idempotency_key,
-        idempotency_hash=fingerprint if idempotency_key is not None else None,
-        progress_step=0,
-        total_steps=spec.hyperparameters.max_steps,
-        output_dir=str(output_dir),
-        preflight=preflight,
-        created_at=now,
-        updated_at=now,
-    )
+    admit(session, spec, settings=settings, owner_id=owner_id, project_id=project_id, job_id=job_id)
+    job = _queued_job(spec, job_id, settings=settings, owner_id=owner_id, project_id=project_id, preflight=preflight)
+    if idempotency_key is not None:
+        job.idempotency_key, job.idempotency_hash = idempotency_key, fingerprint
     session.add(job)
     try:
         session.flush()
@@ -206,95 +152,30 @@ def create_job(
     return job, True
 
 
-def _check_forced_switches(session: Session, spec: JobSpec, settings: Settings) -> None:
-    """Refuse a switch forced ``on`` that no live worker's trainer can honour.
-
-    Each worker stores ``python -m trainer detect --json`` in ``worker.hardware``; its
-    ``capabilities`` map each switch (``trainer.config.SWITCHES``) to None (``on`` can run
-    there) or the reason it cannot.
-    A worker is live when its heartbeat is younger than ``heartbeat_timeout_s``. With no live
-    worker that reported capabilities (none started yet, or an older trainer) the job is
-    accepted and waits: the trainer's own plan refuses an impossible ``on`` when the job starts
-    (``done`` with ``config_error``), so nothing impossible runs either way.
-
-    Raises:
-        Unsupported: some switch is ``on`` and every reporting live worker says it cannot be.
-    """
-    forced = [name for name in SWITCHES if getattr(spec.optimizations, name) == "on"]
-    if not forced:
-        return
-    reports = [(worker_id, report.get("capabilities")) for worker_id, report in _live_reports(session, settings)]
-    reports = [(worker_id, caps) for worker_id, caps in reports if isinstance(caps, dict)]
-    if not reports:
-        return
-    for name in forced:
-        reasons = {
-            worker_id: caps.get(name, "its trainer does not know this switch")
-            for worker_id, caps in reports
-        }
-        if any(reason is None for reason in reasons.values()):
-            continue
-        why = "; ".join(f"worker {worker_id}: {reason}" for worker_id, reason in sorted(reasons.items()))
-        raise Unsupported(
-            f"optimizations.{name}: on cannot be honoured by any live worker ({why}). "
-            f"Set optimizations.{name} to auto or off",
-            param=f"optimizations.{name}",
-        )
-
-
-def _check_method(session: Session, spec: JobSpec, settings: Settings) -> None:
-    """Refuse ``method: qlora`` unless a live worker reports a CUDA GPU with bitsandbytes.
-
-    Reads ``hardware.device`` and ``hardware.bitsandbytes`` of the ``detect --json`` report each
-    worker stores (``worker.presence``), from the workers ``_check_forced_switches`` reads: those
-    with a heartbeat younger than ``heartbeat_timeout_s``. Every live worker can claim a job of
-    one GPU, so any one of them able to load a 4-bit base is enough. Unlike a forced switch, a
-    box with no such report refuses (no live worker, or none whose detect has finished): a 4-bit
-    base exists only with bitsandbytes on CUDA, so the caller gets the fix now rather than a
-    queued job that can only fail at its start. A worker gains the report when it restarts.
-
-    Raises:
-        Unsupported: ``method`` is ``qlora`` and no live worker reports both.
-    """
-    if spec.method != "qlora":
-        return
-    reports = _live_reports(session, settings)
-    gaps = {worker_id: _qlora_gap(report) for worker_id, report in reports}
-    if any(gap is None for gap in gaps.values()):
-        return
-    fix = "Use method lora, or install bitsandbytes on a GPU worker (pip install 'ftq[qlora]') and restart it"
-    if not gaps:
-        raise Unsupported(
-            "method: qlora needs a worker with a CUDA GPU and bitsandbytes; no worker is live "
-            f"(none has sent a heartbeat in the last {settings.heartbeat_timeout_s:g} s). {fix}",
-            param="method",
-        )
-    why = "; ".join(f"worker {worker_id}: {gap}" for worker_id, gap in sorted(gaps.items()))
-    raise Unsupported(
-        f"method: qlora needs a worker with a CUDA GPU and bitsandbytes; no live worker has both ({why}). {fix}",
-        param="method",
+def _queued_job(spec: JobSpec, job_id: str, *, settings: Settings, owner_id: str | None, project_id: str | None,
+                preflight: dict[str, Any] | None) -> Job:
+    now = utcnow()
+    return Job(
+        job_id=job_id,
+        name=spec.name,
+        status=JobStatus.queued.value,
+        model=spec.model,
+        method=spec.method,
+        spec=spec.to_stored(),
+        training_file_id=spec.training_file,
+        validation_file_id=spec.validation_file,
+        priority=spec.priority,
+        gpus=spec.gpus,
+        nodes=spec.nodes,
+        owner_id=owner_id,
+        project_id=project_id,
+        progress_step=0,
+        total_steps=spec.hyperparameters.max_steps,
+        output_dir=str(settings.jobs_dir / job_id),
+        preflight=preflight,
+        created_at=now,
+        updated_at=now,
     )
-
-
-def _qlora_gap(report: dict[str, Any]) -> str | None:
-    """None when a worker's report shows a CUDA device with bitsandbytes, else what it lacks."""
-    hardware = report.get("hardware")
-    if not isinstance(hardware, dict):
-        return "no hardware report (its trainer detect failed or has not finished)"
-    has_cuda = hardware.get("device") == "cuda"
-    has_bnb = hardware.get("bitsandbytes") is True
-    if has_cuda and has_bnb:
-        return None
-    missing = " or ".join(what for what, present in (("CUDA", has_cuda), ("bitsandbytes", has_bnb)) if not present)
-    return f"{hardware.get('name', 'unknown device')} ({hardware.get('device', 'unknown')}) without {missing}"
-
-
-def _live_reports(session: Session, settings: Settings) -> list[tuple[str, dict[str, Any]]]:
-    """``(worker_id, detect report)`` of each worker whose heartbeat is younger than
-    ``heartbeat_timeout_s``; a worker that registered before its detect finished has ``{}``."""
-    cutoff = utcnow() - dt.timedelta(seconds=settings.heartbeat_timeout_s)
-    workers = session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.worker_id))
-    return [(worker.worker_id, worker.hardware if isinstance(worker.hardware, dict) else {}) for worker in workers]
 
 
 def get_job(session: Session, job_id: str, *, reader: Caller | None = None) -> Job:
@@ -403,6 +284,16 @@ def resume_stopped(session: Session, job_id: str) -> bool:
     return True
 
 
+def resume_refused(job: Job) -> Conflict:
+    """Why the paused job ``job`` cannot be queued again now (``resume_stopped`` would move nothing)."""
+    return Conflict(
+        f"job {job.job_id} is still stopping ({job.status}); resume it once its status reads 'paused'"
+        if job.status == JobStatus.running.value else
+        f"job {job.job_id} {job.status} before the pause took effect; there is nothing to resume",
+        param="job_id",
+    )
+
+
 def list_metrics(
     session: Session, job_id: str, *, after_step: int = -1, limit: int = 1000, reader: Caller | None = None
 ) -> list[StepMetric]:
@@ -466,30 +357,3 @@ def _by_idempotency_key(session: Session, key: str, fingerprint: str) -> Job | N
             param="Idempotency-Key",
         )
     return job
-
-
-def _check_objective(objective: str, row: File, param: str) -> None:
-    """DPO trains on preference files, and preference files train only DPO."""
-    if (objective == "dpo") == (row.format == "preference"):
-        return
-    if objective == "dpo":
-        fix = (
-            'objective dpo trains on preference records ({"input": {"messages": [...]}, '
-            '"preferred_output": [...], "non_preferred_output": [...]}); upload such a file, or set objective to sft'
-        )
-    else:
-        fix = "preference records train objective dpo; set objective to dpo, or upload a chat, prompt_completion or text file"
-    raise InvalidInput(f"{param}: file {row.file_id} holds {row.format} records, but {fix}", param=param)
-
-
-def usable_file(session: Session, file_id: str, purpose: str, param: str, project_id: str | None = None) -> File:
-    """The file row a spec names in ``param``; InvalidInput when it is missing, of another
-    purpose, or (``project_id``) of another project (said as for an unknown id)."""
-    row = session.get(File, file_id)
-    if row is None or row.deleted_at is not None or project_id not in (None, row.project_id):
-        raise InvalidInput(f"{param}: no file {file_id!r}; upload it with POST /v1/files (purpose={purpose}) "
-                           "and use its id", param=param)
-    if row.purpose != purpose:
-        raise InvalidInput(f"{param}: file {file_id} was uploaded with purpose={row.purpose}; upload it again with "
-                           f"purpose={purpose}", param=param)
-    return row

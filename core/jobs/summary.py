@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core.jobs.models import EvalMetric, StepMetric
+from core.jobs.models import EvalMetric, JobEvent, StepMetric
 
 
 def summarize(session: Session, job_id: str) -> dict[str, Any]:
@@ -42,3 +42,20 @@ def summarize(session: Session, job_id: str) -> dict[str, Any]:
         "best_eval_loss": best_eval[0] if best_eval else None,
         "best_eval_step": best_eval[1] if best_eval else None,
     }
+
+
+def step_totals(session: Session, job_id: str) -> tuple[int, float | None, float | None, int]:
+    """``(last step, final loss, best loss, tokens)`` over every stored step row (the adapter card's)."""
+    steps, best, tokens = session.execute(
+        select(func.max(StepMetric.step), func.min(StepMetric.loss), func.coalesce(func.sum(StepMetric.tokens), 0))
+        .where(StepMetric.job_id == job_id)).one()
+    final = session.execute(select(StepMetric.loss).where(StepMetric.job_id == job_id)
+                            .order_by(StepMetric.step.desc()).limit(1)).scalar_one_or_none()
+    return int(steps or 0), final, best, int(tokens)
+
+
+def eval_losses(session: Session, job_id: str) -> list[float]:
+    """The validation loss of each ``eval`` event, in order."""
+    rows = session.scalars(select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == "eval")
+                           .order_by(JobEvent.seq))
+    return [float(d["loss"]) for d in rows if isinstance(d.get("loss"), (int, float))]

@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session
 from core.db import new_id, utcnow
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound
 from core.jobs.trackers import allowed_trackers
+from core.names import NAME_PATTERN, NAME_RULE
 from core.projects.models import DEFAULT_PROJECT, ROLES, Project, ProjectMember
 from core.settings import Settings
 from core.users.models import User
 
 PRIORITIES = ("low", "normal", "high")
-NAME_RULE = "1-64 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,6 @@ class Membership:
 
 
 def check_project_name(name: str) -> str:
-    from core.users.service import NAME_PATTERN
-
     if not NAME_PATTERN.match(name):
         raise InvalidInput(f"name: {name!r} is not a project name; use {NAME_RULE}", param="name")
     return name
@@ -98,6 +96,14 @@ def ensure_default(session: Session) -> Project:
     """The ``default`` project, made if it is missing (the migration makes it; a store emptied by hand may not have it)."""
     project = session.scalar(select(Project).where(Project.name == DEFAULT_PROJECT))
     return project if project is not None else create_project(session, DEFAULT_PROJECT)
+
+
+def get_project(session: Session, project_id: str) -> Project:
+    """The project ``project_id`` (an id found by ``core.users.access.project_named``)."""
+    project = session.get(Project, project_id)
+    if project is None:
+        raise NotFound(f"no project {project_id!r}; GET /v1/projects lists yours", param="project")
+    return project
 
 
 def find_project(session: Session, name: str) -> Project:

@@ -1,37 +1,40 @@
 """Users and their API keys: create, issue, verify, revoke. Each takes a session; the caller commits.
 
-A key reads ``ftq_<prefix>_<secret>``: ``prefix`` is 8 hex characters, unique, stored in clear
-so a key can be found (and named: ``ftq users revoke PREFIX``) without a scan; ``secret`` is
-32 random bytes (URL-safe base64). The store keeps only the SHA-256 of the whole key, so a copy
-of the database lets nobody in. Verification compares hashes in constant time, and records
-``last_used_at`` at most once a minute so every request is not a write.
+A user's key reads ``ftq_<prefix>_<secret>``; minting, finding, verifying and revoking it is
+``core.keys``' (the same as for worker keys) with the scheme ``USER_KEYS``. Here: what only a
+user's key has, its user (who must not be disabled) and its default project.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import hashlib
-import hmac
-import re
-import secrets
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from core import keys
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound, Unauthenticated
+from core.keys import hash_key as hash_key  # re-exported: a user key's hash, as the store keeps it
+from core.keys import public_key_id
+from core.names import NAME_PATTERN, NAME_RULE
 from core.projects import service as projects
 from core.projects.models import Project
 from core.users.models import ApiKey, User
 
 KEY_SCHEME = "ftq"
-PREFIX_HEX = 8
-SECRET_BYTES = 32
-LAST_USED_RESOLUTION = dt.timedelta(minutes=1)
-NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 RESERVED_NAMES = frozenset({"me"})  # ``?owner=me`` means the caller
+USER_KEYS = keys.KeyScheme(
+    scheme=KEY_SCHEME, model=ApiKey, id_column="api_key_id", id_prefix="key", lookup=("api_key_id", "prefix"),
+    malformed="the API key is malformed: keys look like ftq_<8 hex>_<secret>; copy the whole key "
+              "(`ftq users key NAME` issues a new one)",
+    invalid="the API key is not valid; check that it was copied whole, or ask an admin for a new one",
+    revoked="the API key {key.prefix} was revoked at {at}; ask an admin for a new one",
+    not_found="no API key {wanted!r}; give a key id (key-…) or its prefix (the 8 characters after ftq_), "
+              "see GET /v1/users/me/keys or `ftq users list`",
+    not_found_param="key_id",
+)
 
 
 @dataclass(frozen=True)
@@ -79,26 +82,10 @@ class IssuedKey:
     secret: str
 
 
-def hash_key(raw: str) -> str:
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
 def split_key(raw: str, *, expected: str = KEY_SCHEME) -> tuple[str, str] | None:
     """``(prefix, secret)`` of a well-formed key of scheme ``expected`` (``ftq``: users' keys,
     ``ftqw``: worker keys), else None."""
-    scheme, sep, rest = raw.partition("_")
-    prefix, sep2, secret = rest.partition("_")
-    if scheme != expected or not sep or not sep2 or len(prefix) != PREFIX_HEX or not secret:
-        return None
-    if any(c not in "0123456789abcdef" for c in prefix):
-        return None
-    return prefix, secret
-
-
-def public_key_id(scheme: str, prefix: str) -> str:
-    """A key's public id, ``<scheme>_<prefix>`` (``ftq_1a2b3c4d``; a worker key's ``ftqw_…``):
-    not secret, it names the key in the log and is what ``api.auth_throttle`` counts failures by."""
-    return f"{scheme}_{prefix}"
+    return keys.split_key(raw, expected=expected)
 
 
 # --- users ------------------------------------------------------------------------------------
@@ -107,8 +94,7 @@ def public_key_id(scheme: str, prefix: str) -> str:
 def check_name(name: str) -> str:
     if not NAME_PATTERN.match(name) or name in RESERVED_NAMES:
         raise InvalidInput(
-            f"name: {name!r} is not a user name; use 1-64 lowercase letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (and not 'me')",
+            f"name: {name!r} is not a user name; use {NAME_RULE} (and not 'me')",
             param="name",
         )
     return name
@@ -162,6 +148,18 @@ def get_user(session: Session, name: str) -> User:
     user = session.scalar(select(User).where(User.name == name))
     if user is None:
         raise NotFound(f"no user {name!r}; list users with GET /v1/users (or `ftq users list`)", param="name")
+    return user
+
+
+def user_by_id(session: Session, user_id: str) -> User:
+    """The user ``user_id`` (a caller's own row, a key's owner).
+
+    Raises:
+        NotFound: no such user (deleted since).
+    """
+    user = session.get(User, user_id)
+    if user is None:
+        raise NotFound(f"no user {user_id!r}; list users with GET /v1/users (or `ftq users list`)", param="user_id")
     return user
 
 
@@ -233,19 +231,7 @@ def issue_key(session: Session, user: User, *, name: str | None = None, project:
             raise NotFound(f"project: {user.name!r} has no project {project!r}; GET /v1/projects lists theirs",
                            param="project")
         project_id = found
-    for _ in range(5):  # 8 hex chars: a prefix collision is rare, but it is a unique column
-        prefix = secrets.token_hex(PREFIX_HEX // 2)
-        if session.scalar(select(ApiKey.api_key_id).where(ApiKey.prefix == prefix)) is None:
-            break
-    else:  # pragma: no cover - five collisions in a row means the random source is broken
-        raise RuntimeError("could not find an unused API key prefix")
-    raw = f"{KEY_SCHEME}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
-    key = ApiKey(
-        api_key_id=new_id("key"), user_id=user.user_id, prefix=prefix, key_hash=hash_key(raw),
-        name=name, project_id=project_id, created_at=utcnow(),
-    )
-    session.add(key)
-    session.flush()
+    key, raw = keys.mint(session, USER_KEYS, user_id=user.user_id, name=name, project_id=project_id)
     return IssuedKey(key=key, secret=raw)
 
 
@@ -255,24 +241,12 @@ def list_keys(session: Session, user: User) -> list[ApiKey]:
 
 def find_key(session: Session, id_or_prefix: str) -> ApiKey:
     """A key by its id (``key-…``) or its prefix (the 8 hex characters after ``ftq_``)."""
-    key = session.get(ApiKey, id_or_prefix) or session.scalar(
-        select(ApiKey).where(ApiKey.prefix == id_or_prefix)
-    )
-    if key is None:
-        raise NotFound(
-            f"no API key {id_or_prefix!r}; give a key id (key-…) or its prefix (the 8 characters after ftq_), "
-            "see GET /v1/users/me/keys or `ftq users list`",
-            param="key_id",
-        )
-    return key
+    return keys.find(session, USER_KEYS, id_or_prefix)
 
 
 def revoke_key(session: Session, key: ApiKey) -> ApiKey:
     """Revoke ``key`` (idempotent: revoking a revoked key keeps its first revocation time)."""
-    if key.revoked_at is None:
-        key.revoked_at = utcnow()
-        session.flush()
-    return key
+    return keys.revoke(session, key)
 
 
 def verify_key(session: Session, raw: str) -> Caller:
@@ -282,40 +256,14 @@ def verify_key(session: Session, raw: str) -> Caller:
         Unauthenticated: a malformed, unknown or revoked key, or a disabled user; the message
             says which and what to do, never anything about other keys.
     """
-    parts = split_key(raw.strip())
-    if parts is None:
-        raise Unauthenticated(
-            "the API key is malformed: keys look like ftq_<8 hex>_<secret>; copy the whole key "
-            "(`ftq users key NAME` issues a new one)",
-            param="Authorization",
-        )
-    key = session.scalar(select(ApiKey).where(ApiKey.prefix == parts[0]))
-    # Compare against a hash even when no key has this prefix, so timing says nothing.
-    expected = key.key_hash if key is not None else hash_key("")
-    if not hmac.compare_digest(hash_key(raw.strip()), expected) or key is None:
-        raise Unauthenticated(
-            "the API key is not valid; check that it was copied whole, or ask an admin for a new one",
-            param="Authorization", key_id=None if key is None else public_key_id(KEY_SCHEME, key.prefix),
-        )
-    if key.revoked_at is not None:
-        raise Unauthenticated(
-            f"the API key {key.prefix} was revoked at {key.revoked_at.isoformat()}; ask an admin for a new one",
-            param="Authorization", key_id=public_key_id(KEY_SCHEME, key.prefix),
-        )
+    key = keys.check(session, USER_KEYS, raw)
     user = session.get(User, key.user_id)
     if user is None or user.disabled_at is not None:
         raise Unauthenticated(
             f"the user of API key {key.prefix} is disabled; ask an admin to enable it", param="Authorization",
             key_id=public_key_id(KEY_SCHEME, key.prefix),
         )
-    now = utcnow()
-    if key.last_used_at is None or now - key.last_used_at >= LAST_USED_RESOLUTION:
-        session.execute(
-            update(ApiKey)
-            .where(ApiKey.api_key_id == key.api_key_id)
-            .values(last_used_at=now)
-            .execution_options(synchronize_session=False)
-        )
+    keys.touch(session, USER_KEYS, key)
     return caller_of(session, user, key)
 
 

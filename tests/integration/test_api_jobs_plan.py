@@ -161,7 +161,7 @@ def cuda_report(cpu_report: dict[str, Any], *, bitsandbytes: bool) -> dict[str, 
 
 class TestQloraAtSubmission:
     def test_a_workers_report_says_its_device_and_bitsandbytes(self, cpu_report) -> None:
-        # The two fields the API reads (core.jobs.service._qlora_gap).
+        # The two fields the API reads (core.jobs.admission._qlora_gap).
         assert cpu_report["hardware"]["device"] == "cpu"
         assert isinstance(cpu_report["hardware"]["bitsandbytes"], bool)
 

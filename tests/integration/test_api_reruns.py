@@ -1,7 +1,7 @@
 """Clone with overrides, resume from a checkpoint, metrics as CSV, search, the folded error: both stores.
 
 Clone, resume and the OpenAI create are submissions like ``POST /v1/jobs`` (one path,
-``api.jobs.submit``): issue 23 found a clone accepted where a new job with the same spec was
+``core.jobs.submit``): issue 23 found a clone accepted where a new job with the same spec was
 refused by the dataset preflight."""
 
 from __future__ import annotations

@@ -169,6 +169,17 @@ class TestStopAndResume:
         with pytest.raises(openai.ConflictError):
             oai.fine_tuning.jobs.resume(job.id)
 
+    def test_resume_runs_a_new_jobs_checks_and_a_refusal_leaves_the_job_paused(
+            self, oai: openai.OpenAI, client: TestClient, chat_file: str) -> None:
+        job = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file)
+        oai.fine_tuning.jobs.pause(job.id)
+        assert oai.files.delete(chat_file).deleted is True  # a paused job holds no file
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.fine_tuning.jobs.resume(job.id)
+        assert error_of(info.value)["param"] == "training_file"
+        assert oai.fine_tuning.jobs.retrieve(job.id).status == "paused"
+        assert client.get(f"/v1/jobs/{job.id}").json()["status"] == "cancelled"
+
     def test_someone_elses_job_cannot_be_paused(self, oai: openai.OpenAI, client: TestClient, store,
                                                 chat_file: str) -> None:
         job = oai.fine_tuning.jobs.create(model="tiny", training_file=chat_file)

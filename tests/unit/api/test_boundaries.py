@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,39 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
 
 def test_sse_event_format() -> None:
     assert format_event(7, "step", {"step": 3, "loss": 0.5}) == b'id: 7\nevent: step\ndata: {"step":3,"loss":0.5}\n\n'
+
+
+# The store is read and written by core's services; api/ parses, calls them, and shapes the reply.
+# A route may open a session and end its transaction (commit, rollback, close), never query with it.
+_SQL_IMPORTS = {"sqlalchemy.orm": {"Session", "sessionmaker"}, "sqlalchemy": {"Engine"}}
+"""What api/ may import from SQLAlchemy besides ``sqlalchemy.exc`` (error mapping): type names."""
+_SESSION_NAMES = {"session", "conn", "connection"}
+_QUERYING = {"query", "execute", "scalar", "scalars", "get", "add", "add_all", "delete", "merge", "flush", "refresh"}
+
+
+def _store_uses(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "sqlalchemy" for a in node.names):
+            found.append(f"{node.lineno}: import sqlalchemy")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "sqlalchemy":
+            if node.module != "sqlalchemy.exc":
+                extra = {a.name for a in node.names} - _SQL_IMPORTS.get(node.module or "", set())
+                found += [f"{node.lineno}: from {node.module} import {name}" for name in sorted(extra)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _QUERYING
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in _SESSION_NAMES):
+            found.append(f"{node.lineno}: {node.func.value.id}.{node.func.attr}(...)")
+    return found
+
+
+def test_api_queries_the_store_only_through_core_services() -> None:
+    uses = {str(path.relative_to(REPO)): found for path in sorted((REPO / "api").rglob("*.py"))
+            if (found := _store_uses(path))}
+    assert uses == {}, f"move these queries into a core service and call it: {uses}"
+
+
+def test_the_store_rule_sees_a_query(tmp_path: Path) -> None:
+    sample = tmp_path / "routes.py"
+    sample.write_text("from sqlalchemy import select\nfrom sqlalchemy.orm import Session\n"
+                      "def f(session):\n    session.commit()\n    return session.get(X, 1)\n")
+    assert _store_uses(sample) == ["1: from sqlalchemy import select", "5: session.get(...)"]

@@ -5,7 +5,7 @@ OpenAI has one purpose, ``fine-tune``, for training and validation files alike; 
 OpenAI upload (stored as ``train``) is named as ``validation_file``, the job validates on its
 twin: a ``validation`` file row of the same owner and project over a hard link to the same bytes (a copy
 where the file system cannot link), made once and reused by later jobs. The OpenAI view keeps
-showing the id the caller named, and ``files.list`` leaves twins out (``is_validation_twin``).
+showing the id the caller named, and ``files.list`` leaves twins out (``list_files``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from sqlalchemy.orm import Session
 from core.db import new_id, utcnow
 from core.files.models import File
 from core.files.service import commit_file
+from core.openai.paging import newest_first
+from core.users.access import readable_by
+from core.users.service import Caller
 
 
 def validation_twin(session: Session, named: File, files_dir: Path) -> File:
@@ -61,3 +64,11 @@ def is_validation_twin() -> ColumnElement[bool]:
             train.owner_id.is_not_distinct_from(File.owner_id), train.project_id.is_not_distinct_from(File.project_id),
         ),
     )
+
+
+def list_files(session: Session, caller: Caller, *, after: str | None, limit: int) -> tuple[list[File], bool]:
+    """The caller's live files newest first, twins left out (``core.openai.paging``), and whether
+    more follow."""
+    query = select(File).where(File.deleted_at.is_(None), ~is_validation_twin())
+    return newest_first(session, query, File, File.file_id, after=after, limit=limit, what="file",
+                        scope=readable_by(caller, File))

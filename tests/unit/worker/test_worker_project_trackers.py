@@ -15,7 +15,7 @@ from core.jobs.models import Job, JobEvent
 from core.jobs.trackers import allowed_trackers
 from core.projects.models import Project
 from core.settings import TrackingServer
-from worker.runner import trainer_env
+from worker.launch import trainer_env
 from worker.tracking import trackers_for
 from worker.tracking.resolve import tracking_for
 

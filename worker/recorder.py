@@ -278,7 +278,7 @@ class EventRecorder:
                 self._publish(self.job_id, seq)
 
     def _still_ours(self, session: Session) -> bool:
-        """Lock the job row if this claim still holds it (the same test as runner.Watchdog)."""
+        """Lock the job row if this claim still holds it (the same test as watchdog.Watchdog)."""
         return session.execute(
             update(Job)
             .where(Job.job_id == self.job_id, Job.status == JobStatus.running.value,

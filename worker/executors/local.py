@@ -30,6 +30,11 @@ class LocalExecutor(Executor):
         """The launcher's process once started."""
 
     @property
+    def ranks(self) -> int:
+        """Processes the launcher starts that run the trainer (the trainer itself: one)."""
+        return 1
+
+    @property
     def rank_log_dir(self) -> Path:
         """Where torchrun keeps each rank's stderr (unused by the trainer alone)."""
         return self.claim.output_dir / "ranks" / f"attempt-{self.claim.attempt}"
@@ -53,7 +58,7 @@ class LocalExecutor(Executor):
             stderr_path=self.stderr_path,
             tail_lines=self.runtime.options.stderr_tail_lines,
             tag=run_tag(self.runtime.worker_id, self.claim.job_id, self.claim.attempt),
-            ranks=self.claim.gpus,
+            ranks=self.ranks,
             rank_log_dir=self.rank_log_dir,
         )
         trainer.start()
@@ -72,5 +77,5 @@ class LocalExecutor(Executor):
 
     def collect(self) -> TrainerExit:
         if self.trainer is None:
-            return TrainerExit(returncode=-1, stderr_tail=(), world_size=self.claim.gpus)
+            return TrainerExit(returncode=-1, stderr_tail=(), world_size=self.ranks)
         return self.trainer.finish()

@@ -17,6 +17,10 @@ from worker.launch import torchrun_argv
 class TorchrunExecutor(LocalExecutor):
     """torchrun over the claim's GPUs of this host (``LocalExecutor``'s process handling)."""
 
+    @property
+    def ranks(self) -> int:
+        return self.claim.gpus
+
     def argv(self, job_json: Path) -> list[str]:
-        return torchrun_argv(self.runtime.options, job_json, ranks=self.claim.gpus, rank_log_dir=self.rank_log_dir,
+        return torchrun_argv(self.runtime.options, job_json, ranks=self.ranks, rank_log_dir=self.rank_log_dir,
                              rendezvous=self.claim.rendezvous)

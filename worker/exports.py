@@ -126,7 +126,7 @@ def _finish(runtime: Runtime, export_id: str, job_id: str, result: dict[str, Any
 def _run(runtime: Runtime, export_id: str, job_id: str, argv: list[str],
          cwd: Path) -> tuple[dict[str, Any] | None, list[str], int]:
     """Run the export process, recording its progress; returns (done event, stderr tail, exit code)."""
-    from worker.runner import trainer_env
+    from worker.launch import trainer_env
 
     env = trainer_env(runtime, devices=())
     env["CUDA_VISIBLE_DEVICES"] = ""

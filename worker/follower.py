@@ -4,8 +4,8 @@ The task carries the job id, the attempt, the node rank and the rendezvous endpo
 ``job_node`` row the leader wrote in its claim is the truth. The part starts once: a
 conditional UPDATE sets ``started_at`` only while the job runs with that attempt and the row is
 this host's and not started, so a redelivered message does nothing. The part runs torchrun with
-this machine's reserved GPUs (worker/launch.py ``Rendezvous``); its stdout carries no events
-(global rank 0 is on the leader). It is killed (every process of the run) when the job no
+this machine's reserved GPUs at the leader's ``Rendezvous``, through the multi-machine executor
+(worker/executors/multi_machine.py); its stdout carries no events (global rank 0 is on the leader). It is killed (every process of the run) when the job no
 longer runs with its attempt, the leader's worker stops heartbeating, or this worker shuts
 down; then ``ended_at`` and the exit code are recorded, which the leader's ``PartsWatch``
 (worker/nodes.py) reads. A part that cannot start records exit code -1, so the leader does not
@@ -25,10 +25,12 @@ from core.db import utcnow
 from core.jobs.models import Job, JobNode
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
-from worker.launch import Rendezvous, launch_argv, run_tag
-from worker.nodes import pin_interface, run_id
-from worker.process import TrainerProcess
-from worker.runner import Claim, set_aside_unrecorded_checkpoints, trainer_env
+from worker.claim import Claim
+from worker.executors import Signal
+from worker.executors.multi_machine import MultiMachineExecutor
+from worker.launch import Rendezvous
+from worker.nodes import run_id
+from worker.prepare import build_config, set_aside_unrecorded_checkpoints
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,11 @@ def _run(runtime: Runtime, job_id: str, attempt: int, node_rank: int, rdzv_endpo
         job = session.get(Job, job_id)
         part = session.get(JobNode, (job_id, attempt, node_rank))
         assert job is not None and part is not None, f"job {job_id} node {node_rank} vanished after it started"
-        config = runtime.config_builder(session, job, settings=runtime.settings, output_dir=str(output_dir))
-        devices = tuple(session.scalars(
-            select(GpuSlot.device).where(GpuSlot.worker_id == runtime.worker_id, GpuSlot.job_id == job_id)
+        config = build_config(runtime, session, job, output_dir)
+        slots = session.execute(
+            select(GpuSlot.slot, GpuSlot.device).where(GpuSlot.worker_id == runtime.worker_id, GpuSlot.job_id == job_id)
             .order_by(GpuSlot.slot)
-        ))
+        ).all()
         leader = session.get(JobNode, (job_id, attempt, 0))
         rendezvous = Rendezvous(job.nodes, node_rank, rdzv_endpoint, run_id(job_id, attempt), part.address)
     if rdzv_endpoint != part.rdzv_endpoint:
@@ -109,25 +111,16 @@ def _run(runtime: Runtime, job_id: str, attempt: int, node_rank: int, rdzv_endpo
         rendezvous = Rendezvous(job.nodes, node_rank, part.rdzv_endpoint, rendezvous.run_id, part.address)
     job_json = output_dir / f"job.node-{node_rank}.json"  # local mode shares the leader's directory
     config.save(job_json)
+    claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=tuple(row.slot for row in slots),
+                  devices=tuple(row.device for row in slots), rendezvous=rendezvous, executor="multi_machine")
     if runtime.settings.remote_worker:  # every rank resumes from its own disk: the same checkpoint as the leader
-        _prepare_remote(runtime, Claim(job_id=job_id, attempt=attempt, output_dir=output_dir))
-    rank_logs = output_dir / "ranks" / f"attempt-{attempt}-node-{node_rank}"
-    trainer = TrainerProcess(
-        launch_argv(runtime.options, job_json, ranks=len(devices), rank_log_dir=rank_logs, rendezvous=rendezvous),
-        on_event=lambda event: None,  # global rank 0, the only one that emits, is on the leader
-        env=pin_interface(trainer_env(runtime, devices), rendezvous),
-        cwd=output_dir,
-        stderr_path=output_dir / f"trainer.node-{node_rank}.stderr.log",
-        tail_lines=runtime.options.stderr_tail_lines,
-        tag=run_tag(runtime.worker_id, job_id, attempt),
-        ranks=len(devices),
-        rank_log_dir=rank_logs,
-    )
-    trainer.start()
+        _prepare_remote(runtime, claim)
+    executor = MultiMachineExecutor(runtime, claim)
     try:
-        _watch(runtime, trainer, job_id, attempt, leader.worker_id if leader is not None else None)
+        executor.start(job_json, on_event=lambda event: None)  # global rank 0, the only one that emits, is on the leader
+        _watch(runtime, executor, job_id, attempt, leader.worker_id if leader is not None else None)
     finally:
-        exit_ = trainer.finish()
+        exit_ = executor.collect()
     return exit_.returncode
 
 
@@ -141,21 +134,21 @@ def _prepare_remote(runtime: Runtime, claim: Claim) -> None:
         remote.fetch_recorded_checkpoint(runtime, claim, client)
 
 
-def _watch(runtime: Runtime, trainer: TrainerProcess, job_id: str, attempt: int, leader: str | None) -> None:
+def _watch(runtime: Runtime, executor: MultiMachineExecutor, job_id: str, attempt: int, leader: str | None) -> None:
     """Until the part exits: kill it when it must stop (see the module docstring)."""
     poll_s = min(1.0, runtime.settings.heartbeat_interval_s)
-    while not trainer.has_exited():
+    while executor.watch():
         why = _stop_reason(runtime, job_id, attempt, leader)
         if why is not None:
             log.warning("job %s: stopping this machine's ranks: %s", job_id, why)
-            trainer.kill()
+            executor.signal(Signal.kill)
             return
-        _sleep_until_exit(trainer, poll_s)
+        _sleep_until_exit(executor, poll_s)
 
 
-def _sleep_until_exit(trainer: TrainerProcess, seconds: float) -> None:
+def _sleep_until_exit(executor: MultiMachineExecutor, seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not trainer.has_exited():
+    while time.monotonic() < deadline and executor.watch():
         time.sleep(0.05)
 
 

@@ -1,4 +1,5 @@
-"""How a claimed job's processes start: the trainer itself for one GPU, torchrun for several.
+"""How a claimed job's processes start: the trainer itself for one GPU, torchrun for several;
+the environment they get (``trainer_env``). The executors (worker/executors/) run these commands.
 
     1 GPU     <trainer_argv> run job.json                       (python -m trainer run job.json)
     N GPUs    <torchrun_argv> --standalone --nproc-per-node=N --log-dir=<dir> --tee=2
@@ -9,7 +10,7 @@
                   --rdzv-conf=is_host=<1 on the leader> --local-addr=<this machine's address> ...
 
 ``--standalone`` runs a local rendezvous on a free port, so several multi-GPU jobs of one host
-never meet. ``CUDA_VISIBLE_DEVICES`` (worker/runner.py ``trainer_env``) holds the job's reserved
+never meet. ``CUDA_VISIBLE_DEVICES`` (``trainer_env``) holds the job's reserved
 GPUs, so rank r uses the r-th of them. ``--log-dir`` keeps each rank's stderr in a file of its
 own and ``--tee=2`` also copies it, prefixed ``[default<r>]:``, to torchrun's stderr, which the
 worker keeps as ``trainer.stderr.log``. stdout is not redirected: rank 0's events reach the
@@ -25,11 +26,20 @@ worker can stop all of them, whatever session torchrun put them in.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.runtime import WorkerOptions
+from worker.tracking.resolve import without_credentials
+
+if TYPE_CHECKING:
+    from worker.runtime import Runtime
+
+_SECRET_ENV = ("FTQ_DATABASE_URL", "FTQ_BROKER_URL", "FTQ_REDIS_URL", "FTQ_WORKER_KEY")
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -57,13 +67,16 @@ class Rendezvous:
         ]
 
 
-def launch_argv(
+def trainer_argv(options: WorkerOptions, job_json: Path) -> list[str]:
+    """The trainer itself on ``job_json`` (one process, one GPU)."""
+    return [*options.trainer_argv, "run", str(job_json)]
+
+
+def torchrun_argv(
     options: WorkerOptions, job_json: Path, *, ranks: int, rank_log_dir: Path, rendezvous: Rendezvous | None = None
 ) -> list[str]:
-    """The command that runs ``job_json`` on ``ranks`` ranks (one per reserved GPU of this
-    machine; a multi-machine job: this machine's share, meeting the others at ``rendezvous``)."""
-    if ranks == 1 and rendezvous is None:
-        return [*options.trainer_argv, "run", str(job_json)]
+    """torchrun with ``ranks`` ranks of the trainer on ``job_json``: a rendezvous of this host
+    alone (``--standalone``), or the multi-machine job's ``rendezvous``."""
     return [
         *options.torchrun_argv,
         *(rendezvous.argv() if rendezvous is not None else ["--standalone"]),
@@ -93,3 +106,18 @@ def run_tag(worker_id: str, job_id: str, attempt: int) -> str:
 def worker_host_tag(worker_id: str) -> str:
     """The prefix of the tags of every run this worker starts (to find leftovers at its start)."""
     return f"{worker_id}|"
+
+
+def trainer_env(runtime: Runtime, devices: tuple[str | None, ...] | None = None) -> dict[str, str]:
+    """The worker's environment without the service's connection URLs, pinned to ``devices``
+    (a job's reserved GPUs; None: all of the host's) by ``CUDA_VISIBLE_DEVICES``. CPU slots
+    leave it as the worker inherited it."""
+    env = without_credentials({k: v for k, v in os.environ.items() if k not in _SECRET_ENV}, runtime.settings)
+    env["PYTHONUNBUFFERED"] = "1"
+    gpus = [d for d in (runtime.options.pool if devices is None else devices) if d is not None]
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    if (_PROJECT_ROOT / "trainer").is_dir():
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)
+    return env

@@ -295,23 +295,3 @@ class PartsWatch:
             return Outcome(JobStatus.queued, "node_lost", f"retrying from the last checkpoint: {why}", retry=True)
         return Outcome(JobStatus.failed, "node_lost",
                        f"{why}; gave up after {self._attempt} attempts (max_attempts={max_attempts})")
-
-
-class NoParts:
-    """``PartsWatch``'s twin for a job on one machine."""
-
-    lost: str | None = None
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
-        return outcome
-
-
-def watch_parts(runtime: Runtime, job_id: str, attempt: int, trainer: TrainerProcess,
-                rendezvous: Rendezvous | None) -> PartsWatch | NoParts:
-    return NoParts() if rendezvous is None else PartsWatch(runtime, job_id, attempt, trainer)

@@ -25,7 +25,8 @@ from core.db import utcnow
 from core.workers.models import Worker
 from core.workers.pool import register_pool
 from worker.reaper import reap
-from worker.remote import identity, may_claim
+from worker.identity import identity
+from worker.remote import may_claim
 from worker.runtime import Runtime
 from worker.tracking.resolve import installed as installed_trackers
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def detect_hardware(runtime: Runtime, timeout_s: float = 180.0) -> dict[str, Any]:
     """The trainer's ``detect --json`` output on this worker's GPU; ``{"error": ...}`` if it fails."""
-    from worker.runner import trainer_env
+    from worker.launch import trainer_env
 
     argv = [*runtime.options.trainer_argv, "detect", "--json"]
     try:

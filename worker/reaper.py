@@ -96,30 +96,7 @@ def reap(
             .order_by(Job.created_at)
         ).all()
         for job in stale:
-            silent = (now - job.heartbeat_at).total_seconds() if job.heartbeat_at else None
-            lost = f"lost worker {job.worker_id or '?'} (no heartbeat for " + (
-                f"{silent:.0f}s)" if silent is not None else "ever)"
-            )
-            if job.cancel_requested:
-                message = f"{lost} after the cancel was requested; the job is cancelled, not retried"
-                if transition(session, job.job_id, JobStatus.cancelled, only_from=[JobStatus.running]):
-                    _record(session, report, job.job_id, state_event(JobStatus.cancelled, message=message))
-                    report.cancelled.append(job.job_id)
-            elif job.attempts < settings.max_attempts:
-                if transition(session, job.job_id, JobStatus.queued, only_from=[JobStatus.running],
-                              worker_id=None, heartbeat_at=None):
-                    reason = (f"retrying from the last checkpoint after {lost}; "
-                              f"attempt {job.attempts + 1} of {settings.max_attempts}")
-                    _record(session, report, job.job_id, state_event(JobStatus.queued, reason=reason))
-                    report.requeued.append(job.job_id)
-            else:
-                message = (f"{lost}; gave up after {job.attempts} attempts "
-                           f"(max_attempts={settings.max_attempts})")
-                if transition(session, job.job_id, JobStatus.failed, only_from=[JobStatus.running],
-                              error_code="worker_lost", error_message=message):
-                    _record(session, report, job.job_id,
-                            state_event(JobStatus.failed, error_code="worker_lost", message=message))
-                    report.failed.append(job.job_id)
+            _settle_lost(session, settings, report, job, now)
         pool.release_orphans(session, reserved_before=cutoff)
         if report.requeued or report.failed or report.cancelled:
             report.placed.extend(scheduling.signal_targets(session, settings))
@@ -138,6 +115,35 @@ def reap(
         log.warning("reaper: requeued %s, failed %s, cancelled %s, re-sent %s",
                     report.requeued, report.failed, report.cancelled, report.resent)
     return report
+
+
+def _settle_lost(session: Session, settings: Settings, report: ReapReport, job: Any, now: dt.datetime) -> None:
+    """One running job whose worker is lost: cancelled if a cancel was asked for, else queued
+    again while attempts remain, else failed ``worker_lost``; recorded on ``report``."""
+    silent = (now - job.heartbeat_at).total_seconds() if job.heartbeat_at else None
+    lost = f"lost worker {job.worker_id or '?'} (no heartbeat for " + (
+        f"{silent:.0f}s)" if silent is not None else "ever)"
+    )
+    if job.cancel_requested:
+        message = f"{lost} after the cancel was requested; the job is cancelled, not retried"
+        if transition(session, job.job_id, JobStatus.cancelled, only_from=[JobStatus.running]):
+            _record(session, report, job.job_id, state_event(JobStatus.cancelled, message=message))
+            report.cancelled.append(job.job_id)
+    elif job.attempts < settings.max_attempts:
+        if transition(session, job.job_id, JobStatus.queued, only_from=[JobStatus.running],
+                      worker_id=None, heartbeat_at=None):
+            reason = (f"retrying from the last checkpoint after {lost}; "
+                      f"attempt {job.attempts + 1} of {settings.max_attempts}")
+            _record(session, report, job.job_id, state_event(JobStatus.queued, reason=reason))
+            report.requeued.append(job.job_id)
+    else:
+        message = (f"{lost}; gave up after {job.attempts} attempts "
+                   f"(max_attempts={settings.max_attempts})")
+        if transition(session, job.job_id, JobStatus.failed, only_from=[JobStatus.running],
+                      error_code="worker_lost", error_message=message):
+            _record(session, report, job.job_id,
+                    state_event(JobStatus.failed, error_code="worker_lost", message=message))
+            report.failed.append(job.job_id)
 
 
 def _silent(job_beat: Any, cutoff: dt.datetime, settings: Settings) -> Any:

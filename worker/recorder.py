@@ -93,15 +93,8 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
         stored.append(event)
     if not stored:
         return 0
-    if steps:
-        session.execute(delete(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step.in_(list(steps))))
-        session.add_all(steps.values())
-    if checkpoints:
-        session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(list(checkpoints))))
-        session.add_all(checkpoints.values())
-    if evals:
-        session.execute(delete(EvalMetric).where(EvalMetric.job_id == job_id, EvalMetric.step.in_(list(evals))))
-        session.add_all(evals.values())
+    for model, by_step in ((StepMetric, steps), (Checkpoint, checkpoints), (EvalMetric, evals)):
+        _replace_rows(session, model, job_id, by_step)
     rows = append_events(session, job_id, [(e["type"], _payload(e)) for e in stored])
     if steps or evals or any(e["type"] == "skip" for e in stored):
         job_values["summary"] = summarize(session, job_id)
@@ -110,6 +103,14 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
             update(Job).where(Job.job_id == job_id).values(**job_values).execution_options(synchronize_session=False)
         )
     return rows[-1].seq
+
+
+def _replace_rows(session: Session, model: Any, job_id: str, by_step: dict[int, Any]) -> None:
+    """Store ``by_step``'s rows of ``model`` for ``job_id`` in place of those of the same steps
+    (a retry re-emits the steps after its checkpoint)."""
+    if by_step:
+        session.execute(delete(model).where(model.job_id == job_id, model.step.in_(list(by_step))))
+        session.add_all(by_step.values())
 
 
 def _strip_nul(value: Any) -> Any:
@@ -277,7 +278,7 @@ class EventRecorder:
                 self._publish(self.job_id, seq)
 
     def _still_ours(self, session: Session) -> bool:
-        """Lock the job row if this claim still holds it (the same test as runner.Watchdog)."""
+        """Lock the job row if this claim still holds it (the same test as watchdog.Watchdog)."""
         return session.execute(
             update(Job)
             .where(Job.job_id == self.job_id, Job.status == JobStatus.running.value,

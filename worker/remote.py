@@ -5,7 +5,7 @@ store stays its channel for claims, events and heartbeats, and bytes go through 
 (worker/transfer.py). The runner and the export task call in here at a few points:
 
     claim       may_claim: a revoked key claims nothing (checked in the store at each claim)
-    register    identity: the worker row's ``key_id`` and ``address``
+                (its row's ``key_id`` and ``address``: worker/identity.py)
     config      fetch_datasets: the job's datasets, cached by sha256 under <data_dir>/cache/files
     run         job_outputs: on a retry, the newest recorded checkpoint is fetched if missing
                 here; then each ``checkpoint`` event is held back until its directory is
@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import queue
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -43,8 +40,8 @@ from worker.transfer import TransferClient, TransferError, TransferNotFound
 if TYPE_CHECKING:
     from core.jobs.models import Job
     from core.settings import Settings
+    from worker.claim import Claim
     from worker.recorder import EventRecorder
-    from worker.runner import Claim
     from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -80,50 +77,6 @@ def may_claim(runtime: Runtime) -> bool:
 
 _REFUSED: set[str] = set()
 """Workers of this process told that their key is refused (said once, not at every beat)."""
-
-
-def identity(session: Session, settings: Settings) -> dict[str, Any]:
-    """The worker row's ``key_id`` (None: a local worker, or a key the store does not know) and
-    ``address`` (FTQ_WORKER_ADDRESS, else the local IP of the route to the store's host)."""
-    key_id = None
-    if settings.remote_worker:
-        from core.workers.keys import worker_key_active
-
-        assert settings.worker_key is not None
-        row = worker_key_active(session, settings.worker_key.get_secret_value())
-        key_id = row.worker_key_id if row is not None else None
-    return {"key_id": key_id, "address": settings.worker_address or default_address(settings)}
-
-
-def default_address(settings: Settings) -> str | None:
-    """This machine's IP on the route to the store's host (else the broker's, else the API's):
-    the interface the other machines of the cluster reach it on. No packet is sent.
-
-    None when that route is the loopback (the store on this very machine: no other machine could
-    reach this one there) or unknown: such a worker takes no part in multi-machine jobs unless
-    ``FTQ_WORKER_ADDRESS`` names its address. (A worker in a container on a bridge network finds
-    the container's address: give it ``FTQ_WORKER_ADDRESS`` or host networking.)"""
-    for url in (settings.database_url, settings.broker_url, settings.api_url):
-        host = _host_of(url)
-        if not host:
-            continue
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, 9))
-                address = str(probe.getsockname()[0])
-        except OSError:
-            continue
-        return None if ipaddress.ip_address(address).is_loopback else address
-    return None
-
-
-def _host_of(url: str | None) -> str | None:
-    if not url or "://" not in url:
-        return None
-    try:
-        return urlsplit(url).hostname
-    except ValueError:
-        return None
 
 
 # -- datasets -------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Engine
@@ -23,6 +22,7 @@ from core.jobs import live
 from core.settings import Settings
 from core.workers.models import Worker
 from core.workers.pool import register_pool
+from worker.identity import identity
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class ConfigBuilder(Protocol):
-    """Turns a claimed job into the trainer's config (the default uses ``core.jobs.translate``)."""
+    """Turns a claimed job into the trainer's config (the default, worker/prepare.py, uses
+    ``core.jobs.translate``)."""
 
     def __call__(self, session: Session, job: Job, *, settings: Settings, output_dir: str) -> TrainConfig: ...
 
@@ -66,6 +67,9 @@ class WorkerOptions:
     """How to start the trainer CLI; ``run JOB.json`` or ``detect --json`` is appended."""
     torchrun_argv: tuple[str, ...] = field(default_factory=_default_torchrun_argv)
     """How to start torchrun for a job of several GPUs (its options and the trainer follow)."""
+    executor: str | None = None
+    """The executor that runs every job of this host (worker/executors/: a scheduler's, say);
+    None: each job's placement picks ``local``, ``torchrun`` or ``multi_machine``."""
     max_batch_events: int = 200
     """Write buffered events as soon as this many wait, even before the flush interval."""
     stderr_tail_lines: int = 40
@@ -125,7 +129,8 @@ class Runtime:
         self.redis = redis
         self.celery = celery
         self.shutdown_event: Event = shutdown_event if shutdown_event is not None else threading.Event()
-        self.config_builder: ConfigBuilder = config_builder or build_train_config
+        self.config_builder: ConfigBuilder | None = config_builder
+        """None: the stored spec's translation (worker/prepare.py ``build_train_config``)."""
         self.running: dict[str, int] = {}
         """Jobs this host runs now (job id → GPUs), one per busy task thread."""
         self._lock = threading.Lock()
@@ -192,8 +197,6 @@ class Runtime:
                 return
             with self.sessionmaker.begin() as session:
                 if session.get(Worker, self.worker_id) is None:
-                    from worker.remote import identity
-
                     now = utcnow()
                     session.add(Worker(worker_id=self.worker_id, hostname=socket.gethostname(),
                                        device=self.options.device, hardware={}, started_at=now, heartbeat_at=now,
@@ -229,29 +232,3 @@ class Runtime:
         from core.queue import enqueue_job
 
         enqueue_job(self.celery, job_id, host)
-
-
-def build_train_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> TrainConfig:
-    """The stored job spec → ``TrainConfig``, with dataset paths and the model resolved again.
-
-    Raises:
-        core.errors.InvalidInput: the spec no longer translates (a dataset was deleted, the
-            model directory vanished); the job fails with the message.
-    """
-    from core.errors import InvalidInput
-    from core.files.service import paths_for
-    from core.jobs.model_source import resolve_model
-    from core.jobs.spec import JobSpec
-    from core.jobs.translate import to_train_config
-
-    spec = JobSpec.model_validate(job.spec)
-    files = paths_for(session, [spec.training_file, spec.validation_file])
-    if settings.remote_worker:  # no shared disk: the datasets' cached downloads (worker/remote.py)
-        from worker.remote import fetch_datasets
-
-        files = fetch_datasets(session, settings, list(files))
-    for file_id in (spec.training_file, spec.validation_file):
-        if file_id and not (file_id in files and Path(files[file_id]).is_file()):
-            raise InvalidInput(f"dataset {file_id} was deleted after the job was submitted; upload it again and resubmit")
-    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models)
-    return to_train_config(spec, job_id=job.job_id, files=files, output_dir=output_dir, model_path=source.name_or_path)

@@ -22,7 +22,7 @@ from core.workers.models import GpuSlot, Worker
 from core.workers.pool import register_pool
 from tests.unit.worker.conftest import recording_runtime
 from worker import follower, nodes
-from worker.launch import Rendezvous, launch_argv
+from worker.launch import Rendezvous, torchrun_argv
 from worker.outcome import Outcome
 from worker.reaper import reap
 from worker.runner import claim_next_job
@@ -112,12 +112,12 @@ class TestLeaderClaim:
 class TestLaunch:
     def test_every_machine_runs_torchrun_at_the_leaders_rendezvous(self, leader):
         rdzv = Rendezvous(2, 1, "127.0.0.2:29400", "job-1", "127.0.0.3")
-        argv = launch_argv(leader.options, Path("job.json"), ranks=1, rank_log_dir=Path("logs"), rendezvous=rdzv)
+        argv = torchrun_argv(leader.options, Path("job.json"), ranks=1, rank_log_dir=Path("logs"), rendezvous=rdzv)
         for flag in ("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.2:29400",
                      "--rdzv-id=job-1", "--rdzv-conf=is_host=0", "--local-addr=127.0.0.3", "--nproc-per-node=1"):
             assert flag in argv
         assert "--standalone" not in argv
-        leader_argv = launch_argv(leader.options, Path("job.json"), ranks=2, rank_log_dir=Path("logs"),
+        leader_argv = torchrun_argv(leader.options, Path("job.json"), ranks=2, rank_log_dir=Path("logs"),
                                   rendezvous=Rendezvous(2, 0, "127.0.0.2:29400", "job-1", "127.0.0.2"))
         assert "--rdzv-conf=is_host=1" in leader_argv
 

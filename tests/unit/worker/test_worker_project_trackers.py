@@ -1,7 +1,7 @@
 """The worker applies a project's tracking-server list (issue 23 item 3) as the API does at
 submission: a stored job whose project lost a server since gets a warning event and no tracker for
 it; the box's default servers turn trackers on only for projects that may use them. And the
-trainer's environment carries none of the trackers' credentials (worker/runner.py ``trainer_env``)."""
+trainer's environment carries none of the trackers' credentials (worker/launch.py ``trainer_env``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from core.jobs.models import Job, JobEvent
 from core.jobs.trackers import allowed_trackers
 from core.projects.models import Project
 from core.settings import TrackingServer
-from worker.runner import trainer_env
+from worker.launch import trainer_env
 from worker.tracking import trackers_for
 from worker.tracking.resolve import tracking_for
 

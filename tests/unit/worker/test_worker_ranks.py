@@ -20,7 +20,7 @@ from sqlalchemy import select, update
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.workers.models import GpuSlot
 from tests.unit.worker.conftest import recording_runtime
-from worker.launch import launch_argv, run_tag, torchrun_entry
+from worker.launch import run_tag, torchrun_argv, torchrun_entry, trainer_argv
 from worker.process import signal_tagged, tagged_pids, wait_untagged
 from worker.runner import run_job
 from worker.runtime import WorkerOptions
@@ -56,8 +56,8 @@ class TestLaunch:
     def test_one_gpu_runs_the_trainer_and_several_run_torchrun(self, tmp_path):
         options = WorkerOptions(gpus=("0", "1"), trainer_argv=(sys.executable, "-m", "trainer"))
         job = tmp_path / "job.json"
-        assert launch_argv(options, job, ranks=1, rank_log_dir=tmp_path) == [sys.executable, "-m", "trainer", "run", str(job)]
-        argv = launch_argv(options, job, ranks=2, rank_log_dir=tmp_path / "ranks")
+        assert trainer_argv(options, job) == [sys.executable, "-m", "trainer", "run", str(job)]
+        argv = torchrun_argv(options, job, ranks=2, rank_log_dir=tmp_path / "ranks")
         assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
         assert argv[3:] == ["--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'ranks'}", "--tee=2",
                             "-m", "trainer", "run", str(job)]

@@ -11,7 +11,8 @@ from core.jobs.states import JobStatus
 from core.settings import Settings
 from worker.outcome import Outcome
 from worker import remote
-from worker.remote import RemoteOutputs, default_address
+from worker.identity import default_address
+from worker.remote import RemoteOutputs
 from worker.runner import Claim
 from worker.transfer import TransferError, TransferNotFound, TransferRefused
 

@@ -1,0 +1,105 @@
+"""A claimed job's directory on this machine before its trainer starts.
+
+    config      the stored spec → ``TrainConfig`` (``Runtime.config_builder``, by default
+                ``build_train_config``) → job.json under <data_dir>/jobs/<job_id>/
+    checkpoints on a retry, checkpoints newer than the store's newest are set aside, so the
+                trainer resumes where the recorded metrics end (no gap)
+
+The leader (worker/runner.py) and a multi-machine job's followers (worker/follower.py) both
+prepare their directory this way.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy import func, select
+
+from core.jobs.models import Checkpoint, Job
+from core.jobs.service import append_events
+from trainer import layout
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from core.settings import Settings
+    from trainer.config import TrainConfig
+    from worker.claim import Claim
+    from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def build_config(runtime: Runtime, session: Session, job: Job, output_dir: Path) -> TrainConfig:
+    """The job's trainer config from the store: ``Runtime.config_builder``, by default
+    ``build_train_config``; the caller saves it as job.json.
+
+    Raises:
+        Exception: whatever the builder raises (the spec no longer translates, a dataset
+            download failed); the caller turns it into the job's outcome.
+    """
+    builder = runtime.config_builder or build_train_config
+    return builder(session, job, settings=runtime.settings, output_dir=str(output_dir))
+
+
+def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str]:
+    """Move checkpoints newer than the newest one in the store out of the trainer's way.
+
+    A worker that died (SIGKILL, power cut) loses the events it had not yet written, while
+    the trainer may have saved a checkpoint after them. Resuming from that checkpoint would
+    leave a hole in the job's metrics. So a retry resumes from the newest checkpoint the store
+    knows, and the trainer re-emits the steps after it; the newer directories are moved to
+    ``<output_dir>/unrecorded-checkpoints/`` (kept, not deleted). Returns the names moved.
+    """
+    root = layout.checkpoints_dir(claim.output_dir)
+    if not root.is_dir():
+        return []
+    with runtime.sessionmaker() as session:
+        recorded = session.execute(
+            select(func.max(Checkpoint.step)).where(Checkpoint.job_id == claim.job_id)
+        ).scalar_one_or_none() or 0
+    moved = []
+    for path in sorted(root.iterdir()):
+        step = layout.parse_checkpoint_step(path.name)
+        if step is not None and step > recorded:
+            target = layout.unrecorded_checkpoints_dir(claim.output_dir) / f"{path.name}-attempt{claim.attempt}"
+            target.parent.mkdir(exist_ok=True)
+            path.rename(target)
+            moved.append(path.name)
+    if moved:
+        message = (f"checkpoints {', '.join(moved)} were written after the last stored event (the previous "
+                   f"worker was lost); resuming from step {recorded} so the metrics have no gap")
+        log.warning("job %s: %s", claim.job_id, message)
+        with runtime.sessionmaker.begin() as session:
+            (event,) = append_events(session, claim.job_id, [("log", {"level": "warning", "message": message})])
+            seq = event.seq
+        runtime.publish(claim.job_id, seq)
+    return moved
+
+
+def build_train_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> TrainConfig:
+    """The stored job spec → ``TrainConfig``, with dataset paths and the model resolved again.
+
+    Raises:
+        core.errors.InvalidInput: the spec no longer translates (a dataset was deleted, the
+            model directory vanished); the job fails with the message.
+    """
+    from core.errors import InvalidInput
+    from core.files.service import paths_for
+    from core.jobs.model_source import resolve_model
+    from core.jobs.spec import JobSpec
+    from core.jobs.translate import to_train_config
+
+    spec = JobSpec.model_validate(job.spec)
+    files = paths_for(session, [spec.training_file, spec.validation_file])
+    if settings.remote_worker:  # no shared disk: the datasets' cached downloads (worker/remote.py)
+        from worker.remote import fetch_datasets
+
+        files = fetch_datasets(session, settings, list(files))
+    for file_id in (spec.training_file, spec.validation_file):
+        if file_id and not (file_id in files and Path(files[file_id]).is_file()):
+            raise InvalidInput(f"dataset {file_id} was deleted after the job was submitted; upload it again and resubmit")
+    source = resolve_model(spec.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models)
+    return to_train_config(spec, job_id=job.job_id, files=files, output_dir=output_dir, model_path=source.name_or_path)

@@ -70,7 +70,7 @@ class PackedBatch:
 def pack_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate ``samples`` into one padding-free row (see the module docstring).
 
-    A DPO pair (``trainer.preference.PreferencePair``, one schedule item) packs as its chosen then
+    A DPO pair (``trainer.objectives.preference.PreferencePair``, one schedule item) packs as its chosen then
     its rejected sequence, side by side in the row: a pair is never split across micro-batches.
     ``num_targets`` sums the samples' ``num_loss_tokens``: label tokens, or one per pair.
     """

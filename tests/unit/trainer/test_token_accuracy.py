@@ -7,7 +7,7 @@ import pytest
 import torch
 from trainer_helpers import Recorder, make_job
 
-from trainer import token_accuracy
+from trainer.objectives import token_accuracy
 from trainer.config import OptimConfig
 from trainer.dataset import IGNORE_INDEX
 from trainer.fused_loss import fused_linear_cross_entropy

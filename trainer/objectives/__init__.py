@@ -19,6 +19,7 @@ from trainer.objectives.registry import (
     MetricField,
     declaration,
     declarations,
+    for_openai_method,
     formats,
     load,
     metric_fields,
@@ -30,6 +31,6 @@ from trainer.objectives.registry import (
 )
 
 __all__ = [
-    "Chart", "Declaration", "MetricField", "declaration", "declarations", "formats", "load", "metric_fields",
+    "Chart", "Declaration", "MetricField", "declaration", "declarations", "for_openai_method", "formats", "load", "metric_fields",
     "metric_names", "names", "register", "sections", "unregister",
 ]

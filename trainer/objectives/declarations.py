@@ -41,6 +41,7 @@ SFT = register(Declaration(
                     "Fraction of the step's target tokens the model ranked first, before the update (0-1)."),
     ),
     charts=(Chart("token-accuracy", "Token accuracy", ("token_accuracy",)),),
+    openai_method="supervised",
 ))
 
 DPO = register(Declaration(
@@ -66,6 +67,7 @@ DPO = register(Declaration(
     ),
     section=DpoConfig,
     fsdp2=False,
+    openai_method="dpo",
 ))
 
 DPO_STEP_FIELDS: tuple[str, ...] = tuple(m.name for m in DPO.metrics)

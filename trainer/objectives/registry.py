@@ -70,6 +70,8 @@ class Declaration:
     job spec and ``job.json``; each field's ``metadata`` carries ``doc`` and the spec's bounds."""
     fsdp2: bool = True
     """Whether it runs when the model is sharded with FSDP2 (several GPUs for ``method: full``)."""
+    openai_method: str | None = None
+    """The OpenAI fine-tuning ``method.type`` it serves (``supervised``, ``dpo``); None: none."""
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.metrics]
@@ -129,6 +131,11 @@ def metric_fields() -> tuple[MetricField, ...]:
 
 def metric_names() -> tuple[str, ...]:
     return tuple(m.name for m in metric_fields())
+
+
+def for_openai_method(method: str) -> Declaration | None:
+    """The objective that serves OpenAI's ``method.type`` ``method``, if one does."""
+    return next((d for d in _REGISTRY.values() if d.openai_method == method), None)
 
 
 def formats() -> tuple[str, ...]:

@@ -1,5 +1,5 @@
 """Token accuracy: counted on the device inside the loss, equal to the argmax of the full logits,
-only inside a step's collector, and reported by every SFT step (trainer.token_accuracy)."""
+only inside a step's collector, and reported by every SFT step (trainer.objectives.token_accuracy)."""
 
 from __future__ import annotations
 

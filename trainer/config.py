@@ -26,7 +26,7 @@ CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
 METHODS = ("lora", "qlora", "full")
 SCHEDULERS = ("cosine", "linear", "constant")
 DATA_FORMATS = ("auto", *objectives.formats())
-"""``data.format``: ``auto`` or a format of the built-in objectives (``data_formats()`` counts later ones)."""
+"""``data.format``: ``auto`` or a format of the built-in objectives (``objectives.formats()`` counts later ones)."""
 OBJECTIVES = objectives.names()
 """The built-in objectives (``objectives.names()`` counts any registered since)."""
 

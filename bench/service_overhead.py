@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.events import DPO_STEP_FIELDS, Emitter
+from trainer.events import Emitter
+from trainer.objectives.declarations import DPO_STEP_FIELDS
 
 STEP_MS = {"Qwen3-0.6B (H200)": 320.0, "Llama-3.1-8B (H200)": 1443.0}
 """ftq step times from docs/benchmarks.md (bench.train_step, this repo)."""

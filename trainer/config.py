@@ -4,7 +4,9 @@ Standard library only, so the worker (which has no torch) can build and write a
 ``TrainConfig`` as ``job.json`` and the trainer can read it back. The API's job spec
 (pydantic, in ``core/``) is translated to this type in one worker function.
 
-Every cross-field check raises ``ValueError`` naming the field and what to change.
+Every cross-field check raises ``ValueError`` naming the field and what to change. Objectives, the
+record formats they train on and their settings' types come from their registry
+(``trainer.objectives``, standard library too).
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer import objectives
 from trainer.catalog import METHODS, SCHEDULERS
+from trainer.objectives.declarations import DpoConfig
 
 SWITCH_VALUES = ("auto", "on", "off")
 CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
 """``gradient_checkpointing``: the activation policy (``trainer.features.checkpointing``)."""
-DATA_FORMATS = ("auto", "chat", "prompt_completion", "text", "preference")
-OBJECTIVES = ("sft", "dpo")
+DATA_FORMATS = ("auto", *objectives.formats())
+"""``data.format``: ``auto`` or a format of the built-in objectives (``objectives.formats()`` counts later ones)."""
+OBJECTIVES = objectives.names()
+"""The built-in objectives (``objectives.names()`` counts any registered since)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,9 @@ class DataConfig:
     """Packing budget: real (non-padding) tokens per packed micro-batch."""
 
     def __post_init__(self) -> None:
-        if self.format not in DATA_FORMATS:
-            raise ValueError(f"data.format: {self.format!r} is not one of {', '.join(DATA_FORMATS)}")
+        formats = ("auto", *objectives.formats())
+        if self.format not in formats:
+            raise ValueError(f"data.format: {self.format!r} is not one of {', '.join(formats)}")
         if self.max_seq_len < 8:
             raise ValueError(f"data.max_seq_len: must be >= 8, got {self.max_seq_len}")
         if self.batch_tokens < self.max_seq_len:
@@ -124,22 +131,6 @@ class OptimConfig:
             raise ValueError(f"optim.grad_accum: must be >= 1, got {self.grad_accum}")
         if self.max_grad_norm < 0:
             raise ValueError(f"optim.max_grad_norm: must be >= 0, got {self.max_grad_norm}")
-
-
-@dataclass(frozen=True)
-class DpoConfig:
-    """Direct Preference Optimization (Rafailov et al. 2023), sigmoid loss as TRL defines it."""
-
-    beta: float = 0.1
-    """Strength of the implicit KL penalty: the reward is beta x (policy - reference) log-prob."""
-    label_smoothing: float = 0.0
-    """Probability that a preference label is flipped (conservative DPO); 0 is plain DPO."""
-
-    def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ValueError(f"dpo.beta: must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"dpo.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
 
 
 @dataclass(frozen=True)
@@ -200,9 +191,12 @@ class TrainConfig:
     method: str = "lora"
     """``lora`` (bf16/fp32 base), ``qlora`` (4-bit base, needs bitsandbytes on CUDA) or ``full``."""
     objective: str = "sft"
-    """``sft`` (token cross-entropy) or ``dpo`` (preference pairs, ``data.format`` preference)."""
+    """A registered objective (``trainer.objectives``): ``sft`` (token cross-entropy) or ``dpo``
+    (preference pairs, ``data.format`` preference)."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
-    """DPO's beta and label smoothing; read only when ``objective`` is ``dpo``."""
+    """The ``dpo`` objective's section (``trainer.objectives.declarations``): beta and label
+    smoothing; read only when ``objective`` is ``dpo``. An objective's section is the field named
+    after it."""
     seed: int = 0
     """Seeds torch, Python and the data order."""
     checkpoint_every: int = 0
@@ -262,13 +256,7 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
         _check_guards(self)
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective: {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
-        if self.data.format != "auto" and (self.objective == "dpo") != (self.data.format == "preference"):
-            raise ValueError(
-                f"data.format: {self.data.format!r} records cannot train objective {self.objective!r}; "
-                "DPO trains on preference records and only DPO does"
-            )
+        _check_objective(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
@@ -279,7 +267,7 @@ class TrainConfig:
             "optim": OptimConfig,
             "lora": LoraConfig,
             "optimizations": Optimizations,
-            "dpo": DpoConfig,
+            **objectives.sections(),
         }
         if "offload_activations" in raw:  # job.json files written before it joined optimizations
             raw = dict(raw)
@@ -343,6 +331,19 @@ def _check_guards(config: TrainConfig) -> None:
     if config.sample_count and not config.sample_prompts and not config.data.validation_path:
         raise ValueError("sample_count: prompts are taken from the validation set; set data.validation_path "
                          "or give sample_prompts")
+
+
+def _check_objective(config: TrainConfig) -> None:
+    """``objective`` is registered and ``data.format`` is one of its formats (or ``auto``)."""
+    declaration = objectives.declaration(config.objective)  # raises naming the field and the choices
+    fmt = config.data.format
+    if fmt != "auto" and fmt not in declaration.formats:
+        owners = [d.title for d in objectives.declarations() if fmt in d.formats]
+        raise ValueError(
+            f"data.format: {fmt!r} records cannot train objective {config.objective!r}; "
+            f"{declaration.title} trains on {', '.join(declaration.formats)} records, {fmt} records train "
+            f"{' or '.join(owners)}"
+        )
 
 
 def _reject_unknown(cls: type, raw: dict[str, Any], prefix: str) -> None:

@@ -1,6 +1,7 @@
 """The trainer's event format: one JSON object per line on stdout.
 
-Standard library only: the worker parses these lines without torch. Every event has
+Standard library only (``trainer.objectives``' registry is too): the worker parses these lines
+without torch. Every event has
 ``type`` and ``time`` (Unix seconds, float). Types and their fields:
 
 ``plan``        device, dtype, model_attention, decisions: list of {name, requested, enabled,
@@ -9,10 +10,11 @@ Standard library only: the worker parses these lines without torch. Every event 
                 ``trainer.config.SWITCHES``), hardware: dict (``trainer.hardware.Hardware`` as a
                 dict, ``interconnect`` included), world_size, total_steps,
                 model: {name, params, trainable_params, layers}, resumed_from_step (int | None)
-``step``        one per optimizer step, the fields of ``StepEvent`` (``STEP_FIELDS``), no more,
-                no fewer: ``make_event`` refuses any other payload; the four DPO fields
-                (reward_margin, reward_accuracy, chosen_logp, rejected_logp) are null for SFT,
-                token_accuracy null for DPO
+``step``        one per optimizer step, the fields of ``StepEvent`` then every registered
+                objective's step fields (``step_fields()``), no more, no fewer: ``make_event``
+                refuses any other payload; an objective's fields are null when another one runs
+                (``token_accuracy`` for sft; ``reward_margin``, ``reward_accuracy``,
+                ``chosen_logp``, ``rejected_logp`` for dpo: ``trainer.objectives.declarations``)
 ``eval``        step, loss, tokens, accuracy (validation set; accuracy: the fraction of its target
                 tokens the model ranks first, null for DPO)
 ``skip``        step, loss, grad_norm (None where not finite), consecutive, limit, first_step:
@@ -29,10 +31,11 @@ Standard library only: the worker parses these lines without torch. Every event 
 The trainer always tries to end with one ``done`` event; a process that dies without one is
 a crash, and the worker says so from the exit code and stderr.
 
-``StepEvent`` is the one definition of a step's fields. What lives in other processes follows
-it: the worker's ``step_metric`` rows (``worker.recorder``), the store's columns
-(``core.jobs.models.StepMetric`` and its migration), the API's ``MetricOut``, the SSE ``step``
-payload and the dashboard's chart series; ``tests/unit/test_contracts.py`` fails when one drifts.
+``StepEvent`` and the objectives' ``MetricField``s are the one definition of a step's fields. What
+lives in other processes follows them: the worker's ``step_metric`` rows (``worker.recorder``: a
+column per ``StepEvent`` field, the objectives' fields in one JSON column), the API's
+``MetricOut``, the SSE ``step`` payload, the dashboard's charts and the trackers;
+``tests/unit/test_contracts.py`` fails when one drifts.
 """
 
 from __future__ import annotations
@@ -42,15 +45,17 @@ import json
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
+
+from trainer import objectives
 
 EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done", "progress", "skip", "sample")
 
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One optimizer step, as the trainer reports it (one ``step`` event).
+    """One optimizer step, as the trainer reports it (one ``step`` event: ``fields()``).
 
     None where a value is unknown or not finite: ``mfu`` without a known peak (CPU), GPU
     memory without CUDA, a NaN loss (``encode`` writes every non-finite float as null).
@@ -96,22 +101,38 @@ class StepEvent:
     """Resident set size of the trainer process (bytes); the largest over ranks."""
     ranks: list[dict[str, Any]] | None = None
     """Several ranks: per rank {rank, the step/phase *_ms, tokens, gpu_mem_*, host_rss} (the fields above are then the job's); None for one rank."""
-    reward_margin: float | None = None
-    """DPO: mean over pairs of chosen minus rejected reward, reward = beta x (policy - reference) log-prob; None for SFT."""
-    reward_accuracy: float | None = None
-    """DPO: fraction of pairs whose chosen reward exceeds the rejected one (0-1); None for SFT."""
-    chosen_logp: float | None = None
-    """DPO: mean over pairs of the policy's summed log-prob of the chosen answer (nats); None for SFT."""
-    rejected_logp: float | None = None
-    """DPO: mean over pairs of the policy's summed log-prob of the rejected answer (nats); None for SFT."""
-    token_accuracy: float | None = None
-    """SFT: fraction of the step's target tokens the model ranked first, before the update (0-1); None for DPO."""
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    """The run's objective's step fields by name (``trainer.objectives``), flat on the wire (``fields()``)."""
+
+    def fields(self) -> dict[str, Any]:
+        """The ``step`` event's payload: the fields above, then each registered objective's."""
+        payload = {f: getattr(self, f) for f in BASE_STEP_FIELDS}
+        unknown = sorted(set(self.metrics) - set(objectives.metric_names()))
+        if unknown:
+            raise ValueError(f"step.{unknown[0]}: no registered objective declares this step field")
+        return {**payload, **{name: self.metrics.get(name) for name in objectives.metric_names()}}
+
+    @classmethod
+    def of(cls, payload: dict[str, Any]) -> StepEvent:
+        """Back from a ``step`` event's payload (``type`` and ``time`` ignored)."""
+        names = set(objectives.metric_names())
+        return cls(**{k: v for k, v in payload.items() if k in _BASE_FIELD_SET},
+                   metrics={k: v for k, v in payload.items() if k in names and v is not None})
 
 
-STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent))
-"""Fields of a ``step`` event, in ``StepEvent``'s order."""
-DPO_STEP_FIELDS: tuple[str, ...] = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")
-"""The step fields only a DPO run fills (null for SFT)."""
+BASE_STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepEvent) if f.name != "metrics")
+"""The fields every step has whatever the objective, in ``StepEvent``'s order."""
+_BASE_FIELD_SET = frozenset(BASE_STEP_FIELDS)
+
+
+def step_fields() -> tuple[str, ...]:
+    """Every field of a ``step`` event now: ``BASE_STEP_FIELDS``, then the registered objectives'."""
+    return BASE_STEP_FIELDS + objectives.metric_names()
+
+
+STEP_FIELDS: tuple[str, ...] = step_fields()
+"""The ``step`` event's fields with the built-in objectives (``step_fields()`` also counts any
+registered since)."""
 
 DONE_STATUSES = ("succeeded", "failed", "cancelled")
 
@@ -170,15 +191,14 @@ class Emitter:
 
 
 def _check_step(payload: dict[str, Any]) -> None:
-    unknown = [name for name in payload if name not in _STEP_FIELD_SET]
+    fields = step_fields()
+    known = frozenset(fields)
+    unknown = [name for name in payload if name not in known]
     if unknown:
-        raise ValueError(f"step.{unknown[0]}: not a field of StepEvent (fields: {', '.join(STEP_FIELDS)})")
-    missing = [name for name in STEP_FIELDS if name not in payload]
+        raise ValueError(f"step.{unknown[0]}: not a field of StepEvent (fields: {', '.join(fields)})")
+    missing = [name for name in fields if name not in payload]
     if missing:
         raise ValueError(f"step.{missing[0]}: missing; a step event carries every field of StepEvent")
-
-
-_STEP_FIELD_SET = frozenset(STEP_FIELDS)
 
 
 def _finite(value: Any) -> Any:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from trainer import token_accuracy
+from trainer.objectives import token_accuracy
 from trainer.kernels import cross_entropy
 from trainer.memory import default_chunk_size
 
@@ -269,7 +269,7 @@ def decoder_and_head(
     model: torch.nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """The decoder's final hidden states (in the head's dtype), the head weight and the soft-cap:
-    what a chunked head kernel needs (this loss, ``trainer.fused_logprobs``).
+    what a chunked head kernel needs (this loss, ``trainer.objectives.fused_logprobs``).
 
     Raises:
         ValueError: ``supported(model)`` names a reason.

@@ -110,12 +110,10 @@ def _render_text(prompt: str, tokenizer: Any, chat: bool) -> list[int]:
 
 
 def _is_chat(config: TrainConfig) -> bool:
-    """Whether the training file is chat (its declared format, or its first record's; DPO's
-    preference records are conversations)."""
-    if config.objective == "dpo":
-        return True
+    """Whether the training file is chat (its declared format, or its first record's; preference
+    records, DPO's, are conversations)."""
     if config.data.format != "auto":
-        return config.data.format == "chat"
+        return config.data.format in ("chat", "preference")
     with Path(config.data.train_path).open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
@@ -123,5 +121,5 @@ def _is_chat(config: TrainConfig) -> bool:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     return False
-                return isinstance(record, dict) and detect_format(record) == "chat"
+                return isinstance(record, dict) and (detect_format(record) == "chat" or "preferred_output" in record)
     return False

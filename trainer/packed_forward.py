@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer import token_accuracy
+from trainer.objectives import token_accuracy
 from trainer.dataset import IGNORE_INDEX
 from trainer.packed_metadata import AnyPackedMetadata
 from trainer.packing import PackedBatch
@@ -108,7 +108,7 @@ def plain_packed_loss(
 def packed_sequence_logprobs(
     model: torch.nn.Module, batch: PackedBatch, meta: Any, loss_kernel: str
 ) -> torch.Tensor:
-    """Each packed sequence's summed log p(target) over its label tokens, fp32 [S] (DPO, ``trainer.dpo``),
+    """Each packed sequence's summed log p(target) over its label tokens, fp32 [S] (DPO, ``trainer.objectives.dpo``),
     through ``loss_kernel``: the fused chunked head (no logits materialised) or the full logits."""
     num_seqs = len(batch.lengths)
     device = batch.input_ids.device
@@ -116,7 +116,7 @@ def packed_sequence_logprobs(
     # the device from the row already there (no host copy, no sync).
     seq_T = (batch.position_ids[0] == 0).cumsum(0) - 1
     if loss_kernel == LOSS_FUSED:
-        from trainer.fused_logprobs import causal_lm_sequence_logprobs
+        from trainer.objectives.fused_logprobs import causal_lm_sequence_logprobs
 
         return causal_lm_sequence_logprobs(
             model, batch.input_ids, batch.targets, seq_T.unsqueeze(0), num_seqs, **_boundary_kwargs(model, batch, meta)

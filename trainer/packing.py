@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,9 @@ class PackedBatch:
     lengths: list[int]
     num_targets: int
     """Positions with a target (!= -100), or DPO pairs: the loss denominator, known on the host."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-position tensors an objective packs beside the targets ([1, T]; ``Objective.pack``),
+    moved with the batch; empty for SFT and DPO."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,13 +67,14 @@ class PackedBatch:
             move(self.targets),
             self.lengths,
             self.num_targets,
+            {name: move(t) for name, t in self.extras.items()},
         )
 
 
 def pack_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate ``samples`` into one padding-free row (see the module docstring).
 
-    A DPO pair (``trainer.preference.PreferencePair``, one schedule item) packs as its chosen then
+    A DPO pair (``trainer.objectives.preference.PreferencePair``, one schedule item) packs as its chosen then
     its rejected sequence, side by side in the row: a pair is never split across micro-batches.
     ``num_targets`` sums the samples' ``num_loss_tokens``: label tokens, or one per pair.
     """

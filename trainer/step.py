@@ -7,26 +7,28 @@ step's mean exactly, on one rank or several (``trainer.distributed``). Nothing h
 value back: the loss (summed over ranks by an all-reduce queued on the stream) and the grad norm
 stay on the device, and ``PendingStep.read`` turns them into the ``step`` event one step late
 (``trainer.metrics``), when they are long done; per-rank timings and memory are host values,
-gathered over the gloo group.
+gathered over the gloo group. The run's objective (``trainer.objectives``) packs the micro-batches,
+adds its statistics to a device vector around each forward, and turns the step's sums (copied
+with the loss, in the same transfer) into its step fields; nothing here knows which one it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from trainer import dpo, guards, metrics, token_accuracy
+from trainer import guards, metrics
 from trainer.dataset import Sample
 from trainer.distributed import Comm, share
-from trainer.dpo import DpoLoss
 from trainer.events import StepEvent
 from trainer.install import Installation
-from trainer.packing import MicroBatchRef, pack_batch, pack_indices
+from trainer.objectives.base import Objective
+from trainer.objectives.sft import Sft
+from trainer.packing import MicroBatchRef, pack_indices
 from trainer.parallel import Parallel
 
 _RANK_FIELDS = (
@@ -43,7 +45,8 @@ class StepContext:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    samples: list[Sample]
+    samples: list[Any]
+    """The run's schedule items (``Objective.load_data``)."""
     installed: Installation
     device: torch.device
     autocast: Any
@@ -55,8 +58,8 @@ class StepContext:
     """The loss module as the run's strategy wraps it (none, DDP or FSDP2)."""
     comm: Comm
     """This rank's process groups (a no-op twin for one rank)."""
-    dpo: DpoLoss | None = None
-    """The run's loss when ``objective`` is dpo, whose pair statistics each step sums; None for SFT."""
+    objective: Objective = field(default_factory=Sft)
+    """The run's objective (``trainer.objectives.load``); callers that only evaluate may leave the default."""
 
 
 @dataclass
@@ -78,12 +81,12 @@ class PendingStep:
     """Model FLOPs of the whole step (all ranks)."""
     timing: metrics.PendingTiming
     memory: dict[str, int | None]
-    pair_stats: torch.Tensor | None = None
-    """DPO: the step's summed ``trainer.dpo.STATS`` over all ranks (device, read one step late); None for SFT."""
-    correct: torch.Tensor | None = None
-    """SFT: target tokens the model ranked first, over all ranks (device, read with the loss); None for DPO."""
+    objective: Objective
+    stats: torch.Tensor
+    """The objective's statistics summed over the step's micro-batches and all ranks (device, read
+    with the loss in one transfer, one step late)."""
     targets: int = 0
-    """Target tokens of the whole step (all ranks): ``correct``'s denominator."""
+    """The step's loss denominator (all ranks): target tokens, or DPO's pairs."""
     host: _HostCopy | None = None
     """The device results' pinned host copies, swapped in by ``read`` once the step is done."""
 
@@ -97,7 +100,7 @@ class PendingStep:
         slowest = max(ranks, key=lambda r: r["step_ms"])
         seconds = slowest["step_ms"] / 1000.0
         world = len(ranks)
-        loss, accuracy = self._loss_and_accuracy()
+        loss, sums = self._loss_and_sums()
         return StepEvent(
             step=self.step,
             total_steps=total_steps,
@@ -112,20 +115,17 @@ class PendingStep:
             mfu=metrics.mfu(self.flops / world, slowest["step_ms"], peak_flops),
             **{f: _largest(ranks, f) for f in ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss")},
             ranks=ranks if world > 1 else None,
-            **dpo.step_fields(self.pair_stats),
-            token_accuracy=accuracy,
+            metrics=self.objective.step_fields(sums, self.targets),
         )
 
-    def _loss_and_accuracy(self) -> tuple[float, float | None]:
-        """The loss and the token accuracy, read in one device-to-host transfer."""
-        if self.correct is None:
-            return self.loss.item(), None
-        loss, correct = torch.stack([self.loss.float(), self.correct]).tolist()
-        return loss, correct / max(self.targets, 1)
+    def _loss_and_sums(self) -> tuple[float, list[float]]:
+        """The loss and the objective's sums, read in one device-to-host transfer."""
+        loss, *sums = torch.cat([self.loss.float().reshape(1), self.stats.reshape(-1)]).tolist()
+        return loss, sums
 
     def event(self, total_steps: int, peak_flops: float | None, comm: Comm) -> dict[str, Any]:
         """The ``step`` event's fields (a collective, see ``read``)."""
-        return dataclasses.asdict(self.read(total_steps, peak_flops, comm))
+        return self.read(total_steps, peak_flops, comm).fields()
 
 
 def _wire(value: float | int | None) -> float:
@@ -153,15 +153,15 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     parts = share([sum(n) for n in lengths], world.world_size)
     mine = parts[world.rank]
     total_loss = torch.zeros((), device=ctx.device)
-    pair_stats = dpo.new_stats(ctx.device) if ctx.dpo else None
-    correct = None if ctx.dpo else token_accuracy.new_count(ctx.device)
+    objective = ctx.objective
+    stats = objective.new_stats(ctx.device)
     todo = _padded(mine, parts, ctx.parallel.strategy)
     for k, j in enumerate(todo):
-        host_batch = pack_batch([ctx.samples[i] for i in refs[j].sample_indices])
+        host_batch = objective.pack([ctx.samples[i] for i in refs[j].sample_indices])
         with timer.phase("data"):
             batch, meta = ctx.installed.micro_batch(host_batch, ctx.device)
         with ctx.parallel.sync(last=k == len(todo) - 1):
-            with timer.phase("forward"), ctx.autocast, token_accuracy.counting(correct if k < len(mine) else None):
+            with timer.phase("forward"), ctx.autocast, objective.collecting(stats if k < len(mine) else None):
                 loss = ctx.parallel.loss(batch, meta, step_targets)
                 if k >= len(mine):  # a stand-in: it pairs the collectives, it trains nothing
                     loss = loss * 0.0
@@ -169,17 +169,13 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
                 # DDP and FSDP average gradients over ranks: scaled by W, the average is the sum.
                 (loss * world.world_size if world.is_distributed else loss).backward()
         total_loss += loss.detach()
-        if pair_stats is not None and k < len(mine):
-            pair_stats += ctx.dpo.last
     ctx.comm.all_reduce_sum(total_loss)
-    if pair_stats is not None:
-        ctx.comm.all_reduce_sum(pair_stats)
-    if correct is not None:
-        ctx.comm.all_reduce_sum(correct)
+    if stats.numel():
+        ctx.comm.all_reduce_sum(stats)
     with timer.phase("optimizer"):
         grad_norm, lr = _optimizer_step(ctx, total_loss)
         # queued before the phase's end event, which ``PendingStep.read`` waits for
-        host = _HostCopy.stage(ctx.device, loss=total_loss, grad_norm=grad_norm, correct=correct, pair_stats=pair_stats)
+        host = _HostCopy.stage(ctx.device, loss=total_loss, grad_norm=grad_norm, stats=stats)
     every = [n for row in lengths for n in row]
     return PendingStep(
         step=step,
@@ -190,18 +186,18 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         tokens=sum(every),
         sequences=len(every),
         rank_tokens=sum(sum(lengths[j]) for j in mine),
-        flops=ctx.dpo.step_flops(ctx.flops, [ctx.samples[i] for r in refs for i in r.sample_indices]) if ctx.dpo else ctx.flops.step_flops(every),
+        flops=objective.step_flops(ctx.flops, [ctx.samples[i] for r in refs for i in r.sample_indices]),
         timing=timer.finish(),
         memory=metrics.memory_stats(ctx.device),
-        pair_stats=pair_stats,
-        correct=correct,
+        objective=objective,
+        stats=stats,
         targets=step_targets,
         host=host,
     )
 
 
 class _HostCopy:
-    """The step's device results (loss, grad norm, accuracy count, DPO sums) copied to pinned host
+    """The step's device results (loss, grad norm, the objective's sums) copied to pinned host
     memory as the step's last queued work, so reading them one step late waits only for that
     step: a plain ``.item()`` would be a blocking copy queued behind the NEXT step's work, the host
     idle until the GPU drained it and the GPU idle while the host then queued the step after (a
@@ -213,7 +209,7 @@ class _HostCopy:
 
     @classmethod
     def stage(cls, device: torch.device, **tensors: torch.Tensor | None) -> _HostCopy:
-        present = {name: t for name, t in tensors.items() if t is not None}
+        present = {name: t for name, t in tensors.items() if t is not None and t.numel()}
         if device.type != "cuda" or not present:
             return cls(None, {})
         flat = torch.cat([t.detach().reshape(-1).float() for t in present.values()])
@@ -263,9 +259,9 @@ def _optimizer_step(ctx: StepContext, loss: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tuple[float, int, float | None]:
-    """Token-weighted validation loss over ``samples``, its target count and the token accuracy
-    (the fraction of targets the model ranks first, ``trainer.token_accuracy``; None for DPO,
-    whose loss ranks no tokens).
+    """Validation loss over ``samples`` (the loss sum over the denominator: target tokens, or
+    DPO's pairs), its denominator and the objective's accuracy (``Objective.eval_accuracy``: the
+    fraction of targets the model ranks first for SFT; None for DPO, whose loss ranks no tokens).
 
     Each rank packs all batches alike and evaluates every W-th; the sums are gathered (a
     collective). Under FSDP2 every forward gathers parameters with all ranks, so a rank with one
@@ -274,7 +270,8 @@ def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tupl
     model = ctx.model
     model.eval()
     total, targets = 0.0, 0
-    correct = token_accuracy.new_count(ctx.device)
+    objective = ctx.objective
+    stats = objective.new_stats(ctx.device)
     batches = pack_indices([len(s) for s in samples], range(len(samples)), batch_tokens)
     world = ctx.comm.world
     rounds = -(-len(batches) // world.world_size)
@@ -285,17 +282,18 @@ def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tupl
                 if index >= len(batches) and ctx.parallel.strategy != "fsdp2":
                     break
                 indices = batches[index] if index < len(batches) else batches[0]
-                batch, meta = ctx.installed.micro_batch(pack_batch([samples[i] for i in indices]), ctx.device)
-                with ctx.autocast, token_accuracy.counting(correct if index < len(batches) else None):
+                batch, meta = ctx.installed.micro_batch(objective.pack([samples[i] for i in indices]), ctx.device)
+                with ctx.autocast, objective.collecting(stats if index < len(batches) else None):
                     loss = ctx.parallel.loss(batch, meta, 1).item()
                 if index < len(batches):
                     total += loss
                     targets += batch.num_targets
     finally:
         model.train()
-    rows = ctx.comm.gather_host([total, float(targets), correct.item()])
-    total, targets, hits = sum(r[0] for r in rows), int(sum(r[1] for r in rows)), sum(r[2] for r in rows)
-    return total / max(targets, 1), targets, None if ctx.dpo else hits / max(targets, 1)
+    rows = ctx.comm.gather_host([total, float(targets), *stats.tolist()])
+    total, targets = sum(r[0] for r in rows), int(sum(r[1] for r in rows))
+    sums = [sum(r[i] for r in rows) for i in range(2, 2 + stats.numel())]
+    return total / max(targets, 1), targets, objective.eval_accuracy(sums, targets)
 
 
 def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:

@@ -1,7 +1,8 @@
 """The training run: ``run(config, emit)`` reads top to bottom as set-up, train, clean-up.
 
 Set-up: seed, detect the hardware, plan, load tokenizer + data + model, build optimizer and
-schedule, resume from the newest checkpoint. Train: one optimizer step per group of
+schedule, resume from the newest checkpoint. The job's objective (``trainer.objectives``, by
+``config.objective``) loads the records and builds the loss; the loop never asks which it is. Train: one optimizer step per group of
 ``grad_accum`` packed micro-batches; the loss is the sum of token losses divided by the step's
 target count (known on the host before the step), so accumulation is exact however the tokens fall
 into micro-batches. Clean-up: final checkpoint, the trained weights exported to
@@ -34,16 +35,15 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, distributed, dpo, evaluation, hardware, layout, memory, metrics, parallel, planning
+from trainer import checkpoint, distributed, evaluation, hardware, layout, memory, metrics, objectives, parallel, planning
 from trainer.config import TrainConfig
-from trainer.preference import load_pair_sets
-from trainer.dataset import Sample, load_samples
 from trainer.errors import ConfigError, error_code
 from trainer.generate import Sampler
 from trainer.guards import NonFiniteGuard
 from trainer.features.checkpointing import BUDGET_ENV
 from trainer.install import install
 from trainer.model import count_parameters, load_model, load_tokenizer, model_facts, prepare_for_training
+from trainer.objectives.base import Objective
 from trainer.oom_ladder import Ladder
 from trainer.packing import BatchSchedule
 from trainer.step import PendingStep, StepContext, lr_lambda, train_step
@@ -122,7 +122,7 @@ class Run:
     hw: hardware.Hardware
     ctx: StepContext
     schedule: BatchSchedule
-    validation: list[Sample] | None
+    validation: list[Any] | None
     state: checkpoint.TrainingState
     last_checkpoint_step: int
     """The step of the newest checkpoint on disk (-1: none written or resumed from)."""
@@ -197,7 +197,8 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     hw = hardware.detect(config.device)
     plan = planning.plan(hw, config, model_facts(config), world.world_size, _free_gpu_bytes(comm))
     emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")
-    train_samples, validation = _load_data(config)
+    objective: Objective = objectives.load(config.objective)
+    train_samples, validation = objective.load_data(config, load_tokenizer(config))
     schedule = BatchSchedule(
         [len(s) for s in train_samples],
         config.data.batch_tokens,
@@ -215,10 +216,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     installed = install(model, plan, _test_activation_budget())
     for line in installed.describe():
         emit("log", level="info", message=line)
-    loss = installed.loss
-    if config.objective == "dpo":  # a loss and a batch shape on the same path (trainer.dpo)
-        dpo.check_parallelism(plan.decision(parallel.NAME).backend)
-        loss = dpo.build(config, model, installed.loss.kernel)
+    loss = objective.build_loss(config, model, installed, plan.decision(parallel.NAME).backend)
     wrapped = parallel.parallelize(
         model, loss, plan.decision(parallel.NAME), comm,
         static_graph=installed.offloader.enabled, compute_dtype=plan.dtype,
@@ -239,7 +237,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
         max_grad_norm=config.optim.max_grad_norm,
         parallel=wrapped,
         comm=comm,
-        dpo=loss if config.objective == "dpo" else None,
+        objective=objective,
     )
     r = Run(config, emit, stop, hw, ctx, schedule, validation, checkpoint.TrainingState(step=0, data_position=0), -1,
             NonFiniteGuard(config.max_non_finite_steps))
@@ -272,17 +270,6 @@ def _test_activation_budget() -> int | None:
     """Tests only: ``FTQ_TEST_ACTIVATION_BUDGET_BYTES``, read once (``trainer.features.checkpointing``)."""
     raw = os.environ.get(BUDGET_ENV)
     return int(raw) if raw else None
-
-
-def _load_data(config: TrainConfig) -> tuple[list[Sample], list[Sample] | None]:
-    tokenizer = load_tokenizer(config)
-    data = config.data
-    if config.objective == "dpo":
-        return load_pair_sets(config, tokenizer)
-    train = load_samples(data.train_path, tokenizer, data.format, data.max_seq_len)
-    if not data.validation_path:
-        return train, None
-    return train, load_samples(data.validation_path, tokenizer, data.format, data.max_seq_len)
 
 
 def _optimizer(

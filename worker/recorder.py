@@ -39,12 +39,13 @@ from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric
 from core.jobs.summary import summarize
 from core.jobs.service import append_events
 from core.jobs.states import JobStatus
-from trainer.events import STEP_FIELDS
+from trainer import objectives
+from trainer.events import BASE_STEP_FIELDS
 
 log = logging.getLogger(__name__)
 
 STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample")
-_METRIC_COLUMNS = tuple(f for f in STEP_FIELDS if f not in ("step", "total_steps"))
+_METRIC_COLUMNS = tuple(f for f in BASE_STEP_FIELDS if f not in ("step", "total_steps"))
 
 
 def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) -> int:
@@ -141,6 +142,9 @@ def _event_time(event: dict[str, Any]) -> dt.datetime:
 
 def _step_row(job_id: str, event: dict[str, Any]) -> StepMetric:
     values = {name: event.get(name) for name in _METRIC_COLUMNS}
+    metrics = {name: event[name] for name in objectives.metric_names() if event.get(name) is not None}
+    if metrics:  # else SQL NULL (the column's default), not a JSON null
+        values["metrics"] = metrics
     return StepMetric(job_id=job_id, step=int(event["step"]), time=_event_time(event), **values)
 
 

@@ -369,7 +369,7 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
                 progress: Progress | None = None) -> dict[str, Any]:
     """Tokenize up to ``MAX_RECORDS`` records of ``path`` as training does and summarize their lengths.
 
-    A DPO pair (format ``preference``, ``trainer.preference``) counts both of its sequences (the
+    A DPO pair (format ``preference``, ``trainer.objectives.preference``) counts both of its sequences (the
     prompt with each answer) and both answers' loss tokens; it is over ``max_seq_len`` when either
     sequence is. Each record is checked against ``bounds`` before it is tokenized.
 
@@ -409,7 +409,7 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
 
 
 def _pair(record: dict[str, Any], tokenizer: Any, number: int) -> tuple[Any, ...]:
-    from trainer.preference import tokenize_pair
+    from trainer.objectives.preference import tokenize_pair
 
     try:
         return tokenize_pair(record, tokenizer).sequences

@@ -7,11 +7,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from core.jobs.eta import QueueEntry
 from core.jobs.models import Checkpoint, Job, StepMetric
 from core.jobs.spec import Checkpointing
+from trainer import objectives
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +258,20 @@ class JobList(BaseModel):
     """Pass as ``after`` for the next (older) page; null on the last page."""
 
 
-class MetricOut(BaseModel):
+def _charts() -> list[dict[str, Any]]:
+    """The objectives' charts (``trainer.objectives``), for the job page: it draws those of the job's objective."""
+    return [
+        {"objective": d.name, "id": c.id, "title": c.title, "digits": c.digits,
+         "series": [{"key": m.name, "label": m.label} for name in c.fields for m in d.metrics if m.name == name]}
+        for d in objectives.declarations() for c in d.charts
+    ]
+
+
+class _StepMetricOut(BaseModel):
     """A ``step_metric`` row: the fields of ``trainer.events.StepEvent`` (units in its docstrings)
-    but ``total_steps``, and the step's time."""
+    but ``total_steps``, the step's time, then every objective's step fields (``MetricOut``)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-charts": _charts()})
 
     step: int
     epoch: float | None
@@ -284,21 +296,31 @@ class MetricOut(BaseModel):
     optimizer_ms, tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, host_rss}``
     (the fields above are then the job's: tokens summed, the slowest rank's times, the largest
     memory); null for one rank."""
-    reward_margin: float | None = None
-    """DPO: mean chosen minus rejected reward (beta x policy-minus-reference log-prob); null for SFT."""
-    reward_accuracy: float | None = None
-    """DPO: fraction of pairs whose chosen reward beats the rejected one; null for SFT."""
-    chosen_logp: float | None = None
-    """DPO: mean summed log-prob of the chosen answers under the policy (nats); null for SFT."""
-    rejected_logp: float | None = None
-    """DPO: mean summed log-prob of the rejected answers under the policy (nats); null for SFT."""
-    token_accuracy: float | None = None
-    """SFT: fraction of the step's target tokens the model ranked first (0-1); null for DPO."""
     time: dt.datetime
 
     @classmethod
     def of(cls, row: StepMetric) -> MetricOut:
-        return cls.model_validate(row, from_attributes=True)
+        """The row's columns and its ``metrics`` JSON, flat (a field no objective declares now is left out)."""
+        values = {name: getattr(row, name) for name in cls.model_fields if name in StepMetric.__table__.columns}
+        values.update({k: v for k, v in (row.metrics or {}).items() if k in cls.model_fields})
+        return cls.model_validate(values)
+
+
+def _objective_fields() -> dict[str, Any]:
+    return {
+        m.name: (float | None, Field(default=None, description=f"{d.title}: {m.doc} Null for other objectives."))
+        for d in objectives.declarations() for m in d.metrics
+    }
+
+
+MetricOut = create_model(
+    "MetricOut",
+    __base__=_StepMetricOut,
+    __doc__=_StepMetricOut.__doc__,
+    __module__=__name__,
+    **_objective_fields(),
+)
+"""``_StepMetricOut`` and one field per step field of the registered objectives (``trainer.objectives``)."""
 
 
 class EvalOut(BaseModel):

@@ -19,9 +19,12 @@ from core.errors import InvalidInput
 from core.jobs.models import Job
 from core.jobs.models import JobEvent as StoredEvent
 from core.openai import history
+from trainer import objectives
 
 CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
-DPO_FIELDS = ("reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp")
+ACCURACY = "token_accuracy"
+"""The step field OpenAI names ``train_mean_token_accuracy`` (sft's); the objectives' other step
+fields (``trainer.objectives``: DPO's rewards and log-probs) go into a step's metrics under their own names."""
 _LEVELS = {"debug": "info", "info": "info", "warning": "warn", "error": "error"}
 
 
@@ -48,8 +51,8 @@ def _describe(type_: str, data: dict[str, Any]) -> tuple[str, str, dict[str, Any
     """``(level, message, data, type)`` of one stored event."""
     if type_ == "step":
         metrics = {"step": data.get("step"), "train_loss": data.get("loss"), "total_steps": data.get("total_steps"),
-                   "train_mean_token_accuracy": data.get("token_accuracy")}
-        metrics.update({k: data[k] for k in DPO_FIELDS if data.get(k) is not None})
+                   "train_mean_token_accuracy": data.get(ACCURACY)}
+        metrics.update({k: data[k] for k in objectives.metric_names() if k != ACCURACY and data.get(k) is not None})
         message = f"Step {data.get('step')}/{data.get('total_steps')}: training loss={_num(data.get('loss'))}"
         return "info", message, metrics, "metrics"
     if type_ == "eval":
@@ -108,7 +111,7 @@ def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str 
             metrics=CheckpointMetrics(
                 step=row.step,
                 train_loss=metric.loss if metric else None,
-                train_mean_token_accuracy=metric.token_accuracy if metric else None,
+                train_mean_token_accuracy=(metric.metrics or {}).get(ACCURACY) if metric else None,
                 valid_loss=loss,
                 valid_mean_token_accuracy=accuracy,
                 full_valid_loss=loss,
@@ -126,7 +129,7 @@ def metrics_csv(session: Session, job_id: str) -> str:
     writer.writerow(CSV_COLUMNS)
     for row in history.step_metrics(session, job_id):
         loss, accuracy = valid.get(row.step, (None, None))
-        writer.writerow([row.step, _cell(row.loss), _cell(row.token_accuracy), _cell(loss),
+        writer.writerow([row.step, _cell(row.loss), _cell((row.metrics or {}).get(ACCURACY)), _cell(loss),
                          _cell(accuracy)])
     return buffer.getvalue()
 

@@ -14,6 +14,7 @@ ftq's own; a paused job (stopped with a checkpoint, ``api.openai.jobs``) reads `
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any
 
@@ -27,10 +28,15 @@ from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.trackers import asked_for
 from core.openai.models import OpenAIJob
+from trainer import objectives
 
 ORGANIZATION = "ftq"
 RESULTS_PREFIX = "file-results-"
 """A job's metrics CSV is ``file-results-<24 hex of the job id>``: made on request, never stored."""
+DEFAULT_OBJECTIVE = JobSpec.model_fields["objective"].default
+SECTION_HYPERPARAMETERS = ("beta",)
+"""OpenAI's method hyperparameters that are an objective's setting (``dpo.beta``): copied between
+``method.<type>.hyperparameters`` and the objective's section where it has the field."""
 SUFFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
@@ -96,9 +102,7 @@ def native_spec(body: JobCreate, train: File, *, validation_file: str | None,
         # About once per epoch, as OpenAI keeps a checkpoint per epoch.
         "checkpoint_every": auto.steps_per_epoch(resolved, train.num_records),
     }
-    if dpo:
-        raw["objective"] = "dpo"
-        raw["dpo"] = {"beta": resolved.beta}
+    raw.update(_objective_of(kind, resolved))
     if body.integrations:
         raw["tracking"] = tracking_of(body.integrations[0].wandb)
     try:
@@ -202,10 +206,24 @@ def _native_method(job: Job) -> dict[str, Any]:
         "n_epochs": int(epochs) if epochs is not None and float(epochs).is_integer() else None,
         "learning_rate_multiplier": round(hp.get("learning_rate", auto.BASE_LEARNING_RATE) / auto.BASE_LEARNING_RATE, 6),
     }
-    if spec.get("objective") == "dpo":
-        hyper["beta"] = spec.get("dpo", {}).get("beta")
-        return {"type": "dpo", "dpo": {"hyperparameters": hyper}}
-    return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
+    declared = objectives.declaration(spec.get("objective", DEFAULT_OBJECTIVE))
+    section = spec.get(declared.name) or {}
+    hyper.update({k: section.get(k) for k in SECTION_HYPERPARAMETERS if k in _section_fields(declared)})
+    method = declared.openai_method or "supervised"
+    return {"type": method, method: {"hyperparameters": hyper}}
+
+
+def _objective_of(kind: str, resolved: auto.Resolved) -> dict[str, Any]:
+    """The spec's ``objective`` and its section for OpenAI's ``method.type`` ``kind`` (``trainer.objectives``)."""
+    declared = objectives.for_openai_method(kind)
+    if declared is None or declared.name == DEFAULT_OBJECTIVE:
+        return {}
+    section = {k: getattr(resolved, k) for k in SECTION_HYPERPARAMETERS if k in _section_fields(declared)}
+    return {"objective": declared.name, **({declared.name: section} if section else {})}
+
+
+def _section_fields(declared: objectives.Declaration) -> set[str]:
+    return {f.name for f in dataclasses.fields(declared.section)} if declared.section else set()
 
 
 def _unix(when: Any) -> int:

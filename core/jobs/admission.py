@@ -26,6 +26,7 @@ from core.jobs.translate import to_train_config
 from core.projects.models import Project
 from core.settings import Settings
 from core.workers import registry
+from trainer import objectives
 from trainer.config import SWITCHES
 
 
@@ -157,16 +158,14 @@ def _live_reports(session: Session, settings: Settings) -> list[tuple[str, dict[
 
 
 def _check_objective(objective: str, row: File, param: str) -> None:
-    """DPO trains on preference files, and preference files train only DPO."""
-    if (objective == "dpo") == (row.format == "preference"):
+    """The file's record format is one the objective trains on (``trainer.objectives``' formats)."""
+    declared = objectives.declaration(objective)
+    if row.format in declared.formats:
         return
-    if objective == "dpo":
-        fix = (
-            'objective dpo trains on preference records ({"input": {"messages": [...]}, '
-            '"preferred_output": [...], "non_preferred_output": [...]}); upload such a file, or set objective to sft'
-        )
-    else:
-        fix = "preference records train objective dpo; set objective to dpo, or upload a chat, prompt_completion or text file"
+    owner = next((d.name for d in objectives.declarations() if row.format in d.formats), None)
+    fix = f"objective {objective} trains on {' or '.join(declared.formats)} records; upload such a file"
+    if owner is not None:
+        fix += f", or set objective to {owner}"
     raise InvalidInput(f"{param}: file {row.file_id} holds {row.format} records, but {fix}", param=param)
 
 

@@ -78,8 +78,9 @@ class JobEvent(Base):
 
 class StepMetric(Base):
     """One row per optimizer step: a column per field of ``trainer.events.StepEvent`` but
-    ``total_steps`` (kept once, on the job), plus the event's ``time``. A test
-    (``tests/unit/test_contracts.py``) fails when the two lists part."""
+    ``total_steps`` (kept once, on the job), the objectives' step fields in one JSON column
+    (``metrics``), plus the event's ``time``. A test (``tests/unit/test_contracts.py``) fails when
+    the lists part."""
 
     __tablename__ = "step_metric"
 
@@ -105,13 +106,9 @@ class StepMetric(Base):
     ranks: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
     """Per rank of a multi-GPU job: ``{rank, step_ms, data_ms, forward_ms, backward_ms,
     optimizer_ms, tokens, gpu_mem_*, host_rss}``; None for one rank."""
-    reward_margin: Mapped[float | None] = mapped_column(Float)
-    reward_accuracy: Mapped[float | None] = mapped_column(Float)
-    chosen_logp: Mapped[float | None] = mapped_column(Float)
-    rejected_logp: Mapped[float | None] = mapped_column(Float)
-    """The DPO step fields (``trainer.events.DPO_STEP_FIELDS``); None for SFT."""
-    token_accuracy: Mapped[float | None] = mapped_column(Float)
-    """SFT: fraction of the step's target tokens the model ranked first; None for DPO."""
+    metrics: Mapped[dict[str, float] | None] = mapped_column(JSONType)
+    """The run's objective's step fields (``trainer.objectives``' ``MetricField``s) that have a
+    value, by name: a new objective's fields need no new column."""
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -21,11 +21,14 @@ Methods and schedulers are ``trainer.catalog``'s lists in the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
+from trainer import objectives
 from trainer.catalog import METHODS, SCHEDULERS
 from trainer.config import CHECKPOINTING_VALUES, SWITCH_VALUES, SWITCHES, switch_docs
 
@@ -34,7 +37,7 @@ Method = Literal[METHODS]  # type: ignore[valid-type]
 Priority = Literal["low", "normal", "high"]
 Scheduler = Literal[SCHEDULERS]  # type: ignore[valid-type]
 Checkpointing = Literal[CHECKPOINTING_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off" | "selective"
-Objective = Literal["sft", "dpo"]
+Objective = Literal[objectives.names()]  # type: ignore[valid-type]  # "sft" | "dpo" (trainer.objectives)
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
@@ -215,17 +218,20 @@ class TrackingSpec(_Strict):
     ] = []
 
 
-class DpoSpec(_Strict):
-    """Direct Preference Optimization settings (sigmoid loss, as TRL and the DPO paper define it)."""
+def _section_spec(name: str, section: type) -> type[_Strict]:
+    """An objective's settings as a spec model (``DpoSpec``): its dataclass' fields, defaults, docs and bounds."""
+    hints = typing.get_type_hints(section)
+    fields = {
+        f.name: (hints[f.name], Field(default=f.default, description=f.metadata["doc"], **f.metadata.get("spec", {})))
+        for f in dataclasses.fields(section)
+    }
+    title = "".join(part.title() for part in name.split("_"))
+    return create_model(f"{title}Spec", __base__=_Strict, __doc__=section.__doc__, __module__=__name__, **fields)
 
-    beta: Annotated[
-        float,
-        Field(gt=0, le=100, description="KL strength: reward = beta x (policy - reference) log-prob; > 0."),
-    ] = 0.1
-    label_smoothing: Annotated[
-        float,
-        Field(ge=0.0, lt=0.5, description="Assumed probability that a preference is flipped, [0, 0.5)."),
-    ] = 0.0
+
+SECTIONS: dict[str, type[_Strict]] = {name: _section_spec(name, cls) for name, cls in objectives.sections().items()}
+"""Objective name -> its settings' model, the spec's field of that name (``trainer.objectives``)."""
+DpoSpec = SECTIONS["dpo"]
 
 
 def _switch_fields() -> dict[str, Any]:
@@ -244,6 +250,18 @@ OptimizationSwitches = create_model(
     **_switch_fields(),
 )
 """One field per ``trainer.config.SWITCHES``, each ``auto`` | ``on`` | ``off`` (default ``auto``)."""
+
+
+def _check_objective(spec: JobSpec) -> None:
+    """The objective runs on the spec's parallelism, and only its own section differs from the defaults."""
+    declared = objectives.declaration(spec.objective)
+    if not declared.fsdp2 and spec.method == "full" and spec.gpus > 1:  # FSDP2 would shard the model
+        raise ValueError(f"objective {declared.name} with method full runs on one GPU (several GPUs would shard the "
+                         f"model with FSDP2, which {declared.title} does not support yet); set gpus to 1 or use "
+                         "method lora")
+    for name, model in SECTIONS.items():
+        if spec.objective != name and getattr(spec, name) != model():  # defaults are stored on every job
+            raise ValueError(f"{name} settings apply to objective {name}; set objective to {name} or remove '{name}'")
 
 
 class JobSpec(_Strict):
@@ -271,8 +289,7 @@ class JobSpec(_Strict):
     objective: Annotated[
         Objective,
         Field(
-            description="sft trains on chat/prompt_completion/text files; dpo on preference files "
-            '({"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}).'
+            description="; ".join(d.doc for d in objectives.declarations()) + "."
         ),
     ] = "sft"
     dpo: DpoSpec = DpoSpec()
@@ -372,11 +389,7 @@ class JobSpec(_Strict):
     def _check_method(self) -> JobSpec:
         if self.method == "full" and "lora" in self.model_fields_set:
             raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
-        if self.objective == "dpo" and self.method == "full" and self.gpus > 1:  # FSDP2: trainer.dpo refuses it
-            raise ValueError("objective dpo with method full runs on one GPU (several GPUs would shard the model "
-                             "with FSDP2, which DPO does not support yet); set gpus to 1 or use method lora")
-        if self.objective != "dpo" and self.dpo != DpoSpec():  # defaults are stored on every job
-            raise ValueError("dpo settings apply to objective dpo; set objective to dpo or remove 'dpo'")
+        _check_objective(self)
         if self.sample_count and not self.sample_prompts and self.validation_file is None:
             raise ValueError("sample_count takes prompts from the validation set: set validation_file, or "
                              "give sample_prompts")

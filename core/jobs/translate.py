@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from core.errors import InvalidInput
-from core.jobs.spec import JobSpec
+from core.jobs.spec import Hyperparameters, JobSpec
+from trainer import objectives
 from trainer.config import (
     DataConfig,
-    DpoConfig,
     LoraConfig,
     ModelConfig,
     OptimConfig,
@@ -54,22 +55,8 @@ def to_train_config(
     try:
         return TrainConfig(
             model=ModelConfig(name_or_path=model_path),
-            data=DataConfig(
-                train_path=train_path,
-                validation_path=validation_path,
-                max_seq_len=hp.max_seq_len,
-                batch_tokens=hp.batch_tokens,
-            ),
-            optim=OptimConfig(
-                learning_rate=hp.learning_rate,
-                lr_scheduler=hp.lr_scheduler,
-                warmup_steps=hp.warmup_steps,
-                weight_decay=hp.weight_decay,
-                max_grad_norm=hp.max_grad_norm,
-                grad_accum=hp.grad_accum,
-                max_steps=hp.max_steps,
-                epochs=hp.epochs,
-            ),
+            data=DataConfig(train_path, validation_path, max_seq_len=hp.max_seq_len, batch_tokens=hp.batch_tokens),
+            optim=_optim_config(hp),
             lora=LoraConfig(
                 r=spec.lora.r,
                 alpha=spec.lora.alpha,
@@ -79,7 +66,7 @@ def to_train_config(
             optimizations=Optimizations(**spec.optimizations.model_dump()),
             method=spec.method,
             objective=spec.objective,
-            dpo=DpoConfig(beta=spec.dpo.beta, label_smoothing=spec.dpo.label_smoothing),
+            **_objective_sections(spec),
             seed=hp.seed,
             gpus=spec.gpus,
             checkpoint_every=spec.checkpoint_every,
@@ -95,3 +82,22 @@ def to_train_config(
         )
     except ValueError as exc:
         raise InvalidInput(f"the trainer refuses this spec: {exc}") from exc
+
+
+def _optim_config(hp: Hyperparameters) -> OptimConfig:
+    return OptimConfig(
+        learning_rate=hp.learning_rate,
+        lr_scheduler=hp.lr_scheduler,
+        warmup_steps=hp.warmup_steps,
+        weight_decay=hp.weight_decay,
+        max_grad_norm=hp.max_grad_norm,
+        grad_accum=hp.grad_accum,
+        max_steps=hp.max_steps,
+        epochs=hp.epochs,
+    )
+
+
+def _objective_sections(spec: JobSpec) -> dict[str, Any]:
+    """Each objective's settings (``trainer.objectives``' sections, e.g. ``dpo``) from the spec's
+    field of the same name; every one is translated, as the spec stores every one."""
+    return {name: section(**getattr(spec, name).model_dump()) for name, section in objectives.sections().items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import token_accuracy
+from trainer.objectives import token_accuracy
 from trainer.fused_loss import fused_linear_cross_entropy
 
 pytestmark = [

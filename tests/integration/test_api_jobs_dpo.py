@@ -61,7 +61,7 @@ class TestDpoJobs:
 def test_token_stats_of_a_preference_file_count_both_sequences(client: TestClient, settings) -> None:
     from transformers import AutoTokenizer
 
-    from trainer.preference import tokenize_pair
+    from trainer.objectives.preference import tokenize_pair
     from trainer.tiny import make_tiny_model
 
     model_dir = make_tiny_model(settings.model_root / "tiny", "llama")

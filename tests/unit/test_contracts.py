@@ -3,6 +3,9 @@ that cannot derive from it drifts.
 
     step event   trainer.events.StepEvent -> worker.recorder's rows, core StepMetric and its
                  migration, api MetricOut, the SSE ``step`` payload, the dashboard's chart keys
+    objectives   trainer.objectives' registry (names, step fields, charts, sections) -> the step
+                 event, the store's metrics JSON, MetricOut, SSE, the charts in /openapi.json,
+                 the trackers, the job spec
     plan event   what the trainer prints (``detect --json``, the run's ``plan`` event) -> api PlanOut
     switches     trainer.config.Optimizations -> core OptimizationSwitches -> /openapi.json -> the form
     layout       trainer.layout -> trainer.checkpoint, worker.runner, the adapter download
@@ -31,20 +34,22 @@ from core.db import make_engine, make_sessionmaker, new_id, utcnow
 from core.files.models import File
 from core.jobs import service
 from core.jobs.models import Job, StepMetric
-from core.jobs.spec import OptimizationSwitches
+from core.jobs.spec import SECTIONS, JobSpec, OptimizationSwitches
 from core.migrate import upgrade
-from trainer import layout
-from trainer.config import SWITCH_VALUES, SWITCHES, switch_docs
-from trainer.events import STEP_FIELDS, StepEvent, make_event
+from trainer import layout, objectives
+from trainer.config import SWITCH_VALUES, SWITCHES, TrainConfig, switch_docs
+from trainer.events import BASE_STEP_FIELDS, STEP_FIELDS, StepEvent, make_event
 from worker.recorder import apply_events
+from worker.tracking.mlflow import STEP_METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 STATIC = REPO / "api" / "web" / "static"
 
 STORE_LEAVES_OUT = {"total_steps": "kept once per job, in job.total_steps"}
 """Step fields the store does not keep per row, and why."""
-ROW_ONLY = {"job_id", "time"}
-"""Columns of a step row that are not step fields: the job it belongs to, the event's time."""
+ROW_ONLY = {"job_id", "time", "metrics"}
+"""Columns of a step row that are not step fields: the job it belongs to, the event's time, the
+objectives' step fields (one JSON column: ``METRICS``)."""
 DERIVED_SERIES = {
     "eval_loss": "the eval event's loss, drawn on the loss chart",
     "other_ms": "step_ms minus its measured parts",
@@ -66,8 +71,11 @@ def _base_type(hint: Any) -> type:
     return typing.get_origin(hint) or hint
 
 
-STEP_TYPES = {name: _base_type(hint) for name, hint in typing.get_type_hints(StepEvent).items()}
-STORED = set(STEP_FIELDS) - set(STORE_LEAVES_OUT)
+STEP_TYPES = {name: _base_type(hint) for name, hint in typing.get_type_hints(StepEvent).items() if name != "metrics"}
+STORED = set(BASE_STEP_FIELDS) - set(STORE_LEAVES_OUT)
+"""The step fields with a column of their own."""
+METRICS = set(objectives.metric_names())
+"""The objectives' step fields (floats), kept in ``step_metric.metrics``."""
 
 
 RANK = {"rank": 0, "step_ms": 1.5, "data_ms": 0.1, "forward_ms": 0.5, "backward_ms": 0.7, "optimizer_ms": 0.2,
@@ -78,12 +86,13 @@ RANK = {"rank": 0, "step_ms": 1.5, "data_ms": 0.1, "forward_ms": 0.5, "backward_
 def a_step(step: int = 3) -> StepEvent:
     """A step with a distinct value in every field, so a field sent to the wrong place shows."""
     values: dict[str, Any] = {}
-    for i, name in enumerate(STEP_FIELDS):
+    for i, name in enumerate(BASE_STEP_FIELDS):
         if STEP_TYPES[name] is list:
             values[name] = [{**RANK, "rank": r, "tokens": 64 + i + r} for r in range(2)]
         else:
             values[name] = (1000 + i) if STEP_TYPES[name] is int else (0.5 + i)
-    return StepEvent(**{**values, "step": step, "total_steps": 10})
+    metrics = {name: 0.25 + i for i, name in enumerate(objectives.metric_names())}  # every objective's: none is dropped
+    return StepEvent(**{**values, "step": step, "total_steps": 10}, metrics=metrics)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +119,7 @@ class TestStepEvent:
     def test_store_columns_are_the_step_fields_it_keeps(self) -> None:
         columns = {c.name for c in StepMetric.__table__.columns}
         assert columns - ROW_ONLY == STORED, "StepMetric must have one column per StepEvent field it keeps"
+        assert isinstance(StepMetric.__table__.columns["metrics"].type, JSON), "the objectives' fields: one JSON column"
 
     def test_store_column_types_follow_the_step_types(self) -> None:
         for name in STORED:
@@ -123,14 +133,16 @@ class TestStepEvent:
         assert migrated == {c.name for c in StepMetric.__table__.columns}
 
     def test_metric_out_has_the_stored_fields_with_the_step_types(self) -> None:
-        assert set(MetricOut.model_fields) - ROW_ONLY == STORED
-        hints = typing.get_type_hints(MetricOut)
+        assert set(MetricOut.model_fields) - ROW_ONLY == STORED | METRICS
         for name in STORED:
-            assert _base_type(hints[name]) is STEP_TYPES[name], f"MetricOut.{name} is {hints[name]}"
+            annotation = MetricOut.model_fields[name].annotation
+            assert _base_type(annotation) is STEP_TYPES[name], f"MetricOut.{name} is {annotation}"
+        for name in METRICS:
+            assert _base_type(MetricOut.model_fields[name].annotation) is float, name
 
     def test_a_step_goes_from_trainer_to_store_to_api_and_sse_unchanged(self, engine: Engine) -> None:
         step = a_step()
-        event = make_event("step", **dataclasses.asdict(step))
+        event = make_event("step", **step.fields())
         job_id = _insert_job(engine)
         with make_sessionmaker(engine).begin() as session:
             apply_events(session, job_id, [event])
@@ -140,15 +152,16 @@ class TestStepEvent:
             metric = MetricOut.of(row).model_dump()
             sse = format_event(stored.seq, stored.type, stored.data).decode()
         assert {name: metric[name] for name in STORED} == {name: getattr(step, name) for name in STORED}
+        assert {name: metric[name] for name in METRICS} == step.metrics, "an objective's step field was lost in the store"
         payload = json.loads(re.search(r"^data: (.*)$", sse, re.M).group(1))
         assert set(payload) == set(STEP_FIELDS) | {"time"}
-        assert StepEvent(**{k: v for k, v in payload.items() if k != "time"}) == step
+        assert StepEvent.of(payload) == step
 
     def test_every_series_the_dashboard_charts_is_a_step_field(self) -> None:
         js = "\n".join(p.read_text() for p in sorted(STATIC.glob("view-*.js")))
         series = set(re.findall(r'\{\s*key:\s*"(\w+)"', js))
         assert {"loss", "tokens_per_s", "gpu_mem_peak", "host_rss"} <= series, "the pattern no longer finds the series"
-        unknown = series - set(STEP_FIELDS) - set(DERIVED_SERIES)
+        unknown = series - set(BASE_STEP_FIELDS) - set(DERIVED_SERIES)
         assert not unknown, f"chart series that are no StepEvent field: {sorted(unknown)}"
         for key in DERIVED_SERIES:
             assert f"{key}:" in (STATIC / "view-job.js").read_text(), f"{key} is charted but never computed"
@@ -157,17 +170,60 @@ class TestStepEvent:
         step = dataclasses.replace(a_step(), ranks=None)
         job_id = _insert_job(engine)
         with make_sessionmaker(engine).begin() as session:
-            apply_events(session, job_id, [make_event("step", **dataclasses.asdict(step))])
+            apply_events(session, job_id, [make_event("step", **step.fields())])
         with make_sessionmaker(engine)() as session:
             [row] = service.list_metrics(session, job_id, after_step=0, limit=10)
         assert row.ranks is None and MetricOut.of(row).ranks is None
 
     def test_every_metric_field_the_dashboard_reads_exists(self) -> None:
-        readable = STORED | {"time"}
+        readable = STORED | METRICS | {"time"}
         for name in ("view-job.js", "view-jobs.js", "view-gpus.js"):
             reads = set(re.findall(r"\b(?:row|last|metric)\.(\w+)", (STATIC / name).read_text()))
             assert reads, name
             assert not reads - readable, f"{name} reads {sorted(reads - readable)} from a metric row"
+
+
+class TestObjectives:
+    """Each objective's declaration reaches every reader; adding a step field to one needs no other edit."""
+
+    def test_the_step_event_carries_every_objectives_fields_after_its_own(self) -> None:
+        assert STEP_FIELDS == BASE_STEP_FIELDS + objectives.metric_names()
+        assert not set(BASE_STEP_FIELDS) & METRICS
+
+    def test_the_api_schema_charts_every_step_field_of_every_objective(self) -> None:
+        from api.app import create_app
+
+        schema = create_app().openapi()["components"]["schemas"]["MetricOut"]
+        charted = {(c["objective"], s["key"]) for c in schema["x-charts"] for s in c["series"]}
+        declared = {(d.name, m.name) for d in objectives.declarations() for m in d.metrics}
+        assert charted == declared
+        assert METRICS <= set(schema["properties"])
+        ids = [c["id"] for c in schema["x-charts"]]
+        assert len(ids) == len(set(ids)), f"two charts share a test id: {ids}"
+
+    def test_the_job_page_reads_the_charts_from_the_schema_and_spells_no_objective_field(self) -> None:
+        js = (STATIC / "view-job.js").read_text()
+        assert '"/openapi.json"' in js and '"x-charts"' in js and "MetricOut" in js
+        spelled = [name for name in METRICS if re.search(rf"\b{name}\b", js)]
+        assert not spelled, f"view-job.js spells objective step fields itself: {spelled}"
+
+    def test_the_trackers_send_every_objectives_fields(self) -> None:
+        assert METRICS <= set(STEP_METRICS)
+        assert "token_accuracy" in STEP_METRICS
+
+    def test_the_job_spec_offers_every_objective_and_its_section(self) -> None:
+        hint = JobSpec.model_fields["objective"].annotation
+        assert typing.get_args(hint) == objectives.names()
+        assert set(SECTIONS) == set(objectives.sections()) <= set(JobSpec.model_fields)
+        for name, section in objectives.sections().items():
+            defaults = {f.name: f.default for f in dataclasses.fields(section)}
+            assert SECTIONS[name]().model_dump() == defaults, name
+            assert set(TrainConfig.__dataclass_fields__[name].default_factory().__dict__) == set(defaults), name
+
+    def test_each_objectives_formats_are_known_to_the_upload_validator(self) -> None:
+        from core.files.validate import FORMATS
+
+        assert set(objectives.formats()) <= set(FORMATS)
 
 
 def assert_fits_plan_schema(plan: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 the adapter (or the full model) as the run's ``adapter`` artifact, the run ended with the job's state.
 
 Metric keys: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``, ``train/mfu``
-... (each numeric field of the step event) and ``eval/loss``. Params are the stored spec flattened
+... (``STEP_METRICS``: the step event's numeric fields, every objective's included, e.g.
+``train/token_accuracy``, ``train/reward_margin``) and ``eval/loss``. Params are the stored spec flattened
 with dots (``hyperparameters.learning_rate``), plus ``job_id`` and ``model``; the run carries the tags
 ``ftq.job_id`` and ``ftq.owner``.
 
@@ -26,10 +27,13 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from trainer import objectives
 from worker.tracking.dispatch import JobInfo, TrackerFailure
 
-STEP_METRICS = ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_ms", "mfu", "epoch",
-                "gpu_mem_peak", "reward_margin", "reward_accuracy")
+STEP_METRICS = ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_ms", "mfu", "epoch", "gpu_mem_peak",
+                *objectives.metric_names())
+"""The step fields sent as ``train/<name>``: the run's, then each objective's (``trainer.objectives``;
+null ones, another objective's, are skipped)."""
 END_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED", "queued": "KILLED", "lost": "KILLED"}
 """A job handed back (``queued``) or lost to another worker ends its run as KILLED; its next attempt is a new run."""
 _PARAMS_PER_BATCH = 100

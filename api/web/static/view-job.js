@@ -1,5 +1,6 @@
 // One job, live: status and progress, its GPUs (count, and the ones it holds),
-// charts of loss / tokens/s / step time / memory (and DPO's rewards and log-probs), per-rank step time and memory
+// charts of loss / tokens/s / step time / memory and of the job's objective's step fields (DPO's rewards and
+// log-probs, SFT's token accuracy: the charts the API's schema lists, MetricOut's x-charts), per-rank step time and memory
 // of a multi-GPU job (the latest step's `ranks`), the trainer's hardware plan,
 // checkpoints, events and log, cancel; a banner for the trackers the worker could not run.
 //
@@ -55,11 +56,21 @@ const COLORS = {
   reserved: "#7c3aed",
   peak: "#dc2626",
   rss: "#059669",
-  margin: "#7c3aed",
-  accuracy: "#059669",
-  chosen: "#2563eb",
-  rejected: "#dc2626",
 };
+// The series of an objective's chart, in order (the objective names its fields, not their colours).
+const SERIES_COLORS = ["#7c3aed", "#059669", "#2563eb", "#dc2626", "#f59e0b", "#0891b2"];
+let objectiveChartList = null; // the objectives' charts read from /openapi.json (a promise), once per page load
+
+/** [{objective, id, title, digits, series: [{key, label}]}]: MetricOut's x-charts in the API's schema. */
+function loadObjectiveCharts() {
+  if (!objectiveChartList) {
+    objectiveChartList = api("/openapi.json").then((schema) => schema?.components?.schemas?.MetricOut?.["x-charts"] || []);
+    objectiveChartList.catch(() => {
+      objectiveChartList = null; // try again on the next job page
+    });
+  }
+  return objectiveChartList;
+}
 
 export function renderJob(main, [jobId]) {
   const id = encodeURIComponent(jobId);
@@ -117,33 +128,11 @@ export function renderJob(main, [jobId]) {
         { key: "host_rss", label: "host RSS", color: COLORS.rss },
       ],
     }),
-    // DPO jobs only (shown by renderJobInfo when the spec's objective is dpo): the step's mean
-    // reward margin beta x (policy - reference) chosen minus rejected, the share of pairs it ranks
-    // right, and the policy's summed log-probabilities of the chosen and rejected answers.
-    reward: new Chart({
-      title: "DPO reward margin and accuracy",
-      testid: "chart-dpo-reward",
-      zero: false,
-      format: (v) => fmtNumber(v, 3),
-      series: [
-        { key: "reward_margin", label: "margin", color: COLORS.margin },
-        { key: "reward_accuracy", label: "accuracy", color: COLORS.accuracy },
-      ],
-    }),
-    logps: new Chart({
-      title: "DPO log-probabilities (policy)",
-      testid: "chart-dpo-logps",
-      zero: false,
-      format: (v) => fmtNumber(v, 4),
-      series: [
-        { key: "chosen_logp", label: "chosen", color: COLORS.chosen },
-        { key: "rejected_logp", label: "rejected", color: COLORS.rejected },
-      ],
-    }),
   };
-  for (const chart of [charts.reward, charts.logps]) chart.element.hidden = true;
+  const objectiveCharts = []; // the job's objective's charts, added by addObjectiveCharts once the job is known
 
   // --- Skeleton -------------------------------------------------------------------------
+  const chartSection = h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element));
   const title = h("h1", { "data-testid": "job-title", text: jobId });
   const badge = h("span", { class: "status-slot" });
   const live = h("span", { class: "live", "data-testid": "live-state", role: "status", "data-opens": "0", "data-duplicates": "0" });
@@ -176,7 +165,7 @@ export function renderJob(main, [jobId]) {
     summary,
     results.element,
     ranks,
-    h("section", { class: "charts", "aria-label": "Training charts" }, Object.values(charts).map((c) => c.element)),
+    chartSection,
     h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
     h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
     exportsSlot,
@@ -223,7 +212,6 @@ export function renderJob(main, [jobId]) {
     if (errorSlot.dataset.shown !== job.status) clear(errorSlot, job.error ? jobErrorBox(job) : null); // keep an open fold
     errorSlot.dataset.shown = job.status;
     spec.textContent = JSON.stringify(job.spec, null, 2);
-    for (const chart of [charts.reward, charts.logps]) chart.element.hidden = job.spec?.objective !== "dpo";
     if (job.plan) renderPlan(job.plan);
     renderActions();
     renderProgress();
@@ -433,11 +421,26 @@ export function renderJob(main, [jobId]) {
     charts.rate.upsert(row.step, row);
     charts.time.upsert(row.step, { ...row, other_ms: other });
     charts.memory.upsert(row.step, row);
-    charts.reward.upsert(row.step, row);
-    charts.logps.upsert(row.step, row);
+    for (const chart of objectiveCharts) chart.upsert(row.step, row);
     recent.push(row);
     if (recent.length > 20) recent.shift();
     return true;
+  }
+
+  async function addObjectiveCharts() {
+    if (objectiveCharts.length) return;
+    const objective = job.spec?.objective; // stored with its default filled in
+    for (const c of (await loadObjectiveCharts()).filter((c) => c.objective === objective)) {
+      const chart = new Chart({
+        title: c.title,
+        testid: `chart-${c.id}`,
+        zero: false,
+        format: (v) => fmtNumber(v, c.digits),
+        series: c.series.map((s, i) => ({ key: s.key, label: s.label, color: SERIES_COLORS[i % SERIES_COLORS.length] })),
+      });
+      objectiveCharts.push(chart);
+      chartSection.append(chart.element);
+    }
   }
 
   async function loadHistory() {
@@ -568,6 +571,7 @@ export function renderJob(main, [jobId]) {
     try {
       job = await api(`/v1/jobs/${id}`, { signal });
       renderJobInfo();
+      await addObjectiveCharts();
       await loadHistory();
       renderProgress();
       await renderCheckpoints();

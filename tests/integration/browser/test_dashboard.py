@@ -478,9 +478,9 @@ def test_a_dpo_jobs_page_charts_its_rewards_and_log_probs(
     try:
         with make_sessionmaker(engine).begin() as session:
             session.query(StepMetric).filter_by(job_id=job["id"]).delete()  # steps it ran before the cancel
-            session.add_all(StepMetric(job_id=job["id"], step=step, loss=0.7 - 0.05 * step, reward_margin=0.25 * step,
-                                       reward_accuracy=0.5 + 0.1 * step, chosen_logp=-50.0 + step, rejected_logp=-60.0 - step)
-                            for step in range(1, 6))
+            session.add_all(StepMetric(job_id=job["id"], step=step, loss=0.7 - 0.05 * step, metrics={
+                "reward_margin": 0.25 * step, "reward_accuracy": 0.5 + 0.1 * step, "chosen_logp": -50.0 + step,
+                "rejected_logp": -60.0 - step}) for step in range(1, 6))
     finally:
         engine.dispose()
     page.goto(f"/#/jobs/{job['id']}")

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from api.jobs.schemas import DecisionOut, PlanOut
-from trainer.events import DPO_STEP_FIELDS, STEP_FIELDS
+from trainer.events import STEP_FIELDS
+from trainer.objectives.declarations import DPO_STEP_FIELDS
 
 pytestmark = pytest.mark.integration
 

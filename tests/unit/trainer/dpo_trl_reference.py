@@ -11,8 +11,8 @@ pads them into one batch of chosen-then-rejected rows, ``compute_loss`` runs the
 reference (the same peft model with the adapter disabled) and its sigmoid loss, then backward.
 The adapter starts with random B (peft starts it at 0, which would make policy = reference and
 every A gradient zero), so the loss and every gradient are non-trivial.
-ftq's side tokenizes OpenAI-format records with ``trainer.preference``, packs them into one row
-with the packed-attention metadata and runs ``trainer.dpo.DpoLoss`` on the fused kernel.
+ftq's side tokenizes OpenAI-format records with ``trainer.objectives.preference``, packs them into one row
+with the packed-attention metadata and runs ``trainer.objectives.dpo.DpoLoss`` on the fused kernel.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> di
 def ftq_side(model: torch.nn.Module, tokenizer, beta: float) -> dict:
     from trainer.attention import PackedAttention
     from trainer.config import DpoConfig
-    from trainer.dpo import DpoLoss, step_fields
+    from trainer.objectives.dpo import DpoLoss, step_fields
     from trainer.packed_forward import LOSS_FUSED
     from trainer.packing import pack_batch
-    from trainer.preference import tokenize_pair
+    from trainer.objectives.preference import tokenize_pair
 
     pairs = [tokenize_pair(r, tokenizer) for r in records()]
     attn = PackedAttention("sdpa", cache=True)

@@ -73,7 +73,7 @@ def _run_cases() -> list[dict[str, float]]:
     """Child-process body: each case through both paths; relative errors and accuracy counts."""
     import torch
 
-    from trainer import token_accuracy
+    from trainer.objectives import token_accuracy
     from trainer.fused_loss import fused_linear_cross_entropy
     from trainer.kernels import cross_entropy
 

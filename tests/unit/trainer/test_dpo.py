@@ -1,4 +1,4 @@
-"""trainer.dpo on the packed path: per-sequence log-probs from the fused head, the loss, packed
+"""trainer.objectives.dpo on the packed path: per-sequence log-probs from the fused head, the loss, packed
 pairs against pairs run one by one, the adapter-off reference, and a DPO run's step events.
 
 Tolerances: float32 on CPU. The fused and the full-logits log-probs run the same matmuls in
@@ -17,16 +17,16 @@ import torch
 import torch.nn.functional as F
 from trainer_helpers import Recorder, lora_model, make_job, write_jsonl
 
-from trainer import dpo
+from trainer.objectives import dpo
 from trainer.attention import PackedAttention
 from trainer.config import DataConfig, DpoConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.dataset import IGNORE_INDEX, Sample
 from trainer.errors import ConfigError
 from trainer.flops import AttentionLayers, FlopCounter
-from trainer.fused_logprobs import fused_linear_sequence_logprobs
+from trainer.objectives.fused_logprobs import fused_linear_sequence_logprobs
 from trainer.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
 from trainer.packing import pack_batch
-from trainer.preference import PreferencePair, tokenize_pair
+from trainer.objectives.preference import PreferencePair, tokenize_pair
 
 LENGTHS = ((9, 6), (5, 12), (14, 4))
 """(chosen, rejected) lengths of the test pairs: prompt 3 tokens, the rest answer."""

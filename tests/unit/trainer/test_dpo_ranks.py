@@ -17,7 +17,7 @@ from distributed_helpers import launch
 from trainer_helpers import Recorder, make_job, write_jsonl
 
 from trainer.config import DataConfig, DpoConfig, OptimConfig
-from trainer.events import DPO_STEP_FIELDS
+from trainer.objectives.declarations import DPO_STEP_FIELDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RTOL = 1e-5

@@ -1,5 +1,5 @@
 """Token accuracy: counted on the device inside the loss, equal to the argmax of the full logits,
-only inside a step's collector, and reported by every SFT step (trainer.token_accuracy)."""
+only inside a step's collector, and reported by every SFT step (trainer.objectives.token_accuracy)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from trainer_helpers import Recorder, make_job
 
-from trainer import token_accuracy
+from trainer.objectives import token_accuracy
 from trainer.config import OptimConfig
 from trainer.dataset import IGNORE_INDEX
 from trainer.fused_loss import fused_linear_cross_entropy

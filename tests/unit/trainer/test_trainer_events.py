@@ -11,11 +11,12 @@ import textwrap
 
 import pytest
 
-from trainer.events import DPO_STEP_FIELDS, STEP_FIELDS, Emitter, StepEvent, encode, make_event, parse_line
+from trainer import objectives
+from trainer.events import BASE_STEP_FIELDS, STEP_FIELDS, Emitter, StepEvent, encode, make_event, parse_line
 
 
 def _step_event(**values: object) -> StepEvent:
-    fields = {name: None for name in STEP_FIELDS}
+    fields = {name: None for name in BASE_STEP_FIELDS}
     fields.update(step=1, total_steps=10, epoch=0.1, lr=1e-3, tokens=64, sequences=2, step_ms=10.0,
                   data_ms=1.0, forward_ms=4.0, backward_ms=4.0, optimizer_ms=1.0)
     fields.update(values)
@@ -41,7 +42,7 @@ class TestEvents:
 
     def test_non_finite_floats_become_null(self):
         step = _step_event(loss=float("nan"), grad_norm=float("inf"), lr=1e-3)
-        line = encode(make_event("step", **dataclasses.asdict(step)))
+        line = encode(make_event("step", **step.fields()))
         event = json.loads(line)
         assert (
             event["loss"] is None and event["grad_norm"] is None and event["lr"] == 1e-3
@@ -63,9 +64,11 @@ class TestEvents:
 
 
 class TestStepEvent:
-    def test_step_fields_are_the_dataclass_fields_in_order(self):
-        assert STEP_FIELDS == tuple(f.name for f in dataclasses.fields(StepEvent))
-        assert STEP_FIELDS[:3] == ("step", "total_steps", "epoch") and STEP_FIELDS[-7:] == ("host_rss", "ranks", *DPO_STEP_FIELDS, "token_accuracy")
+    def test_step_fields_are_the_dataclass_fields_then_the_objectives_in_order(self):
+        assert BASE_STEP_FIELDS == tuple(f.name for f in dataclasses.fields(StepEvent))[:-1]
+        assert STEP_FIELDS == BASE_STEP_FIELDS + objectives.metric_names()
+        assert STEP_FIELDS[:3] == ("step", "total_steps", "epoch") and BASE_STEP_FIELDS[-2:] == ("host_rss", "ranks")
+        assert {"token_accuracy", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"} <= set(STEP_FIELDS)
 
     def test_every_field_has_a_one_line_docstring(self):
         body = ast.parse(textwrap.dedent(inspect.getsource(StepEvent))).body[0].body
@@ -77,20 +80,25 @@ class TestStepEvent:
             and isinstance(doc.value, ast.Constant)
             and "\n" not in doc.value.value
         ]
-        assert tuple(documented) == STEP_FIELDS
+        assert tuple(documented) == (*BASE_STEP_FIELDS, "metrics")
 
     def test_a_step_built_from_the_dataclass_round_trips(self):
-        step = _step_event(loss=2.5, mfu=0.4)
-        event = parse_line(encode(make_event("step", **dataclasses.asdict(step))))
-        assert StepEvent(**{k: v for k, v in event.items() if k not in ("type", "time")}) == step
+        step = _step_event(loss=2.5, mfu=0.4, metrics={"reward_margin": 0.25})
+        event = parse_line(encode(make_event("step", **step.fields())))
+        assert event["reward_margin"] == 0.25 and event["token_accuracy"] is None
+        assert StepEvent.of(event) == step
+
+    def test_a_metric_no_objective_declares_is_refused_by_name(self):
+        with pytest.raises(ValueError, match=r"step\.loss_scale: no registered objective"):
+            _step_event(metrics={"loss_scale": 1.0}).fields()
 
     def test_an_unknown_step_field_is_refused_by_name(self):
-        payload = dataclasses.asdict(_step_event()) | {"loss_scale": 1.0}
+        payload = _step_event().fields() | {"loss_scale": 1.0}
         with pytest.raises(ValueError, match=r"step\.loss_scale: not a field of StepEvent"):
             make_event("step", **payload)
 
     def test_a_missing_step_field_is_refused_by_name(self):
-        payload = dataclasses.asdict(_step_event())
+        payload = _step_event().fields()
         del payload["gpu_mem_peak"]
         with pytest.raises(ValueError, match=r"step\.gpu_mem_peak: missing"):
             make_event("step", **payload)

@@ -1,11 +1,11 @@
 """Direct Preference Optimization: a loss and a batch shape on the SFT path, not a second trainer.
 
 A packed micro-batch of P pairs holds 2P sequences, pair i's chosen at 2i and its rejected at
-2i+1 (``trainer.preference``, ``trainer.packing.pack_batch``): the packed metadata, varlen
+2i+1 (``trainer.objectives.preference``, ``trainer.packing.pack_batch``): the packed metadata, varlen
 attention and every installed optimization run unchanged. Per sequence s the policy's summed
 log-probability of its answer tokens, ``logp_S``, comes from the fused chunked head
 (``trainer.packed_forward.packed_sequence_logprobs`` over
-``trainer.fused_logprobs.causal_lm_sequence_logprobs``: a segment-sum of the token log-probs, the
+``trainer.objectives.fused_logprobs.causal_lm_sequence_logprobs``: a segment-sum of the token log-probs, the
 logits never materialised) or, where the plan chose the plain loss, from the full logits.
 
 The sigmoid DPO loss (Rafailov et al. 2023, eq. 7; TRL's ``loss_type="sigmoid"``), with
@@ -39,18 +39,20 @@ Legend: ``S`` sequences in a micro-batch (2P), ``P`` pairs, ``T`` packed tokens.
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from trainer.config import DpoConfig, TrainConfig
+from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.events import DPO_STEP_FIELDS
 from trainer.flops import ATTENTION_BACKWARD, FlopCounter
+from trainer.objectives.declarations import DPO_STEP_FIELDS, DpoConfig
+from trainer.objectives.preference import PreferencePair, load_pair_sets
 from trainer.packed_forward import packed_sequence_logprobs
-from trainer.packing import PackedBatch
+from trainer.packing import PackedBatch, pack_batch
 
 STATS = ("reward_margin", "correct", "chosen_logp", "rejected_logp", "pairs")
 """What a micro-batch adds up (``DpoLoss.last``); ``step_fields`` turns the step's sums into means."""
@@ -132,13 +134,17 @@ def new_stats(device: torch.device) -> torch.Tensor:
 
 
 def step_fields(stats: torch.Tensor | None) -> dict[str, float | None]:
-    """The step event's DPO fields from the step's summed ``STATS`` (all ranks); {} for SFT.
+    """The step event's DPO fields from the step's summed ``STATS`` (all ranks); {} for None.
 
     Reads the tensor (call it one step late, as ``PendingStep.read`` does).
     """
     if stats is None:
         return {}
-    margin, correct, chosen, rejected, pairs = stats.tolist()
+    return _fields(stats.tolist())
+
+
+def _fields(sums: Sequence[float]) -> dict[str, float | None]:
+    margin, correct, chosen, rejected, pairs = sums
     if not pairs:
         return dict.fromkeys(DPO_STEP_FIELDS)
     values = (margin / pairs, correct / pairs, chosen / pairs, rejected / pairs)
@@ -166,3 +172,39 @@ def check_parallelism(strategy: str | None) -> None:
             "GPU); this job would need FSDP2 (method full, or a base too big for one GPU), which DPO does not "
             "support yet: set gpus to 1 or use method lora"
         )
+
+
+class Dpo:
+    """The ``dpo`` objective (``trainer.objectives.declarations.DPO``): pairs, ``DpoLoss``, ``STATS``."""
+
+    def __init__(self) -> None:
+        self.loss: DpoLoss | None = None
+
+    def load_data(self, config: TrainConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair] | None]:
+        return load_pair_sets(config, tokenizer)
+
+    def pack(self, items: Sequence[PreferencePair]) -> PackedBatch:
+        return pack_batch(items)
+
+    def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> DpoLoss:
+        check_parallelism(strategy)
+        self.loss = build(config, model, installed.loss.kernel)
+        return self.loss
+
+    def new_stats(self, device: torch.device) -> torch.Tensor:
+        return new_stats(device)
+
+    @contextmanager
+    def collecting(self, stats: torch.Tensor | None) -> Iterator[None]:
+        yield
+        if stats is not None:
+            stats += self.loss.last
+
+    def step_fields(self, sums: Sequence[float], targets: int) -> dict[str, float | None]:
+        return _fields(sums)
+
+    def eval_accuracy(self, sums: Sequence[float], targets: int) -> float | None:
+        return None  # the eval event's accuracy is a token accuracy; DPO's loss ranks no tokens
+
+    def step_flops(self, counter: FlopCounter, items: Sequence[Any]) -> float:
+        return self.loss.step_flops(counter, list(items))

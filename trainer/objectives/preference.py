@@ -41,7 +41,7 @@ class PreferencePair:
 
     @property
     def sequences(self) -> tuple[Sample, Sample]:
-        """What ``pack_batch`` lays into the row, in this order (``trainer.dpo`` relies on it)."""
+        """What ``pack_batch`` lays into the row, in this order (``trainer.objectives.dpo`` relies on it)."""
         return self.chosen, self.rejected
 
     @property

@@ -144,6 +144,6 @@ def causal_lm_sequence_logprobs(
     num_sequences: int,
     **model_kwargs: Any,
 ) -> torch.Tensor:
-    """As ``trainer.fused_loss.causal_lm_loss``, but each sequence's summed log p(target): [S] fp32 (DPO, ``trainer.dpo``)."""
+    """As ``trainer.fused_loss.causal_lm_loss``, but each sequence's summed log p(target): [S] fp32 (DPO, ``trainer.objectives.dpo``)."""
     hidden, weight, softcap = decoder_and_head(model, input_ids, model_kwargs)
     return fused_linear_sequence_logprobs(hidden, weight, targets, sequence_ids, num_sequences, softcap=softcap)

@@ -2,10 +2,11 @@
 
 Counted on the device while the loss runs, from the logits the loss computes anyway (each chunk
 of the fused loss, ``trainer.fused_loss``; the full logits of the plain one), into a float32
-scalar that ``trainer.step`` sums over micro-batches and ranks and reads one step late beside the
-loss, in the same transfer: no host sync of its own. The count is a collector the step opens
-around its forwards (``counting``), request-scoped like the loss' label count, so no loss function
-grows a return value; outside a step (validation, DPO's log-probabilities) nothing is counted.
+scalar of the ``sft`` objective's step statistics (``trainer.objectives.sft``) that
+``trainer.step`` sums over micro-batches and ranks and reads one step late beside the loss, in
+the same transfer: no host sync of its own. The count is a collector the step (and the validation
+pass) opens around its forwards (``counting``), request-scoped like the loss' label count, so no
+loss function grows a return value; outside one (DPO's log-probabilities) nothing is counted.
 OpenAI reports it as ``train_mean_token_accuracy``.
 
 Shapes: ``C`` tokens of a chunk (or row), ``V`` the vocabulary.

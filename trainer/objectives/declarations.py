@@ -1,0 +1,74 @@
+"""The built-in objectives' declarations (``sft``, ``dpo``) and DPO's settings. Standard library only.
+
+Their implementations are ``trainer.objectives.sft`` and ``trainer.objectives.dpo`` (torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.objectives.registry import Chart, Declaration, MetricField, register
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """Direct Preference Optimization (Rafailov et al. 2023), sigmoid loss as TRL defines it."""
+
+    beta: float = field(default=0.1, metadata={
+        "doc": "KL strength: reward = beta x (policy - reference) log-prob; > 0.", "spec": {"gt": 0, "le": 100},
+    })
+    """Strength of the implicit KL penalty: the reward is beta x (policy - reference) log-prob."""
+    label_smoothing: float = field(default=0.0, metadata={
+        "doc": "Assumed probability that a preference is flipped, [0, 0.5).", "spec": {"ge": 0.0, "lt": 0.5},
+    })
+    """Probability that a preference label is flipped (conservative DPO); 0 is plain DPO."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"dpo.beta: must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+
+
+SFT = register(Declaration(
+    name="sft",
+    title="SFT",
+    formats=("chat", "prompt_completion", "text"),
+    implementation="trainer.objectives.sft:Sft",
+    doc="sft trains on chat/prompt_completion/text files",
+    metrics=(
+        MetricField("token_accuracy", "accuracy", "fraction",
+                    "Fraction of the step's target tokens the model ranked first, before the update (0-1)."),
+    ),
+    charts=(Chart("token-accuracy", "Token accuracy", ("token_accuracy",)),),
+    openai_method="supervised",
+))
+
+DPO = register(Declaration(
+    name="dpo",
+    title="DPO",
+    formats=("preference",),
+    implementation="trainer.objectives.dpo:Dpo",
+    doc='dpo on preference files ({"input": {"messages": [...]}, "preferred_output": [...], '
+        '"non_preferred_output": [...]})',
+    metrics=(
+        MetricField("reward_margin", "margin", "reward",
+                    "Mean over pairs of chosen minus rejected reward, reward = beta x (policy - reference) log-prob."),
+        MetricField("reward_accuracy", "accuracy", "fraction",
+                    "Fraction of pairs whose chosen reward exceeds the rejected one (0-1)."),
+        MetricField("chosen_logp", "chosen", "nats",
+                    "Mean over pairs of the policy's summed log-prob of the chosen answer (nats)."),
+        MetricField("rejected_logp", "rejected", "nats",
+                    "Mean over pairs of the policy's summed log-prob of the rejected answer (nats)."),
+    ),
+    charts=(
+        Chart("dpo-reward", "DPO reward margin and accuracy", ("reward_margin", "reward_accuracy")),
+        Chart("dpo-logps", "DPO log-probabilities (policy)", ("chosen_logp", "rejected_logp"), digits=4),
+    ),
+    section=DpoConfig,
+    fsdp2=False,
+    openai_method="dpo",
+))
+
+DPO_STEP_FIELDS: tuple[str, ...] = tuple(m.name for m in DPO.metrics)
+"""The step fields only a DPO run fills (null for the others)."""

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from tests.faults.services import ThrowawayPostgres, ThrowawayRedis, free_port  # noqa: E402
-from tests.integration.e2e.stack import MODEL, STACK_ENV, Stack  # noqa: E402
+from tests.fixtures.stack import MODEL, STACK_ENV, Stack  # noqa: E402
 
 DATA = '{"messages": [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "d e f g"}]}\n' * 32
 

@@ -1,5 +1,6 @@
 """Fixtures every test may use. Nothing here touches a server: see tests/integration/conftest.py.
-Plain helpers (not fixtures) are in tests/helpers.py."""
+The tiny Llama and chat dataset the stacks train on are a plugin (tests/fixtures/training_inputs.py);
+plain helpers (not fixtures) are in tests/helpers.py and tests/fixtures/."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["tests.fixtures.training_inputs"]
+"""Fixture modules every test may use besides this file's (tests/fixtures/README.md: the map)."""
+# The helpers in tests/fixtures assert as test modules do: their failures show the values.
+pytest.register_assert_rewrite("tests.fixtures")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The suite makes hundreds of in-process apps that never tokenize: none starts a tokenizer process

@@ -1,6 +1,7 @@
 """The fault suite's stack: its own PostgreSQL and Redis (``services.py``, started here in tmp on
 free ports, never the machine's), ``ftq api`` and ``ftq worker`` as separate processes, a tiny
-random-weight Llama, a small chat dataset. One stack per module: starting one costs ~10 s of
+random-weight Llama (a copy of ``tiny_llama``), a small chat dataset (``chat_dataset``; both
+tests/fixtures/training_inputs.py). One stack per module: starting one costs ~10 s of
 imports on 2 cores, and each test leaves it running (a test that kills a part restarts it).
 
 Only processes this suite started are signalled: the servers through their own ``Popen``, the
@@ -9,9 +10,8 @@ API and worker through ``Stack`` (their sessions), the trainer by its job tag.
 
 from __future__ import annotations
 
-import json
 import os
-import random
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,29 +21,15 @@ from types import SimpleNamespace
 import pytest
 
 from tests.faults.services import ThrowawayPostgres, ThrowawayRedis, free_port
-from tests.integration.e2e.stack import MODEL, STACK_ENV, Stack
-
-WORDS = "the cat sat on a mat and the dog ran in the park while birds sang songs of spring".split()
+from tests.fixtures.stack import MODEL, STACK_ENV, Stack
 
 
 @pytest.fixture(scope="session")
-def fault_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fault_model_root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    """A model root holding a copy of ``tiny_llama``."""
     root = tmp_path_factory.mktemp("models")
-    subprocess.run([sys.executable, "-m", "trainer", "make-tiny-model", str(root / MODEL), "--arch", "llama"],
-                   check=True, capture_output=True, timeout=300)
+    shutil.copytree(tiny_llama, root / MODEL)
     return root
-
-
-@pytest.fixture(scope="session")
-def fault_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    with path.open("w") as f:
-        for _ in range(64):
-            messages = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=6))},
-                        {"role": "assistant", "content": " ".join(rng.choices(WORDS[:8], k=12))}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

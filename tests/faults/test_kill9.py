@@ -85,9 +85,9 @@ class Watch:
         return job
 
 
-def test_a_job_survives_kill_9_of_trainer_worker_api_redis_and_postgres(faults, fault_dataset) -> None:
+def test_a_job_survives_kill_9_of_trainer_worker_api_redis_and_postgres(faults, chat_dataset) -> None:
     stack = faults.stack
-    with stack.client() as client, fault_dataset.open("rb") as data:
+    with stack.client() as client, chat_dataset.open("rb") as data:
         file_id = client.post("/v1/files", files={"file": ("train.jsonl", data)}, data={"purpose": "train"}).json()["id"]
         body = {"model": stack.model, "training_file": file_id, "hyperparameters": HYPER, "checkpoint_every": 5}
         response = client.post("/v1/jobs", json=body)

@@ -23,7 +23,7 @@ import pytest
 
 from cli import up_state
 from tests.faults.services import free_port
-from tests.integration.e2e.stack import MODEL, STACK_ENV, Stack, read_bootstrap_key
+from tests.fixtures.stack import MODEL, STACK_ENV, Stack, read_bootstrap_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -147,7 +147,7 @@ def _follow(stack: Stack, job_id: str) -> threading.Event:
 
 
 def test_kill_9_while_a_job_trains_and_a_viewer_follows_leaves_no_process_and_one_worker(
-    tmp_path: Path, fault_model_root: Path, fault_dataset: Path
+    tmp_path: Path, fault_model_root: Path, chat_dataset: Path
 ) -> None:
     stack = _up(tmp_path, fault_model_root)
     key = _key(stack)
@@ -155,7 +155,7 @@ def test_kill_9_while_a_job_trains_and_a_viewer_follows_leaves_no_process_and_on
         stack.api_key = read_bootstrap_key(stack)
         _wait_healthy(stack)
         with stack.client() as client:
-            job_id, trainer = _training(stack, client, fault_dataset)
+            job_id, trainer = _training(stack, client, chat_dataset)
         assert _follow(stack, job_id).wait(timeout=30), "the event stream sent nothing"
         state = json.loads((stack.data_dir / up_state.PID_FILE).read_text())
         instance = _commands(up_state.tagged(key))

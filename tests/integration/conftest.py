@@ -122,6 +122,12 @@ def settings(store: Store, tmp_path: Path, model_root: Path) -> Settings:
 
 
 @pytest.fixture
+def sched_settings(store: Store, tmp_path: Path) -> Settings:
+    """Settings for claims on ``store`` without an API: one running job per user."""
+    return Settings(data_dir=tmp_path / "data", database_url=store.url, max_running_jobs_per_user=1).resolved()
+
+
+@pytest.fixture
 def admin_key(store: Store) -> str:
     """The API key of ``admin``, an admin user every API test starts with."""
     return make_user(store, "admin", is_admin=True)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,43 +14,10 @@ from fastapi.testclient import TestClient
 from core.jobs import live, service
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from tests.helpers import CHAT_RECORD
+from tests.fixtures.events import add_steps, events_of, make_job, parse_sse
 from tests.integration.helpers import finish, serve
 
 pytestmark = pytest.mark.integration
-
-
-def parse_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    """Yield each event as {id, event, data} and each comment as {comment}."""
-    event: dict[str, Any] = {}
-    for line in lines:
-        if line == "":
-            if event:
-                yield event
-            event = {}
-        elif line.startswith(":"):
-            yield {"comment": line[1:].strip()}
-        else:
-            key, _, value = line.partition(": ")
-            event[key] = json.loads(value) if key == "data" else value
-
-
-def make_job(client: TestClient) -> str:
-    file_id = client.post(
-        "/v1/files", files={"file": ("d.jsonl", json.dumps(CHAT_RECORD) + "\n")}, data={"purpose": "train"}
-    ).json()["id"]
-    return client.post("/v1/jobs", json={"model": "tiny", "training_file": file_id}).json()["id"]
-
-
-def add_steps(store, job_id: str, steps: range) -> int:
-    with store.sessions() as session:
-        rows = service.append_events(session, job_id, [("step", {"step": s, "loss": 1.0 / s}) for s in steps])
-        session.commit()
-        return rows[-1].seq
-
-
-def events_of(text: str) -> list[dict[str, Any]]:
-    return [e for e in parse_sse(iter(text.splitlines())) if "id" in e]
 
 
 class TestResume:

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 
 from api.jobs.sse import BATCH, JobFeed
 from api.state import AppState
-from tests.integration.test_api_events import add_steps, make_job
+from tests.fixtures.events import add_steps, make_job
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from core.jobs.models import Job
 from core.jobs.states import JobStatus
 from core.queue import TASK_EXPORT
 from core.settings import Settings
+from tests.fixtures.broker import sent_tasks
 from tests.integration.helpers import spec, upload
-from tests.integration.test_api_jobs import sent_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -7,44 +7,21 @@ import json
 import tarfile
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kombu import Connection
 from sqlalchemy import func, select
 
 from core.jobs import service
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.jobs.states import JobStatus
-from core.queue import QUEUE, TASK_RUN_JOB
+from core.queue import TASK_RUN_JOB
 from core.settings import Settings
+from tests.fixtures.broker import sent_tasks
 from tests.integration.fake_hub import FakeHub
 from tests.integration.helpers import bearer, spec, upload
 
 pytestmark = pytest.mark.integration
-
-
-def sent_tasks(settings: Settings, client: TestClient | None = None) -> list[tuple[str, list[Any]]]:
-    """Drain the broker's queue: (task name, args) of every message sent (with ``client``, once
-    its API's wake-up thread has sent every job's message: api/jobs/wakeups.py)."""
-    if client is not None:
-        assert client.app_state["ftq"].wakeups.flush(), "the API's wake-up thread did not send its messages"
-    out = []
-    with Connection(settings.broker_url) as conn:
-        queue = conn.SimpleQueue(QUEUE)
-        try:
-            while True:
-                try:
-                    message = queue.get(timeout=0.2)
-                except queue.Empty:
-                    break
-                args = message.decode()[0] if message.headers.get("task") else message.payload["args"]
-                out.append((message.headers.get("task"), list(args)))
-                message.ack()
-        finally:
-            queue.close()
-    return out
 
 
 def count(store, model) -> int:

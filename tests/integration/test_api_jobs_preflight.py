@@ -253,7 +253,7 @@ class TestHubModels:
     def test_a_box_that_cannot_reach_the_hub_refuses_an_uncached_id(
         self, client: TestClient, store, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        from tests.integration.e2e.stack import free_port
+        from tests.fixtures.stack import free_port
 
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens: offline
         response = client.post("/v1/jobs", json=spec(upload_records(client, CHAT), model="meta-llama/Does-Not-Exist-9B"))

@@ -15,73 +15,23 @@ The workers' rows hold ``{"trackers": {...}}`` as ``worker.presence`` stores it.
 from __future__ import annotations
 
 import datetime as dt
-import threading
-import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
 
 from core.db import utcnow
 from core.jobs.models import Job
 from core.settings import Settings, TrackingServer
 from core.workers.models import Worker
+from tests.fixtures.events import events_of
+from tests.fixtures.trackers import ALL, AMBIENT_TOKEN, SECRET, TEAM_TOKEN, Listener, jobs, run_tracking
 from tests.integration.helpers import finish, spec, upload
-from tests.integration.test_api_events import events_of
 from worker.tracking import resolve
 
 pytestmark = pytest.mark.integration
-
-ALL = {"mlflow": True, "tensorboard": True, "wandb": True}
-SECRET = f"SECRET-{uuid.uuid4().hex}"
-"""In every listener's answer: what a service on the box's loopback would return."""
-TEAM_TOKEN = f"team-token-{uuid.uuid4().hex}"
-AMBIENT_TOKEN = f"ambient-token-{uuid.uuid4().hex}"
-
-
-class Listener:
-    """An HTTP server on 127.0.0.1 that records each request's method, path and ``Authorization``
-    header and answers it with ``status`` and a JSON body carrying ``SECRET`` (as MLflow's errors
-    look, so a client that quotes error bodies would quote it)."""
-
-    def __init__(self, status: int = 500) -> None:
-        self.seen: list[tuple[str, str, str | None]] = []
-        listener = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                self.rfile.read(length)
-                listener.seen.append((self.command, self.path, self.headers.get("Authorization")))
-                body = f'{{"error_code": "INTERNAL_ERROR", "message": "{SECRET} root:x:0:0:root"}}'.encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = do_PUT = _answer
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def authorizations(self) -> list[str | None]:
-        return [auth for _method, _path, auth in self.seen]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
 
 @pytest.fixture
 def listeners() -> Iterator[dict[str, Listener]]:
@@ -104,11 +54,6 @@ def add_worker(store, worker_id: str, hardware: dict[str, Any], age_s: float = 0
     with store.sessions.begin() as session:
         session.add(Worker(worker_id=worker_id, hostname="box", device="cpu", hardware=hardware,
                            started_at=utcnow(), heartbeat_at=utcnow() - dt.timedelta(seconds=age_s)))
-
-
-def jobs(store) -> int:
-    with store.sessions() as session:
-        return session.scalar(select(func.count()).select_from(Job))
 
 
 class TestRefusedAtSubmission:
@@ -205,17 +150,6 @@ class TestOnlyListedServers:
         assert response.status_code == 201, response.text
         stored = client.get(f"/v1/jobs/{response.json()['id']}").json()["spec"]["tracking"]
         assert stored["mlflow_tracking_uri"] == listeners["open"].url + "/" and stored["mlflow_server"] is None
-
-
-def run_tracking(store, settings: Settings, job_id: str) -> None:
-    """What the worker does for a claimed job: its trackers, one step, the end (tracking_for)."""
-    runtime = SimpleNamespace(sessionmaker=store.sessions, settings=settings, worker_id="box-a/gpu0",
-                              publish=lambda job, seq: None)
-    tracking = resolve.tracking_for(runtime, job_id, settings.jobs_dir / job_id)
-    tracking.add({"type": "step", "step": 1, "loss": 1.0})
-    tracking.finish("succeeded")
-    assert tracking.join(60)
-    finish(store, job_id)
 
 
 class TestTheWorkersCredentials:

@@ -17,7 +17,7 @@ from core.jobs.models import Job
 from core.jobs.placement import Placement
 from core.settings import Settings
 from core.workers.models import GpuSlot, Worker, WorkerKey
-from tests.integration.test_store_scheduling import add_job
+from tests.fixtures.scheduling import add_job
 from worker.reaper import reap
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ turning a tracker on where its project lacks the box's default, is refused at su
 422 naming the field and what the project may use, nothing stored; the worker applies the same list
 to stored jobs: a server the project lost is a warning event and never contacted, and the box's
 default tracks only the projects that may use it. Real listeners on 127.0.0.1 stand in for the
-MLflow servers (``test_api_jobs_trackers.Listener``)."""
+MLflow servers (``tests.fixtures.trackers.Listener``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from core.settings import Settings, TrackingServer
+from tests.fixtures.events import events_of
+from tests.fixtures.trackers import ALL, TEAM_TOKEN, Listener, jobs, run_tracking
 from tests.integration.helpers import bearer, spec
-from tests.integration.test_api_events import events_of
-from tests.integration.test_api_jobs_trackers import ALL, TEAM_TOKEN, Listener, jobs, run_tracking
 from worker.tracking import resolve
 
 pytestmark = pytest.mark.integration

@@ -243,7 +243,7 @@ def test_a_second_claim_keeps_the_first_start(store, tmp_path) -> None:
     from sqlalchemy import update
 
     from core.settings import Settings
-    from tests.integration.test_store_scheduling import add_job, runtime_for
+    from tests.fixtures.scheduling import add_job, runtime_for
     from worker.runner import claim_next_job
 
     settings = Settings(data_dir=tmp_path / "data", database_url=store.url).resolved()

@@ -8,7 +8,6 @@ transfers a worker makes (worker/transfer.py makes them for real in tests/netns)
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import socket
 import tarfile
@@ -26,7 +25,7 @@ from core.jobs import service
 from core.jobs.models import Checkpoint
 from core.jobs.states import JobStatus
 from core.settings import Settings
-from core.workers.models import Worker
+from tests.fixtures.worker_routes import add_worker, claimed_job, put, sha, store_tree
 from tests.integration.helpers import bearer, make_user, make_worker_key, serve, spec, upload
 
 pytestmark = pytest.mark.integration
@@ -42,32 +41,6 @@ def tar_of(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def add_worker(store, worker_id: str, raw_key: str | None) -> None:
-    from core.workers.keys import split_worker_key
-    from core.workers.models import WorkerKey
-
-    with store.sessions() as session:
-        key_id = None
-        if raw_key is not None:
-            prefix = split_worker_key(raw_key)[0]
-            key_id = session.query(WorkerKey).filter_by(prefix=prefix).one().worker_key_id
-        session.add(Worker(worker_id=worker_id, hostname=worker_id, device="cpu", key_id=key_id))
-        session.commit()
-
-
-def claimed_job(client: TestClient, store, worker_id: str) -> str:
-    """A 6,000-step job running on ``worker_id``."""
-    job_id = client.post("/v1/jobs", json=spec(upload(client), hyperparameters={"max_steps": 6000})).json()["id"]
-    with store.sessions() as session:
-        assert service.transition(session, job_id, JobStatus.running, worker_id=worker_id)
-        session.commit()
-    return job_id
-
-
 @pytest.fixture
 def box(client: TestClient, store) -> dict[str, str]:
     """Two remote machines with their own keys; a job running on the first."""
@@ -75,16 +48,6 @@ def box(client: TestClient, store) -> dict[str, str]:
     add_worker(store, "w@box-2", keys["box-2"])
     add_worker(store, "w@box-3", keys["box-3"])
     return {**keys, "job": claimed_job(client, store, "w@box-2")}
-
-
-def put(client: TestClient, job_id: str, path: str, body: bytes, key: str, **headers: str):
-    return client.put(f"/v1/worker/jobs/{job_id}/artifacts/{path}", content=body,
-                      headers={**bearer(key), "X-Ftq-Sha256": sha(body), **headers})
-
-
-def store_tree(settings: Settings, job_id: str) -> list[str]:
-    root = settings.jobs_dir / job_id
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) if root.exists() else []
 
 
 class TestKeysApi:

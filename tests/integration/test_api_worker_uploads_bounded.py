@@ -17,9 +17,9 @@ from core.jobs import service
 from core.jobs.models import Checkpoint, Job
 from core.jobs.states import JobStatus
 from core.settings import Settings
+from tests.fixtures.worker_routes import add_worker, claimed_job, put, sha, store_tree
 from tests.hostile_tars import GIB, HOSTILE, Hostile, files_tar, gnu_sparse_tar, many_members_tar
 from tests.integration.helpers import bearer, make_worker_key
-from tests.integration.test_api_worker_routes import add_worker, claimed_job, put, sha, store_tree
 
 pytestmark = pytest.mark.integration
 

@@ -17,13 +17,7 @@ from core.jobs.models import Job
 from core.jobs.placement import Placement
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
-from tests.integration.test_store_scheduling import (
-    add_job,
-    add_user,
-    runtime_for,
-    second_claim_waits_and_loses,
-    status_of,
-)
+from tests.fixtures.scheduling import add_job, add_user, runtime_for, second_claim_waits_and_loses, status_of
 from worker.runner import claim_next_job
 
 pytestmark = pytest.mark.integration

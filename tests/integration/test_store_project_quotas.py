@@ -8,14 +8,7 @@ import pytest
 from core.errors import InvalidInput, Unsupported
 from core.jobs import scheduling
 from core.projects import service as projects
-from tests.integration.test_store_scheduling import (  # noqa: F401 - sched_settings: the fixture
-    add_job,
-    add_user,
-    claim_all,
-    runtime_for,
-    sched_settings,
-    status_of,
-)
+from tests.fixtures.scheduling import add_job, add_user, claim_all, runtime_for, status_of
 
 pytestmark = pytest.mark.integration
 

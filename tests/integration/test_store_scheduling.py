@@ -7,99 +7,19 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
-from typing import Any
 
 import pytest
 from sqlalchemy import select, update
 
-from core.db import new_id, utcnow
-from core.files.models import File
+from core.db import utcnow
 from core.jobs import eta, scheduling
 from core.jobs.models import Job, StepMetric
-from core.settings import Settings
-from core.users.models import User
 from core.jobs.placement import Placement
 from core.workers.models import GpuSlot, Worker
+from tests.fixtures.scheduling import add_job, add_user, claim_all, runtime_for, second_claim_waits_and_loses, status_of
 from worker.runner import claim_next_job
-from worker.runtime import Runtime, WorkerOptions
 
 pytestmark = pytest.mark.integration
-
-T0 = dt.datetime(2026, 11, 1, 12, 0, tzinfo=dt.UTC)
-
-
-def add_user(store, name: str, max_running_jobs: int | None = None) -> str:
-    user_id = new_id("user")
-    with store.sessions.begin() as session:
-        session.add(User(user_id=user_id, name=name, max_running_jobs=max_running_jobs, created_at=utcnow()))
-    return user_id
-
-
-def add_job(store, *, owner: str | None = None, priority: str = "normal", age_s: float = 0.0,
-            status: str = "queued", **values: Any) -> str:
-    """A job created ``age_s`` seconds after T0 (so larger = newer)."""
-    job_id = new_id("job")
-    with store.sessions.begin() as session:
-        file_id = new_id("file")
-        session.add(File(file_id=file_id, filename="d.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                         format="text", num_records=1, path="/dev/null", stats={}, created_at=utcnow()))
-        session.flush()
-        created = T0 + dt.timedelta(seconds=age_s)
-        session.add(Job(job_id=job_id, model=values.pop("model", "tiny"), method="lora", spec={},
-                        training_file_id=file_id, owner_id=owner, priority=priority, status=status,
-                        created_at=created, updated_at=created, **values))
-    return job_id
-
-
-def status_of(store, job_id: str) -> str:
-    with store.sessions() as session:
-        return session.execute(select(Job.status).where(Job.job_id == job_id)).scalar_one()
-
-
-def second_claim_waits_and_loses(store: Any, first: Placement, second: Placement, settings: Settings) -> None:
-    """``first`` claimed in an open transaction; ``second``'s claim, in a thread, must wait for
-    that transaction (the row locks) and then lose, rolling its half reservation back."""
-    session = store.sessions()
-    assert scheduling.try_claim(session, first, settings)
-    result: list[bool] = []
-
-    def claim_second() -> None:
-        with store.sessions() as other:
-            won = scheduling.try_claim(other, second, settings)
-            result.append(won)
-            other.commit() if won else other.rollback()
-
-    thread = threading.Thread(target=claim_second)
-    thread.start()
-    time.sleep(0.5)
-    assert thread.is_alive(), "the second claim did not wait for the first one's transaction"
-    session.commit()
-    session.close()
-    thread.join(timeout=30)
-    assert result == [False]
-
-
-@pytest.fixture
-def sched_settings(store, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path / "data", database_url=store.url, max_running_jobs_per_user=1).resolved()
-
-
-def runtime_for(store, settings: Settings, name: str, slots: int = 1) -> Runtime:
-    """A worker host ``name`` with ``slots`` CPU slots (registered in the store at its first claim)."""
-    rt = Runtime(settings, WorkerOptions(name=name, slots=slots), engine=store.engine, sessionmaker=store.sessions)
-    rt.enqueue = lambda job_id, host=None: None  # type: ignore[method-assign]
-    rt.publish = lambda job_id, seq: None  # type: ignore[method-assign]
-    return rt
-
-
-def claim_all(store, settings: Settings, slots: int = 16) -> list[str]:
-    """Claim on one host with ``slots`` GPUs until nothing more is placed on it."""
-    rt = runtime_for(store, settings, "w", slots)
-    order = []
-    while (claim := claim_next_job(rt)) is not None:
-        order.append(claim.job_id)
-    return order
 
 
 class TestClaimOrder:

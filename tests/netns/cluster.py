@@ -38,7 +38,7 @@ import httpx
 import psycopg
 
 from tests.faults.services import ThrowawayPostgres, ThrowawayRedis
-from tests.integration.e2e.stack import MODEL, STACK_ENV, printed_key
+from tests.fixtures.stack import MODEL, STACK_ENV, printed_key
 from tests.netns.hosts import Hosts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,47 +1,21 @@
 """Fixtures of the multi-machine tests: ``cluster``, one deployment per module over three network
-namespaces (cluster.py, hosts.py), and the tiny model and dataset they train on.
+namespaces (cluster.py, hosts.py). The tiny model and dataset they train on are ``tiny_llama`` and
+``chat_dataset`` (tests/fixtures/training_inputs.py); each machine gets its own copy of the model.
 
 These tests need root (``ip netns add``): where namespaces cannot be made they FAIL saying why,
 never skip, so a CI box that cannot run them is noticed."""
 
 from __future__ import annotations
 
-import json
-import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.e2e.stack import MODEL
 from tests.netns.cluster import Cluster
 from tests.netns.hosts import make_hosts
 
-WORDS = "the cat sat on a mat and the dog ran in the park while birds sang songs of spring".split()
 HOSTS = {"api": 1, "m1": 11, "m2": 12}
-
-
-@pytest.fixture(scope="session")
-def netns_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama: each machine gets its own copy."""
-    path = tmp_path_factory.mktemp("netns-model") / MODEL
-    subprocess.run([sys.executable, "-m", "trainer", "make-tiny-model", str(path), "--arch", "llama"],
-                   check=True, capture_output=True, timeout=300)
-    return path
-
-
-@pytest.fixture(scope="session")
-def netns_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("netns-data") / "train.jsonl"
-    with path.open("w") as f:
-        for _ in range(64):
-            messages = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=6))},
-                        {"role": "assistant", "content": " ".join(rng.choices(WORDS[:8], k=12))}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
 
 
 def start_cluster(base: Path, model: Path, *, keys: bool = True, proxied: tuple[str, ...] = ()) -> Iterator[Cluster]:
@@ -66,5 +40,5 @@ def start_cluster(base: Path, model: Path, *, keys: bool = True, proxied: tuple[
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, netns_model: Path) -> Iterator[Cluster]:
-    yield from start_cluster(tmp_path_factory.mktemp("netns"), netns_model, proxied=("m2",))
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Cluster]:
+    yield from start_cluster(tmp_path_factory.mktemp("netns"), tiny_llama, proxied=("m2",))

@@ -37,7 +37,7 @@ def _job_dir(machine, job_id: str):
     return machine.data_dir / "jobs" / job_id
 
 
-def test_jobs_run_on_both_machines_and_their_adapters_come_back_intact(up, netns_dataset):
+def test_jobs_run_on_both_machines_and_their_adapters_come_back_intact(up, chat_dataset):
     cluster = up
     machines = {m["address"]: m for m in cluster.hardware()["machines"]}
     for machine in cluster.machines.values():
@@ -45,13 +45,13 @@ def test_jobs_run_on_both_machines_and_their_adapters_come_back_intact(up, netns
         assert shown is not None, f"{machine.name} ({machine.address}) is not a machine of GET /v1/hardware: {machines}"
         assert shown["status"] == "live" and shown["remote"] and shown["workers"] == [machine.name], shown
     with cluster.client() as client:
-        file_id = upload(client, netns_dataset)
+        file_id = upload(client, chat_dataset)
         jobs = [submit(client, file_id, cluster.model, name=f"both-{i}") for i in range(3)]
         done = [finished(client, job["id"], logs=cluster.log_tail) for job in jobs]
         assert [j["status"] for j in done] == ["succeeded"] * 3, f"{done}\n{cluster.log_tail()}"
         assert {j["worker"] for j in done} == {"m1", "m2"}, [j["worker"] for j in done]
         downloads = {j["id"]: zip_files(client, f"/v1/jobs/{j['id']}/adapter") for j in done}
-    sha = hashlib.sha256(netns_dataset.read_bytes()).hexdigest()
+    sha = hashlib.sha256(chat_dataset.read_bytes()).hexdigest()
     for machine in cluster.machines.values():
         assert (machine.data_dir / "cache" / "files" / sha).is_file(), f"{machine.name} has no cached dataset"
     for job in done:
@@ -61,12 +61,12 @@ def test_jobs_run_on_both_machines_and_their_adapters_come_back_intact(up, netns
         assert not _job_dir(other, job["id"]).exists(), f"{other.name} has files of {job['id']}, which it did not run"
 
 
-def test_a_corrupted_upload_is_refused_and_retried(up, netns_dataset):
+def test_a_corrupted_upload_is_refused_and_retried(up, chat_dataset):
     cluster = up
     cluster.proxy_arm.touch()  # m2's first artifact upload from now on gets one byte flipped
     try:
         with cluster.client() as client:
-            file_id = upload(client, netns_dataset)
+            file_id = upload(client, chat_dataset)
             jobs = [submit(client, file_id, cluster.model, checkpoint_every=2, name=f"upload-{i}") for i in range(2)]
             done = [finished(client, job["id"], logs=cluster.log_tail) for job in jobs]
             assert [j["status"] for j in done] == ["succeeded"] * 2, f"{done}\n{cluster.log_tail()}"
@@ -93,11 +93,11 @@ def test_a_corrupted_upload_is_refused_and_retried(up, netns_dataset):
         assert served_sha == tree_sha(local), f"the downloaded checkpoint differs from m2's {local}"
 
 
-def test_a_two_machine_job_matches_two_ranks_on_one_machine(up, netns_dataset):
+def test_a_two_machine_job_matches_two_ranks_on_one_machine(up, chat_dataset):
     cluster = up
     hyper = {**TINY, "max_steps": 8}
     with cluster.client() as client:
-        file_id = upload(client, netns_dataset)
+        file_id = upload(client, chat_dataset)
         job = submit(client, file_id, cluster.model, hyperparameters=hyper, gpus=2, nodes=2, name="two machines")
         done = finished(client, job["id"], logs=cluster.log_tail)
         assert done["status"] == "succeeded", f"{done}\n{cluster.log_tail()}"
@@ -125,11 +125,11 @@ def test_a_two_machine_job_matches_two_ranks_on_one_machine(up, netns_dataset):
             f"step {a['step']}: 2 machines {a['loss']!r}, 1 machine {b['loss']!r}")
 
 
-def test_a_job_whose_machine_dies_resumes_on_the_other_from_its_uploaded_checkpoint(up, netns_dataset):
+def test_a_job_whose_machine_dies_resumes_on_the_other_from_its_uploaded_checkpoint(up, chat_dataset):
     cluster = up
     steps = 40
     with cluster.client() as client:
-        file_id = upload(client, netns_dataset)
+        file_id = upload(client, chat_dataset)
         job = submit(client, file_id, cluster.model, hyperparameters={**TINY, "max_steps": steps},
                      checkpoint_every=4, name="machine lost")
         running = wait_job(client, job["id"], lambda j: j["status"] != "queued" and checkpoint_steps(client, j["id"])

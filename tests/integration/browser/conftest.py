@@ -1,8 +1,8 @@
 """The dashboard in real headless Chromium against a real stack.
 
 ``dashboard_stack``: ``ftq up`` on the embedded default (SQLite store, SQLAlchemy broker, one
-CPU worker) in a tmp data dir, with a model root holding a tiny random-weight Llama. The
-process handling (``Stack``) is the end-to-end suite's.
+CPU worker) in a tmp data dir, with a model root holding a copy of ``tiny_llama``
+(tests/fixtures/training_inputs.py). The process handling (``Stack``) is tests/fixtures/stack.py.
 
 ``browser``: Debian's ``/usr/bin/chromium`` (or ``FTQ_TEST_CHROMIUM``) driven by the Python
 ``playwright`` package through its executable path; nothing is downloaded. Without a
@@ -17,20 +17,20 @@ there (``docs/`` holds the committed ones).
 
 from __future__ import annotations
 
-import json
+import datetime as dt
 import os
-import random
-import subprocess
+import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import MODEL, CuttableProxy
-from tests.integration.e2e.stack import STACK_ENV, Stack, free_port, read_bootstrap_key
+from tests.fixtures.dashboard import GIB, GPU_HOST, MODEL, CuttableProxy
+from tests.fixtures.stack import STACK_ENV, Stack, free_port, read_bootstrap_key
+from tests.fixtures.training_inputs import write_chat_dataset
 
 CHROMIUM = os.environ.get("FTQ_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -43,8 +43,6 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-WORDS = ("the cat sat on a mat and the dog ran in the park while birds sang songs of spring "
-         "under a bright blue sky near the old stone bridge").split()
 
 
 def _unavailable(reason: str) -> None:
@@ -61,13 +59,10 @@ def chromium_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def dashboard_stack(tmp_path_factory: pytest.TempPathFactory, chromium_path: str) -> Iterator[Stack]:
+def dashboard_stack(tmp_path_factory: pytest.TempPathFactory, chromium_path: str, tiny_llama: Path) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("dashboard")
     models = base / "models"
-    subprocess.run(
-        [sys.executable, "-m", "trainer", "make-tiny-model", str(models / MODEL), "--arch", "llama"],
-        check=True, capture_output=True, timeout=300,
-    )
+    shutil.copytree(tiny_llama, models / MODEL)  # a root of its own: a test pulls a model into it
     port = free_port()
     stack = Stack("dashboard", f"http://127.0.0.1:{port}", base / "data", models)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTQ_")}
@@ -102,32 +97,43 @@ def browser(chromium_path: str) -> Iterator[Any]:
 
 
 @pytest.fixture
-def anonymous_page(browser: Any, dashboard_stack: Stack) -> Iterator[Any]:
-    """A fresh page at the stack's URL, not logged in; page errors fail the test."""
-    yield from _page(browser, dashboard_stack, None)
+def page_as(browser: Any, dashboard_stack: Stack) -> Iterator[Callable[..., Any]]:
+    """``page_as(api_key)``: a fresh page at the stack's URL logged in with ``api_key``
+    (``POST /v1/session`` from the browser context, so the HttpOnly cookie is in its jar), or not
+    logged in with None; ``width``/``height`` set its viewport. Each page has a browser context of
+    its own, closed after the test; page errors (uncaught exceptions) on any of them fail the test."""
+    contexts: list[Any] = []
+    errors: list[str] = []
+
+    def open_page(api_key: str | None, *, width: int = 1400, height: int = 1000) -> Any:
+        context = browser.new_context(base_url=dashboard_stack.url, viewport={"width": width, "height": height})
+        contexts.append(context)
+        if api_key is not None:
+            login = context.request.post("/v1/session", data={"api_key": api_key})
+            assert login.ok, login.text()
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        return page
+
+    try:
+        yield open_page
+    finally:
+        for context in contexts:
+            context.close()
+    assert not errors, f"the dashboard raised in the browser: {errors}\n{dashboard_stack.log_tail()}"
 
 
 @pytest.fixture
-def page(browser: Any, dashboard_stack: Stack) -> Iterator[Any]:
-    """A fresh page logged in as the admin (``POST /v1/session`` from the browser context, so
-    the HttpOnly cookie is in its jar); page errors (uncaught exceptions) fail the test."""
-    yield from _page(browser, dashboard_stack, dashboard_stack.api_key)
+def anonymous_page(page_as: Callable[..., Any]) -> Any:
+    """A fresh page at the stack's URL, not logged in."""
+    return page_as(None)
 
 
-def _page(browser: Any, dashboard_stack: Stack, api_key: str | None) -> Iterator[Any]:
-    context = browser.new_context(base_url=dashboard_stack.url, viewport={"width": 1400, "height": 1000})
-    if api_key is not None:
-        login = context.request.post("/v1/session", data={"api_key": api_key})
-        assert login.ok, login.text()
-    page = context.new_page()
-    page.set_default_timeout(30_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    try:
-        yield page
-    finally:
-        context.close()
-    assert not errors, f"the dashboard raised in the browser: {errors}\n{dashboard_stack.log_tail()}"
+@pytest.fixture
+def page(page_as: Callable[..., Any], dashboard_stack: Stack) -> Any:
+    """A fresh page logged in as the admin."""
+    return page_as(dashboard_stack.api_key)
 
 
 @pytest.fixture
@@ -141,16 +147,8 @@ def no_leftover_jobs(api: httpx.Client) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def chat_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """48 short chat records over a small vocabulary."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("browser-data") / "support-chats.jsonl"
-    with path.open("w") as f:
-        for _ in range(48):
-            question = " ".join(rng.choices(WORDS, k=6))
-            answer = " ".join(rng.choices(WORDS[:8], k=12))
-            f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
-    return path
+    """48 short chat records over a small vocabulary, named as a user's upload would be."""
+    return write_chat_dataset(tmp_path_factory.mktemp("browser-data") / "support-chats.jsonl", 48)
 
 
 @pytest.fixture
@@ -160,3 +158,39 @@ def cuttable_proxy(dashboard_stack: Stack) -> Iterator[CuttableProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+@pytest.fixture
+def store(dashboard_stack: Stack) -> Iterator[Any]:
+    """A sessionmaker on the stack's SQLite store, to write rows as a worker would."""
+    from core.db import make_engine, make_sessionmaker
+
+    engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def gpu_host(store: Any) -> Iterator[str]:
+    """``GPU_HOST``, a live worker host with 4 H100s written into the store (its heartbeat set
+    ahead, so it stays live for the test), removed afterwards."""
+    from sqlalchemy import delete
+
+    from core.db import utcnow
+    from core.workers.models import GpuSlot, Worker
+
+    now = utcnow()
+    hardware = {"hardware": {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "gpu_memory": 80 * GIB}}
+    with store.begin() as session:
+        session.add(Worker(worker_id=GPU_HOST, hostname=GPU_HOST, device="cuda:0,1,2,3", hardware=hardware,
+                           started_at=now, heartbeat_at=now + dt.timedelta(minutes=10)))
+        session.flush()
+        session.add_all(GpuSlot(worker_id=GPU_HOST, slot=i, device=str(i)) for i in range(4))
+    try:
+        yield GPU_HOST
+    finally:
+        with store.begin() as session:
+            session.execute(delete(GpuSlot).where(GpuSlot.worker_id == GPU_HOST))
+            session.execute(delete(Worker).where(Worker.worker_id == GPU_HOST))

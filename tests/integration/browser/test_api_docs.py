@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.integration.browser.helpers import screenshot_dir
+from tests.fixtures.dashboard import screenshot_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

@@ -16,13 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import MODEL, CuttableProxy, cancel_and_wait, screenshot_dir
+from tests.fixtures.dashboard import MODEL, SMALL, CuttableProxy, cancel_and_wait, screenshot_dir, submit_job
 from trainer.config import SWITCHES, switch_docs
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
-
-SMALL = {"batch_tokens": 256, "max_seq_len": 128}
-
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
     deadline = time.monotonic() + timeout_s
@@ -36,23 +33,6 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, interval_s
 
 def points(page: Any, testid: str = "chart-loss") -> int:
     return int(page.get_attribute(f"[data-testid={testid}]", "data-points"))
-
-
-def submit_job(api: httpx.Client, chat_file: Path, max_steps: int, name: str, **fields: Any) -> dict[str, Any]:
-    with chat_file.open("rb") as fh:
-        upload = api.post("/v1/files", data={"purpose": "train"}, files={"file": (chat_file.name, fh)})
-    assert upload.status_code == 201, upload.text
-    body = {
-        "name": name,
-        "model": MODEL,
-        "training_file": upload.json()["id"],
-        "hyperparameters": {"max_steps": max_steps, **SMALL},
-        "lora": {"r": 4, "alpha": 8},
-        **fields,
-    }
-    response = api.post("/v1/jobs", json=body)
-    assert response.status_code == 201, response.text
-    return response.json()
 
 
 def job_status(api: httpx.Client, job_id: str) -> str:

@@ -7,14 +7,14 @@ written into the store as a worker would write them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import MODEL, screenshot_dir
-from tests.integration.browser.test_dashboard_gpus import gpu_host, store  # noqa: F401 (fixtures)
+from tests.fixtures.dashboard import MODEL, screenshot_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -57,7 +57,7 @@ def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, 
 
 
 def test_compare_two_runs_by_step_and_tokens_with_their_differences(
-    page: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path, no_leftover_jobs: None  # noqa: F811
+    page: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path, no_leftover_jobs: None
 ) -> None:
     fast = a_run(api, store, chat_file, "cmp-fast", 1e-3, [3.0, 2.0, 1.5, 1.2], evals={2: 2.1, 4: 1.4})
     slow = a_run(api, store, chat_file, "cmp-slow", 1e-4, [3.0, 2.8, 2.6, 2.5], evals={2: 2.9, 4: 2.6})
@@ -101,36 +101,31 @@ def test_compare_two_runs_by_step_and_tokens_with_their_differences(
 
 
 def test_the_jobs_list_fits_a_phone_and_searches_by_model_and_owner(
-    browser: Any, dashboard_stack: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path,  # noqa: F811
+    page_as: Callable[..., Any], dashboard_stack: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path,
     no_leftover_jobs: None,
 ) -> None:
     run = a_run(api, store, chat_file, "phone-run", 2e-4, [2.0, 1.0])
-    context = browser.new_context(base_url=dashboard_stack.url, viewport={"width": 375, "height": 800})
-    try:
-        assert context.request.post("/v1/session", data={"api_key": dashboard_stack.api_key}).ok
-        page = context.new_page()
-        page.goto("/#/jobs?q=phone-run")
-        row = page.locator(f"[data-testid=job-row][data-job-id='{run['id']}']")
-        row.wait_for()
-        assert page.evaluate("document.documentElement.scrollWidth") <= 375
-        box = row.bounding_box()
-        assert box["x"] >= 0 and box["x"] + box["width"] <= 375
-        assert row.get_by_role("link", name="phone-run").is_visible()
-        assert row.get_by_test_id("job-loss").inner_text() == "1.0000"  # from the job's summary
-        assert row.get_by_test_id("job-best-loss").inner_text() == "1.0000 (train)"  # no validation set
-        if shots := screenshot_dir():
-            page.screenshot(path=str(shots / "dashboard-jobs-phone.png"), full_page=True)
-        for text in (MODEL, "admin"):
-            page.goto(f"/#/jobs?q={text}")
-            page.locator(f"[data-testid=job-row][data-job-id='{run['id']}']").wait_for()
-        page.goto("/#/jobs?q=no-such-job-anywhere")
-        page.get_by_text("No jobs match these filters.").wait_for()
-    finally:
-        context.close()
+    page = page_as(dashboard_stack.api_key, width=375, height=800)
+    page.goto("/#/jobs?q=phone-run")
+    row = page.locator(f"[data-testid=job-row][data-job-id='{run['id']}']")
+    row.wait_for()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 375
+    box = row.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 375
+    assert row.get_by_role("link", name="phone-run").is_visible()
+    assert row.get_by_test_id("job-loss").inner_text() == "1.0000"  # from the job's summary
+    assert row.get_by_test_id("job-best-loss").inner_text() == "1.0000 (train)"  # no validation set
+    if shots := screenshot_dir():
+        page.screenshot(path=str(shots / "dashboard-jobs-phone.png"), full_page=True)
+    for text in (MODEL, "admin"):
+        page.goto(f"/#/jobs?q={text}")
+        page.locator(f"[data-testid=job-row][data-job-id='{run['id']}']").wait_for()
+    page.goto("/#/jobs?q=no-such-job-anywhere")
+    page.get_by_text("No jobs match these filters.").wait_for()
 
 
 def test_a_failed_job_folds_its_detail_and_resumes_or_reruns_as_new_jobs(
-    page: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path, no_leftover_jobs: None  # noqa: F811
+    page: Any, api: httpx.Client, store: Any, gpu_host: str, chat_file: Path, no_leftover_jobs: None
 ) -> None:
     error = ("model 'x' is not under the model root; copy it there or name a hub id\n"
              "--- last 2 lines of the trainer's stderr ---\nTraceback (most recent call last):\nOSError: x")

@@ -10,55 +10,15 @@ afterwards, so the module's other tests see the box as it was."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.browser.test_dashboard import submit_job
-from tests.integration.browser.helpers import screenshot_dir
+from tests.fixtures.dashboard import GIB, GPU_HOST, cancel_in_store, screenshot_dir, submit_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
-
-HOST = "gpu-box"
-GIB = 1 << 30
-
-
-@pytest.fixture
-def store(dashboard_stack: Any) -> Iterator[Any]:
-    from core.db import make_engine, make_sessionmaker
-
-    engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
-    try:
-        yield make_sessionmaker(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.fixture
-def gpu_host(store: Any) -> Iterator[str]:
-    """A live worker host with 4 H100s (its heartbeat set ahead, so it stays live for the test)."""
-    from sqlalchemy import delete
-
-    from core.db import utcnow
-    from core.workers.models import GpuSlot, Worker
-
-    now = utcnow()
-    hardware = {"hardware": {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "gpu_memory": 80 * GIB}}
-    with store.begin() as session:
-        session.add(Worker(worker_id=HOST, hostname=HOST, device="cuda:0,1,2,3", hardware=hardware,
-                           started_at=now, heartbeat_at=now + dt.timedelta(minutes=10)))
-        session.flush()
-        session.add_all(GpuSlot(worker_id=HOST, slot=i, device=str(i)) for i in range(4))
-    try:
-        yield HOST
-    finally:
-        with store.begin() as session:
-            session.execute(delete(GpuSlot).where(GpuSlot.worker_id == HOST))
-            session.execute(delete(Worker).where(Worker.worker_id == HOST))
-
 
 def claim_with_rank_steps(store: Any, job_id: str, steps: int = 3) -> None:
     """The claim of ``job_id`` on GPUs 1 and 2 of the host, and its step rows with two ranks."""
@@ -74,11 +34,11 @@ def claim_with_rank_steps(store: Any, job_id: str, steps: int = 3) -> None:
 
     with store() as session:
         settings = Settings(max_running_jobs_per_user=0)
-        assert scheduling.try_claim(session, Placement(job_id, HOST, (1, 2)), settings,
-                                    values={"worker_id": HOST, "attempts": 1, "heartbeat_at": utcnow() + dt.timedelta(minutes=10)})
+        assert scheduling.try_claim(session, Placement(job_id, GPU_HOST, (1, 2)), settings,
+                                    values={"worker_id": GPU_HOST, "attempts": 1, "heartbeat_at": utcnow() + dt.timedelta(minutes=10)})
         session.commit()
     with store.begin() as session:
-        append_events(session, job_id, [state_event(JobStatus.running, worker_id=HOST, attempt=1, slots=[1, 2])])
+        append_events(session, job_id, [state_event(JobStatus.running, worker_id=GPU_HOST, attempt=1, slots=[1, 2])])
         session.execute(update(Job).where(Job.job_id == job_id).values(progress_step=steps))
         for step in range(1, steps + 1):
             ranks = [
@@ -130,16 +90,7 @@ def test_a_two_gpu_job_across_its_gpus_on_the_jobs_list_its_page_and_the_gpus_pa
     try:
         _look_at_it(page, job)
     finally:
-        _end(store, job["id"])
-
-
-def _end(store: Any, job_id: str) -> None:
-    """Cancel the claimed job in the store (no worker runs it), releasing its GPUs."""
-    from core.jobs.service import transition
-    from core.jobs.states import JobStatus
-
-    with store.begin() as session:
-        transition(session, job_id, JobStatus.cancelled)
+        cancel_in_store(store, job["id"])
 
 
 def _look_at_it(page: Any, job: dict[str, Any]) -> None:
@@ -161,7 +112,7 @@ def _look_at_it(page: Any, job: dict[str, Any]) -> None:
         page.screenshot(path=str(shots / "dashboard-job-ranks.png"), full_page=True)
 
     page.get_by_role("link", name="GPUs").click()
-    card = page.locator(f"[data-testid=worker-card][data-worker-id='{HOST}']")
+    card = page.locator(f"[data-testid=worker-card][data-worker-id='{GPU_HOST}']")
     card.get_by_test_id("gpu-slot").nth(3).wait_for()
     slots = card.get_by_test_id("gpu-slot")
     assert [s.get_attribute("data-job-id") for s in slots.all()] == ["", job["id"], job["id"], ""]

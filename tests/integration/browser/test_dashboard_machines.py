@@ -17,24 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import screenshot_dir
-from tests.integration.browser.test_dashboard import submit_job
+from tests.fixtures.dashboard import GIB, screenshot_dir, submit_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 REMOTE, LOST = "box-remote", "box-lost"
-GIB = 1 << 30
-
-
-@pytest.fixture
-def store(dashboard_stack: Any) -> Iterator[Any]:
-    from core.db import make_engine, make_sessionmaker
-
-    engine = make_engine(f"sqlite:///{dashboard_stack.data_dir / 'ftq.db'}")
-    try:
-        yield make_sessionmaker(engine)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.e2e.stack import Stack
+from tests.fixtures.stack import Stack
 from tests.integration.fake_hub import FakeHub
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]

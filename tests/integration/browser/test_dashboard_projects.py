@@ -8,15 +8,14 @@ one of a project they are not in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import MODEL, screenshot_dir
-from tests.integration.browser.test_dashboard_gpus import HOST, _end, gpu_host, store  # noqa: F401 - fixtures
+from tests.fixtures.dashboard import GPU_HOST, MODEL, cancel_in_store, screenshot_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -61,22 +60,7 @@ def olga(api: httpx.Client, dashboard_stack: Any) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture
-def pat_page(browser: Any, dashboard_stack: Any, pat: httpx.Client) -> Iterator[Any]:
-    context = browser.new_context(base_url=dashboard_stack.url, viewport={"width": 1400, "height": 1000})
-    assert context.request.post("/v1/session", data={"api_key": pat.key}).ok  # type: ignore[attr-defined]
-    page = context.new_page()
-    page.set_default_timeout(30_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    try:
-        yield page
-    finally:
-        context.close()
-    assert not errors, f"the dashboard raised in the browser: {errors}\n{dashboard_stack.log_tail()}"
-
-
-def claim(store: Any, job_id: str, slots: tuple[int, ...]) -> None:  # noqa: F811 - store is the fixture's value
+def claim(store: Any, job_id: str, slots: tuple[int, ...]) -> None:
     import datetime as dt
 
     from core.db import utcnow
@@ -87,18 +71,18 @@ def claim(store: Any, job_id: str, slots: tuple[int, ...]) -> None:  # noqa: F81
     # The job's heartbeat set ahead, as the host's is: the stack's reaper would otherwise requeue it
     # (freeing its GPUs) once the heartbeat timeout passed on a slow box, before the page is read.
     with store() as session:
-        assert scheduling.try_claim(session, Placement(job_id, HOST, slots), Settings(max_running_jobs_per_user=0),
-                                    values={"worker_id": HOST, "attempts": 1,
+        assert scheduling.try_claim(session, Placement(job_id, GPU_HOST, slots), Settings(max_running_jobs_per_user=0),
+                                    values={"worker_id": GPU_HOST, "attempts": 1,
                                             "heartbeat_at": utcnow() + dt.timedelta(minutes=10)})
         session.commit()
 
 
 def test_the_switcher_filters_the_jobs_and_new_jobs_go_to_the_selected_project(
-    pat_page: Any, pat: httpx.Client, chat_file: Path, gpu_host: str, no_leftover_jobs: None  # noqa: F811
+    page_as: Callable[..., Any], pat: httpx.Client, chat_file: Path, gpu_host: str, no_leftover_jobs: None
 ) -> None:
     speech = submit_job(pat, chat_file, "speech-job", "speech")
     vision = submit_job(pat, chat_file, "vision-job", "vision")
-    page = pat_page
+    page = page_as(pat.key)  # type: ignore[attr-defined]
     page.goto("/#/jobs")
     switcher = page.get_by_test_id("project-switcher")
     switcher.wait_for()
@@ -134,17 +118,17 @@ def test_the_switcher_filters_the_jobs_and_new_jobs_go_to_the_selected_project(
 
 
 def test_the_gpus_page_shows_which_project_holds_each_gpu(
-    pat_page: Any, pat: httpx.Client, olga: httpx.Client, chat_file: Path, store: Any,  # noqa: F811
-    gpu_host: str, no_leftover_jobs: None  # noqa: F811
+    page_as: Callable[..., Any], pat: httpx.Client, olga: httpx.Client, chat_file: Path, store: Any,
+    gpu_host: str, no_leftover_jobs: None
 ) -> None:
     mine = submit_job(pat, chat_file, "pats-vision-job", "vision")
     theirs = submit_job(olga, chat_file, "olgas-secret-job")
     claim(store, mine["id"], (0, 1))
     claim(store, theirs["id"], (2, 3))
     try:
-        page = pat_page
+        page = page_as(pat.key)  # type: ignore[attr-defined]
         page.goto("/#/gpus")
-        card = page.locator(f"[data-testid=worker-card][data-worker-id='{HOST}']")
+        card = page.locator(f"[data-testid=worker-card][data-worker-id='{GPU_HOST}']")
         card.get_by_test_id("gpu-slot").nth(3).wait_for()
         slots = card.get_by_test_id("gpu-slot").all()
         assert [s.get_attribute("data-project") for s in slots] == ["vision", "vision", "audio", "audio"]
@@ -154,5 +138,5 @@ def test_the_gpus_page_shows_which_project_holds_each_gpu(
         if shots := screenshot_dir():
             page.screenshot(path=str(shots / "dashboard-gpus-projects.png"), full_page=True)
     finally:
-        _end(store, mine["id"])
-        _end(store, theirs["id"])
+        cancel_in_store(store, mine["id"])
+        cancel_in_store(store, theirs["id"])

@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.browser.helpers import cancel_and_wait, screenshot_dir
-from tests.integration.browser.test_dashboard import submit_job
+from tests.fixtures.dashboard import cancel_and_wait, screenshot_dir, submit_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

@@ -7,7 +7,6 @@ import json
 import stat
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -16,61 +15,14 @@ import httpx
 import pytest
 
 from api.jobs.schemas import DecisionOut, PlanOut
+from tests.fixtures.stack_jobs import SHORT, follow, submit, upload, wait_job
 from trainer.events import STEP_FIELDS
 from trainer.objectives.declarations import DPO_STEP_FIELDS
 
 pytestmark = pytest.mark.integration
 
 GPU_FIELDS = ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak")
-SHORT = {"max_steps": 30, "batch_tokens": 512, "max_seq_len": 128, "learning_rate": 0.01, "warmup_steps": 2}
 LONG = {**SHORT, "max_steps": 100_000}
-
-
-def upload(client: httpx.Client, path: Path) -> str:
-    with path.open("rb") as f:
-        response = client.post("/v1/files", files={"file": (path.name, f, "application/jsonl")}, data={"purpose": "train"})
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
-
-
-def submit(client: httpx.Client, file_id: str, *, model: str = "tiny-llama", **fields: Any) -> dict[str, Any]:
-    body = {"model": model, "training_file": file_id, "hyperparameters": SHORT, **fields}
-    response = client.post("/v1/jobs", json=body)
-    assert response.status_code == 201, response.text
-    return response.json()
-
-
-def follow(client: httpx.Client, job_id: str, *, last_event_id: int | None = None,
-           timeout_s: float = 240) -> list[tuple[int, str, dict[str, Any]]]:
-    """Read the job's SSE stream until the server ends it (after the final state)."""
-    headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
-    events: list[tuple[int, str, dict[str, Any]]] = []
-    deadline = time.monotonic() + timeout_s
-    fields: dict[str, str] = {}
-    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers,
-                       timeout=httpx.Timeout(30, read=60)) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            assert time.monotonic() < deadline, f"job {job_id} did not finish in {timeout_s}s: {events[-3:]}"
-            if not line:
-                if "id" in fields:
-                    events.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
-                fields = {}
-            elif not line.startswith(":"):
-                key, _, value = line.partition(":")
-                fields[key] = value.removeprefix(" ")
-    return events
-
-
-def wait_job(client: httpx.Client, job_id: str, predicate, *, what: str, timeout_s: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if predicate(job):
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} never became {what}; last seen {job}")
 
 
 # peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
@@ -207,7 +159,7 @@ def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, c
 
 
 def test_only_the_first_ftq_up_makes_an_admin_and_prints_its_key_once(stack):
-    from tests.integration.e2e.stack import KEY_PATTERN, printed_key
+    from tests.fixtures.stack import KEY_PATTERN, printed_key
 
     if stack.name != "embedded":  # production: `ftq api` makes no user; `ftq users create` did
         listed = stack.ftq("users", "list")
@@ -263,7 +215,7 @@ def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_
 def test_a_finished_job_exports_a_portable_adapter_a_merged_model_and_a_gguf(stack, chat_dataset: Path, tmp_path: Path):
     """The adapter zip loads in a fresh process that knows only the base's name; the merged export
     and the GGUF (in llama.cpp) give the adapter's greedy tokens; the CLI downloads the GGUF."""
-    from tests.integration.e2e.exports_helpers import fresh_process_greedy, llama_cpp_greedy, wait_export
+    from tests.fixtures.exports import fresh_process_greedy, llama_cpp_greedy, wait_export
 
     with stack.client() as client:
         job = submit(client, upload(client, chat_dataset), hyperparameters={**SHORT, "max_steps": 4})
@@ -351,7 +303,7 @@ def test_preflight_refuses_an_all_masked_set_and_a_non_finite_job_fails_keeping_
     model whose embeddings turn some records' loss NaN (tests/poison.py) skips those steps, fails
     ``non_finite`` at max_non_finite_steps naming the first, keeps its checkpoints (the newest holds
     the last good weights), and its eval rows and greedy samples were stored on the way."""
-    from tests.integration.e2e.stack import POISONED_MODEL
+    from tests.fixtures.stack import POISONED_MODEL
     from tests.poison import records, seed_with_order
 
     with stack.client() as client:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.e2e.test_jobs_e2e import SHORT, follow, submit, upload, wait_job
+from tests.fixtures.stack_jobs import SHORT, follow, submit, upload, wait_job
 from worker.process import tagged_pids
 
 pytestmark = pytest.mark.integration

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.e2e.conftest import _postgres_stack
-from tests.integration.e2e.stack import Stack, free_port
-from tests.integration.e2e.test_jobs_e2e import SHORT, follow, submit, upload, wait_job
+from tests.fixtures.e2e_stacks import postgres_stack
+from tests.fixtures.stack import Stack, free_port
+from tests.fixtures.stack_jobs import SHORT, follow, submit, upload, wait_job
 from worker.process import tagged_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -48,7 +48,7 @@ over gloo either way; only the launch differs, so the losses agree to float32 ro
 def machines(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
     """The PostgreSQL + Redis stack with two worker "machines" of 2 CPU slots each."""
     extra = {"FTQ_WORKER_ADDRESS": LEADER_ADDRESS, "FTQ_RDZV_PORT": str(free_port())}
-    stacks = _postgres_stack(tmp_path_factory.mktemp("machines"), model_root, extra, worker_args=("--slots", "2"))
+    stacks = postgres_stack(tmp_path_factory.mktemp("machines"), model_root, extra, worker_args=("--slots", "2"))
     stack = next(stacks)
     try:
         follower_env = {**stack.env, "FTQ_WORKER_ADDRESS": FOLLOWER_ADDRESS}

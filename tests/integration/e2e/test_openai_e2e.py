@@ -21,8 +21,9 @@ from typing import Any
 import openai
 import pytest
 
-from tests.integration.e2e.conftest import WORDS, _postgres_stack
-from tests.integration.e2e.stack import Stack
+from tests.fixtures.e2e_stacks import postgres_stack
+from tests.fixtures.stack import Stack
+from tests.fixtures.training_inputs import WORDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # peft still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
@@ -33,7 +34,7 @@ FINISHED = ("succeeded", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def oa_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
-    yield from _postgres_stack(tmp_path_factory.mktemp("openai"), model_root)
+    yield from postgres_stack(tmp_path_factory.mktemp("openai"), model_root)
 
 
 @pytest.fixture(scope="module")

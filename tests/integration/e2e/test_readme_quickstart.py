@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.e2e.stack import KEY_PATTERN, STACK_ENV, Stack, free_port
+from tests.fixtures.stack import KEY_PATTERN, STACK_ENV, Stack, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 VENV_BIN = ROOT / ".venv" / "bin"

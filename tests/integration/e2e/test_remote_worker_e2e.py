@@ -10,85 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import io
-import sys
 import time
-import uuid
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.e2e.conftest import PG_ADMIN_URL, REDIS_URL, _base_env, _empty_redis_db, _unavailable
-from tests.integration.e2e.stack import Stack, free_port
-from tests.integration.e2e.test_jobs_e2e import submit, upload, wait_job
+from tests.fixtures.e2e_stacks import KEY_NAME
+from tests.fixtures.stack_jobs import submit, upload, wait_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-KEY_NAME = "gpubox2"
-
-
-@pytest.fixture(scope="module")
-def remote_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
-    """An API on PostgreSQL + Redis, and one worker with a worker key and a data dir of its own."""
-    import psycopg
-    import redis
-
-    try:
-        admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        _unavailable(f"PostgreSQL is not reachable at {PG_ADMIN_URL}: {exc}")
-    base = tmp_path_factory.mktemp("remote")
-    db_name = f"ftq_e2e_{uuid.uuid4().hex[:12]}"
-    redis_db = _empty_redis_db(redis)
-    admin.execute(f'CREATE DATABASE "{db_name}"')
-    port = free_port()
-    stack = Stack("remote", f"http://127.0.0.1:{port}", base / "api-data", model_root)
-    env = _base_env(stack.data_dir, model_root)
-    env.update(
-        FTQ_DATABASE_URL=PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + "/" + db_name,
-        FTQ_BROKER_URL=f"{REDIS_URL}/{redis_db}",
-        FTQ_REDIS_URL=f"{REDIS_URL}/{redis_db}",
-        FTQ_PORT=str(port),
-    )
-    stack.env = env
-    try:
-        import subprocess
-
-        subprocess.run([sys.executable, "-m", "cli", "db", "upgrade"], env=env, check=True, capture_output=True, timeout=120)
-        stack.api_key = stack.create_user("e2e", "--admin")
-        stack.start("api", [sys.executable, "-m", "cli", "api"], env)
-        key = _make_worker_key(stack)
-        worker_env = {**_base_env(base / "worker-data", model_root), "FTQ_DATABASE_URL": env["FTQ_DATABASE_URL"],
-                      "FTQ_BROKER_URL": env["FTQ_BROKER_URL"], "FTQ_REDIS_URL": env["FTQ_REDIS_URL"],
-                      "FTQ_API_URL": stack.url, "FTQ_WORKER_KEY": key, "FTQ_TRANSFER_RETRIES": "2"}
-        stack.worker_id = f"remote-{db_name}"
-        stack.start("worker", [sys.executable, "-m", "cli", "worker", "--name", stack.worker_id], worker_env)
-        stack.wait_ready()
-        yield stack
-    finally:
-        stack.stop()
-        client = redis.Redis.from_url(f"{REDIS_URL}/{redis_db}")
-        client.flushdb()
-        client.close()
-        admin.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
-        admin.close()
-
-
-def _make_worker_key(stack: Stack) -> str:
-    """``POST /v1/workers/keys`` once the API answers; the raw key it shows once."""
-    deadline = time.monotonic() + 120
-    with stack.client() as client:
-        while True:
-            try:
-                response = client.post("/v1/workers/keys", json={"name": KEY_NAME})
-                break
-            except Exception:  # noqa: BLE001 - the API is still starting
-                if time.monotonic() > deadline or stack.procs["api"].poll() is not None:
-                    raise AssertionError(f"the API did not start\n{stack.log_tail()}") from None
-                time.sleep(0.3)
-    assert response.status_code == 201, response.text
-    return response.json()["key"]
 
 
 def _tree_digests(root: Path) -> dict[str, str]:

@@ -26,16 +26,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.e2e.exports_helpers import wait_export
-from tests.integration.e2e.stack import Stack
-from tests.integration.e2e.test_jobs_e2e import SHORT, submit, upload, wait_job
-from tests.integration.e2e.test_remote_worker_e2e import KEY_NAME, remote_stack  # noqa: F401 - the fixture
+from tests.fixtures.e2e_stacks import KEY_NAME
+from tests.fixtures.exports import wait_export
+from tests.fixtures.stack import Stack
+from tests.fixtures.stack_jobs import SHORT, submit, upload, wait_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def trained(remote_stack: Stack, chat_dataset: Path) -> dict[str, Any]:  # noqa: F811 - the imported fixture
+def trained(remote_stack: Stack, chat_dataset: Path) -> dict[str, Any]:
     """A LoRA job of the tiny model that succeeded on the remote worker."""
     with remote_stack.client() as client:
         job = submit(client, upload(client, chat_dataset), hyperparameters={**SHORT, "max_steps": 4}, name="to-export")
@@ -62,7 +62,7 @@ def _ask_merged(client: httpx.Client, job_id: str) -> str:
 
 
 def test_an_export_runs_on_the_remote_worker_from_downloads_and_is_served_by_the_api(
-    remote_stack, trained  # noqa: F811 - the imported fixture
+    remote_stack, trained
 ):
     stack, job_id = remote_stack, trained["id"]
     api_job, worker_job = _dirs(stack, job_id)
@@ -118,7 +118,7 @@ def _export_process(stack: Stack, export_id: str, timeout_s: float = 120) -> int
     raise AssertionError(f"the export process of {export_id} never started\n{stack.log_tail()}")
 
 
-def test_an_export_whose_upload_is_refused_fails_saying_why(remote_stack, trained):  # noqa: F811
+def test_an_export_whose_upload_is_refused_fails_saying_why(remote_stack, trained):
     """The key is revoked while the export process runs (it is paused meanwhile, so the revocation
     lands after the downloads and before the upload): the export ends failed, not running."""
     stack, job_id = remote_stack, trained["id"]
@@ -141,7 +141,7 @@ def test_an_export_whose_upload_is_refused_fails_saying_why(remote_stack, traine
     assert not (stack.data_dir / "jobs" / job_id / "exports" / export_id).exists(), "nothing half-uploaded is kept"
 
 
-def test_an_export_whose_downloads_are_refused_fails_saying_why(remote_stack, trained):  # noqa: F811
+def test_an_export_whose_downloads_are_refused_fails_saying_why(remote_stack, trained):
     """With the key already revoked (by the test above, or here), the export cannot fetch the
     job's files: it ends failed with the refusal, not stuck running."""
     stack, job_id = remote_stack, trained["id"]

@@ -1,4 +1,5 @@
-"""A SQLite store with the schema, a Runtime over it, and jobs that run the fake trainer."""
+"""A SQLite store with the schema, a Runtime over it (tests/fixtures/worker_runtime.py), and jobs that
+run the fake trainer."""
 
 from __future__ import annotations
 
@@ -11,43 +12,14 @@ from typing import Any
 import pytest
 from sqlalchemy import event, update
 
-from core.db import make_engine, make_sessionmaker, new_id, utcnow
+from core.db import new_id, utcnow
 from core.files.models import File
 from core.jobs.models import Job
 from core.jobs.service import append_events, state_event
 from core.jobs.states import JobStatus
-from core.models import metadata
 from core.settings import Settings
-from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
-from worker.runtime import Runtime, WorkerOptions
-
-FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
-
-
-class FakeBuilder:
-    """Builds the fake trainer's config: ``model.name_or_path`` names its behaviour."""
-
-    def __call__(self, session: Any, job: Job, *, settings: Settings, output_dir: str) -> TrainConfig:
-        return TrainConfig(
-            model=ModelConfig(name_or_path=job.model),
-            data=DataConfig(train_path="/dev/null", max_seq_len=8, batch_tokens=8),
-            optim=OptimConfig(max_steps=3),
-            output_dir=output_dir,
-            job_id=job.job_id,
-        )
-
-
-class Recorded:
-    """Stands in for the broker: the job ids sent (and to which host), and the seqs published."""
-
-    def __init__(self) -> None:
-        self.enqueued: list[str] = []
-        self.hosts: list[str | None] = []
-        self.published: list[tuple[str, int]] = []
-
-    def enqueue(self, job_id: str, host: str | None = None) -> None:
-        self.enqueued.append(job_id)
-        self.hosts.append(host)
+from tests.fixtures.worker_runtime import FAKE_EXPORT, recording_runtime
+from worker.runtime import Runtime
 
 
 @pytest.fixture
@@ -64,31 +36,18 @@ def settings(tmp_path: Path) -> Settings:
     ).resolved()
 
 
-def recording_runtime(settings: Settings, gpus: tuple[str, ...], name: str) -> Runtime:
-    """A worker ``Runtime`` over a fresh store that runs the fake trainer and records what it
-    enqueues and publishes (``rt.recorded``); the caller disposes ``rt.engine``."""
-    settings.data_dir.mkdir(parents=True)
-    engine = make_engine(settings.database_url or "")
-    metadata.create_all(engine)
-    recorded = Recorded()
-    rt = Runtime(
-        settings,
-        WorkerOptions(gpus=gpus, name=name, trainer_argv=(sys.executable, str(FAKE_TRAINER))),
-        engine=engine,
-        sessionmaker=make_sessionmaker(engine),
-        config_builder=FakeBuilder(),
-    )
-    rt.enqueue = recorded.enqueue  # type: ignore[method-assign]
-    rt.publish = lambda job_id, seq: recorded.published.append((job_id, seq))  # type: ignore[method-assign]
-    rt.recorded = recorded  # type: ignore[attr-defined]
-    return rt
-
-
 @pytest.fixture
 def runtime(settings: Settings) -> Iterator[Runtime]:
     rt = recording_runtime(settings, ("3",), "test-host/gpu3")
     yield rt
     rt.engine.dispose()
+
+
+@pytest.fixture
+def export_runtime(runtime: Runtime) -> Runtime:
+    """``runtime`` whose trainer process is the fake export (tests/unit/worker/fake_export.py)."""
+    runtime.options = type(runtime.options)(gpus=("3",), name=runtime.worker_id, trainer_argv=(sys.executable, str(FAKE_EXPORT)))
+    return runtime
 
 
 @pytest.fixture

@@ -3,37 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-import pytest
 
 from core.exports import service
 from core.exports.models import Export
 from core.jobs.service import events_after
-from core.jobs.states import JobStatus
+from tests.fixtures.worker_runtime import queued_export
 from worker.exports import ExportSlot, run_export
 from worker.runtime import Runtime
-
-FAKE_EXPORT = Path(__file__).with_name("fake_export.py")
-
-
-@pytest.fixture
-def export_runtime(runtime: Runtime) -> Runtime:
-    runtime.options = type(runtime.options)(gpus=("3",), name=runtime.worker_id, trainer_argv=(sys.executable, str(FAKE_EXPORT)))
-    return runtime
-
-
-def _export(runtime: Runtime, make_job, mode: str, tmp_path: Path, fmt: str = "merged") -> tuple[str, str]:
-    """A succeeded job whose job.json names ``mode``, and a queued export of it."""
-    out = tmp_path / "job-out"
-    out.mkdir(exist_ok=True)
-    (out / "job.json").write_text(json.dumps({"model": mode}))
-    job_id = make_job(mode, status=JobStatus.succeeded.value, output_dir=str(out))
-    with runtime.sessionmaker.begin() as session:
-        export, _ = service.create_export(session, job_id, fmt, "q8_0" if fmt == "gguf" else None,
-                                          owner_id=None, model_type="llama")
-    return job_id, export.export_id
 
 
 def _row(runtime: Runtime, export_id: str) -> Export:
@@ -45,7 +22,7 @@ class TestRunExport:
     def test_a_successful_export_records_progress_and_its_files_on_the_cpu(
         self, export_runtime: Runtime, make_job, tmp_path: Path
     ) -> None:
-        job_id, export_id = _export(export_runtime, make_job, "ok", tmp_path, fmt="gguf")
+        job_id, export_id = queued_export(export_runtime, make_job, "ok", tmp_path, fmt="gguf")
         assert run_export(export_runtime, export_id) == "succeeded"
         row = _row(export_runtime, export_id)
         assert (row.status, row.progress, row.bytes, row.worker_id) == ("succeeded", 1.0, 32, export_runtime.worker_id)
@@ -59,30 +36,30 @@ class TestRunExport:
         assert export_runtime.recorded.published[-1][0] == job_id
 
     def test_a_failed_export_keeps_the_trainers_code_and_message(self, export_runtime: Runtime, make_job, tmp_path) -> None:
-        _, export_id = _export(export_runtime, make_job, "fail", tmp_path)
+        _, export_id = queued_export(export_runtime, make_job, "fail", tmp_path)
         assert run_export(export_runtime, export_id) == "failed"
         row = _row(export_runtime, export_id)
         assert (row.error_code, row.error_message) == ("unsupported", "format gguf: not this one")
 
     def test_a_crash_without_a_result_fails_with_the_stderr_tail(self, export_runtime: Runtime, make_job, tmp_path) -> None:
-        _, export_id = _export(export_runtime, make_job, "crash", tmp_path)
+        _, export_id = queued_export(export_runtime, make_job, "crash", tmp_path)
         assert run_export(export_runtime, export_id) == "failed"
         row = _row(export_runtime, export_id)
         assert row.error_code == "crashed" and "exited with code 3" in row.error_message
         assert "the fake export crashed" in row.error_message
 
     def test_a_redelivered_message_does_not_run_it_again(self, export_runtime: Runtime, make_job, tmp_path) -> None:
-        _, export_id = _export(export_runtime, make_job, "ok", tmp_path)
+        _, export_id = queued_export(export_runtime, make_job, "ok", tmp_path)
         assert run_export(export_runtime, export_id) == "succeeded"
         assert run_export(export_runtime, export_id) == "skipped"
 
     def test_an_export_this_host_left_running_is_failed_as_worker_lost(
         self, export_runtime: Runtime, make_job, tmp_path
     ) -> None:
-        _, stale = _export(export_runtime, make_job, "ok", tmp_path)
+        _, stale = queued_export(export_runtime, make_job, "ok", tmp_path)
         with export_runtime.sessionmaker.begin() as session:
             service.claim(session, stale, export_runtime.worker_id)
-        _, fresh = _export(export_runtime, make_job, "ok", tmp_path)
+        _, fresh = queued_export(export_runtime, make_job, "ok", tmp_path)
         assert run_export(export_runtime, fresh) == "succeeded"
         assert (_row(export_runtime, stale).status, _row(export_runtime, stale).error_code) == ("failed", "worker_lost")
 

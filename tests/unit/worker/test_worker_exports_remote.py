@@ -10,12 +10,11 @@ import pytest
 from pydantic import SecretStr
 
 from core.exports.models import Export
+from tests.fixtures.worker_runtime import queued_export
 from worker import remote, transfer
 from worker.exports import run_export
 from worker.runtime import Runtime
 from worker.transfer import TransferNotFound, TransferRefused
-
-from tests.unit.worker.test_worker_exports import _export, export_runtime  # noqa: F401 - the fixture
 
 
 def _row(runtime: Runtime, export_id: str) -> Export:
@@ -37,7 +36,7 @@ def test_an_export_whose_inputs_cannot_come_down_fails_saying_why(
     export_runtime: Runtime, make_job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
     error: Exception, code: str, says: str,
 ) -> None:
-    _, export_id = _export(export_runtime, make_job, "ok", tmp_path)
+    _, export_id = queued_export(export_runtime, make_job, "ok", tmp_path)
 
     def refuse(*_: object) -> None:
         raise error
@@ -53,7 +52,7 @@ def test_an_export_whose_archive_cannot_be_written_fails_as_upload_failed(
     export_runtime: Runtime, make_job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     """A full disk while the upload's tar is written (an OSError, not a TransferError)."""
-    job_id, export_id = _export(export_runtime, make_job, "ok", tmp_path)
+    job_id, export_id = queued_export(export_runtime, make_job, "ok", tmp_path)
     export_runtime.settings = export_runtime.settings.model_copy(
         update={"worker_key": SecretStr("ftqw_0123abcd_secret"), "api_url": "http://127.0.0.1:9"})
     out = tmp_path / "job-out"

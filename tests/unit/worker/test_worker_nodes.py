@@ -20,7 +20,7 @@ from core.queue import TASK_RUN_NODE, host_queue
 from core.settings import Settings
 from core.workers.models import GpuSlot, Worker
 from core.workers.pool import register_pool
-from tests.unit.worker.conftest import recording_runtime
+from tests.fixtures.worker_runtime import recording_runtime
 from worker import follower, nodes
 from worker.launch import Rendezvous, torchrun_argv
 from worker.outcome import Outcome

@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.workers.models import GpuSlot
-from tests.unit.worker.conftest import recording_runtime
+from tests.fixtures.worker_runtime import recording_runtime
 from worker.launch import run_tag, torchrun_argv, torchrun_entry, trainer_argv
 from worker.process import signal_tagged, tagged_pids, wait_untagged
 from worker.runner import run_job

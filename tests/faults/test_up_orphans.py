@@ -41,6 +41,16 @@ def _gone(entries: dict, timeout_s: float) -> bool:
     return True
 
 
+def _untagged(key: str, timeout_s: float) -> bool:
+    """No process carries ``key``'s tag (within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while up_state.tagged(key):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def _up(tmp_path: Path, model_root: Path | None = None) -> Stack:
     port = free_port()
     stack = Stack("up", f"http://127.0.0.1:{port}", tmp_path / "data", model_root or tmp_path / "models")
@@ -77,7 +87,9 @@ def test_kill_9_takes_the_children_along_and_sighup_stops_cleanly(tmp_path: Path
         stack.kill("up")  # SIGKILL to ftq up's process group; the children live in sessions of their own
         assert _gone(children, timeout_s=60), f"children outlived ftq up: {children}\n{stack.log_tail()}"
         assert _gone({"guardian": guardian}, timeout_s=10)
-        assert up_state.tagged(_key(stack)) == {}
+        # the children's own children were signalled by the guardian before it left; each is gone
+        # once the kernel has delivered its SIGKILL (a moment longer on a loaded machine)
+        assert _untagged(_key(stack), timeout_s=15), f"left running: {up_state.tagged(_key(stack))}"
 
         stack.restart("up")  # the port and the store are free again
         _wait_healthy(stack)
@@ -166,7 +178,7 @@ def test_kill_9_while_a_job_trains_and_a_viewer_follows_leaves_no_process_and_on
         grace_s = 10 + 30  # FTQ_CANCEL_GRACE_S + 30, the guardian's wait
         assert _gone(everything, timeout_s=grace_s + 30), (
             f"left after kill -9: {_commands(up_state.tagged(key))}\n{stack.log_tail()}")
-        assert up_state.tagged(key) == {}
+        assert _untagged(key, timeout_s=15), f"left after kill -9: {_commands(up_state.tagged(key))}"
 
         stack.restart("up")
         _wait_healthy(stack)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.workload import LLAMA_3_1_8B, QWEN3_0_6B, TOKENS_PER_STEP, packed_steps
-from trainer.kernels import flash_varlen as fv
+from trainer.kernels import attention as fv
 from trainer.kernels import flash_varlen_attention
 
 SHAPES = [(LLAMA_3_1_8B.name, 32, 8, 128), (QWEN3_0_6B.name, 16, 8, 128)]

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from trainer.config import DpoConfig, TrainConfig
 from trainer.errors import ConfigError
 from trainer.events import DPO_STEP_FIELDS
-from trainer.flops import ATTENTION_BACKWARD, FlopCounter
-from trainer.packed_forward import packed_sequence_logprobs
-from trainer.packing import PackedBatch
+from trainer.run.flops import ATTENTION_BACKWARD, FlopCounter
+from trainer.features.loss.packed_forward import packed_sequence_logprobs
+from trainer.data.packing import PackedBatch
 
 STATS = ("reward_margin", "correct", "chosen_logp", "rejected_logp", "pairs")
 """What a micro-batch adds up (``DpoLoss.last``); ``step_fields`` turns the step's sums into means."""

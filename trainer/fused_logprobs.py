@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainer.fused_loss import IGNORE_INDEX, decoder_and_head, default_chunk_size
+from trainer.features.loss.fused import IGNORE_INDEX, decoder_and_head, default_chunk_size
 
 
 class _FusedLinearSequenceLogprobs(torch.autograd.Function):

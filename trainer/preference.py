@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainConfig
-from trainer.dataset import IGNORE_INDEX, Sample, read_records
+from trainer.data.dataset import IGNORE_INDEX, Sample, read_records
 from trainer.errors import DatasetError
 
 KEYS = ("input", "preferred_output", "non_preferred_output")

@@ -376,7 +376,7 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
     Raises:
         InvalidInput: a record over ``bounds``, or one the tokenizer or template fails on (naming the line).
     """
-    from trainer.dataset import read_records
+    from trainer.data.dataset import read_records
 
     bounds = bounds or RecordBounds()
     records = read_records(path)

@@ -29,7 +29,7 @@ from core.db import utcnow
 from core.jobs.spec import Hyperparameters, LoraSpec
 from core.workers import pool
 from core.workers.models import Worker
-from trainer import memory
+from trainer.plan import memory
 
 METHODS = ("lora", "full")
 BATCH_TOKENS: int = Hyperparameters.model_fields["batch_tokens"].default

@@ -4,13 +4,13 @@ A feature module answers three things, and nothing else in the trainer decides o
 
 - ``supported(hardware, facts) -> None | reason``: why it can never run for this model here.
 - ``decide(...) -> Decision``: the job's switch (or, for a kernel choice, ``auto``) turned into a
-  decision with a reason, called by ``trainer.planning.plan``; ``on`` that cannot run raises
+  decision with a reason, called by ``trainer.plan.planner.plan``; ``on`` that cannot run raises
   ``PlanError`` naming the hardware and the fix.
 - ``apply(model, decision) -> handle``: installs what the decision says on a loaded model and
   returns a handle whose ``remove()`` puts the model, and any module-level function it patched,
   back exactly (``describe()`` gives the run's log line, None when nothing was installed).
 
-``trainer.install.install(model, plan)`` applies a whole plan and returns one handle; the train
+``trainer.run.install.install(model, plan)`` applies a whole plan and returns one handle; the train
 loop and every bench script install through it.
 
 | module | decision it applies | what runs |

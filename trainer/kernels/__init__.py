@@ -4,7 +4,7 @@ Importing this package imports torch only; Triton is imported by ``flash_varlen`
 installed, and ``supported`` says why a kernel cannot run when it is not.
 """
 
-from trainer.kernels.flash_varlen import SUPPORTED_HEAD_DIMS, flash_varlen_attention, supported
-from trainer.kernels.reference import reference_varlen_attention
+from trainer.kernels.attention import SUPPORTED_HEAD_DIMS, flash_varlen_attention, supported
+from trainer.features.attention.reference import reference_varlen_attention
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "flash_varlen_attention", "reference_varlen_attention", "supported"]

@@ -22,15 +22,15 @@ def test_importing_and_building_the_app_pulls_no_torch_or_worker() -> None:
 
 
 def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
-    """``trainer.memory`` is the estimate ``GET /v1/models`` says whether a model fits with
+    """``trainer.plan.memory`` is the estimate ``GET /v1/models`` says whether a model fits with
     (``api.models.fit``); ``test_models_fit`` checks that computing it imports no torch."""
     code = (
         "import sys; from api.app import create_app; create_app(); "
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.config", "trainer.events", "trainer.layout",
-                                                   "trainer.memory"}
+    assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.config", "trainer.events", "trainer.run.layout",
+                                                   "trainer.plan.memory"}
 
 
 def test_sse_event_format() -> None:

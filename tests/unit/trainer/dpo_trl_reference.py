@@ -66,11 +66,11 @@ def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> di
     # Given a peft model with an adapter, TRL copies it as a "ref" adapter (re-training an existing
     # adapter). ftq trains a new adapter, whose reference is the base: TRL's own path for that is
     # no "ref" adapter (adapters disabled), so remove the copy.
-    trainer.model.delete_adapter("ref")
+    trainer.model.load.delete_adapter("ref")
     examples = [trainer.train_dataset[i] for i in range(len(rows))]
     batch = trainer.data_collator(examples)
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, batch)
+    trainer.model.load.train()
+    loss = trainer.compute_loss(trainer.model.load, batch)
     loss.backward()
     margins = trainer._metrics["train"].get("rewards/margins", [None])
     return {
@@ -82,11 +82,11 @@ def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> di
 
 
 def ftq_side(model: torch.nn.Module, tokenizer, beta: float) -> dict:
-    from trainer.attention import PackedAttention
+    from trainer.features.attention.packed import PackedAttention
     from trainer.config import DpoConfig
     from trainer.dpo import DpoLoss, step_fields
-    from trainer.packed_forward import LOSS_FUSED
-    from trainer.packing import pack_batch
+    from trainer.features.loss.packed_forward import LOSS_FUSED
+    from trainer.data.packing import pack_batch
     from trainer.preference import tokenize_pair
 
     pairs = [tokenize_pair(r, tokenizer) for r in records()]

@@ -1,14 +1,14 @@
 """``python -m trainer`` with the ``parallelism`` decision forced to FSDP2 on several ranks: what a
-LoRA base too big for one GPU gets (``trainer.parallel.decide``), which a CPU never does (it has
+LoRA base too big for one GPU gets (``trainer.parallel.strategy.decide``), which a CPU never does (it has
 no GPU memory to exceed). Run as a script by torchrun (``distributed_helpers.command``)."""
 
 from __future__ import annotations
 
 import sys
 
-from trainer import parallel
+from trainer.parallel import strategy as parallel
 from trainer.__main__ import main
-from trainer.planning import Decision
+from trainer.plan.types import Decision
 
 _decide = parallel.decide
 

@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 from plan_fakes import CPU, H100, plan_config
 
-from trainer import memory
+from trainer.plan import memory
 from trainer.config import DataConfig, TrainConfig
 from trainer.errors import PlanError
-from trainer.features import checkpointing
-from trainer.memory import GIB, Shape, Workload, estimate
-from trainer.planning import ModelFacts, plan
+from trainer.features.checkpointing import policy as checkpointing
+from trainer.plan.memory import GIB, Shape, Workload, estimate
+from trainer.plan.types import ModelFacts
+from trainer.plan.planner import plan
 
 TOY = Shape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32)
 TOY_WORK = Workload(tokens=10, max_seq_len=10, lora_rank=2)

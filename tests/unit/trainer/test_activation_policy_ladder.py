@@ -1,4 +1,4 @@
-"""The OOM ladder (``trainer.oom_ladder``): an out-of-memory error in the first steps steps the
+"""The OOM ladder (``trainer.parallel.oom_ladder``): an out-of-memory error in the first steps steps the
 activation policy down and retries the same step on the same data.
 
 The OOM comes from a real code path: ``FTQ_TEST_ACTIVATION_BUDGET_BYTES`` arms the activation
@@ -19,18 +19,18 @@ from plan_fakes import CPU, H100, plan_config
 from trainer_helpers import Recorder, lora_model, train_lora
 
 from trainer.errors import error_code
-from trainer.features import checkpointing
-from trainer.features.checkpointing import BUDGET_ENV
-from trainer.install import install
-from trainer.oom_ladder import ADVICE, Ladder
-from trainer.planning import plan
+from trainer.features.checkpointing import policy as checkpointing
+from trainer.features.checkpointing.policy import BUDGET_ENV
+from trainer.run.install import install
+from trainer.parallel.oom_ladder import ADVICE, Ladder
+from trainer.plan.planner import plan
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
     pytest.mark.usefixtures("one_thread"),
 ]
 FULL_CHECKPOINTING_BYTES = 2 * 256 * 64 * 4
-"""Layers x batch_tokens (``make_job``) x hidden (``trainer.tiny``) x fp32."""
+"""Layers x batch_tokens (``make_job``) x hidden (``trainer.model.tiny``) x fp32."""
 
 
 @pytest.mark.slow  # two real runs of 3 steps: ~3 s

@@ -20,17 +20,17 @@ import torch
 import torch.nn.functional as F
 from plan_fakes import CPU, H100
 
-from trainer.attention import (
+from trainer.features.attention.packed import (
     ATTN_IMPLEMENTATION,
     PackedAttention,
     model_reason,
     packed_attention_forward,
 )
-from trainer.features.attention import backend_missing, choose
-from trainer.features.attention import supported as packed_attention_missing
-from trainer.fused_loss import causal_lm_loss
-from trainer.packed_metadata import build_packed_metadata
-from trainer.planning import ModelFacts
+from trainer.features.attention.feature import backend_missing, choose
+from trainer.features.attention.feature import supported as packed_attention_missing
+from trainer.features.loss.fused import causal_lm_loss
+from trainer.data.packed_metadata import build_packed_metadata
+from trainer.plan.types import ModelFacts
 
 # peft 0.21 reads the attribute transformers 5.2x deprecated; not ours to fix.
 pytestmark = pytest.mark.filterwarnings(

@@ -74,7 +74,7 @@ def _run_cases() -> list[dict[str, float]]:
     import torch
 
     from trainer import token_accuracy
-    from trainer.fused_loss import fused_linear_cross_entropy
+    from trainer.features.loss.fused import fused_linear_cross_entropy
     from trainer.kernels import cross_entropy
 
     cross_entropy.BLOCK = 64  # several iterations per row even on these small vocabularies

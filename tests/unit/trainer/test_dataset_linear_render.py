@@ -1,4 +1,4 @@
-"""Chat records are rendered and tokenized once (trainer.chat_labels), with exactly the tokens
+"""Chat records are rendered and tokenized once (trainer.data.chat_labels), with exactly the tokens
 and labels of the per-turn definition, for every template style the tests use."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from chat_templates import TEMPLATES, tokenizer_with
 from trainer_helpers import write_jsonl
 
-from trainer import chat_labels
-from trainer.dataset import IGNORE_INDEX, Sample, _template_message, load_samples, tokenize_record, validate_record
+from trainer.data import chat_labels
+from trainer.data.dataset import IGNORE_INDEX, Sample, _template_message, load_samples, tokenize_record, validate_record
 from trainer.errors import DatasetError
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "park"}'}}
@@ -21,7 +21,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
 
 
 def per_turn_reference(record: dict[str, Any], tokenizer: Any) -> Sample:
-    """The algorithm trainer.dataset used before: each answer's two prefixes rendered and tokenized."""
+    """The algorithm trainer.data.dataset used before: each answer's two prefixes rendered and tokenized."""
     weights = [m.get("weight", 1) for m in record["messages"]]
     messages = [_template_message(m) for m in record["messages"]]
     tools = record.get("tools")

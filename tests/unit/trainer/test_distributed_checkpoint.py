@@ -1,4 +1,4 @@
-"""``trainer.checkpoint`` through ``torch.distributed.checkpoint`` in one process (no process
+"""``trainer.run.checkpoint`` through ``torch.distributed.checkpoint`` in one process (no process
 group): what several ranks write is read the same way (``test_distributed_runs`` does it with
 two ranks), so these pin the format, the atomic rename and the trained-only content."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from trainer_helpers import random_ids
 
-from trainer import checkpoint, layout
-from trainer.checkpoint import TrainingState
-from trainer.distributed import Comm, World
+from trainer.run import checkpoint, layout
+from trainer.run.checkpoint import TrainingState
+from trainer.parallel.distributed import Comm, World
 
 ONE = Comm(World(), torch.device("cpu"))
 
@@ -36,7 +36,7 @@ def tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from trainer.config import LoraConfig
-    from trainer.model import apply_lora
+    from trainer.model.load import apply_lora
 
     def build(method: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

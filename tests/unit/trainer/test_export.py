@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.trainer.export_helpers import adapter_greedy, adapter_logits, fake_finished_run, greedy, prompt_ids
 from tests.unit.trainer.trainer_helpers import events_of, run_cli
-from trainer import tiny
+from trainer.model import tiny
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -26,7 +26,7 @@ class TestMerged:
     def test_merged_model_generates_the_adapters_greedy_tokens(self, tmp_path: Path, tiny_model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from trainer.export import run_export
+        from trainer.export.formats import run_export
 
         config = fake_finished_run(tmp_path, tiny_model_dir)
         ids = prompt_ids(tiny_model_dir)
@@ -49,8 +49,8 @@ class TestMerged:
         from transformers import AutoModelForCausalLM
 
         from tests.unit.trainer.trainer_helpers import make_job
-        from trainer import layout
-        from trainer.export import run_export
+        from trainer.run import layout
+        from trainer.export.formats import run_export
 
         config = make_job(tmp_path, tiny_model_dir, method="full")
         tuned = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)  # not the base's float32
@@ -78,7 +78,7 @@ class TestGguf:
     def test_gguf_in_llama_cpp_generates_the_merged_models_greedy_tokens(
         self, tmp_path: Path, tiny_models: dict[str, Path], arch: str
     ) -> None:
-        from trainer.export import run_export
+        from trainer.export.formats import run_export
 
         model_dir = tiny_models[arch]
         config = fake_finished_run(tmp_path, model_dir)
@@ -101,7 +101,7 @@ class TestGguf:
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from trainer.gguf import write_gguf
+        from trainer.export.gguf import write_gguf
 
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -120,7 +120,7 @@ class TestGguf:
     def test_gguf_carries_the_chat_template_and_special_tokens(self, tmp_path: Path, tiny_model_dir: Path) -> None:
         from gguf import GGUFReader
 
-        from trainer.gguf import write_gguf
+        from trainer.export.gguf import write_gguf
 
         info = write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q8_0")
         reader = GGUFReader(info.path)
@@ -134,7 +134,7 @@ class TestGguf:
         assert len(reader.tensors) == info.tensors == 2 + 1 + 2 * 9
 
     def test_q8_0_gguf_loads_and_generates_in_llama_cpp(self, tmp_path: Path, tiny_model_dir: Path) -> None:
-        from trainer.gguf import write_gguf
+        from trainer.export.gguf import write_gguf
 
         info = write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q8_0")
         assert len(_llama_cpp_greedy(info.path, prompt_ids(tiny_model_dir))) == 12
@@ -142,20 +142,20 @@ class TestGguf:
     def test_llama_q_and_k_rows_are_permuted_to_interleaved_rope(self) -> None:
         import torch
 
-        from trainer.gguf import _permute_rope_rows
+        from trainer.export.gguf import _permute_rope_rows
 
         # One head of dim 4: HF rows [x0, x1, y0, y1] (rotate-half pairs (x0,y0), (x1,y1)) -> [x0, y0, x1, y1].
         weight = torch.arange(4.0).reshape(4, 1)
         assert _permute_rope_rows(weight, heads=1).flatten().tolist() == [0.0, 2.0, 1.0, 3.0]
 
     def test_unsupported_architecture_names_what_is_supported(self, tmp_path: Path, tiny_models: dict[str, Path]) -> None:
-        from trainer.gguf import GgufError, write_gguf
+        from trainer.export.gguf import GgufError, write_gguf
 
         with pytest.raises(GgufError, match="not supported; supported: LlamaForCausalLM"):
             write_gguf(tiny_models["gpt_oss"], tmp_path / "m.gguf")
 
     def test_unknown_quantization_is_refused(self, tmp_path: Path, tiny_model_dir: Path) -> None:
-        from trainer.gguf import GgufError, write_gguf
+        from trainer.export.gguf import GgufError, write_gguf
 
         with pytest.raises(GgufError, match="quantization: 'q4_k' is not one of f32, f16, bf16, q8_0"):
             write_gguf(tiny_model_dir, tmp_path / "m.gguf", "q4_k")

@@ -1,6 +1,6 @@
 """Every feature's ``apply(model, decision).remove()`` puts the model back exactly.
 
-For each feature of ``trainer.features``, and for a whole plan through ``trainer.install``: a tiny
+For each feature of ``trainer.features``, and for a whole plan through ``trainer.run.install``: a tiny
 model that had the feature applied, trained a micro-batch through it and had it removed computes
 the same logits, loss and gradients, bit for bit (``torch.equal``), as a copy of the same model
 (same weights, same seed) that never had it. A module-level function a feature patched
@@ -22,16 +22,22 @@ import torch
 from plan_fakes import CPU, plan_config
 from trainer_helpers import lora_model
 
-from trainer import fused_ops as fused_ops_module
-from trainer.attention import ATTN_IMPLEMENTATION, unwrap_model
-from trainer.dataset import Sample
-from trainer.features import attention, fused_ops, lora_kernel, loss, moe, offload
-from trainer.install import install
+from trainer.features.fused_ops import patch as fused_ops_module
+from trainer.features.attention.packed import ATTN_IMPLEMENTATION, unwrap_model
+from trainer.data.dataset import Sample
+from trainer.features.attention import feature as attention
+from trainer.features.fused_ops import feature as fused_ops
+from trainer.features.lora_kernel import feature as lora_kernel
+from trainer.features.loss import feature as loss
+from trainer.features.moe import feature as moe
+from trainer.features.offload import feature as offload
+from trainer.run.install import install
 from trainer.kernels import rmsnorm, rope, swiglu
-from trainer.model import LOSS_FUSED, LOSS_PLAIN, enable_gradient_checkpointing, packed_loss
-from trainer.packing import PackedBatch, pack_batch
-from trainer.planning import Decision, ModelFacts, Plan, plan
-from trainer.tiny import build_tiny_model
+from trainer.model.load import LOSS_FUSED, LOSS_PLAIN, enable_gradient_checkpointing, packed_loss
+from trainer.data.packing import PackedBatch, pack_batch
+from trainer.plan.types import Decision, ModelFacts, Plan
+from trainer.plan.planner import plan
+from trainer.model.tiny import build_tiny_model
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),

@@ -158,7 +158,7 @@ def _run_interpreter_cases() -> list[list[float]]:
     Small tiles, unequal between the query and key sides, keep the interpreter fast and put
     block edges inside the samples (the GPU tests run the production tiles).
     """
-    from trainer.kernels import flash_varlen as fv
+    from trainer.kernels import attention as fv
 
     _patch_interpreter_index()
     for d in fv.SUPPORTED_HEAD_DIMS:

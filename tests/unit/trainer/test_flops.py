@@ -1,4 +1,4 @@
-"""trainer.flops: the one FLOP count of the trainer's MFU and the bench's, hand-checked on tiny models.
+"""trainer.run.flops: the one FLOP count of the trainer's MFU and the bench's, hand-checked on tiny models.
 
 The tiny shapes (hidden 8, 2 layers, 2 query heads and 1 key/value head of dim 4, vocabulary 32,
 untied head) give, per decoder layer: q 8x8 = 64, k 8x4 = 32, v 32, o 64 parameters; a Llama MLP
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.flops import AttentionLayers, FlopCounter, attention_layers
+from trainer.run.flops import AttentionLayers, FlopCounter, attention_layers
 
 pytest.importorskip("peft")
 # peft 0.21 reads transformers' deprecated is_gradient_checkpointing (not ours to fix)
@@ -88,7 +88,7 @@ class TestStepFlops:
     def test_the_module_imports_without_torch(self):
         import subprocess
 
-        code = "import sys, trainer.flops; assert 'torch' not in sys.modules"
+        code = "import sys, trainer.run.flops; assert 'torch' not in sys.modules"
         subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
 
 
@@ -139,14 +139,14 @@ class TestForModel:
 @pytest.mark.slow  # peft wraps an 8B model on the meta device twice: seconds on 2 cores, no memory
 class TestBenchShape:
     def test_the_trainers_count_of_the_llama_8b_run_equals_the_bench_count(self):
-        """The trainer's model (trainer.model.apply_lora) and the bench's (bench.workload), both walked
+        """The trainer's model (trainer.model.load.apply_lora) and the bench's (bench.workload), both walked
         by FlopCounter.for_model as the step and bench.train_step do, against the shape's arithmetic."""
         from transformers import AutoModelForCausalLM
 
         from bench.workload import LLAMA_3_1_8B as s
         from bench.workload import LORA_TARGETS, build_lora_model, packed_steps
         from trainer.config import LoraConfig
-        from trainer.model import apply_lora
+        from trainer.model.load import apply_lora
 
         meta = torch.device("meta")
         with meta:

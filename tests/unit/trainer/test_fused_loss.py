@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.fused_loss import (
+from trainer.features.loss.fused import (
     causal_lm_loss,
     default_chunk_size,
     fused_linear_cross_entropy,

@@ -1,4 +1,4 @@
-"""Fused RMSNorm / SwiGLU installed on models (``trainer.fused_ops``), on CPU where the patched
+"""Fused RMSNorm / SwiGLU installed on models (``trainer.features.fused_ops.patch``), on CPU where the patched
 modules take the torch forms.
 
 - ``install`` on tiny random-weight Llama, Qwen3 and Mistral models with peft LoRA: loss and LoRA
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from trainer_helpers import lora_model, loss_and_grads, random_ids
 
-from trainer import fused_ops
+from trainer.features.fused_ops import patch as fused_ops
 from trainer.kernels import rmsnorm
 from trainer.kernels.rmsnorm import GPT_OSS
-from trainer.tiny import build_tiny_model
+from trainer.model.tiny import build_tiny_model
 
 ARCHS = ("llama", "qwen3", "mistral")
 
@@ -77,7 +77,7 @@ class TestInstall:
         kwargs = {"use_reentrant": False}
         if hasattr(
             base, "activation_checkpointing_enable"
-        ):  # transformers >= 5.2x, as trainer.model does
+        ):  # transformers >= 5.2x, as trainer.model.load does
             base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -93,8 +93,8 @@ class TestInstall:
             )
 
     def test_same_under_the_offloading_checkpoint(self):
-        """``trainer.offload`` wraps the decoder layers; the patched norms and MLPs sit inside them."""
-        from trainer.offload import ActivationOffloader
+        """``trainer.features.offload`` wraps the decoder layers; the patched norms and MLPs sit inside them."""
+        from trainer.features.offload import ActivationOffloader
 
         model = lora_model("llama")
         offloader = ActivationOffloader("cpu")

@@ -1,4 +1,4 @@
-"""``trainer.fused_ops`` RoPE patch: which modeling files it replaces, that a patched model computes
+"""``trainer.features.fused_ops.patch`` RoPE patch: which modeling files it replaces, that a patched model computes
 the same bits on CPU (the replacement's torch form is transformers' formula), and that
 ``uninstall`` puts the original function back."""
 
@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from trainer import fused_ops
+from trainer.features.fused_ops import patch as fused_ops
 from trainer.kernels import rope
-from trainer.tiny import build_tiny_model
+from trainer.model.tiny import build_tiny_model
 
 
 def _logits(model, ids):

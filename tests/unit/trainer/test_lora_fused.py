@@ -1,4 +1,4 @@
-"""Fused LoRA linear (``trainer.lora_fused``) against peft's own ``lora.Linear.forward``.
+"""Fused LoRA linear (``trainer.features.lora_kernel.fused``) against peft's own ``lora.Linear.forward``.
 
 Tolerances (max abs difference relative to the reference's largest magnitude):
 - float32, no autocast: 1e-5 (same matmuls, summation order differs: the update is accumulated
@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import lora_fused
+from trainer.features.lora_kernel import fused as lora_fused
 from trainer.config import LoraConfig
-from trainer.model import apply_lora
-from trainer.tiny import build_tiny_model
+from trainer.model.load import apply_lora
+from trainer.model.tiny import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,8 +1,8 @@
 """MoE grouped routing and activation offload in real training runs on CPU: nothing changes but speed.
 
-1. Tiny GPT-OSS and Qwen3-MoE (``trainer.tiny``), LoRA ``all-linear`` (attention, router and, via
+1. Tiny GPT-OSS and Qwen3-MoE (``trainer.model.tiny``), LoRA ``all-linear`` (attention, router and, via
    peft ``target_parameters``, the expert weights), 4 optimizer steps of 2 micro-batches through
-   ``trainer.train.run``:
+   ``trainer.run.train.run``:
 
    - all on:  grouped MoE routing (the per-expert-slice loop: the CPU has no grouped_mm), the
      packed-metadata cache, the fused loss, and offloaded checkpointing with the double-buffered
@@ -33,7 +33,7 @@ import pytest
 import torch
 from trainer_helpers import Recorder, train_lora
 
-from trainer import planning
+from trainer.plan import planner as planning
 from trainer.config import LoraConfig, Optimizations
 
 pytestmark = [

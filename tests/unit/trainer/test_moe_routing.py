@@ -1,4 +1,4 @@
-"""MoE grouped routing (trainer/moe_routing.py): the metadata by hand, and grouped == eager.
+"""MoE grouped routing (trainer/features/moe/routing.py): the metadata by hand, and grouped == eager.
 
 Equivalence: tiny random-weight GPT-OSS / Qwen3-MoE / Mixtral causal LMs (hidden 64, 8 experts,
 top-2, 2 layers, float32) run once with the grouped forward and once with transformers' eager
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import moe_routing
-from trainer.moe_routing import build_routing, grouped_linear, install, supported
+from trainer.features.moe import routing as moe_routing
+from trainer.features.moe.routing import build_routing, grouped_linear, install, supported
 
 REL_TOL = 1e-5
 """fp32: the grouped path sums the same products in another order (bmm over K vs per-expert index_add)."""

@@ -30,7 +30,7 @@ from offload_helpers import (
     train_step,
 )
 
-from trainer.offload import (
+from trainer.features.offload import (
     ActivationOffloader,
     NoOffload,
     SyncStreams,
@@ -158,8 +158,8 @@ class TestEquivalence:
 
     def test_packed_metadata_kwargs_reach_the_recompute(self) -> None:
         """ftq's packed attention passes a metadata object as a layer kwarg; it is kept as-is."""
-        from trainer.attention import PackedAttention
-        from trainer.packed_metadata import build_packed_metadata
+        from trainer.features.attention.packed import PackedAttention
+        from trainer.data.packed_metadata import build_packed_metadata
 
         def run(mode: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
             model = make_model("llama", mode)

@@ -1,4 +1,4 @@
-"""What offloaded checkpointing costs (trainer/offload/estimate.py): the plan's byte counts and limits."""
+"""What offloaded checkpointing costs (trainer/features/offload/estimate.py): the plan's byte counts and limits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.offload import double_buffer_supported, estimate, host_available_bytes
+from trainer.features.offload import double_buffer_supported, estimate, host_available_bytes
 
 
 class TestEstimates:

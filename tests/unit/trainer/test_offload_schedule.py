@@ -1,7 +1,7 @@
-"""The reload schedule of offloaded checkpointing (trainer/offload/schedule.py), by hand.
+"""The reload schedule of offloaded checkpointing (trainer/features/offload/schedule.py), by hand.
 
 ``ReloadSchedule`` is plain Python: these tests drive it without a model and compare its trace
-with the algorithm in ``trainer/offload/offloader.py``'s docstring; one test checks that a real
+with the algorithm in ``trainer/features/offload/offloader.py``'s docstring; one test checks that a real
 backward through ``ActivationOffloader`` leaves exactly the planned trace.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from offload_helpers import COMMON, LENGTHS_1, loss_of, make_batch, make_model
 
-from trainer.offload import ReloadSchedule, Step
+from trainer.features.offload import ReloadSchedule, Step
 
 SCHEDULE_PY = Path(__file__).resolve().parents[3] / "trainer" / "offload" / "schedule.py"
 
@@ -166,7 +166,7 @@ class TestStandardLibraryOnly:
         assert top <= set(sys.stdlib_module_names) | {"__future__"}, sorted(top - set(sys.stdlib_module_names))
 
     def test_schedule_runs_with_torch_blocked(self) -> None:
-        """Loaded by path (not through ``trainer.offload``, whose offloader needs torch) with torch unimportable."""
+        """Loaded by path (not through ``trainer.features.offload``, whose offloader needs torch) with torch unimportable."""
         code = (
             "import importlib.util, sys\n"
             "sys.modules['torch'] = None\n"

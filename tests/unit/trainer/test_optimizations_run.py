@@ -1,8 +1,8 @@
 """Packed attention, its metadata cache and the fused loss in real training runs: all on vs all off give the same training.
 
-Tiny random-weight Llama, Qwen3 and GPT-OSS (``trainer.tiny``; GPT-OSS with attention sinks and a
+Tiny random-weight Llama, Qwen3 and GPT-OSS (``trainer.model.tiny``; GPT-OSS with attention sinks and a
 sliding window of 8 tokens, shorter than the samples) train for a few steps on CPU through
-``trainer.train.run`` three ways:
+``trainer.run.train.run`` three ways:
 
 - all on:  ``ftq_packed`` attention with the packed-metadata cache, fused chunked loss;
 - all off: ``ftq_packed`` attention rebuilding the metadata in every layer (the switch's
@@ -25,7 +25,7 @@ import torch
 from trainer_helpers import Recorder, make_job, train_lora
 
 from trainer.config import OptimConfig, Optimizations
-from trainer.train import run
+from trainer.run.train import run
 
 pytestmark = [
     pytest.mark.slow,  # ~6 s: nine real runs of 6 steps
@@ -106,7 +106,7 @@ class TestStepUsesTheInstalledAttention:
     ):
         """The loop builds one metadata object per micro-batch from the host lengths; with the
         cache on each is built once, with it off it is rebuilt by every layer and recompute."""
-        from trainer import attention
+        from trainer.features.attention import packed as attention
 
         built: dict[bool, list] = {True: [], False: []}
         original = attention.PackedAttention.metadata

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.packed_metadata import (
+from trainer.data.packed_metadata import (
     PackedMetadata,
     UncachedPackedMetadata,
     build_packed_metadata,
@@ -144,8 +144,8 @@ class TestUncachedTwin:
 
 class TestWithThePacker:
     def test_positions_match_the_packed_batch_built_from_the_same_samples(self) -> None:
-        from trainer.dataset import Sample
-        from trainer.packing import pack_batch
+        from trainer.data.dataset import Sample
+        from trainer.data.packing import pack_batch
 
         samples = [Sample(list(range(n)), list(range(n))) for n in (3, 2, 4)]
         batch = pack_batch(samples)

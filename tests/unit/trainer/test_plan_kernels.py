@@ -7,7 +7,7 @@ import dataclasses
 from plan_fakes import CPU, H100, plan_config
 
 from trainer.config import LoraConfig
-from trainer.planning import plan
+from trainer.plan.planner import plan
 
 
 def test_fused_lora_by_default_on_cpu_and_gpu() -> None:

@@ -11,7 +11,8 @@ from plan_fakes import CPU, H100, plan_config
 
 from trainer.config import SWITCHES, DataConfig, LoraConfig
 from trainer.errors import ConfigError, PlanError
-from trainer.planning import Decision, ModelFacts, Plan, capabilities, plan
+from trainer.plan.types import Decision, ModelFacts, Plan
+from trainer.plan.planner import capabilities, plan
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
@@ -63,7 +64,7 @@ class TestOffloadDecisions:
         offload, double = _pair(
             plan(BIG_HOST_H100, _tokens(262_144), LLAMA_8B)
         )
-        # the offload decision carries the reload mode (what trainer.features.offload.apply reads)
+        # the offload decision carries the reload mode (what trainer.features.offload.feature.apply reads)
         assert offload.enabled and offload.backend == "double"
         assert (
             "layer inputs 64.00 GiB at 262144 tokens would not fit in 32.52 GiB"
@@ -266,7 +267,7 @@ class TestModelFacts:
         [("gpt_oss", "gpt_oss"), ("qwen3_moe", "qwen3_moe"), ("llama", None)],
     )
     def test_facts_for_the_plan(self, tiny_models, arch, family):
-        from trainer.model import model_facts
+        from trainer.model.load import model_facts
 
         config = plan_config()
         model = dataclasses.replace(config.model, name_or_path=str(tiny_models[arch]))
@@ -283,7 +284,7 @@ class TestExpertLora:
     def test_all_linear_adapts_the_expert_weights(self, tiny_models, arch):
         from transformers import AutoModelForCausalLM
 
-        from trainer.model import apply_lora
+        from trainer.model.load import apply_lora
 
         model = apply_lora(
             AutoModelForCausalLM.from_pretrained(tiny_models[arch]), LoraConfig(r=4, alpha=8)
@@ -295,7 +296,7 @@ class TestExpertLora:
     def test_dropout_with_expert_lora_is_refused_with_the_fix(self, tiny_models):
         from transformers import AutoModelForCausalLM
 
-        from trainer.model import apply_lora
+        from trainer.model.load import apply_lora
 
         with pytest.raises(
             ConfigError,

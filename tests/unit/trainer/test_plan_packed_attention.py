@@ -14,7 +14,8 @@ from trainer_helpers import make_job, run_cli
 from trainer.config import SWITCHES, OptimConfig, Optimizations
 from trainer.errors import PlanError
 from trainer.events import make_event
-from trainer.planning import Decision, ModelFacts, Plan, capabilities, plan
+from trainer.plan.types import Decision, ModelFacts, Plan
+from trainer.plan.planner import capabilities, plan
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
@@ -250,7 +251,7 @@ def _tiny_gemma2(directory):
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     tok = build_tokenizer()
     config = Gemma2Config(
@@ -282,7 +283,7 @@ class TestRuns:
             model_dir,
             optimizations=Optimizations(packed_metadata_cache="on"),
         )
-        from trainer.train import run
+        from trainer.run.train import run
 
         result = run(config, lambda t, **p: events.append(make_event(t, **p)))
         done = events[-1]
@@ -301,7 +302,7 @@ class TestRuns:
         model_dir = _tiny_gemma2(tmp_path / "gemma2")
         events: list[dict] = []
         config = make_job(tmp_path, model_dir, optim=OptimConfig(max_steps=2))
-        from trainer.train import run
+        from trainer.run.train import run
 
         result = run(config, lambda t, **p: events.append(make_event(t, **p)))
         assert result.status == "succeeded", result.message

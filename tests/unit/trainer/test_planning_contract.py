@@ -21,12 +21,19 @@ import pytest
 from plan_fakes import CPU, H100, plan_config
 from trainer_helpers import Recorder, make_job
 
-from trainer import install as install_module
-from trainer import parallel
+from trainer.run import install as install_module
+from trainer.parallel import strategy as parallel
 from trainer.config import SWITCHES, OptimConfig
 from trainer.errors import PlanError
-from trainer.features import attention, checkpointing, fused_ops, lora_kernel, loss, moe, offload
-from trainer.planning import ModelFacts, plan
+from trainer.features.attention import feature as attention
+from trainer.features.checkpointing import policy as checkpointing
+from trainer.features.fused_ops import feature as fused_ops
+from trainer.features.lora_kernel import feature as lora_kernel
+from trainer.features.loss import feature as loss
+from trainer.features.moe import feature as moe
+from trainer.features.offload import feature as offload
+from trainer.plan.types import ModelFacts
+from trainer.plan.planner import plan
 
 KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", parallel.NAME)
 """The decisions without a switch, in the plan's order (``requested`` is always ``auto``)."""
@@ -76,7 +83,7 @@ class TestDecisions:
 
     def test_every_decision_is_applied_by_its_feature(self) -> None:
         """A plan never claims what nothing installs: each decision is a feature's own (applied
-        by ``trainer.install``), the strategy ``trainer.parallel.parallelize`` applies, or a
+        by ``trainer.run.install``), the strategy ``trainer.parallel.strategy.parallelize`` applies, or a
         partner whose choice the applied decision carries in its backend."""
         applied = {feature.NAME for feature in FEATURES} | {parallel.NAME}
         partners = {"attention", offload.RELOAD}
@@ -152,7 +159,7 @@ class TestPlanEvent:
     def test_the_run_emits_it_with_the_run_fields(
         self, tmp_path: Path, tiny_model_dir: Path, one_thread: None
     ) -> None:
-        from trainer.train import run
+        from trainer.run.train import run
 
         events = Recorder()
         result = run(make_job(tmp_path, tiny_model_dir, optim=OptimConfig(max_steps=1)), events)

@@ -1,6 +1,6 @@
 """``method: qlora`` on the CPU: the plan's refusal, and the 4-bit loader and preparation for real.
 
-bitsandbytes >= 0.48 has a CPU backend for NF4, so ``trainer.model.load_model`` and
+bitsandbytes >= 0.48 has a CPU backend for NF4, so ``trainer.model.load.load_model`` and
 ``prepare_for_training`` run here exactly as on a GPU (only the plan keeps qlora to CUDA: the CPU
 4-bit matmuls are far too slow to train on). The loader tests skip where bitsandbytes is missing.
 The whole run on a GPU: tests/gpu/test_qlora_gpu.py.
@@ -17,17 +17,18 @@ import torch
 from plan_fakes import CPU, H100
 from trainer_helpers import make_job
 
-from trainer import hardware, lora_fused, planning
+from trainer.plan import hardware, planner as planning
+from trainer.features.lora_kernel import fused as lora_fused
 from trainer.config import TrainConfig
 from trainer.errors import PlanError
-from trainer.model import (
+from trainer.model.load import (
     LOSS_PLAIN,
     freeze_quantized_base,
     load_model,
     packed_loss,
     prepare_for_training,
 )
-from trainer.packing import PackedBatch, pack_batch
+from trainer.data.packing import PackedBatch, pack_batch
 
 CPU_WITH_BNB = dataclasses.replace(CPU, bitsandbytes=True)
 H100_WITH_BNB = dataclasses.replace(H100, bitsandbytes=True, cuda_version="13.0")
@@ -74,7 +75,7 @@ def _qlora(
 
 
 def _batch(tokens: int = 48) -> PackedBatch:
-    from trainer.dataset import Sample
+    from trainer.data.dataset import Sample
 
     gen = torch.Generator().manual_seed(0)
     samples = []

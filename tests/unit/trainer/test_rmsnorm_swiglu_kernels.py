@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from trainer_helpers import lora_model, loss_and_grads, random_ids, rel_l2
 
-from trainer import fused_ops
+from trainer.features.fused_ops import patch as fused_ops
 from trainer.kernels import rmsnorm
 from trainer.kernels.rmsnorm import GEMMA, GPT_OSS, LLAMA, Variant
 

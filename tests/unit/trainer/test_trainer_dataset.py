@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from trainer_helpers import write_jsonl
 
-from trainer.dataset import IGNORE_INDEX, load_samples, tokenize_record
+from trainer.data.dataset import IGNORE_INDEX, load_samples, tokenize_record
 from trainer.errors import DatasetError
 
 

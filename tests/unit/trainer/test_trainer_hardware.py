@@ -10,8 +10,9 @@ from trainer_helpers import run_cli
 
 from trainer.config import Optimizations
 from trainer.errors import PlanError
-from trainer.hardware import detect, peak_flops
-from trainer.planning import ModelFacts, plan
+from trainer.plan.hardware import detect, peak_flops
+from trainer.plan.types import ModelFacts
+from trainer.plan.planner import plan
 
 
 class TestDetect:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.dataset import Sample
-from trainer.model import loss_sum, packed_forward
-from trainer.packing import pack_batch
-from trainer.tiny import build_tiny_model
+from trainer.data.dataset import Sample
+from trainer.model.load import loss_sum, packed_forward
+from trainer.data.packing import pack_batch
+from trainer.model.tiny import build_tiny_model
 
 LENGTHS = (
     13,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.dataset import IGNORE_INDEX, Sample
-from trainer.packing import BatchSchedule, pack_batch, pack_indices
+from trainer.data.dataset import IGNORE_INDEX, Sample
+from trainer.data.packing import BatchSchedule, pack_batch, pack_indices
 
 X = IGNORE_INDEX
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from trainer.tiny import ARCHITECTURES, build_tokenizer, make_tiny_model
+from trainer.model.tiny import ARCHITECTURES, build_tokenizer, make_tiny_model
 
 
 class TestTinyModel:

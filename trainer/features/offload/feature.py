@@ -1,0 +1,240 @@
+"""Offloaded activation checkpoints and their double-buffered reload.
+
+Two switches, one install. ``offload_activations`` ``auto`` offloads when plain checkpointing's
+layer inputs (``trainer.features.offload.estimate`` at ``data.batch_tokens``) would not fit in
+``ACTIVATION_SHARE`` of the GPU memory left after the weights, and the host holds them;
+``double_buffered_reload`` goes with it unless asked off or its second buffer (whose size the
+reason names) does not fit. The applied decision is ``offload_activations``: its backend is the
+reload mode (``double``: layer i-1's input copied into a second buffer while layer i recomputes;
+``sync``: one buffer, copied on demand); the ``double_buffered_reload`` decision says the same
+for people reading the plan.
+
+Double buffering is allowed on ``auto``: its stream race (a reload buffer fresh from the main
+stream's pool written before main's queued kernels were done with that memory, 1e11/NaN LoRA
+gradients at 8B) is fixed and was confirmed bit-identical to plain checkpointing on an H200
+(docs/bench-output/offload-h200.txt, docs/gpu-test-output/test_offload-h200.txt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.features import offload
+from trainer.config import TrainConfig
+from trainer.errors import PlanError
+from trainer.plan.feature import how, off, unavailable
+from trainer.plan.hardware import Hardware
+from trainer.plan.types import Decision, ModelFacts
+
+NAME, RELOAD = "offload_activations", "double_buffered_reload"
+_GIB = 1 << 30
+_WEIGHT_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
+QLORA_WEIGHT_BYTES = 0.5
+"""Bytes per base parameter of a 4-bit QLoRA model (NF4; embeddings and head are counted alike)."""
+
+
+def supported(hw: Hardware, facts: ModelFacts) -> str | None:
+    """Why offloading cannot run on ``hw`` (for any model), or None."""
+    if hw.device != "cuda":
+        return "offloading activations needs a CUDA GPU"
+    if not hw.pinned_memory:
+        return "pinned host memory cannot be allocated on this machine"
+    return None
+
+
+def unavailable_for(hw: Hardware, config: TrainConfig, facts: ModelFacts) -> str | None:
+    """``supported``, plus what the job must allow: checkpointed layers to offload."""
+    missing = supported(hw, facts)
+    if missing is None and config.gradient_checkpointing == "off":
+        missing = "it offloads checkpointed layer inputs, and gradient_checkpointing is off"
+    return missing
+
+
+def reload_unavailable_for(hw: Hardware, config: TrainConfig, facts: ModelFacts) -> str | None:
+    """Why ``double_buffered_reload=on`` cannot be honoured for this job on ``hw``, or None."""
+    missing = unavailable_for(hw, config, facts)
+    if missing is None and config.optimizations.offload_activations == "off":
+        missing = "offload_activations is off, so there is nothing to reload"
+    return missing
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The two sizes ``trainer.features.offload.estimate`` reads from a model config."""
+
+    num_hidden_layers: int
+    hidden_size: int
+
+
+def decide(
+    requested: str, reload: str, hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str,
+    sharded: bool = False, policy: Decision | None = None,
+) -> tuple[Decision, Decision]:
+    """The ``offload_activations`` and ``double_buffered_reload`` decisions (see the module docstring).
+
+    ``sharded``: the layers are FSDP2 units, whose parameters are gathered by hooks the offloaded
+    recompute (a layer's forward called inside backward) would bypass: no offload.
+    ``policy``: the activation policy when it was estimated (``trainer.features.checkpointing.policy``):
+    ``auto`` then offloads exactly when the policy is ``full+offload``, instead of this module's
+    own share-of-the-GPU rule (which stays for runs the policy could not estimate).
+    """
+    if requested == "off":
+        return off(NAME), _reload_unavailable(reload, "offload_activations is off, so there is nothing to reload", hw)
+    missing = unavailable_for(hw, config, facts)
+    if missing is None and sharded:
+        missing = "the layers are sharded with FSDP2, whose gathers the offloaded recompute would bypass"
+    if missing is not None:
+        double = _reload_unavailable(reload, missing, hw)
+        return unavailable(NAME, requested, missing, hw), double
+    stays_off = "offload_activations stays off (auto)"
+    if not (facts.num_layers and facts.hidden_size):
+        if requested == "auto":
+            return Decision(
+                NAME, requested, False, None,
+                "the model's layer count and hidden size are unknown: cannot estimate its activations; "
+                "plain gradient checkpointing",
+            ), _no_reload(reload, stays_off)
+        return _with_reload(requested, reload, hw, "on in the job (model shape unknown: no estimate)", None, 0)
+    est = offload.estimate(_Shape(facts.num_layers, facts.hidden_size), config.data.batch_tokens, dtype)
+    gpu_free = max(0, (hw.gpu_memory or 0) - _weight_bytes(config, facts, dtype))
+    host_why = _host_too_small(est, hw)
+    if host_why is not None:
+        if requested == "on":
+            raise PlanError(
+                f"offload_activations=on cannot run: {host_why} (machine: {hw.describe()}). Lower "
+                "data.batch_tokens, or set offload_activations to auto or off"
+            )
+        return Decision(NAME, requested, False, None, f"{host_why}; plain gradient checkpointing"), _no_reload(
+            reload, stays_off
+        )
+    if policy is not None and requested == "auto":
+        return _follow(policy, reload, hw, est, gpu_free)
+    budget = gpu_free * offload.ACTIVATION_SHARE
+    sizes = f"layer inputs {est.checkpointed / _GIB:.2f} GiB at {config.data.batch_tokens} tokens"
+    if requested == "auto" and est.checkpointed <= budget:
+        return Decision(
+            NAME, requested, False, None,
+            f"auto: {sizes} fit in {budget / _GIB:.2f} GiB of GPU memory after the weights; "
+            "plain gradient checkpointing",
+        ), _no_reload(reload, f"{stays_off}: the activations fit")
+    why = (
+        f"on in the job ({sizes})"
+        if requested == "on"
+        else f"auto: {sizes} would not fit in {budget / _GIB:.2f} GiB of GPU memory after the weights"
+    )
+    why += f", {est.offloaded / _GIB:.2f} GiB to pinned host memory"
+    return _with_reload(requested, reload, hw, why, est, max(0, gpu_free - est.buffer))
+
+
+def _follow(
+    policy: Decision, reload: str, hw: Hardware, est: offload.ActivationEstimate, gpu_free: int
+) -> tuple[Decision, Decision]:
+    """``auto`` under an estimated activation policy: offload when (and only when) it says so."""
+    if policy.backend != "full+offload":
+        why = f"the activation policy ({policy.name}) is {policy.backend}"
+        return Decision(NAME, "auto", False, None, f"auto: {why}"), _no_reload(reload, f"offload_activations stays off: {why}")
+    why = (
+        f"auto: full checkpointing alone does not fit (see {policy.name}), "
+        f"{est.offloaded / _GIB:.2f} GiB to pinned host memory"
+    )
+    return _with_reload("auto", reload, hw, why, est, max(0, gpu_free - est.buffer))
+
+
+def policy_unavailable(
+    hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str, sharded: bool
+) -> str | None:
+    """Why the activation policy cannot pick ``full+offload`` for this job, or None when it can."""
+    missing = supported(hw, facts)
+    if missing is None and sharded:
+        missing = "the layers are sharded with FSDP2"
+    if missing is None and facts.num_layers and facts.hidden_size:
+        est = offload.estimate(_Shape(facts.num_layers, facts.hidden_size), config.data.batch_tokens, dtype)
+        missing = _host_too_small(est, hw)
+    return missing
+
+
+def _with_reload(
+    requested: str, reload: str, hw: Hardware, why: str, est: offload.ActivationEstimate | None, gpu_free: int
+) -> tuple[Decision, Decision]:
+    """Offload is on: decide the reload, and name its mode in the offload decision's backend."""
+    if reload == "off":
+        double = off(RELOAD, "sync", "off in the job: synchronous reload into one buffer")
+    elif est is not None and (no_room := offload.double_buffer_supported(gpu_free, est.second_buffer)):
+        if reload == "on":
+            raise PlanError(
+                f"double_buffered_reload=on cannot run: {no_room} (machine: {hw.describe()}). "
+                "Set double_buffered_reload to auto or off"
+            )
+        double = Decision(RELOAD, reload, False, "sync", no_room)
+    else:
+        extra = "one layer input (size unknown)" if est is None else f"{est.second_buffer / _GIB:.3f} GiB"
+        double = Decision(
+            RELOAD, reload, True, "double",
+            f"{how(reload)}: layer i-1's input copied into a second GPU buffer while layer i recomputes; "
+            f"extra GPU memory for the second buffer: {extra}",
+        )
+    return Decision(NAME, requested, True, double.backend, why), double
+
+
+def _reload_unavailable(reload: str, why: str, hw: Hardware) -> Decision:
+    """``double_buffered_reload`` where offloading itself cannot run (``on`` is an error)."""
+    return off(RELOAD) if reload == "off" else unavailable(RELOAD, reload, why, hw)
+
+
+def _no_reload(reload: str, why: str) -> Decision:
+    """``double_buffered_reload`` when offload stays off: nothing to reload (``on`` is an error)."""
+    if reload == "on":
+        raise PlanError(
+            f"double_buffered_reload=on needs offloaded activations, and {why}. Set "
+            "offload_activations to on, or double_buffered_reload to auto or off"
+        )
+    if reload == "off":
+        return off(RELOAD)
+    return Decision(RELOAD, reload, False, None, f"{why}, so there is nothing to reload")
+
+
+def _weight_bytes(config: TrainConfig, facts: ModelFacts, dtype: str) -> int:
+    per_param = QLORA_WEIGHT_BYTES if config.method == "qlora" else _WEIGHT_BYTES.get(dtype, 2.0)
+    return int((facts.param_count or 0) * per_param)
+
+
+def _host_too_small(est: offload.ActivationEstimate, hw: Hardware) -> str | None:
+    need = est.offloaded + offload.HOST_HEADROOM_BYTES
+    if need <= hw.host_memory:
+        return None
+    return (
+        f"offload needs {est.offloaded / _GIB:.1f} GiB of pinned host memory plus "
+        f"{offload.HOST_HEADROOM_BYTES / _GIB:.0f} GiB headroom and the host has "
+        f"{hw.host_memory / _GIB:.1f} GiB"
+    )
+
+
+class OffloadHandle:
+    """An ``ActivationOffloader`` (or its no-op twin) applied to the model's decoder layers."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, mode: str | None) -> None:
+        self.offloader = offload.build(device, offload=mode is not None, double_buffer=mode == "double")
+        self.offloader.apply(model)
+
+    def remove(self) -> None:
+        self.offloader.remove()
+
+    def describe(self) -> str | None:
+        if not self.offloader.enabled:
+            return None
+        how_ = "double-buffered reload" if self.offloader.double_buffer else "synchronous reload"
+        return f"activation offload: {self.offloader.num_layers} decoder layers, {how_}"
+
+
+def apply(model: torch.nn.Module, decision: Decision, device: torch.device | None = None) -> OffloadHandle:
+    """Offload the decoder layers' checkpointed inputs as ``decision`` says (backend: reload mode).
+
+    Wraps the layers after peft (so the adapters are inside the recompute), replacing
+    transformers' checkpoint wrapper for them; disabled keeps plain gradient checkpointing.
+    ``device`` defaults to the model's.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    return OffloadHandle(model, device, decision.backend if decision.enabled else None)

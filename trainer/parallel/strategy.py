@@ -1,6 +1,6 @@
 """How several ranks train one model: DDP over the adapters, FSDP2 for full fine-tuning.
 
-The plan's ``parallelism`` decision (``decide``) picks one strategy per run, with a reason:
+The plan's ``parallelism`` decision (``FEATURE.decide``) picks one strategy per run, with a reason:
 
 - one rank: none (the model runs as it is);
 - LoRA / QLoRA: DDP over the trainable parameters only (frozen weights are never exchanged):
@@ -20,16 +20,17 @@ Read first: torchtitan ``models/llama3/infra/parallelize.py`` (``apply_fsdp``, `
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from trainer.config import TrainConfig
+from trainer.errors import PlanError
 from trainer.parallel.distributed import Comm
-from trainer.plan.hardware import Hardware
-from trainer.plan.types import Decision, ModelFacts
+from trainer.plan.feature import Context
+from trainer.plan.types import Decision
 
 NAME = "parallelism"
 BASE_SHARE = 0.6
@@ -37,22 +38,43 @@ BASE_SHARE = 0.6
 _WEIGHT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def decide(
-    hw: Hardware, config: TrainConfig, facts: ModelFacts, world_size: int, dtype: str
-) -> Decision:
-    """The ``parallelism`` decision for ``world_size`` ranks on machines like ``hw``."""
+class Parallelism:
+    """The ``parallelism`` decision: how ``ctx.world_size`` ranks share the model (applied by
+    ``parallelize`` once the process group exists, not by the installer)."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return None
+
+    def decide(self, ctx: Context) -> Decision:
+        """The strategy for ``ctx.world_size`` ranks on machines like ``ctx.hw``.
+
+        Raises:
+            PlanError: the strategy shards the model on more than one machine.
+        """
+        decision = _strategy(ctx)
+        _refuse_sharding_across_machines(decision.backend == "fsdp2", decision.reason)
+        return decision
+
+
+FEATURE = Parallelism()
+
+
+def _strategy(ctx: Context) -> Decision:
+    hw, method, world_size = ctx.hw, ctx.job.method, ctx.world_size
     if world_size == 1:
         return Decision(NAME, "auto", False, None, "one rank: nothing to exchange")
     over = f"{world_size} ranks over {hw.interconnect}"
-    if config.method == "full":
+    if method == "full":
         return Decision(
             NAME, "auto", True, "fsdp2",
             f"{over}: full fine-tuning shards parameters, gradients and optimizer state "
             "(FSDP2, one unit per decoder layer, fp32 master weights)",
         )
-    per_param = 0.5 if config.method == "qlora" else _WEIGHT_BYTES.get(dtype, 2)
-    weights = (facts.param_count or 0) * per_param
-    if hw.gpu_memory and weights > BASE_SHARE * hw.gpu_memory and config.method == "lora":
+    per_param = 0.5 if method == "qlora" else _WEIGHT_BYTES.get(ctx.dtype, 2)
+    weights = (ctx.facts.param_count or 0) * per_param
+    if hw.gpu_memory and weights > BASE_SHARE * hw.gpu_memory and method == "lora":
         return Decision(
             NAME, "auto", True, "fsdp2",
             f"{over}: the base's {weights / 2**30:.1f} GiB of weights exceed {BASE_SHARE:.0%} of one "
@@ -62,6 +84,23 @@ def decide(
         NAME, "auto", True, "ddp",
         f"{over}: DDP all-reduces only the adapters' gradients, in buckets under backward",
     )
+
+
+def _refuse_sharding_across_machines(sharded: bool, why: str) -> None:
+    """A run over several machines (torchrun's ``GROUP_WORLD_SIZE``: its nnodes) must not shard:
+    FSDP2's checkpoints are written in pieces, each machine's on its own disk, and a machine
+    shares no disk with the others, so no machine could resume from one.
+
+    Raises:
+        PlanError: ``sharded`` on more than one machine.
+    """
+    machines = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    if sharded and machines > 1:
+        raise PlanError(
+            f"this run spans {machines} machines and would shard the model (FSDP2: {why}); its checkpoints "
+            "would be split over the machines' own disks and could not be resumed. Run it on one machine "
+            "(nodes: 1, all its GPUs there), or use method lora/qlora with a base that fits one GPU"
+        )
 
 
 class LossModule(torch.nn.Module):

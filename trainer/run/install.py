@@ -1,12 +1,13 @@
 """Apply a whole plan to a loaded model: ``install(model, plan) -> Installation``.
 
-The one place that wires the features of ``trainer.features`` onto a model, in a fixed order:
-packed attention, MoE routing, the activation policy (which layers are checkpointed), activation
-offload (after peft, so the adapters are inside the recompute), the LoRA kernel, the fused
-elementwise ops, the loss. ``Installation.replace_activations`` swaps the policy and the offload
-alone for another plan's (the OOM ladder, ``trainer.parallel.oom_ladder``). The train loop and every bench
-script install through it (a bench variant is a plan), and ``Installation.remove()`` undoes them
-in reverse order, leaving the model as it was.
+The one place that applies the features of ``trainer.features.registry.INSTALLED`` to a model,
+in that order: packed attention, MoE routing, the activation policy (which layers are
+checkpointed), activation offload (after peft, so the adapters are inside the recompute), the
+LoRA kernel, the fused elementwise ops, the loss; each gets its own decision of the plan.
+``Installation.replace_activations`` swaps the policy and the offload alone for another plan's
+(the OOM ladder, ``trainer.parallel.oom_ladder``). The train loop and every bench script install
+through it (a bench variant is a plan), and ``Installation.remove()`` undoes them in reverse
+order, leaving the model as it was.
 """
 
 from __future__ import annotations
@@ -15,17 +16,14 @@ from typing import Any
 
 import torch
 
-from trainer.features.attention import feature as attention
-from trainer.features.checkpointing import policy as checkpointing
-from trainer.features.fused_ops import feature as fused_ops
-from trainer.features.lora_kernel import feature as lora_kernel
-from trainer.features.loss import feature as loss
-from trainer.features.moe import feature as moe
-from trainer.features.offload import feature as offload
-from trainer.plan.feature import Handle
 from trainer.data.packed_metadata import AnyPackedMetadata
 from trainer.data.packing import PackedBatch
+from trainer.features.registry import INSTALLED
+from trainer.plan.feature import Handle, Installable, Target
 from trainer.plan.types import Plan
+
+ACTIVATIONS = ("gradient_checkpointing", "offload_activations")
+"""The decisions ``replace_activations`` swaps (installed one after the other, in this order)."""
 
 
 class Installation:
@@ -33,32 +31,44 @@ class Installation:
 
     def __init__(self, model: torch.nn.Module, plan: Plan, activation_budget: int | None = None) -> None:
         self.plan = plan
-        self._model, self._budget = model, activation_budget
-        self._handles: list[Handle] = []
+        self._model = model
+        self._target = Target(plan.device, activation_budget)
+        self._installed: list[tuple[Installable, Handle]] = []
         try:
-            self.attention = self._add(attention.apply(model, plan.decision(attention.NAME)))
-            self.moe = self._add(moe.apply(model, plan.decision(moe.NAME)))
-            self.checkpointing = self._add(
-                checkpointing.apply(model, plan.decision(checkpointing.NAME), activation_budget)
-            )
-            self.offload = self._add(
-                offload.apply(model, plan.decision(offload.NAME), torch.device(plan.device))
-            )
-            self.lora = self._add(lora_kernel.apply(model, plan.decision(lora_kernel.NAME)))
-            self._add(fused_ops.apply(model, plan.decision(fused_ops.NAME)))
-            self.loss = self._add(loss.apply(model, plan.decision(loss.NAME)))
+            for feature in INSTALLED:
+                self._installed.append((feature, self._apply(feature, plan)))
         except BaseException:
             self.remove()  # a half-done install must not leak into the model
             raise
 
-    def _add(self, handle: Any) -> Any:
-        self._handles.append(handle)
-        return handle
+    def _apply(self, feature: Installable, plan: Plan) -> Handle:
+        return feature.apply(self._model, plan.decision(feature.name), self._target)
+
+    def handle(self, name: str) -> Any:
+        """The handle of the feature whose decision is ``name``."""
+        for feature, handle in self._installed:
+            if feature.name == name:
+                return handle
+        raise KeyError(f"no feature installed for {name!r}")
+
+    @property
+    def attention(self) -> Any:
+        """Packed attention's handle: builds each micro-batch's metadata (None without it)."""
+        return self.handle("packed_metadata_cache")
+
+    @property
+    def lora(self) -> Any:
+        return self.handle("lora_kernel")
+
+    @property
+    def loss(self) -> Any:
+        """The chosen loss: ``loss(model, batch, meta, num_items)``."""
+        return self.handle("loss")
 
     @property
     def offloader(self) -> Any:
         """The ``ActivationOffloader`` on the decoder layers, or its no-op twin."""
-        return self.offload.offloader
+        return self.handle("offload_activations").offloader
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Tell the pieces that keep per-step copies of weights when ``optimizer`` changes them."""
@@ -74,23 +84,24 @@ class Installation:
         """Remove the activation policy and the offload, and install ``plan``'s in their place
         (the other pieces stay: neither depends on them). ``plan`` differs from ``self.plan``
         only in those decisions."""
-        at = self._handles.index(self.checkpointing)
-        assert self._handles[at + 1] is self.offload, "the offload is installed right after the policy"
-        self.offload.remove()
-        self.checkpointing.remove()
-        self.checkpointing = checkpointing.apply(self._model, plan.decision(checkpointing.NAME), self._budget)
-        self.offload = offload.apply(self._model, plan.decision(offload.NAME), torch.device(plan.device))
-        self._handles[at : at + 2] = [self.checkpointing, self.offload]
+        names = [feature.name for feature, _ in self._installed]
+        at = names.index(ACTIVATIONS[0])
+        assert names[at : at + len(ACTIVATIONS)] == list(ACTIVATIONS), f"installed in order {names}"
+        for _, handle in reversed(self._installed[at : at + len(ACTIVATIONS)]):
+            handle.remove()
+        for i in range(at, at + len(ACTIVATIONS)):
+            feature = self._installed[i][0]
+            self._installed[i] = (feature, self._apply(feature, plan))
         self.plan = plan
 
     def describe(self) -> list[str]:
         """One line per installed piece, for the run's log."""
-        return [line for h in self._handles if (line := h.describe()) is not None]
+        return [line for _, h in self._installed if (line := h.describe()) is not None]
 
     def remove(self) -> None:
         """Undo every piece, last installed first."""
-        while self._handles:
-            self._handles.pop().remove()
+        while self._installed:
+            self._installed.pop()[1].remove()
 
 
 def install(model: torch.nn.Module, plan: Plan, activation_budget: int | None = None) -> Installation:

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from trainer.features.moe import routing as moe_routing
-from trainer.features.moe.routing import build_routing, grouped_linear, install, supported
+from trainer.features.moe.metadata import build_routing
+from trainer.features.moe.routing import grouped_linear, install, supported
 
 REL_TOL = 1e-5
 """fp32: the grouped path sums the same products in another order (bmm over K vs per-expert index_add)."""

@@ -1,14 +1,15 @@
 """Packed attention (``ftq_packed``) and its per-batch metadata cache.
 
-Two decisions, one install. ``choose`` picks the attention kernel (the ``attention`` decision):
+Two decisions (two features), one install. ``KERNEL`` picks the attention kernel (the
+``attention`` decision, ``choose``):
 on CUDA torch's ``varlen_attn``, else our Triton kernel, else SDPA with the block-diagonal mask;
 on the CPU SDPA (the varlen kernels need CUDA). ``flex`` is never picked by ``auto`` (its first
 step compiles for minutes) but runs when a decision names it. A model packed attention cannot run
 (Gemma 2's soft-capping, a bidirectional config) keeps its own attention with packed block masks:
 the decision is disabled with backend ``transformers_sdpa`` / ``transformers_eager``.
 
-``decide_cache`` turns ``packed_metadata_cache`` into a decision whose backend is that kernel;
-``apply(model, decision)`` takes it: ``ftq_packed`` attention on the named kernel, with the
+``CACHE`` turns ``packed_metadata_cache`` into a decision whose backend is that kernel
+(``decide_cache``) and installs it (``CACHE.apply``): ``ftq_packed`` attention on the named kernel, with the
 metadata built once per batch (enabled) or rebuilt in every layer from the device position ids
 (disabled: the honest "before"). The handle builds each micro-batch's metadata from the host
 lengths (``metadata``); without packed attention it returns None and ``trainer.model.load`` passes
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from trainer.features.attention.packed import PackedAttention
-from trainer.plan.feature import how, off, unavailable
+from trainer.plan.feature import Context, Target, how, off, unavailable
 from trainer.plan.hardware import Hardware
 from trainer.kernels.attention import SUPPORTED_HEAD_DIMS
 from trainer.data.packed_metadata import BACKENDS as PACKED_BACKENDS
@@ -171,8 +172,36 @@ class ModelAttention:
         return None
 
 
-def apply(model: torch.nn.Module, decision: Decision) -> PackedAttentionHandle | ModelAttention:
-    """Install what a ``packed_metadata_cache`` decision says (see the module docstring)."""
-    if decision.backend not in PACKED_BACKENDS:
-        return ModelAttention()
-    return PackedAttentionHandle(model, decision.backend, cache=decision.enabled)
+class AttentionKernel:
+    """The ``attention`` decision: which kernel packed attention runs on (installed by ``CACHE``)."""
+
+    name = "attention"
+
+    def supported(self, ctx: Context) -> str | None:
+        return None  # SDPA, or the model's own attention, always runs
+
+    def decide(self, ctx: Context) -> Decision:
+        return choose(ctx.hw, ctx.facts)
+
+
+class PackedMetadataCache:
+    """The ``packed_metadata_cache`` switch and the install of packed attention on its kernel."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return supported(ctx.hw, ctx.facts)
+
+    def decide(self, ctx: Context) -> Decision:
+        return decide_cache(ctx.job.switch(NAME), ctx.hw, ctx.facts, ctx.decision(KERNEL.name))
+
+    def apply(
+        self, model: torch.nn.Module, decision: Decision, target: Target
+    ) -> PackedAttentionHandle | ModelAttention:
+        """Install what a ``packed_metadata_cache`` decision says (see the module docstring)."""
+        if decision.backend not in PACKED_BACKENDS:
+            return ModelAttention()
+        return PackedAttentionHandle(model, decision.backend, cache=decision.enabled)
+
+
+KERNEL, CACHE = AttentionKernel(), PackedMetadataCache()

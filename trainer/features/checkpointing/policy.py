@@ -39,7 +39,7 @@ still held).
 ``full+offload`` the offloader (``trainer.features.offload.feature``) wraps the layers and
 checkpoints them itself.
 
-Test hook: ``apply(..., budget_bytes=N)`` counts the bytes the decoder layers save for backward
+Test hook: ``apply(..., Target(activation_budget=N))`` counts the bytes the decoder layers save for backward
 in one forward and raises ``torch.OutOfMemoryError`` once they pass N, so the OOM ladder
 (``trainer.parallel.oom_ladder``) is exercised on a CPU through the real step. ``trainer.run.train`` reads
 it once at start from ``FTQ_TEST_ACTIVATION_BUDGET_BYTES`` (tests only; unset in production).
@@ -54,12 +54,11 @@ from typing import Any
 
 import torch
 
-from trainer.plan import memory
-from trainer.config import TrainConfig
 from trainer.errors import PlanError
-from trainer.plan.feature import how
-from trainer.plan.hardware import Hardware
-from trainer.plan.types import Decision, ModelFacts, Plan
+from trainer.features.offload.estimate import policy_unavailable
+from trainer.plan import memory
+from trainer.plan.feature import Context, Target, how
+from trainer.plan.types import Decision, Plan
 
 NAME = "gradient_checkpointing"
 OFFLOAD, RELOAD = "offload_activations", "double_buffered_reload"
@@ -86,44 +85,63 @@ def checkpointed_layers(count: int, layers: int) -> set[int]:
     return set(range(min(count, layers)))
 
 
-def decide(
-    requested: str, hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str, *,
-    world_size: int = 1, sharded: bool = False, packed_attention: bool = True,
-    free_bytes: int | None = None, offload_missing: str | None = None,
-) -> tuple[Decision, bool]:
-    """The policy, and whether it was estimated (the offload decision follows it when it was).
+def estimates(ctx: Context) -> bool:
+    """Whether the policy is chosen from the memory estimate: a GPU, a model of known shape, and
+    neither ``off`` nor ``offload_activations: on`` in the job. The offload decision follows an
+    estimated policy (``trainer.features.offload.feature``)."""
+    return (
+        ctx.job.gradient_checkpointing != "off"
+        and ctx.job.switch(OFFLOAD) != "on"
+        and ctx.hw.device == "cuda"
+        and ctx.facts.shape is not None
+    )
 
-    ``offload_missing``: why offloading cannot run for this job (None: it can). Raises
-    ``PlanError`` for ``selective`` with ``offload_activations: on``.
+
+def _decide(ctx: Context) -> Decision:
+    """The policy (see the module docstring); reads the ``attention`` and ``parallelism`` decisions.
+
+    Raises:
+        PlanError: ``selective`` with ``offload_activations: on``.
     """
-    offload_asked = config.optimizations.offload_activations
+    job, hw, facts = ctx.job, ctx.hw, ctx.facts
+    requested, offload_asked = job.gradient_checkpointing, job.switch(OFFLOAD)
     if requested == "selective" and offload_asked == "on":
         raise PlanError(
             "gradient_checkpointing=selective with offload_activations=on: offloading checkpoints every "
             "layer. Set gradient_checkpointing to auto or on, or offload_activations to auto"
         )
-    shape = facts.shape
-    if requested == "off":
-        return Decision(NAME, "off", False, "none", "off in the job: every layer keeps its activations"), False
-    if offload_asked == "on":
-        return Decision(NAME, requested, True, "full+offload",
-                        f"{how(requested)}: every layer checkpointed, offload_activations on in the job"), False
-    if hw.device != "cuda" or shape is None:
-        why = "no GPU memory to plan for" if hw.device != "cuda" else "the model's shape is unknown: no estimate"
-        if requested == "selective":
-            layers = facts.num_layers or 2
-            return Decision(NAME, requested, True, selective_backend(layers // 2, layers),
-                            f"selective in the job: half the layers checkpointed ({why})"), False
-        return Decision(NAME, requested, True, "full", f"{how(requested)}: every layer checkpointed ({why})"), False
+    if not estimates(ctx):
+        return _unestimated(ctx)
+    sharded = ctx.decision("parallelism").backend == "fsdp2"
     work = memory.Workload(
-        tokens=config.data.batch_tokens, max_seq_len=config.data.max_seq_len, method=config.method,
-        dtype=dtype, lora_rank=config.lora.r, world_size=world_size, sharded=sharded,
-        fused_loss=facts.fused_loss is None, packed_attention=packed_attention,
+        tokens=job.batch_tokens, max_seq_len=job.max_seq_len, method=job.method,
+        dtype=ctx.dtype, lora_rank=job.lora_r, world_size=ctx.world_size, sharded=sharded,
+        fused_loss=facts.fused_loss is None, packed_attention=ctx.decision("attention").enabled,
     )
-    cap = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * memory.GIB)
-    budget = memory.Budget(free_bytes if free_bytes is not None else hw.gpu_memory or 0, cap)
+    cap = None if job.max_gpu_memory_gb is None else int(job.max_gpu_memory_gb * memory.GIB)
+    free = ctx.free_gpu_bytes if ctx.free_gpu_bytes is not None else hw.gpu_memory or 0
+    offload_missing = policy_unavailable(hw, facts, job.batch_tokens, ctx.dtype, sharded)
     offload = None if offload_asked == "off" else offload_missing is None
-    return _choose(requested, shape, work, budget, offload, offload_missing or "offload_activations is off"), True
+    assert facts.shape is not None, "estimates(ctx) checked the shape"
+    return _choose(
+        requested, facts.shape, work, memory.Budget(free, cap), offload, offload_missing or "offload_activations is off"
+    )
+
+
+def _unestimated(ctx: Context) -> Decision:
+    """The policy without an estimate: asked off, offloaded in the job, no GPU or no shape."""
+    requested, hw, facts = ctx.job.gradient_checkpointing, ctx.hw, ctx.facts
+    if requested == "off":
+        return Decision(NAME, "off", False, "none", "off in the job: every layer keeps its activations")
+    if ctx.job.switch(OFFLOAD) == "on":
+        return Decision(NAME, requested, True, "full+offload",
+                        f"{how(requested)}: every layer checkpointed, offload_activations on in the job")
+    why = "no GPU memory to plan for" if hw.device != "cuda" else "the model's shape is unknown: no estimate"
+    if requested == "selective":
+        layers = facts.num_layers or 2
+        return Decision(NAME, requested, True, selective_backend(layers // 2, layers),
+                        f"selective in the job: half the layers checkpointed ({why})")
+    return Decision(NAME, requested, True, "full", f"{how(requested)}: every layer checkpointed ({why})")
 
 
 def _choose(
@@ -288,6 +306,21 @@ class _BudgetProbe:
         self._hooks, self._wrapped = [], []
 
 
-def apply(model: torch.nn.Module, decision: Decision, budget_bytes: int | None = None) -> CheckpointingHandle:
-    """Set each decoder layer's checkpointing as ``decision``'s backend says (see the module docstring)."""
-    return CheckpointingHandle(model, decision.backend, budget_bytes)
+class ActivationPolicy:
+    """The ``gradient_checkpointing`` decision: which decoder layers are checkpointed."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return None
+
+    def decide(self, ctx: Context) -> Decision:
+        return _decide(ctx)
+
+    def apply(self, model: torch.nn.Module, decision: Decision, target: Target) -> CheckpointingHandle:
+        """Set each decoder layer's checkpointing as ``decision``'s backend says (see the module
+        docstring); ``target.activation_budget`` arms the test budget probe."""
+        return CheckpointingHandle(model, decision.backend, target.activation_budget)
+
+
+FEATURE = ActivationPolicy()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from trainer.features.fused_ops import patch as fused_ops
-from trainer.plan.feature import Undo
+from trainer.plan.feature import Context, Target, Undo
 from trainer.plan.hardware import Hardware
 from trainer.plan.types import Decision, ModelFacts
 
@@ -24,7 +24,7 @@ def supported(hw: Hardware, facts: ModelFacts) -> str | None:
     return None
 
 
-def decide(hw: Hardware, facts: ModelFacts) -> Decision:
+def _decide(hw: Hardware, facts: ModelFacts) -> Decision:
     missing = supported(hw, facts)
     if missing is not None:
         return Decision(NAME, "auto", False, None, missing)
@@ -34,13 +34,27 @@ def decide(hw: Hardware, facts: ModelFacts) -> Decision:
     )
 
 
-def apply(model: torch.nn.Module, decision: Decision) -> Undo:
-    """Patch the recognised RMSNorm / MLP modules (and RoPE) of ``model`` when enabled.
+class FusedOps:
+    """The ``fused_ops`` kernel choice: Triton RMSNorm / SwiGLU / RoPE, or transformers' ops."""
 
-    Backend ``triton`` runs the kernels; ``torch`` patches the same modules with the kernels'
-    torch forms (the CPU reference the equivalence tests use; RoPE stays transformers').
-    """
-    if not decision.enabled:
-        return Undo()
-    result = fused_ops.install(model, triton=decision.backend == "triton")
-    return Undo(f"fused elementwise: {result.describe()}", result.uninstall)
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return supported(ctx.hw, ctx.facts)
+
+    def decide(self, ctx: Context) -> Decision:
+        return _decide(ctx.hw, ctx.facts)
+
+    def apply(self, model: torch.nn.Module, decision: Decision, target: Target) -> Undo:
+        """Patch the recognised RMSNorm / MLP modules (and RoPE) of ``model`` when enabled.
+
+        Backend ``triton`` runs the kernels; ``torch`` patches the same modules with the kernels'
+        torch forms (the CPU reference the equivalence tests use; RoPE stays transformers').
+        """
+        if not decision.enabled:
+            return Undo()
+        result = fused_ops.install(model, triton=decision.backend == "triton")
+        return Undo(f"fused elementwise: {result.describe()}", result.uninstall)
+
+
+FEATURE = FusedOps()

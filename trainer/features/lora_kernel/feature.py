@@ -8,27 +8,20 @@ import torch
 from dataclasses import dataclass
 
 from trainer.features.lora_kernel import fused as lora_fused
-from trainer.config import TrainConfig
-from trainer.plan.feature import Undo
-from trainer.plan.hardware import Hardware
-from trainer.plan.types import Decision, ModelFacts
+from trainer.plan.feature import Context, Target, Undo
+from trainer.plan.types import Decision
 
 NAME = "lora_kernel"
 FUSED, PEFT = lora_fused.KERNEL_NAME, "peft"
 
 
-def supported(hw: Hardware, facts: ModelFacts) -> str | None:
-    """The fused path runs on every machine and model peft adapts (it falls back per layer)."""
-    return None
-
-
-def decide(hw: Hardware, config: TrainConfig) -> Decision:
-    if config.method == "full":
+def _decide(method: str, dropout: float) -> Decision:
+    if method == "full":
         return Decision(NAME, "auto", False, None, "method full: no adapters")
-    if config.lora.dropout:
+    if dropout:
         return Decision(
             NAME, "auto", False, PEFT,
-            f"peft's LoRA forward: lora.dropout={config.lora.dropout} (the fused path has no dropout)",
+            f"peft's LoRA forward: lora.dropout={dropout} (the fused path has no dropout)",
         )
     return Decision(
         NAME, "auto", True, FUSED,
@@ -48,9 +41,24 @@ class LoraHandle(Undo):
             self.cache.watch(optimizer)
 
 
-def apply(model: torch.nn.Module, decision: Decision) -> LoraHandle:
-    """Patch every plain peft LoRA linear of ``model`` to the fused path when enabled."""
-    if not decision.enabled:
-        return LoraHandle()
-    result = lora_fused.install(model)
-    return LoraHandle(f"LoRA kernel: {result.describe()}", result.uninstall, result.cache)
+class LoraKernel:
+    """The ``lora_kernel`` choice: fused LoRA linears in the compute dtype, or peft's forward."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        """The fused path runs on every machine and model peft adapts (it falls back per layer)."""
+        return None
+
+    def decide(self, ctx: Context) -> Decision:
+        return _decide(ctx.job.method, ctx.job.lora_dropout)
+
+    def apply(self, model: torch.nn.Module, decision: Decision, target: Target) -> LoraHandle:
+        """Patch every plain peft LoRA linear of ``model`` to the fused path when enabled."""
+        if not decision.enabled:
+            return LoraHandle()
+        result = lora_fused.install(model)
+        return LoraHandle(f"LoRA kernel: {result.describe()}", result.uninstall, result.cache)
+
+
+FEATURE = LoraKernel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.plan.feature import Context, Target
 from trainer.plan.hardware import Hardware
 from trainer.features.loss.packed_forward import LOSS_FUNCTIONS, LOSS_FUSED, LOSS_PLAIN
 from trainer.data.packed_metadata import AnyPackedMetadata
@@ -19,7 +20,7 @@ def supported(hw: Hardware, facts: ModelFacts) -> str | None:
     return facts.fused_loss
 
 
-def decide(hw: Hardware, facts: ModelFacts) -> Decision:
+def _decide(hw: Hardware, facts: ModelFacts) -> Decision:
     missing = supported(hw, facts)
     if missing is None:
         kernel = hw.device == "cuda" and hw.triton  # trainer.kernels.cross_entropy.available
@@ -54,5 +55,19 @@ class Loss:
         return f"loss: {self.kernel}"
 
 
-def apply(model: torch.nn.Module, decision: Decision) -> Loss:
-    return Loss(decision.backend or LOSS_PLAIN)
+class LossKernel:
+    """The ``loss`` kernel choice: the fused chunked loss, or full logits."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return supported(ctx.hw, ctx.facts)
+
+    def decide(self, ctx: Context) -> Decision:
+        return _decide(ctx.hw, ctx.facts)
+
+    def apply(self, model: torch.nn.Module, decision: Decision, target: Target) -> Loss:
+        return Loss(decision.backend or LOSS_PLAIN)
+
+
+FEATURE = LossKernel()

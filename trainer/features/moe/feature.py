@@ -13,14 +13,11 @@ from __future__ import annotations
 import torch
 
 from trainer.features.moe import routing as moe_routing
-from trainer.config import TrainConfig
-from trainer.plan.feature import how, unavailable
+from trainer.plan.feature import Context, Target, how, unavailable
 from trainer.plan.hardware import Hardware
 from trainer.plan.types import Decision, ModelFacts
 
 NAME = "moe_grouped_routing"
-_STATE = ("forward", moe_routing._PATCHED, moe_routing._TRITON, moe_routing._GATE)
-"""Instance attributes ``moe_routing.install`` sets on an experts module (``remove`` restores them)."""
 
 
 def supported(hw: Hardware, facts: ModelFacts) -> str | None:
@@ -30,50 +27,17 @@ def supported(hw: Hardware, facts: ModelFacts) -> str | None:
     return facts.moe_routing
 
 
-def decide(requested: str, hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str) -> Decision:
-    """The ``moe_grouped_routing`` decision (see the module docstring)."""
-    if requested == "off":
-        if facts.is_moe and facts.moe_blocks:
-            return Decision(
-                NAME, "off", False, "eager",
-                f"off in the job: transformers' eager per-expert loop on {facts.moe_blocks} MoE blocks",
-            )
-        return Decision(NAME, "off", False, None, "off in the job")
-    missing = supported(hw, facts)
-    if missing is not None:
-        return unavailable(NAME, requested, missing, hw)
-    grouped = (
-        hw.device == "cuda"
-        and hw.capability is not None
-        and hw.capability >= (8, 0)
-        and dtype == "bfloat16"
-        and config.method != "qlora"
-    )
-    what = (
-        "grouped_mm"
-        if grouped
-        else "per-expert slices, one host sync per layer (grouped_mm needs bf16 on a CUDA GPU of sm80+)"
-    )
-    if hw.device == "cuda" and hw.triton:
-        what += ", Triton combine + gate"
-    family = f" ({facts.moe_family})" if facts.moe_family else ""
-    return Decision(
-        NAME, requested, True, "grouped_mm" if grouped else "loop",
-        f"{how(requested)}: grouped routing on {facts.moe_blocks or 'every'} MoE blocks{family}, {what}",
-    )
-
-
 class MoeHandle:
     """Experts modules patched by ``moe_routing.install``; ``remove`` restores each instance."""
 
     def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
         modules = [module for _, module in moe_routing.experts_modules(model)]
-        self._saved = [(m, {k: vars(m)[k] for k in _STATE if k in vars(m)}) for m in modules]
+        self._saved = [(m, {k: vars(m)[k] for k in moe_routing.INSTANCE_STATE if k in vars(m)}) for m in modules]
         self.result = moe_routing.install(model, enabled, triton=None if enabled else False)
 
     def remove(self) -> None:
         for module, saved in self._saved:
-            for key in _STATE:
+            for key in moe_routing.INSTANCE_STATE:
                 vars(module).pop(key, None)
             vars(module).update(saved)
         self._saved = []
@@ -92,11 +56,59 @@ class NoExperts:
         return None
 
 
-def apply(model: torch.nn.Module, decision: Decision) -> MoeHandle | NoExperts:
-    """Grouped routing (enabled) or transformers' eager loop on every recognised experts module.
+def _decide(ctx: Context) -> Decision:
+    """The ``moe_grouped_routing`` decision (see the module docstring)."""
+    requested, hw, facts = ctx.job.switch(NAME), ctx.hw, ctx.facts
+    if requested == "off":
+        if facts.is_moe and facts.moe_blocks:
+            return Decision(
+                NAME, "off", False, "eager",
+                f"off in the job: transformers' eager per-expert loop on {facts.moe_blocks} MoE blocks",
+            )
+        return Decision(NAME, "off", False, None, "off in the job")
+    missing = supported(hw, facts)
+    if missing is not None:
+        return unavailable(NAME, requested, missing, hw)
+    grouped = (
+        hw.device == "cuda"
+        and hw.capability is not None
+        and hw.capability >= (8, 0)
+        and ctx.dtype == "bfloat16"
+        and ctx.job.method != "qlora"
+    )
+    what = (
+        "grouped_mm"
+        if grouped
+        else "per-expert slices, one host sync per layer (grouped_mm needs bf16 on a CUDA GPU of sm80+)"
+    )
+    if hw.device == "cuda" and hw.triton:
+        what += ", Triton combine + gate"
+    family = f" ({facts.moe_family})" if facts.moe_family else ""
+    return Decision(
+        NAME, requested, True, "grouped_mm" if grouped else "loop",
+        f"{how(requested)}: grouped routing on {facts.moe_blocks or 'every'} MoE blocks{family}, {what}",
+    )
 
-    Expert LoRA (peft ``target_parameters``) is read through the same forward.
-    """
-    if not moe_routing.experts_modules(model):
-        return NoExperts()
-    return MoeHandle(model, decision.enabled)
+
+class MoeRouting:
+    """The ``moe_grouped_routing`` switch: grouped routing or the eager loop on every experts module."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return supported(ctx.hw, ctx.facts)
+
+    def decide(self, ctx: Context) -> Decision:
+        return _decide(ctx)
+
+    def apply(self, model: torch.nn.Module, decision: Decision, target: Target) -> MoeHandle | NoExperts:
+        """Grouped routing (enabled) or transformers' eager loop on every recognised experts module.
+
+        Expert LoRA (peft ``target_parameters``) is read through the same forward.
+        """
+        if not moe_routing.experts_modules(model):
+            return NoExperts()
+        return MoeHandle(model, decision.enabled)
+
+
+FEATURE = MoeRouting()

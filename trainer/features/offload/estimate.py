@@ -2,7 +2,9 @@
 
 ``estimate`` gives the bytes of one micro-batch's checkpointed layer inputs (on the GPU with
 plain checkpointing, in pinned host memory with offload, one reload buffer); the constants are
-the headroom the plan keeps on the host and the GPU. No device is touched: the plan passes the
+the headroom the plan keeps on the host and the GPU; ``machine_missing``, ``host_too_small`` and
+``policy_unavailable`` are the rules the offload feature and the activation policy share. No
+device is touched: the plan passes the
 free memory ``trainer.plan.hardware`` detected (``host_available_bytes`` and ``is_wsl`` read ``/proc``).
 """
 
@@ -12,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainer.plan.hardware import Hardware
+from trainer.plan.types import ModelFacts
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _GIB = 1 << 30
@@ -109,3 +114,50 @@ def host_available_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The two sizes ``estimate`` reads from a model config."""
+
+    num_hidden_layers: int
+    hidden_size: int
+
+
+def machine_missing(hw: Hardware) -> str | None:
+    """Why offloading cannot run on ``hw`` (for any model), or None."""
+    if hw.device != "cuda":
+        return "offloading activations needs a CUDA GPU"
+    if not hw.pinned_memory:
+        return "pinned host memory cannot be allocated on this machine"
+    return None
+
+
+def estimate_for(facts: ModelFacts, tokens: int, dtype: str) -> ActivationEstimate | None:
+    """``estimate`` for a model's facts; None when its layer count or hidden size is unknown."""
+    if not (facts.num_layers and facts.hidden_size):
+        return None
+    return estimate(_Shape(facts.num_layers, facts.hidden_size), tokens, dtype)
+
+
+def host_too_small(est: ActivationEstimate, hw: Hardware) -> str | None:
+    """Why the host cannot hold the offloaded inputs (plus ``HOST_HEADROOM_BYTES``), or None."""
+    need = est.offloaded + HOST_HEADROOM_BYTES
+    if need <= hw.host_memory:
+        return None
+    return (
+        f"offload needs {est.offloaded / _GIB:.1f} GiB of pinned host memory plus "
+        f"{HOST_HEADROOM_BYTES / _GIB:.0f} GiB headroom and the host has "
+        f"{hw.host_memory / _GIB:.1f} GiB"
+    )
+
+
+def policy_unavailable(hw: Hardware, facts: ModelFacts, tokens: int, dtype: str, sharded: bool) -> str | None:
+    """Why the activation policy cannot pick ``full+offload`` for this job, or None when it can."""
+    missing = machine_missing(hw)
+    if missing is None and sharded:
+        missing = "the layers are sharded with FSDP2"
+    est = estimate_for(facts, tokens, dtype) if missing is None else None
+    if est is not None:
+        missing = host_too_small(est, hw)
+    return missing

@@ -1,6 +1,6 @@
 """Offloaded activation checkpoints and their double-buffered reload.
 
-Two switches, one install. ``offload_activations`` ``auto`` offloads when plain checkpointing's
+Two switches (two features: ``FEATURE`` and ``RELOAD_FEATURE``), one install. ``offload_activations`` ``auto`` offloads when plain checkpointing's
 layer inputs (``trainer.features.offload.estimate`` at ``data.batch_tokens``) would not fit in
 ``ACTIVATION_SHARE`` of the GPU memory left after the weights, and the host holds them;
 ``double_buffered_reload`` goes with it unless asked off or its second buffer (whose size the
@@ -17,14 +17,13 @@ gradients at 8B) is fixed and was confirmed bit-identical to plain checkpointing
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from trainer.features import offload
-from trainer.config import TrainConfig
 from trainer.errors import PlanError
-from trainer.plan.feature import how, off, unavailable
+from trainer.features import offload
+from trainer.features.checkpointing import policy as checkpointing
+from trainer.features.offload.estimate import estimate_for, host_too_small, machine_missing
+from trainer.plan.feature import Context, Job, Target, how, off, unavailable
 from trainer.plan.hardware import Hardware
 from trainer.plan.types import Decision, ModelFacts
 
@@ -35,61 +34,45 @@ QLORA_WEIGHT_BYTES = 0.5
 """Bytes per base parameter of a 4-bit QLoRA model (NF4; embeddings and head are counted alike)."""
 
 
-def supported(hw: Hardware, facts: ModelFacts) -> str | None:
-    """Why offloading cannot run on ``hw`` (for any model), or None."""
-    if hw.device != "cuda":
-        return "offloading activations needs a CUDA GPU"
-    if not hw.pinned_memory:
-        return "pinned host memory cannot be allocated on this machine"
-    return None
-
-
-def unavailable_for(hw: Hardware, config: TrainConfig, facts: ModelFacts) -> str | None:
-    """``supported``, plus what the job must allow: checkpointed layers to offload."""
-    missing = supported(hw, facts)
-    if missing is None and config.gradient_checkpointing == "off":
+def unavailable_for(hw: Hardware, job: Job) -> str | None:
+    """Why offloading cannot run for this job on ``hw`` (for any model): the machine, or no
+    checkpointed layers to offload."""
+    missing = machine_missing(hw)
+    if missing is None and job.gradient_checkpointing == "off":
         missing = "it offloads checkpointed layer inputs, and gradient_checkpointing is off"
     return missing
 
 
-def reload_unavailable_for(hw: Hardware, config: TrainConfig, facts: ModelFacts) -> str | None:
+def reload_unavailable_for(hw: Hardware, job: Job) -> str | None:
     """Why ``double_buffered_reload=on`` cannot be honoured for this job on ``hw``, or None."""
-    missing = unavailable_for(hw, config, facts)
-    if missing is None and config.optimizations.offload_activations == "off":
+    missing = unavailable_for(hw, job)
+    if missing is None and job.switch(NAME) == "off":
         missing = "offload_activations is off, so there is nothing to reload"
     return missing
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """The two sizes ``trainer.features.offload.estimate`` reads from a model config."""
-
-    num_hidden_layers: int
-    hidden_size: int
-
-
-def decide(
-    requested: str, reload: str, hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str,
-    sharded: bool = False, policy: Decision | None = None,
-) -> tuple[Decision, Decision]:
+def decide_pair(ctx: Context) -> tuple[Decision, Decision]:
     """The ``offload_activations`` and ``double_buffered_reload`` decisions (see the module docstring).
 
-    ``sharded``: the layers are FSDP2 units, whose parameters are gathered by hooks the offloaded
-    recompute (a layer's forward called inside backward) would bypass: no offload.
-    ``policy``: the activation policy when it was estimated (``trainer.features.checkpointing.policy``):
+    Reads the ``parallelism`` decision: FSDP2's layers are units whose parameters are gathered by
+    hooks the offloaded recompute (a layer's forward called inside backward) would bypass, so no
+    offload. And the activation policy when it was estimated (``checkpointing.estimates``):
     ``auto`` then offloads exactly when the policy is ``full+offload``, instead of this module's
     own share-of-the-GPU rule (which stays for runs the policy could not estimate).
     """
+    hw, facts, job = ctx.hw, ctx.facts, ctx.job
+    requested, reload = job.switch(NAME), job.switch(RELOAD)
     if requested == "off":
         return off(NAME), _reload_unavailable(reload, "offload_activations is off, so there is nothing to reload", hw)
-    missing = unavailable_for(hw, config, facts)
-    if missing is None and sharded:
+    missing = unavailable_for(hw, job)
+    if missing is None and ctx.decision("parallelism").backend == "fsdp2":
         missing = "the layers are sharded with FSDP2, whose gathers the offloaded recompute would bypass"
     if missing is not None:
         double = _reload_unavailable(reload, missing, hw)
         return unavailable(NAME, requested, missing, hw), double
     stays_off = "offload_activations stays off (auto)"
-    if not (facts.num_layers and facts.hidden_size):
+    est = estimate_for(facts, job.batch_tokens, ctx.dtype)
+    if est is None:
         if requested == "auto":
             return Decision(
                 NAME, requested, False, None,
@@ -97,9 +80,8 @@ def decide(
                 "plain gradient checkpointing",
             ), _no_reload(reload, stays_off)
         return _with_reload(requested, reload, hw, "on in the job (model shape unknown: no estimate)", None, 0)
-    est = offload.estimate(_Shape(facts.num_layers, facts.hidden_size), config.data.batch_tokens, dtype)
-    gpu_free = max(0, (hw.gpu_memory or 0) - _weight_bytes(config, facts, dtype))
-    host_why = _host_too_small(est, hw)
+    gpu_free = max(0, (hw.gpu_memory or 0) - _weight_bytes(job.method, facts, ctx.dtype))
+    host_why = host_too_small(est, hw)
     if host_why is not None:
         if requested == "on":
             raise PlanError(
@@ -109,10 +91,10 @@ def decide(
         return Decision(NAME, requested, False, None, f"{host_why}; plain gradient checkpointing"), _no_reload(
             reload, stays_off
         )
-    if policy is not None and requested == "auto":
-        return _follow(policy, reload, hw, est, gpu_free)
+    if requested == "auto" and checkpointing.estimates(ctx):
+        return _follow(ctx.decision(checkpointing.NAME), reload, hw, est, gpu_free)
     budget = gpu_free * offload.ACTIVATION_SHARE
-    sizes = f"layer inputs {est.checkpointed / _GIB:.2f} GiB at {config.data.batch_tokens} tokens"
+    sizes = f"layer inputs {est.checkpointed / _GIB:.2f} GiB at {job.batch_tokens} tokens"
     if requested == "auto" and est.checkpointed <= budget:
         return Decision(
             NAME, requested, False, None,
@@ -140,19 +122,6 @@ def _follow(
         f"{est.offloaded / _GIB:.2f} GiB to pinned host memory"
     )
     return _with_reload("auto", reload, hw, why, est, max(0, gpu_free - est.buffer))
-
-
-def policy_unavailable(
-    hw: Hardware, config: TrainConfig, facts: ModelFacts, dtype: str, sharded: bool
-) -> str | None:
-    """Why the activation policy cannot pick ``full+offload`` for this job, or None when it can."""
-    missing = supported(hw, facts)
-    if missing is None and sharded:
-        missing = "the layers are sharded with FSDP2"
-    if missing is None and facts.num_layers and facts.hidden_size:
-        est = offload.estimate(_Shape(facts.num_layers, facts.hidden_size), config.data.batch_tokens, dtype)
-        missing = _host_too_small(est, hw)
-    return missing
 
 
 def _with_reload(
@@ -195,20 +164,9 @@ def _no_reload(reload: str, why: str) -> Decision:
     return Decision(RELOAD, reload, False, None, f"{why}, so there is nothing to reload")
 
 
-def _weight_bytes(config: TrainConfig, facts: ModelFacts, dtype: str) -> int:
-    per_param = QLORA_WEIGHT_BYTES if config.method == "qlora" else _WEIGHT_BYTES.get(dtype, 2.0)
+def _weight_bytes(method: str, facts: ModelFacts, dtype: str) -> int:
+    per_param = QLORA_WEIGHT_BYTES if method == "qlora" else _WEIGHT_BYTES.get(dtype, 2.0)
     return int((facts.param_count or 0) * per_param)
-
-
-def _host_too_small(est: offload.ActivationEstimate, hw: Hardware) -> str | None:
-    need = est.offloaded + offload.HOST_HEADROOM_BYTES
-    if need <= hw.host_memory:
-        return None
-    return (
-        f"offload needs {est.offloaded / _GIB:.1f} GiB of pinned host memory plus "
-        f"{offload.HOST_HEADROOM_BYTES / _GIB:.0f} GiB headroom and the host has "
-        f"{hw.host_memory / _GIB:.1f} GiB"
-    )
 
 
 class OffloadHandle:
@@ -228,13 +186,39 @@ class OffloadHandle:
         return f"activation offload: {self.offloader.num_layers} decoder layers, {how_}"
 
 
-def apply(model: torch.nn.Module, decision: Decision, device: torch.device | None = None) -> OffloadHandle:
-    """Offload the decoder layers' checkpointed inputs as ``decision`` says (backend: reload mode).
+class OffloadActivations:
+    """The ``offload_activations`` switch; its applied decision's backend is the reload mode."""
 
-    Wraps the layers after peft (so the adapters are inside the recompute), replacing
-    transformers' checkpoint wrapper for them; disabled keeps plain gradient checkpointing.
-    ``device`` defaults to the model's.
-    """
-    if device is None:
-        device = next(model.parameters()).device
-    return OffloadHandle(model, device, decision.backend if decision.enabled else None)
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return unavailable_for(ctx.hw, ctx.job)
+
+    def decide(self, ctx: Context) -> Decision:
+        return decide_pair(ctx)[0]
+
+    def apply(self, model: torch.nn.Module, decision: Decision, target: Target) -> OffloadHandle:
+        """Offload the decoder layers' checkpointed inputs as ``decision`` says (backend: reload mode).
+
+        Wraps the layers after peft (so the adapters are inside the recompute), replacing
+        transformers' checkpoint wrapper for them; disabled keeps plain gradient checkpointing.
+        ``target.device`` defaults to the model's.
+        """
+        device = torch.device(target.device) if target.device else next(model.parameters()).device
+        return OffloadHandle(model, device, decision.backend if decision.enabled else None)
+
+
+class DoubleBufferedReload:
+    """The ``double_buffered_reload`` switch: decided with the offload (``decide`` is pure, so
+    each of the two features takes its half of ``decide_pair``), installed by it through the offload's backend."""
+
+    name = RELOAD
+
+    def supported(self, ctx: Context) -> str | None:
+        return reload_unavailable_for(ctx.hw, ctx.job)
+
+    def decide(self, ctx: Context) -> Decision:
+        return decide_pair(ctx)[1]
+
+
+FEATURE, RELOAD_FEATURE = OffloadActivations(), DoubleBufferedReload()

@@ -4,7 +4,7 @@ Kernel, launcher and ``autograd.Function`` live here (Liger ``ops/swiglu.py`` sh
 forward that picks them is ``trainer.features.moe.routing.grouped_experts_forward``. Each kernel computes in
 fp32 and reads its rows once. ``dispatch`` and ``combine`` keep the torch-ops path next to the
 kernels (``use_triton=False``): the reference the kernels are tested against, in Triton's
-interpreter on CPU (``tests/unit/trainer/test_moe_routing.py``).
+interpreter on CPU (``tests/unit/trainer/features/moe/test_moe_routing.py``).
 
 The launchers take the layer's ``RoutingMetadata`` (``inverse_S``, ``token_S``, ``sort_idx_S``,
 ``slot_expert_S``, ``num_tokens``, ``top_k``); shape legend as in ``trainer.features.moe.routing``: T tokens,

@@ -97,7 +97,7 @@ class Ladder:
     def next_plan(self, plan: planning.Plan) -> planning.Plan | None:
         """``plan`` with the activation policy (and offload) one rung down; None at the bottom."""
         current = plan.decision(checkpointing.NAME)
-        layers = len(self.installed.handle("gradient_checkpointing").layers)
+        layers = len(self.installed.checkpointing.layers)
         why = "the OOM ladder"
         done = checkpointing.checkpointed_count(current.backend, layers)
         n = layers // 2 if current.backend == "none" else done + (layers - done) // 2

@@ -359,10 +359,10 @@ def _varlen_runs() -> bool:
 
 def _triton_varlen_missing(device: Any) -> str | None:
     try:
-        from trainer.kernels import attention as flash_varlen
+        from trainer.kernels import attention as attention_kernel
     except Exception as exc:  # noqa: BLE001 - any import failure makes the kernel unusable
         return f"the Triton varlen kernel does not import: {exc}"
-    return flash_varlen.supported(device)
+    return attention_kernel.supported(device)
 
 
 def _importable(module: str) -> bool:

@@ -42,7 +42,7 @@ Worked example, Llama-3.1-8B with LoRA r=16 on q, k, v, o, gate, up, down (``ben
 frozen 32 x 218,103,808 + head 525,336,576 = 7,504,658,432 parameters, trainable (LoRA)
 32 x 1,310,720 = 41,943,040, so 4 x 7,504,658,432 + 6 x 41,943,040 = 30.27 GFLOP per token for the
 matmuls; a 16,384-token step with sum pairs(L) = 6,099,045 adds 3.5 x 4 x 4096 x 32 x 6,099,045
-= 11.19 TFLOP of attention to 496.0 TFLOP of matmuls (tests/unit/trainer/test_flops.py).
+= 11.19 TFLOP of attention to 496.0 TFLOP of matmuls (tests/unit/trainer/run/test_flops.py).
 """
 
 from __future__ import annotations

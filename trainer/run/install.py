@@ -57,6 +57,11 @@ class Installation:
         return self.handle("packed_metadata_cache")
 
     @property
+    def checkpointing(self) -> Any:
+        """The activation policy's handle (its ``layers``: the decoder layers it sees)."""
+        return self.handle("gradient_checkpointing")
+
+    @property
     def lora(self) -> Any:
         return self.handle("lora_kernel")
 

@@ -13,7 +13,7 @@ the packed ``position_ids``) to the model call. transformers threads unknown for
 model, every ``GradientCheckpointingLayer`` (which checkpoints ``partial(forward, **kwargs)``,
 so the recompute sees the very same object) and the attention module into the attention
 function; peft's ``LoraModel.forward`` passes them on unchanged. Tested for all five models,
-with gradient checkpointing and peft, in ``tests/unit/trainer/test_attention.py``.
+with gradient checkpointing and peft, in ``tests/unit/trainer/features/attention/test_attention.py``.
 
 Why no ``AttentionMaskInterface`` entry: ``masking_utils._preprocess_mask_arguments`` returns
 ``None`` at once for an implementation that has no mask function ("custom attention without

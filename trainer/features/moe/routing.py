@@ -81,7 +81,7 @@ FAMILIES = {
     "Qwen3MoeExperts": "qwen3_moe",
     "MixtralExperts": "mixtral",
 }
-"""Experts classes proven equal to the eager loop in tests/unit/trainer/test_moe_routing.py."""
+"""Experts classes proven equal to the eager loop in tests/unit/trainer/features/moe/test_moe_routing.py."""
 
 _PATCHED = "_ftq_moe_routing"
 """Instance attribute marking a patched module (its value: ``grouped`` or ``eager``)."""

@@ -32,7 +32,7 @@ class TestStepTimer:
 
 class TestFlops:
     def test_matmul_and_causal_attention_terms(self):
-        """trainer.run.flops' count through the name the step uses (tests/unit/trainer/test_flops.py has the rest)."""
+        """trainer.run.flops' count through the name the step uses (tests/unit/trainer/run/test_flops.py has the rest)."""
         counter = FlopCounter(frozen_params=1000, trainable_params=10, attention=(AttentionLayers(2, width=8),))
         # (4*frozen + 6*trainable)*T + 3.5 * 4*width*layers*sum(L(L+1)/2): lengths 3 and 4
         assert counter.step_flops([3, 4]) == 4060 * 7 + 3.5 * 4 * 8 * 2 * (6 + 10)

@@ -89,7 +89,7 @@ class TestStepFlops:
         import subprocess
 
         code = "import sys, trainer.run.flops; assert 'torch' not in sys.modules"
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[4])
 
 
 class TestForModel:

@@ -21,7 +21,7 @@ import torch
 
 from trainer.kernels.rope import apply_rotary, apply_rotary_pos_emb, reference_rotary
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # (B, H, T, D, dtype, transposed layout like transformers' view(...).transpose(1, 2), one shared

@@ -21,19 +21,22 @@ import pytest
 from plan_fakes import CPU, H100, plan_config
 from trainer_helpers import Recorder, make_job
 
-from trainer.run import install as install_module
-from trainer.parallel import strategy as parallel
 from trainer.config import SWITCHES, OptimConfig
 from trainer.errors import PlanError
 from trainer.features.attention import feature as attention
 from trainer.features.checkpointing import policy as checkpointing
-from trainer.features.fused_ops import feature as fused_ops
 from trainer.features.lora_kernel import feature as lora_kernel
-from trainer.features.loss import feature as loss
 from trainer.features.moe import feature as moe
 from trainer.features.offload import feature as offload
-from trainer.plan.types import ModelFacts
+from trainer.features.registry import INSTALLED, PLANNED
+from trainer.parallel import strategy as parallel
+from trainer.plan import planner
+from trainer.plan.feature import Context
+from trainer.plan.types import Decision, ModelFacts
 from trainer.plan.planner import plan
+from trainer.run import install as install_module
+from trainer.features.fused_ops import feature as fused_ops
+from trainer.features.loss import feature as loss
 
 KERNEL_CHOICES = ("attention", "loss", "lora_kernel", "fused_ops", parallel.NAME)
 """The decisions without a switch, in the plan's order (``requested`` is always ``auto``)."""
@@ -53,7 +56,6 @@ MOE_8B = ModelFacts(
     moe_blocks=32,
     moe_family="qwen3_moe",
 )
-FEATURES = (attention, moe, checkpointing, offload, lora_kernel, fused_ops, loss)
 
 
 def _every_setting():
@@ -85,7 +87,7 @@ class TestDecisions:
         """A plan never claims what nothing installs: each decision is a feature's own (applied
         by ``trainer.run.install``), the strategy ``trainer.parallel.strategy.parallelize`` applies, or a
         partner whose choice the applied decision carries in its backend."""
-        applied = {feature.NAME for feature in FEATURES} | {parallel.NAME}
+        applied = {feature.name for feature in INSTALLED} | {parallel.NAME}
         partners = {"attention", offload.RELOAD}
         p = plan(H100, plan_config(offload_activations="on"), MOE_8B)
         assert {d.name for d in p.decisions} == applied | partners
@@ -93,6 +95,36 @@ class TestDecisions:
         assert p.decision(offload.NAME).backend == p.decision(offload.RELOAD).backend == "double"
         p = plan(H100, plan_config(offload_activations="on", double_buffered_reload="off"), MOE_8B)
         assert p.decision(offload.NAME).backend == p.decision(offload.RELOAD).backend == "sync"
+
+
+    def test_every_planned_feature_decides_its_own_decision_once(self) -> None:
+        names = [feature.name for feature in PLANNED]
+        assert len(names) == len(set(names)), names
+        assert {feature.name for feature in INSTALLED} <= set(names)
+        assert set(SWITCHES) <= set(names)
+
+    def test_a_feature_added_to_the_registry_is_decided_in_its_place(self, monkeypatch) -> None:
+        """``plan`` iterates the registry: a new feature is one entry there, it reads the decisions
+        made before it from its ``Context``, and lands among the non-switch decisions."""
+        seen: list[Context] = []
+
+        class Toy:
+            name = "toy"
+
+            def supported(self, ctx: Context) -> str | None:
+                return None
+
+            def decide(self, ctx: Context) -> Decision:
+                seen.append(ctx)
+                kernel = ctx.decision("attention")
+                return Decision(self.name, "auto", kernel.enabled, kernel.backend, "test: follows the kernel")
+
+        monkeypatch.setattr(planner, "PLANNED", (*PLANNED[:1], Toy(), *PLANNED[1:]))
+        p = plan(CPU, plan_config(), MOE_8B)
+        assert [d.name for d in p.decisions] == ["attention", "toy", *KERNEL_CHOICES[1:], POLICY, *SWITCHES]
+        assert p.decision("toy").backend == p.attention_backend
+        (ctx,) = seen
+        assert [d.name for d in ctx.decided] == ["attention"] and ctx.facts is MOE_8B
 
 
 class _Recorded:
@@ -109,9 +141,9 @@ class _Recorded:
 class TestInstall:
     def _record_applies(self, monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> list[str]:
         log: list[str] = []
-        for feature in FEATURES:
+        for feature in INSTALLED:
 
-            def fake_apply(model, decision, *args, _name=feature.NAME, **kwargs):
+            def fake_apply(model, decision, *args, _name=feature.name, **kwargs):
                 assert decision.name == _name, f"{_name} was handed the {decision.name} decision"
                 if _name == fail:
                     raise RuntimeError(f"{_name} failed")

@@ -1,4 +1,4 @@
-"""Every feature's ``apply(model, decision).remove()`` puts the model back exactly.
+"""Every feature's ``apply(model, decision, target).remove()`` puts the model back exactly.
 
 For each feature of ``trainer.features``, and for a whole plan through ``trainer.run.install``: a tiny
 model that had the feature applied, trained a micro-batch through it and had it removed computes
@@ -35,6 +35,7 @@ from trainer.run.install import install
 from trainer.kernels import rmsnorm, rope, swiglu
 from trainer.model.load import LOSS_FUSED, LOSS_PLAIN, enable_gradient_checkpointing, packed_loss
 from trainer.data.packing import PackedBatch, pack_batch
+from trainer.plan.feature import Target
 from trainer.plan.types import Decision, ModelFacts, Plan
 from trainer.plan.planner import plan
 from trainer.model.tiny import build_tiny_model
@@ -124,7 +125,7 @@ class TestPackedAttention:
         model = _train_mode(lora_model("llama"), checkpointing=True)
         reference = copy.deepcopy(model)
         decision = Decision(attention.NAME, "on" if cache else "off", cache, "sdpa", "test")
-        handle = attention.apply(model, decision)
+        handle = attention.CACHE.apply(model, decision, Target())
         assert unwrap_model(model).config._attn_implementation == ATTN_IMPLEMENTATION
         _train_packed(model, handle.metadata(list(LENGTHS), CPU_DEVICE))
         handle.remove()
@@ -134,7 +135,7 @@ class TestPackedAttention:
     def test_a_model_keeping_its_own_attention_gets_the_no_op_twin(self) -> None:
         model = _train_mode(lora_model("llama"))
         reference = copy.deepcopy(model)
-        handle = attention.apply(model, Decision(attention.NAME, "auto", False, None, "test"))
+        handle = attention.CACHE.apply(model, Decision(attention.NAME, "auto", False, None, "test"), Target())
         assert handle.metadata(list(LENGTHS), CPU_DEVICE) is None and handle.describe() is None
         handle.remove()
         _assert_restored(model, reference)
@@ -154,7 +155,7 @@ class TestMoeRouting:
         reference = copy.deepcopy(model)
         experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
         assert experts
-        handle = moe.apply(model, decision)
+        handle = moe.FEATURE.apply(model, decision, Target())
         assert all("forward" in vars(m) for m in experts)
         _forward_backward(model)
         handle.remove()
@@ -168,7 +169,7 @@ class TestActivationOffload:
         model = _train_mode(lora_model("llama"), checkpointing=True)
         reference = copy.deepcopy(model)
         decision = Decision(offload.NAME, "on", True, reload, "test")
-        handle = offload.apply(model, decision, device=CPU_DEVICE)
+        handle = offload.FEATURE.apply(model, decision, Target(device=str(CPU_DEVICE)))
         assert handle.offloader.enabled and handle.offloader.double_buffer == (reload == "double")
         layers = model.get_base_model().model.layers
         assert all("forward" in vars(layer) for layer in layers)
@@ -182,8 +183,8 @@ class TestFusedLora:
     def test_remove_restores_pefts_forward(self) -> None:
         model = _train_mode(lora_model("llama"))
         reference = copy.deepcopy(model)
-        handle = lora_kernel.apply(
-            model, Decision(lora_kernel.NAME, "auto", True, lora_kernel.FUSED, "test")
+        handle = lora_kernel.FEATURE.apply(
+            model, Decision(lora_kernel.NAME, "auto", True, lora_kernel.FUSED, "test"), Target()
         )
         assert handle.describe() is not None
         _forward_backward(model)
@@ -209,7 +210,7 @@ class TestFusedOps:
     def test_torch_forms_remove_restores_the_class_forwards(self) -> None:
         model = _train_mode(lora_model("llama"))
         reference = copy.deepcopy(model)
-        handle = fused_ops.apply(model, Decision(fused_ops.NAME, "on", True, "torch", "test"))
+        handle = fused_ops.FEATURE.apply(model, Decision(fused_ops.NAME, "on", True, "torch", "test"), Target())
         assert _patched_ops(model) == 7  # 5 RMSNorm + 2 MLP
         _forward_backward(model)
         handle.remove()
@@ -235,7 +236,7 @@ class TestFusedOps:
         reference = copy.deepcopy(model)
         modeling = _rope_module(model)
         original = modeling.apply_rotary_pos_emb
-        handle = fused_ops.apply(model, Decision(fused_ops.NAME, "auto", True, "triton", "test"))
+        handle = fused_ops.FEATURE.apply(model, Decision(fused_ops.NAME, "auto", True, "triton", "test"), Target())
         assert _patched_ops(model) == 7
         assert modeling.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
         _forward_backward(model)
@@ -245,7 +246,7 @@ class TestFusedOps:
 
     def test_disabled_installs_nothing(self) -> None:
         model = lora_model("llama")
-        handle = fused_ops.apply(model, Decision(fused_ops.NAME, "auto", False, None, "test"))
+        handle = fused_ops.FEATURE.apply(model, Decision(fused_ops.NAME, "auto", False, None, "test"), Target())
         assert _patched_ops(model) == 0 and handle.describe() is None
         handle.remove()
 
@@ -255,7 +256,7 @@ class TestFusedLoss:
     def test_the_loss_leaves_the_model_untouched(self, kernel: str) -> None:
         model = _train_mode(lora_model("llama"))
         reference = copy.deepcopy(model)
-        handle = loss.apply(model, Decision(loss.NAME, "auto", kernel == LOSS_FUSED, kernel, "test"))
+        handle = loss.FEATURE.apply(model, Decision(loss.NAME, "auto", kernel == LOSS_FUSED, kernel, "test"), Target())
         assert handle.describe() == f"loss: {kernel}"
         batch = _batch()
         handle(model, batch, None, batch.num_targets).backward()

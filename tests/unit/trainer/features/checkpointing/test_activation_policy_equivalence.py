@@ -22,6 +22,7 @@ from trainer.features.checkpointing import policy as checkpointing
 from trainer.run.install import install
 from trainer.model.load import model_facts
 from trainer.data.packing import pack_batch
+from trainer.plan.feature import Target
 from trainer.plan.types import Decision, Plan
 from trainer.plan.planner import plan
 
@@ -73,7 +74,7 @@ def test_the_policy_sets_each_layers_checkpointing_and_remove_restores_it() -> N
     model = lora_model("llama")
     layers = model.get_base_model().model.layers
     decision = Decision(checkpointing.NAME, "selective", True, "selective:1/2", "test")
-    handle = checkpointing.apply(model, decision)
+    handle = checkpointing.FEATURE.apply(model, decision, Target())
     assert [layer.gradient_checkpointing for layer in layers] == [True, False]
     assert handle.describe() == "activation policy: selective:1/2, 1 of 2 layers checkpointed"
     handle.remove()

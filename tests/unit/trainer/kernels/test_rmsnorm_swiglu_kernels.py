@@ -29,7 +29,7 @@ from trainer.features.fused_ops import patch as fused_ops
 from trainer.kernels import rmsnorm
 from trainer.kernels.rmsnorm import GEMMA, GPT_OSS, LLAMA, Variant
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ARCHS = ("llama", "qwen3", "mistral")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CASES = [
     # (tokens, hidden, vocab, dtype, softcap, trainable head, scale as a device tensor)

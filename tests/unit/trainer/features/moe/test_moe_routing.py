@@ -32,7 +32,7 @@ REL_TOL = 1e-5
 """fp32: the grouped path sums the same products in another order (bmm over K vs per-expert index_add)."""
 
 ARCHS = ("gpt_oss", "qwen3_moe", "mixtral")
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[5]
 
 
 def _config(arch: str, experts: int = 8):

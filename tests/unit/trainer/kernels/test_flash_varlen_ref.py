@@ -21,9 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.kernels import flash_varlen_attention, reference_varlen_attention, supported
+from trainer.features.attention.reference import reference_varlen_attention
+from trainer.kernels.attention import flash_varlen_attention, supported
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

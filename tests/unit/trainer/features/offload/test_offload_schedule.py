@@ -17,7 +17,7 @@ from offload_helpers import COMMON, LENGTHS_1, loss_of, make_batch, make_model
 
 from trainer.features.offload import ReloadSchedule, Step
 
-SCHEDULE_PY = Path(__file__).resolve().parents[3] / "trainer" / "offload" / "schedule.py"
+SCHEDULE_PY = Path(__file__).resolve().parents[5] / "trainer" / "features" / "offload" / "schedule.py"
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),

@@ -53,7 +53,9 @@ class Job:
     def of(cls, config: TrainConfig) -> Job:
         return cls(
             method=config.method,
-            switches=tuple((f.name, getattr(config.optimizations, f.name)) for f in dataclasses.fields(config.optimizations)),
+            switches=tuple(
+                (f.name, getattr(config.optimizations, f.name)) for f in dataclasses.fields(config.optimizations)
+            ),
             gradient_checkpointing=config.gradient_checkpointing,
             lora_r=config.lora.r,
             lora_dropout=config.lora.dropout,

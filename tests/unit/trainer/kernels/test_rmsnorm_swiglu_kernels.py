@@ -153,7 +153,8 @@ sum order alone flips last bits."""
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    helpers = Path(__file__).resolve().parents[1]  # trainer_helpers: run as a script, pytest's path is not there
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(helpers)))}
     proc = subprocess.run(
         [sys.executable, __file__],
         check=False,

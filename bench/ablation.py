@@ -24,7 +24,7 @@ Rows, one after another on the same model object (each installs its pieces and u
   transformers' attention implementation and puts the previous one back.
 - ``all off`` / ``metadata cache only`` / ``double-buffered reload only`` / ``MoE routing only``
   (MoE models) / ``all on``: each a plan (``bench.plans``: ``trainer.plan.planner.plan`` for the
-  bench job with the row's switches ``on``/``off``, installed by ``trainer.run.install.install``,
+  bench job with the row's switches ``on``/``off``, installed by ``trainer.training.install.install``,
   removed after the row): ``ftq_packed`` attention on the kernel the plan chooses, the plan's
   loss, LoRA kernel and fused elementwise ops; the three switches vary:
   ``packed_metadata_cache`` (metadata built once per batch vs rebuilt in every layer from the
@@ -36,7 +36,7 @@ Rows, one after another on the same model object (each installs its pieces and u
 
 Timing is ``bench.train_step.run_variant``: warm-up steps, one step under the sync debugger
 (host syncs), then timed steps with CUDA events around forward, backward and optimizer; MFU is
-the trainer's (``trainer.run.flops`` on the built model: MoE counts the top-k experts' weights, expert
+the trainer's (``trainer.training.flops`` on the built model: MoE counts the top-k experts' weights, expert
 LoRA gives them a weight gradient; against ``trainer.plan.hardware``'s peak, printed with its source). A
 failing row prints ``failed: <error>`` and the others go on. The table, summary and JSON are
 ``bench.ablation_report``'s.
@@ -87,7 +87,7 @@ from bench.workload import (
     packed_steps,
 )
 from trainer.features.attention.packed import unwrap_model
-from trainer.run.install import Installation, install
+from trainer.training.install import Installation, install
 
 EAGER_MICRO_TOKENS = 4096
 """Stock eager micro-batch: a [64, 4k, 4k] fp32 score tensor is 4 GiB (16k would be 64 GiB)."""

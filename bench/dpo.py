@@ -126,7 +126,7 @@ def run_trl(model_dir: Path, data: Path, out: Path, steps: int, skip: int, devic
     trainer.add_callback(type("Timer", (TrainerCallback,), {
         "on_step_begin": lambda self, *a, **k: timer.begin(), "on_step_end": lambda self, *a, **k: timer.end(),
     })())
-    trainer.run.train()
+    trainer.train()
     timed = slice(skip, None) if len(timer.ms) > skip else slice(None)
     seconds = sum(timer.ms[timed]) / 1000.0
     return {"tokens_per_s": sum(tokens[: len(timer.ms)][timed]) / seconds, "step_ms": timer.ms,

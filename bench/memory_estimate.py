@@ -5,7 +5,7 @@ Llama-3.1-8B with LoRA, Qwen3-14B with QLoRA, GPT-OSS-20B with LoRA on attention
 random weights, 16,384-token packed steps), built once, and each activation policy (``none``,
 ``selective`` with half the layers checkpointed, ``full``, ``full+offload``): the plan the
 trainer would make for the job (``bench.plans``) with that policy installed through
-``trainer.run.install`` (``trainer.features.checkpointing.policy.with_policy``), ``--warmup`` steps, then
+``trainer.training.install`` (``trainer.features.checkpointing.policy.with_policy``), ``--warmup`` steps, then
 one step measured by ``torch.cuda.max_memory_allocated`` (reset before it; the weights, the
 optimizer state and everything the step allocates are in it). Beside it, ``trainer.plan.memory``'s
 estimate for the same shape and job, and the ratio. A policy whose estimate exceeds the GPU's
@@ -37,7 +37,7 @@ from bench.plans import Planner, ftq_loss
 from bench.workload import TOKENS_PER_STEP, packed_batch, packed_steps
 from trainer.plan import memory
 from trainer.features.checkpointing import policy as checkpointing
-from trainer.run.install import install
+from trainer.training.install import install
 from trainer.plan.types import Plan
 from trainer.plan.planner import plan
 

@@ -8,7 +8,7 @@ summaries of both offload variants.
 
 Workload (bench/workload.py): random-weight bf16 models from config classes, LoRA r=16 on every
 projection, one packed micro-batch of 16,384 real tokens per step, AdamW on the adapters. Each
-variant is a plan (``bench.plans``, installed by ``trainer.run.install.install`` and removed after
+variant is a plan (``bench.plans``, installed by ``trainer.training.install.install`` and removed after
 it): ``offload_activations`` and ``double_buffered_reload`` as the variant says, ``ftq_packed``
 attention on the kernel the plan chooses (printed) with cached metadata, the plan's loss, and
 peft's LoRA forward with transformers' norm and MLP (``lora_kernel`` and ``fused_ops`` off, what
@@ -55,7 +55,7 @@ from bench.workload import (
     packed_batch,
     packed_steps,
 )
-from trainer.run.install import Installation, install
+from trainer.training.install import Installation, install
 from trainer.features.offload import estimate
 
 SHAPES = {"llama-8b": LLAMA_3_1_8B, "qwen3-14b": QWEN3_14B}

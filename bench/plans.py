@@ -1,4 +1,4 @@
-"""Bench variants as plans: every ftq row installs ``trainer.run.install.install(model, plan)``.
+"""Bench variants as plans: every ftq row installs ``trainer.training.install.install(model, plan)``.
 
 A variant is the plan ``trainer.plan.planner.plan`` makes for the bench workload (``bench_config``)
 on this machine and the built model (``bench_facts``), with the variant's switches in
@@ -25,7 +25,7 @@ import torch
 from bench.workload import TOKENS_PER_STEP, ModelShape
 from trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, Optimizations, TrainConfig
 from trainer.plan.hardware import Hardware
-from trainer.run.install import Installation
+from trainer.training.install import Installation
 from trainer.data.packing import PackedBatch
 from trainer.plan.types import Decision, ModelFacts, Plan
 from trainer.plan.planner import plan

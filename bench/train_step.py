@@ -8,7 +8,7 @@ Variants, all in one process on the same model object (bench/workload.py builds 
 - ``stock packed``: one [1, 16384] row with restarting ``position_ids`` (transformers builds a
   dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
 - ``ftq``: the plan ``python -m trainer run`` makes for this job on this machine
-  (``bench.plans``: ``trainer.plan.planner.plan``, installed by ``trainer.run.install.install``), with
+  (``bench.plans``: ``trainer.plan.planner.plan``, installed by ``trainer.training.install.install``), with
   plain checkpointing: ``ftq_packed`` attention on the kernel the plan chooses (on CUDA torch's
   varlen_attn where it runs the model, else the Triton varlen kernel; printed per shape) with the
   metadata built once per batch, the fused loss (chunked linear + cross-entropy), the fused LoRA
@@ -27,7 +27,7 @@ its result records the installed pieces and the decisions that differ from the a
 Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
 (model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
-step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU is the trainer's: ``trainer.run.flops``'s
+step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU is the trainer's: ``trainer.training.flops``'s
 model FLOPs of the built model (frozen matmul weights 4 per parameter per token, LoRA's A and B 6,
 in-sample causal attention 3.5 x its forward; recompute not counted) over the step time and the
 trainer's peak (``trainer.plan.hardware.detect``: the bf16 matmul rate measured once per GPU and cached,
@@ -60,8 +60,8 @@ from bench.workload import (
     packed_steps,
     padded_batch,
 )
-from trainer.run.flops import FlopCounter
-from trainer.run.install import Installation, install
+from trainer.training.flops import FlopCounter
+from trainer.training.install import Installation, install
 
 VARIANTS = ("stock padded", "stock packed", "ftq", "ftq + offload", "ftq, metadata cache off", "ftq, peft LoRA",
             "ftq, unfused norm/SwiGLU")

@@ -7,7 +7,7 @@ classes (nothing is downloaded), LoRA r=16 alpha=16 on q,k,v,o,gate,up,down, gra
 checkpointing, bf16, AdamW on the LoRA weights. MoE shapes (GPT-OSS-20B) put LoRA on the
 attention projections and, through peft ``target_parameters``, on the 3-D expert weights
 (``trainer.features.moe.routing.expert_lora_targets``: they are not ``nn.Linear``). Model FLOPs (MFU) are
-``trainer.run.flops.FlopCounter.for_model`` of the built model, the trainer's own count.
+``trainer.training.flops.FlopCounter.for_model`` of the built model, the trainer's own count.
 """
 
 from __future__ import annotations

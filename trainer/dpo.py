@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from trainer.config import DpoConfig, TrainConfig
 from trainer.errors import ConfigError
 from trainer.events import DPO_STEP_FIELDS
-from trainer.run.flops import ATTENTION_BACKWARD, FlopCounter
+from trainer.training.flops import ATTENTION_BACKWARD, FlopCounter
 from trainer.features.loss.packed_forward import packed_sequence_logprobs
 from trainer.data.packing import PackedBatch
 

@@ -35,7 +35,7 @@ from core.jobs.models import Checkpoint, Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot, Worker
-from trainer.run import layout
+from trainer.training import layout
 from worker import nodes, remote
 from worker.outcome import Outcome, StopReason, classify
 from worker.launch import Rendezvous, launch_argv, run_tag

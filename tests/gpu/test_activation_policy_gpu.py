@@ -59,7 +59,7 @@ def _long_texts(path: Path, count: int = 24) -> Path:
 
 def test_a_real_oom_steps_down_and_the_run_finishes(tmp_path: Path) -> None:
     from trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
-    from trainer.run.train import run
+    from trainer.training.train import run
 
     config = TrainConfig(
         model=ModelConfig(str(_model(tmp_path / "model"))),

@@ -3,7 +3,7 @@
 The base is a tiny Llama (hidden 256, 4 layers, head dim 64) first fully fine-tuned for 30 steps
 on the repetitive chat set (on the CPU, in fp32), so that its loss (~0.25) is far below a random
 model's (ln 512 = 6.2): a broken quantization then shows in the loss, where on a random model
-every variant would sit at ln V. Runs go through ``trainer.run.train.run`` in this process, so the test can
+every variant would sit at ln V. Runs go through ``trainer.training.train.run`` in this process, so the test can
 look at the model the run trained (``prepare_for_training`` is wrapped to keep it).
 
 Tolerances:
@@ -87,9 +87,9 @@ def _train(
     monkeypatch: pytest.MonkeyPatch,
     **overrides: Any,
 ) -> tuple[Any, Recorder, Any]:
-    """``trainer.run.train.run`` in this process on ``make_job``'s chat set (written to ``tmp_path``);
+    """``trainer.training.train.run`` in this process on ``make_job``'s chat set (written to ``tmp_path``);
     returns (config, events, the model it trained)."""
-    from trainer.run import train
+    from trainer.training import train
     from trainer.config import DataConfig, OptimConfig
     from trainer.model.load import prepare_for_training as prepare
 
@@ -123,7 +123,7 @@ def trained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ~6.3 to ~0.25; seconds on the CPU, the plainest path the CPU suite already covers)."""
     from trainer.config import ModelConfig, OptimConfig
     from trainer.model.tiny import build_tokenizer
-    from trainer.run.train import run
+    from trainer.training.train import run
 
     tmp = tmp_path_factory.mktemp("qlora-base")
     random_dir = _tiny_llama(tmp / "random")
@@ -161,12 +161,12 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
 
     from trainer.parallel import distributed, strategy as parallel
     from trainer.plan import hardware, planner as planning
-    from trainer.run import metrics
+    from trainer.training import metrics
     from trainer.config import DataConfig
     from trainer.data.dataset import load_samples
-    from trainer.run.install import install
+    from trainer.training.install import install
     from trainer.model.load import load_model, load_tokenizer, model_facts
-    from trainer.run.step import StepContext, evaluate
+    from trainer.training.step import StepContext, evaluate
 
     validation = write_jsonl(tmp_path / "val.jsonl", repetitive_chat(5))
     data = DataConfig(

@@ -5,7 +5,7 @@ that cannot derive from it drifts.
                  migration, api MetricOut, the SSE ``step`` payload, the dashboard's chart keys
     plan event   what the trainer prints (``detect --json``, the run's ``plan`` event) -> api PlanOut
     switches     trainer.config.Optimizations -> core OptimizationSwitches -> /openapi.json -> the form
-    layout       trainer.run.layout -> trainer.run.checkpoint, worker.runner, the adapter download
+    layout       trainer.training.layout -> trainer.training.checkpoint, worker.runner, the adapter download
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from core.jobs import service
 from core.jobs.models import Job, StepMetric
 from core.jobs.spec import OptimizationSwitches
 from core.migrate import upgrade
-from trainer.run import layout
+from trainer.training import layout
 from trainer.config import SWITCH_VALUES, SWITCHES, switch_docs
 from trainer.events import STEP_FIELDS, StepEvent, make_event
 from worker.recorder import apply_events
@@ -275,7 +275,7 @@ class TestCheckpointLayout:
         assert layout.export_dir("/o", "full") == Path("/o/model")
 
     def test_the_trainer_resumes_from_what_the_layout_names(self, tmp_path: Path) -> None:
-        from trainer.run import checkpoint
+        from trainer.training import checkpoint
 
         for step in (5, 10):
             layout.checkpoint_dir(tmp_path, step).mkdir(parents=True)
@@ -289,6 +289,6 @@ class TestCheckpointLayout:
             str(path.relative_to(REPO))
             for top in ("trainer", "worker", "api", "core", "cli")
             for path in sorted((REPO / top).rglob("*.py"))
-            if path != REPO / "trainer" / "run" / "layout.py" and spelled.search(path.read_text())
+            if path != REPO / "trainer" / "training" / "layout.py" and spelled.search(path.read_text())
         ]
-        assert not offenders, f"use trainer.run.layout instead of spelling the layout in {offenders}"
+        assert not offenders, f"use trainer.training.layout instead of spelling the layout in {offenders}"

@@ -2,7 +2,7 @@
 
 ``python -m trainer export JOB.json --format merged|gguf [--quantization f16] --out DIR`` reads the
 run's ``job.json`` (the base model as the trainer loaded it, the method) and its final weights
-(``trainer.run.layout.export_dir``), writes the export into ``DIR`` (through ``DIR.tmp``, renamed
+(``trainer.training.layout.export_dir``), writes the export into ``DIR`` (through ``DIR.tmp``, renamed
 when complete) and reports on stdout as JSON lines: ``progress`` events (stage, fraction) and a
 final ``done`` (status, path, bytes, or an error code and message). The worker runs it as it runs
 training, so it needs only torch, transformers and peft (plus ``gguf`` for format gguf).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.run import layout
+from trainer.training import layout
 from trainer.config import TrainConfig
 
 FORMATS = ("merged", "gguf")

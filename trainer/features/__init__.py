@@ -12,7 +12,7 @@ implements ``trainer.plan.feature.Feature`` (and ``Installable`` when it install
   back exactly (``describe()`` gives the run's log line, None when nothing was installed).
 
 ``registry.PLANNED`` is the order ``trainer.plan.planner.plan`` decides in, ``registry.INSTALLED``
-the order ``trainer.run.install.install(model, plan)`` applies in; the train loop and every bench
+the order ``trainer.training.install.install(model, plan)`` applies in; the train loop and every bench
 script install through it. Nothing else in the trainer decides or installs a feature.
 
 | package | feature: decision | what runs |

@@ -3,7 +3,7 @@
 ``PLANNED``: the order ``trainer.plan.planner.plan`` decides in; each feature reads the decisions
 before it (``Context.decision``): the metadata cache its ``attention`` kernel, the activation
 policy the kernel and the ``parallelism`` strategy, the offload the policy and the strategy.
-``INSTALLED``: the order ``trainer.run.install.install`` applies in (and removes in reverse):
+``INSTALLED``: the order ``trainer.training.install.install`` applies in (and removes in reverse):
 packed attention, MoE routing, the activation policy (which layers are checkpointed), the
 offload (after peft, so the adapters are inside the recompute), the LoRA kernel, the fused
 elementwise ops, the loss. A new feature adds its object to both (or only to ``PLANNED`` when

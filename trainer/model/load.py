@@ -403,7 +403,7 @@ def _known_peft_warnings_ignored() -> Iterator[None]:
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """``(all parameters, trainable parameters)``; a 4-bit weight counts its logical elements."""
-    from trainer.run.metrics import param_numel
+    from trainer.training.metrics import param_numel
 
     total = trainable = 0
     for p in model.parameters():

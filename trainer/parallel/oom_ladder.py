@@ -23,7 +23,7 @@ first checkpoint) is caught, and:
 
 At the bottom of the ladder (or past the window, or on several ranks, whose collectives a
 one-rank retry would desynchronise) the error ends the run with code ``out_of_memory`` and
-advice. Standard library and torch only; ``trainer.run.train`` calls ``Ladder.run`` for each step.
+advice. Standard library and torch only; ``trainer.training.train`` calls ``Ladder.run`` for each step.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from trainer.plan import planner as planning
 from trainer.features.checkpointing import policy as checkpointing
-from trainer.run.install import Installation
+from trainer.training.install import Installation
 
 T = TypeVar("T")
 WINDOW = 10

@@ -16,7 +16,7 @@ activation policy (``gradient_checkpointing``: ``auto | on | off | selective``) 
 chosen from the memory estimate (``trainer.plan.memory``) against the GPU's free memory at start
 (``free_gpu_bytes``) or the job's ``max_gpu_memory_gb`` (``trainer.features.checkpointing.policy``).
 The plan lists the decisions that are not switches in the order they were made, then one per
-switch in ``SWITCHES`` order. ``trainer.run.install.install(model, plan)`` applies the plan; the
+switch in ``SWITCHES`` order. ``trainer.training.install.install(model, plan)`` applies the plan; the
 plan event and ``python -m trainer detect`` show it (``Plan.to_dict``).
 """
 

@@ -29,8 +29,8 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.config", "trainer.events", "trainer.run",
-                                                   "trainer.run.layout", "trainer.plan", "trainer.plan.memory"}
+    assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.config", "trainer.events", "trainer.training",
+                                                   "trainer.training.layout", "trainer.plan", "trainer.plan.memory"}
 
 
 def test_sse_event_format() -> None:

@@ -1,5 +1,5 @@
 """The tars carrying a job's artifacts (``core.workers.archive``) and the paths they may land on
-(``trainer.run.layout.check_artifact_path``): hostile archives never write outside the staging dir."""
+(``trainer.training.layout.check_artifact_path``): hostile archives never write outside the staging dir."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from core.errors import ChecksumMismatch, TooLarge, UnsafeArchive
 from core.workers import archive
 from tests.hostile_tars import GIB, files_tar, gnu_sparse_tar, many_members_tar, pax_sparse_tar
-from trainer.run import layout
+from trainer.training import layout
 
 
 class TestArtifactPaths:

@@ -66,11 +66,11 @@ def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> di
     # Given a peft model with an adapter, TRL copies it as a "ref" adapter (re-training an existing
     # adapter). ftq trains a new adapter, whose reference is the base: TRL's own path for that is
     # no "ref" adapter (adapters disabled), so remove the copy.
-    trainer.model.load.delete_adapter("ref")
+    trainer.model.delete_adapter("ref")
     examples = [trainer.train_dataset[i] for i in range(len(rows))]
     batch = trainer.data_collator(examples)
-    trainer.model.load.train()
-    loss = trainer.compute_loss(trainer.model.load, batch)
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
     margins = trainer._metrics["train"].get("rewards/margins", [None])
     return {

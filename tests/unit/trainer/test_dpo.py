@@ -22,7 +22,7 @@ from trainer.features.attention.packed import PackedAttention
 from trainer.config import DataConfig, DpoConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.data.dataset import IGNORE_INDEX, Sample
 from trainer.errors import ConfigError
-from trainer.run.flops import AttentionLayers, FlopCounter
+from trainer.training.flops import AttentionLayers, FlopCounter
 from trainer.fused_logprobs import fused_linear_sequence_logprobs
 from trainer.features.loss.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
 from trainer.data.packing import pack_batch
@@ -240,8 +240,8 @@ class TestDpoRun:
         resumed run starts from: the resumed steps follow the uninterrupted run."""
         import shutil
 
-        from trainer.run import layout
-        from trainer.run.train import run
+        from trainer.training import layout
+        from trainer.training.train import run
 
         whole = Recorder()
         config = dpo_job(tmp_path, tiny_model_dir, method="full", checkpoint_every=2,
@@ -259,7 +259,7 @@ class TestDpoRun:
                 assert got[step][field] == pytest.approx(want[step][field], rel=1e-4, abs=1e-6), (step, field)
 
     def test_a_lora_dpo_run_learns_the_preference_and_reports_it(self, tmp_path, tiny_model_dir) -> None:
-        from trainer.run.train import run
+        from trainer.training.train import run
 
         config = dpo_job(tmp_path, tiny_model_dir)
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, validation_path=config.data.train_path),

@@ -11,7 +11,7 @@ from trainer import token_accuracy
 from trainer.config import OptimConfig
 from trainer.data.dataset import IGNORE_INDEX
 from trainer.features.loss.fused import fused_linear_cross_entropy
-from trainer.run.train import run
+from trainer.training.train import run
 
 
 def _case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -57,7 +57,7 @@ def make_job(tmp_path: Path, model_dir: Path, **overrides: object):
 
 
 class Recorder:
-    """An ``emit`` for ``trainer.run.train.run`` that keeps the events in memory."""
+    """An ``emit`` for ``trainer.training.train.run`` that keeps the events in memory."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
@@ -79,7 +79,7 @@ class Recorder:
 def train_lora(out_dir: Path, model_dir: Path, monkeypatch, *, steps: int, facts: dict | None = None,
                **overrides: object) -> tuple[Recorder, dict]:
     """``steps`` optimizer steps of 2 micro-batches at lr 1e-2 with gradient checkpointing through
-    ``trainer.run.train.run``; returns the events and the saved LoRA weights.
+    ``trainer.training.train.run``; returns the events and the saved LoRA weights.
 
     ``facts``: ``ModelFacts`` fields the plan is handed instead of the model's (e.g. a reason in
     ``fused_loss`` switches the fused loss off). ``monkeypatch`` is undone after the run, so
@@ -90,7 +90,7 @@ def train_lora(out_dir: Path, model_dir: Path, monkeypatch, *, steps: int, facts
 
     from safetensors.torch import load_file
 
-    from trainer.run import train as train_module
+    from trainer.training import train as train_module
     from trainer.config import OptimConfig
     from trainer.model.load import model_facts
 

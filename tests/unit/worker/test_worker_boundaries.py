@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-TRAINER_MODULES_FOR_THE_WORKER = {"trainer", "trainer.config", "trainer.events", "trainer.run", "trainer.run.layout"}
+TRAINER_MODULES_FOR_THE_WORKER = {"trainer", "trainer.config", "trainer.events", "trainer.training", "trainer.training.layout"}
 
 
 def test_importing_the_worker_pulls_no_torch_and_only_the_trainers_stdlib_modules() -> None:

@@ -41,7 +41,7 @@ checkpoints them itself.
 
 Test hook: ``apply(..., Target(activation_budget=N))`` counts the bytes the decoder layers save for backward
 in one forward and raises ``torch.OutOfMemoryError`` once they pass N, so the OOM ladder
-(``trainer.parallel.oom_ladder``) is exercised on a CPU through the real step. ``trainer.run.train`` reads
+(``trainer.parallel.oom_ladder``) is exercised on a CPU through the real step. ``trainer.training.train`` reads
 it once at start from ``FTQ_TEST_ACTIVATION_BUDGET_BYTES`` (tests only; unset in production).
 """
 

@@ -49,7 +49,7 @@ class TestMerged:
         from transformers import AutoModelForCausalLM
 
         from tests.unit.trainer.trainer_helpers import make_job
-        from trainer.run import layout
+        from trainer.training import layout
         from trainer.export.formats import run_export
 
         config = make_job(tmp_path, tiny_model_dir, method="full")

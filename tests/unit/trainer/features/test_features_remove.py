@@ -1,6 +1,6 @@
 """Every feature's ``apply(model, decision, target).remove()`` puts the model back exactly.
 
-For each feature of ``trainer.features``, and for a whole plan through ``trainer.run.install``: a tiny
+For each feature of ``trainer.features``, and for a whole plan through ``trainer.training.install``: a tiny
 model that had the feature applied, trained a micro-batch through it and had it removed computes
 the same logits, loss and gradients, bit for bit (``torch.equal``), as a copy of the same model
 (same weights, same seed) that never had it. A module-level function a feature patched
@@ -31,7 +31,7 @@ from trainer.features.lora_kernel import feature as lora_kernel
 from trainer.features.loss import feature as loss
 from trainer.features.moe import feature as moe
 from trainer.features.offload import feature as offload
-from trainer.run.install import install
+from trainer.training.install import install
 from trainer.kernels import rmsnorm, rope, swiglu
 from trainer.model.load import LOSS_FUSED, LOSS_PLAIN, enable_gradient_checkpointing, packed_loss
 from trainer.data.packing import PackedBatch, pack_batch

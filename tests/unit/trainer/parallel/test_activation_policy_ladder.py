@@ -21,7 +21,7 @@ from trainer_helpers import Recorder, lora_model, train_lora
 from trainer.errors import error_code
 from trainer.features.checkpointing import policy as checkpointing
 from trainer.features.checkpointing.policy import BUDGET_ENV
-from trainer.run.install import install
+from trainer.training.install import install
 from trainer.parallel.oom_ladder import ADVICE, Ladder
 from trainer.plan.planner import plan
 

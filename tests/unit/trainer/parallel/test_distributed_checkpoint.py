@@ -1,4 +1,4 @@
-"""``trainer.run.checkpoint`` through ``torch.distributed.checkpoint`` in one process (no process
+"""``trainer.training.checkpoint`` through ``torch.distributed.checkpoint`` in one process (no process
 group): what several ranks write is read the same way (``test_distributed_runs`` does it with
 two ranks), so these pin the format, the atomic rename and the trained-only content."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from trainer_helpers import random_ids
 
-from trainer.run import checkpoint, layout
-from trainer.run.checkpoint import TrainingState
+from trainer.training import checkpoint, layout
+from trainer.training.checkpoint import TrainingState
 from trainer.parallel.distributed import Comm, World
 
 ONE = Comm(World(), torch.device("cpu"))

@@ -39,7 +39,7 @@ from distributed_helpers import (
 
 from trainer_helpers import make_job
 
-from trainer.run import layout
+from trainer.training import layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

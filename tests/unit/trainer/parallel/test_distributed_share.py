@@ -47,18 +47,18 @@ class TestPadding:
     """What each rank runs of a step: its share plus zero-weighted stand-ins for the collectives."""
 
     def test_one_rank_runs_its_share(self):
-        from trainer.run.step import _padded
+        from trainer.training.step import _padded
 
         assert _padded([0, 1], [[0, 1]], None) == [0, 1]
 
     def test_ddp_gives_only_an_empty_rank_a_stand_in(self):
-        from trainer.run.step import _padded
+        from trainer.training.step import _padded
 
         parts = [[0, 1, 2], [3], []]
         assert [_padded(p, parts, "ddp") for p in parts] == [[0, 1, 2], [3], [0]]
 
     def test_fsdp2_gives_every_rank_as_many_forwards_as_the_busiest(self):
-        from trainer.run.step import _padded
+        from trainer.training.step import _padded
 
         parts = share([4096, 2000, 2000, 100], 2)  # token-balanced: one big, three small
         assert parts == [[0], [1, 2, 3]]

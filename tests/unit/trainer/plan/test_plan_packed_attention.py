@@ -283,7 +283,7 @@ class TestRuns:
             model_dir,
             optimizations=Optimizations(packed_metadata_cache="on"),
         )
-        from trainer.run.train import run
+        from trainer.training.train import run
 
         result = run(config, lambda t, **p: events.append(make_event(t, **p)))
         done = events[-1]
@@ -302,7 +302,7 @@ class TestRuns:
         model_dir = _tiny_gemma2(tmp_path / "gemma2")
         events: list[dict] = []
         config = make_job(tmp_path, model_dir, optim=OptimConfig(max_steps=2))
-        from trainer.run.train import run
+        from trainer.training.train import run
 
         result = run(config, lambda t, **p: events.append(make_event(t, **p)))
         assert result.status == "succeeded", result.message

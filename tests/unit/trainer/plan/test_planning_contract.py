@@ -34,7 +34,7 @@ from trainer.plan import planner
 from trainer.plan.feature import Context
 from trainer.plan.types import Decision, ModelFacts
 from trainer.plan.planner import plan
-from trainer.run import install as install_module
+from trainer.training import install as install_module
 from trainer.features.fused_ops import feature as fused_ops
 from trainer.features.loss import feature as loss
 
@@ -85,7 +85,7 @@ class TestDecisions:
 
     def test_every_decision_is_applied_by_its_feature(self) -> None:
         """A plan never claims what nothing installs: each decision is a feature's own (applied
-        by ``trainer.run.install``), the strategy ``trainer.parallel.strategy.parallelize`` applies, or a
+        by ``trainer.training.install``), the strategy ``trainer.parallel.strategy.parallelize`` applies, or a
         partner whose choice the applied decision carries in its backend."""
         applied = {feature.name for feature in INSTALLED} | {parallel.NAME}
         partners = {"attention", offload.RELOAD}
@@ -191,7 +191,7 @@ class TestPlanEvent:
     def test_the_run_emits_it_with_the_run_fields(
         self, tmp_path: Path, tiny_model_dir: Path, one_thread: None
     ) -> None:
-        from trainer.run.train import run
+        from trainer.training.train import run
 
         events = Recorder()
         result = run(make_job(tmp_path, tiny_model_dir, optim=OptimConfig(max_steps=1)), events)

@@ -1,7 +1,7 @@
 """Every activation policy gives full checkpointing's loss and gradients (CPU, tiny models).
 
 Tiny Llama, Qwen3 (q/k norms) and Qwen3-MoE (experts with LoRA through ``target_parameters``,
-grouped routing), LoRA with random B. Each policy is installed through ``trainer.run.install`` from
+grouped routing), LoRA with random B. Each policy is installed through ``trainer.training.install`` from
 the CPU plan with its ``gradient_checkpointing`` decision (and for ``full+offload`` the offload
 decision, the CPU twin of the double-buffered reload) replaced, then one packed micro-batch
 forward and backward. A recompute runs the same kernels on the same bytes in one thread, so the
@@ -19,7 +19,7 @@ from trainer_helpers import lora_model
 from trainer.config import ModelConfig
 from trainer.data.dataset import Sample
 from trainer.features.checkpointing import policy as checkpointing
-from trainer.run.install import install
+from trainer.training.install import install
 from trainer.model.load import model_facts
 from trainer.data.packing import pack_batch
 from trainer.plan.feature import Target

@@ -2,7 +2,7 @@
 
 1. Tiny GPT-OSS and Qwen3-MoE (``trainer.model.tiny``), LoRA ``all-linear`` (attention, router and, via
    peft ``target_parameters``, the expert weights), 4 optimizer steps of 2 micro-batches through
-   ``trainer.run.train.run``:
+   ``trainer.training.train.run``:
 
    - all on:  grouped MoE routing (the per-expert-slice loop: the CPU has no grouped_mm), the
      packed-metadata cache, the fused loss, and offloaded checkpointing with the double-buffered

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from trainer import dpo, token_accuracy
-from trainer.run import guards, metrics
+from trainer.training import guards, metrics
 from trainer.data.dataset import Sample
 from trainer.parallel.distributed import Comm, share
 from trainer.dpo import DpoLoss
 from trainer.events import StepEvent
-from trainer.run.install import Installation
+from trainer.training.install import Installation
 from trainer.data.packing import MicroBatchRef, pack_batch, pack_indices
 from trainer.parallel.strategy import Parallel
 

@@ -2,7 +2,7 @@
 
 Tiny random-weight Llama, Qwen3 and GPT-OSS (``trainer.model.tiny``; GPT-OSS with attention sinks and a
 sliding window of 8 tokens, shorter than the samples) train for a few steps on CPU through
-``trainer.run.train.run`` three ways:
+``trainer.training.train.run`` three ways:
 
 - all on:  ``ftq_packed`` attention with the packed-metadata cache, fused chunked loss;
 - all off: ``ftq_packed`` attention rebuilding the metadata in every layer (the switch's
@@ -25,7 +25,7 @@ import torch
 from trainer_helpers import Recorder, make_job, train_lora
 
 from trainer.config import OptimConfig, Optimizations
-from trainer.run.train import run
+from trainer.training.train import run
 
 pytestmark = [
     pytest.mark.slow,  # ~6 s: nine real runs of 6 steps

@@ -5,7 +5,7 @@ the current stream; the loop reads a step's timings, loss and grad norm only aft
 the next step, so waiting on the old step's last event never leaves the GPU idle and no
 ``synchronize()`` exists just to measure. On CPU the same interface uses ``time.perf_counter``.
 
-MFU is ``trainer.run.flops``'s model FLOPs of the step (``FlopCounter``, re-exported here: frozen
+MFU is ``trainer.training.flops``'s model FLOPs of the step (``FlopCounter``, re-exported here: frozen
 matmul weights 4 FLOPs per parameter per token, trainable ones 6, LoRA's own matmuls, in-sample
 causal attention; no recompute) over the step time and the peak the plan names
 (``Hardware.peak_flops``, from ``Hardware.peak_source``: measured once per GPU and cached, or the
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.run.flops import FlopCounter  # noqa: F401 - re-exported: the step builds its counter through here
+from trainer.training.flops import FlopCounter  # noqa: F401 - re-exported: the step builds its counter through here
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

@@ -6,7 +6,7 @@
   last step, when the job names ``sample_prompts`` or a ``sample_count``.
 
 Neither runs on a step the run is stopping at (cancel): the user asked it to end.
-Both are read on the host: their step's event is flushed first (``trainer.run.train``), so the
+Both are read on the host: their step's event is flushed first (``trainer.training.train``), so the
 step-late reading of step results is unchanged between them.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from trainer.config import TrainConfig
 from trainer.data.dataset import Sample
 from trainer.generate.samples import Sampler
-from trainer.run.step import StepContext, evaluate
+from trainer.training.step import StepContext, evaluate
 
 
 def is_eval_due(config: TrainConfig, step: int, *, checkpointing: bool, is_last: bool) -> bool:

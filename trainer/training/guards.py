@@ -8,13 +8,13 @@ Two halves, so the guard adds no host sync to a step:
    builds (``fused=True`` on CUDA) reads that flag inside its kernel: when it is set, no
    parameter, moment or step count changes (``torch.optim.adam._fused_adam``). Nothing is read
    back, so the step stays as asynchronous as before. A non-fused optimizer (the CPU path, where
-   ``trainer.run.train`` builds the foreach AdamW) cannot take the flag; there the flag is read on
+   ``trainer.training.train`` builds the foreach AdamW) cannot take the flag; there the flag is read on
    the host, which on a CPU tensor waits for nothing (the value is already computed).
    Under FSDP2 the flag is a 0-dim tensor, which DTensor replicates implicitly.
    The learning-rate schedule still advances on a skipped step, as with GradScaler: the
    schedule is a function of the step index, known before the step, and replays on resume.
 2. ``NonFiniteGuard.check`` (on the host, one step late): the step's loss and grad norm are read
-   anyway for its ``step`` event (``trainer.run.step.PendingStep``); a non-finite one emits a ``skip``
+   anyway for its ``step`` event (``trainer.training.step.PendingStep``); a non-finite one emits a ``skip``
    event, and ``max_non_finite_steps`` such steps in a row end the run with ``NonFiniteError``
    (code ``non_finite``), naming the first bad step of the streak. The run writes no checkpoint
    on the way out, so the newest one on disk holds weights that never saw a non-finite update

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from trainer.run.flops import AttentionLayers
+from trainer.training.flops import AttentionLayers
 from trainer.plan.hardware import detect, device_peak, peak_cache_path
-from trainer.run.metrics import FlopCounter, StepTimer, memory_stats, mfu
-from trainer.run.step import lr_lambda
+from trainer.training.metrics import FlopCounter, StepTimer, memory_stats, mfu
+from trainer.training.step import lr_lambda
 
 
 class TestStepTimer:
@@ -32,7 +32,7 @@ class TestStepTimer:
 
 class TestFlops:
     def test_matmul_and_causal_attention_terms(self):
-        """trainer.run.flops' count through the name the step uses (tests/unit/trainer/run/test_flops.py has the rest)."""
+        """trainer.training.flops' count through the name the step uses (tests/unit/trainer/training/test_flops.py has the rest)."""
         counter = FlopCounter(frozen_params=1000, trainable_params=10, attention=(AttentionLayers(2, width=8),))
         # (4*frozen + 6*trainable)*T + 3.5 * 4*width*layers*sum(L(L+1)/2): lengths 3 and 4
         assert counter.step_flops([3, 4]) == 4060 * 7 + 3.5 * 4 * 8 * 2 * (6 + 10)
@@ -122,7 +122,7 @@ def test_param_numel_counts_a_4bit_weight_by_its_logical_shape() -> None:
 
     import torch
 
-    from trainer.run.metrics import param_numel
+    from trainer.training.metrics import param_numel
 
     packed = torch.nn.Parameter(torch.zeros(32 * 64 // 2, 1, dtype=torch.uint8), requires_grad=False)
     packed.quant_state = types.SimpleNamespace(shape=torch.Size([32, 64]))

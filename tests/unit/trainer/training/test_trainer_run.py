@@ -17,7 +17,7 @@ from trainer_helpers import REPO_ROOT, events_of, make_job, run_cli, write_jsonl
 
 from trainer.config import OptimConfig, Optimizations
 from trainer.events import STEP_FIELDS, make_event
-from trainer.run.train import StopFlag, run
+from trainer.training.train import StopFlag, run
 
 
 class Recorder:

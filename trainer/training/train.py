@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from trainer.run import checkpoint, evaluation, layout, metrics
+from trainer.training import checkpoint, evaluation, layout, metrics
 from trainer.parallel import distributed, strategy as parallel
 from trainer import dpo
 from trainer.plan import hardware, memory, planner as planning
@@ -43,13 +43,13 @@ from trainer.preference import load_pair_sets
 from trainer.data.dataset import Sample, load_samples
 from trainer.errors import ConfigError, error_code
 from trainer.generate.samples import Sampler
-from trainer.run.guards import NonFiniteGuard
+from trainer.training.guards import NonFiniteGuard
 from trainer.features.checkpointing.policy import BUDGET_ENV
-from trainer.run.install import install
+from trainer.training.install import install
 from trainer.model.load import count_parameters, load_model, load_tokenizer, model_facts, prepare_for_training
 from trainer.parallel.oom_ladder import Ladder
 from trainer.data.packing import BatchSchedule
-from trainer.run.step import PendingStep, StepContext, lr_lambda, train_step
+from trainer.training.step import PendingStep, StepContext, lr_lambda, train_step
 
 Emit = Callable[..., Any]
 

@@ -1,4 +1,4 @@
-"""trainer.run.flops: the one FLOP count of the trainer's MFU and the bench's, hand-checked on tiny models.
+"""trainer.training.flops: the one FLOP count of the trainer's MFU and the bench's, hand-checked on tiny models.
 
 The tiny shapes (hidden 8, 2 layers, 2 query heads and 1 key/value head of dim 4, vocabulary 32,
 untied head) give, per decoder layer: q 8x8 = 64, k 8x4 = 32, v 32, o 64 parameters; a Llama MLP
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.run.flops import AttentionLayers, FlopCounter, attention_layers
+from trainer.training.flops import AttentionLayers, FlopCounter, attention_layers
 
 pytest.importorskip("peft")
 # peft 0.21 reads transformers' deprecated is_gradient_checkpointing (not ours to fix)
@@ -88,7 +88,7 @@ class TestStepFlops:
     def test_the_module_imports_without_torch(self):
         import subprocess
 
-        code = "import sys, trainer.run.flops; assert 'torch' not in sys.modules"
+        code = "import sys, trainer.training.flops; assert 'torch' not in sys.modules"
         subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[4])
 
 

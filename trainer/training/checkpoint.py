@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from trainer.run import layout
+from trainer.training import layout
 from trainer.parallel.distributed import Comm
-from trainer.run.layout import checkpoint_dir
+from trainer.training.layout import checkpoint_dir
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 ::
 
     output_dir/
-        checkpoints/step-NNNNNN/       a resumable checkpoint (trainer.run.checkpoint), step zero-padded
+        checkpoints/step-NNNNNN/       a resumable checkpoint (trainer.training.checkpoint), step zero-padded
         checkpoints/step-NNNNNN.tmp/   one being written; renamed into place when complete
         checkpoints/step-NNNNNN/dcp/   method full / FSDP2: model + optimizer state as the ranks
                                        held it (torch.distributed.checkpoint), loadable on any
@@ -18,7 +18,7 @@ A worker on another machine uploads these to the API's copy of the job directory
 ``ARTIFACT_PATHS`` entry at a time (``check_artifact_path``); the API serves nothing else from it
 (no logs: a run's stderr tail is kept in the store).
 
-The trainer writes it (``trainer.run.checkpoint``, ``trainer.run.train``); the worker reads it (which
+The trainer writes it (``trainer.training.checkpoint``, ``trainer.training.train``); the worker reads it (which
 checkpoints exist, ``worker.runner``) and the API serves it (``api.jobs.routes``).
 
 Standard library only, like ``trainer.config`` and ``trainer.events``: the worker touches the

@@ -12,9 +12,9 @@ import torch
 from trainer_helpers import Recorder, make_job, write_jsonl
 
 from tests.poison import poison_model, records, seed_with_order
-from trainer.run import guards
+from trainer.training import guards
 from trainer.config import DataConfig, OptimConfig
-from trainer.run.train import run
+from trainer.training.train import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

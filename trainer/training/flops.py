@@ -1,6 +1,6 @@
 """Model FLOPs of a training step: the one count behind every MFU ftq reports.
 
-The trainer's ``step`` events (``trainer.run.metrics.mfu``) and the bench scripts (``bench.train_step``,
+The trainer's ``step`` events (``trainer.training.metrics.mfu``) and the bench scripts (``bench.train_step``,
 ``bench.ablation``, ``bench.qlora``) count with this module, from the model they train:
 ``FlopCounter.for_model(model)`` walks the modules once, ``step_flops(lengths)`` counts a step.
 Standard library only at import (torch is imported inside ``for_model``), so the count can be
@@ -42,7 +42,7 @@ Worked example, Llama-3.1-8B with LoRA r=16 on q, k, v, o, gate, up, down (``ben
 frozen 32 x 218,103,808 + head 525,336,576 = 7,504,658,432 parameters, trainable (LoRA)
 32 x 1,310,720 = 41,943,040, so 4 x 7,504,658,432 + 6 x 41,943,040 = 30.27 GFLOP per token for the
 matmuls; a 16,384-token step with sum pairs(L) = 6,099,045 adds 3.5 x 4 x 4096 x 32 x 6,099,045
-= 11.19 TFLOP of attention to 496.0 TFLOP of matmuls (tests/unit/trainer/run/test_flops.py).
+= 11.19 TFLOP of attention to 496.0 TFLOP of matmuls (tests/unit/trainer/training/test_flops.py).
 """
 
 from __future__ import annotations

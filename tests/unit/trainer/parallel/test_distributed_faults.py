@@ -10,7 +10,7 @@ import signal
 import pytest
 from distributed_helpers import Started, launch, weights, write_job
 
-from trainer import layout
+from trainer.training import layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -23,21 +23,21 @@ Rows, one after another on the same model object (each installs its pieces and u
   loss over full logits; MoE experts as transformers configures them. Not a plan: it sets
   transformers' attention implementation and puts the previous one back.
 - ``all off`` / ``metadata cache only`` / ``double-buffered reload only`` / ``MoE routing only``
-  (MoE models) / ``all on``: each a plan (``bench.plans``: ``trainer.planning.plan`` for the
-  bench job with the row's switches ``on``/``off``, installed by ``trainer.install.install``,
+  (MoE models) / ``all on``: each a plan (``bench.plans``: ``trainer.plan.planner.plan`` for the
+  bench job with the row's switches ``on``/``off``, installed by ``trainer.training.install.install``,
   removed after the row): ``ftq_packed`` attention on the kernel the plan chooses, the plan's
   loss, LoRA kernel and fused elementwise ops; the three switches vary:
   ``packed_metadata_cache`` (metadata built once per batch vs rebuilt in every layer from the
   device position ids), ``double_buffered_reload`` (offloaded checkpoints reloaded
   double-buffered vs synchronously; ``offload_activations`` is on in every ftq row of the 8B, 14B
   and 20B models and off for Qwen3-0.6B, whose double-buffer row is n/a) and
-  ``moe_grouped_routing`` (``trainer.moe_routing`` vs transformers' eager per-expert loop). Each
+  ``moe_grouped_routing`` (``trainer.features.moe.routing`` vs transformers' eager per-expert loop). Each
   row records its installed pieces and the decisions that differ from the all-``auto`` plan.
 
 Timing is ``bench.train_step.run_variant``: warm-up steps, one step under the sync debugger
 (host syncs), then timed steps with CUDA events around forward, backward and optimizer; MFU is
-the trainer's (``trainer.flops`` on the built model: MoE counts the top-k experts' weights, expert
-LoRA gives them a weight gradient; against ``trainer.hardware``'s peak, printed with its source). A
+the trainer's (``trainer.training.flops`` on the built model: MoE counts the top-k experts' weights, expert
+LoRA gives them a weight gradient; against ``trainer.plan.hardware``'s peak, printed with its source). A
 failing row prints ``failed: <error>`` and the others go on. The table, summary and JSON are
 ``bench.ablation_report``'s.
 """
@@ -86,8 +86,8 @@ from bench.workload import (
     packed_batch,
     packed_steps,
 )
-from trainer.attention import unwrap_model
-from trainer.install import Installation, install
+from trainer.features.attention.packed import unwrap_model
+from trainer.training.install import Installation, install
 
 EAGER_MICRO_TOKENS = 4096
 """Stock eager micro-batch: a [64, 4k, 4k] fp32 score tensor is 4 GiB (16k would be 64 GiB)."""

@@ -4,7 +4,7 @@ Run on a GPU: ``python -m bench.attention [--sweep] [--json PATH]``.
 
 Workload: 16,384 packed tokens, lognormal lengths (bench/workload.py, step 0), bf16, causal.
 Compared, per model shape (Llama-3.1-8B: 32 q / 8 kv heads; Qwen3-0.6B: 16 q / 8 kv; D=128):
-- ``varlen (ours)``: trainer.kernels.flash_varlen_attention over ``cu_seqlens``;
+- ``varlen (ours)``: trainer.kernels.attention.flash_varlen_attention over ``cu_seqlens``;
 - ``sdpa dense mask``: one SDPA call with a [T, T] block-diagonal causal bool mask and repeated
   k/v heads: what transformers builds for packed ``position_ids`` with ``sdpa``;
 - ``sdpa per sample``: one causal SDPA call per sample (flash backend), in a Python loop.
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.workload import LLAMA_3_1_8B, QWEN3_0_6B, TOKENS_PER_STEP, packed_steps
-from trainer.kernels import flash_varlen as fv
-from trainer.kernels import flash_varlen_attention
+from trainer.kernels import attention as fv
+from trainer.kernels.attention import flash_varlen_attention
 
 SHAPES = [(LLAMA_3_1_8B.name, 32, 8, 128), (QWEN3_0_6B.name, 16, 8, 128)]
 

@@ -6,7 +6,7 @@
 
 Set-up (not timed): a random-weight bf16 base of the shape (Llama 3.1's llama3 RoPE scaling
 included, so the GGUF carries ``rope_freqs``) with a small byte-level BPE tokenizer
-(``trainer.tiny``; the GGUF pads the vocabulary to the embedding's rows), saved once under
+(``trainer.model.tiny``; the GGUF pads the vocabulary to the embedding's rows), saved once under
 ``--work`` and reused by later runs; a LoRA r=16 adapter on every linear projection with
 random A and B (peft's ``init_lora_weights=False``), and a ``job.json`` naming both.
 
@@ -61,7 +61,7 @@ def prepare(work: Path, shape: str, device: str) -> Path:
     from transformers import AutoModelForCausalLM
 
     from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     base, run, job = work / f"base-{shape}", work / f"run-{shape}", work / f"run-{shape}" / "job.json"
     if job.is_file():

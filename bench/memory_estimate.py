@@ -5,9 +5,9 @@ Llama-3.1-8B with LoRA, Qwen3-14B with QLoRA, GPT-OSS-20B with LoRA on attention
 random weights, 16,384-token packed steps), built once, and each activation policy (``none``,
 ``selective`` with half the layers checkpointed, ``full``, ``full+offload``): the plan the
 trainer would make for the job (``bench.plans``) with that policy installed through
-``trainer.install`` (``trainer.features.checkpointing.with_policy``), ``--warmup`` steps, then
+``trainer.training.install`` (``trainer.features.checkpointing.policy.with_policy``), ``--warmup`` steps, then
 one step measured by ``torch.cuda.max_memory_allocated`` (reset before it; the weights, the
-optimizer state and everything the step allocates are in it). Beside it, ``trainer.memory``'s
+optimizer state and everything the step allocates are in it). Beside it, ``trainer.plan.memory``'s
 estimate for the same shape and job, and the ratio. A policy whose estimate exceeds the GPU's
 free memory is skipped (``skipped``), one that runs out anyway is ``OOM``. Below the table, the
 policy ``auto`` picks for each model on this GPU, with its reason.
@@ -35,10 +35,11 @@ import torch
 from bench.ablation import MODELS, TINY_MODELS, TINY_TOKENS, ModelSpec
 from bench.plans import Planner, ftq_loss
 from bench.workload import TOKENS_PER_STEP, packed_batch, packed_steps
-from trainer import memory
-from trainer.features import checkpointing
-from trainer.install import install
-from trainer.planning import Plan, plan
+from trainer.plan import memory
+from trainer.features.checkpointing import policy as checkpointing
+from trainer.training.install import install
+from trainer.plan.types import Plan
+from trainer.plan.planner import plan
 
 POLICIES = ("none", "selective", "full", "full+offload")
 
@@ -62,7 +63,7 @@ class Row:
 
 
 def workload(chosen: Plan, planner: Planner, tokens: int) -> memory.Workload:
-    """The ``trainer.memory`` workload of the bench job, as ``trainer.planning.plan`` builds it."""
+    """The ``trainer.plan.memory`` workload of the bench job, as ``trainer.plan.planner.plan`` builds it."""
     config = planner.config
     return memory.Workload(
         tokens=tokens, max_seq_len=config.data.max_seq_len, method=config.method, dtype=chosen.dtype,

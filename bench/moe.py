@@ -9,7 +9,7 @@ the experts and the router). ``--lora`` adds rows with peft LoRA (r=16) on the 3
 weights (``target_parameters``), trainable.
 
 Rows (the same module, its experts' forward switched between rows):
-- ``ftq grouped (Triton)``: ``trainer.moe_routing`` with its Triton gate and combine kernels (the default on CUDA);
+- ``ftq grouped (Triton)``: ``trainer.features.moe.routing`` with its Triton gate and combine kernels (the default on CUDA);
 - ``ftq grouped (torch ops)``: the same routing and grouped_mm with torch ops for gate and combine;
 - ``transformers grouped_mm``: ``experts_implementation="grouped_mm"``, transformers 5's default;
 - ``transformers eager loop``: ``experts_implementation="eager"``, the per-expert loop (the seed's "before").
@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from trainer import moe_routing
+from trainer.features.moe import routing as moe_routing
 
 HIDDEN = 2880
 INTERMEDIATE = 2880

@@ -1,5 +1,5 @@
 """Offloaded checkpointing on a GPU: plain checkpointing vs offload with a synchronous reload vs offload
-with the double-buffered reload (``trainer.offload``), on the standard workload.
+with the double-buffered reload (``trainer.features.offload``), on the standard workload.
 
 Run on the lent GPU: ``python -m bench.offload [--shapes llama-8b qwen3-14b] [--json PATH]``.
 With ``$OUT`` set (or ``--trace-dir``) it writes a chrome trace of one double-buffered step per
@@ -8,7 +8,7 @@ summaries of both offload variants.
 
 Workload (bench/workload.py): random-weight bf16 models from config classes, LoRA r=16 on every
 projection, one packed micro-batch of 16,384 real tokens per step, AdamW on the adapters. Each
-variant is a plan (``bench.plans``, installed by ``trainer.install.install`` and removed after
+variant is a plan (``bench.plans``, installed by ``trainer.training.install.install`` and removed after
 it): ``offload_activations`` and ``double_buffered_reload`` as the variant says, ``ftq_packed``
 attention on the kernel the plan chooses (printed) with cached metadata, the plan's loss, and
 peft's LoRA forward with transformers' norm and MLP (``lora_kernel`` and ``fused_ops`` off, what
@@ -55,8 +55,8 @@ from bench.workload import (
     packed_batch,
     packed_steps,
 )
-from trainer.install import Installation, install
-from trainer.offload import estimate
+from trainer.training.install import Installation, install
+from trainer.features.offload import estimate
 
 SHAPES = {"llama-8b": LLAMA_3_1_8B, "qwen3-14b": QWEN3_14B}
 VARIANTS = ("checkpoint", "offload sync", "offload double")

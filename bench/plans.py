@@ -1,6 +1,6 @@
-"""Bench variants as plans: every ftq row installs ``trainer.install.install(model, plan)``.
+"""Bench variants as plans: every ftq row installs ``trainer.training.install.install(model, plan)``.
 
-A variant is the plan ``trainer.planning.plan`` makes for the bench workload (``bench_config``)
+A variant is the plan ``trainer.plan.planner.plan`` makes for the bench workload (``bench_config``)
 on this machine and the built model (``bench_facts``), with the variant's switches in
 ``TrainConfig.optimizations`` and, where a variant turns a kernel choice off (peft's LoRA
 forward, transformers' own norm and MLP), that decision replaced (``variant_plan``). The bench
@@ -24,10 +24,11 @@ import torch
 
 from bench.workload import TOKENS_PER_STEP, ModelShape
 from trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, Optimizations, TrainConfig
-from trainer.hardware import Hardware
-from trainer.install import Installation
-from trainer.packing import PackedBatch
-from trainer.planning import Decision, ModelFacts, Plan, plan
+from trainer.plan.hardware import Hardware
+from trainer.training.install import Installation
+from trainer.data.packing import PackedBatch
+from trainer.plan.types import Decision, ModelFacts, Plan
+from trainer.plan.planner import plan
 
 OFF_IN_VARIANT = "off in this variant"
 KERNELS_OFF = {
@@ -62,9 +63,9 @@ def bench_config(
 
 
 def bench_facts(model: torch.nn.Module, config: TrainConfig) -> ModelFacts:
-    """``trainer.model.model_facts`` of the built model: its config (the base model's under peft)
+    """``trainer.model.load.model_facts`` of the built model: its config (the base model's under peft)
     saved to a temporary directory and read back as the trainer reads a checkpoint's."""
-    from trainer.model import model_facts
+    from trainer.model.load import model_facts
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with tempfile.TemporaryDirectory(prefix="ftq-bench-") as tmp:
@@ -121,7 +122,7 @@ class Planner:
         cls, model: torch.nn.Module, shape: ModelShape, device: torch.device, *, method: str = "lora",
         tokens: int = TOKENS_PER_STEP,
     ) -> Planner:
-        from trainer.hardware import detect
+        from trainer.plan.hardware import detect
 
         config = bench_config(shape, method=method, tokens=tokens)
         return cls(detect(device.type), config, bench_facts(model, config))

@@ -66,7 +66,7 @@ def save_model(shape: ModelShape, directory: Path, device: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     if (directory / "config.json").exists():
         return directory

@@ -1,6 +1,6 @@
 """Where a product-path step's time goes: the trainer's own run, profiled in process.
 
-``trainer.train.run`` is what ``python -m trainer run job.json`` calls; this script calls it in
+``trainer.training.train.run`` is what ``python -m trainer run job.json`` calls; this script calls it in
 the same process (the job.json of ``bench.product_path``: the standard workload, every switch on
 ``auto``) under ``torch.profiler``, whose step boundaries follow the trainer's own ``step``
 events, and prints for the profiled window:
@@ -86,7 +86,7 @@ def busy_fraction(trace: dict[str, Any]) -> tuple[float, float, int]:
 
 
 def _no_adapter_cache() -> None:
-    from trainer import lora_fused
+    from trainer.features.lora_kernel import fused as lora_fused
 
     lora_fused.AdapterCache.watch = lambda self, optimizer: None  # never on: casts in every use
 
@@ -151,7 +151,7 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
     from torch.profiler import profile as torch_profile
 
     from trainer.config import TrainConfig
-    from trainer.train import run
+    from trainer.training.train import run
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     # A schedule (always recording) makes profiler.step() mark ``ProfilerStep#`` windows.

@@ -3,12 +3,12 @@
 ``build_qlora_model(shape, device)`` is ``bench.workload.build_lora_model`` for ``method: qlora``:
 the model is built on the meta device (no memory), then each decoder layer's linear layers are
 given random bf16 weights on ``device`` one at a time and quantized there to bitsandbytes NF4
-(blocks of 64, double-quantized scales: what ``trainer.model.nf4_config`` loads), so the full
+(blocks of 64, double-quantized scales: what ``trainer.model.load.nf4_config`` loads), so the full
 bf16 model never exists: peak memory while building is the 4-bit model plus one bf16 matrix
 (178 MB for Qwen3-14B's largest). Nothing is downloaded or saved. Embeddings, head and norms
 stay bf16 (the head is never quantized, as transformers does not quantize it either). Then the
-trainer's own preparation (``trainer.model.freeze_quantized_base``, non-reentrant gradient
-checkpointing, ``trainer.model.apply_lora`` with LoRA r=16 alpha=16 on q,k,v,o,gate,up,down)
+trainer's own preparation (``trainer.model.load.freeze_quantized_base``, non-reentrant gradient
+checkpointing, ``trainer.model.load.apply_lora`` with LoRA r=16 alpha=16 on q,k,v,o,gate,up,down)
 and AdamW on the LoRA weights.
 
 Run on a GPU (smoke: build time and memory, then the ``bench.train_step`` variants on the standard
@@ -62,7 +62,7 @@ def build_qlora_model(
     from transformers import AutoModelForCausalLM
 
     from trainer.config import LoraConfig
-    from trainer.model import (
+    from trainer.model.load import (
         apply_lora,
         enable_gradient_checkpointing,
         freeze_quantized_base,

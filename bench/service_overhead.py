@@ -39,7 +39,7 @@ STEP_MS = {"Qwen3-0.6B (H200)": 320.0, "Llama-3.1-8B (H200)": 1443.0}
 
 
 def step_payload(step: int) -> dict[str, Any]:
-    """The fields of a real ``step`` event on a GPU (``trainer.step.PendingStep.read``)."""
+    """The fields of a real ``step`` event on a GPU (``trainer.training.step.PendingStep.read``)."""
     return {
         "step": step, "total_steps": 10_000, "epoch": round(step / 3000, 4), "loss": 2.3456789 - step * 1e-5,
         "lr": 1.999e-4, "grad_norm": 0.8123456, "tokens": 16_384, "sequences": 41, "step_ms": 1443.21,

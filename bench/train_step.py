@@ -8,7 +8,7 @@ Variants, all in one process on the same model object (bench/workload.py builds 
 - ``stock packed``: one [1, 16384] row with restarting ``position_ids`` (transformers builds a
   dense block-diagonal mask per forward), sdpa, HF's loss (full logits);
 - ``ftq``: the plan ``python -m trainer run`` makes for this job on this machine
-  (``bench.plans``: ``trainer.planning.plan``, installed by ``trainer.install.install``), with
+  (``bench.plans``: ``trainer.plan.planner.plan``, installed by ``trainer.training.install.install``), with
   plain checkpointing: ``ftq_packed`` attention on the kernel the plan chooses (on CUDA torch's
   varlen_attn where it runs the model, else the Triton varlen kernel; printed per shape) with the
   metadata built once per batch, the fused loss (chunked linear + cross-entropy), the fused LoRA
@@ -21,16 +21,16 @@ Variants, all in one process on the same model object (bench/workload.py builds 
 - ``ftq, peft LoRA``: ftq with the ``lora_kernel`` decision off: peft's own LoRA forward (fp32
   adapters: every adapted layer's input cast to fp32 and back) — the gain of the fused LoRA kernel;
 - ``ftq, unfused norm/SwiGLU``: ftq with the ``fused_ops`` decision off: transformers' own
-  RMSNorm, MLP and RoPE — the gain of ``trainer.fused_ops``.
+  RMSNorm, MLP and RoPE — the gain of ``trainer.features.fused_ops.patch``.
 Each ftq variant is installed, timed and removed (``Installation.remove()``) on the same model;
 its result records the installed pieces and the decisions that differ from the all-``auto`` plan.
 Per variant: ``--warmup`` steps, then ``--steps`` timed steps with CUDA events around forward
 (model + loss), backward and the optimizer step; tokens/s counts real tokens; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps; host syncs are counted in one extra
-step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU is the trainer's: ``trainer.flops``'s
+step under ``torch.cuda.set_sync_debug_mode("warn")``. MFU is the trainer's: ``trainer.training.flops``'s
 model FLOPs of the built model (frozen matmul weights 4 per parameter per token, LoRA's A and B 6,
 in-sample causal attention 3.5 x its forward; recompute not counted) over the step time and the
-trainer's peak (``trainer.hardware.detect``: the bf16 matmul rate measured once per GPU and cached,
+trainer's peak (``trainer.plan.hardware.detect``: the bf16 matmul rate measured once per GPU and cached,
 else the datasheet value; printed with its source). ``--profile`` adds a torch.profiler summary of one ftq
 step (top GPU kernels, GPU busy time vs step time, kernel launches).
 """
@@ -60,8 +60,8 @@ from bench.workload import (
     packed_steps,
     padded_batch,
 )
-from trainer.flops import FlopCounter
-from trainer.install import Installation, install
+from trainer.training.flops import FlopCounter
+from trainer.training.install import Installation, install
 
 VARIANTS = ("stock padded", "stock packed", "ftq", "ftq + offload", "ftq, metadata cache off", "ftq, peft LoRA",
             "ftq, unfused norm/SwiGLU")
@@ -92,7 +92,7 @@ class Result:
 def mfu_peak(device: torch.device) -> tuple[float, str]:
     """MFU's peak on ``device`` in TFLOP/s and its source: the trainer's (``Hardware.peak_flops`` /
     ``peak_source``), so the bench's MFU and the step events' divide by the same number."""
-    from trainer.hardware import detect
+    from trainer.plan.hardware import detect
 
     hw = detect(device.type)
     return (hw.peak_flops / 1e12 if hw.peak_flops else math.nan), hw.peak_source or "no peak known"

@@ -6,8 +6,8 @@ lengths (median 250, sigma 1, seed 0, clipped to [16, 4096]) packed into steps o
 classes (nothing is downloaded), LoRA r=16 alpha=16 on q,k,v,o,gate,up,down, gradient
 checkpointing, bf16, AdamW on the LoRA weights. MoE shapes (GPT-OSS-20B) put LoRA on the
 attention projections and, through peft ``target_parameters``, on the 3-D expert weights
-(``trainer.moe_routing.expert_lora_targets``: they are not ``nn.Linear``). Model FLOPs (MFU) are
-``trainer.flops.FlopCounter.for_model`` of the built model, the trainer's own count.
+(``trainer.features.moe.routing.expert_lora_targets``: they are not ``nn.Linear``). Model FLOPs (MFU) are
+``trainer.training.flops.FlopCounter.for_model`` of the built model, the trainer's own count.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def build_lora_model(shape: ModelShape, device: torch.device, attn_implementatio
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     extra = {}
     if shape.is_moe:
-        from trainer import moe_routing
+        from trainer.features.moe import routing as moe_routing
 
         extra["target_parameters"] = moe_routing.expert_lora_targets(model)  # peft >= 0.17
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=list(shape.lora_targets),

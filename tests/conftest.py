@@ -27,7 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 @pytest.fixture(scope="session")
 def _tiny_model_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-template") / "tiny", "llama")
 

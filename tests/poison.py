@@ -43,7 +43,7 @@ def records(pattern: str) -> list[dict[str, str]]:
 
 def seed_with_order(pattern: str, wanted: str, max_seq_len: int) -> int:
     """A seed whose first epoch trains the records of ``pattern`` in the order ``wanted`` begins with."""
-    from trainer.packing import BatchSchedule
+    from trainer.data.packing import BatchSchedule
 
     for seed in range(10_000):
         schedule = BatchSchedule([max_seq_len] * len(pattern), max_seq_len, seed, 1, max_steps=len(pattern))

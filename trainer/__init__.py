@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
-    from trainer.train import RunResult, StopFlag
+    from trainer.training.train import RunResult, StopFlag
 
 
 def run(config: TrainConfig, emit: Any, stop: StopFlag | None = None) -> RunResult:
-    """Train; see ``trainer.train.run``."""
-    from trainer.train import run as _run
+    """Train; see ``trainer.training.train.run``."""
+    from trainer.training.train import run as _run
 
     return _run(config, emit, stop)
 

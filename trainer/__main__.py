@@ -1,5 +1,5 @@
 """``python -m trainer``: ``run JOB.json`` | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
-| ``export JOB.json --format merged|gguf --out DIR`` (``trainer.export_cli``).
+| ``export JOB.json --format merged|gguf --out DIR`` (``trainer.export.cli``).
 
 ``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
 stream stays clean) and exits 0 when the run succeeded or was cancelled, 1 when it failed; a
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from trainer import export_cli
+from trainer.export import cli as export_cli
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.events import Emitter
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             if args.measure_peak:
-                from trainer.hardware import remeasure_peak
+                from trainer.plan.hardware import remeasure_peak
 
                 peak, source = remeasure_peak()
                 rate = f"{peak / 1e12:.0f} TFLOP/s bf16 ({source})" if peak else "could not be measured"
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TrainerError, ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     print(
         make_tiny_model(args.dir, args.arch, seed=args.seed, vocab_size=args.vocab_size)
@@ -107,10 +107,10 @@ def _run(job_path: str) -> int:
 
 
 def _detect(as_json: bool, job_path: str | None, device: str) -> int:
-    from trainer import hardware, planning
+    from trainer.plan import hardware, planner as planning
 
     if job_path:
-        from trainer.model import model_facts
+        from trainer.model.load import model_facts
 
         config = TrainConfig.load(job_path)
         facts = model_facts(config)

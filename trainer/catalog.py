@@ -8,8 +8,8 @@ from ``/openapi.json``. No other module spells one of these lists
 
     METHODS          what a job trains (``trainer.config.TrainConfig.method``)
     SCHEDULERS       the learning-rate decay after warm-up (``trainer.config.OptimConfig``)
-    EXPORT_FORMATS   what an export of a finished job writes (``trainer.export``)
-    QUANTIZATIONS    the GGUF tensor types ``trainer.gguf`` writes
+    EXPORT_FORMATS   what an export of a finished job writes (``trainer.export.formats``)
+    QUANTIZATIONS    the GGUF tensor types ``trainer.export.gguf`` writes
     TRACKERS         the experiment trackers a worker sends a job's metrics to (``worker.tracking``)
 
 Each lives here rather than beside its implementation because the implementations import torch
@@ -30,7 +30,7 @@ QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0")
 """GGUF tensor types: gguf-py quantizes these in numpy (llama.cpp's ``--outtype``); format gguf only."""
 DEFAULT_QUANTIZATION = "f16"
 GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""``config.json`` model types ``trainer.gguf`` writes (its ``ARCHITECTURES`` by class name)."""
+"""``config.json`` model types ``trainer.export.gguf`` writes (its ``ARCHITECTURES`` by class name)."""
 
 TRACKERS = {"mlflow": "MLflow", "tensorboard": "TensorBoard", "wandb": "W&B"}
 """Each tracker, by its job spec ``tracking`` field and Python package (the same name), and its

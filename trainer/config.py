@@ -23,7 +23,7 @@ from trainer.objectives.declarations import DpoConfig
 
 SWITCH_VALUES = ("auto", "on", "off")
 CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
-"""``gradient_checkpointing``: the activation policy (``trainer.features.checkpointing``)."""
+"""``gradient_checkpointing``: the activation policy (``trainer.features.checkpointing.policy``)."""
 DATA_FORMATS = ("auto", *objectives.formats())
 """``data.format``: ``auto`` or a format of the built-in objectives (``objectives.formats()`` counts later ones)."""
 OBJECTIVES = objectives.names()
@@ -138,7 +138,7 @@ class Optimizations:
     """Per-optimization switches, each ``auto`` (the plan decides), ``on`` or ``off``.
 
     The one list of switches: the job spec (``core.jobs.spec``), the plan
-    (``trainer.planning``) and the dashboard's form (through the API's schema) derive from
+    (``trainer.plan.planner``) and the dashboard's form (through the API's schema) derive from
     these fields, their defaults, titles and descriptions (``switch_docs``).
     """
 
@@ -217,11 +217,11 @@ class TrainConfig:
     """The job this run belongs to, echoed in events; None when run by hand."""
     max_non_finite_steps: int = 3
     """Steps in a row whose loss or grad norm is NaN/inf (each one not applied) after which the
-    run fails ``non_finite``; the last checkpoint stays (``trainer.guards``)."""
+    run fails ``non_finite``; the last checkpoint stays (``trainer.training.guards``)."""
     eval_every: int = 0
     """Validation loss every N optimizer steps (and at the end); 0: at each checkpoint."""
     sample_prompts: tuple[str, ...] = ()
-    """Prompts to answer greedily at each checkpoint and at the end (``trainer.generate``)."""
+    """Prompts to answer greedily at each checkpoint and at the end (``trainer.generate.samples``)."""
     sample_count: int = 0
     """With no ``sample_prompts``: take this many prompts from the validation set."""
     sample_max_new_tokens: int = 48

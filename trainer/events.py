@@ -7,7 +7,7 @@ without torch. Every event has
 ``plan``        device, dtype, model_attention, decisions: list of {name, requested, enabled,
                 backend, reason} (the kernel choices ``attention``, ``loss``, ``lora_kernel``,
                 ``fused_ops``, the multi-rank strategy ``parallelism``, then each switch of
-                ``trainer.config.SWITCHES``), hardware: dict (``trainer.hardware.Hardware`` as a
+                ``trainer.config.SWITCHES``), hardware: dict (``trainer.plan.hardware.Hardware`` as a
                 dict, ``interconnect`` included), world_size, total_steps,
                 model: {name, params, trainable_params, layers}, resumed_from_step (int | None)
 ``step``        one per optimizer step, the fields of ``StepEvent`` then every registered
@@ -18,14 +18,14 @@ without torch. Every event has
 ``eval``        step, loss, tokens, accuracy (validation set; accuracy: the fraction of its target
                 tokens the model ranks first, null for DPO)
 ``skip``        step, loss, grad_norm (None where not finite), consecutive, limit, first_step:
-                a non-finite step whose update was not applied (``trainer.guards``)
+                a non-finite step whose update was not applied (``trainer.training.guards``)
 ``sample``      step, final (bool), samples: list of {prompt, completion, tokens}: greedy
-                generations at a checkpoint and at the end (``trainer.generate``)
+                generations at a checkpoint and at the end (``trainer.generate.samples``)
 ``log``         level ("debug" | "info" | "warning" | "error"), message
 ``checkpoint``  step, path (directory), bytes, final (bool)
 ``done``        status ("succeeded" | "failed" | "cancelled"), error_code (str | None),
                 message (str | None), adapter_path (str | None), steps (int)
-``progress``    ``python -m trainer export`` only: stage (``trainer.export.STAGES``), fraction
+``progress``    ``python -m trainer export`` only: stage (``trainer.export.formats.STAGES``), fraction
                 (0..1 of that stage); its ``done`` carries path and bytes instead of adapter_path
 
 The trainer always tries to end with one ``done`` event; a process that dies without one is

@@ -16,7 +16,7 @@
               ``FollowerWatch`` kills its ranks when the job no longer runs with its attempt or
               the leader's worker stopped heartbeating. The reaper requeues a running job whose
               any machine is lost (``lost_parts``). Neither side waits for the trainer's
-              collective timeout (``trainer.distributed.Comm``, 600 s): the watches act within
+              collective timeout (``trainer.parallel.distributed.Comm``, 600 s): the watches act within
               ``heartbeat_timeout_s``, or at once when a part ends.
 """
 

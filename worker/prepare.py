@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from core.jobs.models import Checkpoint, Job
 from core.jobs.service import append_events
-from trainer import layout
+from trainer.training import layout
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session

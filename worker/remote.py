@@ -33,7 +33,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.jobs.states import JobStatus
-from trainer import layout
+from trainer.training import layout
 from worker.outcome import Outcome
 from worker.transfer import TransferClient, TransferError, TransferNotFound
 

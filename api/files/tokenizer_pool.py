@@ -43,7 +43,7 @@ from core.jobs.preflight import RecordBounds, tokenized
 log = logging.getLogger(__name__)
 
 _PRELOAD = (
-    "api.files.tokenizer_pool", "core.jobs.preflight", "trainer.dataset", "torch", "transformers.modeling_utils",
+    "api.files.tokenizer_pool", "core.jobs.preflight", "trainer.data.dataset", "torch", "transformers.modeling_utils",
     "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers",
 )
 """Modules the fork server imports once, so that pool workers start with them loaded."""
@@ -376,7 +376,7 @@ def token_stats(path: str | Path, fmt: str, tokenizer: Any, *, max_seq_len: int,
     Raises:
         InvalidInput: a record over ``bounds``, or one the tokenizer or template fails on (naming the line).
     """
-    from trainer.dataset import read_records
+    from trainer.data.dataset import read_records
 
     bounds = bounds or RecordBounds()
     records = read_records(path)

@@ -58,7 +58,7 @@ from core.settings import Settings
 from core.users import access
 from core.users.service import names_by_id
 from core.workers import pool
-from trainer import layout
+from trainer.training import layout
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

@@ -1,11 +1,11 @@
 """Whether a local model trains on this box's GPUs, for LoRA and for full fine-tuning.
 
-The trainer's own memory model (``trainer.memory``: weights, gradients and optimizer state,
+The trainer's own memory model (``trainer.plan.memory``: weights, gradients and optimizer state,
 saved activations and workspace, from config.json alone) at the job defaults (``batch_tokens``,
 ``max_seq_len`` and the LoRA rank of ``core.jobs.spec``), under the leanest activation policy
 the trainer can fall to (every layer checkpointed, and on one GPU offloaded to host memory),
 against each live GPU host's card (the ``trainer detect`` report a worker stores) minus the
-plan's margin (``trainer.memory.Budget``). One GPU first; then, on a host with more, FSDP2 over
+plan's margin (``trainer.plan.memory.Budget``). One GPU first; then, on a host with more, FSDP2 over
 2..N of its GPUs, as the plan shards a base too big for one card. The answer is the fewest GPUs
 of one host that fit. Several machines (a job's ``nodes``) are not counted, so a model that
 needs them says ``no`` here; a job may still lower ``batch_tokens`` or use QLoRA to fit.
@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from core.db import utcnow
 from core.jobs.spec import Hyperparameters, LoraSpec
 from core.workers import pool, registry
-from trainer import memory
+from trainer.plan import memory
 
 METHODS = ("lora", "full")
 BATCH_TOKENS: int = Hyperparameters.model_fields["batch_tokens"].default
@@ -72,7 +72,7 @@ def live_gpu_hosts(session: Session, heartbeat_timeout_s: float) -> list[GpuHost
 
 
 def shape_of(config: Mapping[str, Any], params: int | None) -> memory.Shape | None:
-    """``trainer.memory.Shape`` from a parsed config.json (its ``text_config`` for a multimodal one)."""
+    """``trainer.plan.memory.Shape`` from a parsed config.json (its ``text_config`` for a multimodal one)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
     fields = {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
     try:

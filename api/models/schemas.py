@@ -14,7 +14,7 @@ class FitOut(BaseModel):
     gpus: int | None
     """The fewest GPUs of one live worker host it trains on; null when it does not fit."""
     peak_bytes: int | None
-    """Estimated peak GPU memory per GPU (``trainer.memory``) at the job defaults."""
+    """Estimated peak GPU memory per GPU (``trainer.plan.memory``) at the job defaults."""
     reason: str
     """The estimate against the host's GPU memory, or why there is none."""
 

@@ -40,7 +40,7 @@ from core.errors import ChecksumMismatch, InvalidInput, NotFound
 from core.jobs import artifact_store
 from core.settings import Settings
 from core.workers import access, archive, uploads
-from trainer import layout
+from trainer.training import layout
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"])
 SHA_HEADER = "X-Ftq-Sha256"

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.settings import Settings
-from trainer import layout
+from trainer.training import layout
 
 INCOMING = ".incoming"
 """Directory in a job's store where uploads are received and unpacked before their rename."""

@@ -94,7 +94,7 @@ def _chars(value: Any) -> int:
 
 def tokenized(record: dict[str, Any], fmt: str, tokenizer: Any, number: int, param: str) -> Any:
     """``trainer.dataset.tokenize_record``, its failures an InvalidInput naming the line."""
-    from trainer.dataset import tokenize_record
+    from trainer.data.dataset import tokenize_record
     from trainer.errors import DatasetError
 
     try:
@@ -130,7 +130,7 @@ def _no_progress(param: str, line: int) -> None:
 
 def _counts(tokenizer: Any, path: str, fmt: str, max_seq_len: int, param: str, bounds: RecordBounds,
             progress: Progress) -> dict[str, Any]:
-    from trainer.dataset import detect_format, read_records, validate_record
+    from trainer.data.dataset import detect_format, read_records, validate_record
     from trainer.errors import DatasetError
 
     try:
@@ -185,7 +185,7 @@ def _no_labels(param: str, number: int, fmt: str) -> str:
 
 def render_example(sample: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """``sample``'s first ``EXAMPLE_TOKENS`` tokens as runs of ``{text, trainable}``."""
-    from trainer.dataset import IGNORE_INDEX
+    from trainer.data.dataset import IGNORE_INDEX
 
     runs: list[dict[str, Any]] = []
     ids, labels = sample.input_ids[:EXAMPLE_TOKENS], sample.labels[:EXAMPLE_TOKENS]

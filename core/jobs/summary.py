@@ -5,7 +5,7 @@ rows (``worker.recorder``), so a resumed run, whose re-emitted steps replace the
 rows, is never counted twice. The queries read one job's rows by their primary key prefix.
 
 A step whose loss or grad norm was not finite (stored as null) was not applied
-(``trainer.guards``): it counts as skipped, and its tokens are not trained tokens.
+(``trainer.training.guards``): it counts as skipped, and its tokens are not trained tokens.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from core.files.models import File
 from core.jobs.models import Job, JobNode
 from core.jobs.states import JobStatus
 from core.workers.models import Worker
-from trainer import layout
+from trainer.training import layout
 
 
 def job_worker_ids(session: Session, job: Job) -> set[str]:

@@ -39,7 +39,7 @@ from core.jobs.models import Checkpoint, Job
 from core.jobs.states import FINISHED_STATUSES, JobStatus
 from core.settings import Settings
 from core.workers import archive
-from trainer import layout
+from trainer.training import layout
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ CAP_BYTES = 3 << 30
 def _model(directory: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
@@ -47,7 +47,7 @@ def _model(directory: Path) -> Path:
 
 
 def _long_texts(path: Path, count: int = 24) -> Path:
-    from trainer.tiny import corpus_text
+    from trainer.model.tiny import corpus_text
 
     words = corpus_text().split()
     rng = random.Random(0)
@@ -59,7 +59,7 @@ def _long_texts(path: Path, count: int = 24) -> Path:
 
 def test_a_real_oom_steps_down_and_the_run_finishes(tmp_path: Path) -> None:
     from trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
-    from trainer.train import run
+    from trainer.training.train import run
 
     config = TrainConfig(
         model=ModelConfig(str(_model(tmp_path / "model"))),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.objectives import token_accuracy
-from trainer.fused_loss import fused_linear_cross_entropy
+from trainer.features.loss.fused import fused_linear_cross_entropy
 
 pytestmark = [
     pytest.mark.gpu,

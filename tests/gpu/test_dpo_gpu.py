@@ -64,11 +64,11 @@ def test_a_dpo_micro_batch_queues_without_a_host_sync(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.objectives import dpo
-    from trainer.attention import PackedAttention
+    from trainer.features.attention.packed import PackedAttention
     from trainer.config import DpoConfig, LoraConfig
-    from trainer.model import apply_lora
-    from trainer.packed_forward import LOSS_FUSED
-    from trainer.packing import pack_batch
+    from trainer.model.load import apply_lora
+    from trainer.features.loss.packed_forward import LOSS_FUSED
+    from trainer.data.packing import pack_batch
     from trainer.objectives.preference import tokenize_pair
 
     model_dir = _tiny_model_with_head_dim_64(tmp_path / "model", "llama")

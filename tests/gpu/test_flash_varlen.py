@@ -15,7 +15,8 @@ import zlib
 import pytest
 import torch
 
-from trainer.kernels import flash_varlen_attention, reference_varlen_attention, supported
+from trainer.features.attention.reference import reference_varlen_attention
+from trainer.kernels.attention import flash_varlen_attention, supported
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""Fused RMSNorm / SwiGLU Triton kernels on a GPU, and ``trainer.fused_ops`` in a LoRA step.
+"""Fused RMSNorm / SwiGLU Triton kernels on a GPU, and ``trainer.features.fused_ops.patch`` in a LoRA step.
 
 Run on the lent GPU: ``python -m pytest -m gpu tests/gpu/test_fused_ops_gpu.py``. Skipped without
 CUDA. Inputs are fresh random draws (never zeros or ones). Errors are relative L2,
@@ -14,7 +14,7 @@ Tolerances:
   compared bit for bit: eager rounds ``dy * w`` to bf16 before the fp32 reduction, the kernel
   does not.
 - the LoRA step (8-layer Llama and Qwen3, hidden 1024, head dim 128, bf16 weights, bf16
-  autocast, non-reentrant checkpointing or ``trainer.offload``'s offloaded checkpointing): loss and every LoRA gradient within relative L2 2e-2
+  autocast, non-reentrant checkpointing or ``trainer.features.offload``'s offloaded checkpointing): loss and every LoRA gradient within relative L2 2e-2
   of the unpatched model's (bf16 rounding differences through 8 layers of backward land near
   1e-3 to 5e-3).
 """
@@ -25,12 +25,12 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import fused_ops
+from trainer.features.fused_ops import patch as fused_ops
 from trainer.config import LoraConfig
 from trainer.kernels import rmsnorm, swiglu
 from trainer.kernels.rmsnorm import GEMMA, GPT_OSS, LLAMA
-from trainer.model import apply_lora
-from trainer.offload import ActivationOffloader
+from trainer.model.load import apply_lora
+from trainer.features.offload import ActivationOffloader
 
 pytestmark = [
     pytest.mark.gpu,
@@ -203,8 +203,8 @@ class TestSwiGLUKernel:
 def _small_model(arch: str, checkpointing: str) -> nn.Module:
     """8 layers, hidden 1024, 8 heads of 128 (2 KV heads), bf16 on CUDA, LoRA on q,k,v,o,gate,up,down.
 
-    ``checkpointing``: ``hf`` (transformers' non-reentrant checkpointing, as ``trainer.model``
-    enables it) or ``offload`` (``trainer.offload.ActivationOffloader`` on the decoder layers).
+    ``checkpointing``: ``hf`` (transformers' non-reentrant checkpointing, as ``trainer.model.load``
+    enables it) or ``offload`` (``trainer.features.offload.ActivationOffloader`` on the decoder layers).
     """
     import transformers
 

@@ -1,7 +1,7 @@
 """The non-finite guard on a CUDA device: the skip stays on the device (no host sync).
 
 Run on the lent GPU: ``python -m pytest -m gpu tests/gpu/test_guards_gpu.py``. Skipped without CUDA.
-``trainer.guards.arm`` hands the fused AdamW a device flag; with sync debug mode ``error`` any
+``trainer.training.guards.arm`` hands the fused AdamW a device flag; with sync debug mode ``error`` any
 host read in arm + step would raise. A NaN step leaves parameters, moments and the step count as
 they were; a finite one after it trains.
 """
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_packed_metadata_gpu import no_host_sync  # noqa: E402
 
-from trainer import guards  # noqa: E402
+from trainer.training import guards  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

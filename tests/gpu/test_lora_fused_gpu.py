@@ -1,4 +1,4 @@
-"""Fused LoRA linear (``trainer.lora_fused``) on CUDA under bf16 autocast, against peft's forward.
+"""Fused LoRA linear (``trainer.features.lora_kernel.fused``) on CUDA under bf16 autocast, against peft's forward.
 
 Tolerances: relative L2 against the float32 (no autocast) result at most 2x peft's own bf16
 error (floor 5e-3); against peft within 5e-2 relative L2. No host sync in forward + backward.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import lora_fused
+from trainer.features.lora_kernel import fused as lora_fused
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +26,7 @@ def _model() -> nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from trainer.config import LoraConfig
-    from trainer.model import apply_lora
+    from trainer.model.load import apply_lora
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=4096, tie_word_embeddings=False)

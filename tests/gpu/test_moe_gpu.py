@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from trainer import moe_routing
+from trainer.features.moe import routing as moe_routing
 
 pytestmark = [
     pytest.mark.gpu,

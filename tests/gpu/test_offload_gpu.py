@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.offload import profile_step
-from trainer.offload import ActivationOffloader, CudaStreams
+from trainer.features.offload import ActivationOffloader, CudaStreams
 
 pytestmark = [
     # torch 2.11's profiler warns on every start that it clears events between cycles
@@ -316,7 +316,7 @@ class TestGradients:
         """
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from trainer.attention import PackedAttention
+        from trainer.features.attention.packed import PackedAttention
 
         lengths = [[700, 1300, 512, 900, 684], [2048, 1024, 1024]]
         results = {}

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from trainer.attention import packed_attention_forward
-from trainer.features.attention import backend_missing
-from trainer.fused_loss import fused_linear_cross_entropy
-from trainer.hardware import detect
-from trainer.packed_metadata import build_packed_metadata
-from trainer.planning import ModelFacts
+from trainer.features.attention.packed import packed_attention_forward
+from trainer.features.attention.feature import backend_missing
+from trainer.features.loss.fused import fused_linear_cross_entropy
+from trainer.plan.hardware import detect
+from trainer.data.packed_metadata import build_packed_metadata
+from trainer.plan.types import ModelFacts
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,7 @@
 The base is a tiny Llama (hidden 256, 4 layers, head dim 64) first fully fine-tuned for 30 steps
 on the repetitive chat set (on the CPU, in fp32), so that its loss (~0.25) is far below a random
 model's (ln 512 = 6.2): a broken quantization then shows in the loss, where on a random model
-every variant would sit at ln V. Runs go through ``trainer.train.run`` in this process, so the test can
+every variant would sit at ln V. Runs go through ``trainer.training.train.run`` in this process, so the test can
 look at the model the run trained (``prepare_for_training`` is wrapped to keep it).
 
 Tolerances:
@@ -59,7 +59,7 @@ def _tiny_llama(directory: Path) -> Path:
     """A random-weight Llama at hidden 256, 4 layers, 4 heads of 64 (2 KV heads), fp32, with the tiny tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.tiny import build_config, build_tokenizer
+    from trainer.model.tiny import build_config, build_tokenizer
 
     tokenizer = build_tokenizer()
     config = build_config(
@@ -87,11 +87,11 @@ def _train(
     monkeypatch: pytest.MonkeyPatch,
     **overrides: Any,
 ) -> tuple[Any, Recorder, Any]:
-    """``trainer.train.run`` in this process on ``make_job``'s chat set (written to ``tmp_path``);
+    """``trainer.training.train.run`` in this process on ``make_job``'s chat set (written to ``tmp_path``);
     returns (config, events, the model it trained)."""
-    from trainer import train
+    from trainer.training import train
     from trainer.config import DataConfig, OptimConfig
-    from trainer.model import prepare_for_training as prepare
+    from trainer.model.load import prepare_for_training as prepare
 
     kept: dict[str, torch.nn.Module] = {}
 
@@ -122,8 +122,8 @@ def trained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama after 30 steps of full fine-tuning in fp32 on the CPU (its loss falls from
     ~6.3 to ~0.25; seconds on the CPU, the plainest path the CPU suite already covers)."""
     from trainer.config import ModelConfig, OptimConfig
-    from trainer.tiny import build_tokenizer
-    from trainer.train import run
+    from trainer.model.tiny import build_tokenizer
+    from trainer.training.train import run
 
     tmp = tmp_path_factory.mktemp("qlora-base")
     random_dir = _tiny_llama(tmp / "random")
@@ -159,12 +159,14 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_reloads_to_the_same_loss(
     import bitsandbytes as bnb
     from peft import PeftModel
 
-    from trainer import distributed, hardware, metrics, parallel, planning
+    from trainer.parallel import distributed, strategy as parallel
+    from trainer.plan import hardware, planner as planning
+    from trainer.training import metrics
     from trainer.config import DataConfig
-    from trainer.dataset import load_samples
-    from trainer.install import install
-    from trainer.model import load_model, load_tokenizer, model_facts
-    from trainer.step import StepContext, evaluate
+    from trainer.data.dataset import load_samples
+    from trainer.training.install import install
+    from trainer.model.load import load_model, load_tokenizer, model_facts
+    from trainer.training.step import StepContext, evaluate
 
     validation = write_jsonl(tmp_path / "val.jsonl", repetitive_chat(5))
     data = DataConfig(

@@ -23,10 +23,10 @@ pytestmark = [
 
 
 def _tiny_model_with_head_dim_64(directory: Path, arch: str) -> Path:
-    """trainer.tiny's model at head dim 64 (its default 16 is below what the varlen kernel takes)."""
+    """trainer.model.tiny's model at head dim 64 (its default 16 is below what the varlen kernel takes)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.tiny import build_config, build_tokenizer
+    from trainer.model.tiny import build_config, build_tokenizer
 
     tokenizer = build_tokenizer()
     config = build_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,

@@ -13,8 +13,8 @@ from core.files.models import File
 from core.settings import Settings
 from tests.helpers import CHAT_RECORD
 from tests.integration.helpers import bearer, make_user
-from trainer.dataset import read_records, tokenize_record
-from trainer.tiny import make_tiny_model
+from trainer.data.dataset import read_records, tokenize_record
+from trainer.model.tiny import make_tiny_model
 
 pytestmark = pytest.mark.integration
 

@@ -62,7 +62,7 @@ def test_token_stats_of_a_preference_file_count_both_sequences(client: TestClien
     from transformers import AutoTokenizer
 
     from trainer.objectives.preference import tokenize_pair
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     model_dir = make_tiny_model(settings.model_root / "tiny", "llama")
     pairs = upload(client, record=PAIR)

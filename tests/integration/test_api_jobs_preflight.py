@@ -1,6 +1,6 @@
 """Submission checks with the model's own tokenizer and files: POST /v1/jobs/preview and POST /v1/jobs.
 
-The counts are the trainer's own (``trainer.dataset.load_samples``); a dataset that trains
+The counts are the trainer's own (``trainer.data.dataset.load_samples``); a dataset that trains
 nothing, a model whose config.json does not describe its weights, are 422s naming the field, and
 nothing is stored. Eval rows and the job summary come from the worker's recorder.
 """
@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from core.files.models import File
 from core.jobs.models import Job
 from tests.integration.helpers import spec
-from trainer.dataset import load_samples
+from trainer.data.dataset import load_samples
 from worker.recorder import apply_events
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.jobs.states import JobStatus
 from core.openai.models import OpenAIJob
 from tests.integration.helpers import bearer, finish, make_user, spec, upload
-from trainer import layout
+from trainer.training import layout
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """``ftq models pull``: a model from a hub on localhost (``FakeHub``, ``HF_ENDPOINT``) into the model root.
 
-The hub holds the suite's tiny random-weight Llama (``trainer.tiny``: a transformers config class,
+The hub holds the suite's tiny random-weight Llama (``trainer.model.tiny``: a transformers config class,
 the locally trained tokenizer) beside files a pull must leave (a ``.bin`` copy, ``onnx/``, a README).
 """
 

@@ -1,7 +1,7 @@
 """Lists defined once (``trainer.catalog``): each consumer reads the home list, and no module spells one.
 
     methods, schedulers   -> core.jobs.spec's Literals -> /openapi.json -> the new-job form
-    export formats,       -> trainer.export, trainer.gguf, core.exports.service, the export API's
+    export formats,       -> trainer.export.formats, trainer.export.gguf, core.exports.service, the export API's
     quantizations            schema, ``ftq export`` and ``python -m trainer export``; the job page's
                              export buttons are presets that must name listed values
     trackers              -> core.settings, core.jobs.trackers, the job spec's ``tracking`` fields,
@@ -155,7 +155,7 @@ class TestConsumers:
 
     def test_every_export_format_has_its_stages_and_the_gguf_writer_its_model_types(self) -> None:
         from core.exports.service import STAGE_WEIGHTS
-        from trainer.gguf import ARCHITECTURES
+        from trainer.export.gguf import ARCHITECTURES
 
         assert tuple(STAGE_WEIGHTS) == catalog.EXPORT_FORMATS
         model_types = {name.removesuffix("ForCausalLM").lower() for name in ARCHITECTURES}
@@ -169,7 +169,7 @@ class TestConsumers:
 
             parser = build_parser()
         else:
-            from trainer import export_cli
+            from trainer.export import cli as export_cli
 
             parser = argparse.ArgumentParser()
             export_cli.add_parser(parser.add_subparsers())

@@ -8,7 +8,7 @@ that cannot derive from it drifts.
                  the trackers, the job spec
     plan event   what the trainer prints (``detect --json``, the run's ``plan`` event) -> api PlanOut
     switches     trainer.config.Optimizations -> core OptimizationSwitches -> /openapi.json -> the form
-    layout       trainer.layout -> trainer.checkpoint, worker.runner, the adapter download
+    layout       trainer.training.layout -> trainer.training.checkpoint, worker.runner, the adapter download
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from core.jobs import service
 from core.jobs.models import Job, StepMetric
 from core.jobs.spec import SECTIONS, JobSpec, OptimizationSwitches
 from core.migrate import upgrade
-from trainer import layout, objectives
+from trainer.training import layout
+from trainer import objectives
 from trainer.config import SWITCH_VALUES, SWITCHES, TrainConfig, switch_docs
 from trainer.events import BASE_STEP_FIELDS, STEP_FIELDS, StepEvent, make_event
 from worker.recorder import apply_events
@@ -258,9 +259,9 @@ class TestPlanEvent:
 
     @pytest.mark.parametrize("device", ["cpu", "cuda"])
     def test_the_trainers_plan_fits_the_api_schema(self, device: str) -> None:
-        from trainer import planning
+        from trainer.plan import planner as planning
         from trainer.config import DataConfig, ModelConfig, OptimConfig, Optimizations, TrainConfig
-        from trainer.hardware import Hardware
+        from trainer.plan.hardware import Hardware
 
         gpu = device == "cuda"
         hw = Hardware(
@@ -331,7 +332,7 @@ class TestCheckpointLayout:
         assert layout.export_dir("/o", "full") == Path("/o/model")
 
     def test_the_trainer_resumes_from_what_the_layout_names(self, tmp_path: Path) -> None:
-        from trainer import checkpoint
+        from trainer.training import checkpoint
 
         for step in (5, 10):
             layout.checkpoint_dir(tmp_path, step).mkdir(parents=True)
@@ -345,6 +346,6 @@ class TestCheckpointLayout:
             str(path.relative_to(REPO))
             for top in ("trainer", "worker", "api", "core", "cli")
             for path in sorted((REPO / top).rglob("*.py"))
-            if path != REPO / "trainer" / "layout.py" and spelled.search(path.read_text())
+            if path != REPO / "trainer" / "training" / "layout.py" and spelled.search(path.read_text())
         ]
-        assert not offenders, f"use trainer.layout instead of spelling the layout in {offenders}"
+        assert not offenders, f"use trainer.training.layout instead of spelling the layout in {offenders}"

@@ -1,6 +1,6 @@
 """Cross-entropy over a chunk of logits rows, in place: the loss kernel's elementwise part in Triton.
 
-Why: per chunk of the fused linear + cross-entropy (``trainer.fused_loss``) the torch path
+Why: per chunk of the fused linear + cross-entropy (``trainer.features.loss.fused``) the torch path
 upcasts the ``[C, V]`` logits to fp32, then runs log-sum-exp, a gather, ``exp``, a scatter, a
 scale and a cast back, each a full pass over ``C x V`` fp32 (~2.4 GB of traffic per 512-token
 chunk of Llama 3's 128k vocabulary, ~77 GB per 16k-token step). This kernel reads the bf16 logits

@@ -1,13 +1,13 @@
-"""Triton kernels of the grouped MoE path (trainer/moe_routing.py): the gate activation, the combine, their backward.
+"""Triton kernels of the grouped MoE path (trainer/features/moe/routing.py): the gate activation, the combine, their backward.
 
 Kernel, launcher and ``autograd.Function`` live here (Liger ``ops/swiglu.py`` shape); the experts
-forward that picks them is ``trainer.moe_routing.grouped_experts_forward``. Each kernel computes in
+forward that picks them is ``trainer.features.moe.routing.grouped_experts_forward``. Each kernel computes in
 fp32 and reads its rows once. ``dispatch`` and ``combine`` keep the torch-ops path next to the
 kernels (``use_triton=False``): the reference the kernels are tested against, in Triton's
-interpreter on CPU (``tests/unit/trainer/test_moe_routing.py``).
+interpreter on CPU (``tests/unit/trainer/features/moe/test_moe_routing.py``).
 
 The launchers take the layer's ``RoutingMetadata`` (``inverse_S``, ``token_S``, ``sort_idx_S``,
-``slot_expert_S``, ``num_tokens``, ``top_k``); shape legend as in ``trainer.moe_routing``: T tokens,
+``slot_expert_S``, ``num_tokens``, ``top_k``); shape legend as in ``trainer.features.moe.routing``: T tokens,
 K experts per token, S = T*K routed slots, E experts, H hidden size, I expert intermediate size.
 """
 
@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - exercised on boxes without triton
     tl = None
 
 if TYPE_CHECKING:
-    from trainer.moe_routing import RoutingMetadata
+    from trainer.features.moe.metadata import RoutingMetadata
 
 __all__ = [
     "ACT_GPT_OSS", "ACT_SILU", "combine", "dispatch", "fused_gate", "gather_sum", "has_triton", "scale_rows",

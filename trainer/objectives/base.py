@@ -1,7 +1,7 @@
 """``Objective``: what the run asks of a training method (its declaration: ``trainer.objectives.registry``).
 
-The run (``trainer.train``) loads the records, builds the loss and hands both to the step; the
-step (``trainer.step``) packs each micro-batch with ``pack``, runs the loss inside ``collecting``
+The run (``trainer.training.train``) loads the records, builds the loss and hands both to the step; the
+step (``trainer.training.step``) packs each micro-batch with ``pack``, runs the loss inside ``collecting``
 (which adds the micro-batch's statistics to the step's device tensor from ``new_stats``), sums
 that tensor over the ranks, copies it to the host with the loss in one transfer and, one step
 late, turns the sums into the objective's step fields (``step_fields``). No hook reads a device
@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from trainer.config import TrainConfig
-from trainer.flops import FlopCounter
-from trainer.packing import PackedBatch
+from trainer.training.flops import FlopCounter
+from trainer.data.packing import PackedBatch
 
 
 class Objective(Protocol):
@@ -36,7 +36,7 @@ class Objective(Protocol):
         """
 
     def pack(self, items: Sequence[Any]) -> PackedBatch:
-        """One packed micro-batch of ``items`` (``trainer.packing.pack_batch``, or a batch with extras)."""
+        """One packed micro-batch of ``items`` (``trainer.data.packing.pack_batch``, or a batch with extras)."""
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
         """The run's ``loss(model, batch, meta, num_items) -> scalar``, which the ranks' strategy wraps;

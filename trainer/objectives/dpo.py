@@ -1,10 +1,10 @@
 """Direct Preference Optimization: a loss and a batch shape on the SFT path, not a second trainer.
 
 A packed micro-batch of P pairs holds 2P sequences, pair i's chosen at 2i and its rejected at
-2i+1 (``trainer.objectives.preference``, ``trainer.packing.pack_batch``): the packed metadata, varlen
+2i+1 (``trainer.objectives.preference``, ``trainer.data.packing.pack_batch``): the packed metadata, varlen
 attention and every installed optimization run unchanged. Per sequence s the policy's summed
 log-probability of its answer tokens, ``logp_S``, comes from the fused chunked head
-(``trainer.packed_forward.packed_sequence_logprobs`` over
+(``trainer.features.loss.packed_forward.packed_sequence_logprobs`` over
 ``trainer.objectives.fused_logprobs.causal_lm_sequence_logprobs``: a segment-sum of the token log-probs, the
 logits never materialised) or, where the plan chose the plain loss, from the full logits.
 
@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
-from trainer.flops import ATTENTION_BACKWARD, FlopCounter
+from trainer.training.flops import ATTENTION_BACKWARD, FlopCounter
 from trainer.objectives.declarations import DPO_STEP_FIELDS, DpoConfig
 from trainer.objectives.preference import PreferencePair, load_pair_sets
-from trainer.packed_forward import packed_sequence_logprobs
-from trainer.packing import PackedBatch, pack_batch
+from trainer.features.loss.packed_forward import packed_sequence_logprobs
+from trainer.data.packing import PackedBatch, pack_batch
 
 STATS = ("reward_margin", "correct", "chosen_logp", "rejected_logp", "pairs")
 """What a micro-batch adds up (``DpoLoss.last``); ``step_fields`` turns the step's sums into means."""
@@ -105,7 +105,7 @@ class DpoLoss:
             return packed_sequence_logprobs(model, batch, meta, self.loss_kernel)
 
     def step_flops(self, counter: FlopCounter, pairs: list[Any]) -> float:
-        """Model FLOPs of a step over ``pairs`` (``trainer.flops``' one count): the policy's forward
+        """Model FLOPs of a step over ``pairs`` (``trainer.training.flops``' one count): the policy's forward
         and backward on every sequence, as for SFT, plus the reference's forward: 2 per parameter
         it multiplies per token (the base alone with adapters off; the whole frozen copy for full
         fine-tuning) and the forward attention."""

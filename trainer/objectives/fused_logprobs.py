@@ -3,7 +3,7 @@
 Each sequence s of a packed row gets ``logp_s = sum over its label tokens t of log p(label_t)``,
 a segment-sum of the token log-probabilities (``-CE`` per token) over the row's sequence ids,
 without materialising the ``T x V`` logits: the tokens go through the head in chunks, as in
-``trainer.fused_loss`` (same chunk size rule, same fp32 log-sum-exp, same soft-capping).
+``trainer.features.loss.fused`` (same chunk size rule, same fp32 log-sum-exp, same soft-capping).
 
 Unlike that loss, the incoming gradient is a vector (one weight per sequence, DPO's
 ``d loss / d logp_s``), which scales each token's logits gradient before the head-weight gradient
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainer.fused_loss import IGNORE_INDEX, decoder_and_head, default_chunk_size
+from trainer.features.loss.fused import IGNORE_INDEX, decoder_and_head, default_chunk_size
 
 
 class _FusedLinearSequenceLogprobs(torch.autograd.Function):
@@ -144,6 +144,6 @@ def causal_lm_sequence_logprobs(
     num_sequences: int,
     **model_kwargs: Any,
 ) -> torch.Tensor:
-    """As ``trainer.fused_loss.causal_lm_loss``, but each sequence's summed log p(target): [S] fp32 (DPO, ``trainer.objectives.dpo``)."""
+    """As ``trainer.features.loss.fused.causal_lm_loss``, but each sequence's summed log p(target): [S] fp32 (DPO, ``trainer.objectives.dpo``)."""
     hidden, weight, softcap = decoder_and_head(model, input_ids, model_kwargs)
     return fused_linear_sequence_logprobs(hidden, weight, targets, sequence_ids, num_sequences, softcap=softcap)

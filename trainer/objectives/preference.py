@@ -12,7 +12,7 @@ shorter of the two common prefixes, so both sequences share one prompt). Labels 
 prompt and the answer's tokens after it (the template's end-of-turn tokens included).
 
 Each sequence is truncated from its end to ``min(max_seq_len, batch_tokens // 2)`` tokens, so a
-pair always fits in one packed micro-batch (``trainer.packing.pack_batch`` packs a pair's two
+pair always fits in one packed micro-batch (``trainer.data.packing.pack_batch`` packs a pair's two
 sequences side by side); a pair left with no answer token on either side is dropped.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainConfig
-from trainer.dataset import IGNORE_INDEX, Sample, read_records
+from trainer.data.dataset import IGNORE_INDEX, Sample, read_records
 from trainer.errors import DatasetError
 
 KEYS = ("input", "preferred_output", "non_preferred_output")

@@ -1,7 +1,7 @@
 """Supervised fine-tuning: token cross-entropy over the answer tokens, and the step's token accuracy.
 
-The loss is the plan's loss kernel as installed (``trainer.features.loss``: the fused chunked
-cross-entropy of ``trainer.fused_loss``, or the full logits' plain one), each micro-batch's token
+The loss is the plan's loss kernel as installed (``trainer.features.loss.feature``: the fused chunked
+cross-entropy of ``trainer.features.loss.fused``, or the full logits' plain one), each micro-batch's token
 sum divided by the step's target count. Token accuracy (``trainer.objectives.token_accuracy``)
 is counted by those kernels into this step's one-float statistics while they run.
 """
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
-from trainer.dataset import Sample, load_samples
-from trainer.flops import FlopCounter
+from trainer.data.dataset import Sample, load_samples
+from trainer.training.flops import FlopCounter
 from trainer.objectives import token_accuracy
-from trainer.packing import PackedBatch, pack_batch
+from trainer.data.packing import PackedBatch, pack_batch
 
 
 class Sft:

@@ -1,9 +1,9 @@
 """Token accuracy of a training step: the fraction of its target tokens the model ranks first.
 
 Counted on the device while the loss runs, from the logits the loss computes anyway (each chunk
-of the fused loss, ``trainer.fused_loss``; the full logits of the plain one), into a float32
+of the fused loss, ``trainer.features.loss.fused``; the full logits of the plain one), into a float32
 scalar of the ``sft`` objective's step statistics (``trainer.objectives.sft``) that
-``trainer.step`` sums over micro-batches and ranks and reads one step late beside the loss, in
+``trainer.training.step`` sums over micro-batches and ranks and reads one step late beside the loss, in
 the same transfer: no host sync of its own. The count is a collector the step (and the validation
 pass) opens around its forwards (``counting``), request-scoped like the loss' label count, so no
 loss function grows a return value; outside one (DPO's log-probabilities) nothing is counted.

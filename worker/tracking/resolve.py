@@ -184,7 +184,7 @@ def tracking_for(runtime: Any, job_id: str, output_dir: Path) -> Tracking:
     from core.jobs.models import Job
     from core.projects.models import Project
     from core.users.access import owner_name
-    from trainer import layout
+    from trainer.training import layout
 
     warn = warning_writer(runtime, job_id)
     try:

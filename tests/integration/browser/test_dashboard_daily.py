@@ -28,7 +28,7 @@ def a_run(api: httpx.Client, store: Any, chat_file: Path, name: str, lr: float, 
     from core.jobs.service import transition
     from core.jobs.states import JobStatus
     from core.jobs.summary import summarize
-    from trainer import layout
+    from trainer.training import layout
 
     with chat_file.open("rb") as fh:
         file_id = api.post("/v1/files", data={"purpose": "train"}, files={"file": (chat_file.name, fh)}).json()["id"]

@@ -23,7 +23,7 @@ def test_importing_and_building_the_app_pulls_no_torch_or_worker() -> None:
 
 
 def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
-    """``trainer.memory`` is the estimate ``GET /v1/models`` says whether a model fits with
+    """``trainer.plan.memory`` is the estimate ``GET /v1/models`` says whether a model fits with
     (``api.models.fit``); ``test_models_fit`` checks that computing it imports no torch.
     ``trainer.objectives`` is the objectives' registry (its torch-free part): the spec's objectives,
     ``MetricOut``'s fields and the charts."""
@@ -33,7 +33,8 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.catalog", "trainer.config", "trainer.events",
-                                                   "trainer.layout", "trainer.memory", "trainer.objectives",
+                                                   "trainer.training", "trainer.training.layout", "trainer.plan",
+                                                   "trainer.plan.memory", "trainer.objectives",
                                                    "trainer.objectives.registry", "trainer.objectives.declarations"}
 
 

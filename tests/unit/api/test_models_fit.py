@@ -1,4 +1,4 @@
-"""``api.models.fit``: whether a model trains on the live GPU hosts, from ``trainer.memory``'s estimate."""
+"""``api.models.fit``: whether a model trains on the live GPU hosts, from ``trainer.plan.memory``'s estimate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from api.models.fit import BATCH_TOKENS, LORA_RANK, GpuHost, fit, shape_of
-from trainer import memory
+from trainer.plan import memory
 
 REPO = Path(__file__).resolve().parents[3]
 GIB = 1 << 30

@@ -118,7 +118,7 @@ asyncio.run(main())
 @pytest.fixture
 def dataset(tmp_path: Path) -> tuple[Path, Path, Path]:
     """A two-record chat dataset, a directory with the tiny tokenizer, one with no tokenizer."""
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     tiny, bare = tmp_path / "tiny", tmp_path / "bare"
     build_tokenizer().save_pretrained(tiny)

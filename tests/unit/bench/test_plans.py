@@ -19,8 +19,8 @@ from bench.ablation import TINY_GPT_OSS, TINY_LLAMA
 from bench.plans import CPU_OFFLOAD, KERNELS_OFF, Planner, bench_config, bench_facts, changes, variant_plan
 from bench.train_step import RECIPES, VARIANTS, Variant, run_variant_cpu
 from bench.workload import build_lora_model, packed_batch, packed_steps
-from trainer.hardware import detect
-from trainer.planning import plan
+from trainer.plan.hardware import detect
+from trainer.plan.planner import plan
 
 CPU = torch.device("cpu")
 # peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.

@@ -56,7 +56,7 @@ def test_build_without_bitsandbytes_says_how_to_get_it(
 def test_tiny_build_quantizes_every_decoder_linear_and_trains_lora_only() -> None:
     import bitsandbytes as bnb
 
-    from trainer.fused_loss import causal_lm_loss
+    from trainer.features.loss.fused import causal_lm_loss
 
     model, optimizer = build_qlora_model(TINY, torch.device("cpu"))
     adapted = {

@@ -26,7 +26,7 @@ from core.jobs.states import JobStatus
 from core.migrate import upgrade
 from core.settings import Settings
 from tests.helpers import create_api_key
-from trainer import layout
+from trainer.training import layout
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The tars carrying a job's artifacts (``core.workers.archive``) and the paths they may land on
-(``trainer.layout.check_artifact_path``): hostile archives never write outside the staging dir."""
+(``trainer.training.layout.check_artifact_path``): hostile archives never write outside the staging dir."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.hostile_tars import (
     member,
     tar_bytes,
 )
-from trainer import layout
+from trainer.training import layout
 
 
 class TestArtifactPaths:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from trainer import tiny
+from trainer.model import tiny
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"

@@ -40,14 +40,14 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama + tokenizer saved with save_pretrained (built once per session)."""
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -58,7 +58,7 @@ class _TinyModels(dict):
         self.tmp_path_factory = tmp_path_factory
 
     def __missing__(self, arch: str) -> Path:
-        from trainer.tiny import make_tiny_model
+        from trainer.model.tiny import make_tiny_model
 
         self[arch] = make_tiny_model(self.tmp_path_factory.mktemp(f"tiny-{arch}"), arch, seed=3)
         return self[arch]
@@ -66,6 +66,6 @@ class _TinyModels(dict):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny random-weight models with tokenizers on disk by architecture (``trainer.tiny``, seed
+    """Tiny random-weight models with tokenizers on disk by architecture (``trainer.model.tiny``, seed
     3), each built on first use, once per session: ``tiny_models["qwen3_moe"]``."""
     return _TinyModels(tmp_path_factory)

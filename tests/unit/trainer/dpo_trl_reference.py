@@ -84,11 +84,11 @@ def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> di
 
 
 def ftq_side(model: torch.nn.Module, tokenizer, beta: float) -> dict:
-    from trainer.attention import PackedAttention
+    from trainer.features.attention.packed import PackedAttention
     from trainer.config import DpoConfig
     from trainer.objectives.dpo import DpoLoss, step_fields
-    from trainer.packed_forward import LOSS_FUSED
-    from trainer.packing import pack_batch
+    from trainer.features.loss.packed_forward import LOSS_FUSED
+    from trainer.data.packing import pack_batch
     from trainer.objectives.preference import tokenize_pair
 
     pairs = [tokenize_pair(r, tokenizer) for r in records()]

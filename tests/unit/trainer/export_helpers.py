@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer import layout
+from trainer.training import layout
 
 PROMPT = [{"role": "user", "content": "What is the name of the river?"}]
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.model import enable_gradient_checkpointing
-from trainer.offload import ActivationOffloader
+from trainer.model.load import enable_gradient_checkpointing
+from trainer.features.offload import ActivationOffloader
 
 COMMON = {
     "hidden_size": 32,

@@ -1,6 +1,6 @@
 """Fake machines and jobs for the plan tests (imported by name: pytest puts this folder on sys.path).
 
-``trainer.planning.plan`` is pure, so a hand-written ``Hardware`` exercises the GPU branches on
+``trainer.plan.planner.plan`` is pure, so a hand-written ``Hardware`` exercises the GPU branches on
 a CPU box; ``plan_config`` is a job whose paths are never read.
 """
 
@@ -16,7 +16,7 @@ from trainer.config import (
     Optimizations,
     TrainConfig,
 )
-from trainer.hardware import Hardware
+from trainer.plan.hardware import Hardware
 
 CPU = Hardware(
     device="cpu",

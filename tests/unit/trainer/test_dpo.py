@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from trainer_helpers import Recorder, lora_model, make_job, write_jsonl
 
 from trainer.objectives import dpo
-from trainer.attention import PackedAttention
+from trainer.features.attention.packed import PackedAttention
 from trainer.config import DataConfig, DpoConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
-from trainer.dataset import IGNORE_INDEX, Sample
+from trainer.data.dataset import IGNORE_INDEX, Sample
 from trainer.errors import ConfigError
-from trainer.flops import AttentionLayers, FlopCounter
+from trainer.training.flops import AttentionLayers, FlopCounter
 from trainer.objectives.fused_logprobs import fused_linear_sequence_logprobs
-from trainer.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
-from trainer.packing import pack_batch
+from trainer.features.loss.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
+from trainer.data.packing import pack_batch
 from trainer.objectives.preference import PreferencePair, tokenize_pair
 
 LENGTHS = ((9, 6), (5, 12), (14, 4))
@@ -167,8 +167,9 @@ class TestQlora:
         """QLoRA's reference: the NF4 base with the adapters off (the fused LoRA path falls back to
         the base layer), and the policy's gradient reaches every LoRA weight (CPU bnb backend, bf16
         plan as in test_qlora)."""
-        from trainer import hardware, lora_fused, planning
-        from trainer.model import load_model, prepare_for_training
+        from trainer.plan import hardware, planner as planning
+        from trainer.features.lora_kernel import fused as lora_fused
+        from trainer.model.load import load_model, prepare_for_training
 
         config = make_job(tmp_path, tiny_model_dir, method="qlora")
         plan = dataclasses.replace(planning.plan(hardware.detect("cpu"), dataclasses.replace(config, method="lora")),
@@ -239,8 +240,8 @@ class TestDpoRun:
         resumed run starts from: the resumed steps follow the uninterrupted run."""
         import shutil
 
-        from trainer import layout
-        from trainer.train import run
+        from trainer.training import layout
+        from trainer.training.train import run
 
         whole = Recorder()
         config = dpo_job(tmp_path, tiny_model_dir, method="full", checkpoint_every=2,
@@ -258,7 +259,7 @@ class TestDpoRun:
                 assert got[step][field] == pytest.approx(want[step][field], rel=1e-4, abs=1e-6), (step, field)
 
     def test_a_lora_dpo_run_learns_the_preference_and_reports_it(self, tmp_path, tiny_model_dir) -> None:
-        from trainer.train import run
+        from trainer.training.train import run
 
         config = dpo_job(tmp_path, tiny_model_dir)
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, validation_path=config.data.train_path),

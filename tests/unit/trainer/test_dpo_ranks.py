@@ -44,7 +44,7 @@ def write_dpo_job(directory: Path, model_dir: Path) -> Path:
 @pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same arithmetic
 def test_two_ranks_follow_one_process_with_the_same_rewards(tmp_path: Path, tiny_model_dir: Path) -> None:
     from trainer.config import TrainConfig
-    from trainer.train import run
+    from trainer.training.train import run
 
     one = Recorder()  # the one-process run in this process (saves a start-up), as `python -m trainer run` does
     assert run(TrainConfig.load(write_dpo_job(tmp_path / "one", tiny_model_dir)), one).status == "succeeded"

@@ -22,12 +22,12 @@ from trainer_helpers import Recorder, make_job, write_jsonl
 
 from trainer import objectives
 from trainer.config import DataConfig, OptimConfig, TrainConfig
-from trainer.dataset import IGNORE_INDEX, Sample, read_records
+from trainer.data.dataset import IGNORE_INDEX, Sample, read_records
 from trainer.errors import DatasetError
-from trainer.flops import FlopCounter
-from trainer.packed_forward import packed_forward
-from trainer.packing import PackedBatch, pack_batch
-from trainer.train import run
+from trainer.training.flops import FlopCounter
+from trainer.features.loss.packed_forward import packed_forward
+from trainer.data.packing import PackedBatch, pack_batch
+from trainer.training.train import run
 
 NAME, FORMAT, FIELD = "weighted_sft", "weighted_text", "mean_token_weight"
 WEIGHTS = (0.5, 2.0)

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from trainer.dataset import IGNORE_INDEX, tokenize_record, validate_record
+from trainer.data.dataset import IGNORE_INDEX, tokenize_record, validate_record
 
 # A template that renders tools and tool calls, as real ones (Qwen, Llama 3.1) do, in the tiny
 # tokenizer's vocabulary; arguments arrive as a dict (transformers' convention).

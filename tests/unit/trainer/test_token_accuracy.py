@@ -9,9 +9,9 @@ from trainer_helpers import Recorder, make_job
 
 from trainer.objectives import token_accuracy
 from trainer.config import OptimConfig
-from trainer.dataset import IGNORE_INDEX
-from trainer.fused_loss import fused_linear_cross_entropy
-from trainer.train import run
+from trainer.data.dataset import IGNORE_INDEX
+from trainer.features.loss.fused import fused_linear_cross_entropy
+from trainer.training.train import run
 
 
 def _case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -45,7 +45,7 @@ class TestTrainConfig:
 
     def test_importing_what_the_worker_uses_loads_no_torch(self):
         code = (
-            "import trainer, trainer.config, trainer.events, trainer.layout, sys; "
+            "import trainer, trainer.config, trainer.events, trainer.training.layout, sys; "
             "assert 'torch' not in sys.modules, 'torch imported'"
         )
         subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)

@@ -57,7 +57,7 @@ def make_job(tmp_path: Path, model_dir: Path, **overrides: object):
 
 
 class Recorder:
-    """An ``emit`` for ``trainer.train.run`` that keeps the events in memory."""
+    """An ``emit`` for ``trainer.training.train.run`` that keeps the events in memory."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
@@ -79,7 +79,7 @@ class Recorder:
 def train_lora(out_dir: Path, model_dir: Path, monkeypatch, *, steps: int, facts: dict | None = None,
                **overrides: object) -> tuple[Recorder, dict]:
     """``steps`` optimizer steps of 2 micro-batches at lr 1e-2 with gradient checkpointing through
-    ``trainer.train.run``; returns the events and the saved LoRA weights.
+    ``trainer.training.train.run``; returns the events and the saved LoRA weights.
 
     ``facts``: ``ModelFacts`` fields the plan is handed instead of the model's (e.g. a reason in
     ``fused_loss`` switches the fused loss off). ``monkeypatch`` is undone after the run, so
@@ -90,9 +90,9 @@ def train_lora(out_dir: Path, model_dir: Path, monkeypatch, *, steps: int, facts
 
     from safetensors.torch import load_file
 
-    from trainer import train as train_module
+    from trainer.training import train as train_module
     from trainer.config import OptimConfig
-    from trainer.model import model_facts
+    from trainer.model.load import model_facts
 
     out_dir.mkdir(parents=True)
     config = make_job(
@@ -122,8 +122,8 @@ def lora_model(arch: str, seed: int = 0):
     import torch
 
     from trainer.config import LoraConfig
-    from trainer.model import apply_lora
-    from trainer.tiny import build_tiny_model
+    from trainer.model.load import apply_lora
+    from trainer.model.tiny import build_tiny_model
 
     model, _ = build_tiny_model(arch, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer import layout  # noqa: E402
+from trainer.training import layout  # noqa: E402
 from trainer.events import STEP_FIELDS, Emitter  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))

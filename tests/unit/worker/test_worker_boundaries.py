@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-TRAINER_MODULES_FOR_THE_WORKER = {"trainer", "trainer.catalog", "trainer.config", "trainer.events", "trainer.layout",
-                                  "trainer.objectives", "trainer.objectives.registry", "trainer.objectives.declarations"}
+TRAINER_MODULES_FOR_THE_WORKER = {"trainer", "trainer.catalog", "trainer.config", "trainer.events", "trainer.training",
+                                  "trainer.training.layout", "trainer.objectives", "trainer.objectives.registry",
+                                  "trainer.objectives.declarations"}
 """``trainer.objectives`` is its torch-free registry: the step fields the recorder stores and the trackers send."""
 
 

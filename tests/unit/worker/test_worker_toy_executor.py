@@ -130,7 +130,7 @@ class TinyBuilder:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyBuilder:
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("toy-executor")
     records = [{"messages": [{"role": "user", "content": f"What is {i % 5} plus one?"},

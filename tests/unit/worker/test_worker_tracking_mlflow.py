@@ -20,7 +20,7 @@ from sqlalchemy import update
 
 from core.jobs.models import Job
 from core.settings import TrackingServer
-from trainer import layout
+from trainer.training import layout
 from worker.runner import run_job
 
 pytestmark = pytest.mark.slow

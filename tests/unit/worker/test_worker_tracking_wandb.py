@@ -20,7 +20,7 @@ from sqlalchemy import select, update
 
 from core.jobs.models import Job, JobEvent, StepMetric
 from core.workers.models import Worker
-from trainer import layout
+from trainer.training import layout
 from worker.presence import Presence
 from worker.runner import run_job
 from worker.tracking import JobInfo, Tracking, installed, resolve

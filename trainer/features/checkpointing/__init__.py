@@ -1,0 +1,1 @@
+"""The activation policy (``gradient_checkpointing``): which decoder layers are checkpointed (``policy``)."""

@@ -1,0 +1,1 @@
+"""The LoRA kernel: its decision and install (``feature``), the fused LoRA linears (``fused``)."""

@@ -1,0 +1,1 @@
+"""Text generation: greedy sample generations at checkpoints (``samples``)."""

@@ -1,0 +1,232 @@
+"""How several ranks train one model: DDP over the adapters, FSDP2 for full fine-tuning.
+
+The plan's ``parallelism`` decision (``FEATURE.decide``) picks one strategy per run, with a reason:
+
+- one rank: none (the model runs as it is);
+- LoRA / QLoRA: DDP over the trainable parameters only (frozen weights are never exchanged):
+  the adapters' gradients are tens of MB, all-reduced in buckets as backward produces them;
+- full fine-tuning, or a LoRA base too big for one GPU: FSDP2 (``fully_shard`` per decoder
+  layer, then the root), parameters, gradients and optimizer state sharded over the ranks.
+
+``parallelize(model, loss, decision, comm)`` wraps the module that computes the loss
+(``LossModule``: the model and the plan's loss function), so every micro-batch runs through the
+strategy's forward (DDP's reducer and FSDP's all-gathers see every call, including the fused
+loss, which reads the LM head's weight directly). ``Parallel.sync(last)`` lets gradient
+accumulation skip the exchange until a rank's last micro-batch of the step.
+
+Read first: torchtitan ``models/llama3/infra/parallelize.py`` (``apply_fsdp``, ``apply_ddp``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from trainer.errors import PlanError
+from trainer.parallel.distributed import Comm
+from trainer.plan.feature import Context
+from trainer.plan.types import Decision
+
+NAME = "parallelism"
+BASE_SHARE = 0.6
+"""A LoRA base whose weights exceed this share of one GPU is sharded (FSDP2) instead of replicated."""
+_WEIGHT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class Parallelism:
+    """The ``parallelism`` decision: how ``ctx.world_size`` ranks share the model (applied by
+    ``parallelize`` once the process group exists, not by the installer)."""
+
+    name = NAME
+
+    def supported(self, ctx: Context) -> str | None:
+        return None
+
+    def decide(self, ctx: Context) -> Decision:
+        """The strategy for ``ctx.world_size`` ranks on machines like ``ctx.hw``.
+
+        Raises:
+            PlanError: the strategy shards the model on more than one machine.
+        """
+        decision = _strategy(ctx)
+        _refuse_sharding_across_machines(decision.backend == "fsdp2", decision.reason)
+        return decision
+
+
+FEATURE = Parallelism()
+
+
+def _strategy(ctx: Context) -> Decision:
+    hw, method, world_size = ctx.hw, ctx.job.method, ctx.world_size
+    if world_size == 1:
+        return Decision(NAME, "auto", False, None, "one rank: nothing to exchange")
+    over = f"{world_size} ranks over {hw.interconnect}"
+    if method == "full":
+        return Decision(
+            NAME, "auto", True, "fsdp2",
+            f"{over}: full fine-tuning shards parameters, gradients and optimizer state "
+            "(FSDP2, one unit per decoder layer, fp32 master weights)",
+        )
+    per_param = 0.5 if method == "qlora" else _WEIGHT_BYTES.get(ctx.dtype, 2)
+    weights = (ctx.facts.param_count or 0) * per_param
+    if hw.gpu_memory and weights > BASE_SHARE * hw.gpu_memory and method == "lora":
+        return Decision(
+            NAME, "auto", True, "fsdp2",
+            f"{over}: the base's {weights / 2**30:.1f} GiB of weights exceed {BASE_SHARE:.0%} of one "
+            f"GPU's {hw.gpu_memory / 2**30:.0f} GiB, so they are sharded (FSDP2)",
+        )
+    return Decision(
+        NAME, "auto", True, "ddp",
+        f"{over}: DDP all-reduces only the adapters' gradients, in buckets under backward",
+    )
+
+
+def _refuse_sharding_across_machines(sharded: bool, why: str) -> None:
+    """A run over several machines (torchrun's ``GROUP_WORLD_SIZE``: its nnodes) must not shard:
+    FSDP2's checkpoints are written in pieces, each machine's on its own disk, and a machine
+    shares no disk with the others, so no machine could resume from one.
+
+    Raises:
+        PlanError: ``sharded`` on more than one machine.
+    """
+    machines = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    if sharded and machines > 1:
+        raise PlanError(
+            f"this run spans {machines} machines and would shard the model (FSDP2: {why}); its checkpoints "
+            "would be split over the machines' own disks and could not be resumed. Run it on one machine "
+            "(nodes: 1, all its GPUs there), or use method lora/qlora with a base that fits one GPU"
+        )
+
+
+class LossModule(torch.nn.Module):
+    """The model and its loss function as one module: what DDP / FSDP2 wrap."""
+
+    def __init__(self, model: torch.nn.Module, loss: Any) -> None:
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def forward(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
+        return self._loss(self.model, batch, meta, num_items)
+
+
+class Parallel:
+    """The wrapped loss module of a run (``module``), and the gradient-sync switch."""
+
+    def __init__(self, module: torch.nn.Module, strategy: str | None, *, static_graph: bool = False) -> None:
+        self.module = module
+        self.strategy = strategy
+        self.static_graph = static_graph
+
+    @property
+    def sharded(self) -> bool:
+        """The parameters are FSDP2 shards (DTensors): saving or exporting them is a collective."""
+        return self.strategy == "fsdp2"
+
+    def loss(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
+        return self.module(batch, meta, num_items)
+
+    @contextmanager
+    def sync(self, last: bool) -> Iterator[None]:
+        """Exchange gradients in this backward only when ``last`` (the rank's last micro-batch).
+
+        DDP with ``static_graph`` exchanges in every backward: its ``no_sync`` breaks the static
+        graph's bookkeeping (an INTERNAL ASSERT, or gradients silently no longer all-reduced from
+        the second iteration; pytorch/pytorch#143580). Adapters' gradients are small.
+        """
+        if last or self.strategy is None or (self.strategy == "ddp" and self.static_graph):
+            yield
+        elif self.strategy == "ddp":
+            with self.module.no_sync():
+                yield
+        else:  # fsdp2
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+
+
+def parallelize(
+    model: torch.nn.Module,
+    loss: Any,
+    decision: Decision,
+    comm: Comm,
+    *,
+    static_graph: bool = False,
+    compute_dtype: str = "float32",
+) -> Parallel:
+    """Wrap ``LossModule(model, loss)`` as ``decision`` says (see the module docstring).
+
+    Args:
+        static_graph: DDP's ``static_graph`` (offloaded checkpoints back-propagate each layer in
+            a nested backward, which DDP accepts only for a graph it may assume static).
+        compute_dtype: the plan's dtype; FSDP2 gathers the parameters in it (``apply_fsdp``).
+    """
+    module = LossModule(model, loss)
+    if not decision.enabled:
+        return Parallel(module, None)
+    if decision.backend == "ddp":
+        return Parallel(apply_ddp(module, comm, static_graph=static_graph), "ddp", static_graph=static_graph)
+    return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2")
+
+
+def apply_ddp(module: torch.nn.Module, comm: Comm, *, static_graph: bool = False) -> torch.nn.Module:
+    """DDP over the trainable parameters; rank 0's adapters are broadcast once at the start.
+
+    ``init_sync`` is off: every rank loads the same frozen base, and broadcasting it (16 GB for
+    an 8B model) would only repeat what each rank read from disk.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    for p in module.parameters():
+        if p.requires_grad:
+            dist.broadcast(p.data, src=0)
+    device_ids = [comm.device.index] if comm.device.type == "cuda" else None
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    # torch 2.13 renamed it (2.11, on the GPU machines, has only the old name); buffers such as
+    # RoPE's inv_freq are computed alike on every rank
+    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+    return DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        init_sync=False,
+        gradient_as_bucket_view=True,
+        static_graph=static_graph,
+        **no_buffer_sync,
+    )
+
+
+def apply_fsdp(module: torch.nn.Module, comm: Comm, compute_dtype: str = "float32") -> torch.nn.Module:
+    """FSDP2: one ``fully_shard`` unit per decoder layer, then the root (embeddings, norm, head).
+
+    The root unit is the ``LossModule``, not the model: the fused loss reads the LM head's weight
+    inside ``LossModule.forward`` without calling the head, so the head (with the embeddings and
+    the final norm) must be gathered by the root's pre-forward rather than by a unit of its own
+    (torchtitan gives ``[norm, output]`` one; that needs the head's own forward to run).
+
+    Precision: the shards keep the dtype the model was loaded in (fp32 master weights for full
+    fine-tuning, ``trainer.model.load.load_model``); each unit is gathered in ``compute_dtype``
+    (``MixedPrecisionPolicy.param_dtype``, none when that is float32) and gradients are
+    reduce-scattered in fp32, so AdamW updates the fp32 shards.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trainer.features.offload import decoder_layers
+
+    mesh = init_device_mesh(comm.device.type, (comm.world.world_size,))
+    compute = getattr(torch, compute_dtype)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32
+    )
+    for layer in decoder_layers(module):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    return module

@@ -289,7 +289,8 @@ class JobSpec(_Strict):
     objective: Annotated[
         Objective,
         Field(
-            description="; ".join(d.doc for d in objectives.declarations()) + "."
+            description="; ".join(d.doc for d in objectives.declarations()) + ".",
+            json_schema_extra={"x-titles": {d.name: d.title for d in objectives.declarations()}},
         ),
     ] = "sft"
     dpo: DpoSpec = DpoSpec()

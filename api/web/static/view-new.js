@@ -67,13 +67,14 @@ export function renderNew(main) {
 
   const name = field("name", "Job name (optional)", h("input", { type: "text", maxlength: "200", placeholder: "e.g. support-bot-v3" }));
   const gpus = gpusField(controller.signal);
-  const objective = field("objective", "Objective", h("select", {}, [["sft", "supervised (SFT)"], ["dpo", "preference pairs (DPO)"]].map(([v, t]) => h("option", { value: v, text: t }))),
-    "sft trains on chat, prompt/completion or text files; dpo on preference files (OpenAI's DPO records).");
-  const beta = field("dpo.beta", "DPO beta", h("input", { type: "number", min: "0", step: "any" }),
-    "DPO only: how strongly the policy is held to the reference model (larger: closer).");
+  // The objectives, their names for people and their settings come from the job spec's schema
+  // (trainer.objectives' registry): a registered objective shows up here by itself.
+  const objective = field("objective", "Objective", h("select", {}),
+    "What the job learns from: each objective trains on its own kind of records (the choice's description in the API docs).");
   const objectiveSelect = objective.querySelector("select");
-  objectiveSelect.addEventListener("change", () => { beta.hidden = objectiveSelect.value !== "dpo"; });
-  beta.hidden = true;
+  const sectionFields = []; // [objective name, field] of every objective's settings
+  const showSection = () => { for (const [name, wrap] of sectionFields) wrap.hidden = objectiveSelect.value !== name; };
+  objectiveSelect.addEventListener("change", showSection);
   const lengthUnit = h(
     "select",
     { "data-testid": "length-unit", "aria-label": "Length unit" },
@@ -105,7 +106,16 @@ export function renderNew(main) {
   );
   const switches = h("div", { class: "switches", "data-testid": "switches" }, h("p", { class: "muted", text: "Loading the optimization switches…" }));
   loadDefaults()
-    .then((defaults) => showDefaults([...hyperFields, ...loraFields, beta], defaults))
+    .then((defaults) => {
+      for (const section of defaults.sections) {
+        const wrap = field(section.param, section.label, h("input", { type: "number", step: "any" }), section.help);
+        sectionFields.push([section.objective, wrap]);
+      }
+      objective.after(...sectionFields.map(([, wrap]) => wrap));
+      showDefaults([objective, ...hyperFields, ...loraFields, ...sectionFields.map(([, wrap]) => wrap)], defaults);
+      for (const option of objectiveSelect.options) option.text = defaults.titles[option.value] || option.value;
+      showSection();
+    })
     .catch(() => {}); // a hint: an empty input or schedule is left out, and the API fills its default in
   loadSwitches()
     .then((list) => clear(switches, list.map(switchField)))
@@ -123,7 +133,7 @@ export function renderNew(main) {
       : "This job and its uploads go to your default project (pick one with the switcher in the header)." }),
     h("fieldset", {}, h("legend", { text: "Model" }), model.element),
     h("fieldset", {}, h("legend", { text: "Data" }), train.element, valid.element),
-    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, objective, beta, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
+    h("fieldset", { "data-param": "hyperparameters" }, h("legend", { text: "Training" }), h("div", { class: "grid" }, name, lengthField, gpus, objective, ...hyperFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "lora" }, h("legend", { text: "LoRA adapter" }), h("div", { class: "grid" }, ...loraFields), h("p", { class: "field-error", role: "alert" })),
     h("fieldset", { "data-param": "optimizations" }, h("legend", { text: "Optimizations" }), h("p", { class: "help", text: "auto lets the trainer decide from the hardware it finds (the job page shows each decision and why); on fails the job early if it cannot run; off forces the plain path, for A/B comparisons." }), switches),
     h("fieldset", {}, h("legend", { text: "Evaluation" }), samplePrompts),
@@ -245,14 +255,28 @@ function loadDefaults() {
     const schemas = schema?.components?.schemas || {};
     const defaults = {};
     const choices = {};
-    for (const [prefix, name] of [["", "JobSpec"], ["hyperparameters.", "Hyperparameters"], ["lora.", "LoraSpec"], ["dpo.", "DpoSpec"]]) {
+    const job = schemas.JobSpec?.properties || {};
+    const titles = job.objective?.["x-titles"] || {};
+    // an objective's settings: the job spec's field named after it (a $ref to e.g. DpoSpec)
+    const sectionOf = (name) => (job[name]?.$ref || "").split("/").pop();
+    const objectiveNames = job.objective?.enum || [];
+    const groups = [["", "JobSpec"], ["hyperparameters.", "Hyperparameters"], ["lora.", "LoraSpec"],
+      ...objectiveNames.filter(sectionOf).map((name) => [`${name}.`, sectionOf(name)])];
+    for (const [prefix, name] of groups) {
       for (const [key, p] of Object.entries(schemas[name]?.properties || {})) {
         if (p.default !== undefined && p.default !== null && typeof p.default !== "object") defaults[prefix + key] = p.default;
         else if (Array.isArray(p.default)) defaults[prefix + key] = p.default.join(", ");
         if (Array.isArray(p.enum)) choices[prefix + key] = p.enum;
       }
     }
-    return { defaults, choices };
+    const sections = objectiveNames.filter(sectionOf).flatMap((name) =>
+      Object.entries(schemas[sectionOf(name)]?.properties || {}).map(([key, p]) => ({
+        objective: name,
+        param: `${name}.${key}`,
+        label: `${titles[name] || name} ${(p.title || key).toLowerCase()}`,
+        help: `${titles[name] || name} only: ${p.description || ""}`,
+      })));
+    return { defaults, choices, titles, sections };
   });
 }
 
@@ -544,7 +568,10 @@ function buildBody(form, model, train, valid, lengthUnit, lengthValue) {
   for (const radio of form.querySelectorAll("input[type=radio]:checked")) setPath(body, radio.name, radio.value);
   const prompts = form.querySelector('textarea[data-param="sample_prompts"]')?.value.split("\n").map((s) => s.trim()).filter(Boolean);
   if (prompts?.length) body.sample_prompts = prompts;
-  if (body.objective !== "dpo") delete body.dpo; // beta is a DPO setting (the field hides for sft)
+  // the settings of an objective other than the chosen one (their fields are hidden) are left out
+  for (const other of form.querySelector('select[data-param="objective"]')?.options || []) {
+    if (other.value !== body.objective) delete body[other.value];
+  }
   if (lengthUnit.value === "epochs") delete body.hyperparameters.max_steps;
   else delete body.hyperparameters.epochs;
   return body;

@@ -432,6 +432,9 @@ def test_a_dpo_job_is_submitted_through_the_form(page: Any, api: httpx.Client, t
     page.locator("[data-testid=dataset-token-stats][data-state=ok]").wait_for()
     assert not page.get_by_label("DPO beta").is_visible()
     page.get_by_label("Objective").select_option("dpo")
+    # the objectives, their titles and their settings come from the job spec's schema (the registry)
+    assert page.get_by_label("Objective").locator("option").all_inner_texts() == ["SFT", "DPO"]
+    assert page.get_by_label("DPO label smoothing").get_attribute("placeholder") == "0"
     assert page.get_by_label("DPO beta").get_attribute("placeholder") == "0.1"  # the API's default
     page.get_by_label("DPO beta").fill("0.2")
     page.get_by_label("Job name (optional)").fill("form-dpo")

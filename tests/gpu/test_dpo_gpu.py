@@ -18,8 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_packed_metadata_gpu import no_host_sync  # noqa: E402
-from test_trainer_gpu import _tiny_model_with_head_dim_64  # noqa: E402
-from trainer_helpers import events_of, make_job, run_cli, write_jsonl  # noqa: E402
+from trainer_helpers import events_of, make_job, run_cli, tiny_model_for_gpu, write_jsonl  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +38,7 @@ def _pairs(n: int = 32) -> list[dict]:
 def test_a_dpo_run_succeeds_on_cuda_with_every_switch_on_auto(tmp_path: Path) -> None:
     from trainer.config import DataConfig, DpoConfig, OptimConfig
 
-    model_dir = _tiny_model_with_head_dim_64(tmp_path / "model", "llama")
+    model_dir = tiny_model_for_gpu(tmp_path / "model", "llama")
     pairs = write_jsonl(tmp_path / "pairs.jsonl", _pairs())
     job = make_job(
         tmp_path, model_dir, device="cuda", gradient_checkpointing=True, objective="dpo", dpo=DpoConfig(beta=0.1),
@@ -71,7 +70,7 @@ def test_a_dpo_micro_batch_queues_without_a_host_sync(tmp_path: Path) -> None:
     from trainer.data.packing import pack_batch
     from trainer.objectives.preference import tokenize_pair
 
-    model_dir = _tiny_model_with_head_dim_64(tmp_path / "model", "llama")
+    model_dir = tiny_model_for_gpu(tmp_path / "model", "llama")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir).cuda(), LoraConfig(r=8, alpha=16))
     attention = PackedAttention("sdpa", cache=True)

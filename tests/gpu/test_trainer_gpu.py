@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
-from trainer_helpers import events_of, make_job, run_cli  # noqa: E402
+from trainer_helpers import events_of, make_job, run_cli, tiny_model_for_gpu  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,27 +22,11 @@ pytestmark = [
 ]
 
 
-def _tiny_model_with_head_dim_64(directory: Path, arch: str) -> Path:
-    """trainer.model.tiny's model at head dim 64 (its default 16 is below what the varlen kernel takes)."""
-    from transformers import AutoModelForCausalLM
-
-    from trainer.model.tiny import build_config, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = build_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
-                          tokenizer.eos_token_id)
-    config.head_dim = 64
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss", "qwen3_moe"])
 def test_a_short_run_succeeds_on_cuda_with_every_switch_on_auto(tmp_path: Path, arch: str) -> None:
     from trainer.config import DataConfig
 
-    model_dir = _tiny_model_with_head_dim_64(tmp_path / "model", arch)
+    model_dir = tiny_model_for_gpu(tmp_path / "model", arch)
     job = make_job(
         tmp_path, model_dir, device="cuda", gradient_checkpointing=True,
         data=DataConfig(str(tmp_path / "train.jsonl"), max_seq_len=64, batch_tokens=512),

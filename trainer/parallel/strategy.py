@@ -215,6 +215,12 @@ def apply_fsdp(module: torch.nn.Module, comm: Comm, compute_dtype: str = "float3
     fine-tuning, ``trainer.model.load.load_model``); each unit is gathered in ``compute_dtype``
     (``MixedPrecisionPolicy.param_dtype``, none when that is float32) and gradients are
     reduce-scattered in fp32, so AdamW updates the fp32 shards.
+
+    Inputs are not cast (``cast_forward_inputs=False``): they are token ids, the packed
+    metadata and the objective's fp32 extras. FSDP2's cast rebuilds every dataclass it meets
+    (``torch.distributed.utils._apply_to_tensors``), so each layer got its own copy of the
+    batch's ``PackedMetadata``, with a plain dict for its counter (the ``KeyError: ('varlen',
+    None, device)`` of every 8B full fine-tuning on GPUs) and a cache of its own.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -224,7 +230,9 @@ def apply_fsdp(module: torch.nn.Module, comm: Comm, compute_dtype: str = "float3
     mesh = init_device_mesh(comm.device.type, (comm.world.world_size,))
     compute = getattr(torch, compute_dtype)
     policy = MixedPrecisionPolicy(
-        param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32
+        param_dtype=None if compute == torch.float32 else compute,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
     )
     for layer in decoder_layers(module):
         fully_shard(layer, mesh=mesh, mp_policy=policy)

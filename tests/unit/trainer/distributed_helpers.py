@@ -45,12 +45,19 @@ def command(job: Path, ranks: int, *, fsdp2: bool = False) -> list[str]:
 
 
 def write_job(
-    directory: Path, model_dir: Path, method: str, *, steps: int = STEPS, checkpoint_every: int = CHECKPOINT_EVERY
+    directory: Path,
+    model_dir: Path,
+    method: str,
+    *,
+    steps: int = STEPS,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    **overrides: object,
 ) -> Path:
     """``directory/job.json``: ``gpus: 2`` x ``grad_accum: 2`` micro-batches per step (so each of
     two ranks accumulates two, and skips the gradient exchange on its first), gradient
     checkpointing on (FSDP2 gathers again in the recompute), a small validation set (3 batches:
-    two on rank 0, one on rank 1, which under FSDP2 runs a spare forward to pair the gathers), a checkpoint every ``checkpoint_every`` steps; output in ``directory/out``."""
+    two on rank 0, one on rank 1, which under FSDP2 runs a spare forward to pair the gathers), a checkpoint every ``checkpoint_every`` steps; output in ``directory/out``. ``overrides`` replace
+    top-level ``TrainConfig`` fields (``device="cuda"`` on the GPU machines)."""
     from trainer.config import OptimConfig
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -72,6 +79,7 @@ def write_job(
         optim=OptimConfig(
             max_steps=steps, grad_accum=2, warmup_steps=1, learning_rate=1e-3 if method == "full" else 1e-2
         ),
+        **overrides,
     )
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, validation_path=str(validation)))
     config.save(directory / "job.json")
@@ -108,10 +116,10 @@ def launch(job: Path, ranks: int, timeout: float = 150, *, fsdp2: bool = False) 
     return Finished(result.returncode, events_of(result.stdout), result.stderr, job.parent / "out")
 
 
-def resume_copy(checkpoint: Path, directory: Path, model_dir: Path, method: str) -> Path:
+def resume_copy(checkpoint: Path, directory: Path, model_dir: Path, method: str, **overrides: object) -> Path:
     """A new job in ``directory`` whose output dir holds only ``checkpoint`` (what a run stopped
-    at that step leaves): running it resumes there."""
-    job = write_job(directory, model_dir, method)
+    at that step leaves): running it resumes there. ``overrides``: as ``write_job``'s."""
+    job = write_job(directory, model_dir, method, **overrides)
     target = directory / "out" / "checkpoints" / checkpoint.name
     shutil.copytree(checkpoint, target)
     return job

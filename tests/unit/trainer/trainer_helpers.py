@@ -180,3 +180,22 @@ def events_of(stdout: str) -> list[dict]:
     from trainer.events import parse_line
 
     return [e for e in map(parse_line, stdout.splitlines()) if e is not None]
+
+
+def tiny_model_for_gpu(directory: Path, arch: str = "llama") -> Path:
+    """``trainer.model.tiny``'s model at head dim 64 (its default 16 is below what the Triton
+    varlen kernel takes), saved with its tokenizer: what the GPU tests train with every switch on
+    ``auto``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.tiny import build_config, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = build_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
+                          tokenizer.eos_token_id)
+    config.head_dim = 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -59,6 +59,12 @@ class ProductResult:
     """Every step's time (the warm-up ones too), so an outlier is visible next to the median."""
     tokens: list[int] = field(default_factory=list)
     seconds: float = float("nan")
+    step_ms_p99: float = float("nan")
+    wall_tokens_per_s: float = float("nan")
+    """Tokens over the wall time between the step events after warm-up: what a user gets, every
+    gap between steps (data, events, a stall outside the timed step) included."""
+    alloc_retries: int | None = None
+    """The CUDA caching allocator's retries over the timed steps (``gpu_alloc_retries``)."""
 
 
 def save_model(shape: ModelShape, directory: Path, device: str) -> Path:
@@ -169,25 +175,56 @@ def summarize(shape: str, label: str, events: list[dict[str, Any]], skip: int) -
     mfus = [e["mfu"] for e in timed if e.get("mfu") is not None]
     result.mfu = statistics.median(mfus) if mfus else None
     result.steps_timed = len(timed)
+    result.step_ms_p99 = _percentile([e["step_ms"] for e in timed], 0.99)
+    result.wall_tokens_per_s = _wall_rate(steps, skip)
+    retries = [e["gpu_alloc_retries"] for e in timed if e.get("gpu_alloc_retries") is not None]
+    result.alloc_retries = sum(retries) if retries else None
     return result
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The nearest-rank percentile (``q`` in 0..1): with under 100 steps, p99 is the slowest."""
+    ordered = sorted(values)
+    import math
+
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _wall_rate(steps: list[dict[str, Any]], skip: int) -> float:
+    """Tokens of the steps after the ``skip``-th over the wall time from its event to the last's."""
+    if len(steps) <= skip + 1 or any("time" not in e for e in steps):
+        return float("nan")
+    start, timed = steps[skip], steps[skip + 1:]
+    seconds = _seconds(timed[-1]["time"]) - _seconds(start["time"])
+    return sum(e["tokens"] for e in timed) / seconds if seconds > 0 else float("nan")
+
+
+def _seconds(stamp: Any) -> float:
+    if isinstance(stamp, (int, float)):
+        return float(stamp)
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
 
 
 def table(results: list[ProductResult]) -> str:
     lines = [
-        "| shape | run | tokens/s | median step ms | peak GiB | MFU | steps timed | attention | parallelism |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| shape | run | tokens/s | wall tokens/s | median step ms | p99 step ms | peak GiB | MFU | alloc retries "
+        "| steps timed | attention | parallelism |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
         decisions = {d["name"]: d for d in r.plan}
         attention = (decisions.get("attention") or {}).get("backend") or "-"
         parallel = (decisions.get("parallelism") or {}).get("backend") or "-"
         if r.status != "ok":
-            lines.append(f"| {r.shape} | {r.label} | {r.status} | | | | | {attention} | {parallel} |")
+            lines.append(f"| {r.shape} | {r.label} | {r.status} | | | | | | | | {attention} | {parallel} |")
             continue
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
+        retries = "-" if r.alloc_retries is None else str(r.alloc_retries)
         lines.append(
-            f"| {r.shape} | {r.label} | {r.tokens_per_s:,.0f} | {r.step_ms_median:.0f} | {r.peak_gib:.2f} | {mfu} | "
-            f"{r.steps_timed} | {attention} | {parallel} |"
+            f"| {r.shape} | {r.label} | {r.tokens_per_s:,.0f} | {r.wall_tokens_per_s:,.0f} | {r.step_ms_median:.0f} | "
+            f"{r.step_ms_p99:.0f} | {r.peak_gib:.2f} | {mfu} | {retries} | {r.steps_timed} | {attention} | {parallel} |"
         )
     return "\n".join(lines)
 

@@ -60,7 +60,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _job(directory: Path, model_dir: Path, method: str, **kw: object) -> Path:
-    return write_job(directory, model_dir, method, device="cuda", gradient_checkpointing=True, **kw)
+    return write_job(directory, model_dir, method, device="cuda", **kw)
 
 
 def _ok(run: Finished) -> Finished:
@@ -114,7 +114,7 @@ class TestResumeAcrossGpuCounts:
     def test_a_two_gpu_fsdp2_checkpoint_resumes_on_one_gpu_on_the_same_curve(self, tmp_path, model_dir, one_gpu):
         two = _ok(launch(_job(tmp_path / "two", model_dir, "full"), 2, timeout=300))
         checkpoint = next(Path(e["path"]) for e in two.of("checkpoint") if e["step"] == CHECKPOINT_EVERY)
-        job = resume_copy(checkpoint, tmp_path / "one", model_dir, "full", device="cuda", gradient_checkpointing=True)
+        job = resume_copy(checkpoint, tmp_path / "one", model_dir, "full", device="cuda")
         resumed = _ok(launch(job, 1, timeout=300))
         _compare("fsdp2-resume-2-to-1", resumed, one_gpu["full"], range(CHECKPOINT_EVERY + 1, STEPS + 1))
 

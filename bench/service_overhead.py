@@ -45,8 +45,8 @@ def step_payload(step: int) -> dict[str, Any]:
         "lr": 1.999e-4, "grad_norm": 0.8123456, "tokens": 16_384, "sequences": 41, "step_ms": 1443.21,
         "data_ms": 0.42, "forward_ms": 512.3, "backward_ms": 931.1, "optimizer_ms": 0.61,
         "tokens_per_s": 11_352.7, "mfu": 0.4321, "gpu_mem_allocated": 17_179_869_184,
-        "gpu_mem_reserved": 21_474_836_480, "gpu_mem_peak": 20_561_612_390, "host_rss": 6_442_450_944,
-        "ranks": None, "token_accuracy": 0.4567, **dict.fromkeys(DPO_STEP_FIELDS),
+        "gpu_mem_reserved": 21_474_836_480, "gpu_mem_peak": 20_561_612_390, "gpu_alloc_retries": 0,
+        "host_rss": 6_442_450_944, "ranks": None, "token_accuracy": 0.4567, **dict.fromkeys(DPO_STEP_FIELDS),
     }
 
 

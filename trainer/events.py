@@ -97,10 +97,12 @@ class StepEvent:
     """GPU memory held by the caching allocator at the step's end (bytes); None without CUDA."""
     gpu_mem_peak: int | None
     """Peak GPU memory held by tensors during the step (bytes); None without CUDA."""
+    gpu_alloc_retries: int | None
+    """Caching-allocator retries during the step, each a cache flush and a device sync (retries); summed over ranks; None without CUDA."""
     host_rss: int | None
     """Resident set size of the trainer process (bytes); the largest over ranks."""
     ranks: list[dict[str, Any]] | None = None
-    """Several ranks: per rank {rank, the step/phase *_ms, tokens, gpu_mem_*, host_rss} (the fields above are then the job's); None for one rank."""
+    """Several ranks: per rank {rank, the step/phase *_ms, tokens, gpu_mem_*, gpu_alloc_retries, host_rss} (the fields above are then the job's); None for one rank."""
     metrics: dict[str, float | None] = field(default_factory=dict)
     """The run's objective's step fields by name (``trainer.objectives``), flat on the wire (``fields()``)."""
 

@@ -290,12 +290,16 @@ class _StepMetricOut(BaseModel):
     gpu_mem_allocated: int | None
     gpu_mem_reserved: int | None
     gpu_mem_peak: int | None
+    gpu_alloc_retries: int | None = Field(description=(
+        "Times the CUDA caching allocator retried an allocation during the step (each frees its cached "
+        "blocks and synchronizes the device: a slow step near the memory cap); summed over ranks; null "
+        "without CUDA and for steps stored before it was recorded."))
     host_rss: int | None
     ranks: list[dict[str, Any]] | None = None
     """A multi-GPU job's step per rank: ``{rank, step_ms, data_ms, forward_ms, backward_ms,
-    optimizer_ms, tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, host_rss}``
-    (the fields above are then the job's: tokens summed, the slowest rank's times, the largest
-    memory); null for one rank."""
+    optimizer_ms, tokens, gpu_mem_allocated, gpu_mem_reserved, gpu_mem_peak, gpu_alloc_retries,
+    host_rss}`` (the fields above are then the job's: tokens summed, the slowest rank's times, the
+    largest memory, the allocator retries summed); null for one rank."""
     time: dt.datetime
 
     @classmethod

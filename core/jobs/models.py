@@ -102,10 +102,11 @@ class StepMetric(Base):
     gpu_mem_allocated: Mapped[int | None] = mapped_column(BigInteger)
     gpu_mem_reserved: Mapped[int | None] = mapped_column(BigInteger)
     gpu_mem_peak: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_alloc_retries: Mapped[int | None] = mapped_column(Integer)
     host_rss: Mapped[int | None] = mapped_column(BigInteger)
     ranks: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
     """Per rank of a multi-GPU job: ``{rank, step_ms, data_ms, forward_ms, backward_ms,
-    optimizer_ms, tokens, gpu_mem_*, host_rss}``; None for one rank."""
+    optimizer_ms, tokens, gpu_mem_*, gpu_alloc_retries, host_rss}``; None for one rank."""
     metrics: Mapped[dict[str, float] | None] = mapped_column(JSONType)
     """The run's objective's step fields (``trainer.objectives``' ``MetricField``s) that have a
     value, by name: a new objective's fields need no new column."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import tarfile
@@ -20,6 +21,8 @@ from core.settings import Settings
 from tests.fixtures.broker import sent_tasks
 from tests.integration.fake_hub import FakeHub
 from tests.integration.helpers import bearer, spec, upload
+from trainer.events import STEP_FIELDS, make_event
+from worker.recorder import apply_events
 
 pytestmark = pytest.mark.integration
 
@@ -313,6 +316,25 @@ class TestMetricsAndArtifacts:
         rest = client.get(f"/v1/jobs/{job_id}/metrics", params={"after_step": 3, "limit": 10}).json()
         assert [m["step"] for m in rest["data"]] == [4, 5, 6, 7]
         assert rest["next_after_step"] is None
+
+    def test_allocator_retries_go_from_the_step_event_to_metrics_ranks_and_csv(self, client: TestClient, store) -> None:
+        job_id = self._job(client)
+        ranks = [{"rank": r, "step_ms": 4.0, "data_ms": 0.5, "forward_ms": 1.0, "backward_ms": 2.0, "optimizer_ms": 0.5,
+                  "tokens": 50, "gpu_mem_allocated": 1, "gpu_mem_reserved": 2, "gpu_mem_peak": 3,
+                  "gpu_alloc_retries": 3 * r, "host_rss": 4} for r in range(2)]
+        events = [make_event("step", **{**dict.fromkeys(STEP_FIELDS), "step": step, "total_steps": 3, "loss": 1.0,
+                                         "gpu_alloc_retries": retries, "ranks": ranks if step == 3 else None})
+                  for step, retries in ((1, None), (2, 0), (3, 3))]  # CPU-like, a calm step, a stall summed over ranks
+        with store.sessions() as session:
+            apply_events(session, job_id, events)
+            session.commit()
+        data = client.get(f"/v1/jobs/{job_id}/metrics").json()["data"]
+        assert [m["gpu_alloc_retries"] for m in data] == [None, 0, 3]
+        assert [r["gpu_alloc_retries"] for r in data[2]["ranks"]] == [0, 3]
+        rows = list(csv.DictReader(io.StringIO(client.get(f"/v1/jobs/{job_id}/metrics.csv").text)))
+        assert [r["gpu_alloc_retries"] for r in rows] == ["", "0", "3"]
+        described = client.get("/openapi.json").json()["components"]["schemas"]["MetricOut"]["properties"]
+        assert "caching allocator" in described["gpu_alloc_retries"]["description"]
 
     def test_adapter_is_409_until_succeeded_then_downloads_as_zip_or_tar(
         self, client: TestClient, store, settings: Settings

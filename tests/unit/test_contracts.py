@@ -80,7 +80,8 @@ METRICS = set(objectives.metric_names())
 
 
 RANK = {"rank": 0, "step_ms": 1.5, "data_ms": 0.1, "forward_ms": 0.5, "backward_ms": 0.7, "optimizer_ms": 0.2,
-        "tokens": 64, "gpu_mem_allocated": 10, "gpu_mem_reserved": 20, "gpu_mem_peak": 30, "host_rss": 40}
+        "tokens": 64, "gpu_mem_allocated": 10, "gpu_mem_reserved": 20, "gpu_mem_peak": 30, "gpu_alloc_retries": 5,
+        "host_rss": 40}
 """One entry of a step's ``ranks`` (StepEvent.ranks documents the keys)."""
 
 

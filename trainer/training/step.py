@@ -7,9 +7,11 @@ step's mean exactly, on one rank or several (``trainer.parallel.distributed``). 
 value back: the loss (summed over ranks by an all-reduce queued on the stream) and the grad norm
 stay on the device, and ``PendingStep.read`` turns them into the ``step`` event one step late
 (``trainer.training.metrics``), when they are long done; per-rank timings and memory are host values,
-gathered over the gloo group. The run's objective (``trainer.objectives``) packs the micro-batches,
-adds its statistics to a device vector around each forward, and turns the step's sums (copied
-with the loss, in the same transfer) into its step fields; nothing here knows which one it is.
+gathered over the gloo group (the job's memory is the largest rank's, its allocator retries the
+sum: a retry on one rank stalls the step of all). The run's objective (``trainer.objectives``)
+packs the micro-batches, adds its statistics to a device vector around each forward, and turns
+the step's sums (copied with the loss, in the same transfer) into its step fields; nothing here
+knows which one it is.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from trainer.parallel.strategy import Parallel
 
 _RANK_FIELDS = (
     "step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms",
-    "tokens", "gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss",
+    "tokens", "gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "gpu_alloc_retries", "host_rss",
 )
 """What each rank reports of a step (``StepEvent.ranks``); -1 stands for None on the wire."""
 
@@ -114,6 +116,7 @@ class PendingStep:
             tokens_per_s=self.tokens / seconds if seconds > 0 else None,
             mfu=metrics.mfu(self.flops / world, slowest["step_ms"], peak_flops),
             **{f: _largest(ranks, f) for f in ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak", "host_rss")},
+            gpu_alloc_retries=_summed(ranks, "gpu_alloc_retries"),  # a retry on any rank stalls every rank
             ranks=ranks if world > 1 else None,
             metrics=self.objective.step_fields(sums, self.targets),
         )
@@ -143,10 +146,15 @@ def _largest(ranks: list[dict[str, Any]], field: str) -> int | None:
     return max(values) if values else None
 
 
+def _summed(ranks: list[dict[str, Any]], field: str) -> int | None:
+    values = [r[field] for r in ranks if r[field] is not None]
+    return sum(values) if values else None
+
+
 def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> PendingStep:
     """Queue one optimizer step: this rank's share of the micro-batches ``refs``; returns it unread."""
     timer = metrics.StepTimer(ctx.device)
-    metrics.reset_peak_memory(ctx.device)
+    retries_at_start = metrics.reset_peak_memory(ctx.device)
     lengths = [[len(ctx.samples[i]) for i in ref.sample_indices] for ref in refs]
     step_targets = sum(ctx.samples[i].num_loss_tokens for ref in refs for i in ref.sample_indices)
     world = ctx.comm.world
@@ -188,7 +196,7 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         rank_tokens=sum(sum(lengths[j]) for j in mine),
         flops=objective.step_flops(ctx.flops, [ctx.samples[i] for r in refs for i in r.sample_indices]),
         timing=timer.finish(),
-        memory=metrics.memory_stats(ctx.device),
+        memory=metrics.memory_stats(ctx.device, retries_at_start),
         objective=objective,
         stats=stats,
         targets=step_targets,

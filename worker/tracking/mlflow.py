@@ -31,7 +31,7 @@ from trainer import objectives
 from worker.tracking.dispatch import JobInfo, TrackerFailure
 
 STEP_METRICS = ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_ms", "mfu", "epoch", "gpu_mem_peak",
-                *objectives.metric_names())
+                "gpu_alloc_retries", *objectives.metric_names())
 """The step fields sent as ``train/<name>``: the run's, then each objective's (``trainer.objectives``;
 null ones, another objective's, are skipped)."""
 END_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED", "queued": "KILLED", "lost": "KILLED"}

@@ -9,6 +9,11 @@
 // costs one redraw. The canvas carries `data-points` (number of x values drawn)
 // and an aria-label describing the latest values; the legend below it prints
 // the same values as text, and the point under the pointer while hovering.
+//
+// Marks: a count per x drawn as a triangle on the top edge wherever it is above 0
+// (the allocator's retries on the step-time chart: the step that stalled stands
+// out); the canvas carries `data-marks` (how many x values are marked) and the
+// legend the count at the hovered step, or the total and how many steps.
 
 import { h } from "./dom.js";
 
@@ -25,10 +30,13 @@ export class Chart {
    * @param {boolean} [opts.stacked]  stack the series as areas
    * @param {boolean} [opts.zero]     start the y axis at 0 (default true)
    * @param {boolean} [opts.binary]   values are bytes: y ticks at round KiB/MiB/GiB
+   * @param {{key: string, label: string, color: string}} [opts.marks]  a count per x, marked where above 0
    */
-  constructor({ title, testid, series, format = String, stacked = false, zero = true, binary = false }) {
+  constructor({ title, testid, series, format = String, stacked = false, zero = true, binary = false, marks = null }) {
     this.binary = binary;
     this.series = series;
+    this.marks = marks;
+    this.counts = []; // marks.key per x, or null
     this.format = format;
     this.stacked = stacked;
     this.zero = zero;
@@ -39,7 +47,7 @@ export class Chart {
     this.note = "";
     this.frame = 0;
 
-    this.canvas = h("canvas", { "data-testid": testid, "data-points": "0", role: "img", height: HEIGHT });
+    this.canvas = h("canvas", { "data-testid": testid, "data-points": "0", "data-marks": "0", role: "img", height: HEIGHT });
     this.legend = h("ul", { class: "legend", "data-testid": `${testid}-legend` });
     this.noteEl = h("p", { class: "chart-note" });
     this.element = h("figure", { class: "chart" }, h("figcaption", { text: title }), this.canvas, this.legend, this.noteEl);
@@ -65,11 +73,14 @@ export class Chart {
     if (this.xs[i] !== x) {
       this.xs.splice(i, 0, x);
       for (const ys of this.ys) ys.splice(i, 0, null);
+      this.counts.splice(i, 0, null);
     }
     this.series.forEach((s, k) => {
       const v = row[s.key];
       if (v !== undefined && v !== null && Number.isFinite(v)) this.ys[k][i] = v;
     });
+    const count = this.marks ? row[this.marks.key] : undefined;
+    if (count !== undefined && count !== null && Number.isFinite(count)) this.counts[i] = count;
     this.schedule();
   }
 
@@ -170,6 +181,7 @@ export class Chart {
 
     const plot = { x: PAD.left, y: PAD.top, w: Math.max(cssW - PAD.left - PAD.right, 10), h: cssH - PAD.top - PAD.bottom };
     canvas.dataset.points = String(this.xs.length);
+    canvas.dataset.marks = String(this.counts.filter((c) => c > 0).length);
 
     if (!this.xs.length) {
       ctx.fillStyle = ink;
@@ -245,6 +257,7 @@ export class Chart {
     } else {
       levels.forEach((ys, k) => this.drawLine(ctx, ys, this.series[k], px, py));
     }
+    this.drawMarks(ctx, plot, px);
     // Hover guide.
     if (this.hoverIndex !== null && this.hoverIndex < this.xs.length) {
       const x = Math.round(px(this.xs[this.hoverIndex])) + 0.5;
@@ -285,6 +298,37 @@ export class Chart {
     }
   }
 
+  /** A triangle on the top edge at each x whose count is above 0, over a faint line down the plot. */
+  drawMarks(ctx, plot, px) {
+    if (!this.marks) return;
+    ctx.strokeStyle = this.marks.color;
+    ctx.fillStyle = this.marks.color;
+    this.counts.forEach((c, i) => {
+      if (!(c > 0)) return;
+      const x = Math.round(px(this.xs[i])) + 0.5;
+      ctx.globalAlpha = 0.35;
+      ctx.beginPath();
+      ctx.moveTo(x, plot.y);
+      ctx.lineTo(x, plot.y + plot.h);
+      ctx.stroke();
+      ctx.globalAlpha = 1;
+      ctx.beginPath();
+      ctx.moveTo(x - 5, plot.y);
+      ctx.lineTo(x + 5, plot.y);
+      ctx.lineTo(x, plot.y + 7);
+      ctx.closePath();
+      ctx.fill();
+    });
+  }
+
+  /** The marks' legend text: the count at step index ``i``, or (no hover) the total over the marked steps. */
+  marksText(i) {
+    if (i !== null) return this.counts[i] === null || this.counts[i] === undefined ? "–" : String(this.counts[i]);
+    const marked = this.counts.filter((c) => c > 0);
+    const total = marked.reduce((a, c) => a + c, 0);
+    return total ? `${total} in ${marked.length} step${marked.length === 1 ? "" : "s"}` : "none";
+  }
+
   /** Legend: each series with data, its value at the hovered step or its latest value. */
   updateLegend() {
     const i = this.hoverIndex;
@@ -302,6 +346,11 @@ export class Chart {
       );
       described.push(`${s.label} ${text}`);
     });
+    if (this.marks && this.counts.some((c) => c !== null)) {
+      const text = this.marksText(i);
+      items.push(h("li", {}, h("span", { class: "swatch swatch-mark", style: `border-top-color:${this.marks.color}` }), `${this.marks.label} `, h("strong", { text })));
+      described.push(`${this.marks.label} ${text}`);
+    }
     if (this.capacity) items.push(h("li", {}, h("span", { class: "swatch swatch-dashed" }), this.capacity.label));
     const step = this.xs.length ? this.xs[i ?? this.xs.length - 1] : null;
     if (step !== null) items.unshift(h("li", { class: "legend-step", text: i === null ? `latest (step ${step})` : `step ${step}` }));

@@ -1,5 +1,5 @@
 // One job, live: status and progress, its GPUs (count, and the ones it holds),
-// charts of loss / tokens/s / step time / memory and of the job's objective's step fields (DPO's rewards and
+// charts of loss / tokens/s / step time (a mark on each step with CUDA allocator retries) / memory and of the job's objective's step fields (DPO's rewards and
 // log-probs, SFT's token accuracy: the charts the API's schema lists, MetricOut's x-charts), per-rank step time and memory
 // of a multi-GPU job (the latest step's `ranks`), the trainer's hardware plan,
 // checkpoints, events and log, cancel; a banner for the trackers the worker could not run.
@@ -52,6 +52,7 @@ const COLORS = {
   backward: "#7c3aed",
   optimizer: "#f59e0b",
   other: "#cbd5e1",
+  retries: "#dc2626",
   allocated: "#2563eb",
   reserved: "#7c3aed",
   peak: "#dc2626",
@@ -115,6 +116,8 @@ export function renderJob(main, [jobId]) {
         { key: "optimizer_ms", label: "optimizer", color: COLORS.optimizer },
         { key: "other_ms", label: "other", color: COLORS.other },
       ],
+      // A retry frees the allocator's cache and syncs the device: the step that stalled near the memory cap.
+      marks: { key: "gpu_alloc_retries", label: "allocator retries", color: COLORS.retries },
     }),
     memory: new Chart({
       title: "Memory",
@@ -253,7 +256,7 @@ export function renderJob(main, [jobId]) {
       h(
         "table",
         { class: "ranks-table", "data-testid": "rank-table" },
-        h("thead", {}, h("tr", {}, ["Rank", "GPU", "Step time", "Data", "Forward", "Backward", "Optimizer", "Tokens", "Memory (peak)"].map((t) => h("th", { scope: "col", text: t })))),
+        h("thead", {}, h("tr", {}, ["Rank", "GPU", "Step time", "Data", "Forward", "Backward", "Optimizer", "Tokens", "Memory (peak)", "Allocator retries"].map((t) => h("th", { scope: "col", text: t })))),
         h(
           "tbody",
           {},
@@ -271,11 +274,12 @@ export function renderJob(main, [jobId]) {
               h("td", { class: "num", text: fmtMs(r.optimizer_ms) }),
               h("td", { class: "num", "data-testid": "rank-tokens", text: fmtCompact(r.tokens) }),
               h("td", { class: "num", "data-testid": "rank-memory", text: memory(r) }),
+              h("td", { class: "num", "data-testid": "rank-alloc-retries", text: String(r.gpu_alloc_retries ?? "–") }),
             );
           }),
         ),
       ),
-      h("p", { class: "muted", text: "The step waits for its slowest rank (highlighted); the charts show the job: tokens summed over the ranks, the slowest rank's times, the largest memory." }),
+      h("p", { class: "muted", text: "The step waits for its slowest rank (highlighted); the charts show the job: tokens summed over the ranks, the slowest rank's times, the largest memory, the allocator retries summed." }),
     );
   }
 

@@ -302,7 +302,7 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
                 StepMetric(job_id=job["id"], step=step, loss=3.0 - 0.1 * step, tokens_per_s=9000.0 + step,
                            step_ms=400.0, data_ms=5.0, forward_ms=130.0, backward_ms=240.0, optimizer_ms=20.0,
                            gpu_mem_allocated=(14 + step) * gib, gpu_mem_reserved=(18 + step) * gib,
-                           gpu_mem_peak=(20 + step) * gib, host_rss=3 * gib)
+                           gpu_mem_peak=(20 + step) * gib, gpu_alloc_retries=4 if step == 3 else 0, host_rss=3 * gib)
                 for step in range(1, 6)
             )
             session.commit()
@@ -317,6 +317,8 @@ def test_gpu_memory_is_drawn_against_the_cards_capacity(
     assert "allocated 19.0 GiB" in text and "reserved 23.0 GiB" in text and "peak 25.0 GiB" in text
     assert "host RSS 3.00 GiB" in text
     assert "NVIDIA H100 80GB HBM3" in page.get_by_test_id("plan").inner_text()
+    page.locator("[data-testid=chart-step-time][data-marks='1']").wait_for()  # step 3's allocator retries
+    assert "allocator retries 4 in 1 step" in page.get_by_test_id("chart-step-time-legend").inner_text()
 
 
 def test_login_logout_owners_and_who_may_cancel(

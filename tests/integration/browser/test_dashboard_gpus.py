@@ -44,13 +44,14 @@ def claim_with_rank_steps(store: Any, job_id: str, steps: int = 3) -> None:
             ranks = [
                 {"rank": r, "step_ms": 400.0 + 50 * r, "data_ms": 5.0, "forward_ms": 130.0, "backward_ms": 240.0 + 50 * r,
                  "optimizer_ms": 20.0, "tokens": 4000 + r, "gpu_mem_allocated": (14 + r) * GIB,
-                 "gpu_mem_reserved": (18 + r) * GIB, "gpu_mem_peak": (20 + r) * GIB, "host_rss": 3 * GIB}
+                 "gpu_mem_reserved": (18 + r) * GIB, "gpu_mem_peak": (20 + r) * GIB, "gpu_alloc_retries": 2 * r,
+                 "host_rss": 3 * GIB}
                 for r in range(2)
             ]
             session.add(StepMetric(job_id=job_id, step=step, loss=3.0 - 0.1 * step, tokens=8001, tokens_per_s=16000.0,
                                    step_ms=450.0, data_ms=5.0, forward_ms=130.0, backward_ms=290.0, optimizer_ms=20.0,
                                    gpu_mem_allocated=15 * GIB, gpu_mem_reserved=19 * GIB, gpu_mem_peak=21 * GIB,
-                                   host_rss=3 * GIB, ranks=ranks))
+                                   gpu_alloc_retries=2, host_rss=3 * GIB, ranks=ranks))
 
 
 def test_the_form_offers_gpus_up_to_the_largest_host_and_shows_a_refusal_at_the_field(
@@ -107,6 +108,7 @@ def _look_at_it(page: Any, job: dict[str, Any]) -> None:
     assert "gpu-box: 1" in rows.nth(0).inner_text() and "gpu-box: 2" in rows.nth(1).inner_text()
     assert rows.nth(1).get_by_test_id("rank-step-ms").inner_text() == "450.0 ms"
     assert rows.nth(1).get_by_test_id("rank-memory").inner_text() == "21.0 GiB"
+    assert [r.get_by_test_id("rank-alloc-retries").inner_text() for r in rows.all()] == ["0", "2"]
     assert "slowest" in (rows.nth(1).get_attribute("class") or "")
     if shots := screenshot_dir():
         page.screenshot(path=str(shots / "dashboard-job-ranks.png"), full_page=True)

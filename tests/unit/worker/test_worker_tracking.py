@@ -178,9 +178,11 @@ class TestCredentials:
 def test_params_are_the_spec_flattened_and_metrics_the_numeric_step_and_eval_fields():
     assert flatten({"lora": {"r": 16, "target_modules": ["all-linear"]}, "name": None}) == {
         "lora.r": "16", "lora.target_modules": "['all-linear']", "name": "None"}
-    points = metric_points([{"type": "step", "step": 3, "loss": 2.0, "lr": 1e-4, "grad_norm": None, "time": 10.0},
+    points = metric_points([{"type": "step", "step": 3, "loss": 2.0, "lr": 1e-4, "grad_norm": None,
+                             "gpu_alloc_retries": 2, "time": 10.0},
                             {"type": "eval", "step": 3, "loss": 1.5, "time": 11.0}, {"type": "log", "message": "x"}])
-    assert points == [("train/loss", 2.0, 10000, 3), ("train/lr", 1e-4, 10000, 3), ("eval/loss", 1.5, 11000, 3)]
+    assert points == [("train/loss", 2.0, 10000, 3), ("train/lr", 1e-4, 10000, 3),
+                      ("train/gpu_alloc_retries", 2.0, 10000, 3), ("eval/loss", 1.5, 11000, 3)]
 
 
 def _closed_port() -> int:

@@ -1,4 +1,4 @@
-"""Step metrics: phase timing, model FLOPs, MFU, and the learning-rate schedule."""
+"""Step metrics: phase timing, model FLOPs, MFU, memory and allocator retries, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 
 from trainer.training.flops import AttentionLayers
 from trainer.plan.hardware import detect, device_peak, peak_cache_path
-from trainer.training.metrics import FlopCounter, StepTimer, memory_stats, mfu
-from trainer.training.step import lr_lambda
+from trainer.objectives.sft import Sft
+from trainer.training.metrics import FlopCounter, PendingTiming, StepTimer, memory_stats, mfu, reset_peak_memory
+from trainer.training.step import _RANK_FIELDS, PendingStep, lr_lambda
 
 
 class TestStepTimer:
@@ -42,8 +43,81 @@ class TestFlops:
         assert mfu(1e12, 1000.0, 2e12) == pytest.approx(0.5)
 
     def test_cpu_memory_has_rss_and_no_gpu_fields(self):
-        stats = memory_stats(torch.device("cpu"))
-        assert stats["host_rss"] > 0 and stats["gpu_mem_peak"] is None
+        assert reset_peak_memory(torch.device("cpu")) is None
+        stats = memory_stats(torch.device("cpu"), None)
+        assert stats["host_rss"] > 0 and stats["gpu_mem_peak"] is None and stats["gpu_alloc_retries"] is None
+
+
+class FakeAllocator:
+    """``torch.cuda``'s memory counters as a CPU test sets them (CI has no GPU)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.retries = 0
+        self.resets = 0
+        monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {"num_alloc_retries": self.retries})
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 15)
+
+    def _reset(self, device: torch.device | None = None) -> None:
+        self.resets += 1  # the peaks only: the retry counter is cumulative, as torch's is
+
+
+class TestAllocRetries:
+    """``gpu_alloc_retries``: the allocator's cumulative ``num_alloc_retries`` counter, as a delta
+    over the step, summed over ranks."""
+
+    def test_a_step_reports_the_retries_since_its_start_not_since_the_process_started(self, monkeypatch):
+        allocator = FakeAllocator(monkeypatch)
+        cuda = torch.device("cuda", 0)
+        allocator.retries = 5  # earlier steps' retries
+        start = reset_peak_memory(cuda)
+        assert start == 5 and allocator.resets == 1
+        allocator.retries = 8
+        stats = memory_stats(cuda, start)
+        assert stats["gpu_alloc_retries"] == 3 and stats["gpu_mem_reserved"] == 20
+        assert memory_stats(cuda, reset_peak_memory(cuda))["gpu_alloc_retries"] == 0
+        assert memory_stats(cuda, None)["gpu_alloc_retries"] is None, "no start: unknown, not the cumulative count"
+
+    def test_the_step_event_sums_the_ranks_retries_and_lists_each(self, monkeypatch):
+        allocator = FakeAllocator(monkeypatch)
+        cuda = torch.device("cuda", 0)
+        start = reset_peak_memory(cuda)
+        allocator.retries = 2
+        event = _pending(memory_stats(cuda, start)).read(10, None, TwoRanks({"gpu_alloc_retries": 3}))
+        assert event.gpu_alloc_retries == 5
+        assert [r["gpu_alloc_retries"] for r in event.ranks] == [2, 3]
+        assert event.gpu_mem_reserved == 20, "memory stays the largest rank's"
+
+    def test_a_rank_without_cuda_counts_as_none_and_all_none_is_none(self):
+        cpu = memory_stats(torch.device("cpu"), None)
+        one = _pending(cpu).read(10, None, TwoRanks({"gpu_alloc_retries": 4}))
+        assert one.gpu_alloc_retries == 4 and [r["gpu_alloc_retries"] for r in one.ranks] == [None, 4]
+        both = _pending(cpu).read(10, None, TwoRanks({"gpu_alloc_retries": None}))
+        assert both.gpu_alloc_retries is None and both.fields()["gpu_alloc_retries"] is None
+
+
+class TwoRanks:
+    """``Comm.gather_host`` of two ranks: this one's values, and rank 1's, the same but ``other``'s
+    fields (None as the wire's -1)."""
+
+    def __init__(self, other: dict[str, int | None]) -> None:
+        self.other = other
+
+    def gather_host(self, values: list[float]) -> list[list[float]]:
+        mine = dict(zip(_RANK_FIELDS, values))
+        theirs = {**mine, **{f: -1.0 if v is None else float(v) for f, v in self.other.items()}}
+        return [list(values), [theirs[f] for f in _RANK_FIELDS]]
+
+
+def _pending(memory: dict[str, int | None]) -> PendingStep:
+    """A finished CPU step of 100 ms over 64 tokens on this rank, with ``memory`` as its memory stats."""
+    return PendingStep(
+        step=1, epoch=0.1, loss=torch.tensor(2.0), grad_norm=torch.tensor(1.0), lr=1e-3, tokens=128, sequences=4,
+        rank_tokens=64, flops=1e9, timing=PendingTiming([("forward", 0.0, 0.1)], cuda=False), memory=memory,
+        objective=Sft(), stats=torch.zeros(1), targets=100,
+    )
 
 
 class TestPeak:

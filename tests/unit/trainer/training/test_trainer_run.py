@@ -84,6 +84,7 @@ class TestCliRun:
         for s in steps:
             assert set(STEP_FIELDS) <= set(s)
             assert s["mfu"] is None and s["gpu_mem_peak"] is None and s["host_rss"] > 0
+            assert s["gpu_alloc_retries"] is None
             assert s["tokens"] <= 256 and s["sequences"] >= 1 and s["step_ms"] > 0
         first, last = (
             sum(s["loss"] for s in steps[:3]) / 3,

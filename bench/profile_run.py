@@ -62,6 +62,20 @@ def sync_calls(trace: dict[str, Any]) -> dict[str, int]:
     return found
 
 
+def kernel_ms(trace: dict[str, Any], needle: str) -> float:
+    """Milliseconds of the window's kernels whose name holds ``needle`` (e.g. ``nccl``)."""
+    events = trace.get("traceEvents", [])
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
+    if not steps:
+        return 0.0
+    start = min(e["ts"] for e in steps)
+    end = max(e["ts"] + e["dur"] for e in steps)
+    return sum(
+        e["dur"] for e in events
+        if e.get("cat") == "kernel" and needle in str(e.get("name", "")).lower() and start <= e["ts"] <= end
+    ) / 1000.0
+
+
 def busy_fraction(trace: dict[str, Any]) -> tuple[float, float, int]:
     """(GPU-busy fraction, window ms, device events) of a chrome trace's ``ProfilerStep#`` window."""
     events = trace.get("traceEvents", [])
@@ -161,12 +175,13 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
     result = run(TrainConfig.from_dict(job), driver)
     if result.status != "succeeded":
         raise RuntimeError(f"the run ended {result.status}: {result.error_code} {result.message}")
-    busy, window_ms, device_events, host, syncs = float("nan"), 0.0, 0, "", {}
+    busy, window_ms, device_events, host, syncs, nccl_ms = float("nan"), 0.0, 0, "", {}, 0.0
     if profiler is not None:
         profiler.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
         busy, window_ms, device_events = busy_fraction(trace)
         syncs = {k: v / profiled for k, v in sync_calls(trace).items()}
+        nccl_ms = kernel_ms(trace, "nccl") / profiled
         host = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     python = ""
     if cprof is not None:
@@ -175,6 +190,8 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
         python = out.getvalue()
     steps = [e for e in driver.events if e["type"] == "step"]
     timed = steps[warmup:]
+    if not timed:  # a rank other than 0 emits no events
+        return {}
     return {
         "busy": busy,
         "window_ms": window_ms,
@@ -184,6 +201,7 @@ def profile(job: dict[str, Any], warmup: int, profiled: int, trace_path: Path, u
         "wall_ms_per_step": window_ms / max(profiled, 1),
         "host_table": host,
         "syncs_per_step": syncs,
+        "nccl_kernel_ms_per_step": nccl_ms,
         "python_table": python,
         "plan": next((e for e in driver.events if e["type"] == "plan"), {}),
     }
@@ -214,17 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = save_model(shape, root / "model", args.device)
     data = root / "train-profile.jsonl"
     write_dataset(data, model_dir, max(64, args.steps * tokens // 250 * 2))
-    job = job_for(model_dir, data, Path(tempfile.mkdtemp(prefix="ftq-profile-")), args.steps, args.device, 1, tokens)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: every rank profiles its own run
+    job = job_for(model_dir, data, Path(tempfile.mkdtemp(prefix="ftq-profile-")), args.steps, args.device, world, tokens)
     for assignment in args.set:
         set_field(job, assignment)
     trace = Path(args.trace or Path(tempfile.mkdtemp(prefix="ftq-trace-")) / "trace.json")
-    found = profile(job, args.warmup, args.profile, trace, args.cprofile)
+    if world > 1:
+        trace = trace.with_name(f"{trace.stem}-rank{os.environ.get('RANK', '0')}{trace.suffix}")
+    # only rank 0 emits events, whose steps drive the profiler: the other ranks run unprofiled
+    rank0 = os.environ.get("RANK", "0") == "0"
+    found = profile(job, args.warmup, args.profile if rank0 else 0, trace, args.cprofile and rank0)
+    if not rank0:
+        return 0
     label = " ".join(args.set + [f"without {w}" for w in args.without]) or "auto"
-    print(f"## {shape.name}, {label}")
+    print(f"## {shape.name}, {label}" + (f", rank {os.environ.get('RANK')} of {world}" if world > 1 else ""))
     print(f"tokens/s (step events, after {args.warmup} warm-up steps): {found['tokens_per_s']:,.0f}; "
           f"median step {found['step_ms_median']:.1f} ms; profiled wall {found['wall_ms_per_step']:.1f} ms/step; "
           f"GPU busy {found['busy']:.1%}; device events/step {found['device_events_per_step']:,.0f}; "
-          f"host waits/step {found['syncs_per_step']}")
+          f"host waits/step {found['syncs_per_step']}; NCCL kernels {found['nccl_kernel_ms_per_step']:.1f} ms/step")
     print(found["host_table"])
     if found["python_table"]:
         print(found["python_table"])

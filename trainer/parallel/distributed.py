@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,6 @@ from typing import Any
 import torch
 
 from trainer.errors import ConfigError
-from trainer.parallel import affinity
 
 
 @dataclass(frozen=True)
@@ -165,7 +163,4 @@ def device_for(world: World, device_type: str) -> torch.device:
             "device(s); set CUDA_VISIBLE_DEVICES to as many GPUs as --nproc_per_node"
         )
     torch.cuda.set_device(world.local_rank)
-    device = torch.device("cuda", world.local_rank)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    print(f"rank {world.rank}: CPU affinity {affinity.pin(world.local_rank, local_world, device)}", file=sys.stderr)
-    return device
+    return torch.device("cuda", world.local_rank)

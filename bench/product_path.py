@@ -191,10 +191,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _wall_rate(steps: list[dict[str, Any]], skip: int) -> float:
-    """Tokens of the steps after the ``skip``-th over the wall time from its event to the last's."""
-    if len(steps) <= skip + 1 or any("time" not in e for e in steps):
+    """Tokens of the steps after the ``skip``-th over the wall time from its event to the
+    last-but-one's. An event is emitted when its step's end is read, one step late (after the
+    next step is queued), so consecutive events are a step apart; the last one is read at once
+    after the one before and is left out."""
+    if len(steps) <= skip + 2 or any("time" not in e for e in steps):
         return float("nan")
-    start, timed = steps[skip], steps[skip + 1:]
+    start, timed = steps[skip], steps[skip + 1:-1]
     seconds = _seconds(timed[-1]["time"]) - _seconds(start["time"])
     return sum(e["tokens"] for e in timed) / seconds if seconds > 0 else float("nan")
 

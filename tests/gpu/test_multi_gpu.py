@@ -11,12 +11,13 @@ fine-tuning under FSDP2 then failed at step 1 on every GPU rank. FSDP2 casts a u
 when it gathers in a lower precision (bf16, what GPUs run), and that cast copied the packed
 metadata (``tests/unit/trainer/parallel/test_fsdp_inputs.py`` has the CPU proof now).
 
-Tolerances (bf16, measured on 2 H100s; the numbers are in docs/gpu-test-output/): the 1-GPU run
-and the 2-rank run compute each micro-batch in bf16 with the same kernels, but the ranks' sums
-meet in a different order, and bf16 matmuls' split-K order may differ with the batch layout. The
-losses of the first steps agree to about 1e-3 relative; ``LOSS_RTOL = 1e-2`` leaves room for six
-steps of AdamW on that noise while a micro-batch lost or counted twice (a quarter of the step's
-tokens) moves the loss by far more (the CPU suite holds the exact float32 proof).
+Tolerances (bf16, measured on 2 H200s on 2026-11-27, docs/gpu-test-output/multi-gpu-issue-25.txt):
+the 1-GPU run and the 2-rank run compute each micro-batch in bf16 with the same kernels, but the
+ranks' sums meet in a different order. DDP over LoRA adapters followed one GPU to 7.6e-8 relative at
+every step; FSDP2 full fine-tuning (bf16 gathers, fp32 reduce-scatter and master weights) to
+2.3e-4, and a 2-GPU checkpoint resumed on one GPU to 1.6e-4. ``LOSS_RTOL = 2e-3`` is about ten
+times the largest, while a micro-batch lost or counted twice (a quarter of the step's tokens) moves
+the loss by percents (the CPU suite holds the exact float32 proof).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-LOSS_RTOL = 1e-2
+LOSS_RTOL = 2e-3
 MEASURED = Path(os.environ.get("FTQ_GPU_MULTI_REPORT", "")) if os.environ.get("FTQ_GPU_MULTI_REPORT") else None
 """Where to append each comparison's largest relative loss gap (the committed evidence)."""
 

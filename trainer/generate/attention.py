@@ -1,0 +1,257 @@
+"""The sampler's attention: the stock model's attention modules, reading and writing the KV cache.
+
+Why a registered attention function and not a second model: the sampler runs the very model the
+trainer trains (peft with unmerged adapters, the fused LoRA layers, the fused ops, FSDP2 shards)
+by switching it to ``ftq_sampler`` with ``model.set_attn_implementation`` for the length of a
+``generate`` call (``sampler_attention``). transformers threads the extra forward kwarg
+``sampler_state`` from ``XForCausalLM.forward`` through every decoder layer into this function,
+as it threads ``packed_metadata`` for training (``trainer.features.attention.packed``); the
+model's own code computes the projections, q/k norms and RoPE at the ``position_ids`` given.
+
+Each forward is one packed row of tokens, each with a slot and a position (``StepState``): a
+prefilled prompt is a run of tokens of one slot at positions ``0..n-1``; a decoding sequence is
+one token at its slot's current length. The function writes every token's key and value into
+the cache at ``[slot, :, position]`` (``module.layer_idx`` picks the layer), then lets each query
+attend to its own slot's cached keys up to and including its position: causal, within the
+layer's ``sliding_window`` (a token sees ``sliding_window`` positions, itself included, as
+transformers' ``sliding_window_overlay``), with GPT-OSS sinks (``s_aux``: one extra logit per
+head in the softmax denominator, no value) and Gemma 2's logit soft-capping. No attention mask
+is passed or built: transformers returns ``None`` from mask creation for an implementation that
+has no mask function (see ``trainer.features.attention.packed``).
+
+Backends: ``torch`` (plain ops, scores and softmax in fp32: exact on CPU, the reference; it
+also runs on CUDA, gathering each slot's keys). The seam for a CUDA decode kernel is
+``attend_cached``: the cache layout is the one FlashAttention's ``flash_attn_with_kvcache``
+reads (``cache_batch_idx`` = the slots, ``cache_seqlens`` = the lengths, ``window_size``,
+``softcap``), and a ``StepState.backend`` other than ``torch`` would pick it.
+
+Shapes (legend): ``T`` tokens of the row, ``Hq``/``Hkv`` query/kv heads, ``G = Hq / Hkv``,
+``D`` head dim, ``S`` sequences of a group, ``N`` queries per sequence of a group, ``L`` keys
+read per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.features.attention.packed import unwrap_model
+from trainer.generate.cache import KVCache
+
+ATTN_IMPLEMENTATION = "ftq_sampler"
+"""The name registered with transformers' ``AttentionInterface``."""
+BACKENDS = ("torch",)
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sequences attended in one batched computation: ``S`` sequences of ``N`` queries each
+    (every decoding sequence together, ``N = 1``; each prefilled prompt alone, ``S = 1``)."""
+
+    rows: torch.Tensor
+    """[S * N] the queries' indices in the packed row, sequence-major."""
+    slots: torch.Tensor
+    """[S] each sequence's cache slot."""
+    positions_SN: torch.Tensor
+    """[S, N] each query's position in its sequence."""
+    size: tuple[int, int]
+    """(S, N) on the host."""
+    kv_len: int
+    """Keys read per sequence: the largest position of the group plus one (host)."""
+
+
+@dataclass(frozen=True)
+class StepState:
+    """One forward's tokens for the cache (the ``sampler_state`` kwarg), built once per step."""
+
+    cache: KVCache
+    slot_T: torch.Tensor
+    """[T] each token's slot."""
+    position_T: torch.Tensor
+    """[T] each token's position (also the model's ``position_ids``)."""
+    groups: tuple[Group, ...]
+    backend: str = "torch"
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def build(cls, cache: KVCache, segments: list[tuple[int, int, int]], device: torch.device) -> StepState:
+        """The state of a row made of ``segments``, each ``(slot, first_position, tokens)`` in row order.
+
+        One host-to-device copy of the row's slots and positions; no device read.
+        """
+        slots, positions, singles, groups, row = [], [], [], [], 0
+        for slot, start, count in segments:
+            slots += [slot] * count
+            positions += range(start, start + count)
+            if count == 1:
+                singles.append((row, slot, start))
+            else:
+                groups.append(_group([(row, slot, start)], count, device))
+            row += count
+        if singles:
+            groups.insert(0, _group(singles, 1, device))
+        if max(positions, default=-1) >= cache.max_len:
+            raise ValueError(f"position {max(positions)} is past the cache's max_len {cache.max_len}")
+        slot_position = torch.tensor([slots, positions], dtype=torch.long).to(device)
+        return cls(cache, slot_position[0], slot_position[1], tuple(groups))
+
+    def allowed(self, index: int, window: int | None) -> torch.Tensor:
+        """[S, 1, 1, N, L] which cached keys group ``index``'s queries see (memoized per window:
+        every layer of the step shares it)."""
+        mask = self._masks.get((index, window))
+        if mask is None:
+            group = self.groups[index]
+            key_L = torch.arange(group.kv_len, device=group.positions_SN.device)
+            query_SN1 = group.positions_SN.unsqueeze(-1)
+            mask = key_L <= query_SN1
+            if window is not None:
+                mask &= key_L > query_SN1 - window
+            mask = self._masks[(index, window)] = mask[:, None, None]
+        return mask
+
+
+def _group(members: list[tuple[int, int, int]], count: int, device: torch.device) -> Group:
+    """A group of ``members`` ``(row, slot, first_position)`` of ``count`` tokens each."""
+    rows = [r + i for r, _, _ in members for i in range(count)]
+    positions = [[p + i for i in range(count)] for _, _, p in members]
+    kv_len = max(p for _, _, p in members) + count
+    return Group(torch.tensor(rows, device=device), torch.tensor([s for _, s, _ in members], device=device),
+                 torch.tensor(positions, device=device), (len(members), count), kv_len)
+
+
+def register() -> None:
+    """Register ``ftq_sampler`` with transformers' ``AttentionInterface`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sampler_attention_forward)
+
+
+@contextmanager
+def sampler_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` (a transformers model, or peft around one) on ``ftq_sampler`` attention
+    inside the block; its previous implementation is restored after.
+
+    Raises:
+        ValueError: the model cannot run it (``model_reason`` says why), or does not switch.
+    """
+    register()
+    lm = unwrap_model(model)
+    reason = model_reason(lm.config)
+    if reason is not None:
+        raise ValueError(f"the sampler cannot run {type(lm).__name__}: {reason}")
+    previous = lm.config._attn_implementation
+    lm.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        if lm.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"{type(lm).__name__} does not take a registered attention implementation "
+                "(transformers' AttentionInterface); the sampler cannot run it"
+            )
+        yield
+    finally:
+        lm.set_attn_implementation(previous or "sdpa")
+
+
+def model_reason(config: Any) -> str | None:
+    """Why the sampler cannot run a model of ``config``, or None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported (decoder-only causal LMs are)"
+    if getattr(text, "use_bidirectional_attention", False) or not getattr(text, "is_causal", True):
+        return f"{text.model_type} is configured for bidirectional attention; the sampler is causal"
+    other = set(getattr(text, "layer_types", None) or ()) - _ATTENTION_LAYERS
+    if other:
+        return (f"layers of type {', '.join(sorted(other))} keep a state other than keys and values, "
+                "which the sampler's cache does not hold")
+    if getattr(text, "attention_chunk_size", None):
+        return "chunked attention (attention_chunk_size) is not implemented"
+    return None
+
+
+def sampler_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    sampler_state: StepState | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over the sampler's cache.
+
+    Args:
+        query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (RoPE applied).
+        attention_mask: must be None (boundaries come from ``sampler_state``).
+        sliding_window: the layer's window, or None.
+        s_aux: GPT-OSS per-head sink logits [Hq].
+        sampler_state: the step's ``StepState``.
+
+    Returns:
+        ``(out [1, T, Hq, D], None)``.
+    """
+    if sampler_state is None or attention_mask is not None or dropout:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION} attention needs sampler_state, no attention_mask and no dropout "
+            f"(got state={sampler_state is not None}, mask={attention_mask is not None}, dropout={dropout}); "
+            "only trainer.generate.engine.Engine calls the model with it"
+        )
+    batch, _, total, head_dim = query.shape
+    if batch != 1 or total != sampler_state.slot_T.shape[0]:
+        raise ValueError(
+            f"the sampler expects one row of {sampler_state.slot_T.shape[0]} tokens, got query {tuple(query.shape)}"
+        )
+    layer = module.layer_idx
+    state = sampler_state
+    state.cache.write(layer, state.slot_T, state.position_T, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out_THD = attend_cached(state, layer, query[0].transpose(0, 1), scale, sliding_window, s_aux, softcap)
+    return out_THD.unsqueeze(0), None
+
+
+def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, scale: float, window: int | None,
+                  sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """Each query against its slot's cached keys (the cache already holds this step's): [T, Hq, D].
+
+    The one place a GPU kernel plugs in (see the module docstring); ``torch`` is the reference.
+    """
+    if state.backend != "torch":
+        raise ValueError(f"sampler attention backend {state.backend!r} is not one of {', '.join(BACKENDS)}")
+    out_THD = torch.empty_like(query_THD)
+    for index, group in enumerate(state.groups):
+        out = _attend_group(state, layer, index, query_THD, scale, window, sinks, softcap)
+        out_THD.index_copy_(0, group.rows, out)
+    return out_THD
+
+
+def _attend_group(state: StepState, layer: int, index: int, query_THD: torch.Tensor, scale: float,
+                  window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """One group's attention in fp32: [S * N, Hq, D] in the query's dtype."""
+    group = state.groups[index]
+    (seqs, count), heads_q, head_dim = group.size, query_THD.shape[1], query_THD.shape[2]
+    keys = state.cache.keys_SHLD[layer][:, :, : group.kv_len].index_select(0, group.slots)
+    values = state.cache.values_SHLD[layer][:, :, : group.kv_len].index_select(0, group.slots)
+    heads_kv = keys.shape[1]
+    # Query head h reads key head h // G (transformers' repeat_kv): view the heads as [Hkv, G].
+    q_SHGND = query_THD.index_select(0, group.rows).view(seqs, count, heads_kv, heads_q // heads_kv, head_dim)
+    q_SHGND = q_SHGND.permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(q_SHGND.float(), keys.float().unsqueeze(2).transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~state.allowed(index, window), float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, heads_kv, -1, 1, 1).expand(seqs, -1, -1, count, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out_SHGND = torch.matmul(probs.to(values.dtype), values.unsqueeze(2))
+    return out_SHGND.permute(0, 3, 1, 2, 4).reshape(seqs * count, heads_q, head_dim).to(query_THD.dtype)

@@ -1,0 +1,168 @@
+"""The sampler: ``Engine(model, tokenizer).generate(requests) -> results``.
+
+One ``generate`` call runs the ``trainer.generate.scheduler`` loop: each step is one forward of
+the stock model (through peft when it carries adapters, unmerged, with whatever LoRA layers the
+trainer installed) on ``ftq_sampler`` attention (``trainer.generate.attention``), which writes
+the step's keys and values into the ``trainer.generate.cache.KVCache`` and reads each sequence's
+own. Logits are computed only for the tokens that sample (``logits_to_keep``); the draws are
+``trainer.generate.sampling``'s. Each step reads its tokens back to the host once (one sync per
+forward, not per sequence) to decide who finishes and who is admitted.
+
+The cache is allocated on the first call and kept for later calls of the same shape and dtype
+(``release()`` frees it): no step allocates one.
+
+Under several ranks: every rank must call ``generate`` with the same requests. The schedule is a
+function of the requests and the drawn tokens only, so ranks that draw the same tokens run the
+same forwards, which FSDP2 requires (each forward all-gathers every layer's shards with every
+rank). Ranks may still disagree on a token (a seedless request draws its seed from each rank's
+own generator; reductions may differ between ranks); pass ``agree`` (e.g. a broadcast from rank
+0, ``trainer.parallel.distributed.Comm.broadcast_from_first``) and every step's tokens are rank
+0's, so all ranks finish together. Under DDP the forward exchanges nothing; ``agree`` still
+keeps the ranks' outputs equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from trainer.features.attention.packed import unwrap_model
+from trainer.generate.attention import StepState, sampler_attention
+from trainer.generate.cache import KVCache
+from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
+from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
+from trainer.generate.scheduler import Scheduler, StepPlan
+from trainer.generate.stopping import Stopper, eos_ids
+
+
+@dataclass
+class EngineStats:
+    """What the engine has run since it was made (tests and logs)."""
+
+    forwards: int = 0
+    forward_tokens: int = 0
+    """Tokens fed through the model (prompts once, then one per decoding sequence and step)."""
+    caches_allocated: int = 0
+
+
+class Engine:
+    """Generation with a KV cache and continuous batching over one model.
+
+    Args:
+        model: a transformers causal LM, or a peft model around one (its adapters applied unmerged).
+        tokenizer: for stop strings and completion text (optional: ids in, ids out without it).
+        slots: sequences decoded together (the cache's first dimension).
+        max_len: positions per slot: prompt plus generated tokens at most.
+        max_batch_tokens: tokens per forward a step admits new prompts up to (one prompt may exceed it).
+        device: where the inputs go; the input embeddings' device by default.
+        cache_dtype: of the cached keys and values; default autocast's dtype when it is on at the
+            first ``generate``, else the input embeddings' dtype.
+        agree: ``tokens -> tokens`` applied to each step's drawn tokens (see the module docstring).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, slots: int = 8, max_len: int = 2048,
+                 max_batch_tokens: int = 4096, device: torch.device | None = None,
+                 cache_dtype: torch.dtype | None = None,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if slots < 1 or max_len < 2 or max_batch_tokens < 1:
+            raise ValueError(
+                f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.slots, self.max_len, self.max_batch_tokens = slots, max_len, max_batch_tokens
+        lm = unwrap_model(model)
+        embed = lm.get_input_embeddings().weight
+        self.device = torch.device(device) if device is not None else embed.device
+        self._embed_dtype, self._cache_dtype = embed.dtype, cache_dtype
+        self.config, self.agree = lm.config, agree
+        self.eos = eos_ids(tokenizer, getattr(lm, "generation_config", None))
+        self.cache: KVCache | None = None
+        self.stats = EngineStats()
+
+    def generate(self, requests: Seq[Request]) -> list[Result]:
+        """Complete every request; results in request order.
+
+        Raises:
+            ValueError: a prompt does not fit ``max_len``, a request asks for stop strings without a
+                tokenizer, or the model is one the sampler cannot run.
+        """
+        scheduler = Scheduler(requests, self.slots, self.max_len, self.max_batch_tokens, self._stopper,
+                              lambda seed: generator_for(seed, self.device), _draw_seed)
+        with sampler_attention(self.model), torch.no_grad(), _evaluating(self.model):
+            cache = self._allocate()
+            while scheduler.busy:
+                self._step(scheduler, cache)
+        return scheduler.results()
+
+    def release(self) -> None:
+        """Free the cache (the next ``generate`` allocates it again)."""
+        self.cache = None
+
+    def _stopper(self, params: SamplingParams, prompt_length: int) -> Stopper:
+        return Stopper(params, self.eos, self.tokenizer, self.max_len - prompt_length)
+
+    def _allocate(self) -> KVCache:
+        dtype = self._cache_dtype
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(self.device.type)
+            dtype = torch.get_autocast_dtype(self.device.type) if autocast else self._embed_dtype
+        cache = self.cache
+        if cache is None or cache.keys_SHLD[0].dtype != dtype:
+            self.cache = cache = KVCache.for_model(self.config, self.slots, self.max_len, dtype, self.device)
+            self.stats.caches_allocated += 1
+        return cache
+
+    def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
+        plan = scheduler.plan()
+        state = StepState.build(cache, plan.segments, self.device)
+        input_ids = torch.tensor([plan.input_ids], dtype=torch.long).to(self.device)
+        keep = torch.tensor(plan.keep, dtype=torch.long).to(self.device)
+        out = self.model(input_ids=input_ids, position_ids=state.position_T.unsqueeze(0), use_cache=False,
+                         logits_to_keep=keep, sampler_state=state)
+        self.stats.forwards += 1
+        self.stats.forward_tokens += len(plan.input_ids)
+        for source, targets, length in plan.forks:
+            cache.copy_prefix(source, targets, length)
+        logits_RV = out.logits[0]
+        if plan.pick != list(range(len(plan.keep))):
+            logits_RV = logits_RV.index_select(0, torch.tensor(plan.pick, device=logits_RV.device))
+        scheduler.advance(plan, *self._draw(plan, logits_RV))
+
+    def _draw(self, plan: StepPlan, logits_RV: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The step's tokens and (where asked) their logprobs, read back to the host together."""
+        params = [seq.params for seq in plan.sampled]
+        rows = RowParams.of(params, logits_RV.shape[-1], logits_RV.device)
+        tokens_R = choose(logits_RV, rows, [seq.generator for seq in plan.sampled])
+        if self.agree is not None:
+            tokens_R = self.agree(tokens_R)
+        wanted = [p.logprobs for p in params]
+        if not any(wanted):
+            return tokens_R.tolist(), [None] * len(params)
+        top = max(p.top_logprobs for p in params)
+        chosen_R, top_vals, top_ids = token_logprobs(logits_RV, tokens_R, top)
+        tokens, chosen, vals, ids = (t.tolist() for t in (tokens_R, chosen_R, top_vals, top_ids))
+        logprobs = [
+            TokenLogprob(t, c, tuple(zip(i[: p.top_logprobs], v[: p.top_logprobs]))) if p.logprobs else None
+            for p, t, c, v, i in zip(params, tokens, chosen, vals, ids)
+        ]
+        return tokens, logprobs
+
+
+def _draw_seed() -> int:
+    """A seed for a request without one, from torch's global (CPU) generator."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+@contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) inside the block, its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

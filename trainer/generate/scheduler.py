@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run in each forward, and what their tokens do to them.
+
+Every request becomes ``n`` sequences, queued in request order. Each step builds one packed row:
+
+1. decode: every running sequence (one per busy slot) feeds its last token at its length;
+2. admit: while a slot is free, the next queued sequence takes the lowest free slot. Its prompt
+   is appended to the row (positions from 0) if it fits ``max_batch_tokens`` with what is already
+   there, or if it is the step's first prompt (a budget is soft for one prompt, so a long prompt
+   never starves); otherwise admission waits for the next step. A later choice of a request
+   whose prompt is in this row is a fork: no tokens of its own, the prompt's keys copied into
+   its slot after the forward, its first token drawn from the same logits.
+
+The forward then gives one logits row per sequence that ends a segment (each decode token, each
+prompt's last token); each sampled sequence gets its token, and one that finishes frees its slot
+at once, so the next step refills it from the queue. The scheduler is host-only (ints and lists);
+``trainer.generate.engine`` runs the forward and the draws.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.generate.params import Completion, Request, Result, SamplingParams, TokenLogprob, choice_seed
+from trainer.generate.stopping import Stopper
+
+
+@dataclass
+class Sequence:
+    """One choice of one request, from the queue to its finish."""
+
+    request: int
+    choice: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    stopper: Stopper
+    generator: Any = None
+    """Its ``torch.Generator`` (None when greedy)."""
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence so far (prompt and generated)."""
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclass
+class StepPlan:
+    """One forward: the packed row, the logits it keeps, and who samples from which."""
+
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(slot, first_position, tokens)`` in row order (``trainer.generate.attention.StepState``)."""
+    input_ids: list[int] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+    """Row indices whose logits are computed (the last token of each segment)."""
+    sampled: list[Sequence] = field(default_factory=list)
+    pick: list[int] = field(default_factory=list)
+    """For each sampled sequence, its row of the kept logits."""
+    forks: list[tuple[int, list[int], int]] = field(default_factory=list)
+    """``(source slot, target slots, prompt length)``: prompts to copy after the forward."""
+
+
+class Scheduler:
+    """The queue, the slots and the finished sequences of one ``generate`` call.
+
+    Args:
+        requests: in order; their results come back in the same order.
+        slots, max_len, max_batch_tokens: the engine's shape (see ``Engine``).
+        new_stopper: ``(params, prompt_length) -> Stopper`` for each sequence.
+        new_generator: ``seed -> torch.Generator`` for each sampled sequence.
+        draw_seed: a seed for a request that names none.
+    """
+
+    def __init__(self, requests: Seq[Request], slots: int, max_len: int, max_batch_tokens: int,
+                 new_stopper: Callable[[SamplingParams, int], Stopper], new_generator: Callable[[int], Any],
+                 draw_seed: Callable[[], int]) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.queue: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.free = list(range(slots))
+        self.done: list[Sequence] = []
+        self.requests = list(requests)
+        for index, request in enumerate(self.requests):
+            if len(request.prompt_ids) >= max_len:
+                raise ValueError(
+                    f"request {index}: a prompt of {len(request.prompt_ids)} tokens leaves no room in "
+                    f"max_len={max_len}; raise max_len or shorten the prompt"
+                )
+            params = request.params
+            seed = None if params.greedy else (params.seed if params.seed is not None else draw_seed())
+            for choice in range(params.n):
+                generator = None if seed is None else new_generator(choice_seed(seed, choice))
+                stopper = new_stopper(params, len(request.prompt_ids))
+                self.queue.append(Sequence(index, choice, request.prompt_ids, params, stopper, generator))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.running)
+
+    def plan(self) -> StepPlan:
+        """The next forward: every running sequence's token, then as many new prompts as fit."""
+        plan = StepPlan()
+        for slot in sorted(self.running):
+            seq = self.running[slot]
+            plan.segments.append((slot, seq.length - 1, 1))
+            plan.keep.append(len(plan.input_ids))
+            plan.input_ids.append(seq.tokens[-1])
+            plan.pick.append(len(plan.keep) - 1)
+            plan.sampled.append(seq)
+        self._admit(plan)
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        sources: dict[int, tuple[int, int]] = {}  # request -> (its prompt's slot, its kept row)
+        prompts = 0
+        while self.queue and self.free:
+            seq = self.queue[0]
+            source = sources.get(seq.request)
+            fits = len(plan.input_ids) + len(seq.prompt) <= self.max_batch_tokens
+            if source is None and prompts and not fits:
+                break
+            self.queue.popleft()
+            seq.slot = self.free.pop(0)
+            self.running[seq.slot] = seq
+            plan.sampled.append(seq)
+            if source is not None:
+                plan.pick.append(source[1])
+                _add_fork(plan, source[0], seq.slot, len(seq.prompt))
+                continue
+            prompts += 1
+            plan.segments.append((seq.slot, 0, len(seq.prompt)))
+            plan.input_ids += seq.prompt
+            plan.keep.append(len(plan.input_ids) - 1)
+            plan.pick.append(len(plan.keep) - 1)
+            sources[seq.request] = (seq.slot, len(plan.keep) - 1)
+
+    def advance(self, plan: StepPlan, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
+        """Give each sampled sequence its token; finish (and free the slot of) those that end."""
+        for seq, token, logprob in zip(plan.sampled, tokens, logprobs):
+            seq.tokens.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            reason, drop = seq.stopper.check(seq.tokens)
+            if reason is not None:
+                self._finish(seq, reason, drop)
+
+    def _finish(self, seq: Sequence, reason: str, drop: int) -> None:
+        if drop:
+            del seq.tokens[-drop:]
+            del seq.logprobs[len(seq.tokens):]
+        seq.finish_reason = reason
+        del self.running[seq.slot]
+        self.free.append(seq.slot)
+        self.free.sort()
+        self.done.append(seq)
+
+    def results(self) -> list[Result]:
+        """One ``Result`` per request, in request order, its completions in choice order."""
+        completions: list[list[Completion]] = [[] for _ in self.requests]
+        for seq in sorted(self.done, key=lambda s: (s.request, s.choice)):
+            completions[seq.request].append(Completion(
+                seq.choice, list(seq.tokens), seq.stopper.decode(seq.tokens), seq.finish_reason or "",
+                list(seq.logprobs) if seq.params.logprobs else None,
+            ))
+        return [Result(len(r.prompt_ids), c) for r, c in zip(self.requests, completions)]
+
+
+def _add_fork(plan: StepPlan, source: int, target: int, length: int) -> None:
+    for i, (src, targets, _) in enumerate(plan.forks):
+        if src == source:
+            targets.append(target)
+            return
+    plan.forks.append((source, [target], length))

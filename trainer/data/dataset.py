@@ -205,7 +205,7 @@ def _tokenize_chat(
     messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
 ) -> Sample:
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0]
-    messages = [_template_message(message) for message in messages]
+    messages = [template_message(message) for message in messages]
 
     def render(conversation: list[dict[str, Any]], generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
@@ -264,7 +264,7 @@ def _tokenize_chat_per_turn(
     return Sample(ids, labels)
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: no ``weight`` (ours, not the template's), content
     ``""`` rather than null beside ``tool_calls``, each call's JSON-string ``arguments`` as a dict."""
     out = {k: v for k, v in message.items() if k != "weight"}

@@ -4,12 +4,14 @@ Prompts come from ``TrainConfig.sample_prompts`` or, without them, from the firs
 ``sample_count`` records of the validation set (a chat record up to its last assistant turn, a
 prompt/completion record's prompt, the first half of a text record's words). A prompt string is
 rendered the way the training data is: through the chat template as one user turn (generation
-prompt added) when the training file is chat, as plain text otherwise.
+prompt added, ``trainer.generate.chat``) when the training file is chat, as plain text otherwise.
 
-Generation runs through the same packed forward as training (``trainer.features.loss.packed_forward``, one
-sample per row, no KV cache): the installed attention, LoRA and loss pieces need no second code
-path, and every rank runs the same forwards (FSDP2 gathers parameters with all of them). Each new
-token is read back to test for eos: one host sync per token, only at checkpoints, never in a step.
+Generation runs through the sampler (``trainer.generate.engine.Engine``: KV cache, every prompt
+decoded together, greedy) on the training model itself: the installed LoRA and fused pieces need
+no second code path. Under several ranks every rank runs the same forwards (FSDP2 gathers
+parameters with all of them): each step's tokens are rank 0's (``Comm.broadcast_from_first``), so
+every rank finishes every prompt at the same step. The cache lives for one ``generate`` call
+(nothing is held between checkpoints); one host sync per decode step, only at checkpoints.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data.dataset import Sample, detect_format, read_records
-from trainer.features.loss.packed_forward import packed_forward
-from trainer.data.packing import pack_batch
+from trainer.data.dataset import detect_format, read_records
+from trainer.generate.chat import render_messages
+from trainer.generate.engine import Engine
+from trainer.generate.params import Request, SamplingParams
+
+SLOTS = 8
+"""Prompts decoded at once (more wait for a free slot)."""
 
 
 @dataclass(frozen=True)
@@ -53,31 +59,21 @@ class Sampler:
             return None
         return cls(prompts, tokenizer, config.sample_max_new_tokens) if prompts else None
 
-    def generate(self, model: torch.nn.Module, installed: Any, device: torch.device, autocast: Any) -> list[dict[str, Any]]:
-        """One ``{prompt, completion, tokens}`` per prompt, greedy, eos (or the length cap) ends it."""
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                return [self._one(p, model, installed, device, autocast) for p in self.prompts]
-        finally:
-            model.train(was_training)
+    def generate(self, model: torch.nn.Module, device: torch.device, autocast: Any,
+                 comm: Any = None) -> list[dict[str, Any]]:
+        """One ``{prompt, completion, tokens}`` per prompt, greedy, eos (or the length cap) ends it.
 
-    def _one(self, prompt: Prompt, model: torch.nn.Module, installed: Any, device: torch.device,
-             autocast: Any) -> dict[str, Any]:
-        ids, new = list(prompt.ids), []
-        eos = self.tokenizer.eos_token_id
-        for _ in range(self.max_new_tokens):
-            batch, meta = installed.micro_batch(pack_batch([Sample(ids, ids)]), device)
-            with autocast:
-                logits = packed_forward(model, batch, meta)
-            token = int(logits[0, -1].argmax().item())
-            if token == eos:
-                break
-            ids.append(token)
-            new.append(token)
-        return {"prompt": prompt.text, "completion": self.tokenizer.decode(new, skip_special_tokens=True),
-                "tokens": len(new)}
+        ``comm``: the run's ``trainer.parallel.distributed.Comm`` (rank 0's tokens for all ranks).
+        """
+        agree = comm.broadcast_from_first if comm is not None and comm.world.is_distributed else None
+        longest = max(len(p.ids) for p in self.prompts)
+        engine = Engine(model, self.tokenizer, slots=min(SLOTS, len(self.prompts)),
+                        max_len=longest + self.max_new_tokens, device=device, agree=agree)
+        params = SamplingParams(max_tokens=self.max_new_tokens, temperature=0.0)
+        with autocast:
+            results = engine.generate([Request(tuple(p.ids), params) for p in self.prompts])
+        return [{"prompt": p.text, "completion": r.completions[0].text, "tokens": len(r.completions[0].token_ids)}
+                for p, r in zip(self.prompts, results)]
 
 
 def validation_prompts(path: str, count: int, tokenizer: Any) -> list[Prompt]:
@@ -86,12 +82,12 @@ def validation_prompts(path: str, count: int, tokenizer: Any) -> list[Prompt]:
     for _, record in read_records(path)[:count]:
         fmt = detect_format(record)
         if fmt == "chat" or "preferred_output" in record:  # a DPO pair: its prompt is input.messages
-            messages = record["messages"] if fmt == "chat" else record["input"]["messages"]
+            conversation = record if fmt == "chat" else record["input"]
+            messages = conversation["messages"]
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=len(messages))
             head = messages[:last]
-            text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
             shown = head[-1]["content"] if head else ""
-            prompts.append(Prompt(shown, tokenizer(text, add_special_tokens=False)["input_ids"]))
+            prompts.append(Prompt(shown, render_messages(tokenizer, head, conversation.get("tools"))))
         elif fmt == "prompt_completion":
             prompts.append(Prompt(record["prompt"], tokenizer(record["prompt"])["input_ids"]))
         elif fmt == "text":
@@ -104,9 +100,7 @@ def validation_prompts(path: str, count: int, tokenizer: Any) -> list[Prompt]:
 def _render_text(prompt: str, tokenizer: Any, chat: bool) -> list[int]:
     if not chat:
         return tokenizer(prompt)["input_ids"]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return render_messages(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def _is_chat(config: TrainConfig) -> bool:

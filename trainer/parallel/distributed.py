@@ -129,6 +129,14 @@ class Comm:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as rank 0 holds it, on every rank (in place on its device; queued, no host sync)."""
+        if self.world.is_distributed:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=0)
+        return tensor
+
     def gather_host(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's ``values`` (host floats, same length on each), over the gloo group."""
         if not self.world.is_distributed:

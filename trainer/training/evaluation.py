@@ -48,5 +48,5 @@ def measure(
         loss, targets, accuracy = evaluate(ctx, validation, config.data.batch_tokens)
         emit("eval", step=step, loss=loss, tokens=targets, accuracy=accuracy)
     if samples and sampler is not None:
-        generated = sampler.generate(ctx.model, ctx.installed, ctx.device, ctx.autocast)
+        generated = sampler.generate(ctx.model, ctx.device, ctx.autocast, ctx.comm)
         emit("sample", step=step, final=final, samples=generated)

@@ -13,7 +13,7 @@ from chat_templates import TEMPLATES, tokenizer_with
 from trainer_helpers import write_jsonl
 
 from trainer.data import chat_labels
-from trainer.data.dataset import IGNORE_INDEX, Sample, _template_message, load_samples, tokenize_record, validate_record
+from trainer.data.dataset import IGNORE_INDEX, Sample, template_message, load_samples, tokenize_record, validate_record
 from trainer.errors import DatasetError
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "park"}'}}
@@ -23,7 +23,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
 def per_turn_reference(record: dict[str, Any], tokenizer: Any) -> Sample:
     """The algorithm trainer.data.dataset used before: each answer's two prefixes rendered and tokenized."""
     weights = [m.get("weight", 1) for m in record["messages"]]
-    messages = [_template_message(m) for m in record["messages"]]
+    messages = [template_message(m) for m in record["messages"]]
     tools = record.get("tools")
 
     def encode(conversation: list[dict[str, Any]], generation_prompt: bool) -> list[int]:

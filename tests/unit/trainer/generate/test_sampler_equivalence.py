@@ -5,7 +5,8 @@ sequences here, and attention sinks drawn non-zero), without and with a LoRA ada
 linear layer (``init_lora_weights=False``: B is not zero, so the adapter changes the logits) run
 through the trainer's fused LoRA layers. Eight prompts of 2 to 30 tokens go through 3 slots, so
 finished sequences' slots are refilled from the queue; ``max_len`` 36 cuts the long prompts
-before ``max_tokens`` (each finishes at its own step).
+before ``max_tokens`` (each finishes at its own step). A tiny Gemma 2 adds attention logit
+soft-capping and a window of 4.
 
 The reference is ``model.generate(do_sample=False)`` one prompt at a time (no padding), with
 peft's own LoRA forward; its raw ``output_logits`` give the logprobs. Tolerance: the sampler
@@ -110,3 +111,29 @@ def test_greedy_decoding_matches_transformers_generate(arch: str, lora: bool, mo
         finish_lengths.add(len(prompt) + len(completion.token_ids))
     assert MAX_LEN in finish_lengths and len(finish_lengths) > 2  # some cut by max_len, others by max_tokens
     assert engine.stats.caches_allocated == 1
+
+
+def test_gemma2_soft_capping_and_a_short_window_match_transformers() -> None:
+    """Attention logit soft-capping (which packed training attention refuses) and a window of 4."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, attn_logit_softcapping=0.5,
+        query_pre_attn_scalar=8, pad_token_id=0, eos_token_id=None, bos_token_id=2,  # no eos: all run to the end
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (3, 9, 2, 12)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
+    results = Engine(model, None, slots=2, max_len=MAX_LEN).generate([Request(tuple(p), params) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                                 return_dict_in_generate=True, output_logits=True)
+        [completion] = result.completions
+        assert completion.token_ids == out.sequences[0, len(prompt):].tolist()
+        for step, logprob in enumerate(completion.logprobs):
+            want = torch.log_softmax(out.logits[step][0].float(), dim=-1)[logprob.token_id].item()
+            assert logprob.logprob == pytest.approx(want, abs=LOGPROB_ATOL)

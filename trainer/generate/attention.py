@@ -190,14 +190,15 @@ def sampler_attention_forward(
     """transformers' attention-function signature over the sampler's cache.
 
     Args:
-        query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (RoPE applied).
+        query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (RoPE applied); or, with the tokens as
+            the batch (the engine's several-adapter layout), [T, Hq, 1, D] and [T, Hkv, 1, D].
         attention_mask: must be None (boundaries come from ``sampler_state``).
         sliding_window: the layer's window, or None.
         s_aux: GPT-OSS per-head sink logits [Hq].
         sampler_state: the step's ``StepState``.
 
     Returns:
-        ``(out [1, T, Hq, D], None)``.
+        ``(out [1, T, Hq, D], None)`` (``[T, 1, Hq, D]`` for tokens as the batch).
     """
     if sampler_state is None or attention_mask is not None or dropout:
         raise ValueError(
@@ -205,17 +206,21 @@ def sampler_attention_forward(
             f"(got state={sampler_state is not None}, mask={attention_mask is not None}, dropout={dropout}); "
             "only trainer.generate.engine.Engine calls the model with it"
         )
-    batch, _, total, head_dim = query.shape
-    if batch != 1 or total != sampler_state.slot_T.shape[0]:
+    batch, heads_q, length, head_dim = query.shape
+    if 1 not in (batch, length) or batch * length != sampler_state.slot_T.shape[0]:
         raise ValueError(
-            f"the sampler expects one row of {sampler_state.slot_T.shape[0]} tokens, got query {tuple(query.shape)}"
+            f"the sampler expects {sampler_state.slot_T.shape[0]} tokens as one row or as the batch, "
+            f"got query {tuple(query.shape)}"
         )
     layer = module.layer_idx
     state = sampler_state
-    state.cache.write(layer, state.slot_T, state.position_T, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    # [B, H, S, D] -> [B * S, H, D]: one of B and S is 1, so this is the tokens in row order.
+    key_THD, value_THD = (t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (key, value))
+    state.cache.write(layer, state.slot_T, state.position_T, key_THD, value_THD)
     scale = scaling if scaling is not None else head_dim**-0.5
-    out_THD = attend_cached(state, layer, query[0].transpose(0, 1), scale, sliding_window, s_aux, softcap)
-    return out_THD.unsqueeze(0), None
+    query_THD = query.transpose(1, 2).reshape(-1, heads_q, head_dim)
+    out_THD = attend_cached(state, layer, query_THD, scale, sliding_window, s_aux, softcap)
+    return out_THD.view(batch, length, heads_q, head_dim), None
 
 
 def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, scale: float, window: int | None,

@@ -92,10 +92,11 @@ class Engine:
         """
         scheduler = Scheduler(requests, self.slots, self.max_len, self.max_batch_tokens, self._stopper,
                               lambda seed: generator_for(seed, self.device), _draw_seed)
+        active = _active_adapter(self.model) if any(r.adapter is not None for r in requests) else None
         with sampler_attention(self.model), torch.no_grad(), _evaluating(self.model):
             cache = self._allocate()
             while scheduler.busy:
-                self._step(scheduler, cache)
+                self._step(scheduler, cache, active)
         return scheduler.results()
 
     def release(self) -> None:
@@ -116,21 +117,37 @@ class Engine:
             self.stats.caches_allocated += 1
         return cache
 
-    def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
+    def _step(self, scheduler: Scheduler, cache: KVCache, active: str | None) -> None:
         plan = scheduler.plan()
         state = StepState.build(cache, plan.segments, self.device)
-        input_ids = torch.tensor([plan.input_ids], dtype=torch.long).to(self.device)
-        keep = torch.tensor(plan.keep, dtype=torch.long).to(self.device)
-        out = self.model(input_ids=input_ids, position_ids=state.position_T.unsqueeze(0), use_cache=False,
-                         logits_to_keep=keep, sampler_state=state)
+        logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1
         self.stats.forward_tokens += len(plan.input_ids)
         for source, targets, length in plan.forks:
             cache.copy_prefix(source, targets, length)
-        logits_RV = out.logits[0]
         if plan.pick != list(range(len(plan.keep))):
             logits_RV = logits_RV.index_select(0, torch.tensor(plan.pick, device=logits_RV.device))
         scheduler.advance(plan, *self._draw(plan, logits_RV))
+
+    def _forward(self, plan: StepPlan, state: StepState, active: str | None) -> torch.Tensor:
+        """The logits of the row's kept tokens [K, V].
+
+        With ``active`` (some request names an adapter) the tokens go in as a batch of one-token
+        rows, each with its adapter: peft's ``adapter_names`` splits a batch by its first
+        dimension (the trainer's fused LoRA layers hand such calls to peft's forward), and
+        ``logits_to_keep`` cannot pick rows across the batch, so every token's logits are computed.
+        """
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.long).to(self.device)
+        keep = torch.tensor(plan.keep, dtype=torch.long).to(self.device)
+        if active is None:
+            out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=state.position_T.unsqueeze(0),
+                             use_cache=False, logits_to_keep=keep, sampler_state=state)
+            return out.logits[0]
+        names = [name if name is not None else active
+                 for name, (_, _, count) in zip(plan.adapters, plan.segments) for _ in range(count)]
+        out = self.model(input_ids=input_ids.unsqueeze(1), position_ids=state.position_T.unsqueeze(1),
+                         use_cache=False, sampler_state=state, adapter_names=names)
+        return out.logits[:, -1].index_select(0, keep)
 
     def _draw(self, plan: StepPlan, logits_RV: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
         """The step's tokens and (where asked) their logprobs, read back to the host together."""
@@ -150,6 +167,22 @@ class Engine:
             for p, t, c, v, i in zip(params, tokens, chosen, vals, ids)
         ]
         return tokens, logprobs
+
+
+def _active_adapter(model: torch.nn.Module) -> str:
+    """The adapter a request without one runs with, in a call where others name theirs.
+
+    Raises:
+        ValueError: ``model`` is no peft model, or has several adapters active at once.
+    """
+    active = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    if not isinstance(active, str):
+        raise ValueError(
+            f"requests name adapters, but {type(model).__name__} "
+            + ("has several active adapters" if active else "carries no peft adapters")
+            + "; name one per request (BASE_ADAPTER for the base) or leave Request.adapter None"
+        )
+    return active
 
 
 def _draw_seed() -> int:

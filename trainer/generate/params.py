@@ -19,6 +19,9 @@ FINISH_STOP, FINISH_LENGTH = "stop", "length"
 """``finish_reason``: an eos token or a stop sequence ended it; ``max_tokens`` or the cache's
 ``max_len`` cut it."""
 
+BASE_ADAPTER = "__base__"
+"""``Request.adapter`` for the base model alone (peft's name for it in mixed batches)."""
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden-ratio increment: choices of nearby seeds do not collide
 
 
@@ -87,6 +90,10 @@ class Request:
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+    """The peft adapter to continue it with (``BASE_ADAPTER``: none); None: the model as it is
+    (its active adapter). Naming one runs the whole call with several adapters in one batch
+    (``trainer.generate.engine``)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

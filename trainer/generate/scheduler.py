@@ -38,6 +38,7 @@ class Sequence:
     stopper: Stopper
     generator: Any = None
     """Its ``torch.Generator`` (None when greedy)."""
+    adapter: str | None = None
     slot: int = -1
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -63,6 +64,8 @@ class StepPlan:
     """For each sampled sequence, its row of the kept logits."""
     forks: list[tuple[int, list[int], int]] = field(default_factory=list)
     """``(source slot, target slots, prompt length)``: prompts to copy after the forward."""
+    adapters: list[str | None] = field(default_factory=list)
+    """Each segment's ``Request.adapter``."""
 
 
 class Scheduler:
@@ -96,7 +99,8 @@ class Scheduler:
             for choice in range(params.n):
                 generator = None if seed is None else new_generator(choice_seed(seed, choice))
                 stopper = new_stopper(params, len(request.prompt_ids))
-                self.queue.append(Sequence(index, choice, request.prompt_ids, params, stopper, generator))
+                self.queue.append(Sequence(index, choice, request.prompt_ids, params, stopper, generator,
+                                           adapter=request.adapter))
 
     @property
     def busy(self) -> bool:
@@ -108,6 +112,7 @@ class Scheduler:
         for slot in sorted(self.running):
             seq = self.running[slot]
             plan.segments.append((slot, seq.length - 1, 1))
+            plan.adapters.append(seq.adapter)
             plan.keep.append(len(plan.input_ids))
             plan.input_ids.append(seq.tokens[-1])
             plan.pick.append(len(plan.keep) - 1)
@@ -134,6 +139,7 @@ class Scheduler:
                 continue
             prompts += 1
             plan.segments.append((seq.slot, 0, len(seq.prompt)))
+            plan.adapters.append(seq.adapter)
             plan.input_ids += seq.prompt
             plan.keep.append(len(plan.input_ids) - 1)
             plan.pick.append(len(plan.keep) - 1)

@@ -20,7 +20,8 @@ is passed or built: transformers returns ``None`` from mask creation for an impl
 has no mask function (see ``trainer.features.attention.packed``).
 
 Backends: ``torch`` (plain ops, scores and softmax in fp32: exact on CPU, the reference; it
-also runs on CUDA, gathering each slot's keys). The seam for a CUDA decode kernel is
+also runs on CUDA, untuned: each layer gathers the step's slots' keys and values up to the longest
+position and upcasts them). The seam for a CUDA decode kernel is
 ``attend_cached``: the cache layout is the one FlashAttention's ``flash_attn_with_kvcache``
 reads (``cache_batch_idx`` = the slots, ``cache_seqlens`` = the lengths, ``window_size``,
 ``softcap``), and a ``StepState.backend`` other than ``torch`` would pick it.

@@ -23,10 +23,10 @@ keeps the ranks' outputs equal.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -59,8 +59,8 @@ class Engine:
         max_len: positions per slot: prompt plus generated tokens at most.
         max_batch_tokens: tokens per forward a step admits new prompts up to (one prompt may exceed it).
         device: where the inputs go; the input embeddings' device by default.
-        cache_dtype: of the cached keys and values; default autocast's dtype when it is on at the
-            first ``generate``, else the input embeddings' dtype.
+        cache_dtype: of the cached keys and values; default autocast's dtype when it is on around
+            ``generate``, else the input embeddings' dtype (a call in another dtype reallocates).
         agree: ``tokens -> tokens`` applied to each step's drawn tokens (see the module docstring).
     """
 

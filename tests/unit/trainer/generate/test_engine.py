@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer.generate.attention import ATTN_IMPLEMENTATION, model_reason
+from trainer.generate.cache import KVCache
 from trainer.generate.engine import Engine
 from trainer.generate.params import FINISH_LENGTH, Request, SamplingParams
 from trainer.generate.scheduler import Scheduler
@@ -62,8 +63,11 @@ class TestScheduler:
 
 
 class TestEngine:
-    def test_the_cache_is_allocated_once_and_each_token_is_fed_once(self, tiny) -> None:
+    def test_the_cache_is_allocated_once_and_each_token_is_fed_once(self, tiny, monkeypatch) -> None:
         model, tokenizer = tiny
+        built = []
+        init = KVCache.__init__
+        monkeypatch.setattr(KVCache, "__init__", lambda self, *a, **k: built.append(a) or init(self, *a, **k))
         fed: list[int] = []
         hook = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: fed.append(args[0].numel()))
         engine = Engine(model, tokenizer, slots=3, max_len=48)
@@ -76,7 +80,7 @@ class TestEngine:
             results = engine.generate(requests)
         finally:
             hook.remove()
-        assert engine.stats.caches_allocated == 1
+        assert len(built) == engine.stats.caches_allocated == 1  # for two calls of many steps each
         assert pointers == [t.data_ptr() for t in engine.cache.keys_SHLD + engine.cache.values_SHLD]
         assert [len(r.completions[0].token_ids) for r in results] == budgets
         # each prompt once, then each generated token but the last: no step re-runs a prompt

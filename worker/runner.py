@@ -257,10 +257,12 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
         (event,) = append_events(session, job_id, [state_event(target, **detail)])
         seq = event.seq
     runtime.publish(job_id, seq)
-    if target is JobStatus.queued:
-        runtime.enqueue(job_id)
-    else:
-        signal_waiting(runtime)
+    # Wake the host each startable job is placed on: a requeued job of several machines can be
+    # claimed only by its leader's host, and a message to any host was dropped by the others
+    # (then the job waited for the reaper's re-send, 2 minutes).
+    woken = signal_waiting(runtime)
+    if target is JobStatus.queued and job_id not in woken:
+        runtime.enqueue(job_id)  # not placeable now (or the signal failed): any host, as before
     log.info("job %s → %s%s", job_id, target.value, f" ({outcome.error_code})" if outcome.error_code else "")
     return target.value
 

@@ -215,6 +215,8 @@ def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_
 def test_a_finished_job_exports_a_portable_adapter_a_merged_model_and_a_gguf(stack, chat_dataset: Path, tmp_path: Path):
     """The adapter zip loads in a fresh process that knows only the base's name; the merged export
     and the GGUF (in llama.cpp) give the adapter's greedy tokens; the CLI downloads the GGUF."""
+    if stack.name != "postgres":  # CI time (66 s): the export's store side runs on both stores in test_api_exports
+        pytest.skip("the export round trip runs on the PostgreSQL stack only")
     from tests.fixtures.exports import fresh_process_greedy, llama_cpp_greedy, wait_export
 
     with stack.client() as client:

@@ -4,7 +4,8 @@ machines, told apart by their loopback addresses (``FTQ_WORKER_ADDRESS`` 127.0.0
 uvicorn API, PostgreSQL and Redis. Each worker has 2 CPU slots; ranks run on the CPU (gloo).
 
 - a job of ``gpus: 2, nodes: 2`` runs one rank on each machine (torchrun's c10d rendezvous at the
-  leader) to ``succeeded``, and its per-step losses match the same job as 2 ranks on one machine;
+  leader) to ``succeeded`` (that its losses match 2 ranks on one machine is proven across real
+  network namespaces in ``tests/netns/test_netns_machines.py``);
 - the follower machine's ranks killed mid-job end every rank of the attempt on both machines and
   the job retries from its last checkpoint (``node_lost``), no hang;
 - the follower machine lost whole (its worker and ranks SIGKILLed): the job is requeued
@@ -39,9 +40,6 @@ LEADER_ADDRESS = "127.0.0.2"
 FOLLOWER_ADDRESS = "127.0.0.3"
 STEPS = {**SHORT, "max_steps": 8}
 LONG = {**SHORT, "max_steps": 100_000}
-LOSS_RTOL = 1e-5
-"""Both runs put the same micro-batches on the same ranks and all-reduce two ranks' gradients
-over gloo either way; only the launch differs, so the losses agree to float32 rounding."""
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +76,15 @@ def _wait_for_workers(stack: Stack, count: int, timeout_s: float = 120) -> None:
     raise AssertionError(f"{count} workers did not register in {timeout_s:.0f}s\n{stack.log_tail()}")
 
 
-def _losses(client: httpx.Client, job_id: str) -> list[float]:
-    rows = client.get(f"/v1/jobs/{job_id}/metrics").json()["data"]
-    return [row["loss"] for row in sorted(rows, key=lambda r: r["step"])]
-
-
 def _finished(client: httpx.Client, job_id: str, timeout_s: float = 400) -> dict[str, Any]:
     return wait_job(client, job_id, lambda j: j["status"] not in ("queued", "running"), what="finished",
                     timeout_s=timeout_s)
 
 
-def test_a_two_machine_job_succeeds_and_matches_two_ranks_on_one_machine(machines, chat_dataset: Path):
+def test_a_two_machine_job_succeeds_with_one_rank_on_each_machine(machines, chat_dataset: Path):
+    """That its losses equal two ranks on one machine is proven once, across real network
+    namespaces: ``tests/netns/test_netns_machines.py::test_a_two_machine_job_matches_two_ranks_on_one_machine``
+    (a second training here would repeat it; CI is CPU-bound)."""
     stack = machines
     with stack.client() as client:
         file_id = upload(client, chat_dataset)
@@ -102,16 +98,9 @@ def test_a_two_machine_job_succeeds_and_matches_two_ranks_on_one_machine(machine
         steps = [data for _, kind, data in events if kind == "step"]
         assert [s["step"] for s in steps] == list(range(1, 9))
         assert all([r["rank"] for r in s["ranks"]] == [0, 1] for s in steps), "one rank on each machine"
+        assert all(math.isfinite(s["loss"]) for s in steps)
         ran = (stack.data_dir / "jobs" / spread["id"] / "trainer.node-1.stderr.log")
         assert ran.is_file(), "the follower machine ran its part"
-
-        local = submit(client, file_id, hyperparameters=STEPS, gpus=2, name="one machine")
-        assert _finished(client, local["id"])["status"] == "succeeded", stack.log_tail()
-
-        spread_losses, local_losses = _losses(client, spread["id"]), _losses(client, local["id"])
-        assert len(spread_losses) == len(local_losses) == 8
-        for step, (a, b) in enumerate(zip(spread_losses, local_losses, strict=True), start=1):
-            assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"step {step}: {a} across machines, {b} on one"
 
 
 def test_refused_at_submission_when_the_machines_cannot_hold_it(machines, chat_dataset: Path):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_packed_metadata_gpu import no_host_sync  # noqa: E402
+from gpu_helpers import no_host_sync  # noqa: E402
 from trainer_helpers import events_of, make_job, run_cli, tiny_model_for_gpu, write_jsonl  # noqa: E402
 
 pytestmark = [

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_packed_metadata_gpu import no_host_sync  # noqa: E402
+from gpu_helpers import no_host_sync  # noqa: E402
 
 from trainer.training import guards  # noqa: E402
 

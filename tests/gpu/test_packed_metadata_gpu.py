@@ -11,13 +11,16 @@ largest magnitude < 3e-2 (two bf16 attention implementations differ by a few ulp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from trainer.features.attention.packed import packed_attention_forward
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_helpers import no_host_sync  # noqa: E402
+
+from trainer.features.attention.packed import packed_attention_forward  # noqa: E402
 from trainer.features.attention.feature import backend_missing
 from trainer.features.loss.fused import fused_linear_cross_entropy
 from trainer.plan.hardware import detect
@@ -31,17 +34,6 @@ pytestmark = [
 
 LENGTHS = [300, 17, 1024, 250, 64, 129, 1]
 FAST_BACKENDS = ("sdpa", "triton", "torch_varlen")
-
-
-@contextmanager
-def no_host_sync() -> Iterator[None]:
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 class _Attention(torch.nn.Module):

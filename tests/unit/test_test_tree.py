@@ -47,6 +47,8 @@ def imports_between_test_modules(root: Path) -> list[str]:
     """``file imports module`` for each test module of ``root`` that imports a test module or a
     conftest of ``root``."""
     modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    # a folder put on sys.path makes its test modules importable by their bare names too
+    modules.update({p.stem: p for p in root.rglob("test_*.py") if p.stem not in modules})
     found = []
     for path in sorted(root.rglob("test_*.py")):
         name = _module_name(path, root)

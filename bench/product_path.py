@@ -198,16 +198,8 @@ def _wall_rate(steps: list[dict[str, Any]], skip: int) -> float:
     if len(steps) <= skip + 2 or any("time" not in e for e in steps):
         return float("nan")
     start, timed = steps[skip], steps[skip + 1:-1]
-    seconds = _seconds(timed[-1]["time"]) - _seconds(start["time"])
+    seconds = timed[-1]["time"] - start["time"]  # the trainer stamps events with time.time()
     return sum(e["tokens"] for e in timed) / seconds if seconds > 0 else float("nan")
-
-
-def _seconds(stamp: Any) -> float:
-    if isinstance(stamp, (int, float)):
-        return float(stamp)
-    from datetime import datetime
-
-    return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
 
 
 def table(results: list[ProductResult]) -> str:

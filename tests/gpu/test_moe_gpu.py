@@ -13,30 +13,22 @@ reference's largest magnitude, must be within 2x the eager bf16 loop's own error
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
-from trainer.features.moe import routing as moe_routing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_helpers import no_host_sync  # noqa: E402
+
+from trainer.features.moe import routing as moe_routing  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@contextmanager
-def no_host_sync() -> Iterator[None]:
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 def count_syncs(fn) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also run bench.train_step's 'ftq' and 'stock packed' rows in this call (CUDA only)",
     )
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--keep-output", action="store_true", help="keep each run's output dir (checkpoints, export)")
     parser.add_argument("--workdir", default="/tmp/ftq-product-path")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (CPU smoke run)")
@@ -320,6 +322,8 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace, tokens: int, label:
     events, stderr = run_job(job_path, args.nproc, args.timeout)
     result = summarize(shape.name, label, events, args.skip)
     result.seconds = time.perf_counter() - started
+    if not getattr(args, "keep_output", False):  # a full fine-tuning run's last checkpoint of an 8B
+        shutil.rmtree(root / f"out-{label}", ignore_errors=True)  # model is ~100 GB: the next run's disk
     if result.status != "ok":
         print(stderr, file=sys.stderr)
     return result

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the figures")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change a job field")
     parser.add_argument("--workdir", default="/tmp/ftq-product-path")
+    parser.add_argument("--keep-output", action="store_true", help="keep each run's output dir (checkpoints, export)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=1800.0)

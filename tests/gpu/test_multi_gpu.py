@@ -2,7 +2,8 @@
 machine, with every switch on ``auto`` (packed Triton attention, fused kernels, the activation
 policy), against one process on one GPU with the same global batch.
 
-Run on a lent machine of two GPUs or more: ``python -m pytest -m gpu_multi tests/gpu``. Each test
+Run on a lent machine of two GPUs or more: ``python -m pytest -m gpu_multi tests/gpu`` (the
+``TestFourGpus`` runs need four). Each test
 launches its own torchrun (as the worker's torchrun executor does), so pytest itself is one
 process. Skipped where fewer than two CUDA devices are visible.
 
@@ -118,6 +119,25 @@ class TestResumeAcrossGpuCounts:
         job = resume_copy(checkpoint, tmp_path / "one", model_dir, "full", device="cuda")
         resumed = _ok(launch(job, 1, timeout=300))
         _compare("fsdp2-resume-2-to-1", resumed, one_gpu["full"], range(CHECKPOINT_EVERY + 1, STEPS + 1))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+class TestFourGpus:
+    """The same global batch (4 micro-batches) on 4 ranks: one micro-batch each, no accumulation."""
+
+    def test_ddp_lora_on_four_gpus_follows_one_gpu(self, tmp_path, model_dir, one_gpu):
+        four = _ok(launch(_job(tmp_path, model_dir, "lora"), 4, timeout=300))
+        assert _decision(four, "parallelism")["backend"] == "ddp"
+        _compare("ddp-lora-4", four, one_gpu["lora"], range(1, STEPS + 1))
+
+    def test_fsdp2_full_on_four_gpus_follows_one_gpu_and_resumes_on_two(self, tmp_path, model_dir, one_gpu):
+        four = _ok(launch(_job(tmp_path / "four", model_dir, "full"), 4, timeout=300))
+        assert _decision(four, "parallelism")["backend"] == "fsdp2"
+        _compare("fsdp2-full-4", four, one_gpu["full"], range(1, STEPS + 1))
+        checkpoint = next(Path(e["path"]) for e in four.of("checkpoint") if e["step"] == CHECKPOINT_EVERY)
+        job = resume_copy(checkpoint, tmp_path / "two", model_dir, "full", device="cuda")
+        resumed = _ok(launch(job, 2, timeout=300))
+        _compare("fsdp2-resume-4-to-2", resumed, one_gpu["full"], range(CHECKPOINT_EVERY + 1, STEPS + 1))
 
 
 class TestKilledRank:

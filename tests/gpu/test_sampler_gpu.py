@@ -1,0 +1,119 @@
+"""The sampler on CUDA against transformers' ``generate`` (``trainer.generate``).
+
+fp32: tiny random-weight Llama, Qwen3 and GPT-OSS (sinks drawn non-zero, a sliding window of 8),
+each without and with a LoRA adapter on every linear layer run through the trainer's fused LoRA
+layers; eight prompts of 1 to 30 tokens through 3 slots (finished slots refilled from the queue,
+``max_len`` cutting the long prompts). The greedy tokens must equal ``model.generate``'s, one prompt
+at a time, and the logprobs agree within ``FP32_ATOL`` (the same fp32 ops in another order; on
+CUDA the matmuls may pick other kernels than the reference's, so 1e-3 instead of the CPU test's
+1e-4).
+
+bf16 (what a tuned model serves in): greedy decoding in bf16 can flip between two logits that
+bf16 cannot tell apart, so tokens are not compared one to one. Instead each completion is scored
+by one plain forward of transformers over prompt + completion (teacher forcing, the reference's
+own attention): every token the sampler picked must be within ``BF16_ARGMAX_SLACK`` of that
+forward's best logprob at its position, and its logprob within ``BF16_ATOL`` of the forward's.
+A wrong cache slot, position or mask shifts the logits by far more than that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.features.lora_kernel import fused as lora_fused
+from trainer.generate.engine import Engine
+from trainer.generate.params import Request, SamplingParams
+from trainer.model.tiny import build_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+TEXTS = (
+    "The cat",
+    "Once upon a time, there lived a miller who",
+    "A",
+    "What is the capital of France?",
+    "Hello there, how are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "In",
+    "Numbers: one, two, three, four, five, six.",
+)
+SLOTS, MAX_LEN, MAX_TOKENS = 3, 36, 12
+FP32_ATOL = 1e-3
+BF16_ATOL = 0.1
+BF16_ARGMAX_SLACK = 0.1
+
+
+def _model(arch: str, lora: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    model, tokenizer = build_tiny_model(arch, seed=0)
+    if arch == "gpt_oss":
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    if lora:
+        import peft
+
+        torch.manual_seed(1)
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+        )
+    return model.to(device="cuda", dtype=dtype).eval(), tokenizer
+
+
+def _sample(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]], lora: bool) -> list:
+    installed = lora_fused.install(model) if lora else None
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, top_logprobs=1)
+        engine = Engine(model, tokenizer, slots=SLOTS, max_len=MAX_LEN)
+        results = engine.generate([Request(tuple(p), params) for p in prompts])
+    finally:
+        if installed is not None:
+            installed.uninstall()
+    assert engine.device.type == "cuda" and engine.stats.caches_allocated == 1
+    return [r.completions[0] for r in results]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
+def test_fp32_greedy_decoding_on_cuda_matches_transformers_generate(arch: str, lora: bool) -> None:
+    model, tokenizer = _model(arch, lora, torch.float32)
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    completions = _sample(model, tokenizer, prompts, lora)
+    eos = tokenizer.eos_token_id
+    for prompt, completion in zip(prompts, completions):
+        new = min(MAX_TOKENS, MAX_LEN - len(prompt))
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt], device="cuda"), do_sample=False,
+                                 max_new_tokens=new, return_dict_in_generate=True, output_logits=True)
+        want = out.sequences[0, len(prompt):].tolist()
+        if want[-1:] == [eos]:
+            want = want[:-1]
+        assert completion.token_ids == want, prompt
+        for step, logprob in enumerate(completion.logprobs):
+            ref = torch.log_softmax(out.logits[step][0].float(), dim=-1)[logprob.token_id].item()
+            assert logprob.logprob == pytest.approx(ref, abs=FP32_ATOL)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_greedy_tokens_are_the_teacher_forced_forwards_best(arch: str, lora: bool) -> None:
+    model, tokenizer = _model(arch, lora, torch.bfloat16)
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    completions = _sample(model, tokenizer, prompts, lora)
+    assert sum(len(c.token_ids) for c in completions) > 40
+    for prompt, completion in zip(prompts, completions):
+        if not completion.token_ids:
+            continue
+        ids = torch.tensor([prompt + completion.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: ids.shape[1] - 1]
+        for step, (token, picked) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            best = logprobs[step].max().item()
+            assert logprobs[step, token].item() >= best - BF16_ARGMAX_SLACK, (prompt, step)
+            assert picked.logprob == pytest.approx(logprobs[step, token].item(), abs=BF16_ATOL), (prompt, step)

@@ -23,6 +23,7 @@ the loss by percents (the CPU suite holds the exact float32 proof).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -138,6 +139,34 @@ class TestFourGpus:
         job = resume_copy(checkpoint, tmp_path / "two", model_dir, "full", device="cuda")
         resumed = _ok(launch(job, 2, timeout=300))
         _compare("fsdp2-resume-4-to-2", resumed, one_gpu["full"], range(CHECKPOINT_EVERY + 1, STEPS + 1))
+
+
+class TestOomLadder:
+    def test_one_rank_out_of_memory_steps_both_ranks_down_on_the_same_curve(self, tmp_path, model_dir, monkeypatch):
+        """DDP on NCCL: rank 1 runs out in step 1 (the activation policy's budget probe, armed on
+        rank 1 only, at what full checkpointing saves of the tiny model in float32: keeping every
+        activation or checkpointing half the layers runs out, full checkpointing fits in fp32 or
+        bf16), both ranks step down together and retry, and the run follows a 2-rank run with full
+        checkpointing from the start. The CPU twin (exact, gloo):
+        ``tests/unit/trainer/parallel/test_oom_ladder_ranks.py``."""
+        from trainer.config import TrainConfig
+        from trainer.features.checkpointing.policy import BUDGET_ENV, BUDGET_RANKS_ENV
+
+        def job(directory: Path, policy: str) -> Path:
+            path = _job(directory, model_dir, "lora", checkpoint_every=0)
+            config = TrainConfig.load(path)
+            dataclasses.replace(config, gradient_checkpointing=policy).save(path)
+            return path
+
+        reference = _ok(launch(job(tmp_path / "full", "on"), 2, timeout=300))
+        monkeypatch.setenv(BUDGET_ENV, str(2 * 256 * 64 * 4))
+        monkeypatch.setenv(BUDGET_RANKS_ENV, "1")
+        laddered = _ok(launch(job(tmp_path / "ladder", "off"), 2, timeout=300))
+        assert _decision(laddered, "parallelism")["backend"] == "ddp"
+        warnings = [e["message"] for e in laddered.of("log") if e["level"] == "warning"]
+        assert warnings and warnings[0].startswith("out of memory at step 1 with activation policy none (rank 1 of 2"), warnings
+        assert "stepped down to full" in warnings[-1], warnings
+        _compare("ddp-oom-ladder", laddered, reference, range(1, STEPS + 1))
 
 
 class TestKilledRank:

@@ -21,9 +21,16 @@ first checkpoint) is caught, and:
    optimizer's own step, which allocates its state on the first step, is not retried: whether
    some parameters were updated cannot be told, so the run fails as before).
 
-At the bottom of the ladder (or past the window, or on several ranks, whose collectives a
-one-rank retry would desynchronise) the error ends the run with code ``out_of_memory`` and
-advice. Standard library and torch only; ``trainer.training.train`` calls ``Ladder.run`` for each step.
+On several ranks (DDP over LoRA adapters, ``Parallel.can_agree``), the window's steps run every
+backward without the gradient exchange and meet at the step's end (``Parallel.agree``, on the
+host group): when any rank ran out, every rank frees, steps down to the same rung and retries
+the step; else the gradients are exchanged once, averaged as DDP does. A one-rank retry alone
+would desynchronise the ranks' collectives. The bottom rung there is ``full`` (offload needs
+DDP's static graph, fixed when DDP wraps the model). Under FSDP2 (gathers inside forward and
+backward) and DDP with a static graph, an OOM ends the run.
+
+At the bottom of the ladder (or past the window, or where the ranks cannot agree) the error ends
+the run with code ``out_of_memory`` and advice. Standard library and torch only; ``trainer.training.train`` calls ``Ladder.run`` for each step.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 from trainer.plan import planner as planning
 from trainer.features.checkpointing import policy as checkpointing
 from trainer.training.install import Installation
+from trainer.parallel.strategy import Parallel
 
 T = TypeVar("T")
 WINDOW = 10
@@ -51,21 +59,31 @@ class Ladder:
     """Retries a step that ran out of memory under the next activation policy down."""
 
     def __init__(self, installed: Installation, optimizer: torch.optim.Optimizer, device: torch.device,
-                 hw: Any, log: Callable[[str, str], None], enabled: bool = True) -> None:
+                 hw: Any, log: Callable[[str, str], None], enabled: bool = True,
+                 parallel: Parallel | None = None) -> None:
         self.installed, self.optimizer, self.device = installed, optimizer, device
         self.hw, self.log, self.enabled = hw, log, enabled
+        self.parallel = parallel
+        """The run's ranks (several): its window's steps agree on an OOM (``Parallel.agree``)."""
         self.steps_run = 0
         self.open = True
         """False once the run has written a checkpoint (``close``) or left the window."""
 
     def close(self) -> None:
         self.open = False
+        self._agree(False)
+
+    def _agree(self, on: bool) -> None:
+        if self.parallel is not None:
+            self.parallel.agreeing = on
 
     def run(self, step: int, fn: Callable[[], T]) -> T:
         """``fn()`` (one training step), retried down the ladder on an OOM inside the window."""
         self.steps_run += 1
         if not (self.enabled and self.open and self.steps_run <= WINDOW):
+            self._agree(False)
             return fn()
+        self._agree(True)
         rng = _rng_state(self.device)
         state_before = len(self.optimizer.state)
         while True:
@@ -108,7 +126,8 @@ class Ladder:
             )
         if current.backend not in ("full", "full+offload"):
             return checkpointing.with_policy(plan, "full", f"{why}: every layer checkpointed after running out of memory")
-        if current.backend == "full+offload" or self.hw.device != "cuda" or not self.hw.pinned_memory:
+        if (current.backend == "full+offload" or self.hw.device != "cuda" or not self.hw.pinned_memory
+                or self.parallel is not None):  # offload under DDP needs its static graph, set at the start
             return None
         return checkpointing.with_policy(
             plan, "full+offload", f"{why}: every layer checkpointed and its input offloaded (synchronous "

@@ -122,6 +122,47 @@ class Parallel:
         self.module = module
         self.strategy = strategy
         self.static_graph = static_graph
+        self.agreeing = False
+        """Set by the OOM ladder for its window's steps (``can_agree``): every backward runs without
+        the gradient exchange, and ``agree`` ends the step."""
+
+    @property
+    def can_agree(self) -> bool:
+        """Whether an out-of-memory error of one rank can be retried by all: DDP without a static
+        graph, whose backward can skip the exchange (``no_sync``) so that no collective is left
+        half-issued when a rank stops mid-step. FSDP2 gathers parameters inside forward and
+        backward (a rank that stopped would leave the others waiting in a gather), and DDP's static
+        graph cannot skip an exchange."""
+        return self.strategy == "ddp" and not self.static_graph
+
+    def agree(self, failure: BaseException | None, comm: Comm) -> None:
+        """End an ``agreeing`` step on every rank: raise ``torch.OutOfMemoryError`` on all of them
+        when any ran out of memory (``failure`` on this one), else exchange the accumulated
+        gradients once (averaged over the ranks, as DDP's own exchange does).
+
+        The ranks meet in ``comm.gather_host`` (the host group: nothing queued on a device waits for
+        it), after their last backward or at their failure, so none is left in a collective.
+        """
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads: list[torch.Tensor] = []
+        flat = torch.empty(0)
+        if failure is None:
+            try:  # the exchange's buffer, before the ranks meet: running out here is a failure too
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+            except torch.OutOfMemoryError as exc:
+                failure = exc
+        failed = [rank for rank, row in enumerate(comm.gather_host([1.0 if failure else 0.0])) if row[0] > 0]
+        if failed:
+            who = ", ".join(map(str, failed))
+            detail = str(failure).splitlines()[0] if failure is not None and str(failure) else "out of memory"
+            raise torch.OutOfMemoryError(f"rank {who} of {comm.world.world_size}: {detail}")
+        comm.all_reduce_sum(flat).div_(comm.world.world_size)
+        offset = 0
+        for p, g in zip(params, grads):
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            p.grad = g
+            offset += g.numel()
 
     @property
     def sharded(self) -> bool:
@@ -139,7 +180,10 @@ class Parallel:
         graph's bookkeeping (an INTERNAL ASSERT, or gradients silently no longer all-reduced from
         the second iteration; pytorch/pytorch#143580). Adapters' gradients are small.
         """
-        if last or self.strategy is None or (self.strategy == "ddp" and self.static_graph):
+        if self.agreeing:  # every backward local; ``agree`` exchanges once at the step's end
+            with self.module.no_sync():
+                yield
+        elif last or self.strategy is None or (self.strategy == "ddp" and self.static_graph):
             yield
         elif self.strategy == "ddp":
             with self.module.no_sync():

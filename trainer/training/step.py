@@ -164,19 +164,26 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     objective = ctx.objective
     stats = objective.new_stats(ctx.device)
     todo = _padded(mine, parts, ctx.parallel.strategy)
-    for k, j in enumerate(todo):
-        host_batch = objective.pack([ctx.samples[i] for i in refs[j].sample_indices])
-        with timer.phase("data"):
-            batch, meta = ctx.installed.micro_batch(host_batch, ctx.device)
-        with ctx.parallel.sync(last=k == len(todo) - 1):
-            with timer.phase("forward"), ctx.autocast, objective.collecting(stats if k < len(mine) else None):
-                loss = ctx.parallel.loss(batch, meta, step_targets)
-                if k >= len(mine):  # a stand-in: it pairs the collectives, it trains nothing
-                    loss = loss * 0.0
-            with timer.phase("backward"):
-                # DDP and FSDP average gradients over ranks: scaled by W, the average is the sum.
-                (loss * world.world_size if world.is_distributed else loss).backward()
-        total_loss += loss.detach()
+    try:
+        for k, j in enumerate(todo):
+            host_batch = objective.pack([ctx.samples[i] for i in refs[j].sample_indices])
+            with timer.phase("data"):
+                batch, meta = ctx.installed.micro_batch(host_batch, ctx.device)
+            with ctx.parallel.sync(last=k == len(todo) - 1):
+                with timer.phase("forward"), ctx.autocast, objective.collecting(stats if k < len(mine) else None):
+                    loss = ctx.parallel.loss(batch, meta, step_targets)
+                    if k >= len(mine):  # a stand-in: it pairs the collectives, it trains nothing
+                        loss = loss * 0.0
+                with timer.phase("backward"):
+                    # DDP and FSDP average gradients over ranks: scaled by W, the average is the sum.
+                    (loss * world.world_size if world.is_distributed else loss).backward()
+            total_loss += loss.detach()
+    except torch.OutOfMemoryError as exc:
+        if not ctx.parallel.agreeing:
+            raise
+        ctx.parallel.agree(exc, ctx.comm)  # raises on every rank
+    if ctx.parallel.agreeing:
+        ctx.parallel.agree(None, ctx.comm)  # raises on every rank if another ran out; else syncs the gradients
     ctx.comm.all_reduce_sum(total_loss)
     if stats.numel():
         ctx.comm.all_reduce_sum(stats)

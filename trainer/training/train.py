@@ -43,7 +43,7 @@ from trainer.config import TrainConfig
 from trainer.errors import ConfigError, error_code
 from trainer.generate.samples import Sampler
 from trainer.training.guards import NonFiniteGuard
-from trainer.features.checkpointing.policy import BUDGET_ENV
+from trainer.features.checkpointing.policy import BUDGET_ENV, BUDGET_RANKS_ENV
 from trainer.training.install import install
 from trainer.model.load import count_parameters, load_model, load_tokenizer, model_facts, prepare_for_training
 from trainer.objectives.base import Objective
@@ -177,7 +177,9 @@ def _train(
     comm = distributed.Comm(world, device).start()
     try:
         r = _setup(config, emit, stop, comm)
-        r.ladder = Ladder(r.ctx.installed, r.ctx.optimizer, r.ctx.device, r.hw, r.log, enabled=not world.is_distributed)
+        r.ladder = Ladder(r.ctx.installed, r.ctx.optimizer, r.ctx.device, r.hw, r.log,
+                         enabled=not world.is_distributed or r.ctx.parallel.can_agree,
+                         parallel=r.ctx.parallel if world.is_distributed else None)
         progress["step"] = r.state.step
         if r.stopping():  # stopped while loading: nothing trained since the last checkpoint
             r.log(f"{stop.reason or 'another rank stopped'}: stopped before training", "warning")
@@ -216,7 +218,7 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
         message=f"loading model ({plan.dtype}, {plan.attention_backend} attention) on {hw.describe()}",
     )
     model = prepare_for_training(load_model(config, plan, device), config)
-    installed = install(model, plan, _test_activation_budget())
+    installed = install(model, plan, _test_activation_budget(world.rank))
     for line in installed.describe():
         emit("log", level="info", message=line)
     loss = objective.build_loss(config, model, installed, plan.decision(parallel.NAME).backend)
@@ -269,9 +271,12 @@ def _free_gpu_bytes(comm: distributed.Comm) -> int | None:
     return int(min(row[0] for row in comm.gather_host([float(free)])))
 
 
-def _test_activation_budget() -> int | None:
-    """Tests only: ``FTQ_TEST_ACTIVATION_BUDGET_BYTES``, read once (``trainer.features.checkpointing.policy``)."""
-    raw = os.environ.get(BUDGET_ENV)
+def _test_activation_budget(rank: int) -> int | None:
+    """Tests only: ``FTQ_TEST_ACTIVATION_BUDGET_BYTES``, read once, on the ranks listed in
+    ``FTQ_TEST_ACTIVATION_BUDGET_RANKS`` (all when unset) (``trainer.features.checkpointing.policy``)."""
+    raw, ranks = os.environ.get(BUDGET_ENV), os.environ.get(BUDGET_RANKS_ENV)
+    if ranks and str(rank) not in ranks.split(","):
+        return None
     return int(raw) if raw else None
 
 

@@ -42,7 +42,8 @@ checkpoints them itself.
 Test hook: ``apply(..., Target(activation_budget=N))`` counts the bytes the decoder layers save for backward
 in one forward and raises ``torch.OutOfMemoryError`` once they pass N, so the OOM ladder
 (``trainer.parallel.oom_ladder``) is exercised on a CPU through the real step. ``trainer.training.train`` reads
-it once at start from ``FTQ_TEST_ACTIVATION_BUDGET_BYTES`` (tests only; unset in production).
+it once at start from ``FTQ_TEST_ACTIVATION_BUDGET_BYTES`` (tests only; unset in production), on
+the ranks ``FTQ_TEST_ACTIVATION_BUDGET_RANKS`` lists (one rank of several running out).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ NAME = "gradient_checkpointing"
 OFFLOAD, RELOAD = "offload_activations", "double_buffered_reload"
 """The offload decisions (``trainer.features.offload.feature``) a policy of ``full+offload`` turns on."""
 BUDGET_ENV = "FTQ_TEST_ACTIVATION_BUDGET_BYTES"
+BUDGET_RANKS_ENV = "FTQ_TEST_ACTIVATION_BUDGET_RANKS"
+"""Tests only: the ranks (comma-separated) whose probe ``BUDGET_ENV`` arms; every rank when unset."""
 _MISSING = object()
 
 

@@ -113,6 +113,18 @@ class TestSameCurve:
         _compare("fsdp2-lora", two, one_gpu["lora"], range(1, STEPS + 1))
 
 
+class TestQlora:
+    def test_ddp_qlora_on_two_gpus_follows_one_gpu(self, tmp_path, model_dir):
+        """QLoRA (a bitsandbytes NF4 base, frozen on every rank; DDP over the adapters) on 2 ranks
+        against one process with the same global batch: the 4-bit kernels are the same on each
+        rank, so the gap is the ranks' summation order, as for LoRA."""
+        pytest.importorskip("bitsandbytes")
+        one = _ok(launch(_job(tmp_path / "one", model_dir, "qlora"), 1, timeout=300))
+        two = _ok(launch(_job(tmp_path / "two", model_dir, "qlora"), 2, timeout=300))
+        assert _decision(two, "parallelism")["backend"] == "ddp"
+        _compare("ddp-qlora", two, one, range(1, STEPS + 1))
+
+
 class TestResumeAcrossGpuCounts:
     def test_a_two_gpu_fsdp2_checkpoint_resumes_on_one_gpu_on_the_same_curve(self, tmp_path, model_dir, one_gpu):
         two = _ok(launch(_job(tmp_path / "two", model_dir, "full"), 2, timeout=300))

@@ -27,7 +27,9 @@ CHECKPOINT_EVERY = 2
 
 
 def job_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    # the repo first, then the caller's own path (packages installed with --target on a lent GPU machine)
+    path = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 FORCE_FSDP2 = Path(__file__).with_name("force_fsdp2.py")

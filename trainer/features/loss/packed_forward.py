@@ -129,6 +129,27 @@ def packed_sequence_logprobs(
     return torch.zeros(num_seqs, dtype=torch.float32, device=device).index_add_(0, seq_T, token_T)
 
 
+def packed_token_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, meta: Any, loss_kernel: str
+) -> torch.Tensor:
+    """Each position's log p(target), fp32 [T] (0 where the target is ``IGNORE_INDEX``; GRPO's
+    per-token ratios, ``trainer.objectives.grpo_loss``): ``packed_sequence_logprobs`` with every
+    position its own sequence, so the fused head's backward takes one weight per token."""
+    tokens = batch.input_ids.shape[-1]
+    if loss_kernel == LOSS_FUSED:
+        from trainer.objectives.fused_logprobs import causal_lm_sequence_logprobs
+
+        index_T = torch.arange(tokens, device=batch.input_ids.device).unsqueeze(0)
+        return causal_lm_sequence_logprobs(
+            model, batch.input_ids, batch.targets, index_T, tokens, **_boundary_kwargs(model, batch, meta)
+        )
+    logits = packed_forward(model, batch, meta)
+    return -F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+
+
 LOSS_FUNCTIONS = {LOSS_FUSED: fused_packed_loss, LOSS_PLAIN: plain_packed_loss}
 """Loss kernel (the plan's ``loss`` decision) -> its function; a run picks one once
 (``trainer.features.loss.feature``)."""

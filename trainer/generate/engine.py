@@ -90,14 +90,26 @@ class Engine:
             ValueError: a prompt does not fit ``max_len``, a request asks for stop strings without a
                 tokenizer, or the model is one the sampler cannot run.
         """
-        scheduler = Scheduler(requests, self.slots, self.max_len, self.max_batch_tokens, self._stopper,
-                              lambda seed: generator_for(seed, self.device), _draw_seed)
-        active = _active_adapter(self.model) if any(r.adapter is not None for r in requests) else None
+        scheduler = self.scheduler(requests)
+        with self.running() as step:
+            while scheduler.busy:
+                step(scheduler)
+        return scheduler.results()
+
+    def scheduler(self, requests: Seq[Request] = ()) -> Scheduler:
+        """A scheduler of this engine's shape (``generate``'s; ``trainer.generate.serve`` adds to it)."""
+        return Scheduler(requests, self.slots, self.max_len, self.max_batch_tokens, self._stopper,
+                         lambda seed: generator_for(seed, self.device), _draw_seed)
+
+    @contextmanager
+    def running(self) -> Iterator[Callable[[Scheduler], None]]:
+        """The model switched to the sampler's attention, in eval mode, without autograd, and the
+        cache allocated, for the block; yields ``step(scheduler)``, which runs one forward of the
+        scheduler's next plan and advances it. Each step with a sequence that names an adapter runs
+        the per-token adapter path (see ``_forward``)."""
         with sampler_attention(self.model), torch.no_grad(), _evaluating(self.model):
             cache = self._allocate()
-            while scheduler.busy:
-                self._step(scheduler, cache, active)
-        return scheduler.results()
+            yield lambda scheduler: self._step(scheduler, cache)
 
     def release(self) -> None:
         """Free the cache (the next ``generate`` allocates it again)."""
@@ -117,8 +129,11 @@ class Engine:
             self.stats.caches_allocated += 1
         return cache
 
-    def _step(self, scheduler: Scheduler, cache: KVCache, active: str | None) -> None:
+    def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
         plan = scheduler.plan()
+        if not plan.sampled:
+            return
+        active = _active_adapter(self.model) if any(a is not None for a in plan.adapters) else None
         state = StepState.build(cache, plan.segments, self.device)
         logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1

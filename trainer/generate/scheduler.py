@@ -82,25 +82,47 @@ class Scheduler:
     def __init__(self, requests: Seq[Request], slots: int, max_len: int, max_batch_tokens: int,
                  new_stopper: Callable[[SamplingParams, int], Stopper], new_generator: Callable[[int], Any],
                  draw_seed: Callable[[], int]) -> None:
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens, self.max_len = max_batch_tokens, max_len
+        self._new_stopper, self._new_generator, self._draw_seed = new_stopper, new_generator, draw_seed
         self.queue: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.free = list(range(slots))
         self.done: list[Sequence] = []
-        self.requests = list(requests)
-        for index, request in enumerate(self.requests):
-            if len(request.prompt_ids) >= max_len:
-                raise ValueError(
-                    f"request {index}: a prompt of {len(request.prompt_ids)} tokens leaves no room in "
-                    f"max_len={max_len}; raise max_len or shorten the prompt"
-                )
-            params = request.params
-            seed = None if params.greedy else (params.seed if params.seed is not None else draw_seed())
-            for choice in range(params.n):
-                generator = None if seed is None else new_generator(choice_seed(seed, choice))
-                stopper = new_stopper(params, len(request.prompt_ids))
-                self.queue.append(Sequence(index, choice, request.prompt_ids, params, stopper, generator,
-                                           adapter=request.adapter))
+        self.requests: list[Request] = []
+        for request in requests:
+            self.add(request)
+
+    def add(self, request: Request) -> int:
+        """Queue ``request``'s ``n`` sequences behind the others; returns its index.
+
+        Raises:
+            ValueError: its prompt leaves no room in ``max_len``.
+        """
+        index = len(self.requests)
+        if len(request.prompt_ids) >= self.max_len:
+            raise ValueError(
+                f"request {index}: a prompt of {len(request.prompt_ids)} tokens leaves no room in "
+                f"max_len={self.max_len}; raise max_len or shorten the prompt"
+            )
+        self.requests.append(request)
+        params = request.params
+        seed = None if params.greedy else (params.seed if params.seed is not None else self._draw_seed())
+        for choice in range(params.n):
+            generator = None if seed is None else self._new_generator(choice_seed(seed, choice))
+            stopper = self._new_stopper(params, len(request.prompt_ids))
+            self.queue.append(Sequence(index, choice, request.prompt_ids, params, stopper, generator,
+                                       adapter=request.adapter))
+        return index
+
+    def cancel(self, index: int, reason: str) -> None:
+        """End request ``index`` now: its queued sequences leave the queue, its running ones finish
+        with ``reason`` (their slots free for the next step)."""
+        for seq in [s for s in self.queue if s.request == index]:
+            self.queue.remove(seq)
+            seq.finish_reason = reason
+            self.done.append(seq)
+        for seq in [s for s in self.running.values() if s.request == index]:
+            self._finish(seq, reason, 0)
 
     @property
     def busy(self) -> bool:

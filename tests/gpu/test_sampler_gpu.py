@@ -24,7 +24,8 @@ import torch
 from trainer.features.lora_kernel import fused as lora_fused
 from trainer.generate.engine import Engine
 from trainer.generate.params import Request, SamplingParams
-from trainer.model.tiny import build_tiny_model
+
+from tests.fixtures.sampler_models import TEXTS, sampler_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,16 +33,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
 ]
 
-TEXTS = (
-    "The cat",
-    "Once upon a time, there lived a miller who",
-    "A",
-    "What is the capital of France?",
-    "Hello there, how are you today?",
-    "The quick brown fox jumps over the lazy dog.",
-    "In",
-    "Numbers: one, two, three, four, five, six.",
-)
 SLOTS, MAX_LEN, MAX_TOKENS = 3, 36, 12
 FP32_ATOL = 1e-3
 BF16_ATOL = 0.1
@@ -49,21 +40,7 @@ BF16_ARGMAX_SLACK = 0.1
 
 
 def _model(arch: str, lora: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
-    model, tokenizer = build_tiny_model(arch, seed=0)
-    if arch == "gpt_oss":
-        torch.manual_seed(3)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)
-    if lora:
-        import peft
-
-        torch.manual_seed(1)
-        model = peft.get_peft_model(
-            model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-        )
-    return model.to(device="cuda", dtype=dtype).eval(), tokenizer
-
+    return sampler_model(arch, lora, dtype, "cuda")
 
 def _sample(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]], lora: bool) -> list:
     installed = lora_fused.install(model) if lora else None

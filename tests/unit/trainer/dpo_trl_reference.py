@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tests.fixtures.trl_models import lora_model
+
 QUESTIONS = ("What is one plus one?", "Name a colour.", "Say hello to the model.", "Count to three.")
 GOOD = ("Two.", "Blue is a colour.", "Hello, model!", "One, two, three.")
 BAD = ("I do not know, sorry.", "No.", "Goodbye then, I think.", "Many.")
@@ -38,22 +40,6 @@ def records() -> list[dict]:
          "non_preferred_output": [{"role": "assistant", "content": bad}]}
         for q, good, bad in zip(QUESTIONS, GOOD, BAD)
     ]
-
-
-def lora_model(model_dir: str) -> torch.nn.Module:
-    """The tiny model in fp32 with LoRA r4 on all linear layers, A and B random from fixed seeds."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(7)  # peft draws lora_A from the global generator: unseeded, the margin (and so how
-    # far the loss is from log 2, which the test requires) changed from run to run
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(7)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn(p.shape, generator=g) * 0.05
-    return model
 
 
 def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> dict:

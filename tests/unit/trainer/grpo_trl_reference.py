@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tests.fixtures.trl_models import lora_model
+
 from trainer.objectives.grpo_loss import GrpoLossConfig, denominator, group_advantages, policy_loss
 
 PROMPTS = ([5, 9], [7, 3, 11, 4, 8], [6, 6, 10])
@@ -41,20 +43,6 @@ VARIANTS = {
     "dapo-kl-uncorrected": GrpoLossConfig(loss_type="dapo", beta=0.1, kl_bias_correction=False,
                                           max_completion_length=MAX_COMPLETION),
 }
-
-
-def lora_model(model_dir):
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(7)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(7)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn(p.shape, generator=g) * 0.05
-    return model
 
 
 def _noise(seed: int) -> list[list[float]]:

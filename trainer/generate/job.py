@@ -6,10 +6,11 @@ the prompts whose index is its rank modulo the world size and that no earlier at
 time, appending each chunk's lines to its part file. Ranks share nothing while they run: the
 prompts are data-parallel, each rank's engine decodes its own. Rank 0 emits the events:
 
-``plan``      device, dtype, world_size, model, adapter, prompts_total, prompts_done (already
-              written by an earlier attempt: the resume point)
+``log``       what runs: prompts left, ranks, device, dtype, model, adapter
 ``progress``  stage "generate", prompts_done, prompts_total, tokens (completion tokens of this
-              attempt, every rank), tokens_per_s (of this attempt), after each of its chunks
+              attempt, every rank), tokens_per_s (of this attempt): once when the model has loaded
+              (prompts_done: what earlier attempts wrote, the resume point; tokens_per_s null),
+              then after each of rank 0's chunks
 ``done``      status, error_code, message, path (completions.jsonl), prompts, tokens,
               adapter_path (None), steps (0)
 
@@ -64,9 +65,11 @@ def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device,
     prompts = read_prompts(config.prompts_file)
     done = outputs.read_lines(config.completions_path, config.parts_dir)
     model, tokenizer, dtype = load_model(config, device)
-    emit("plan", device=str(device), dtype=str(dtype).removeprefix("torch."), world_size=world.world_size,
-         model={"name": config.model}, adapter=config.adapter, prompts_total=len(prompts),
-         prompts_done=len(done), decisions=[], hardware={}, total_steps=0, resumed_from_step=None)
+    emit("log", level="info", message=f"generating {len(prompts) - len(done)} of {len(prompts)} prompts on "
+         f"{world.world_size} rank(s) ({device}, {str(dtype).removeprefix('torch.')}) with {config.model}"
+         + (f" + adapter {config.adapter}" if config.adapter else ""))
+    emit("progress", stage="generate", prompts_done=len(done), prompts_total=len(prompts), tokens=0,
+         tokens_per_s=None)
     mine = [p for p in prompts if p.index % world.world_size == world.rank and p.index not in done]
     ids = {p.index: tuple(encode(p, tokenizer)) for p in mine}
     longest = max((len(v) for v in ids.values()), default=1)

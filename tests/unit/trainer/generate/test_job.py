@@ -42,12 +42,13 @@ def _config(tmp_path: Path, model_dir: Path, name: str, **overrides: object) -> 
                           **overrides)
 
 
-def _events(config: GenerateConfig, on_progress=None) -> tuple[str, list[tuple[str, dict]]]:
+def _events(config: GenerateConfig, on_progress=None, after: int = 0) -> tuple[str, list[tuple[str, dict]]]:
+    """Run ``config`` in this process; ``on_progress`` is called at each progress event past the first ``after``."""
     events: list[tuple[str, dict]] = []
 
     def emit(type_: str, **payload: object) -> None:
         events.append((type_, payload))
-        if type_ == "progress" and on_progress is not None:
+        if type_ == "progress" and on_progress is not None and sum(t == "progress" for t, _ in events) > after:
             on_progress()
 
     return run_generation(config, emit, ONE), events
@@ -70,22 +71,22 @@ class TestGenerateJob:
             assert line["usage"]["completion_tokens"] == sum(c["tokens"] for c in line["choices"])
         assert not config.parts_dir.exists()
         progress = [p for t, p in events if t == "progress"]
-        assert [p["prompts_done"] for p in progress] == [3, 6, 7] and progress[-1]["prompts_total"] == 7
+        assert [p["prompts_done"] for p in progress] == [0, 3, 6, 7] and progress[-1]["prompts_total"] == 7
         assert progress[-1]["tokens"] == sum(x["usage"]["completion_tokens"] for x in lines)
-        assert events[0][0] == "plan" and events[0][1]["prompts_done"] == 0
+        assert progress[0]["tokens_per_s"] is None and progress[-1]["tokens_per_s"] > 0
 
     def test_cancel_then_resume_writes_the_uninterrupted_file_and_nothing_twice(self, tmp_path, tiny_model_dir):
         whole = _config(tmp_path, tiny_model_dir, "whole")
         assert _events(whole)[0] == "succeeded"
         stopped = _config(tmp_path, tiny_model_dir, "stopped")
-        status, _ = _events(stopped, on_progress=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        status, _ = _events(stopped, on_progress=lambda: os.kill(os.getpid(), signal.SIGTERM), after=1)
         assert status == "cancelled" and not stopped.completions_path.exists()
         assert sorted(outputs.read_lines(stopped.completions_path, stopped.parts_dir)) == [0, 1, 2]
         with open(outputs.part_path(stopped.parts_dir, 0), "a") as part:
             part.write('{"index": 3, "choi')  # a write cut short by a crash: dropped, prompt 3 redone
         status, events = _events(stopped)
-        assert status == "succeeded" and events[0][1]["prompts_done"] == 3
-        assert [p["prompts_done"] for t, p in events if t == "progress"] == [6, 7]  # 3 prompts a chunk, from 3
+        assert status == "succeeded"
+        assert [p["prompts_done"] for t, p in events if t == "progress"] == [3, 6, 7]  # resumes at 3, 3 a chunk
         assert stopped.completions_path.read_bytes() == whole.completions_path.read_bytes()
 
     def test_a_finished_job_run_again_generates_nothing(self, tmp_path, tiny_model_dir):
@@ -93,7 +94,8 @@ class TestGenerateJob:
         _events(config)
         before = config.completions_path.read_bytes()
         status, events = _events(config)
-        assert status == "succeeded" and not [e for e in events if e[0] == "progress"]
+        assert status == "succeeded"
+        assert [p["prompts_done"] for t, p in events if t == "progress"] == [7]  # the resume point only
         assert config.completions_path.read_bytes() == before
 
     def test_a_bad_line_fails_with_config_naming_the_line(self, tmp_path, tiny_model_dir):
@@ -125,7 +127,7 @@ def test_two_gloo_ranks_split_the_prompts_and_write_the_one_process_file(tmp_pat
     two = _config(tmp_path, tiny_model_dir, "two", device="cpu")
     two.save(tmp_path / "job.json")
     events = _cli(tmp_path / "job.json", 2)
-    assert events[0]["type"] == "plan" and events[0]["world_size"] == 2
+    assert "on 2 rank(s)" in events[0]["message"]
     assert events[-1]["status"] == "succeeded", events[-1]
     assert events[-1]["path"] == str(two.completions_path)
     # the same tokens and text; logprobs to float rounding (each rank's steps batch other prompts)

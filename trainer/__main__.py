@@ -57,10 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
-    if args.command == "generate":
-        return generate_cli.main(args)
-    if args.command == "export":
-        return export_cli.main(args)
+    if args.command in ("export", "generate"):
+        return {"export": export_cli, "generate": generate_cli}[args.command].main(args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

@@ -73,6 +73,8 @@ class GenerateSpec(_Strict):
         "export:<id> (a merged export).")]
     prompts_file: Annotated[str, Field(description="Id of an uploaded file with purpose=generate.")]
     sampling: SamplingSpec = SamplingSpec()
+    chunk_prompts: Annotated[int, Field(ge=1, le=10_000, description="Prompts each rank generates and writes "
+                                        "together: what a cancel or a lost worker redoes at most.")] = 32
     priority: Annotated[
         Priority, Field(description="Queue order: high before normal before low, oldest first within each.")
     ] = "normal"

@@ -153,7 +153,7 @@ def to_generate_config(spec: GenerateSpec, resolved: ResolvedModel, *, job_id: s
     """The trainer's job.json for ``spec`` (``trainer.generate.job_config``)."""
     sampling = spec.sampling.model_dump(mode="json")
     return GenerateConfig(model=resolved.model, adapter=resolved.adapter, prompts_file=prompts_path,
-                          output_dir=output_dir, sampling=sampling, job_id=job_id)
+                          output_dir=output_dir, sampling=sampling, chunk_prompts=spec.chunk_prompts, job_id=job_id)
 
 
 def build_generate_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> GenerateConfig:

@@ -150,9 +150,14 @@ def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, 
                                                  trust_remote_code=config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     if config.adapter:
+        import warnings
+
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, config.adapter)
+        with warnings.catch_warnings():
+            # peft <= 0.21 reads transformers' deprecated `is_gradient_checkpointing` (not ours to fix).
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, config.adapter)
     return model.eval(), tokenizer, dtype
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,9 @@ def _prompts(path: Path) -> Path:
 
 
 def _config(tmp_path: Path, model_dir: Path, name: str, **overrides: object) -> GenerateConfig:
+    fields = {"sampling": SAMPLING, "slots": 3, "chunk_prompts": 3, **overrides}
     return GenerateConfig(model=str(model_dir), prompts_file=str(_prompts(tmp_path / "prompts.jsonl")),
-                          output_dir=str(tmp_path / name), sampling=SAMPLING, slots=3, chunk_prompts=3,
-                          **overrides)
+                          output_dir=str(tmp_path / name), **fields)
 
 
 def _events(config: GenerateConfig, on_progress=None, after: int = 0) -> tuple[str, list[tuple[str, dict]]]:
@@ -145,3 +146,31 @@ def _lines(path: Path) -> list[dict]:
 
 def _without_logprobs(line: dict) -> dict:
     return {**line, "choices": [{k: v for k, v in c.items() if k != "logprobs"} for c in line["choices"]]}
+
+
+def test_an_adapter_is_applied_unmerged_as_the_engine_applies_it(tmp_path, tiny_model_dir):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.generate.engine import Engine
+    from trainer.generate.params import Request, SamplingParams
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # peft <= 0.21 reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                               LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    config = _config(tmp_path, tiny_model_dir, "out", adapter=str(tmp_path / "adapter"),
+                     sampling={"max_tokens": 6, "temperature": 0.0})
+    assert _events(config)[0] == "succeeded"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer("Count to 1:")["input_ids"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    with_adapter = Engine(model.eval(), tokenizer, slots=1, max_len=64).generate([Request(tuple(prompt), params)])
+    with model.disable_adapter():
+        base = Engine(model, tokenizer, slots=1, max_len=64).generate([Request(tuple(prompt), params)])
+    line = _lines(config.completions_path)[1]
+    assert line["choices"][0]["text"] == with_adapter[0].completions[0].text
+    assert with_adapter[0].completions[0].token_ids != base[0].completions[0].token_ids  # the adapter matters

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from anyio import to_thread
-from fastapi import APIRouter, Body, Header, Query, Response, status
+from fastapi import APIRouter, Body, Header, Query, Request, Response, status
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
@@ -70,11 +70,14 @@ _SUBMIT_BODY = {"requestBody": {"required": True, "content": {"application/json"
     {"$ref": "#/components/schemas/JobSpec"}, {"$ref": "#/components/schemas/GenerateSpec"}]}}}}}
 
 
-def parse_spec(body: Any) -> JobSpec | GenerateSpec:
+def parse_spec(body: Any, request: Request) -> JobSpec | GenerateSpec:
     """A ``POST /v1/jobs`` body as a training spec, or with ``kind: generate`` a generation spec;
-    a refusal is the 422 FastAPI gives a typed body (``loc`` from ``body``, naming the field)."""
+    a refusal is the 422 FastAPI gives a typed body (``loc`` from ``body``, naming the field; the
+    model on ``request.state.body_model`` for the known-fields hint)."""
+    model: type[JobSpec | GenerateSpec] = GenerateSpec if is_generate(body) else JobSpec
+    request.state.body_model = model
     try:
-        return GenerateSpec.model_validate(body) if is_generate(body) else JobSpec.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
@@ -83,6 +86,7 @@ def parse_spec(body: Any) -> JobSpec | GenerateSpec:
              openapi_extra=_SUBMIT_BODY)
 async def create_job(
     body: Annotated[Any, Body(include_in_schema=False)],
+    request: Request,
     response: Response,
     state: StateDep,
     caller: CallerDep,
@@ -96,7 +100,7 @@ async def create_job(
     different body, or a key another user already used, is a 409. The job may use only the
     caller's own files (an admin's, any): 403 otherwise.
     """
-    spec = parse_spec(body)
+    spec = parse_spec(body, request)
     job, created = await submit(ApiPorts(state), spec, caller, Origin(idempotency_key=idempotency_key),
                                 view=lambda session, row: _out(session, row, state.settings, estimate=False))
     if not created:

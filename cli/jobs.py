@@ -334,6 +334,10 @@ def describe(kind: str, data: dict[str, Any]) -> str:
         return f"eval: step {data.get('step')} loss " + (f"{loss:.4f}" if isinstance(loss, (int, float)) else str(loss))
     if kind == "sample":
         return sample_lines(data)
+    if kind == "progress" and "prompts_done" in data:  # a generation job's (trainer.generate.job)
+        rate = data.get("tokens_per_s")
+        return (f"progress: {data['prompts_done']}/{data.get('prompts_total')} prompts"
+                + (f", {rate:,.0f} tok/s" if rate is not None else ""))
     return f"{kind}: {json.dumps(data, ensure_ascii=False)}"
 
 

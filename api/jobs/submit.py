@@ -12,22 +12,21 @@ from this process. Every route that queues a job (``POST /v1/jobs``, ``/clone``,
 from __future__ import annotations
 
 import logging
-from anyio import to_thread
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from anyio import to_thread
 from sqlalchemy.orm import Session
 
 from api.jobs.preview import preflight_for
 from api.state import AppState
-from core.jobs import live, scheduling
-from core.jobs import generation
+from core.jobs import generation, live, scheduling
 from core.jobs.generate_spec import GenerateSpec
 from core.jobs.service import AnySpec
-from core.users import access
 from core.queue import enqueue_job
 from core.settings import Settings
+from core.users import access
 from core.users.service import Caller
 
 log = logging.getLogger(__name__)

@@ -200,7 +200,7 @@ async def clone_job(
     same 422 naming the field (e.g. ``hyperparameters.learning_rate``, or ``training_file`` when
     the model's tokenizer can no longer train on the source's data). The caller owns the new job."""
 
-    def cloned() -> JobSpec:
+    def cloned() -> JobSpec | GenerateSpec:
         with state.sessions() as session:
             source = service.get_job(session, job_id, reader=caller)
         try:
@@ -227,7 +227,7 @@ async def resume_job(job_id: str, state: StateDep, caller: CallerDep, body: Resu
             source = service.get_job(session, job_id, reader=caller)
             if source.kind == "generate":  # the same job again: its trainer continues at the first undone prompt
                 spec = GenerateSpec.model_validate(source.spec)
-                return rerun.in_project_of(spec, source), Origin(requeue=job_id)  # type: ignore[arg-type]
+                return rerun.in_project_of(spec, source), Origin(requeue=job_id)
             checkpoint = rerun.pick_checkpoint(session, source, body.step if body else None, settings=state.settings)
             return rerun.in_project_of(rerun.resumed_spec(source), source), Origin(resume_from=checkpoint)
 

@@ -17,7 +17,7 @@ from core import migrate
 from core.db import make_engine, make_sessionmaker, new_id, utcnow
 from core.errors import InvalidInput
 from core.files.models import File
-from core.jobs import artifact_store, generation, service
+from core.jobs import artifact_store, generation, rerun, service
 from core.jobs.generate_spec import GenerateSpec
 from core.jobs.models import Checkpoint, Job
 from core.jobs.submit import Origin, submit
@@ -53,6 +53,10 @@ class TestGenerateSpec:
 
     def test_sampling_follows_the_trainer_s_fields(self) -> None:
         assert tuple(_spec().sampling.model_dump()) == SAMPLING_FIELDS
+
+    def test_a_clone_of_a_stored_generation_spec_is_a_generation_spec(self) -> None:
+        clone = rerun.cloned_spec(_spec(sampling={"seed": 4}).to_stored(), {"sampling": {"n": 2}, "name": "again"})
+        assert isinstance(clone, GenerateSpec) and (clone.sampling.n, clone.sampling.seed, clone.name) == (2, 4, "again")
 
 
 @pytest.fixture

@@ -113,3 +113,17 @@ def test_two_gpus_split_the_prompts_over_two_ranks(pool_stack, tmp_path: Path):
         assert finished["status"] == "succeeded", f"{finished}\n{pool_stack.log_tail()}"
         assert any("on 2 rank(s)" in data.get("message", "") for _, kind, data in events if kind == "log")
         assert [line["index"] for line in _lines(client, job["id"])] == [0, 1, 2, 3]
+
+
+def test_ftq_generate_submits_follows_and_downloads(pool_stack, tmp_path: Path):
+    stack = pool_stack
+    assert stack.ftq("login", "--key", stack.api_key, "--url", stack.url).returncode == 0
+    prompts, out = _prompts(tmp_path / "cli.jsonl", 3), tmp_path / "out.jsonl"
+    done = stack.ftq("generate", MODEL, str(prompts), "--max-tokens", "4", "--temperature", "0", "-o", str(out),
+                     timeout_s=300)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{stack.log_tail()}"
+    job_id, written = done.stdout.split()
+    assert written == str(out) and "progress: 3/3 prompts" in done.stderr
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2]
+    head = stack.ftq("completions", job_id, "--head", "1")
+    assert head.returncode == 0 and json.loads(head.stdout) == json.loads(out.read_text().splitlines()[0])

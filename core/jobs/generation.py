@@ -160,10 +160,15 @@ def build_generate_config(session: Session, job: Job, *, settings: Settings, out
     """The stored generation spec → ``GenerateConfig`` on the worker, the model resolved again.
 
     Raises:
-        InvalidInput: the prompts file was deleted, or the model is no longer there.
+        InvalidInput: the prompts file was deleted, the model is no longer there, or this worker is
+            remote (no shared disk: docs/generation.md#limits).
     """
     from core.files.service import paths_for
 
+    if settings.remote_worker:
+        raise InvalidInput("a generation job runs on a worker that shares the API's data directory (its prompts, "
+                           "job: weights and completions.jsonl live there); this worker is on another machine. "
+                           "Run a worker on the API's machine", param="gpus")
     spec = GenerateSpec.model_validate(job.spec)
     files = paths_for(session, [spec.prompts_file])
     path = files.get(spec.prompts_file)

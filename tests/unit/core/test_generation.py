@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import migrate
@@ -151,6 +151,9 @@ class TestSubmitGeneration:
             config = generation.build_generate_config(session, job, settings=settings, output_dir="/out")
         assert isinstance(config, GenerateConfig) and config.adapter is None
         assert config.model == str(settings.model_root / "tiny") and config.sampling["seed"] == 3
+        remote = settings.model_copy(update={"worker_key": SecretStr("ftqw_0_secret")})
+        with sessions() as session, pytest.raises(InvalidInput, match="shares the API's data directory"):
+            generation.build_generate_config(session, session.get(Job, job_id), settings=remote, output_dir="/out")
 
     @pytest.mark.parametrize(("purpose", "fields", "param", "says"), [
         ("train", {}, "prompts_file", "purpose=train"),

@@ -22,7 +22,7 @@ import httpx
 from cli import config
 from cli.client import call, connect
 from cli.errors import CliError
-from cli.jobs import FILE_ID, follow, upload
+from cli.jobs import FILE_ID, follow, prompts_cell, upload
 
 
 def add_parsers(commands: Any) -> None:
@@ -125,3 +125,26 @@ def run_completions(args: argparse.Namespace) -> int:
     if str(out) != "-":
         print(out)
     return 0
+
+
+def format_generation_job(job: dict[str, Any]) -> str:
+    """``ftq show`` of a generation job: model, sampling, progress, error, and what to run next."""
+    job_id, status = job["id"], job["status"]
+    rows = [("model", f"{job['model']}, {job['gpus']} GPU{'s' if job['gpus'] != 1 else ''}, owner "
+                      f"{job.get('owner') or '-'}, priority {job['priority']}"),
+            ("prompts", f"{job['training_file']}; sampling {json.dumps(job['spec'].get('sampling', {}))}"),
+            ("progress", prompts_cell(job) + (f", {job['generation']['tokens_per_s']:,.0f} tokens/s"
+                                               if (job.get("generation") or {}).get("tokens_per_s") else ""))]
+    if job.get("error"):
+        rows.append(("error", f"{job['error']['code']}: {job['error'].get('message') or '(no message)'}"))
+    if status == "succeeded":
+        rows.append(("download", f"ftq completions {job_id} -o out.jsonl"))
+    else:
+        rows.append(("so far", f"ftq completions {job_id} --head 5"))
+    if status in ("queued", "running"):
+        rows.append(("cancel", f"ftq cancel {job_id}"))
+    if status == "cancelled":
+        rows.append(("resume", f"ftq resume {job_id}  (the same job, from the first undone prompt)"))
+    rows.append(("logs", f"ftq logs {job_id}"))
+    head = f"{job_id}" + (f'  "{job["name"]}"' if job.get("name") else "") + f"  {status} (generation)"
+    return "\n".join([head, *(f"  {label:<12}{text}" for label, text in rows)])

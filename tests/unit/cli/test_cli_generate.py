@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cli.jobs import describe
+from cli.generate import format_generation_job, spec_of
+from cli.jobs import describe, format_jobs
 from cli.main import build_parser
-from cli.generate import spec_of
 
 
 class TestGenerateCommand:
@@ -22,3 +22,13 @@ class TestGenerateCommand:
         data = {"stage": "generate", "prompts_done": 3, "prompts_total": 8, "tokens": 90, "tokens_per_s": 1234.5}
         assert describe("progress", data) == "progress: 3/8 prompts, 1,234 tok/s"
         assert describe("progress", {**data, "tokens_per_s": None}) == "progress: 3/8 prompts"
+
+    def test_ftq_jobs_and_show_read_prompts_and_the_next_commands(self) -> None:
+        job = {"id": "job-1", "kind": "generate", "name": None, "status": "cancelled", "progress": {"step": 0,
+               "total_steps": None}, "summary": None, "generation": {"prompts_done": 3, "prompts_total": 8,
+               "tokens": 90, "tokens_per_s": 12.0}, "gpus": 1, "owner": "alice", "model": "job:job-0@4",
+               "priority": "normal", "training_file": "file-x", "spec": {"sampling": {"n": 1}}, "held_gpus": [],
+               "created_at": "2026-11-27T17:00:00", "started_at": None, "finished_at": None, "error": None}
+        assert "3/8p" in format_jobs([job]).splitlines()[1]
+        shown = format_generation_job(job)
+        assert "3/8 prompts, 12 tokens/s" in shown and "ftq resume job-1" in shown and "ftq completions job-1" in shown

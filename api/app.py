@@ -28,6 +28,7 @@ from api.errors import add_exception_handlers
 from api.files.routes import router as files_router
 from api.files.tokenizer_pool import TokenizerPool
 from api.inputs import BoundedJsonBodies, check_request_text
+from api.jobs.completions import router as completions_router
 from api.jobs.routes import router as jobs_router
 from api.projects.routes import router as projects_router
 from api.queue.routes import router as queue_router
@@ -105,6 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     mount_docs_assets(app)  # before web_router's /static mount, which would answer 404 for these
     add_docs_pages(app)
     app.include_router(files_router)
+    app.include_router(completions_router)
     app.include_router(jobs_router)
     app.include_router(queue_router)
     app.include_router(system_router)

@@ -202,6 +202,11 @@ def _got(err: dict[str, Any]) -> str:
 
 
 def _body_model(request: Request) -> type[BaseModel] | None:
+    """The body's model: the route's, or the one a route that parses its body itself chose
+    (``request.state.body_model``: ``POST /v1/jobs``, a training or a generation spec)."""
+    chosen = getattr(request.state, "body_model", None)
+    if isinstance(chosen, type) and issubclass(chosen, BaseModel):
+        return chosen
     route = request.scope.get("route")
     field = getattr(route, "body_field", None)
     info = getattr(field, "field_info", None)

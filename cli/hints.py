@@ -66,6 +66,8 @@ ROUTES: tuple[RouteHint, ...] = (
     RouteHint("GET /v1/jobs/{id}/metrics.csv", "metrics {id}"),
     RouteHint("GET /v1/jobs/{id}/adapter", "download {id}"),
     RouteHint("GET /v1/jobs/{id}/exports", "exports {id}"),
+    RouteHint("GET /v1/jobs/{id}/completions", "completions {id}"),
+    RouteHint("GET /v1/jobs/{id}/completions/preview", "completions {id} --head 5"),
     RouteHint("POST /v1/jobs/{id}/exports", "export {id} --format " + "|".join(EXPORT_FORMATS)),
     RouteHint("GET /v1/queue", "jobs --status queued"),
     RouteHint("GET /v1/hardware", "machines"),

@@ -169,13 +169,21 @@ def format_jobs(jobs: list[dict[str, Any]], now: dt.datetime | None = None) -> s
     rows = [("ID", "NAME", "STATUS", "STEP", "LOSS", "BEST", "TIME", "GPUS", "OWNER", "MODEL", "CREATED")]
     for job in jobs:
         progress = job["progress"]
-        step = f"{progress['step']}/{progress['total_steps'] or '?'}"
+        step = f"{progress['step']}/{progress['total_steps'] or '?'}" if job.get("kind") != "generate" else (
+            prompts_cell(job, "p"))
         final, best = loss_cells(job)
         rows.append((job["id"], _clip(job.get("name") or "-", 24), job["status"], step, final, best,
                      duration_cell(job, now), gpus_cell(job), job.get("owner") or "-", job["model"],
                      job["created_at"][:19].replace("T", " ")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def prompts_cell(job: dict[str, Any], unit: str = " prompts") -> str:
+    """``3/16 prompts`` for a generation job (``ftq jobs``' STEP column: ``3/16p``; ``ftq show``)."""
+    state = job.get("generation") or {}
+    total = state.get("prompts_total") or (job.get("preflight") or {}).get("records")
+    return f"{state.get('prompts_done', 0)}/{total or '?'}{unit}"
 
 
 def _clip(text: str, width: int) -> str:
@@ -334,6 +342,10 @@ def describe(kind: str, data: dict[str, Any]) -> str:
         return f"eval: step {data.get('step')} loss " + (f"{loss:.4f}" if isinstance(loss, (int, float)) else str(loss))
     if kind == "sample":
         return sample_lines(data)
+    if kind == "progress" and "prompts_done" in data:  # a generation job's (trainer.generate.job)
+        rate = data.get("tokens_per_s")
+        return (f"progress: {data['prompts_done']}/{data.get('prompts_total')} prompts"
+                + (f", {rate:,.0f} tok/s" if rate is not None else ""))
     return f"{kind}: {json.dumps(data, ensure_ascii=False)}"
 
 

@@ -45,6 +45,10 @@ def show(client: httpx.Client, job_id: str, *, raw: bool = False) -> str:
 def format_job(job: dict[str, Any], steps: list[dict[str, Any]], checkpoints: list[dict[str, Any]],
                exports: list[dict[str, Any]]) -> str:
     """The summary of ``job`` given its last ``steps`` (metric rows), ``checkpoints`` and ``exports``."""
+    if job.get("kind") == "generate":
+        from cli.generate import format_generation_job
+
+        return format_generation_job(job)
     name = f'  "{job["name"]}"' if job.get("name") else ""
     lines = [f"{job['id']}{name}  {job['status']}" + ("  (cancel requested)" if job.get("cancel_requested") else "")]
 

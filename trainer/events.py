@@ -25,8 +25,10 @@ without torch. Every event has
 ``checkpoint``  step, path (directory), bytes, final (bool)
 ``done``        status ("succeeded" | "failed" | "cancelled"), error_code (str | None),
                 message (str | None), adapter_path (str | None), steps (int)
-``progress``    ``python -m trainer export`` only: stage (``trainer.export.formats.STAGES``), fraction
-                (0..1 of that stage); its ``done`` carries path and bytes instead of adapter_path
+``progress``    ``python -m trainer export``: stage (``trainer.export.formats.STAGES``), fraction
+                (0..1 of that stage); its ``done`` carries path and bytes instead of adapter_path.
+                ``python -m trainer generate``: stage "generate", prompts_done, prompts_total,
+                tokens, tokens_per_s (``trainer.generate.job``); its ``done`` adds path
 
 The trainer always tries to end with one ``done`` event; a process that dies without one is
 a crash, and the worker says so from the exit code and stderr.

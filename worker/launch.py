@@ -5,6 +5,9 @@ the environment they get (``trainer_env``). The executors (worker/executors/) ru
     N GPUs    <torchrun_argv> --standalone --nproc-per-node=N --log-dir=<dir> --tee=2
                   <trainer module or script> run job.json        (one rank per GPU)
 
+A generation job's job.json (``kind: generate``) takes the trainer's ``generate`` subcommand in
+place of ``run`` (``subcommand``), on one process or under torchrun alike.
+
     M machines  <torchrun_argv> --nnodes=M --node-rank=i --nproc-per-node=G --rdzv-backend=c10d
                   --rdzv-endpoint=<leader address>:<port> --rdzv-id=<job>-<attempt>
                   --rdzv-conf=is_host=<1 on the leader> --local-addr=<this machine's address> ...
@@ -26,6 +29,7 @@ worker can stop all of them, whatever session torchrun put them in.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -69,7 +73,7 @@ class Rendezvous:
 
 def trainer_argv(options: WorkerOptions, job_json: Path) -> list[str]:
     """The trainer itself on ``job_json`` (one process, one GPU)."""
-    return [*options.trainer_argv, "run", str(job_json)]
+    return [*options.trainer_argv, subcommand(job_json), str(job_json)]
 
 
 def torchrun_argv(
@@ -84,9 +88,21 @@ def torchrun_argv(
         f"--log-dir={rank_log_dir}",
         "--tee=2",
         *torchrun_entry(options.trainer_argv),
-        "run",
+        subcommand(job_json),
         str(job_json),
     ]
+
+
+def subcommand(job_json: Path) -> str:
+    """``generate`` for a generation job's job.json, else ``run``; a file that is not there or
+    not JSON is the trainer's to refuse (``run``, which ends with a config_error)."""
+    from trainer.generate.job_config import is_generate_job
+
+    try:
+        raw = json.loads(job_json.read_text())
+    except (OSError, ValueError):
+        return "run"
+    return "generate" if isinstance(raw, dict) and is_generate_job(raw) else "run"
 
 
 def torchrun_entry(trainer_argv: tuple[str, ...]) -> list[str]:

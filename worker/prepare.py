@@ -26,20 +26,25 @@ if TYPE_CHECKING:
 
     from core.settings import Settings
     from trainer.config import TrainConfig
+    from trainer.generate.job_config import GenerateConfig
     from worker.claim import Claim
     from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
-def build_config(runtime: Runtime, session: Session, job: Job, output_dir: Path) -> TrainConfig:
+def build_config(runtime: Runtime, session: Session, job: Job, output_dir: Path) -> TrainConfig | GenerateConfig:
     """The job's trainer config from the store: ``Runtime.config_builder``, by default
-    ``build_train_config``; the caller saves it as job.json.
+    ``build_train_config``, or a generation job's ``GenerateConfig``; the caller saves it as job.json.
 
     Raises:
         Exception: whatever the builder raises (the spec no longer translates, a dataset
             download failed); the caller turns it into the job's outcome.
     """
+    if job.kind == "generate":  # a batch generation job: trainer.generate.job_config.GenerateConfig
+        from core.jobs.generation import build_generate_config
+
+        return build_generate_config(session, job, settings=runtime.settings, output_dir=str(output_dir))
     builder = runtime.config_builder or build_train_config
     return builder(session, job, settings=runtime.settings, output_dir=str(output_dir))
 

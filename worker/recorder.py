@@ -8,6 +8,7 @@ transaction: every event gets a ``job_event`` row with the next ``seq``, and
     step        → a step_metric row, job.progress_step / total_steps
     checkpoint  → a checkpoint row
     eval        → an eval_metric row
+    progress    → job.summary (a generation job's prompts_done, prompts_total, tokens, tokens_per_s)
     skip, sample, log → the event only
     step, eval, skip → job.summary recomputed from the rows (``core.jobs.summary``)
 
@@ -44,7 +45,9 @@ from trainer.events import BASE_STEP_FIELDS
 
 log = logging.getLogger(__name__)
 
-STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample")
+STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample", "progress")
+GENERATION_PROGRESS = ("prompts_done", "prompts_total", "tokens", "tokens_per_s")
+"""A generation job's ``progress`` fields (``trainer.generate.job``), kept as its summary."""
 _METRIC_COLUMNS = tuple(f for f in BASE_STEP_FIELDS if f not in ("step", "total_steps"))
 
 
@@ -80,6 +83,8 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
                 row = _checkpoint_row(job_id, event)
             elif kind == "eval":
                 row = _eval_row(job_id, event)
+            elif kind == "progress":
+                values["summary"] = {name: event[name] for name in GENERATION_PROGRESS}
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("job %s: dropped a malformed %r event (%r): %s", job_id, kind, exc, _preview(event))
             continue

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from anyio import to_thread
-from fastapi import APIRouter, Body, Header, Query, Response, status
+from fastapi import APIRouter, Body, Header, Query, Request, Response, status
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
@@ -49,6 +49,7 @@ from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, eta, rerun, service
 from core.jobs.models import Job
+from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
 from core.jobs.submit import Origin, submit
@@ -65,22 +66,41 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 _JOB_RESPONSES = {200: {"model": JobOut, "description": "Replay of an Idempotency-Key: the job made earlier"}}
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=_JOB_RESPONSES, summary="Submit a job")
+_SUBMIT_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
+    {"$ref": "#/components/schemas/JobSpec"}, {"$ref": "#/components/schemas/GenerateSpec"}]}}}}}
+
+
+def parse_spec(body: Any, request: Request) -> JobSpec | GenerateSpec:
+    """A ``POST /v1/jobs`` body as a training spec, or with ``kind: generate`` a generation spec;
+    a refusal is the 422 FastAPI gives a typed body (``loc`` from ``body``, naming the field; the
+    model on ``request.state.body_model`` for the known-fields hint)."""
+    model: type[JobSpec | GenerateSpec] = GenerateSpec if is_generate(body) else JobSpec
+    request.state.body_model = model
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=_JOB_RESPONSES, summary="Submit a job",
+             openapi_extra=_SUBMIT_BODY)
 async def create_job(
-    spec: JobSpec,
+    body: Annotated[Any, Body(include_in_schema=False)],
+    request: Request,
     response: Response,
     state: StateDep,
     caller: CallerDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> JobOut:
-    """Validate and queue a fine-tuning job owned by the caller.
+    """Validate and queue a job owned by the caller: a fine-tuning job (``JobSpec``), or with
+    ``kind: generate`` a batch generation job (``GenerateSpec``: docs/generation.md).
 
     201 with the new job. With an ``Idempotency-Key`` header, a repeat of the same body
     answers 200 with the same job (header ``Idempotent-Replayed: true``); the same key with a
     different body, or a key another user already used, is a 409. The job may use only the
     caller's own files (an admin's, any): 403 otherwise.
     """
-
+    spec = parse_spec(body, request)
     job, created = await submit(ApiPorts(state), spec, caller, Origin(idempotency_key=idempotency_key),
                                 view=lambda session, row: _out(session, row, state.settings, estimate=False))
     if not created:
@@ -180,7 +200,7 @@ async def clone_job(
     same 422 naming the field (e.g. ``hyperparameters.learning_rate``, or ``training_file`` when
     the model's tokenizer can no longer train on the source's data). The caller owns the new job."""
 
-    def cloned() -> JobSpec:
+    def cloned() -> JobSpec | GenerateSpec:
         with state.sessions() as session:
             source = service.get_job(session, job_id, reader=caller)
         try:
@@ -197,12 +217,17 @@ async def clone_job(
 async def resume_job(job_id: str, state: StateDep, caller: CallerDep, body: ResumeRequest | None = None) -> JobOut:
     """A new queued job continuing a ``failed`` or ``cancelled`` one from its checkpoint at
     ``step`` (default: its newest), with the same spec, submitted like ``POST /v1/jobs`` (the same
-    checks and dataset preflight); the source is left as it is. 409 for a job in another state or
+    checks and dataset preflight); the source is left as it is. A cancelled generation job is
+    queued again itself (its id, its output directory): it continues at the first prompt with
+    no completion, and nothing is generated twice. 409 for a job in another state or
     without checkpoints; 404 for a step without a checkpoint."""
 
-    def resumed() -> tuple[JobSpec, Origin]:
+    def resumed() -> tuple[JobSpec | GenerateSpec, Origin]:
         with state.sessions() as session:
             source = service.get_job(session, job_id, reader=caller)
+            if source.kind == "generate":  # the same job again: its trainer continues at the first undone prompt
+                spec = GenerateSpec.model_validate(source.spec)
+                return rerun.in_project_of(spec, source), Origin(requeue=job_id)
             checkpoint = rerun.pick_checkpoint(session, source, body.step if body else None, settings=state.settings)
             return rerun.in_project_of(rerun.resumed_spec(source), source), Origin(resume_from=checkpoint)
 

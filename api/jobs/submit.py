@@ -16,14 +16,17 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from anyio import to_thread
 from sqlalchemy.orm import Session
 
 from api.jobs.preview import preflight_for
 from api.state import AppState
-from core.jobs import live, scheduling
-from core.jobs.spec import JobSpec
+from core.jobs import generation, live, scheduling
+from core.jobs.generate_spec import GenerateSpec
+from core.jobs.service import AnySpec
 from core.queue import enqueue_job
 from core.settings import Settings
+from core.users import access
 from core.users.service import Caller
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,9 @@ class ApiPorts:
     def sessions(self) -> AbstractContextManager[Session]:
         return self.state.sessions()
 
-    async def preflight(self, spec: JobSpec, owner: Caller) -> dict[str, Any]:
+    async def preflight(self, spec: AnySpec, owner: Caller) -> dict[str, Any]:
+        if isinstance(spec, GenerateSpec):
+            return await to_thread.run_sync(generation_preflight, self.state, spec, owner)
         return await preflight_for(self.state, spec, owner)
 
     def wake(self, job_id: str) -> None:
@@ -50,6 +55,13 @@ class ApiPorts:
 
     async def notify(self, job_id: str, seq: int) -> None:
         await notify(self.state, job_id, seq)
+
+
+def generation_preflight(state: AppState, spec: GenerateSpec, owner: Caller) -> dict[str, Any]:
+    """``core.jobs.generation.preflight`` in the project the job will belong to."""
+    with state.sessions() as session:
+        project_id = access.project_for_create(session, owner, spec.project)
+        return generation.preflight(session, spec, settings=state.settings, project_id=project_id)
 
 
 def enqueue(state: AppState, job_id: str) -> None:

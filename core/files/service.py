@@ -25,15 +25,16 @@ from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidDataset, InvalidInput, NotFound, TooLarge
 from core.files.convert import convert_to_chat
 from core.files.models import File
-from core.files.validate import DatasetSummary, validate_dataset
+from core.files.validate import DatasetSummary, validate_dataset, validate_prompts
 from core.jobs.models import Job
 from core.jobs.states import ACTIVE_STATUSES
 from core.paging import page_newest_first, split_page
 from core.users.access import readable_by
 from core.users.service import Caller
 
-Purpose = Literal["train", "validation"]
-PURPOSES = ("train", "validation")
+Purpose = Literal["train", "validation", "generate"]
+PURPOSES = ("train", "validation", "generate")
+"""``generate``: a generation job's prompts (``trainer.generate.prompts``: chat or text lines)."""
 UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca")
 """The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses."""
 
@@ -117,7 +118,10 @@ def store_upload(
         if layout not in ("auto", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
         return same
-    source, converted_from, summary = _converted_and_validated(sink.path, layout)
+    if purpose == "generate":
+        source, converted_from, summary = sink.path, None, validate_prompts(sink.path)
+    else:
+        source, converted_from, summary = _converted_and_validated(sink.path, layout)
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
     os.replace(source, final)
@@ -198,7 +202,7 @@ def find_duplicate(session: Session, sha256: str, *, purpose: str, owner_id: str
 
 def check_purpose(purpose: str) -> None:
     if purpose not in PURPOSES:
-        raise InvalidInput(f"purpose: {purpose!r} is not one of train, validation", param="purpose")
+        raise InvalidInput(f"purpose: {purpose!r} is not one of {', '.join(PURPOSES)}", param="purpose")
 
 
 def find_file(session: Session, file_id: str) -> File | None:

@@ -277,3 +277,21 @@ def _nonempty_str(record: dict[str, Any], key: str, number: int) -> str:
     if not value.strip():
         raise InvalidDataset(f"line {number}: '{key}' is empty; remove the record or fill it", line=number)
     return value
+
+
+def validate_prompts(path: Path) -> DatasetSummary:
+    """A generation job's prompts file (``trainer.generate.prompts``) described, format ``prompts``,
+    or ``InvalidDataset`` naming the first bad line and its field."""
+    from trainer.generate.prompts import CHAT, PromptError, read_prompts
+
+    try:
+        prompts = read_prompts(path)
+    except PromptError as exc:
+        raise InvalidDataset(str(exc) + (f" (field {exc.field})" if exc.field and exc.field not in str(exc) else ""),
+                             line=exc.line or 1, param="file") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidDataset(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})", line=1,
+                             param="file") from None
+    chat = sum(p.fmt == CHAT for p in prompts)
+    return DatasetSummary(format="prompts", num_records=len(prompts),
+                          stats={"chat_prompts": chat, "text_prompts": len(prompts) - chat})

@@ -18,6 +18,9 @@ class Job(Base):
     job_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16), index=True, default=JobStatus.queued.value)
+    kind: Mapped[str] = mapped_column(String(16), default="train", server_default="train")
+    """``train`` (``spec``: ``core.jobs.spec.JobSpec``) or ``generate`` (``core.jobs.generate_spec.GenerateSpec``:
+    ``training_file_id`` holds its prompts file, ``method`` reads ``generate``)."""
     model: Mapped[str] = mapped_column(String(512))
     method: Mapped[str] = mapped_column(String(16))
     spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
@@ -41,7 +44,8 @@ class Job(Base):
     total_steps: Mapped[int | None] = mapped_column(Integer)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
-    """Final/best train and eval loss, trained tokens, skipped steps (``worker.recorder``)."""
+    """Final/best train and eval loss, trained tokens, skipped steps (``worker.recorder``); for a
+    generation job its progress: prompts_done, prompts_total, tokens, tokens_per_s."""
     preflight: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     """The dataset report made at submission, with its warnings (``core.jobs.preflight``)."""
     """The trainer's ``plan`` event: detected hardware and each optimization's decision."""

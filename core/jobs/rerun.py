@@ -22,17 +22,20 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 
 from core.db import utcnow
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, service
+from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.models import Checkpoint, Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
 from core.settings import Settings
+
+Spec = TypeVar("Spec", JobSpec, GenerateSpec)
 
 RESUMABLE = (JobStatus.failed.value, JobStatus.cancelled.value)
 _LENGTH_KEYS = ("max_steps", "epochs")
@@ -51,9 +54,12 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return merged
 
 
-def cloned_spec(source_spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:
-    """The source's spec with ``overrides``; raises pydantic's ValidationError like a submission."""
+def cloned_spec(source_spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec | GenerateSpec:
+    """The source's spec with ``overrides`` (a generation job's: a ``GenerateSpec``); raises
+    pydantic's ValidationError like a submission."""
     base = dict(source_spec)
+    if is_generate(base):
+        return GenerateSpec.model_validate(merge_patch(base, overrides))
     hp_patch = overrides.get("hyperparameters")
     if isinstance(hp_patch, dict) and any(hp_patch.get(k) is not None for k in _LENGTH_KEYS):
         base["hyperparameters"] = {k: v for k, v in (base.get("hyperparameters") or {}).items() if k not in _LENGTH_KEYS}
@@ -125,6 +131,6 @@ def resumed_spec(source: Job) -> JobSpec:
                            "overrides that fix it", param="job_id") from exc
 
 
-def in_project_of(spec: JobSpec, source: Job) -> JobSpec:
+def in_project_of(spec: Spec, source: Job) -> Spec:
     """A clone, resume or re-queue goes to its source's project unless the spec names one."""
     return spec if spec.project or source.project_id is None else spec.model_copy(update={"project": source.project_id})

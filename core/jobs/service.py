@@ -14,6 +14,8 @@ from sqlalchemy.orm import Session
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs.admission import admit
+from core.jobs.generate_spec import GenerateSpec
+from core.jobs.generation import admit_generation
 from core.jobs.models import Checkpoint, EvalMetric, Job, JobEvent, StepMetric
 from core.jobs.spec import JobSpec
 from core.jobs.states import FINISHED_STATUSES, JobStatus, sources_of
@@ -98,7 +100,21 @@ def state_event(status: JobStatus, **extra: Any) -> tuple[str, dict[str, Any]]:
 # --- Job lifecycle as the API drives it (create, read, list, cancel) ---------------------------
 
 
-def spec_hash(spec: JobSpec) -> str:
+AnySpec = JobSpec | GenerateSpec
+"""A training job's spec or a generation job's (``kind: generate``)."""
+
+
+def admit_any(session: Session, spec: AnySpec, *, settings: Settings, owner_id: str | None, project_id: str | None,
+              job_id: str) -> None:
+    """``core.jobs.admission.admit`` for a training spec, ``core.jobs.generation.admit_generation`` for a
+    generation spec: every check before the job is queued; writes nothing."""
+    if isinstance(spec, GenerateSpec):
+        admit_generation(session, spec, settings=settings, owner_id=owner_id, project_id=project_id)
+    else:
+        admit(session, spec, settings=settings, owner_id=owner_id, project_id=project_id, job_id=job_id)
+
+
+def spec_hash(spec: AnySpec) -> str:
     """Fingerprint of a spec after defaults: two bodies that mean the same job hash alike."""
     canonical = json.dumps(spec.to_stored(), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -106,7 +122,7 @@ def spec_hash(spec: JobSpec) -> str:
 
 def create_job(
     session: Session,
-    spec: JobSpec,
+    spec: AnySpec,
     *,
     settings: Settings,
     idempotency_key: str | None = None,
@@ -130,7 +146,7 @@ def create_job(
         if existing is not None:
             return existing, False
     job_id = new_id("job")
-    admit(session, spec, settings=settings, owner_id=owner_id, project_id=project_id, job_id=job_id)
+    admit_any(session, spec, settings=settings, owner_id=owner_id, project_id=project_id, job_id=job_id)
     job = _queued_job(spec, job_id, settings=settings, owner_id=owner_id, project_id=project_id, preflight=preflight)
     if idempotency_key is not None:
         job.idempotency_key, job.idempotency_hash = idempotency_key, fingerprint
@@ -152,8 +168,11 @@ def create_job(
     return job, True
 
 
-def _queued_job(spec: JobSpec, job_id: str, *, settings: Settings, owner_id: str | None, project_id: str | None,
+def _queued_job(spec: AnySpec, job_id: str, *, settings: Settings, owner_id: str | None, project_id: str | None,
                 preflight: dict[str, Any] | None) -> Job:
+    if isinstance(spec, GenerateSpec):
+        return _queued_generation(spec, job_id, settings=settings, owner_id=owner_id, project_id=project_id,
+                                  preflight=preflight)
     now = utcnow()
     return Job(
         job_id=job_id,
@@ -176,6 +195,15 @@ def _queued_job(spec: JobSpec, job_id: str, *, settings: Settings, owner_id: str
         created_at=now,
         updated_at=now,
     )
+
+
+def _queued_generation(spec: GenerateSpec, job_id: str, *, settings: Settings, owner_id: str | None,
+                       project_id: str | None, preflight: dict[str, Any] | None) -> Job:
+    now = utcnow()
+    return Job(job_id=job_id, kind="generate", name=spec.name, status=JobStatus.queued.value, model=spec.model,
+               method="generate", spec=spec.to_stored(), training_file_id=spec.prompts_file, priority=spec.priority,
+               gpus=spec.gpus, nodes=1, owner_id=owner_id, project_id=project_id, progress_step=0,
+               output_dir=str(settings.jobs_dir / job_id), preflight=preflight, created_at=now, updated_at=now)
 
 
 def get_job(session: Session, job_id: str, *, reader: Caller | None = None) -> Job:
@@ -286,8 +314,9 @@ def resume_stopped(session: Session, job_id: str) -> bool:
 
 def resume_refused(job: Job) -> Conflict:
     """Why the paused job ``job`` cannot be queued again now (``resume_stopped`` would move nothing)."""
+    stopped = "cancelled" if job.kind == "generate" else "paused"
     return Conflict(
-        f"job {job.job_id} is still stopping ({job.status}); resume it once its status reads 'paused'"
+        f"job {job.job_id} is still stopping ({job.status}); resume it once its status reads '{stopped}'"
         if job.status == JobStatus.running.value else
         f"job {job.job_id} {job.status} before the pause took effect; there is nothing to resume",
         param="job_id",

@@ -32,9 +32,9 @@ from sqlalchemy.orm import Session
 
 from core.errors import Conflict
 from core.jobs import rerun, service
-from core.jobs.admission import admit
+from core.jobs.generate_spec import GenerateSpec
 from core.jobs.models import Checkpoint, Job
-from core.jobs.spec import JobSpec
+from core.jobs.service import AnySpec
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.users import access
@@ -65,7 +65,7 @@ class Ports(Protocol):
 
     def sessions(self) -> AbstractContextManager[Session]: ...
 
-    async def preflight(self, spec: JobSpec, owner: Caller) -> dict[str, Any]:
+    async def preflight(self, spec: AnySpec, owner: Caller) -> dict[str, Any]:
         """The dataset report stored on the job; raises InvalidInput where the data cannot train."""
 
     def wake(self, job_id: str) -> None:
@@ -75,7 +75,7 @@ class Ports(Protocol):
         """Tell the job's live viewers that its events up to ``seq`` exist; never raises."""
 
 
-async def submit(ports: Ports, spec: JobSpec, owner: Caller, origin: Origin = Origin(), *,
+async def submit(ports: Ports, spec: AnySpec, owner: Caller, origin: Origin = Origin(), *,
                  view: Callable[[Session, Job], View]) -> tuple[View, bool]:
     """Check, record and queue ``spec``'s job for ``owner``; ``view(session, job)`` after the commit.
 
@@ -102,7 +102,7 @@ async def submit(ports: Ports, spec: JobSpec, owner: Caller, origin: Origin = Or
     return out, queued
 
 
-def record(session: Session, spec: JobSpec, owner: Caller, origin: Origin, *, settings: Settings,
+def record(session: Session, spec: AnySpec, owner: Caller, origin: Origin, *, settings: Settings,
            preflight: dict[str, Any] | None) -> tuple[Job, bool]:
     """Check ``spec`` against the box and queue its job; the caller commits, then enqueues.
 
@@ -129,17 +129,19 @@ def record(session: Session, spec: JobSpec, owner: Caller, origin: Origin, *, se
     return job, True
 
 
-def _check_access(ports: Ports, spec: JobSpec, owner: Caller) -> None:
+def _check_access(ports: Ports, spec: AnySpec, owner: Caller) -> None:
     with ports.sessions() as session:
         access.require_usable_files(session, owner, _files(spec))
         access.project_for_create(session, owner, spec.project)
 
 
-def _files(spec: JobSpec) -> dict[str, str | None]:
+def _files(spec: AnySpec) -> dict[str, str | None]:
+    if isinstance(spec, GenerateSpec):
+        return {"prompts_file": spec.prompts_file}
     return {"training_file": spec.training_file, "validation_file": spec.validation_file}
 
 
-def _create(session: Session, spec: JobSpec, owner: Caller, key: str | None, *, settings: Settings,
+def _create(session: Session, spec: AnySpec, owner: Caller, key: str | None, *, settings: Settings,
             preflight: dict[str, Any] | None) -> tuple[Job, bool]:
     project_id = access.project_for_create(session, owner, spec.project)
     try:
@@ -154,9 +156,9 @@ def _create(session: Session, spec: JobSpec, owner: Caller, key: str | None, *, 
     return job, created
 
 
-def _requeue(session: Session, spec: JobSpec, job_id: str, *, settings: Settings) -> Job:
+def _requeue(session: Session, spec: AnySpec, job_id: str, *, settings: Settings) -> Job:
     job = service.get_job(session, job_id)
-    admit(session, spec, settings=settings, owner_id=job.owner_id, project_id=job.project_id, job_id=job_id)
+    service.admit_any(session, spec, settings=settings, owner_id=job.owner_id, project_id=job.project_id, job_id=job_id)
     if not service.resume_stopped(session, job_id):
         raise service.resume_refused(service.get_job(session, job_id))
     return service.get_job(session, job_id)

@@ -52,14 +52,14 @@ def extras(session: Session, job_ids: list[str]) -> dict[str, OpenAIJob]:
 
 def list_jobs(session: Session, caller: Caller, metadata: list[tuple[str, str]], *, after: str | None,
               limit: int) -> tuple[list[Job], bool]:
-    """The caller's jobs newest first (``core.openai.paging``), and whether more follow.
+    """The caller's fine-tuning jobs newest first (``core.openai.paging``), and whether more follow.
     ``metadata``: the query's ``metadata[k]=v`` pairs (all must match), or ``[("metadata", "null")]``
     for the jobs made here without any.
 
     Raises:
         InvalidInput: a ``metadata`` parameter of neither form, or a bad ``after``/``limit``.
     """
-    query = _metadata_filter(select(Job), metadata)
+    query = _metadata_filter(select(Job).where(Job.kind == "train"), metadata)  # generation jobs are not fine-tuning
     return newest_first(session, query, Job, Job.job_id, after=after, limit=limit, what="job",
                         scope=readable_by(caller, Job))
 

@@ -16,6 +16,7 @@
 
 import { api, eventsUrl, mayAct } from "./api.js";
 import { exportsSection } from "./view-job-exports.js";
+import { generationSection } from "./view-job-generation.js";
 import { jobResults } from "./view-job-results.js";
 import { jobErrorBox, rerunActions } from "./view-job-reruns.js";
 import { Chart } from "./charts.js";
@@ -152,6 +153,8 @@ export function renderJob(main, [jobId]) {
   const plan = h("div", { "data-testid": "plan" }, h("p", { class: "muted", text: "The trainer reports its plan when the job starts." }));
   const checkpoints = h("div", { "data-testid": "checkpoints" });
   const exportsSlot = h("div"); // filled once the job has succeeded (view-job-exports.js)
+  const generation = generationSection(id, signal, () => window.location.reload()); // a generation job's progress and completions
+  generation.element.hidden = true;
   const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
   const spec = h("pre", { class: "spec", "data-testid": "job-spec" });
   const problem = h("div");
@@ -166,11 +169,12 @@ export function renderJob(main, [jobId]) {
     meta,
     progress,
     summary,
+    generation.element,
     results.element,
     ranks,
     chartSection,
-    h("section", { "aria-labelledby": "plan-h" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
-    h("section", { "aria-labelledby": "ckpt-h" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
+    h("section", { "aria-labelledby": "plan-h", "data-training": "" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
+    h("section", { "aria-labelledby": "ckpt-h", "data-training": "" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
     exportsSlot,
     h("section", { "aria-labelledby": "events-h" }, h("h2", { id: "events-h", text: "Events and log" }), h("div", { class: "events-wrap" }, eventList)),
     h("details", { class: "spec-wrap" }, h("summary", { text: "Job spec (as submitted, defaults filled in)" }), spec),
@@ -189,7 +193,7 @@ export function renderJob(main, [jobId]) {
       ["Model", h("span", { class: "mono", text: job.model })],
       ["Method", job.spec?.objective === "dpo" ? `${job.method} · DPO (beta ${job.spec.dpo?.beta})` : job.method],
       ["GPUs", h("span", { "data-testid": "job-gpus", "data-gpus": String(job.gpus ?? 1), text: fmtGpus(job) })],
-      ["Training file", h("span", { class: "mono", text: job.training_file })],
+      [job.kind === "generate" ? "Prompts file" : "Training file", h("span", { class: "mono", text: job.training_file })],
       ["Worker", job.worker || "–"],
       ["Created", fmtTime(job.created_at)],
       ["Started", fmtTime(job.started_at)],
@@ -218,6 +222,11 @@ export function renderJob(main, [jobId]) {
     if (job.plan) renderPlan(job.plan);
     renderActions();
     renderProgress();
+    if (job.kind === "generate") { // no steps, plan or checkpoints: prompts, tokens/s and completions
+      generation.element.hidden = false;
+      for (const el of [progress, summary, chartSection, ...main.querySelectorAll("[data-training]")]) el.hidden = true;
+      generation.update(job);
+    }
   }
 
   function renderProgress() {
@@ -286,7 +295,7 @@ export function renderJob(main, [jobId]) {
   let reruns = null;
   function renderActions() {
     const nodes = [];
-    if (job.status === "succeeded") {
+    if (job.status === "succeeded" && job.kind !== "generate") {
       nodes.push(h("a", { class: "button", href: `/v1/jobs/${id}/adapter`, download: "", "data-testid": "download-adapter", text: "Download adapter (.zip)" }));
       if (!exportsSlot.firstChild) clear(exportsSlot, exportsSection(id, signal));
     }
@@ -309,11 +318,11 @@ export function renderJob(main, [jobId]) {
       });
       nodes.push(cancelBtn, confirmBox);
     }
-    if (FINISHED.has(job.status) && actions.dataset.reruns !== job.status) {
+    if (FINISHED.has(job.status) && job.kind !== "generate" && actions.dataset.reruns !== job.status) {
       actions.dataset.reruns = job.status; // once per final state: re-rendering would close an open form
       reruns = rerunActions(job, signal);
     }
-    clear(actions, nodes, FINISHED.has(job.status) ? reruns : null);
+    clear(actions, nodes, FINISHED.has(job.status) && job.kind !== "generate" ? reruns : null);
   }
 
   async function doCancel() {
@@ -519,6 +528,7 @@ export function renderJob(main, [jobId]) {
     if (type === "log" && data.level === "warning" && data.source === "tracking") showTrackingWarning(data.message);
     if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
     if (type === "sample") results.addSample(data);
+    if (type === "progress" && job.kind === "generate") generation.update(job, data);
     if (type === "plan") {
       job.plan = data;
       if (data.total_steps) job.progress.total_steps = data.total_steps;
@@ -559,7 +569,7 @@ export function renderJob(main, [jobId]) {
         live.dataset.state = "reconnecting";
       }
     };
-    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval", "skip", "sample"]) {
+    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval", "skip", "sample", "progress"]) {
       source.addEventListener(type, (message) => onEvent(type, message));
     }
   }
@@ -632,6 +642,8 @@ function describeEvent(type, d) {
       return `step ${d.step} not applied: loss ${d.loss ?? "NaN/inf"}, grad norm ${d.grad_norm ?? "NaN/inf"} (${d.consecutive} in a row of at most ${d.limit})`;
     case "sample":
       return `step ${d.step}: ${(d.samples || []).length} sample generations${d.final ? " (final)" : ""}`;
+    case "progress":
+      return `${d.prompts_done} / ${d.prompts_total} prompts${d.tokens_per_s ? ` · ${fmtCompact(d.tokens_per_s)} tokens/s` : ""}`;
     default:
       return JSON.stringify(d);
   }

@@ -26,7 +26,8 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     """``trainer.plan.memory`` is the estimate ``GET /v1/models`` says whether a model fits with
     (``api.models.fit``); ``test_models_fit`` checks that computing it imports no torch.
     ``trainer.objectives`` is the objectives' registry (its torch-free part): the spec's objectives,
-    ``MetricOut``'s fields and the charts."""
+    ``MetricOut``'s fields and the charts. ``trainer.generate.job_config``, ``outputs`` and ``prompts``
+    are a generation job's job.json, its output files and its prompts file (standard library only)."""
     code = (
         "import sys; from api.app import create_app; create_app(); "
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
@@ -35,7 +36,9 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.catalog", "trainer.config", "trainer.events",
                                                    "trainer.training", "trainer.training.layout", "trainer.plan",
                                                    "trainer.plan.memory", "trainer.objectives",
-                                                   "trainer.objectives.registry", "trainer.objectives.declarations"}
+                                                   "trainer.objectives.registry", "trainer.objectives.declarations",
+                                                   "trainer.generate", "trainer.generate.job_config",
+                                                   "trainer.generate.outputs", "trainer.generate.prompts"}
 
 
 def test_sse_event_format() -> None:

@@ -1,0 +1,179 @@
+"""Batch generation jobs in the store: which model a spec names, the checks before it is queued,
+and the trainer's ``GenerateConfig`` the worker writes as job.json.
+
+A ``model`` of a generation job is one of
+
+    <base>              as a training job's model (``core.jobs.model_source``: the model root, the hub)
+    job:<id>            that training job's final weights: its LoRA adapter on its base (unmerged),
+                        or the whole model of a method ``full`` job; the job must have succeeded
+    job:<id>@<step>     the LoRA adapter of one of its checkpoints (a ``full`` job's checkpoints are
+                        sharded optimizer state, not a loadable model: use its final weights)
+    export:<id>         a succeeded ``merged`` export (a GGUF file is llama.cpp's, not torch's)
+
+A job or export of another project is refused as an unknown one, as files are
+(``core.jobs.admission.usable_file``): the caller is a member of the new job's project, so what
+it may name is what that project holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from core.errors import InvalidInput
+from core.exports.models import Export
+from core.jobs import artifact_store
+from core.jobs.admission import usable_file
+from core.jobs.generate_spec import EXPORT_REF, JOB_REF, GenerateSpec
+from core.jobs.model_source import resolve_model
+from core.jobs.models import Checkpoint, Job
+from core.jobs.scheduling import check_gpus, check_project
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from trainer.generate.job_config import GenerateConfig
+
+PURPOSE = "generate"
+"""The files API purpose of a prompts file."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What the trainer loads for a generation job's ``model``."""
+
+    model: str
+    """A directory or hub id: the base, a full fine-tune's weights, or a merged export."""
+    adapter: str | None = None
+    """A LoRA adapter directory applied unmerged on ``model``."""
+
+
+def admit_generation(session: Session, spec: GenerateSpec, *, settings: Settings, owner_id: str | None,
+                     project_id: str | None) -> ResolvedModel:
+    """Check that the box can run ``spec`` for ``owner_id`` in ``project_id``; writes nothing.
+
+    Raises:
+        InvalidInput: the prompts file is unknown, deleted, of another project or purpose; the
+            model cannot be resolved (see the module docstring); a priority over the project's.
+        Unsupported: ``gpus`` no live host, the owner's cap or the project's quota can give.
+    """
+    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=1)
+    check_project(session, project_id, spec.gpus, spec.priority)
+    usable_file(session, spec.prompts_file, PURPOSE, "prompts_file", project_id)
+    return resolve(session, spec.model, settings=settings, project_id=project_id, check_hub=True)
+
+
+def preflight(session: Session, spec: GenerateSpec, *, settings: Settings, project_id: str | None) -> dict[str, Any]:
+    """The submission report of ``spec`` (``api.jobs.schemas.PreflightOut``'s shape): the prompts the
+    upload validated (``core.files.validate.validate_prompts``) and the model resolved.
+
+    Raises:
+        InvalidInput: the prompts file or the model (the message names the field).
+    """
+    row = usable_file(session, spec.prompts_file, PURPOSE, "prompts_file", project_id)
+    resolved = resolve(session, spec.model, settings=settings, project_id=project_id, check_hub=True)
+    stats = row.stats or {}
+    note = f"{row.num_records} prompts ({stats.get('chat_prompts', 0)} chat, {stats.get('text_prompts', 0)} text)"
+    if resolved.adapter:
+        note += "; the adapter is applied unmerged on its base"
+    return {"checked": True, "format": row.format, "records": row.num_records, "note": note}
+
+
+def resolve(session: Session, model: str, *, settings: Settings, project_id: str | None,
+            check_hub: bool = False) -> ResolvedModel:
+    """The directories (or hub id) behind ``model``; ``InvalidInput`` naming ``model`` otherwise."""
+    if (ref := JOB_REF.match(model)) is not None:
+        source = _source_job(session, ref["job_id"], project_id)
+        if ref["step"] is None:
+            return _final_weights(source, settings)
+        return _checkpoint(session, source, int(ref["step"]), settings)
+    if (ref := EXPORT_REF.match(model)) is not None:
+        return _export(session, ref["export_id"], project_id, settings)
+    source = resolve_model(model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
+                           check_hub=check_hub)
+    return ResolvedModel(source.name_or_path)
+
+
+def _refuse(message: str) -> InvalidInput:
+    return InvalidInput(f"model: {message}", param="model")
+
+
+def _source_job(session: Session, job_id: str, project_id: str | None) -> Job:
+    job = session.get(Job, job_id)
+    if job is None or project_id not in (None, job.project_id) or job.kind != "train":
+        raise _refuse(f"no training job {job_id!r} in this project; list jobs with GET /v1/jobs")
+    return job
+
+
+def _base(job: Job, settings: Settings) -> str:
+    return resolve_model(job.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models).name_or_path
+
+
+def _final_weights(job: Job, settings: Settings) -> ResolvedModel:
+    if job.status != JobStatus.succeeded.value:
+        raise _refuse(f"job {job.job_id} is {job.status}: its final weights exist once it has succeeded; "
+                      f"name one of its checkpoints (job:{job.job_id}@<step>, GET /v1/jobs/{job.job_id}/checkpoints)")
+    weights = artifact_store.final_store_dir(settings, job.job_id, job.method)
+    if not weights.is_dir():
+        raise _refuse(f"job {job.job_id} succeeded but its weights are not on disk ({weights.name}/)")
+    if job.method == "full":
+        return ResolvedModel(str(weights))
+    return ResolvedModel(_base(job, settings), str(weights))
+
+
+def _checkpoint(session: Session, job: Job, step: int, settings: Settings) -> ResolvedModel:
+    if job.method == "full":
+        raise _refuse(f"job {job.job_id} trained the full model: its checkpoints are sharded training state; "
+                      f"name its final weights (job:{job.job_id}) or export it")
+    row = session.get(Checkpoint, (job.job_id, step))
+    path = artifact_store.checkpoint_store_dir(settings, job.job_id, step)
+    if row is None or not (path / "adapter_config.json").is_file():
+        raise _refuse(f"job {job.job_id} has no checkpoint at step {step}; list them with "
+                      f"GET /v1/jobs/{job.job_id}/checkpoints")
+    return ResolvedModel(_base(job, settings), str(path))
+
+
+def _export(session: Session, export_id: str, project_id: str | None, settings: Settings) -> ResolvedModel:
+    export = session.get(Export, export_id)
+    if export is None or project_id not in (None, export.project_id):
+        raise _refuse(f"no export {export_id!r} in this project; list a job's exports with "
+                      "GET /v1/jobs/{id}/exports")
+    if export.format != "merged":
+        raise _refuse(f"export {export_id} is a {export.format} file, which the sampler cannot load; name a "
+                      "merged export, or the job itself (job:<id>)")
+    path = artifact_store.export_store_dir(settings, export.job_id, export_id)
+    if export.status != "succeeded" or not (path / "config.json").is_file():
+        raise _refuse(f"export {export_id} is {export.status}; name it once it has succeeded")
+    return ResolvedModel(str(path))
+
+
+def to_generate_config(spec: GenerateSpec, resolved: ResolvedModel, *, job_id: str, prompts_path: str,
+                       output_dir: str) -> GenerateConfig:
+    """The trainer's job.json for ``spec`` (``trainer.generate.job_config``)."""
+    sampling = spec.sampling.model_dump(mode="json")
+    return GenerateConfig(model=resolved.model, adapter=resolved.adapter, prompts_file=prompts_path,
+                          output_dir=output_dir, sampling=sampling, chunk_prompts=spec.chunk_prompts, job_id=job_id)
+
+
+def build_generate_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> GenerateConfig:
+    """The stored generation spec → ``GenerateConfig`` on the worker, the model resolved again.
+
+    Raises:
+        InvalidInput: the prompts file was deleted, the model is no longer there, or this worker is
+            remote (no shared disk: docs/generation.md#limits).
+    """
+    from core.files.service import paths_for
+
+    if settings.remote_worker:
+        raise InvalidInput("a generation job runs on a worker that shares the API's data directory (its prompts, "
+                           "job: weights and completions.jsonl live there); this worker is on another machine. "
+                           "Run a worker on the API's machine", param="gpus")
+    spec = GenerateSpec.model_validate(job.spec)
+    files = paths_for(session, [spec.prompts_file])
+    path = files.get(spec.prompts_file)
+    if path is None or not Path(path).is_file():
+        raise InvalidInput(f"prompts_file {spec.prompts_file} was deleted after the job was submitted; upload it "
+                           "again and resubmit", param="prompts_file")
+    resolved = resolve(session, spec.model, settings=settings, project_id=job.project_id)
+    return to_generate_config(spec, resolved, job_id=job.job_id, prompts_path=path, output_dir=output_dir)

@@ -1,0 +1,63 @@
+"""``python -m trainer generate JOB.json``: a batch generation job (``trainer.generate.job``) as a process.
+
+As ``run``: JSON-line events on stdout (rank 0's), library prints sent to stderr, exit 0 when the
+run succeeded or was cancelled, 1 when it failed, always ending with a ``done`` event. Error codes:
+
+``config_error``   job.json does not parse, or its sampling parameters are refused
+``invalid_input``  the prompts file cannot be read, or a prompt does not fit
+``out_of_memory``  the device ran out of memory
+``generate_error`` anything else (the message has the exception)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Any
+
+from trainer.events import Emitter
+from trainer.generate.job_config import GenerateConfig
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="complete a prompts file as a generation job.json says (JSON-lines events)")
+    p.add_argument("job", help="path to job.json (trainer.generate.job_config.GenerateConfig)")
+
+
+def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    emit = Emitter(sys.stdout)
+    sys.stdout = sys.stderr  # library prints must not interleave with events
+    try:
+        config = GenerateConfig.load(args.job)
+    except (OSError, ValueError, TypeError) as exc:
+        return _failed(emit, "config_error", f"{args.job}: {exc}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    from trainer.generate.job import run_generation
+    from trainer.generate.prompts import PromptError
+
+    try:
+        status = run_generation(config, emit)
+    except PromptError as exc:
+        return _failed(emit, "invalid_input", f"prompts_file: {exc}")
+    except (ValueError, TypeError) as exc:
+        code = "invalid_input" if "prompt" in str(exc) else "config_error"
+        return _failed(emit, code, str(exc))
+    except Exception as exc:  # noqa: BLE001 - every failure ends with a done event
+        traceback.print_exc(file=sys.stderr)
+        code = "out_of_memory" if "out of memory" in str(exc).lower() else "generate_error"
+        return _failed(emit, code, f"{type(exc).__name__}: {exc}")
+    message = None if status == "succeeded" else "stopped by a signal; resume continues at the first undone prompt"
+    path = str(config.completions_path) if status == "succeeded" else None
+    emit("done", status=status, error_code=None, message=message, adapter_path=None, steps=0, path=path)
+    return 0
+
+
+def _failed(emit: Emitter, code: str, message: str) -> int:
+    emit("done", status="failed", error_code=code, message=message, adapter_path=None, steps=0, path=None)
+    return 1
+

@@ -134,11 +134,15 @@ async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool)
 
 
 def _get(session: Session, caller: Caller, job_id: str) -> Job:
-    """The caller's job (an admin: anyone's); another user's is as unknown (``core.users.access``)."""
+    """The caller's job (an admin: anyone's); another user's is as unknown (``core.users.access``),
+    and so is a generation job (``kind: generate``: not a fine-tuning job; the native API has it)."""
     try:
-        return service.get_job(session, job_id, reader=caller)
+        job = service.get_job(session, job_id, reader=caller)
     except NotFound:
-        raise NotFound(f"No such fine-tuning job: {job_id}", param="job_id") from None
+        job = None
+    if job is None or job.kind != "train":
+        raise NotFound(f"No such fine-tuning job: {job_id}", param="job_id")
+    return job
 
 
 def _named_file(session: Session, caller: Caller, file_id: str, param: str) -> File:

@@ -137,7 +137,8 @@ def output_line(prompt: PromptRecord, result: Result) -> dict[str, Any]:
 
 
 def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, torch.dtype]:
-    """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it."""
+    """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it
+    through the trainer's fused LoRA layers (``trainer.features.lora_kernel.fused``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.export.formats import base_torch_dtype
@@ -158,6 +159,9 @@ def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, 
             # peft <= 0.21 reads transformers' deprecated `is_gradient_checkpointing` (not ours to fix).
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = PeftModel.from_pretrained(model, config.adapter)
+        from trainer.features.lora_kernel import fused as lora_fused
+
+        lora_fused.install(model)  # the trainer's fused LoRA layers, as training and the sampler tests run them
     return model.eval(), tokenizer, dtype
 
 

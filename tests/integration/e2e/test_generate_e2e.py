@@ -102,6 +102,10 @@ def test_submit_progress_cancel_resume_preview_and_download(pool_stack, tmp_path
         assert all(len(line["choices"][0]["logprobs"]) == 48 for line in lines)
         preview = client.get(f"/v1/jobs/{job['id']}/completions/preview", params={"limit": 3}).json()["data"]
         assert preview == lines[:3] and early == lines[:2]
+        # not a fine-tuning job: OpenAI's fine-tuning routes neither list nor show it
+        assert client.get(f"/openai/v1/fine_tuning/jobs/{job['id']}").status_code == 404
+        listed = client.get("/openai/v1/fine_tuning/jobs").json()["data"]
+        assert job["id"] not in [j["id"] for j in listed]
 
 
 def test_two_gpus_split_the_prompts_over_two_ranks(pool_stack, tmp_path: Path):

@@ -18,7 +18,7 @@ from trainer.graders.errors import GraderError
 FUNCTIONS: dict[str, Any] = {"min": min, "max": max, "abs": abs, "floor": math.floor, "ceil": math.ceil,
                              "exp": math.exp, "sqrt": math.sqrt, "log": math.log}
 _BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b, ast.BitXor: lambda a, b: a ** b}
+           ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
 _MAX_CHARS = 1000
 
 
@@ -27,7 +27,8 @@ def parse_formula(formula: str, names: set[str], param: str) -> ast.Expression:
     if len(formula) > _MAX_CHARS:
         raise GraderError(f"{param}: longer than {_MAX_CHARS} characters", param)
     try:
-        tree = ast.parse(formula, mode="eval")
+        # ``^`` is power, with power's precedence: rewritten before parsing (Python's ``^`` binds looser than +)
+        tree = ast.parse(formula.replace("^", "**"), mode="eval")
     except SyntaxError as exc:
         raise GraderError(f"{param}: does not parse: {exc.msg} (column {exc.offset})", param) from None
     for node in ast.walk(tree):

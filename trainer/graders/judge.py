@@ -45,6 +45,9 @@ Judge = Callable[[list[dict[str, str]], JudgeParams], str]
 class JudgeAnswerError(ValueError):
     """The judge answered, but not with a score or label ftq can read."""
 
+    answer = ""
+    """What the judge said (set by ``judge_grade``)."""
+
 
 def answer_instruction(grader: dict[str, Any]) -> str:
     if grader["type"] == "score_model":
@@ -101,7 +104,11 @@ def judge_grade(grader: dict[str, Any], namespaces: dict[str, Any], judge: Judge
         raise GraderError(f"{param}: a {grader['type']} grader needs a judge model; it runs inside eval runs and "
                           "training on a worker's GPU, not here", f"{param}.type")
     answer = judge(messages, JudgeParams.of(grader["sampling_params"]))
-    score, verdict = read_answer(grader, answer)
+    try:
+        score, verdict = read_answer(grader, answer)
+    except JudgeAnswerError as exc:
+        exc.answer = answer
+        raise
     return score, verdict, answer
 
 

@@ -88,7 +88,7 @@ def _one(grader: dict[str, Any], namespaces: dict[str, Any], limits: SandboxLimi
     try:
         score, _, answer = judge_grade(grader, namespaces, judge, param)
     except JudgeAnswerError as exc:
-        return _failed(name, kind, "model_grader_parse_error", f"{kind} grader {name!r}: {exc}")
+        return _failed(name, kind, "model_grader_parse_error", f"{kind} grader {name!r}: {exc}", log=exc.answer)
     return GradeResult(score, name, kind, log=answer)
 
 

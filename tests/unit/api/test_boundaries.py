@@ -26,7 +26,8 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     """``trainer.plan.memory`` is the estimate ``GET /v1/models`` says whether a model fits with
     (``api.models.fit``); ``test_models_fit`` checks that computing it imports no torch.
     ``trainer.objectives`` is the objectives' registry (its torch-free part): the spec's objectives,
-    ``MetricOut``'s fields and the charts."""
+    ``MetricOut``'s fields and the charts. ``trainer.graders`` are the graders ``graders.run`` runs
+    (standard library; only ``judge.engine_judge`` imports the sampler, when it is called)."""
     code = (
         "import sys; from api.app import create_app; create_app(); "
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
@@ -35,7 +36,11 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     assert set(out.stdout.strip().split(",")) <= {"trainer", "trainer.catalog", "trainer.config", "trainer.events",
                                                    "trainer.training", "trainer.training.layout", "trainer.plan",
                                                    "trainer.plan.memory", "trainer.objectives",
-                                                   "trainer.objectives.registry", "trainer.objectives.declarations"}
+                                                   "trainer.objectives.registry", "trainer.objectives.declarations",
+                                                   "trainer.graders", "trainer.graders.errors", "trainer.graders.formula",
+                                                   "trainer.graders.judge", "trainer.graders.run",
+                                                   "trainer.graders.sandbox", "trainer.graders.spec",
+                                                   "trainer.graders.template", "trainer.graders.text"}
 
 
 def test_sse_event_format() -> None:

@@ -18,6 +18,9 @@ from api.deps import SettingsDep
 from core.graders import service
 from trainer.graders import GradeResult
 
+MAX_SAMPLE_CHARS = 100_000
+"""The longest ``model_sample``: a similarity metric over two such texts takes about a second."""
+
 router = APIRouter(prefix="/fine_tuning/alpha/graders", tags=["openai graders"])
 
 
@@ -29,7 +32,7 @@ class GraderValidate(BaseModel):
 class GraderRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
     grader: dict[str, Any]
-    model_sample: str = Field(max_length=1_000_000)
+    model_sample: str = Field(max_length=MAX_SAMPLE_CHARS)
     item: Any = None
 
 

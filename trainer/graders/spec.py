@@ -77,7 +77,7 @@ def _string_check(grader: dict[str, Any], param: str) -> dict[str, Any]:
 def _text_similarity(grader: dict[str, Any], param: str) -> dict[str, Any]:
     _fields(grader, param, ("name", "input", "reference", "evaluation_metric"), ("pass_threshold",))
     metric = grader["evaluation_metric"]
-    if metric in REFUSED_METRICS:
+    if isinstance(metric, str) and metric in REFUSED_METRICS:
         raise GraderError(f"{param}.evaluation_metric: {metric!r} is not supported by ftq: {REFUSED_METRICS[metric]}; "
                           f"use one of {', '.join(SUPPORTED_METRICS)}", f"{param}.evaluation_metric")
     if metric not in SUPPORTED_METRICS:
@@ -99,6 +99,8 @@ def _python(grader: dict[str, Any], param: str) -> dict[str, Any]:
         tree = compile(source, "<grader>", "exec", flags=0x400, dont_inherit=True)  # ast.PyCF_ONLY_AST
     except SyntaxError as exc:
         raise GraderError(f"{param}.source: does not compile: line {exc.lineno}: {exc.msg}", f"{param}.source") from None
+    except ValueError as exc:  # a NUL character
+        raise GraderError(f"{param}.source: does not compile: {exc}", f"{param}.source") from None
     if not any(getattr(node, "name", None) == "grade" and type(node).__name__ == "FunctionDef" for node in tree.body):
         raise GraderError(f"{param}.source: must define a top-level function grade(sample, item)", f"{param}.source")
     if grader.get("image_tag") not in (None, ""):
@@ -224,7 +226,7 @@ def _multi(grader: dict[str, Any], param: str) -> dict[str, Any]:
     _fields(grader, param, ("name", "graders", "calculate_output"), ("pass_threshold",))
     inner = grader["graders"]
     if isinstance(inner, dict) and "type" in inner and not isinstance(inner.get("type"), dict):
-        inner = {inner.get("name") or "grader": inner}
+        inner = {inner["name"] if isinstance(inner.get("name"), str) else "grader": inner}
     if not isinstance(inner, dict) or not inner:
         raise GraderError(f"{param}.graders: must be an object mapping names to graders", f"{param}.graders")
     graders = {}

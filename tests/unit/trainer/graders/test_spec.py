@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trainer.graders.errors import GraderError
 from trainer.graders.spec import validate
@@ -84,3 +86,20 @@ class TestRefused:
         error = refused(grader)
         assert error.param == param
         assert says in error.message and error.message.startswith(param)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children,
+                                                                                       max_size=4), max_leaves=12)
+FIELDS = st.sampled_from(["type", "name", "input", "reference", "operation", "evaluation_metric", "source", "model",
+                          "labels", "passing_labels", "range", "sampling_params", "graders", "calculate_output"])
+
+
+class TestAnyInput:
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(base=st.sampled_from([CHECK, SIMILAR, PYTHON, SCORE, LABEL, MULTI]), field=FIELDS, value=JSON)
+    def test_anything_is_a_grader_or_a_grader_error(self, base: dict, field: str, value: Any) -> None:
+        try:
+            validate({**base, field: value})
+        except GraderError as error:
+            assert error.param and error.message.startswith(error.param.split("[")[0].split(".")[0])

@@ -27,6 +27,8 @@ ROUGE = {"type": "text_similarity", "name": "rouge", "input": "{{sample.output_t
 PYTHON = {"type": "python", "name": "py",
           "source": "import json\n\ndef grade(sample, item):\n    print('grading')\n"
                     "    return 1.0 if sample['output_json']['city'] == item['answer'] else 0.0\n"}
+MULTI = {"type": "multi", "name": "mix", "graders": {"exact": EXACT, "rouge": ROUGE},
+         "calculate_output": "0.25 * exact + 0.75 * rouge"}
 ITEM = {"answer": "Paris"}
 
 
@@ -53,7 +55,7 @@ def error_of(exc: openai.APIStatusError) -> dict:
 
 
 class TestValidate:
-    @pytest.mark.parametrize("grader", [EXACT, ROUGE, PYTHON], ids=lambda g: g["type"])
+    @pytest.mark.parametrize("grader", [EXACT, ROUGE, PYTHON, MULTI], ids=lambda g: g["type"])
     def test_a_good_grader_comes_back(self, oai: openai.OpenAI, grader: dict) -> None:
         assert oai.fine_tuning.alpha.graders.validate(grader=grader).grader.to_dict() == grader
 
@@ -103,9 +105,7 @@ class TestRun:
         assert result.metadata.errors.python_grader_server_error_type in ("cpu", "wall")
 
     def test_multi(self, oai: openai.OpenAI) -> None:
-        multi = {"type": "multi", "name": "mix", "graders": {"exact": EXACT, "rouge": ROUGE},
-                 "calculate_output": "0.25 * exact + 0.75 * rouge"}
-        result = oai.fine_tuning.alpha.graders.run(grader=multi, model_sample="It is Paris", item=ITEM)
+        result = oai.fine_tuning.alpha.graders.run(grader=MULTI, model_sample="It is Paris", item=ITEM)
         assert result.reward == pytest.approx(0.375)
         assert result.sub_rewards == {"exact": 0.0, "rouge": pytest.approx(0.5)}
 

@@ -58,12 +58,11 @@ class PythonOutcome:
 
 
 def run_python(source: str, sample: dict[str, Any], item: Any, limits: SandboxLimits) -> PythonOutcome:
-    payload = json.dumps({"source": source, "sample": sample, "item": item,
-                          "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
-                                     "log_chars": limits.log_chars, "workdir": ""}})
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ftq-grader-") as workdir:
-        payload = payload.replace('"workdir": ""', f'"workdir": {json.dumps(workdir)}')
+        payload = json.dumps({"source": source, "sample": sample, "item": item,
+                              "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
+                                         "log_chars": limits.log_chars, "workdir": workdir}})
         proc = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir,
                                 env={"LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}, start_new_session=True,

@@ -29,8 +29,6 @@ import time  # noqa: F401
 import typing  # noqa: F401
 import unicodedata  # noqa: F401
 
-ALLOWED_IMPORTS = frozenset(sys.modules)
-"""What the grader may import: the modules already loaded (no file is opened for them)."""
 OFFERED = ("collections", "datetime", "decimal", "difflib", "fractions", "functools", "itertools", "json", "math",
            "random", "re", "statistics", "string", "time", "typing", "unicodedata")
 REFUSED_PREFIXES = ("open", "os.", "socket.", "subprocess.", "ctypes.", "shutil.", "pty.", "fcntl.", "mmap.",
@@ -41,10 +39,6 @@ REFUSED_PREFIXES = ("open", "os.", "socket.", "subprocess.", "ctypes.", "shutil.
 
 class Refused(PermissionError):
     pass
-
-
-REFUSALS: list[str] = []
-"""Every refusal, kept: a grader that catches one still fails its item."""
 
 
 class OutputCapped(Exception):
@@ -70,16 +64,31 @@ class _Capped(io.TextIOBase):
         return len(text)
 
 
-def _audit(event: str, args: tuple) -> None:
-    if event == "import":
-        if args[0] not in ALLOWED_IMPORTS and args[0].split(".")[0] not in ALLOWED_IMPORTS:
-            REFUSALS.append(f"import of {args[0]!r} is not allowed in a python grader (it may import "
-                          f"{', '.join(OFFERED)})")
-            raise Refused(REFUSALS[-1])
-    elif event.startswith(REFUSED_PREFIXES):
-        shown = f"{event}({args[0]!r})" if args and isinstance(args[0], (str, bytes, int)) else event
-        REFUSALS.append(f"{shown} is not allowed in a python grader: no files, processes or network")
-        raise Refused(REFUSALS[-1])
+def _install_audit_hook(refusals: list[str]) -> None:
+    """Refuse files, processes, network and imports of modules not loaded now, from here on.
+
+    The hook reads only its closure's immutable values (a frozenset, tuples, a string), and nothing
+    the grader can reach refers to it (the interpreter keeps it; ``gc`` cannot be imported), so
+    rebinding this module's globals from the grader changes nothing. Every refusal is appended to
+    ``refusals``: a grader that catches one still fails its item.
+    """
+    allowed, prefixes, offered, refused = frozenset(sys.modules), REFUSED_PREFIXES, ", ".join(OFFERED), Refused
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "import":
+            if args[0] not in allowed and args[0].split(".")[0] not in allowed:
+                refusals.append(f"import of {args[0]!r} is not allowed in a python grader (it may import {offered})")
+                raise refused(refusals[-1])
+        elif event == "object.__setattr__" and args[1] == "__code__" or event == "code.__new__":
+            # bytecode of one's own making can corrupt memory, and with it the hook
+            refusals.append(f"{event} is not allowed in a python grader: no new bytecode")
+            raise refused(refusals[-1])
+        elif event.startswith(prefixes):
+            shown = f"{event}({args[0]!r})" if args and isinstance(args[0], (str, bytes, int)) else event
+            refusals.append(f"{shown} is not allowed in a python grader: no files, processes or network")
+            raise refused(refusals[-1])
+
+    sys.addaudithook(hook)
 
 
 def _limit(limits: dict) -> None:
@@ -91,7 +100,7 @@ def _limit(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no effect for root: the audit hook refuses fork
 
 
-def _run(job: dict, log: _Capped) -> dict:
+def _run(job: dict, log: _Capped, refusals: list[str]) -> dict:
     namespace: dict = {"__name__": "grader", "__builtins__": __builtins__}
     sys.stdout = sys.stderr = log
     try:
@@ -105,13 +114,13 @@ def _run(job: dict, log: _Capped) -> dict:
     except Refused as exc:
         return {"ok": False, "kind": "refused", "error": str(exc)}
     except BaseException as exc:  # noqa: BLE001 - the grader's own error, shown for its item
-        if REFUSALS:
-            return {"ok": False, "kind": "refused", "error": REFUSALS[0]}
+        if refusals:
+            return {"ok": False, "kind": "refused", "error": refusals[0]}
         return {"ok": False, "kind": "runtime", "error": f"{type(exc).__name__}: {exc}{_grader_line(exc)}"[:2000]}
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    if REFUSALS:
-        return {"ok": False, "kind": "refused", "error": REFUSALS[0]}
+    if refusals:
+        return {"ok": False, "kind": "refused", "error": refusals[0]}
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         return {"ok": False, "kind": "runtime", "error": f"grade() must return a finite number, got {score!r}"[:500]}
     return {"ok": True, "score": float(score)}
@@ -134,8 +143,9 @@ def main() -> None:
     os.chdir(job["limits"]["workdir"])
     _limit(job["limits"])
     log = _Capped(job["limits"]["log_chars"])
-    sys.addaudithook(_audit)
-    out = _run(job, log)
+    refusals: list[str] = []
+    _install_audit_hook(refusals)
+    out = _run(job, log, refusals)
     out["log"] = "".join(log.parts)
     sys.__stdout__.write(json.dumps(out) + "\n")
     sys.__stdout__.flush()

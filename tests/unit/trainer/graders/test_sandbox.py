@@ -72,6 +72,21 @@ class TestLimits:
         assert outcome.score is None and outcome.kind == "refused", outcome
         assert says in outcome.error
 
+    def test_rebinding_the_runners_globals_does_not_lift_the_hook(self) -> None:
+        body = ("main = sys.modules['__main__']\nmain.REFUSED_PREFIXES = ('nothing',)\nmain.OFFERED = ()\n"
+                "return len(open('/etc/passwd').read())")
+        outcome = run(body)
+        assert outcome.kind == "refused" and "open('/etc/passwd') is not allowed" in outcome.error
+
+    @pytest.mark.parametrize("body", ["f = lambda: 0\nf.__code__ = (lambda: 1).__code__",
+                                      "code = (lambda: 0).__code__.replace(co_consts=(1,))"])
+    def test_no_new_bytecode(self, body: str) -> None:
+        outcome = run(body + "\nreturn 1.0")
+        assert outcome.kind == "refused" and "no new bytecode" in outcome.error
+
+    def test_gc_cannot_be_imported_to_find_the_hook(self) -> None:
+        assert "import of 'gc' is not allowed" in run("import gc\nreturn 1.0").error
+
     def test_a_refusal_fails_one_call_and_the_next_grades(self) -> None:
         assert run("os.fork()").score is None
         assert run("return 0.25").score == 0.25

@@ -37,7 +37,7 @@ class GraderRun(BaseModel):
 
 
 @router.post("/validate", summary="fine_tuning.alpha.graders.validate")
-def validate_grader(body: GraderValidate, caller: CallerDep) -> dict[str, Any]:
+def validate_grader(body: GraderValidate, caller: CallerDep) -> dict[str, Any]:  # caller: a key of a project
     return {"grader": service.check(body.grader)}
 
 

@@ -120,6 +120,12 @@ class Settings(BaseSettings):
     tokenizer_budget_s: float = Field(default=60.0, gt=0)
     """Seconds one tokenizing request may hold a process: past it the process is killed and
     replaced and the request answers 422 naming the line it was on."""
+    grader_cpu_s: int = Field(default=10, ge=1)
+    """CPU seconds one python grader's ``grade`` call may use (``graders.run``; docs/graders.md)."""
+    grader_wall_s: float = Field(default=20.0, gt=0)
+    """Seconds one python grader's call may take, its interpreter's start included; then it is killed."""
+    grader_memory_mib: int = Field(default=1024, ge=64)
+    """Address space of one python grader's process, in MiB: past it an allocation fails."""
     record_max_messages: int = Field(default=10_000, ge=1)
     """Messages one chat record may have (a preference record's input and outputs together);
     checked before it is tokenized, a record over it is a 422 naming its line."""

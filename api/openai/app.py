@@ -16,6 +16,7 @@ from api.docs_ui import add_docs_pages
 from api.inputs import check_request_text
 from api.openai.errors import add_openai_exception_handlers
 from api.openai.files import router as files_router
+from api.openai.graders import router as graders_router
 from api.openai.jobs import router as jobs_router
 
 PREFIX = "/openai/v1"
@@ -35,4 +36,5 @@ def create_openai_app() -> FastAPI:
     add_openai_exception_handlers(app)
     app.include_router(files_router)
     app.include_router(jobs_router)
+    app.include_router(graders_router)
     return app

@@ -27,7 +27,9 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     (``api.models.fit``); ``test_models_fit`` checks that computing it imports no torch.
     ``trainer.objectives`` is the objectives' registry (its torch-free part): the spec's objectives,
     ``MetricOut``'s fields and the charts. ``trainer.generate.job_config``, ``outputs`` and ``prompts``
-    are a generation job's job.json, its output files and its prompts file (standard library only)."""
+    are a generation job's job.json, its output files and its prompts file (standard library only).
+    ``trainer.graders`` are the graders ``graders.run`` runs (standard library; only
+    ``judge.engine_judge`` imports the sampler, when it is called)."""
     code = (
         "import sys; from api.app import create_app; create_app(); "
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
@@ -38,7 +40,11 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
                                                    "trainer.plan.memory", "trainer.objectives",
                                                    "trainer.objectives.registry", "trainer.objectives.declarations",
                                                    "trainer.generate", "trainer.generate.job_config",
-                                                   "trainer.generate.outputs", "trainer.generate.prompts"}
+                                                   "trainer.generate.outputs", "trainer.generate.prompts",
+                                                   "trainer.graders", "trainer.graders.errors", "trainer.graders.formula",
+                                                   "trainer.graders.judge", "trainer.graders.run",
+                                                   "trainer.graders.sandbox", "trainer.graders.spec",
+                                                   "trainer.graders.template", "trainer.graders.text"}
 
 
 def test_sse_event_format() -> None:

@@ -59,12 +59,14 @@ browser:
 
 # pytest exits 5 when it collected no test: that fails `make test` like any other non-zero code
 # (pytest-xdist keeps that exit code). TEST_WORKERS processes share the suite, a module per worker
-# at a time (--dist loadscope), so a module's stack starts once: most of the suite waits on
-# subprocesses (servers, workers, trainers), so three workers keep two cores busy. TEST_WORKERS=0
-# runs it in one process.
+# at a time (--dist loadfile), so a module's stack or module-scoped launch starts once: loadscope
+# would hand each test class to a worker of its own, and every worker that got a class of a module
+# started that module's fixtures again (test_distributed_runs: 93 s of tests alone, 210 s on 2
+# loadscope workers). Most of the suite waits on subprocesses (servers, workers, trainers), so
+# three workers keep two cores busy. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 test: install-dev services browser
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
 test-fast: install-dev

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,28 @@ def model_root(tmp_path: Path, _tiny_model_template: Path) -> Path:
     root = tmp_path / "models"
     shutil.copytree(_tiny_model_template, root / "tiny")
     return root
+
+
+FOLDER_UNITS = ("tests/integration/browser/",)
+"""Folders whose modules share one package-scoped stack (their ``__init__.py`` makes them a
+package): pytest-xdist hands each to one worker whole, so the stack starts once per run."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (``make test``) with the ``FOLDER_UNITS`` each one unit of work: a module
+    per worker at a time, so a module's fixtures start once (loadscope would split its classes over
+    workers, each starting them again), and a folder's package fixtures too."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FolderUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            folder = next((f for f in FOLDER_UNITS if nodeid.startswith(f)), None)
+            return folder or super()._split_scope(nodeid)
+
+    return FolderUnits(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -3,6 +3,11 @@
 ``dashboard_stack``: ``ftq up`` on the embedded default (SQLite store, SQLAlchemy broker, one
 CPU worker) in a tmp data dir, with a model root holding a copy of ``tiny_llama``
 (tests/fixtures/training_inputs.py). The process handling (``Stack``) is tests/fixtures/stack.py.
+One for the whole folder, with the Chromium: package scope (``__init__.py`` makes the folder a
+package), and ``make test`` hands the folder to one pytest-xdist worker whole (``FOLDER_UNITS`` in
+tests/conftest.py). Starting ``ftq up`` costs ~13 s of CPU; it was once per module. So a module
+finds the jobs, users, projects and pulled models of the modules before it: each test checks
+what it made, never that a list holds only that.
 
 ``browser``: Debian's ``/usr/bin/chromium`` (or ``FTQ_TEST_CHROMIUM``) driven by the Python
 ``playwright`` package through its executable path; nothing is downloaded. Without a
@@ -58,7 +63,7 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def dashboard_stack(tmp_path_factory: pytest.TempPathFactory, chromium_path: str, tiny_llama: Path) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("dashboard")
     models = base / "models"
@@ -78,13 +83,13 @@ def dashboard_stack(tmp_path_factory: pytest.TempPathFactory, chromium_path: str
         stack.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def api(dashboard_stack: Stack) -> Iterator[httpx.Client]:
     with dashboard_stack.client() as client:
         yield client
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def browser(chromium_path: str) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 

@@ -23,6 +23,10 @@ pytestmark = pytest.mark.integration
 
 GPU_FIELDS = ("gpu_mem_allocated", "gpu_mem_reserved", "gpu_mem_peak")
 LONG = {**SHORT, "max_steps": 100_000}
+postgres_only = pytest.mark.parametrize("stack", ["postgres"], indirect=True)
+"""For a test whose store side runs on both stores elsewhere (its docstring says where): CI is
+CPU-bound, and each of these trains a job of its own (a trainer process importing torch, peft and
+transformers). The PostgreSQL stack is the production one: API and worker apart, Redis between."""
 
 
 # peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
@@ -129,7 +133,12 @@ def test_cancel_a_queued_job_and_a_running_one(stack, chat_dataset: Path):
         assert not (stack.data_dir / "jobs" / waiting["id"] / "job.json").exists()
 
 
+@postgres_only
 def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, chat_dataset: Path, tmp_path: Path):
+    """PostgreSQL only: a failed job's task ends as a finished one does (worker/tasks.py), so the
+    embedded broker's side is the success test's; the failure's store side on SQLite is
+    tests/unit/worker (crash -> failed with the stderr tail), and the CLI with the key ``ftq up``
+    saved is tests/integration/e2e/test_readme_quickstart.py."""
     with stack.client() as client:
         broken = submit(client, upload(client, chat_dataset), model=stack.corrupt_model)
 
@@ -138,10 +147,7 @@ def test_a_crashing_trainer_fails_the_job_and_the_worker_takes_the_next(stack, c
         job_file = tmp_path / "job.yaml"
         job_file.write_text(json.dumps({"model": stack.model, "training_file": str(chat_dataset),
                                         "hyperparameters": {**SHORT, "max_steps": 5}}))
-        # The embedded stack's CLI finds its key in the config file the first `ftq up` wrote.
-        env = {**stack.env, "FTQ_API_URL": stack.url}
-        if stack.name != "embedded":
-            env["FTQ_API_KEY"] = stack.api_key
+        env = {**stack.env, "FTQ_API_URL": stack.url, "FTQ_API_KEY": stack.api_key}
         cli = subprocess.run([sys.executable, "-m", "cli", "submit", str(job_file), "--follow"],
                              env=env, capture_output=True, text=True, timeout=300)
 
@@ -176,8 +182,11 @@ def test_only_the_first_ftq_up_makes_an_admin_and_prints_its_key_once(stack):
     assert (me["name"], me["is_admin"]) == ("admin", True)
 
 
+@postgres_only
 def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_path: Path):
-    """``ftq users create`` prints a working key once; owners and admins act, others get 403."""
+    """``ftq users create`` prints a working key once; owners and admins act, others get 403.
+    PostgreSQL only: the client commands speak HTTP alone; ``ftq users create|revoke`` on SQLite is
+    tests/unit/cli/test_cli_users.py, the 403s on both stores tests/integration/test_api_auth.py."""
     alice, bob = stack.create_user("alice", "--max-running", "2"), stack.create_user("bob")
     listed = stack.ftq("users", "list")
     assert listed.returncode == 0 and "alice" in listed.stdout and alice not in listed.stdout
@@ -211,12 +220,12 @@ def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_
         wait_job(as_alice, job["id"], lambda j: j["status"] == "cancelled", what="cancelled")
 
 
+@postgres_only
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_a_finished_job_exports_a_portable_adapter_a_merged_model_and_a_gguf(stack, chat_dataset: Path, tmp_path: Path):
     """The adapter zip loads in a fresh process that knows only the base's name; the merged export
-    and the GGUF (in llama.cpp) give the adapter's greedy tokens; the CLI downloads the GGUF."""
-    if stack.name != "postgres":  # CI time (66 s): the export's store side runs on both stores in test_api_exports
-        pytest.skip("the export round trip runs on the PostgreSQL stack only")
+    and the GGUF (in llama.cpp) give the adapter's greedy tokens; the CLI downloads the GGUF.
+    PostgreSQL only: the export's store side runs on both stores in tests/integration/test_api_exports.py."""
     from tests.fixtures.exports import fresh_process_greedy, llama_cpp_greedy, wait_export
 
     with stack.client() as client:
@@ -265,10 +274,10 @@ def _preference_dataset(path: Path) -> Path:
 
 
 # peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
+@postgres_only
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_a_dpo_job_trains_to_success_with_its_reward_metrics(stack, tmp_path: Path):
-    if stack.name != "postgres":  # CI time: the path is the SFT job's; SQLite's DPO columns: test_api_jobs_dpo
-        pytest.skip("the DPO job runs on the PostgreSQL stack only")
+    """PostgreSQL only: the path is the SFT job's; SQLite's DPO columns: tests/integration/test_api_jobs_dpo.py."""
     with stack.client() as client:
         file_id = upload(client, _preference_dataset(tmp_path / "pairs.jsonl"))
         assert client.get(f"/v1/files/{file_id}").json()["format"] == "preference"
@@ -300,11 +309,15 @@ def _upload_records(client: httpx.Client, records: list[dict[str, Any]], purpose
     return response.json()["id"]
 
 
+@postgres_only
 def test_preflight_refuses_an_all_masked_set_and_a_non_finite_job_fails_keeping_its_checkpoint(stack):
     """Issue 14's guards through the real service: an all-masked dataset is a 422 at the door; a
     model whose embeddings turn some records' loss NaN (tests/poison.py) skips those steps, fails
     ``non_finite`` at max_non_finite_steps naming the first, keeps its checkpoints (the newest holds
-    the last good weights), and its eval rows and greedy samples were stored on the way."""
+    the last good weights), and its eval rows and greedy samples were stored on the way.
+    PostgreSQL only: the guards are the trainer's; on both stores, the 422 is
+    tests/integration/test_api_jobs_preflight.py and the skip, eval and sample rows and the summary
+    its ``TestResults``."""
     from tests.fixtures.stack import POISONED_MODEL
     from tests.poison import records, seed_with_order
 

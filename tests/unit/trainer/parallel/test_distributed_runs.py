@@ -1,5 +1,7 @@
 """Two ranks (torchrun, gloo on the CPU) train as one process does with the same global batch,
 and a checkpoint of two ranks resumes on one and on four (and a one-process full checkpoint on two).
+The LoRA runs also sample greedy answers at each checkpoint (``SAMPLES``): under FSDP2 every rank
+runs the sampler's forwards in step, and rank 0's samples are the one process's.
 
 The same tiny job (``gpus: 2`` x ``grad_accum: 2`` micro-batches per step) runs once as a single
 process, which accumulates all four micro-batches, and once under ``torchrun
@@ -46,6 +48,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 5e-6
 RESUME_AT = CHECKPOINT_EVERY
+PROMPTS = ("What is 4 plus one?", "Say something.", "What is 2 plus 2?")
+SAMPLES = {"sample_prompts": PROMPTS, "sample_max_new_tokens": 12}
+"""The LoRA runs' checkpoint samples. Under FSDP2 each of the sampler's forwards all-gathers the
+sharded base: a rank that ran one forward fewer would hang the other (the launch's timeout would
+fail the test). The weights of the runs agree within ``WEIGHT_ATOL``, far from moving any greedy
+choice of these prompts."""
 
 
 class _Runs:
@@ -58,7 +66,8 @@ class _Runs:
     def get(self, method: str, ranks: int) -> Finished:
         key = (method, ranks)
         if key not in self._done:
-            job = write_job(self.root / f"{method}-{ranks}", self.model_dir, method)
+            job = write_job(self.root / f"{method}-{ranks}", self.model_dir, method,
+                            **(SAMPLES if method == "lora" else {}))
             run = launch(job, ranks)
             assert run.returncode == 0 and run.done["status"] == "succeeded", (run.done, run.stderr[-3000:])
             self._done[key] = run
@@ -76,6 +85,15 @@ def _assert_same_curve(run: Finished, reference: Finished, steps: range) -> None
     for step in steps:
         for field in ("loss", "grad_norm"):
             assert got[step][field] == pytest.approx(want[step][field], rel=LOSS_RTOL), (step, field)
+
+
+def _assert_same_samples(run: Finished, reference: Finished) -> None:
+    got, want = run.of("sample"), reference.of("sample")
+    assert [e["step"] for e in got] == [e["step"] for e in want] == list(range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
+    for event in got:
+        assert [s["prompt"] for s in event["samples"]] == list(PROMPTS)
+        assert all(s["tokens"] > 0 for s in event["samples"])
+    assert [e["samples"] for e in got] == [e["samples"] for e in want]
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
@@ -181,10 +199,11 @@ class TestLoraOverAShardedBase:
         from torch.distributed.checkpoint import FileSystemReader
 
         one = runs.get("lora", 1)
-        two = launch(write_job(tmp_path, tiny_model_dir, "lora"), 2, fsdp2=True)
+        two = launch(write_job(tmp_path, tiny_model_dir, "lora", **SAMPLES), 2, fsdp2=True)
         assert two.done["status"] == "succeeded", (two.done, two.stderr[-3000:])
         decision = next(d for d in two.of("plan")[0]["decisions"] if d["name"] == "parallelism")
         assert decision["backend"] == "fsdp2"
+        _assert_same_samples(two, one)
         _assert_same_curve(two, one, range(1, STEPS + 1))
         _assert_same_weights(weights(layout.export_dir(two.out, "lora")), weights(layout.export_dir(one.out, "lora")))
         shards = layout.sharded_state_dir(layout.checkpoint_dir(two.out, RESUME_AT))

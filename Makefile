@@ -62,11 +62,13 @@ browser:
 # at a time (--dist loadfile), so a module's stack or module-scoped launch starts once: loadscope
 # would hand each test class to a worker of its own, and every worker that got a class of a module
 # started that module's fixtures again (test_distributed_runs: 93 s of tests alone, 210 s on 2
-# loadscope workers). Most of the suite waits on subprocesses (servers, workers, trainers), so
-# three workers keep two cores busy. TEST_WORKERS=0 runs it in one process.
+# loadscope workers). The long modules go out first (tests/conftest.py's HEAVY_FIRST sets the
+# collection order; --no-loadscope-reorder keeps it instead of xdist's most-tests-first), so the
+# run does not end on one of them alone. Most of the suite waits on subprocesses (servers,
+# workers, trainers), so three workers keep two cores busy. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 test: install-dev services browser
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The inner loop: no slow or integration tests, no services (under two minutes on 2 cores).
 test-fast: install-dev

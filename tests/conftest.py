@@ -65,6 +65,33 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return FolderUnits(config, log)
 
 
+HEAVY_FIRST = (
+    "tests/netns/test_netns_machines.py",
+    "tests/integration/e2e/test_jobs_e2e.py",
+    "tests/unit/trainer/parallel/test_distributed_runs.py",
+    "tests/integration/e2e/test_multi_machine_e2e.py",
+    "tests/integration/e2e/test_generate_e2e.py",
+    "tests/integration/browser/",
+    "tests/integration/e2e/",
+    "tests/faults/",
+    "tests/netns/",
+    "tests/unit/trainer/parallel/",
+)
+"""Where the run's long modules are (tens of seconds to minutes each, few tests): ``make test`` hands
+them out first (``--no-loadscope-reorder`` keeps the collection order, which
+``pytest_collection_modifyitems`` sets), so the last minutes are not one of them on one worker
+while the others idle; xdist's own order (most tests first) puts such modules last."""
+
+
+def _heaviness(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(HEAVY_FIRST) if nodeid.startswith(prefix)), len(HEAVY_FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getvalue("dist") == "loadfile":
+        items.sort(key=lambda item: _heaviness(item.nodeid))  # stable: a module's own order stays
+
+
 def pytest_configure(config: pytest.Config) -> None:
     try:  # the GPU image runs tests/gpu without the service's packages
         import sqlalchemy  # noqa: F401

@@ -18,9 +18,11 @@ class Job(Base):
     job_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16), index=True, default=JobStatus.queued.value)
-    kind: Mapped[str] = mapped_column(String(16), default="train", server_default="train")
+    kind: Mapped[str] = mapped_column(String(16), server_default="train")
     """``train`` (``spec``: ``core.jobs.spec.JobSpec``) or ``generate`` (``core.jobs.generate_spec.GenerateSpec``:
-    ``training_file_id`` holds its prompts file, ``method`` reads ``generate``)."""
+    ``training_file_id`` holds its prompts file, ``method`` reads ``generate``). A server default only
+    (no Python-side one): an INSERT that does not name it (the migration tests' rows written at
+    revisions before it) leaves it to the store; ``core.jobs.service`` names it for new jobs."""
     model: Mapped[str] = mapped_column(String(512))
     method: Mapped[str] = mapped_column(String(16))
     spec: Mapped[dict[str, Any]] = mapped_column(JSONType)

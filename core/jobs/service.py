@@ -176,6 +176,7 @@ def _queued_job(spec: AnySpec, job_id: str, *, settings: Settings, owner_id: str
     now = utcnow()
     return Job(
         job_id=job_id,
+        kind="train",
         name=spec.name,
         status=JobStatus.queued.value,
         model=spec.model,

@@ -28,5 +28,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('job', schema=None) as batch_op:
-        batch_op.drop_column('kind')
+    # Not a batch operation: on SQLite a batch copies the job table and drops the old one, which
+    # deletes every job_event row by its ON DELETE CASCADE; DROP COLUMN (SQLite 3.35+) does not.
+    op.drop_column('job', 'kind')

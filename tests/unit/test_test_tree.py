@@ -150,3 +150,14 @@ def test_the_fixture_check_finds_copies_to_the_letter_and_alike_but_for_values(t
                          + "\n@pytest.fixture\ndef short(tmp):\n    return tmp / 'y'\n",
     })
     assert duplicated_fixtures(root) == ["a/conftest.py::same ~ conftest.py::one", "b/conftest.py::data ~ c/conftest.py::dataset"]
+
+
+def test_no_two_test_modules_outside_packages_share_a_file_name() -> None:
+    """pytest imports a test module outside a package by its file name alone, so two
+    ``test_spec.py`` in two folders fail the whole run's collection ("import file mismatch") as
+    soon as one process collects both: something a run of one folder never shows."""
+    seen: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        if not (path.parent / "__init__.py").exists():
+            seen.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    assert not {name: where for name, where in seen.items() if len(where) > 1}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -49,6 +50,23 @@ def call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.R
                        "or set FTQ_API_URL") from exc
     check(response)
     return response
+
+
+def download(client: httpx.Client, path: str, out: Path) -> None:
+    """Stream ``GET path`` to ``out``, through ``out.part`` renamed when complete (an API error: a
+    ``CliError``, and no file left)."""
+    part = out.with_name(out.name + ".part")
+    try:
+        with client.stream("GET", path) as response:
+            if not response.is_success:
+                response.read()
+                check(response)
+            with part.open("wb") as f:
+                for chunk in response.iter_bytes():
+                    f.write(chunk)
+        part.replace(out)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def check(response: httpx.Response) -> None:

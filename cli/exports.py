@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from cli.client import call, connect
+from cli.client import download as client_download
 from cli.errors import CliError
 from trainer.catalog import DEFAULT_QUANTIZATION, EXPORT_FORMATS, QUANTIZATIONS
 
@@ -81,18 +82,7 @@ def default_name(export: dict[str, Any]) -> str:
 
 def download(client: httpx.Client, export: dict[str, Any], out: Path) -> None:
     """Stream the export to ``out`` (through ``out.part``, renamed when complete)."""
-    part = out.with_name(out.name + ".part")
-    try:
-        with client.stream("GET", export["download_url"]) as response:
-            if not response.is_success:
-                response.read()
-                call(client, "GET", export["download_url"])  # raises the API's error as a CliError
-            with part.open("wb") as f:
-                for chunk in response.iter_bytes():
-                    f.write(chunk)
-        part.replace(out)
-    finally:
-        part.unlink(missing_ok=True)
+    client_download(client, export["download_url"], out)
 
 
 def run_exports(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import httpx
 
 from cli import config
 from cli.client import call, connect
+from cli.client import download as client_download
 from cli.errors import CliError
 from cli.jobs import FILE_ID, follow, prompts_cell, upload
 
@@ -98,18 +99,7 @@ def download(client: httpx.Client, job_id: str, out: Path) -> None:
     if str(out) == "-":
         print(call(client, "GET", f"/v1/jobs/{job_id}/completions").text, end="")
         return
-    part = out.with_name(out.name + ".part")
-    try:
-        with client.stream("GET", f"/v1/jobs/{job_id}/completions") as response:
-            if not response.is_success:
-                response.read()
-                call(client, "GET", f"/v1/jobs/{job_id}/completions")  # raises the API's error as a CliError
-            with part.open("wb") as f:
-                for chunk in response.iter_bytes():
-                    f.write(chunk)
-        part.replace(out)
-    finally:
-        part.unlink(missing_ok=True)
+    client_download(client, f"/v1/jobs/{job_id}/completions", out)
 
 
 def run_completions(args: argparse.Namespace) -> int:

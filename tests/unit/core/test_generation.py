@@ -4,7 +4,6 @@ model references resolve to the weights the worker loads, and the worker's job.j
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import migrate
-from core.db import make_engine, make_sessionmaker, new_id, utcnow
+from core.db import new_id, utcnow
 from core.errors import InvalidInput
 from core.files.models import File
 from core.jobs import artifact_store, generation, rerun, service
@@ -57,18 +55,6 @@ class TestGenerateSpec:
     def test_a_clone_of_a_stored_generation_spec_is_a_generation_spec(self) -> None:
         clone = rerun.cloned_spec(_spec(sampling={"seed": 4}).to_stored(), {"sampling": {"n": 2}, "name": "again"})
         assert isinstance(clone, GenerateSpec) and (clone.sampling.n, clone.sampling.seed, clone.name) == (2, 4, "again")
-
-
-@pytest.fixture
-def box(tmp_path: Path) -> tuple[sessionmaker, Settings]:
-    url = f"sqlite:///{tmp_path / 'ftq.db'}"
-    migrate.upgrade(url)
-    engine = make_engine(url)
-    (tmp_path / "models" / "tiny").mkdir(parents=True)
-    (tmp_path / "models" / "tiny" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    yield make_sessionmaker(engine), Settings(data_dir=tmp_path, model_root=tmp_path / "models",
-                                              allow_hub_models=False).resolved()
-    engine.dispose()
 
 
 class Ports:

@@ -3,16 +3,13 @@ path (access, preflight, record and commit, then wake and notify) and what a ref
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from core import migrate
-from core.db import make_engine, make_sessionmaker, new_id, utcnow
+from core.db import new_id, utcnow
 from core.errors import Forbidden, InvalidInput
 from core.files.models import File
 from core.jobs import service
@@ -49,18 +46,6 @@ class Ports:
 
     async def notify(self, job_id: str, seq: int) -> None:
         self.calls.append(("notify", seq))
-
-
-@pytest.fixture
-def box(tmp_path: Path) -> tuple[sessionmaker, Settings]:
-    url = f"sqlite:///{tmp_path / 'ftq.db'}"
-    migrate.upgrade(url)
-    engine = make_engine(url)
-    (tmp_path / "models" / "tiny").mkdir(parents=True)
-    (tmp_path / "models" / "tiny" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    yield make_sessionmaker(engine), Settings(data_dir=tmp_path, model_root=tmp_path / "models",
-                                              allow_hub_models=False).resolved()
-    engine.dispose()
 
 
 def owner_with_file(sessions: sessionmaker, name: str) -> tuple[Caller, str]:

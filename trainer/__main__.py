@@ -99,6 +99,9 @@ def _run(job_path: str) -> int:
             steps=0,
         )
         return 1
+    from trainer.model.imports import skip_bitsandbytes
+
+    skip_bitsandbytes(quantized=config.method == "qlora")  # before anything imports peft
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -34,6 +34,9 @@ def main(args: argparse.Namespace) -> int:
         config = GenerateConfig.load(args.job)
     except (OSError, ValueError, TypeError) as exc:
         return _failed(emit, "config_error", f"{args.job}: {exc}")
+    from trainer.model.imports import skip_bitsandbytes
+
+    skip_bitsandbytes(quantized=False)  # bases load in bf16/fp32; before anything imports peft
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

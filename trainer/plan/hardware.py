@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import PlanError
+from trainer.model.imports import installed
 
 # Dense bf16 tensor-core peak in FLOP/s by GPU name, from the vendors' data sheets (no sparsity).
 # Matched by substring in order, so the more specific names come first.
@@ -187,7 +188,7 @@ def _common_facts(use_cuda: bool) -> dict[str, Any]:
         "triton": _importable("triton"),
         "attention_kernels": tuple(kernels),
         "varlen_options": varlen_options or (),
-        "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None,
+        "bitsandbytes": installed("bitsandbytes"),  # metadata: a LoRA run marks the module absent
         "cpu_count": os.cpu_count() or 1,
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,

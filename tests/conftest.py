@@ -102,3 +102,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "filterwarnings", "ignore:The ``noload`` loader strategy is deprecated:sqlalchemy.exc.SADeprecationWarning"
     )
+
+
+CPU_REPORT = os.environ.get("FTQ_TEST_CPU_REPORT")
+"""A file each test's CPU seconds are appended to (``nodeid<TAB>seconds``), when set: the test
+process's own user+system time plus its finished children's (subprocesses it waited for:
+trainers, torchrun, stacks), i.e. what the test costs the machine, which on a loaded 2-core box
+its wall time (``--durations``, junit) does not tell. A module's fixtures count in its first test."""
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if not CPU_REPORT:
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    with open(CPU_REPORT, "a", encoding="utf-8") as report:
+        report.write(f"{item.nodeid}\t{_cpu_seconds() - start:.2f}\n")

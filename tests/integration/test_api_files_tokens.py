@@ -170,18 +170,19 @@ def _spinning_template(settings: Settings) -> None:
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}")
 
 
-@pytest.mark.slow  # ~50 s: two 20 s budgets run out one after the other
+@pytest.mark.slow  # ~25 s: two 10 s budgets run out one after the other
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the pool's fairness, not the store's
 def test_a_slow_request_does_not_hold_back_another_users(store, settings: Settings) -> None:
     """Alice asks twice for a record that takes longer than any budget, then Bob for a small file:
     Bob is answered while Alice's second request still waits or runs, and each of Alice's answers
-    422 naming the line; her next small request gets a fresh worker. The budget (20 s) only has to
-    outlast Bob's small request on a warm pool, whatever the machine's load."""
+    422 naming the line; her next small request gets a fresh worker. The budget (10 s) only has to
+    outlast Bob's small request on a warm pool (milliseconds; seconds on a loaded 2-core machine),
+    and each budget spins a core, so it is kept short."""
     from api.app import create_app
 
     _spinning_template(settings)
     alice, bob = make_user(store, "alice"), make_user(store, "bob")
-    slow = settings.model_copy(update={"tokenizer_workers": 2, "tokenizer_budget_s": 20.0})
+    slow = settings.model_copy(update={"tokenizer_workers": 2, "tokenizer_budget_s": 10.0})
     with TestClient(create_app(slow)) as client:
         spinning = {"messages": [{"role": "user", "content": SPIN}, {"role": "assistant", "content": "ok"}]}
         huge = _upload_as(client, alice, [spinning])

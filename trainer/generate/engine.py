@@ -8,6 +8,11 @@ own. Logits are computed only for the tokens that sample (``logits_to_keep``); t
 ``trainer.generate.sampling``'s. Each step reads its tokens back to the host once (one sync per
 forward, not per sequence) to decide who finishes and who is admitted.
 
+Attention: the ``torch`` backend (the reference, the CPU path) or, on CUDA, ``triton`` (a decode
+kernel reading the cache in place, SDPA for prompts); ``attention_backend`` or the
+``FTQ_SAMPLER_ATTENTION`` environment variable picks, default ``auto`` (see
+``trainer.generate.attention``).
+
 The cache is allocated on the first call and kept for later calls of the same shape and dtype
 (``release()`` frees it): no step allocates one.
 
@@ -23,6 +28,7 @@ keeps the ranks' outputs equal.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,12 +37,15 @@ from typing import Any
 import torch
 
 from trainer.features.attention.packed import unwrap_model
-from trainer.generate.attention import StepState, sampler_attention
+from trainer.generate.attention import StepState, choose_backend, sampler_attention
 from trainer.generate.cache import KVCache
 from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
 from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
 from trainer.generate.scheduler import Scheduler, StepPlan
 from trainer.generate.stopping import Stopper, eos_ids
+
+BACKEND_ENV = "FTQ_SAMPLER_ATTENTION"
+"""Names the sampler's attention backend where ``Engine`` is given none (``torch`` forces the reference)."""
 
 
 @dataclass
@@ -62,12 +71,19 @@ class Engine:
         cache_dtype: of the cached keys and values; default autocast's dtype when it is on around
             ``generate``, else the input embeddings' dtype (a call in another dtype reallocates).
         agree: ``tokens -> tokens`` applied to each step's drawn tokens (see the module docstring).
+        attention_backend: ``auto``, ``torch`` or ``triton`` (``trainer.generate.attention``'s
+            ``BACKENDS``); default the ``FTQ_SAMPLER_ATTENTION`` environment variable, else ``auto``
+            (``triton`` on CUDA where Triton imports, else ``torch``). ``self.backend`` is the choice.
+
+    Raises:
+        ValueError: a size below its least, or a backend that is unknown or cannot run here.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, slots: int = 8, max_len: int = 2048,
                  max_batch_tokens: int = 4096, device: torch.device | None = None,
                  cache_dtype: torch.dtype | None = None,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 attention_backend: str | None = None) -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
@@ -82,6 +98,8 @@ class Engine:
         self.eos = eos_ids(tokenizer, getattr(lm, "generation_config", None))
         self.cache: KVCache | None = None
         self.stats = EngineStats()
+        requested = attention_backend or os.environ.get(BACKEND_ENV) or "auto"
+        self.backend = choose_backend(requested, self.device)
 
     def generate(self, requests: Seq[Request]) -> list[Result]:
         """Complete every request; results in request order.
@@ -134,7 +152,7 @@ class Engine:
         if not plan.sampled:
             return
         active = _active_adapter(self.model) if any(a is not None for a in plan.adapters) else None
-        state = StepState.build(cache, plan.segments, self.device)
+        state = StepState.build(cache, plan.segments, self.device, self.backend)
         logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1
         self.stats.forward_tokens += len(plan.input_ids)

@@ -74,7 +74,7 @@ class Group:
     kv_len: int
     """Keys read per sequence: the largest position of the group plus one (host)."""
     lengths: torch.Tensor
-    """[S] int32 each sequence's keys after this step (its last position plus one)."""
+    """[S] int32 (int64 in ``engine.DecodeGraphs``) each sequence's keys after this step (last position + 1)."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from trainer.features.attention.packed import unwrap_model
-from trainer.generate.attention import StepState, choose_backend, sampler_attention
+from trainer.generate.attention import Group, StepState, choose_backend, sampler_attention
 from trainer.generate.cache import KVCache
 from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
 from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
@@ -53,6 +53,8 @@ class EngineStats:
     """What the engine has run since it was made (tests and logs)."""
 
     forwards: int = 0
+    graph_replays: int = 0
+    """Forwards run by replaying a captured CUDA graph (``cuda_graphs``)."""
     forward_tokens: int = 0
     """Tokens fed through the model (prompts once, then one per decoding sequence and step)."""
     caches_allocated: int = 0
@@ -74,6 +76,10 @@ class Engine:
         attention_backend: ``auto``, ``torch`` or ``triton`` (``trainer.generate.attention``'s
             ``BACKENDS``); default the ``FTQ_SAMPLER_ATTENTION`` environment variable, else ``auto``
             (``triton`` on CUDA where Triton imports, else ``torch``). ``self.backend`` is the choice.
+        cuda_graphs: replay a captured CUDA graph for each decode-only step (every sequence of the
+            step decoding one token, no adapter named, no fork): one graph per batch-size bucket
+            (``GRAPH_BUCKETS`` up to ``slots``), the step padded to its bucket (``DecodeGraphs``).
+            Needs the ``triton`` backend; the cache gets one scratch slot for the padding.
 
     Raises:
         ValueError: a size below its least, or a backend that is unknown or cannot run here.
@@ -83,7 +89,7 @@ class Engine:
                  max_batch_tokens: int = 4096, device: torch.device | None = None,
                  cache_dtype: torch.dtype | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None, cuda_graphs: bool = False) -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
@@ -100,6 +106,10 @@ class Engine:
         self.stats = EngineStats()
         requested = attention_backend or os.environ.get(BACKEND_ENV) or "auto"
         self.backend = choose_backend(requested, self.device)
+        if cuda_graphs and self.backend != "triton":
+            raise ValueError(f"cuda_graphs needs the triton attention backend on CUDA (got {self.backend} on "
+                             f"{self.device}); pass cuda_graphs=False")
+        self.graphs: DecodeGraphs | None = DecodeGraphs(slots) if cuda_graphs else None
 
     def generate(self, requests: Seq[Request]) -> list[Result]:
         """Complete every request; results in request order.
@@ -143,8 +153,11 @@ class Engine:
             dtype = torch.get_autocast_dtype(self.device.type) if autocast else self._embed_dtype
         cache = self.cache
         if cache is None or cache.keys_SHLD[0].dtype != dtype:
-            self.cache = cache = KVCache.for_model(self.config, self.slots, self.max_len, dtype, self.device)
+            slots = self.slots + (self.graphs is not None)
+            self.cache = cache = KVCache.for_model(self.config, slots, self.max_len, dtype, self.device)
             self.stats.caches_allocated += 1
+            if self.graphs is not None:
+                self.graphs.reset()
         return cache
 
     def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
@@ -152,8 +165,12 @@ class Engine:
         if not plan.sampled:
             return
         active = _active_adapter(self.model) if any(a is not None for a in plan.adapters) else None
-        state = StepState.build(cache, plan.segments, self.device, self.backend)
-        logits_RV = self._forward(plan, state, active)
+        if self.graphs is not None and active is None and self.graphs.takes(plan):
+            logits_RV = self.graphs.run(self.model, cache, plan)
+            self.stats.graph_replays += 1
+        else:
+            state = StepState.build(cache, plan.segments, self.device, self.backend)
+            logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1
         self.stats.forward_tokens += len(plan.input_ids)
         for source, targets, length in plan.forks:
@@ -200,6 +217,81 @@ class Engine:
             for p, t, c, v, i in zip(params, tokens, chosen, vals, ids)
         ]
         return tokens, logprobs
+
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+"""Decode batch sizes a graph is captured for (then multiples of 64): a step pads to the next one."""
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode-only forward, one per batch-size bucket, captured on first use.
+
+    A graph's inputs are static tensors (token ids, slots, positions, lengths of ``bucket``
+    sequences); a step copies its values in with one host-to-device copy and replays. Padding
+    rows decode at position 0 of the scratch slot ``slots`` (the cache's last), whose contents
+    nobody reads. The decode kernel's split count is sized for the cache's ``max_len`` so the
+    captured launch fits every step. All graphs share one memory pool; a reallocated cache drops
+    them (``reset``).
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        larger = range(GRAPH_BUCKETS[-1] + 64, slots, 64)
+        self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._pool: Any = None
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    def takes(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is a decode-only step (one token per sequence, logits for each, no fork)."""
+        return (not plan.forks and all(count == 1 for _, _, count in plan.segments)
+                and plan.keep == list(range(len(plan.segments))))
+
+    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan) -> torch.Tensor:
+        """The step's logits [B, V] from the bucket's graph (captured first if new)."""
+        count = len(plan.segments)
+        bucket = next(b for b in self.buckets if b >= count)
+        pad = bucket - count
+        slots = [s for s, _, _ in plan.segments] + [self.slots] * pad
+        positions = [p for _, p, _ in plan.segments] + [0] * pad
+        lengths = [p + 1 for p in positions]
+        host = torch.tensor([list(plan.input_ids) + [0] * pad, slots, positions, lengths], dtype=torch.long)
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            entry = self._capture(model, cache, bucket, host)
+        graph, inputs_4B, logits_BV = entry
+        inputs_4B.copy_(host)
+        graph.replay()
+        return logits_BV[:count]
+
+    def _capture(self, model: torch.nn.Module, cache: KVCache, bucket: int, host: torch.Tensor) -> tuple:
+        """Warm the forward up on a side stream, then capture it on ``host``'s values (ids, slots,
+        positions, lengths of ``bucket`` rows) copied to static device tensors."""
+        device = cache.keys_SHLD[0].device
+        inputs_4B = host.to(device)
+        ids_B, slots_B, positions_B, lengths_B = inputs_4B.unbind(0)
+        group = Group(torch.arange(bucket, device=device), slots_B, positions_B.view(bucket, 1),
+                      (bucket, 1), cache.max_len, lengths_B)
+        state = StepState(cache, slots_B, positions_B, (group,), "triton")
+
+        def forward() -> torch.Tensor:
+            return model(input_ids=ids_B.unsqueeze(0), position_ids=positions_B.unsqueeze(0),
+                         use_cache=False, logits_to_keep=0, sampler_state=state).logits[0]
+
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            forward()  # warm-up: Triton compiles, cuBLAS picks; writes the same keys the replay will
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits_BV = forward()
+        self._graphs[bucket] = (graph, inputs_4B, logits_BV)
+        return self._graphs[bucket]
 
 
 def _active_adapter(model: torch.nn.Module) -> str:

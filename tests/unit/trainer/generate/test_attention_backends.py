@@ -6,7 +6,9 @@ in a child process: the interpreter is chosen when kernels are decorated, at imp
 random-weight Llama (GQA) and GPT-OSS (a window of 8 on one layer, sinks drawn non-zero), with a
 LoRA adapter, eight prompts through 3 slots. The prompts from position 0 run SDPA (Llama) or the
 torch path (GPT-OSS's sinks), the decoding steps the kernel. fp32: the tokens must be equal and
-the logprobs within ``LOGPROB_ATOL`` (the same fp32 values summed in another order).
+the logprobs within ``LOGPROB_ATOL`` (the same fp32 values summed in another order). CUDA graphs
+(``engine.DecodeGraphs``) need a GPU to run (tests/gpu/test_sampler_gpu.py); here only their
+buckets, the steps they take and the refusal without the triton backend.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import pytest
 import torch
 
 from trainer.generate.attention import choose_backend
-from trainer.generate.engine import BACKEND_ENV, Engine
+from trainer.generate.engine import BACKEND_ENV, DecodeGraphs, Engine
+from trainer.generate.scheduler import StepPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -55,6 +58,27 @@ class TestChooseBackend:
         with pytest.raises(ValueError, match="flash"):
             Engine(model, tokenizer)
         assert Engine(model, tokenizer, attention_backend="auto").backend == "torch"
+
+
+class TestDecodeGraphs:
+    def test_cuda_graphs_need_the_triton_backend(self) -> None:
+        from tests.fixtures.sampler_models import sampler_model
+
+        model, tokenizer = sampler_model("llama", False)
+        with pytest.raises(ValueError, match="cuda_graphs needs the triton attention backend"):
+            Engine(model, tokenizer, cuda_graphs=True)
+
+    def test_buckets_cover_every_batch_up_to_the_slots(self) -> None:
+        assert DecodeGraphs(3).buckets == [1, 2, 3]
+        assert DecodeGraphs(100).buckets == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+        assert DecodeGraphs(400).buckets[-4:] == [256, 320, 384, 400]
+
+    def test_only_decode_only_steps_replay(self) -> None:
+        graphs = DecodeGraphs(4)
+        decode = StepPlan(input_ids=[5, 6], segments=[(0, 3, 1), (2, 7, 1)], keep=[0, 1], pick=[0, 1])
+        assert graphs.takes(decode)
+        assert not graphs.takes(StepPlan(input_ids=[5, 6, 7], segments=[(0, 3, 1), (1, 0, 2)], keep=[0, 2]))
+        assert not graphs.takes(StepPlan(input_ids=[5], segments=[(0, 3, 1)], keep=[0], forks=[(0, [1], 3)]))
 
 
 @pytest.fixture(scope="module")

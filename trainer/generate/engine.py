@@ -238,7 +238,7 @@ class DecodeGraphs:
         self.slots = slots
         larger = range(GRAPH_BUCKETS[-1] + 64, slots, 64)
         self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
-        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
         self._pool: Any = None
 
     def reset(self) -> None:
@@ -261,7 +261,7 @@ class DecodeGraphs:
         entry = self._graphs.get(bucket)
         if entry is None:
             entry = self._capture(model, cache, bucket, host)
-        graph, inputs_4B, logits_BV = entry
+        graph, inputs_4B, logits_BV, _ = entry
         inputs_4B.copy_(host)
         graph.replay()
         return logits_BV[:count]
@@ -290,7 +290,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits_BV = forward()
-        self._graphs[bucket] = (graph, inputs_4B, logits_BV)
+        # The state is kept with the graph: the replay reads its tensors (rows) at their addresses.
+        self._graphs[bucket] = (graph, inputs_4B, logits_BV, state)
         return self._graphs[bucket]
 
 

@@ -14,7 +14,7 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
   trainer's fused LoRA layers installed (``trainer.features.lora_kernel.fused``); ``slots = B``.
   The speed-up is over the HF row of the same batch (when it ran).
   ``--backend`` picks its attention (``auto``: the Triton decode kernel on CUDA; ``torch``: the
-  reference path, to compare).
+  reference path, to compare); ``--cuda-graphs`` replays captured graphs for its decode steps.
 - ``single stream``: batch 1.
 - ``time to first token``: one ``--ttft-prompt``-token prompt, ``max_tokens=1``, on a warm engine
   (median of 5).
@@ -146,7 +146,7 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
         max_len = max(length + new, args.ttft_prompt + 1) + 1
         for batch in args.batches:
             engine = Engine(model, None, slots=batch, max_len=max_len, max_batch_tokens=args.max_batch_tokens,
-                            attention_backend=args.backend)
+                            attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
             ids = prompts(batch, length, shape.vocab)
             ftq_generate(engine, ids[:, : min(8, length)], 2)  # warm-up: the cache, the kernels
             out, seconds = ftq_generate(engine, ids, new)
@@ -176,7 +176,7 @@ def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, m
     from trainer.generate.engine import Engine
 
     engine = Engine(model, None, slots=1, max_len=max_len, max_batch_tokens=max(args.ttft_prompt, 1),
-                    attention_backend=args.backend)
+                    attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
     ids = prompts(1, args.ttft_prompt, shape.vocab, seed=1)
     ftq_generate(engine, ids, 1)
     times = [ftq_generate(engine, ids, 1)[1] for _ in range(5)]
@@ -201,7 +201,8 @@ def _cold_start(shape: ModelShape, args: argparse.Namespace) -> Row:
     model = attach_lora(model, shape)
     installed = lora_fused.install(model)
     try:
-        engine = Engine(model, None, slots=1, max_len=64, attention_backend=args.backend)
+        engine = Engine(model, None, slots=1, max_len=64, attention_backend=args.backend,
+                        cuda_graphs=args.cuda_graphs)
         ftq_generate(engine, prompts(1, 16, shape.vocab), 1)
         seconds = time.perf_counter() - start
     finally:
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agree-batch", type=int, default=64)
     parser.add_argument("--agree-tokens", type=int, default=128)
     parser.add_argument("--cold-start", action="store_true")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="the sampler's attention backend (auto: triton on CUDA, torch on the CPU)")
     parser.add_argument("--workdir", default="/tmp/ftq-sampler-bench")

@@ -23,7 +23,8 @@ splits the keys; ``KERNEL_BF16_ATOL``: the two round probabilities to bf16 at di
 and the engine's fp32 greedy tokens with ``attention_backend="triton"`` equal to ``"torch"``'s.
 CUDA graphs (``cuda_graphs=True``): the same requests through graphs and eagerly give identical
 tokens and logprobs (the same kernels on the same inputs; padding rows touch only the scratch slot),
-in fp32 and bf16, and the decode steps did replay graphs.
+in fp32 and bf16, and the decode steps did replay graphs (GPT-OSS's fp32 MoE copies from the host
+mid-forward, which a capture refuses: that engine says why and runs eagerly; Llama must replay).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _model(arch: str, lora: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, 
     return sampler_model(arch, lora, dtype, "cuda")
 
 def _sample(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]], lora: bool,
-            backend: str = "auto", graphs: bool = False) -> list:
+            backend: str = "auto", graphs: bool = False, engines: list | None = None) -> list:
     installed = lora_fused.install(model) if lora else None
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, top_logprobs=1)
@@ -67,7 +68,8 @@ def _sample(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]],
         if installed is not None:
             installed.uninstall()
     assert engine.device.type == "cuda" and engine.stats.caches_allocated == 1
-    assert (engine.stats.graph_replays > 0) == graphs
+    if engines is not None:
+        engines.append(engine)
     return [r.completions[0] for r in results]
 
 
@@ -166,7 +168,10 @@ def test_cuda_graph_decoding_gives_the_eager_tokens(arch: str, dtype: torch.dtyp
     model, tokenizer = _model(arch, True, dtype)
     prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
     eager = _sample(model, tokenizer, prompts, True, backend="triton")
-    graphed = _sample(model, tokenizer, prompts, True, backend="triton", graphs=True)
+    engines: list = []
+    graphed = _sample(model, tokenizer, prompts, True, backend="triton", graphs=True, engines=engines)
+    stats, disabled = engines[0].stats, engines[0].graphs.disabled
+    assert (stats.graph_replays > 0 and disabled is None) or (arch == "gpt_oss" and "captured" in disabled)
     for want, got in zip(eager, graphed):
         assert got.token_ids == want.token_ids
         assert [a.logprob for a in got.logprobs] == [b.logprob for b in want.logprobs]

@@ -165,10 +165,11 @@ class Engine:
         if not plan.sampled:
             return
         active = _active_adapter(self.model) if any(a is not None for a in plan.adapters) else None
+        logits_RV = None
         if self.graphs is not None and active is None and self.graphs.takes(plan):
             logits_RV = self.graphs.run(self.model, cache, plan)
-            self.stats.graph_replays += 1
-        else:
+            self.stats.graph_replays += logits_RV is not None
+        if logits_RV is None:
             state = StepState.build(cache, plan.segments, self.device, self.backend)
             logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1
@@ -231,7 +232,8 @@ class DecodeGraphs:
     rows decode at position 0 of the scratch slot ``slots`` (the cache's last), whose contents
     nobody reads. The decode kernel's split count is sized for the cache's ``max_len`` so the
     captured launch fits every step. All graphs share one memory pool; a reallocated cache drops
-    them (``reset``).
+    them (``reset``). A model whose forward cannot be captured (it copies from the host
+    mid-forward, as GPT-OSS's fp32 MoE path does) runs eagerly from then on; ``disabled`` says why.
     """
 
     def __init__(self, slots: int) -> None:
@@ -240,17 +242,19 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
         self._pool: Any = None
+        self.disabled: str | None = None
 
     def reset(self) -> None:
         self._graphs.clear()
 
     def takes(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is a decode-only step (one token per sequence, logits for each, no fork)."""
-        return (not plan.forks and all(count == 1 for _, _, count in plan.segments)
+        return (self.disabled is None and not plan.forks and all(count == 1 for _, _, count in plan.segments)
                 and plan.keep == list(range(len(plan.segments))))
 
-    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan) -> torch.Tensor:
-        """The step's logits [B, V] from the bucket's graph (captured first if new)."""
+    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan) -> torch.Tensor | None:
+        """The step's logits [B, V] from the bucket's graph (captured first if new); None when the
+        capture failed (the step is then the caller's to run eagerly)."""
         count = len(plan.segments)
         bucket = next(b for b in self.buckets if b >= count)
         pad = bucket - count
@@ -260,7 +264,11 @@ class DecodeGraphs:
         host = torch.tensor([list(plan.input_ids) + [0] * pad, slots, positions, lengths], dtype=torch.long)
         entry = self._graphs.get(bucket)
         if entry is None:
-            entry = self._capture(model, cache, bucket, host)
+            try:
+                entry = self._capture(model, cache, bucket, host)
+            except RuntimeError as error:
+                self.disabled = f"the decode forward cannot be captured in a CUDA graph: {error}"
+                return None
         graph, inputs_4B, logits_BV, _ = entry
         inputs_4B.copy_(host)
         graph.replay()

@@ -11,7 +11,8 @@ forward, not per sequence) to decide who finishes and who is admitted.
 Attention: the ``torch`` backend (the reference, the CPU path) or, on CUDA, ``triton`` (a decode
 kernel reading the cache in place, SDPA for prompts); ``attention_backend`` or the
 ``FTQ_SAMPLER_ATTENTION`` environment variable picks, default ``auto`` (see
-``trainer.generate.attention``).
+``trainer.generate.attention``). With ``cuda_graphs`` a decode-only step replays a CUDA graph
+captured per batch-size bucket (``DecodeGraphs``); other steps run eagerly.
 
 The cache is allocated on the first call and kept for later calls of the same shape and dtype
 (``release()`` frees it): no step allocates one.

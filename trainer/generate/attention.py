@@ -142,7 +142,8 @@ def _group(members: list[tuple[int, int, int]], count: int, device: torch.device
 def choose_backend(requested: str, device: torch.device) -> str:
     """The backend ``requested`` (``auto`` or one of ``BACKENDS``) resolves to on ``device``.
 
-    ``auto`` is ``triton`` on a CUDA device where Triton imports, else ``torch``.
+    ``auto`` is ``triton`` on a CUDA device where the kernel runs (Triton imports, Ampere or
+    later), else ``torch``; ``triton`` on the CPU runs only under Triton's interpreter (tests).
 
     Raises:
         ValueError: an unknown name, or ``triton`` where it cannot run (the reason given).
@@ -155,7 +156,7 @@ def choose_backend(requested: str, device: torch.device) -> str:
     if requested == "triton" and reason is not None:
         raise ValueError(f"sampler attention backend triton cannot run: {reason}; use torch (or auto)")
     if requested == "auto":
-        return "torch" if reason is not None else "triton"
+        return "triton" if reason is None and device.type == "cuda" else "torch"
     return requested
 
 
@@ -271,8 +272,8 @@ def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, key_THD
     query_THD = query_THD.contiguous()
     out_THD = torch.empty_like(query_THD)
     for index, group in enumerate(state.groups):
-        if state.backend == "triton" and _decode_kernel(state, layer, index, query_THD, out_THD, scale,
-                                                         window, sinks, softcap):
+        if state.backend == "triton" and _attend_decoding(state, layer, index, query_THD, out_THD, scale,
+                                                          window, sinks, softcap):
             continue
         if state.backend == "triton" and _is_plain_prefill(group, window, sinks, softcap):
             out = _prefill_sdpa(group, query_THD, key_THD, value_THD, scale)
@@ -282,8 +283,8 @@ def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, key_THD
     return out_THD
 
 
-def _decode_kernel(state: StepState, layer: int, index: int, query_THD: torch.Tensor, out_THD: torch.Tensor,
-                   scale: float, window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
+def _attend_decoding(state: StepState, layer: int, index: int, query_THD: torch.Tensor, out_THD: torch.Tensor,
+                     scale: float, window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
     """Run the decode kernel for group ``index`` into ``out_THD`` when it is a decoding group the
     kernel takes; False (nothing written) otherwise."""
     from trainer.kernels import decode_attention

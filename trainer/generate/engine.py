@@ -80,7 +80,8 @@ class Engine:
         cuda_graphs: replay a captured CUDA graph for each decode-only step (every sequence of the
             step decoding one token, no adapter named, no fork): one graph per batch-size bucket
             (``GRAPH_BUCKETS`` up to ``slots``), the step padded to its bucket (``DecodeGraphs``).
-            Needs the ``triton`` backend; the cache gets one scratch slot for the padding.
+            Needs the ``triton`` backend; the cache gets one scratch slot for the padding. One
+            process only: under FSDP2 the forward's all-gathers are not captured.
 
     Raises:
         ValueError: a size below its least, or a backend that is unknown or cannot run here.

@@ -71,6 +71,9 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | 
         return f"cache dtype {dtype} is not one of bf16, fp16, fp32"
     if head_dim < 16 or head_dim > 256:
         return f"head dim {head_dim} is outside 16..256"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"CUDA capability {major}.{minor} is below 8.0 (Ampere); the kernel's bf16 dots need it"
     return None
 
 

@@ -13,6 +13,8 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
 - ``ftq sampler, batch B``: ``Engine.generate`` on the same model and prompts, greedy, with the
   trainer's fused LoRA layers installed (``trainer.features.lora_kernel.fused``); ``slots = B``.
   The speed-up is over the HF row of the same batch (when it ran).
+  ``--backend`` picks its attention (``auto``: the Triton decode kernel on CUDA; ``torch``: the
+  reference path, to compare); ``--cuda-graphs`` replays captured graphs for its decode steps.
 - ``single stream``: batch 1.
 - ``time to first token``: one ``--ttft-prompt``-token prompt, ``max_tokens=1``, on a warm engine
   (median of 5).
@@ -24,7 +26,8 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
   (``from_pretrained`` onto the GPU), attaching the adapter and the fused layers, and one
   generated token, timed from nothing loaded: what a chat session's start costs.
 
-Each timed row runs once untimed first (kernels compiled, cache allocated). Nothing here is a test:
+Each timed row runs once untimed first (kernels compiled, cache allocated; with ``--cuda-graphs``
+on the full prompts, so the graphs of every batch size the timed run decodes in are captured). Nothing here is a test:
 no row asserts a speed.
 """
 
@@ -143,9 +146,13 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
     try:
         max_len = max(length + new, args.ttft_prompt + 1) + 1
         for batch in args.batches:
-            engine = Engine(model, None, slots=batch, max_len=max_len, max_batch_tokens=args.max_batch_tokens)
+            engine = Engine(model, None, slots=batch, max_len=max_len, max_batch_tokens=args.max_batch_tokens,
+                            attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
             ids = prompts(batch, length, shape.vocab)
-            ftq_generate(engine, ids[:, : min(8, length)], 2)  # warm-up: the cache, the kernels
+            # warm-up: the cache, the kernels; with graphs the whole run's shape, so every bucket the
+            # timed run decodes in (prompts admitted in waves finish in waves) is captured before it
+            warm = (ids, min(new, 16)) if args.cuda_graphs else (ids[:, : min(8, length)], 2)
+            ftq_generate(engine, *warm)
             out, seconds = ftq_generate(engine, ids, new)
             rate = batch * new / seconds
             note = f"{rate / hf_rates[batch]:.2f}x HF" if batch in hf_rates else ""
@@ -172,7 +179,8 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
 def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, max_len: int) -> Row:
     from trainer.generate.engine import Engine
 
-    engine = Engine(model, None, slots=1, max_len=max_len, max_batch_tokens=max(args.ttft_prompt, 1))
+    engine = Engine(model, None, slots=1, max_len=max_len, max_batch_tokens=max(args.ttft_prompt, 1),
+                    attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
     ids = prompts(1, args.ttft_prompt, shape.vocab, seed=1)
     ftq_generate(engine, ids, 1)
     times = [ftq_generate(engine, ids, 1)[1] for _ in range(5)]
@@ -197,7 +205,8 @@ def _cold_start(shape: ModelShape, args: argparse.Namespace) -> Row:
     model = attach_lora(model, shape)
     installed = lora_fused.install(model)
     try:
-        engine = Engine(model, None, slots=1, max_len=64)
+        engine = Engine(model, None, slots=1, max_len=64, attention_backend=args.backend,
+                        cuda_graphs=args.cuda_graphs)
         ftq_generate(engine, prompts(1, 16, shape.vocab), 1)
         seconds = time.perf_counter() - start
     finally:
@@ -230,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agree-batch", type=int, default=64)
     parser.add_argument("--agree-tokens", type=int, default=128)
     parser.add_argument("--cold-start", action="store_true")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps")
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                        help="the sampler's attention backend (auto: triton on CUDA, torch on the CPU)")
     parser.add_argument("--workdir", default="/tmp/ftq-sampler-bench")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)

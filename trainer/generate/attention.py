@@ -19,12 +19,20 @@ head in the softmax denominator, no value) and Gemma 2's logit soft-capping. No 
 is passed or built: transformers returns ``None`` from mask creation for an implementation that
 has no mask function (see ``trainer.features.attention.packed``).
 
-Backends: ``torch`` (plain ops, scores and softmax in fp32: exact on CPU, the reference; it
-also runs on CUDA, untuned: each layer gathers the step's slots' keys and values up to the longest
-position and upcasts them). The seam for a CUDA decode kernel is
-``attend_cached``: the cache layout is the one FlashAttention's ``flash_attn_with_kvcache``
-reads (``cache_batch_idx`` = the slots, ``cache_seqlens`` = the lengths, ``window_size``,
-``softcap``), and a ``StepState.backend`` other than ``torch`` would pick it.
+Backends (``BACKENDS``; ``choose_backend`` picks one per engine, ``StepState.backend`` carries it):
+
+- ``torch``: plain ops, scores and softmax in fp32: exact on CPU, the reference and the CPU path.
+  On CUDA it is slow: each layer gathers the step's slots' keys and values up to the longest
+  position and upcasts them (batch 256 x 512 positions: ~1 GB per layer per step).
+- ``triton`` (``auto``'s choice on CUDA when Triton imports): the decoding group (every sequence
+  of one token) runs ``trainer.kernels.decode_attention``, which reads the slot-major cache in
+  place through the slots and each sequence's length (flash-decoding, split-K for few long
+  sequences; GQA, sliding window, sinks and soft-capping in the kernel). A prefilled prompt that
+  starts at position 0 without sinks, window or soft-capping runs
+  ``scaled_dot_product_attention(is_causal=True)`` on its own keys and values in the input dtype
+  (FlashAttention on CUDA). Everything else (a prompt after a cached prefix, a sink or window
+  or soft-capping layer's prefill, a cache dtype or head dim the kernel refuses) falls back to
+  the ``torch`` path for that group.
 
 Shapes (legend): ``T`` tokens of the row, ``Hq``/``Hkv`` query/kv heads, ``G = Hq / Hkv``,
 ``D`` head dim, ``S`` sequences of a group, ``N`` queries per sequence of a group, ``L`` keys
@@ -45,7 +53,8 @@ from trainer.generate.cache import KVCache
 
 ATTN_IMPLEMENTATION = "ftq_sampler"
 """The name registered with transformers' ``AttentionInterface``."""
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
+"""What ``StepState.backend`` may name (see the module docstring); ``auto`` picks one of them."""
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
 
@@ -64,6 +73,8 @@ class Group:
     """(S, N) on the host."""
     kv_len: int
     """Keys read per sequence: the largest position of the group plus one (host)."""
+    lengths: torch.Tensor
+    """[S] int32 (int64 in ``engine.DecodeGraphs``) each sequence's keys after this step (last position + 1)."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,10 @@ class StepState:
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, cache: KVCache, segments: list[tuple[int, int, int]], device: torch.device) -> StepState:
-        """The state of a row made of ``segments``, each ``(slot, first_position, tokens)`` in row order.
+    def build(cls, cache: KVCache, segments: list[tuple[int, int, int]], device: torch.device,
+              backend: str = "torch") -> StepState:
+        """The state of a row made of ``segments``, each ``(slot, first_position, tokens)`` in row order,
+        attended by ``backend`` (one of ``BACKENDS``).
 
         One host-to-device copy of the row's slots and positions; no device read.
         """
@@ -99,7 +112,7 @@ class StepState:
         if max(positions, default=-1) >= cache.max_len:
             raise ValueError(f"position {max(positions)} is past the cache's max_len {cache.max_len}")
         slot_position = torch.tensor([slots, positions], dtype=torch.long).to(device)
-        return cls(cache, slot_position[0], slot_position[1], tuple(groups))
+        return cls(cache, slot_position[0], slot_position[1], tuple(groups), backend)
 
     def allowed(self, index: int, window: int | None) -> torch.Tensor:
         """[S, 1, 1, N, L] which cached keys group ``index``'s queries see (memoized per window:
@@ -120,9 +133,31 @@ def _group(members: list[tuple[int, int, int]], count: int, device: torch.device
     """A group of ``members`` ``(row, slot, first_position)`` of ``count`` tokens each."""
     rows = [r + i for r, _, _ in members for i in range(count)]
     positions = [[p + i for i in range(count)] for _, _, p in members]
-    kv_len = max(p for _, _, p in members) + count
+    lengths = [p + count for _, _, p in members]
     return Group(torch.tensor(rows, device=device), torch.tensor([s for _, s, _ in members], device=device),
-                 torch.tensor(positions, device=device), (len(members), count), kv_len)
+                 torch.tensor(positions, device=device), (len(members), count), max(lengths),
+                 torch.tensor(lengths, dtype=torch.int32, device=device))
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    """The backend ``requested`` (``auto`` or one of ``BACKENDS``) resolves to on ``device``.
+
+    ``auto`` is ``triton`` on a CUDA device where the kernel runs (Triton imports, Ampere or
+    later), else ``torch``; ``triton`` on the CPU runs only under Triton's interpreter (tests).
+
+    Raises:
+        ValueError: an unknown name, or ``triton`` where it cannot run (the reason given).
+    """
+    from trainer.kernels import decode_attention
+
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"sampler attention backend {requested!r} is not one of auto, {', '.join(BACKENDS)}")
+    reason = decode_attention.supported(device, torch.bfloat16, 128)
+    if requested == "triton" and reason is not None:
+        raise ValueError(f"sampler attention backend triton cannot run: {reason}; use torch (or auto)")
+    if requested == "auto":
+        return "triton" if reason is None and device.type == "cuda" else "torch"
+    return requested
 
 
 def register() -> None:
@@ -220,23 +255,66 @@ def sampler_attention_forward(
     state.cache.write(layer, state.slot_T, state.position_T, key_THD, value_THD)
     scale = scaling if scaling is not None else head_dim**-0.5
     query_THD = query.transpose(1, 2).reshape(-1, heads_q, head_dim)
-    out_THD = attend_cached(state, layer, query_THD, scale, sliding_window, s_aux, softcap)
+    out_THD = attend_cached(state, layer, query_THD, key_THD, value_THD, scale, sliding_window, s_aux, softcap)
     return out_THD.view(batch, length, heads_q, head_dim), None
 
 
-def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, scale: float, window: int | None,
-                  sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, key_THD: torch.Tensor,
+                  value_THD: torch.Tensor, scale: float, window: int | None, sinks: torch.Tensor | None,
+                  softcap: float | None) -> torch.Tensor:
     """Each query against its slot's cached keys (the cache already holds this step's): [T, Hq, D].
 
-    The one place a GPU kernel plugs in (see the module docstring); ``torch`` is the reference.
+    ``key_THD``/``value_THD`` are the step's own keys and values (``triton``'s prefill reads
+    them instead of the cache). ``state.backend`` picks the path per group (module docstring).
     """
-    if state.backend != "torch":
+    if state.backend not in BACKENDS:
         raise ValueError(f"sampler attention backend {state.backend!r} is not one of {', '.join(BACKENDS)}")
+    query_THD = query_THD.contiguous()
     out_THD = torch.empty_like(query_THD)
     for index, group in enumerate(state.groups):
-        out = _attend_group(state, layer, index, query_THD, scale, window, sinks, softcap)
+        if state.backend == "triton" and _attend_decoding(state, layer, index, query_THD, out_THD, scale,
+                                                          window, sinks, softcap):
+            continue
+        if state.backend == "triton" and _is_plain_prefill(group, window, sinks, softcap):
+            out = _prefill_sdpa(group, query_THD, key_THD, value_THD, scale)
+        else:
+            out = _attend_group(state, layer, index, query_THD, scale, window, sinks, softcap)
         out_THD.index_copy_(0, group.rows, out)
     return out_THD
+
+
+def _attend_decoding(state: StepState, layer: int, index: int, query_THD: torch.Tensor, out_THD: torch.Tensor,
+                     scale: float, window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
+    """Run the decode kernel for group ``index`` into ``out_THD`` when it is a decoding group the
+    kernel takes; False (nothing written) otherwise."""
+    from trainer.kernels import decode_attention
+
+    group = state.groups[index]
+    keys, values = state.cache.keys_SHLD[layer], state.cache.values_SHLD[layer]
+    if group.size[1] != 1 or keys.dtype != query_THD.dtype:
+        return False
+    if decode_attention.supported(keys.device, keys.dtype, keys.shape[-1]) is not None:
+        return False
+    decode_attention.decode_attention(query_THD, keys, values, group.rows, group.slots, group.lengths, out_THD,
+                                      scale, group.kv_len, window=window, sinks_Hq=sinks, softcap=softcap)
+    return True
+
+
+def _is_plain_prefill(group: Group, window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
+    """A single prompt from position 0 whose layer needs nothing SDPA lacks (its keys are the step's own)."""
+    seqs, count = group.size
+    return seqs == 1 and count > 1 and group.kv_len == count and window is None and sinks is None and softcap is None
+
+
+def _prefill_sdpa(group: Group, query_THD: torch.Tensor, key_THD: torch.Tensor, value_THD: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """A prompt's causal attention over its own keys in the input dtype: [N, Hq, D]."""
+    q_HND, k_HND, v_HND = (t.index_select(0, group.rows).transpose(0, 1).to(query_THD.dtype)
+                           for t in (query_THD, key_THD, value_THD))
+    out_HND = torch.nn.functional.scaled_dot_product_attention(
+        q_HND.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), is_causal=True, scale=scale,
+        enable_gqa=k_HND.shape[0] != q_HND.shape[0])
+    return out_HND[0].transpose(0, 1)
 
 
 def _attend_group(state: StepState, layer: int, index: int, query_THD: torch.Tensor, scale: float,

@@ -8,6 +8,12 @@ own. Logits are computed only for the tokens that sample (``logits_to_keep``); t
 ``trainer.generate.sampling``'s. Each step reads its tokens back to the host once (one sync per
 forward, not per sequence) to decide who finishes and who is admitted.
 
+Attention: the ``torch`` backend (the reference, the CPU path) or, on CUDA, ``triton`` (a decode
+kernel reading the cache in place, SDPA for prompts); ``attention_backend`` or the
+``FTQ_SAMPLER_ATTENTION`` environment variable picks, default ``auto`` (see
+``trainer.generate.attention``). With ``cuda_graphs`` a decode-only step replays a CUDA graph
+captured per batch-size bucket (``DecodeGraphs``); other steps run eagerly.
+
 The cache is allocated on the first call and kept for later calls of the same shape and dtype
 (``release()`` frees it): no step allocates one.
 
@@ -23,6 +29,7 @@ keeps the ranks' outputs equal.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,12 +38,15 @@ from typing import Any
 import torch
 
 from trainer.features.attention.packed import unwrap_model
-from trainer.generate.attention import StepState, sampler_attention
+from trainer.generate.attention import Group, StepState, choose_backend, sampler_attention
 from trainer.generate.cache import KVCache
 from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
 from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
 from trainer.generate.scheduler import Scheduler, StepPlan
 from trainer.generate.stopping import Stopper, eos_ids
+
+BACKEND_ENV = "FTQ_SAMPLER_ATTENTION"
+"""Names the sampler's attention backend where ``Engine`` is given none (``torch`` forces the reference)."""
 
 
 @dataclass
@@ -44,6 +54,8 @@ class EngineStats:
     """What the engine has run since it was made (tests and logs)."""
 
     forwards: int = 0
+    graph_replays: int = 0
+    """Forwards run by replaying a captured CUDA graph (``cuda_graphs``)."""
     forward_tokens: int = 0
     """Tokens fed through the model (prompts once, then one per decoding sequence and step)."""
     caches_allocated: int = 0
@@ -62,12 +74,24 @@ class Engine:
         cache_dtype: of the cached keys and values; default autocast's dtype when it is on around
             ``generate``, else the input embeddings' dtype (a call in another dtype reallocates).
         agree: ``tokens -> tokens`` applied to each step's drawn tokens (see the module docstring).
+        attention_backend: ``auto``, ``torch`` or ``triton`` (``trainer.generate.attention``'s
+            ``BACKENDS``); default the ``FTQ_SAMPLER_ATTENTION`` environment variable, else ``auto``
+            (``triton`` on CUDA where Triton imports, else ``torch``). ``self.backend`` is the choice.
+        cuda_graphs: replay a captured CUDA graph for each decode-only step (every sequence of the
+            step decoding one token, no adapter named, no fork): one graph per batch-size bucket
+            (``GRAPH_BUCKETS`` up to ``slots``), the step padded to its bucket (``DecodeGraphs``).
+            Needs the ``triton`` backend; the cache gets one scratch slot for the padding. One
+            process only: under FSDP2 the forward's all-gathers are not captured.
+
+    Raises:
+        ValueError: a size below its least, or a backend that is unknown or cannot run here.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, slots: int = 8, max_len: int = 2048,
                  max_batch_tokens: int = 4096, device: torch.device | None = None,
                  cache_dtype: torch.dtype | None = None,
-                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 attention_backend: str | None = None, cuda_graphs: bool = False) -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
@@ -82,6 +106,12 @@ class Engine:
         self.eos = eos_ids(tokenizer, getattr(lm, "generation_config", None))
         self.cache: KVCache | None = None
         self.stats = EngineStats()
+        requested = attention_backend or os.environ.get(BACKEND_ENV) or "auto"
+        self.backend = choose_backend(requested, self.device)
+        if cuda_graphs and self.backend != "triton":
+            raise ValueError(f"cuda_graphs needs the triton attention backend on CUDA (got {self.backend} on "
+                             f"{self.device}); pass cuda_graphs=False")
+        self.graphs: DecodeGraphs | None = DecodeGraphs(slots) if cuda_graphs else None
 
     def generate(self, requests: Seq[Request]) -> list[Result]:
         """Complete every request; results in request order.
@@ -125,8 +155,11 @@ class Engine:
             dtype = torch.get_autocast_dtype(self.device.type) if autocast else self._embed_dtype
         cache = self.cache
         if cache is None or cache.keys_SHLD[0].dtype != dtype:
-            self.cache = cache = KVCache.for_model(self.config, self.slots, self.max_len, dtype, self.device)
+            slots = self.slots + (self.graphs is not None)
+            self.cache = cache = KVCache.for_model(self.config, slots, self.max_len, dtype, self.device)
             self.stats.caches_allocated += 1
+            if self.graphs is not None:
+                self.graphs.reset()
         return cache
 
     def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
@@ -134,8 +167,13 @@ class Engine:
         if not plan.sampled:
             return
         active = _active_adapter(self.model) if any(a is not None for a in plan.adapters) else None
-        state = StepState.build(cache, plan.segments, self.device)
-        logits_RV = self._forward(plan, state, active)
+        logits_RV = None
+        if self.graphs is not None and active is None and self.graphs.takes(plan):
+            logits_RV = self.graphs.run(self.model, cache, plan)
+            self.stats.graph_replays += logits_RV is not None
+        if logits_RV is None:
+            state = StepState.build(cache, plan.segments, self.device, self.backend)
+            logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1
         self.stats.forward_tokens += len(plan.input_ids)
         for source, targets, length in plan.forks:
@@ -182,6 +220,89 @@ class Engine:
             for p, t, c, v, i in zip(params, tokens, chosen, vals, ids)
         ]
         return tokens, logprobs
+
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+"""Decode batch sizes a graph is captured for (then multiples of 64): a step pads to the next one."""
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode-only forward, one per batch-size bucket, captured on first use.
+
+    A graph's inputs are static tensors (token ids, slots, positions, lengths of ``bucket``
+    sequences); a step copies its values in with one host-to-device copy and replays. Padding
+    rows decode at position 0 of the scratch slot ``slots`` (the cache's last), whose contents
+    nobody reads. The decode kernel's split count is sized for the cache's ``max_len`` so the
+    captured launch fits every step. All graphs share one memory pool; a reallocated cache drops
+    them (``reset``). A model whose forward cannot be captured (it copies from the host
+    mid-forward, as GPT-OSS's fp32 MoE path does) runs eagerly from then on; ``disabled`` says why.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        larger = range(GRAPH_BUCKETS[-1] + 64, slots, 64)
+        self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
+        self._pool: Any = None
+        self.disabled: str | None = None
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    def takes(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is a decode-only step (one token per sequence, logits for each, no fork)."""
+        return (self.disabled is None and not plan.forks and all(count == 1 for _, _, count in plan.segments)
+                and plan.keep == list(range(len(plan.segments))))
+
+    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan) -> torch.Tensor | None:
+        """The step's logits [B, V] from the bucket's graph (captured first if new); None when the
+        capture failed (the step is then the caller's to run eagerly)."""
+        count = len(plan.segments)
+        bucket = next(b for b in self.buckets if b >= count)
+        pad = bucket - count
+        slots = [s for s, _, _ in plan.segments] + [self.slots] * pad
+        positions = [p for _, p, _ in plan.segments] + [0] * pad
+        lengths = [p + 1 for p in positions]
+        host = torch.tensor([list(plan.input_ids) + [0] * pad, slots, positions, lengths], dtype=torch.long)
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            try:
+                entry = self._capture(model, cache, bucket, host)
+            except RuntimeError as error:
+                self.disabled = f"the decode forward cannot be captured in a CUDA graph: {error}"
+                return None
+        graph, inputs_4B, logits_BV, _ = entry
+        inputs_4B.copy_(host)
+        graph.replay()
+        return logits_BV[:count]
+
+    def _capture(self, model: torch.nn.Module, cache: KVCache, bucket: int, host: torch.Tensor) -> tuple:
+        """Warm the forward up on a side stream, then capture it on ``host``'s values (ids, slots,
+        positions, lengths of ``bucket`` rows) copied to static device tensors."""
+        device = cache.keys_SHLD[0].device
+        inputs_4B = host.to(device)
+        ids_B, slots_B, positions_B, lengths_B = inputs_4B.unbind(0)
+        group = Group(torch.arange(bucket, device=device), slots_B, positions_B.view(bucket, 1),
+                      (bucket, 1), cache.max_len, lengths_B)
+        state = StepState(cache, slots_B, positions_B, (group,), "triton")
+
+        def forward() -> torch.Tensor:
+            return model(input_ids=ids_B.unsqueeze(0), position_ids=positions_B.unsqueeze(0),
+                         use_cache=False, logits_to_keep=0, sampler_state=state).logits[0]
+
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            forward()  # warm-up: Triton compiles, cuBLAS picks; writes the same keys the replay will
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits_BV = forward()
+        # The state is kept with the graph: the replay reads its tensors (rows) at their addresses.
+        self._graphs[bucket] = (graph, inputs_4B, logits_BV, state)
+        return self._graphs[bucket]
 
 
 def _active_adapter(model: torch.nn.Module) -> str:

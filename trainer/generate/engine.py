@@ -81,7 +81,9 @@ class Engine:
             step decoding one token, no adapter named, no fork): one graph per batch-size bucket
             (``GRAPH_BUCKETS`` up to ``slots``), the step padded to its bucket (``DecodeGraphs``).
             Needs the ``triton`` backend; the cache gets one scratch slot for the padding. One
-            process only: under FSDP2 the forward's all-gathers are not captured.
+            process only: under FSDP2 the forward's all-gathers are not captured. ``"auto"``: on
+            when the backend is ``triton`` (CUDA), off otherwise (batch generation jobs, whose ranks
+            share nothing in a forward).
 
     Raises:
         ValueError: a size below its least, or a backend that is unknown or cannot run here.
@@ -91,7 +93,7 @@ class Engine:
                  max_batch_tokens: int = 4096, device: torch.device | None = None,
                  cache_dtype: torch.dtype | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 attention_backend: str | None = None, cuda_graphs: bool = False) -> None:
+                 attention_backend: str | None = None, cuda_graphs: bool | str = False) -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
@@ -108,6 +110,8 @@ class Engine:
         self.stats = EngineStats()
         requested = attention_backend or os.environ.get(BACKEND_ENV) or "auto"
         self.backend = choose_backend(requested, self.device)
+        if cuda_graphs == "auto":
+            cuda_graphs = self.backend == "triton"
         if cuda_graphs and self.backend != "triton":
             raise ValueError(f"cuda_graphs needs the triton attention backend on CUDA (got {self.backend} on "
                              f"{self.device}); pass cuda_graphs=False")

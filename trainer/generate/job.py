@@ -4,7 +4,9 @@ Each rank (one, or torchrun's ``WORLD_SIZE``) loads the model (and the adapter, 
 the prompts whose index is its rank modulo the world size and that no earlier attempt finished
 (``trainer.generate.outputs``), and runs them through ``Engine.generate`` ``chunk_prompts`` at a
 time, appending each chunk's lines to its part file. Ranks share nothing while they run: the
-prompts are data-parallel, each rank's engine decodes its own. Rank 0 emits the events:
+prompts are data-parallel, each rank's engine decodes its own (on CUDA with the triton attention
+backend and CUDA graphs for its decode-only steps: ``Engine(cuda_graphs="auto")``). Rank 0 emits
+the events:
 
 ``log``       what runs: prompts left, ranks, device, dtype, model, adapter
 ``progress``  stage "generate", prompts_done, prompts_total, tokens (completion tokens of this
@@ -74,7 +76,7 @@ def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device,
     ids = {p.index: tuple(encode(p, tokenizer)) for p in mine}
     longest = max((len(v) for v in ids.values()), default=1)
     engine = Engine(model, tokenizer, slots=min(config.slots, max(1, len(mine))),
-                    max_len=config.max_len or longest + params.max_tokens, device=device)
+                    max_len=config.max_len or longest + params.max_tokens, device=device, cuda_graphs="auto")
     progress = outputs.Progress(config.completions_path, config.parts_dir)
     base_tokens, started = progress.update()[1], time.perf_counter()
     with outputs.open_part(config.parts_dir, world.rank) as part:

@@ -20,6 +20,7 @@ from typing import Any
 from trainer import objectives
 from trainer.catalog import METHODS, SCHEDULERS
 from trainer.objectives.declarations import DpoConfig
+from trainer.objectives.grpo_config import GrpoConfig
 
 SWITCH_VALUES = ("auto", "on", "off")
 CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
@@ -197,6 +198,9 @@ class TrainConfig:
     """The ``dpo`` objective's section (``trainer.objectives.declarations``): beta and label
     smoothing; read only when ``objective`` is ``dpo``. An objective's section is the field named
     after it."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """The ``grpo`` objective's section (``trainer.objectives.grpo_config``): the grader, the group,
+    the sampling and the loss's variant; read only when ``objective`` is ``grpo``."""
     seed: int = 0
     """Seeds torch, Python and the data order."""
     checkpoint_every: int = 0

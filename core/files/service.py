@@ -35,8 +35,9 @@ from core.users.service import Caller
 Purpose = Literal["train", "validation", "generate"]
 PURPOSES = ("train", "validation", "generate")
 """``generate``: a generation job's prompts (``trainer.generate.prompts``: chat or text lines)."""
-UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca")
-"""The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses."""
+UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca", "prompts")
+"""The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses;
+``prompts``: a GRPO job's training file of prompts (``core.files.validate.validate_prompts``)."""
 
 
 class FileSink:
@@ -113,12 +114,13 @@ def store_upload(
         raise InvalidInput(f"format: {layout!r} is not one of {', '.join(UPLOAD_LAYOUTS)}", param="format")
     filename = _clean_filename(filename)
     sink.close()
+    prompts = purpose == "generate" or layout == "prompts"
     same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id, project_id=project_id)
-    if same is not None:  # the sink removes the new copy on exit
-        if layout not in ("auto", (same.stats or {}).get("converted_from")):
+    if same is not None and (same.format == "prompts") == prompts:  # the sink removes the new copy on exit
+        if layout not in ("auto", "prompts", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
         return same
-    if purpose == "generate":
+    if prompts:
         source, converted_from, summary = sink.path, None, validate_prompts(sink.path)
     else:
         source, converted_from, summary = _converted_and_validated(sink.path, layout)

@@ -75,7 +75,8 @@ async def _dataset_report(state: AppState, spec: JobSpec, located: _Located, use
     formats = {train[1], validation[1] if validation else train[1]}
     if spec.objective == "grpo":
         return await to_thread.run_sync(grpo_checks.report, spec.grpo.model_dump(), train[0], train[1],
-                                        located.context, limits_of(state.settings))
+                                        located.context, limits_of(state.settings),
+                                        spec.hyperparameters.batch_tokens)
     if spec.objective != "sft" or "preference" in formats:
         return preflight.unchecked("preference records: the preflight counts SFT records only")
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"

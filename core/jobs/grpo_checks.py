@@ -5,11 +5,11 @@ and a model grader: ``score_model`` / ``label_model`` need a judge model beside 
 GRPO job does not load. ``report`` (the preflight, ``api.jobs.preview``) reads the prompts file
 as the trainer will (``trainer.generate.prompts``), refuses a ``max_new_tokens`` the model's
 context cannot hold (where the API knows it: a local model's config.json; otherwise the trainer
-refuses at its start), and grades a placeholder completion against the first ``DRY_RUN_RECORDS``
-records, so a template naming a field the records lack (``{{item.answer}}``) or a python grader
-whose code the sandbox refuses is a 422 now instead of a failed job. Any other failure on the
-placeholder (a python grader that raises, a limit, a formula's division) is only a warning: it
-may rightly fail on an empty completion.
+refuses at its start) or a group that cannot fit one micro-batch, and grades a placeholder
+completion against the first ``DRY_RUN_RECORDS`` records, so a template naming a field the
+records lack (``{{item.answer}}``) or a python grader whose code the sandbox refuses is a 422 now
+instead of a failed job. Any other failure on the placeholder (a python grader that raises, a
+limit, a formula's division) is only a warning: it may rightly fail on an empty completion.
 """
 
 from __future__ import annotations
@@ -55,7 +55,19 @@ def check_context(max_new_tokens: int, context: int | None) -> None:
                            param="grpo.max_new_tokens")
 
 
-def report(grpo: dict[str, Any], path: str, fmt: str, context: int | None, limits: SandboxLimits) -> dict[str, Any]:
+def check_group_fits(group_size: int, max_new_tokens: int, batch_tokens: int) -> None:
+    """A prompt's group is packed whole into one micro-batch (``trainer.objectives.grpo``): refuse a
+    group of longest completions that cannot fit ``batch_tokens`` even after a one-token prompt."""
+    if group_size * (max_new_tokens + 1) > batch_tokens:
+        raise InvalidInput(f"hyperparameters.batch_tokens: a prompt's {group_size} completions of up to "
+                           f"{max_new_tokens} tokens are packed into one micro-batch with the prompt, more than "
+                           f"batch_tokens={batch_tokens}; raise it to at least group_size x (prompt + max_new_tokens) "
+                           "tokens, or lower grpo.group_size or grpo.max_new_tokens",
+                           param="hyperparameters.batch_tokens")
+
+
+def report(grpo: dict[str, Any], path: str, fmt: str, context: int | None, limits: SandboxLimits,
+           batch_tokens: int) -> dict[str, Any]:
     """The preflight report of a GRPO job (``api.jobs.schemas.PreflightOut``'s shape). Blocking.
 
     Raises:
@@ -65,6 +77,7 @@ def report(grpo: dict[str, Any], path: str, fmt: str, context: int | None, limit
 
     checked = check_grader(grpo.get("graders"))
     check_context(grpo["max_new_tokens"], context)
+    check_group_fits(grpo["group_size"], grpo["max_new_tokens"], batch_tokens)
     if fmt != "prompts":  # admission refuses it, naming the formats grpo trains on
         return {"checked": False, "note": f"a {fmt} file is not a prompts file", "warnings": []}
     try:

@@ -73,6 +73,7 @@ class TestGrpoJobs:
                       "source": "import subprocess\ndef grade(sample, item):\n    return 1.0"}},
          "grpo.graders", "subprocess"),
         ({"max_new_tokens": 5000}, "grpo.max_new_tokens", "context of 4096"),
+        ({"group_size": 64, "max_new_tokens": 512}, "hyperparameters.batch_tokens", "one micro-batch"),
     ])
     def test_a_bad_grpo_job_is_422_naming_the_field_and_nothing_is_stored(
             self, client: TestClient, store, grpo: dict, param: str, says: str) -> None:

@@ -103,6 +103,7 @@ class Grpo:
         items = [PromptItem(p.index, list(encode(p, tokenizer)), p.record, grpo.group_size, grpo.max_new_tokens)
                  for p in prompts]
         self.items = items
+        _check_fit(items, config.data.batch_tokens)
         return items, None
 
     def rollout(self, comm: Any, model: torch.nn.Module, step: int, items: Sequence[PromptItem]) -> None:
@@ -170,8 +171,8 @@ class Grpo:
         longest = max((len(item.ids) for item in self.items), default=0)
         if isinstance(context, int) and longest + self.config.max_new_tokens > context:
             raise ConfigError(f"grpo.max_new_tokens: the longest prompt ({longest} tokens) and "
-                              f"{self.config.max_new_tokens} new tokens overrun the model's context of {context}; lower grpo.max_new_tokens or "
-                              "shorten the prompts")
+                              f"{self.config.max_new_tokens} new tokens overrun the model's context of {context}; "
+                              "lower grpo.max_new_tokens or shorten the prompts")
 
     def new_stats(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(len(STATS), dtype=torch.float32, device=device)
@@ -208,6 +209,16 @@ class Grpo:
         lengths = [len(item.ids) + len(c) for item in items for c in item.completions]
         fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in items)
         return counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
+
+
+def _check_fit(items: Sequence[PromptItem], batch_tokens: int) -> None:
+    """A prompt's group is packed whole into one micro-batch: refuse one longer than ``batch_tokens``."""
+    over = max(items, key=len, default=None)
+    if over is not None and len(over) > batch_tokens:
+        raise ConfigError(f"data.batch_tokens: prompt {over.index}'s group, {over.group} x ({len(over.ids)} prompt + "
+                          f"{over.max_new} new) = {len(over)} tokens, is packed into one micro-batch of at most "
+                          f"{batch_tokens}; raise hyperparameters.batch_tokens or lower grpo.group_size, "
+                          "grpo.max_new_tokens or the prompt")
 
 
 class GrpoLoss:

@@ -62,6 +62,15 @@ def test_a_job_without_a_grader_is_refused_naming_the_field(tmp_path, tiny_model
     assert recorder.of("done")[0]["message"].startswith("grpo.graders: a GRPO job needs a grader"), recorder.of("done")
 
 
+def test_a_group_longer_than_batch_tokens_is_refused_at_the_start(tmp_path, tiny_model_dir) -> None:
+    config = _job(tmp_path, tiny_model_dir)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_tokens=64))
+    recorder = Recorder()
+    assert run(config, recorder).status == "failed"
+    message = recorder.of("done")[0]["message"]
+    assert message.startswith("data.batch_tokens: prompt ") and "8 x (9 prompt + 8 new) = 136 tokens" in message, message
+
+
 def test_bad_settings_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="grpo.group_size: must be an integer >= 2"):
         GrpoConfig(group_size=1)

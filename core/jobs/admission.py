@@ -59,6 +59,7 @@ def admit(session: Session, spec: JobSpec, *, settings: Settings, owner_id: str 
     _check_objective(spec.objective, train_row, "training_file")
     if spec.objective == "grpo":
         grpo_checks.check_grader(spec.grpo.graders)
+        grpo_checks.check_no_validation(spec.validation_file)
     paths = {spec.training_file: train_row.path}
     if spec.validation_file is not None:
         validation_row = usable_file(session, spec.validation_file, "validation", "validation_file", project_id)

@@ -2,7 +2,7 @@
 
 ``check_grader`` (from ``core.jobs.admission``, every entry) refuses a missing or malformed grader
 and a model grader: ``score_model`` / ``label_model`` need a judge model beside the policy, which a
-GRPO job does not load. ``report`` (the preflight, ``api.jobs.preview``) reads the prompts file
+GRPO job does not load; ``check_no_validation`` a validation file, which the trainer would not read. ``report`` (the preflight, ``api.jobs.preview``) reads the prompts file
 as the trainer will (``trainer.generate.prompts``), refuses a ``max_new_tokens`` the model's
 context cannot hold (where the API knows it: a local model's config.json; otherwise the trainer
 refuses at its start) or a group that cannot fit one micro-batch, and grades a placeholder
@@ -45,6 +45,13 @@ def check_grader(grader: dict[str, Any] | None) -> dict[str, Any]:
                            "policy, which a GRPO job does not run; use string_check, text_similarity, python or a "
                            "multi grader of those", param=f"{PARAM}.type")
     return checked
+
+
+def check_no_validation(validation_file: str | None) -> None:
+    """A GRPO job has no validation loss to compute (its reward is its steps' ``reward_mean``)."""
+    if validation_file is not None:
+        raise InvalidInput("validation_file: a GRPO job does not evaluate a validation file (its rewards are in each "
+                           "step's reward_mean); remove validation_file", param="validation_file")
 
 
 def check_context(max_new_tokens: int, context: int | None) -> None:

@@ -84,13 +84,16 @@ class TestGrpoJobs:
         assert error["param"] == param and says in error["message"], error
         assert _jobs(store) == 0
 
-    def test_a_chat_file_for_grpo_and_a_grpo_section_for_sft_are_refused(self, client: TestClient) -> None:
+    def test_a_chat_file_or_a_validation_file_for_grpo_and_a_grpo_section_for_sft_are_refused(self, client: TestClient) -> None:
         chat = upload(client)
         response = client.post("/v1/jobs", json=_grpo(chat))
         assert response.status_code == 422 and response.json()["error"]["param"] == "training_file", response.text
         assert "prompts" in response.json()["error"]["message"]
         response = client.post("/v1/jobs", json=spec(chat, grpo={"group_size": 4}))
         assert response.status_code == 422 and "objective grpo" in response.text, response.text
+        prompts = _upload(client, PROMPTS).json()["id"]
+        response = client.post("/v1/jobs", json={**_grpo(prompts), "validation_file": upload(client, purpose="validation")})
+        assert response.status_code == 422 and response.json()["error"]["param"] == "validation_file", response.text
 
     def test_a_grader_that_raises_on_an_empty_completion_is_a_warning(self, client: TestClient) -> None:
         file_id = _upload(client, PROMPTS).json()["id"]

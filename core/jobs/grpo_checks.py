@@ -2,7 +2,8 @@
 
 ``check_grader`` (from ``core.jobs.admission``, every entry) refuses a missing or malformed grader
 and a model grader: ``score_model`` / ``label_model`` need a judge model beside the policy, which a
-GRPO job does not load; ``check_no_validation`` a validation file, which the trainer would not read. ``report`` (the preflight, ``api.jobs.preview``) reads the prompts file
+GRPO job does not load; ``check_no_validation`` a validation file, which the trainer would not
+read. ``report`` (the preflight, ``api.jobs.preview``) reads the prompts file
 as the trainer will (``trainer.generate.prompts``), refuses a ``max_new_tokens`` the model's
 context cannot hold (where the API knows it: a local model's config.json; otherwise the trainer
 refuses at its start) or a group that cannot fit one micro-batch, and grades a placeholder

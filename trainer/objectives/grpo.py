@@ -129,11 +129,19 @@ class Grpo:
         self.step_tokens = int(sum(row[0] for row in comm.gather_host([float(local)])))
 
     def _grade(self, item: PromptItem, texts: list[str]) -> tuple[list[float], int]:
+        """Each completion's reward and how many failed (scored 0). A template naming a field this
+        record lacks fails its completions too: the submission's dry run reads the first records only."""
+        from trainer.graders.errors import GraderError
         from trainer.graders.run import grade
 
         rewards, errors = [], 0
         for text in texts:
-            result = grade(self.grader, text, item.record)
+            try:
+                result = grade(self.grader, text, item.record, param="grpo.graders")
+            except GraderError:
+                rewards.append(0.0)
+                errors += 1
+                continue
             rewards.append(float(result.score))
             errors += 0 if result.ok else 1
         return rewards, errors

@@ -71,6 +71,19 @@ def test_a_group_longer_than_batch_tokens_is_refused_at_the_start(tmp_path, tiny
     assert message.startswith("data.batch_tokens: prompt ") and "8 x (9 prompt + 8 new) = 136 tokens" in message, message
 
 
+def test_a_record_the_grader_cannot_read_scores_0_as_a_grader_error(tmp_path, tiny_model_dir) -> None:
+    """Only the first records are dry-run at submission: a later one without the field the
+    template names fails its completions (reward 0, counted) and the run goes on."""
+    config = _job(tmp_path, tiny_model_dir)
+    records = [{"prompt": p, "target": TARGET} for p in PROMPTS[:3]] + [{"prompt": PROMPTS[3]}]
+    write_jsonl(tmp_path / "prompts.jsonl", records)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=1))
+    recorder = Recorder()
+    assert run(config, recorder).status == "succeeded", recorder.of("done")
+    [step] = recorder.of("step")
+    assert step["grade_error_fraction"] == pytest.approx(0.25), step  # 1 prompt of 4, all its completions
+
+
 def test_bad_settings_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="grpo.group_size: must be an integer >= 2"):
         GrpoConfig(group_size=1)

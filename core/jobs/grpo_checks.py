@@ -15,10 +15,12 @@ limit, a formula's division) is only a warning: it may rightly fail on an empty 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import InvalidInput
-from trainer.graders import GraderError, SandboxLimits, grade, uses_model, validate
+
+if TYPE_CHECKING:
+    from trainer.graders import SandboxLimits
 
 PARAM = "grpo.graders"
 DRY_RUN_RECORDS = 3
@@ -33,6 +35,8 @@ def check_grader(grader: dict[str, Any] | None) -> dict[str, Any]:
     Raises:
         InvalidInput: no grader, a malformed one (naming its field), or a model grader.
     """
+    from trainer.graders import GraderError, uses_model, validate  # the API's, not the worker's (admission)
+
     if grader is None:
         raise InvalidInput(f"{PARAM}: a GRPO job needs a grader (the reward), e.g. "
                            '{"type": "string_check", "name": "exact", "input": "{{sample.output_text}}", '
@@ -101,6 +105,8 @@ def report(grpo: dict[str, Any], path: str, fmt: str, context: int | None, limit
 
 def _dry_run(grader: dict[str, Any], prompt: Any, limits: SandboxLimits) -> str | None:
     """A warning, or None; raises InvalidInput where the grader cannot grade this record at all."""
+    from trainer.graders import GraderError, grade
+
     try:
         result = grade(grader, PLACEHOLDER, prompt.record, limits=limits, param=PARAM)
     except GraderError as exc:

@@ -77,8 +77,9 @@ async def _dataset_report(state: AppState, spec: JobSpec, located: _Located, use
         return await to_thread.run_sync(grpo_checks.report, spec.grpo.model_dump(), train[0], train[1],
                                         located.context, limits_of(state.settings),
                                         spec.hyperparameters.batch_tokens)
-    if spec.objective != "sft" or "preference" in formats:
-        return preflight.unchecked("preference records: the preflight counts SFT records only")
+    if spec.objective != "sft" or formats & {"preference", "prompts"}:  # admission names the file's misfit
+        return preflight.unchecked(f"{spec.objective} on {', '.join(sorted(formats))} records: the preflight counts "
+                                   "SFT records only")
     assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
     try:
         return await state.tokenizers.run(preflight.checked_report, spec.model, located.source, located.model_type,

@@ -298,5 +298,32 @@ def validate_prompts(path: Path) -> DatasetSummary:
         raise InvalidDataset(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})", line=1,
                              param="file") from None
     chat = sum(p.fmt == CHAT for p in prompts)
+    chars = [_prompt_chars(p.record) for p in prompts]
     return DatasetSummary(format="prompts", num_records=len(prompts),
-                          stats={"chat_prompts": chat, "text_prompts": len(prompts) - chat})
+                          stats={"chat_prompts": chat, "text_prompts": len(prompts) - chat,
+                                 "chars_per_record": {"min": min(chars), "mean": round(sum(chars) / len(chars), 2),
+                                                      "max": max(chars)}})
+
+
+def answerless_prompts(path: Path) -> DatasetSummary | None:
+    """``validate_prompts``' summary of a file whose every record asks for an answer (text without a
+    completion, chat not ending with the assistant's turn): what a reinforcement file is. None for
+    any other file, a valid prompts file included (a chat dataset with a bad line reads as one)."""
+    from trainer.generate.prompts import CHAT, read_prompts
+
+    try:
+        summary = validate_prompts(path)
+    except InvalidDataset:
+        return None
+    for prompt in read_prompts(path):
+        record = prompt.record
+        if "completion" in record or (prompt.fmt == CHAT and record["messages"][-1].get("role") == "assistant"):
+            return None
+    return summary
+
+
+def _prompt_chars(record: dict[str, Any]) -> int:
+    """Characters of a prompt's text (a chat prompt's string contents)."""
+    if "prompt" in record:
+        return len(record["prompt"])
+    return sum(len(m["content"]) for m in record["messages"] if isinstance(m.get("content"), str))

@@ -99,4 +99,5 @@ GRPO = register(Declaration(
     ),
     section=GrpoConfig,
     fsdp2=False,
+    openai_method="reinforcement",
 ))

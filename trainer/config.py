@@ -192,8 +192,8 @@ class TrainConfig:
     method: str = "lora"
     """``lora`` (bf16/fp32 base), ``qlora`` (4-bit base, needs bitsandbytes on CUDA) or ``full``."""
     objective: str = "sft"
-    """A registered objective (``trainer.objectives``): ``sft`` (token cross-entropy) or ``dpo``
-    (preference pairs, ``data.format`` preference)."""
+    """A registered objective (``trainer.objectives``): ``sft`` (token cross-entropy), ``dpo``
+    (preference pairs, ``data.format`` preference) or ``grpo`` (prompts, sampled and graded each step)."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """The ``dpo`` objective's section (``trainer.objectives.declarations``): beta and label
     smoothing; read only when ``objective`` is ``dpo``. An objective's section is the field named

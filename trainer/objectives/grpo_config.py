@@ -60,8 +60,6 @@ class GrpoLossConfig:
             )
 
 
-
-
 @dataclass(frozen=True)
 class GrpoConfig(GrpoLossConfig):
     """Group Relative Policy Optimization (Shao et al. 2024): ``group_size`` completions of each

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.events import Emitter
-from trainer.objectives.declarations import DPO_STEP_FIELDS
+from trainer.objectives import metric_fields
 
 STEP_MS = {"Qwen3-0.6B (H200)": 320.0, "Llama-3.1-8B (H200)": 1443.0}
 """ftq step times from docs/benchmarks.md (bench.train_step, this repo)."""
@@ -41,12 +41,13 @@ STEP_MS = {"Qwen3-0.6B (H200)": 320.0, "Llama-3.1-8B (H200)": 1443.0}
 def step_payload(step: int) -> dict[str, Any]:
     """The fields of a real ``step`` event on a GPU (``trainer.training.step.PendingStep.read``)."""
     return {
+        **dict.fromkeys(m.name for m in metric_fields()),  # every objective's fields, null but SFT's below
         "step": step, "total_steps": 10_000, "epoch": round(step / 3000, 4), "loss": 2.3456789 - step * 1e-5,
         "lr": 1.999e-4, "grad_norm": 0.8123456, "tokens": 16_384, "sequences": 41, "step_ms": 1443.21,
         "data_ms": 0.42, "forward_ms": 512.3, "backward_ms": 931.1, "optimizer_ms": 0.61,
         "tokens_per_s": 11_352.7, "mfu": 0.4321, "gpu_mem_allocated": 17_179_869_184,
         "gpu_mem_reserved": 21_474_836_480, "gpu_mem_peak": 20_561_612_390, "gpu_alloc_retries": 0,
-        "host_rss": 6_442_450_944, "ranks": None, "token_accuracy": 0.4567, **dict.fromkeys(DPO_STEP_FIELDS),
+        "host_rss": 6_442_450_944, "ranks": None, "token_accuracy": 0.4567,
     }
 
 

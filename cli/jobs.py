@@ -3,8 +3,9 @@
 ``ftq submit job.yaml`` sends the file's body as ``POST /v1/jobs`` (YAML or JSON, the API's
 job fields; YAML numbers read as YAML 1.2 and JSON read them, so ``learning_rate: 5e-4`` is a
 number, not PyYAML's string). ``training_file`` / ``validation_file`` may name a local JSONL
-file instead of a file id: it is uploaded first (purpose ``train`` / ``validation``), so one
-file describes a whole run. The job id goes to stdout; the preflight's warnings to stderr.
+file instead of a file id: it is uploaded first (purpose ``train`` / ``validation``; as
+``format=prompts`` for ``objective: grpo``), so one file describes a whole run. The job id goes
+to stdout; the preflight's warnings to stderr.
 """
 
 from __future__ import annotations
@@ -106,14 +107,16 @@ def submit(client: httpx.Client, body: dict[str, Any], *, base_dir: Path) -> dic
             path = (base_dir / value).expanduser()
             if not path.is_file():
                 raise CliError(f"{key}: {value!r} is neither a file id nor a readable file")
-            body[key] = upload(client, path, purpose, body.get("project"))["id"]
+            layout = "prompts" if body.get("objective") == "grpo" else None  # a GRPO job trains on prompts
+            body[key] = upload(client, path, purpose, body.get("project"), layout)["id"]
     # One key per submission: a retried request after a dropped connection makes no second job.
     headers = {"Idempotency-Key": f"cli-{uuid.uuid4().hex}"}
     return call(client, "POST", "/v1/jobs", json=body, headers=headers).json()
 
 
-def upload(client: httpx.Client, path: Path, purpose: str, project: str | None = None) -> dict[str, Any]:
-    data = {"purpose": purpose, **({"project": project} if project else {})}
+def upload(client: httpx.Client, path: Path, purpose: str, project: str | None = None,
+           layout: str | None = None) -> dict[str, Any]:
+    data = {"purpose": purpose, **({"project": project} if project else {}), **({"format": layout} if layout else {})}
     with path.open("rb") as f:
         return call(client, "POST", "/v1/files", files={"file": (path.name, f)}, data=data).json()
 

@@ -20,6 +20,7 @@ from typing import Any
 from trainer import objectives
 from trainer.catalog import METHODS, SCHEDULERS
 from trainer.objectives.declarations import DpoConfig
+from trainer.objectives.grpo_config import GrpoConfig
 
 SWITCH_VALUES = ("auto", "on", "off")
 CHECKPOINTING_VALUES = ("auto", "on", "off", "selective")
@@ -191,12 +192,15 @@ class TrainConfig:
     method: str = "lora"
     """``lora`` (bf16/fp32 base), ``qlora`` (4-bit base, needs bitsandbytes on CUDA) or ``full``."""
     objective: str = "sft"
-    """A registered objective (``trainer.objectives``): ``sft`` (token cross-entropy) or ``dpo``
-    (preference pairs, ``data.format`` preference)."""
+    """A registered objective (``trainer.objectives``): ``sft`` (token cross-entropy), ``dpo``
+    (preference pairs, ``data.format`` preference) or ``grpo`` (prompts, sampled and graded each step)."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """The ``dpo`` objective's section (``trainer.objectives.declarations``): beta and label
     smoothing; read only when ``objective`` is ``dpo``. An objective's section is the field named
     after it."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """The ``grpo`` objective's section (``trainer.objectives.grpo_config``): the grader, the group,
+    the sampling and the loss's variant; read only when ``objective`` is ``grpo``."""
     seed: int = 0
     """Seeds torch, Python and the data order."""
     checkpoint_every: int = 0

@@ -43,7 +43,8 @@ _UPLOAD_BODY: dict[str, Any] = {
                         "format": {"type": "string", "enum": list(service.UPLOAD_LAYOUTS), "default": "auto",
                                    "description": "auto: ftq's formats as they are, ShareGPT and Alpaca detected "
                                    "and converted to chat; sharegpt / alpaca: convert, refusing a record "
-                                   "that is not one"},
+                                   "that is not one; prompts: a GRPO training file of prompts (chat or "
+                                   "{\"prompt\": ...}, other keys read by the graders as item.*)"},
                     },
                 }
             }

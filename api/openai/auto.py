@@ -10,12 +10,16 @@ count ``n`` and its characters per record (measured at upload):
 - ``learning_rate_multiplier``: ``sqrt(batch_size / 8)`` between 0.5 and 2 (the learning rate
   grows with the square root of the batch), times ftq's base rate of 2e-4 (LoRA).
 - ``beta`` (DPO): 0.1.
+- ``compute_multiplier`` (reinforcement): 1, i.e. ``grpo.group_size`` 8 completions per prompt
+  (``8 x`` the multiplier, between 2 and 256).
 
 ftq packs samples by tokens, not by count, so ``batch_size`` becomes a token budget:
 ``batch_tokens = batch_size x`` the estimated tokens of a mean record (characters / 3 + 32 for
 the chat template; a DPO record counts its prompt with each answer, so twice), never below
 ``max_seq_len`` (a DPO pair's two sequences: twice that). ``max_seq_len`` is the next power of two above the longest record's characters
 + 64 (a token is at least one character in every tokenizer ftq knows), between 256 and 4096.
+A reinforcement record (a prompt) counts its group: ``group_size x`` (its estimated tokens +
+``grpo.max_new_tokens`` 256), and the budget holds at least the longest prompt's group.
 A step therefore holds ``batch_size`` examples on average, not exactly. A checkpoint is kept
 about once per epoch (every ``ceil(n / batch_size)`` steps), and always at the end.
 """
@@ -26,12 +30,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.objectives.grpo_config import GrpoConfig
+
 BASE_LEARNING_RATE = 2e-4
 """ftq's default LoRA learning rate: what a multiplier of 1 means."""
 DEFAULT_BETA = 0.1
 MIN_SEEN, MAX_SEEN = 300, 30_000
 MAX_SEQ_LEN_RANGE = (256, 4096)
 MAX_BATCH_TOKENS = 4_194_304
+GROUP_SIZE = GrpoConfig().group_size
+"""A reinforcement job's completions per prompt at ``compute_multiplier`` 1."""
+MAX_NEW_TOKENS = GrpoConfig().max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,15 @@ class Resolved:
     learning_rate_multiplier: float
     beta: float | None
     """None for a supervised job."""
+    compute_multiplier: float | None = None
+    """A reinforcement job's: ``group_size`` is ``GROUP_SIZE x`` it; None for the others."""
+
+    @property
+    def group_size(self) -> int | None:
+        """Completions sampled per prompt (``grpo.group_size``), for a reinforcement job."""
+        if self.compute_multiplier is None:
+            return None
+        return min(256, max(2, round(GROUP_SIZE * self.compute_multiplier)))
 
     def as_openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -52,10 +70,12 @@ class Resolved:
         }
         if self.beta is not None:
             out["beta"] = self.beta
+        if self.compute_multiplier is not None:
+            out["compute_multiplier"] = self.compute_multiplier
         return out
 
 
-def resolve(requested: dict[str, Any], *, num_records: int, dpo: bool) -> Resolved:
+def resolve(requested: dict[str, Any], *, num_records: int, dpo: bool, reinforcement: bool = False) -> Resolved:
     """Fill each ``"auto"`` (or absent) value of ``requested`` by the rule above."""
 
     def pick(name: str, auto: Any) -> Any:
@@ -68,6 +88,7 @@ def resolve(requested: dict[str, Any], *, num_records: int, dpo: bool) -> Resolv
         batch_size=batch_size,
         learning_rate_multiplier=float(pick("learning_rate_multiplier", auto_lr_multiplier(batch_size))),
         beta=float(pick("beta", DEFAULT_BETA)) if dpo else None,
+        compute_multiplier=float(pick("compute_multiplier", 1.0)) if reinforcement else None,
     )
 
 
@@ -103,11 +124,15 @@ def ftq_hyperparameters(resolved: Resolved, stats: dict[str, Any], *, seed: int,
     low, high = MAX_SEQ_LEN_RANGE
     max_seq_len = min(high, max(low, 1 << math.ceil(math.log2(max_chars + 64))))
     per_record = math.ceil(mean_chars * (2 if dpo else 1) / 3) + 32 * (2 if dpo else 1)
+    floor = max_seq_len * (2 if dpo else 1)
+    if (group := resolved.group_size) is not None:  # a prompt's group of completions is packed whole
+        per_record = group * (math.ceil(mean_chars / 3) + 32 + MAX_NEW_TOKENS)
+        floor = max(floor, group * (max_chars + 64 + MAX_NEW_TOKENS))
     budget = math.ceil(resolved.batch_size * per_record / 64) * 64
     return {
         "epochs": float(resolved.n_epochs),
         "learning_rate": BASE_LEARNING_RATE * resolved.learning_rate_multiplier,
         "max_seq_len": max_seq_len,
-        "batch_tokens": min(MAX_BATCH_TOKENS, max(max_seq_len * (2 if dpo else 1), budget)),
+        "batch_tokens": min(MAX_BATCH_TOKENS, max(floor, budget)),
         "seed": seed,
     }

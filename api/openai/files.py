@@ -5,7 +5,9 @@ a 400 whose message starts ``line N:``) and stored as an ftq ``train`` file, so 
 ``/v1/files`` too. ShareGPT and Alpaca files are converted as ``POST /v1/files`` converts them,
 and the same optional ``format`` field (``auto``, ``sharegpt``, ``alpaca``; an extra form field
 the official client sends with ``extra_body``) is checked against the bytes, stored before or
-not. A job's metrics CSV (``purpose: fine-tune-results``) is made from the store when asked for
+not. A file that is no dataset but a valid prompts file (a reinforcement job's: chat records
+without an answer, their other keys the grader's item) is stored as ``prompts`` (docs/grpo.md),
+so an ``auto`` upload of OpenAI's reinforcement files works as it does there. A job's metrics CSV (``purpose: fine-tune-results``) is made from the store when asked for
 (``api.openai.reports.metrics_csv``).
 """
 
@@ -53,7 +55,8 @@ async def create_file(request: Request, state: StateDep, caller: CallerDep) -> F
                 row = service.store_upload(session, sink, filename=form.filename or "", purpose="train",
                                            files_dir=settings.files_dir, owner_id=caller.user_id,
                                            layout=form.fields.get("format") or "auto",
-                                           project_id=access.project_for_create(session, caller, None))
+                                           project_id=access.project_for_create(session, caller, None),
+                                           or_prompts=True)
                 return translate.file_object(row)
 
         return await to_thread.run_sync(store)

@@ -55,7 +55,8 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
 
     def attach(session: Session, job: Job) -> None:
         openai_jobs.keep(session, job, suffix=body.suffix, metadata=body.metadata,
-                         method=translate.method_dict(kind, resolved), training_file=body.training_file,
+                         method=translate.method_dict(kind, resolved, translate.grader_of(body)),
+                         training_file=body.training_file,
                          validation_file=body.validation_file)
 
     out, _ = await submit(ApiPorts(state), spec, caller, Origin(attach=attach), view=_view)

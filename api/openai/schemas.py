@@ -32,6 +32,14 @@ class DpoHyperparameters(SupervisedHyperparameters):
     beta: Auto | Annotated[float, Field(gt=0, le=2)] = "auto"
 
 
+class ReinforcementHyperparameters(SupervisedHyperparameters):
+    compute_multiplier: Auto | Annotated[float, Field(gt=0, le=10)] = "auto"
+    """Scales the completions sampled per prompt (``grpo.group_size``: 8 at 1)."""
+    eval_interval: Auto | Annotated[int, Field(ge=1)] = "auto"
+    eval_samples: Auto | Annotated[int, Field(ge=1)] = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
 class SupervisedMethod(_Request):
     hyperparameters: SupervisedHyperparameters = SupervisedHyperparameters()
 
@@ -40,11 +48,18 @@ class DpoMethod(_Request):
     hyperparameters: DpoHyperparameters = DpoHyperparameters()
 
 
+class ReinforcementMethod(_Request):
+    """OpenAI's reinforcement fine-tuning: ftq's ``grpo`` objective with this grader (docs/grpo.md)."""
+
+    grader: dict[str, Any]
+    hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
+
+
 class MethodIn(_Request):
     type: Literal["supervised", "dpo", "reinforcement"]
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
-    reinforcement: dict[str, Any] | None = None
+    reinforcement: ReinforcementMethod | None = None
 
 
 class WandbIntegration(_Request):
@@ -130,6 +145,7 @@ class Hyperparameters(BaseModel):
     learning_rate_multiplier: float | None = None
     n_epochs: int | None = None
     beta: float | None = None
+    compute_multiplier: float | None = None
 
 
 class FineTuningJob(BaseModel):

@@ -21,7 +21,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.openai import auto
-from api.openai.schemas import FileObject, FineTuningJob, Hyperparameters, JobCreate, JobError, WandbIntegration
+from api.openai.schemas import (
+    FileObject,
+    FineTuningJob,
+    Hyperparameters,
+    JobCreate,
+    JobError,
+    ReinforcementMethod,
+    WandbIntegration,
+)
 from core.errors import InvalidInput, Unsupported
 from core.files.models import File
 from core.jobs.models import Job
@@ -34,9 +42,11 @@ ORGANIZATION = "ftq"
 RESULTS_PREFIX = "file-results-"
 """A job's metrics CSV is ``file-results-<24 hex of the job id>``: made on request, never stored."""
 DEFAULT_OBJECTIVE = JobSpec.model_fields["objective"].default
-SECTION_HYPERPARAMETERS = ("beta",)
+SECTION_HYPERPARAMETERS = {"dpo": ("beta",)}
 """OpenAI's method hyperparameters that are an objective's setting (``dpo.beta``): copied between
-``method.<type>.hyperparameters`` and the objective's section where it has the field."""
+``method.<type>.hyperparameters`` and the objective's section. A reinforcement job's grader is its
+``grpo.graders``, and its ``compute_multiplier`` its ``grpo.group_size`` over ``auto.GROUP_SIZE``."""
+METHODS = ("supervised", "dpo", "reinforcement")
 SUFFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
@@ -44,25 +54,20 @@ def method_of(body: JobCreate) -> tuple[str, dict[str, Any]]:
     """``(type, requested hyperparameters)`` from ``method``, else the older ``hyperparameters``.
 
     Raises:
-        Unsupported: ``reinforcement``.
-        InvalidInput: both forms at once, or a method whose hyperparameters sit under another type.
+        Unsupported: a reinforcement hyperparameter ftq has no use for, set.
+        InvalidInput: both forms at once, a method whose hyperparameters sit under another type, a
+            reinforcement method without its grader.
     """
     if body.method is None:
         legacy = body.hyperparameters.model_dump() if body.hyperparameters else {}
         return "supervised", legacy
     kind = body.method.type
-    if kind == "reinforcement":
-        raise Unsupported(
-            "method.type: 'reinforcement' fine-tuning (graders and sampled rollouts) is not something ftq "
-            "trains; use 'supervised' or 'dpo'",
-            param="method.type",
-        )
-    other = "dpo" if kind == "supervised" else "supervised"
-    if getattr(body.method, other) is not None:
-        raise InvalidInput(
-            f"method.{other}: given with method.type '{kind}'; put the settings under method.{kind}",
-            param=f"method.{other}",
-        )
+    for other in METHODS:
+        if other != kind and getattr(body.method, other) is not None:
+            raise InvalidInput(
+                f"method.{other}: given with method.type '{kind}'; put the settings under method.{kind}",
+                param=f"method.{other}",
+            )
     if body.hyperparameters is not None:
         raise InvalidInput(
             "hyperparameters: give them under method.<type>.hyperparameters or in the older top-level "
@@ -70,7 +75,26 @@ def method_of(body: JobCreate) -> tuple[str, dict[str, Any]]:
             param="hyperparameters",
         )
     chosen = getattr(body.method, kind)
+    if kind == "reinforcement":
+        _check_reinforcement(chosen)
     return kind, chosen.hyperparameters.model_dump() if chosen is not None else {}
+
+
+def _check_reinforcement(method: ReinforcementMethod | None) -> None:
+    """A grader is needed; the hyperparameters ftq's GRPO has no use for must be left to default."""
+    where = "method.reinforcement"
+    if method is None:
+        raise InvalidInput(f"{where}.grader: a reinforcement job needs a grader (the reward; docs/graders.md)",
+                           param=f"{where}.grader")
+    hyper = method.hyperparameters
+    for name in ("eval_interval", "eval_samples"):
+        if getattr(hyper, name) != "auto":
+            raise Unsupported(f"{where}.hyperparameters.{name}: ftq's reinforcement jobs run no evals during "
+                              "training (each step's reward_mean is in its metrics); leave it 'auto'",
+                              param=f"{where}.hyperparameters.{name}")
+    if hyper.reasoning_effort != "default":
+        raise Unsupported(f"{where}.hyperparameters.reasoning_effort: ftq samples through the model's chat template "
+                          "as it is; leave it 'default'", param=f"{where}.hyperparameters.reasoning_effort")
 
 
 def check_suffix(suffix: str | None) -> None:
@@ -91,7 +115,7 @@ def native_spec(body: JobCreate, train: File, *, validation_file: str | None,
         InvalidInput: the spec the translation gives is refused (the message names the field).
     """
     dpo = kind == "dpo"
-    resolved = auto.resolve(requested, num_records=train.num_records, dpo=dpo)
+    resolved = auto.resolve(requested, num_records=train.num_records, dpo=dpo, reinforcement=kind == "reinforcement")
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     raw: dict[str, Any] = {
         "name": body.suffix,
@@ -102,7 +126,7 @@ def native_spec(body: JobCreate, train: File, *, validation_file: str | None,
         # About once per epoch, as OpenAI keeps a checkpoint per epoch.
         "checkpoint_every": auto.steps_per_epoch(resolved, train.num_records),
     }
-    raw.update(_objective_of(kind, resolved))
+    raw.update(_objective_of(kind, resolved, grader_of(body)))
     if body.integrations:
         raw["tracking"] = tracking_of(body.integrations[0].wandb)
     try:
@@ -131,8 +155,15 @@ def integrations_of(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"type": "wandb", "wandb": wandb}]
 
 
-def method_dict(kind: str, resolved: auto.Resolved) -> dict[str, Any]:
-    return {"type": kind, kind: {"hyperparameters": resolved.as_openai()}}
+def grader_of(body: JobCreate) -> dict[str, Any] | None:
+    """A reinforcement request's grader."""
+    method = body.method.reinforcement if body.method is not None else None
+    return method.grader if method is not None else None
+
+
+def method_dict(kind: str, resolved: auto.Resolved, grader: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": kind, kind: {**({"grader": grader} if grader is not None else {}),
+                                 "hyperparameters": resolved.as_openai()}}
 
 
 def file_object(row: File) -> FileObject:
@@ -208,17 +239,22 @@ def _native_method(job: Job) -> dict[str, Any]:
     }
     declared = objectives.declaration(spec.get("objective", DEFAULT_OBJECTIVE))
     section = spec.get(declared.name) or {}
-    hyper.update({k: section.get(k) for k in SECTION_HYPERPARAMETERS if k in _section_fields(declared)})
     method = declared.openai_method or "supervised"
-    return {"type": method, method: {"hyperparameters": hyper}}
+    hyper.update({k: section.get(k) for k in SECTION_HYPERPARAMETERS.get(method, ()) if k in section})
+    if method != "reinforcement":
+        return {"type": method, method: {"hyperparameters": hyper}}
+    hyper["compute_multiplier"] = round(section.get("group_size", auto.GROUP_SIZE) / auto.GROUP_SIZE, 4)
+    return {"type": method, method: {"grader": section.get("graders"), "hyperparameters": hyper}}
 
 
-def _objective_of(kind: str, resolved: auto.Resolved) -> dict[str, Any]:
+def _objective_of(kind: str, resolved: auto.Resolved, grader: dict[str, Any] | None) -> dict[str, Any]:
     """The spec's ``objective`` and its section for OpenAI's ``method.type`` ``kind`` (``trainer.objectives``)."""
     declared = objectives.for_openai_method(kind)
     if declared is None or declared.name == DEFAULT_OBJECTIVE:
         return {}
-    section = {k: getattr(resolved, k) for k in SECTION_HYPERPARAMETERS if k in _section_fields(declared)}
+    section = {k: getattr(resolved, k) for k in SECTION_HYPERPARAMETERS.get(kind, ()) if k in _section_fields(declared)}
+    if kind == "reinforcement":
+        section.update(graders=grader, group_size=resolved.group_size)
     return {"objective": declared.name, **({declared.name: section} if section else {})}
 
 

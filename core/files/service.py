@@ -25,7 +25,7 @@ from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidDataset, InvalidInput, NotFound, TooLarge
 from core.files.convert import convert_to_chat
 from core.files.models import File
-from core.files.validate import DatasetSummary, validate_dataset, validate_prompts
+from core.files.validate import DatasetSummary, answerless_prompts, validate_dataset, validate_prompts
 from core.jobs.models import Job
 from core.jobs.states import ACTIVE_STATUSES
 from core.paging import page_newest_first, split_page
@@ -35,8 +35,9 @@ from core.users.service import Caller
 Purpose = Literal["train", "validation", "generate"]
 PURPOSES = ("train", "validation", "generate")
 """``generate``: a generation job's prompts (``trainer.generate.prompts``: chat or text lines)."""
-UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca")
-"""The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses."""
+UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca", "prompts")
+"""The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses;
+``prompts``: a GRPO job's training file of prompts (``core.files.validate.validate_prompts``)."""
 
 
 class FileSink:
@@ -97,12 +98,16 @@ def store_upload(
     owner_id: str | None = None,
     layout: str = "auto",
     project_id: str | None = None,
+    or_prompts: bool = False,
 ) -> File:
     """Validate the received file and record it as ``owner_id``'s in ``project_id``; commits, so
     row and bytes always agree. A file this owner already stored in this project with the same
     sha256 and purpose is returned
     as it is (nothing new is written), once a declared ``layout`` other than ``auto`` is checked
-    against its bytes as new bytes would be.
+    against its bytes as new bytes would be. ``or_prompts`` (OpenAI's files, where a reinforcement
+    file is uploaded with no format): an ``auto`` upload that is no dataset but a prompts file
+    whose every record awaits an answer (``answerless_prompts``) is stored as prompts; otherwise
+    the dataset's refusal stands.
 
     Raises:
         InvalidInput: bad ``purpose`` or ``filename``.
@@ -113,15 +118,16 @@ def store_upload(
         raise InvalidInput(f"format: {layout!r} is not one of {', '.join(UPLOAD_LAYOUTS)}", param="format")
     filename = _clean_filename(filename)
     sink.close()
+    prompts, or_prompts = purpose == "generate" or layout == "prompts", or_prompts and layout == "auto"
     same = find_duplicate(session, sink.sha256, purpose=purpose, owner_id=owner_id, project_id=project_id)
-    if same is not None:  # the sink removes the new copy on exit
-        if layout not in ("auto", (same.stats or {}).get("converted_from")):
+    if same is not None and ((same.format == "prompts") == prompts or or_prompts):  # the sink removes the copy
+        if layout not in ("auto", "prompts", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
         return same
-    if purpose == "generate":
+    if prompts:
         source, converted_from, summary = sink.path, None, validate_prompts(sink.path)
     else:
-        source, converted_from, summary = _converted_and_validated(sink.path, layout)
+        source, converted_from, summary = _validated_or_prompts(sink.path, layout, or_prompts)
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
     os.replace(source, final)
@@ -142,6 +148,16 @@ def store_upload(
         created_at=utcnow(),
     )
     return commit_file(session, row)
+
+
+def _validated_or_prompts(path: Path, layout: str, or_prompts: bool) -> tuple[Path, str | None, DatasetSummary]:
+    """``_converted_and_validated``, or, with ``or_prompts``, the prompts file it may be instead."""
+    try:
+        return _converted_and_validated(path, layout)
+    except InvalidDataset:
+        if not or_prompts or (summary := answerless_prompts(path)) is None:
+            raise
+        return path, None, summary
 
 
 def _converted_and_validated(path: Path, layout: str) -> tuple[Path, str | None, DatasetSummary]:

@@ -1,7 +1,7 @@
 """Dataset validation at upload: a file is accepted whole or refused at its first bad line.
 
 A dataset is JSONL (UTF-8, one JSON object per line; blank lines are skipped) and every
-record has the same one of four formats:
+record has the same one of five formats:
 
 ``chat``               {"messages": [{"role": ..., "content": ...}, ...]}; roles system, user,
                        assistant, tool; at least one assistant message with non-empty content
@@ -11,6 +11,10 @@ record has the same one of four formats:
                        "non_preferred_output": [assistant message, ...]} (OpenAI's DPO format; the
                        input's messages as in chat, without the need for an assistant reply; each
                        output one or more assistant messages with content); trains ``objective: dpo``
+``prompts``            {"messages": [...]} or {"prompt": str} with no answer, any other key kept
+                       for the graders (``{{item.<key>}}``); a generation job's prompts file
+                       (``purpose=generate``) or, uploaded with ``format=prompts``, a training file
+                       of ``objective: grpo`` (``validate_prompts``, ``trainer.generate.prompts``)
 
 OpenAI's chat extras are taken as they are: ``tools`` (a list of function definitions), an
 assistant's ``tool_calls`` (its ``content`` may then be null; the calls count as its answer) and
@@ -18,7 +22,8 @@ assistant's ``tool_calls`` (its ``content`` may then be null; the calls count as
 weight is not 0). Other keys in a record (``id``, ``metadata``, a message's ``name``) are
 ignored, but a record with the keys of two formats is refused: the trainer could not know
 which one was meant. A preference record is recognised by its two output keys (``input`` alone
-is too common a name). The names of the formats match ``trainer.config.DATA_FORMATS``.
+is too common a name). The names of the formats match ``trainer.config.DATA_FORMATS``; a prompts
+file is never detected (an answerless record is a mistake in the other formats), only declared.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 from core.errors import InvalidDataset
 from core.jsontext import exceeds_depth, lone_surrogate_at, may_hold_surrogate
 
-FORMATS = ("chat", "prompt_completion", "text", "preference")
+FORMATS = ("chat", "prompt_completion", "text", "preference", "prompts")
 ROLES = ("system", "user", "assistant", "tool")
 MAX_LINE_BYTES = 64 << 20
 """A longer line is refused rather than read into memory (64 MiB)."""
@@ -280,8 +285,8 @@ def _nonempty_str(record: dict[str, Any], key: str, number: int) -> str:
 
 
 def validate_prompts(path: Path) -> DatasetSummary:
-    """A generation job's prompts file (``trainer.generate.prompts``) described, format ``prompts``,
-    or ``InvalidDataset`` naming the first bad line and its field."""
+    """A prompts file (``trainer.generate.prompts``: a generation job's, or a GRPO job's training
+    file) described, format ``prompts``, or ``InvalidDataset`` naming the first bad line and its field."""
     from trainer.generate.prompts import CHAT, PromptError, read_prompts
 
     try:
@@ -293,5 +298,32 @@ def validate_prompts(path: Path) -> DatasetSummary:
         raise InvalidDataset(f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})", line=1,
                              param="file") from None
     chat = sum(p.fmt == CHAT for p in prompts)
+    chars = [_prompt_chars(p.record) for p in prompts]
     return DatasetSummary(format="prompts", num_records=len(prompts),
-                          stats={"chat_prompts": chat, "text_prompts": len(prompts) - chat})
+                          stats={"chat_prompts": chat, "text_prompts": len(prompts) - chat,
+                                 "chars_per_record": {"min": min(chars), "mean": round(sum(chars) / len(chars), 2),
+                                                      "max": max(chars)}})
+
+
+def answerless_prompts(path: Path) -> DatasetSummary | None:
+    """``validate_prompts``' summary of a file whose every record asks for an answer (text without a
+    completion, chat not ending with the assistant's turn): what a reinforcement file is. None for
+    any other file, a valid prompts file included (a chat dataset with a bad line reads as one)."""
+    from trainer.generate.prompts import CHAT, read_prompts
+
+    try:
+        summary = validate_prompts(path)
+    except InvalidDataset:
+        return None
+    for prompt in read_prompts(path):
+        record = prompt.record
+        if "completion" in record or (prompt.fmt == CHAT and record["messages"][-1].get("role") == "assistant"):
+            return None
+    return summary
+
+
+def _prompt_chars(record: dict[str, Any]) -> int:
+    """Characters of a prompt's text (a chat prompt's string contents)."""
+    if "prompt" in record:
+        return len(record["prompt"])
+    return sum(len(m["content"]) for m in record["messages"] if isinstance(m.get("content"), str))

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from core.db import utcnow
 from core.errors import InvalidInput, Unsupported
 from core.files.models import File
+from core.jobs import grpo_checks
 from core.jobs.model_source import resolve_model
 from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.spec import JobSpec
@@ -39,7 +40,8 @@ def admit(session: Session, spec: JobSpec, *, settings: Settings, owner_id: str 
         Unsupported: ``method`` is ``qlora`` and no live worker reports a CUDA GPU with
             bitsandbytes (``_check_method``).
         InvalidInput: unknown or deleted file ids, a file of the wrong purpose, a file whose
-            format does not fit ``objective`` (preference files for dpo, others for sft), a model
+            format does not fit ``objective`` (preference files for dpo, prompts for grpo, others for
+            sft), a GRPO job's grader (``core.jobs.grpo_checks.check_grader``), a model
             that cannot be resolved, or a spec the trainer's config refuses.
         Unsupported: an optimization forced ``on`` that no live worker can honour,
             ``gpus`` that no live host or the owner's cap can give (``core.jobs.scheduling.check_gpus``),
@@ -55,6 +57,9 @@ def admit(session: Session, spec: JobSpec, *, settings: Settings, owner_id: str 
     check_project(session, project_id, spec.gpus, spec.priority)
     train_row = usable_file(session, spec.training_file, "train", "training_file", project_id)
     _check_objective(spec.objective, train_row, "training_file")
+    if spec.objective == "grpo":
+        grpo_checks.check_grader(spec.grpo.graders)
+        grpo_checks.check_no_validation(spec.validation_file)
     paths = {spec.training_file: train_row.path}
     if spec.validation_file is not None:
         validation_row = usable_file(session, spec.validation_file, "validation", "validation_file", project_id)

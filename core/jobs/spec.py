@@ -37,7 +37,7 @@ Method = Literal[METHODS]  # type: ignore[valid-type]
 Priority = Literal["low", "normal", "high"]
 Scheduler = Literal[SCHEDULERS]  # type: ignore[valid-type]
 Checkpointing = Literal[CHECKPOINTING_VALUES]  # type: ignore[valid-type]  # "auto" | "on" | "off" | "selective"
-Objective = Literal[objectives.names()]  # type: ignore[valid-type]  # "sft" | "dpo" (trainer.objectives)
+Objective = Literal[objectives.names()]  # type: ignore[valid-type]  # "sft" | "dpo" | "grpo" (trainer.objectives)
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
@@ -232,6 +232,7 @@ def _section_spec(name: str, section: type) -> type[_Strict]:
 SECTIONS: dict[str, type[_Strict]] = {name: _section_spec(name, cls) for name, cls in objectives.sections().items()}
 """Objective name -> its settings' model, the spec's field of that name (``trainer.objectives``)."""
 DpoSpec = SECTIONS["dpo"]
+GrpoSpec = SECTIONS["grpo"]
 
 
 def _switch_fields() -> dict[str, Any]:
@@ -294,6 +295,7 @@ class JobSpec(_Strict):
         ),
     ] = "sft"
     dpo: DpoSpec = DpoSpec()
+    grpo: GrpoSpec = GrpoSpec()
     hyperparameters: Hyperparameters = Hyperparameters()
     checkpoint_every: Annotated[
         int, Field(ge=0, le=10_000_000, description="Checkpoint every N steps; 0 keeps only the final one.")

@@ -193,7 +193,7 @@ class TestStopAndResume:
 
 class TestRefusals:
     @pytest.mark.parametrize(("fields", "param", "needle"), [
-        ({"method": {"type": "reinforcement"}}, "method.type", "'reinforcement'"),
+        ({"method": {"type": "reinforcement"}}, "method.reinforcement.grader", "needs a grader"),
         ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs", "use 'auto', or"),
         ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}}},
          "method.dpo.hyperparameters.beta", "greater than 0"),

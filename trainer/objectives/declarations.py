@@ -1,4 +1,4 @@
-"""The built-in objectives' declarations (``sft``, ``dpo``) and DPO's settings. Standard library only.
+"""The built-in objectives' declarations (``sft``, ``dpo``, ``grpo``) and DPO's settings. Standard library only.
 
 Their implementations are ``trainer.objectives.sft`` and ``trainer.objectives.dpo`` (torch).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.objectives.grpo_config import GrpoConfig
 from trainer.objectives.registry import Chart, Declaration, MetricField, register
 
 
@@ -72,3 +73,31 @@ DPO = register(Declaration(
 
 DPO_STEP_FIELDS: tuple[str, ...] = tuple(m.name for m in DPO.metrics)
 """The step fields only a DPO run fills (null for the others)."""
+
+GRPO = register(Declaration(
+    name="grpo",
+    title="GRPO",
+    formats=("prompts",),
+    implementation="trainer.objectives.grpo:Grpo",
+    doc='grpo samples completions of prompts files ({"messages": [...]} or {"prompt": ...}, other keys are the '
+        "grader's item) and trains on their graded rewards",
+    metrics=(
+        MetricField("reward_mean", "mean", "reward", "Mean reward of the step's completions."),
+        MetricField("reward_std", "std", "reward", "Spread (std) of the step's rewards."),
+        MetricField("zero_std_fraction", "no signal", "fraction",
+                    "Fraction of the step's prompts whose completions all scored alike (advantage 0)."),
+        MetricField("completion_length", "length", "tokens", "Mean completion length (tokens)."),
+        MetricField("clip_fraction", "clipped", "fraction", "Fraction of completion tokens whose ratio was clipped."),
+        MetricField("kl", "KL", "nats", "Mean per-token KL to the reference (null when grpo.beta is 0)."),
+        MetricField("grade_error_fraction", "grader errors", "fraction",
+                    "Fraction of completions the grader failed on (scored 0)."),
+    ),
+    charts=(
+        Chart("grpo-reward", "GRPO reward", ("reward_mean", "reward_std")),
+        Chart("grpo-signal", "GRPO signal", ("zero_std_fraction", "clip_fraction", "grade_error_fraction")),
+        Chart("grpo-length", "Completion length and KL", ("completion_length", "kl")),
+    ),
+    section=GrpoConfig,
+    fsdp2=False,
+    openai_method="reinforcement",
+))

@@ -24,7 +24,7 @@ sum to it exactly (the run's convention, ``trainer.training.step``): ``grpo`` th
 sequences of each sequence's mean token loss; ``bnpo`` and ``dapo`` the sum of token losses over
 the step's completion tokens (TRL's ``bnpo`` divides by a micro-batch's tokens and ``dapo`` by the
 generation batch's: the same for one micro-batch, and the step's for ftq); ``dr_grpo`` the sum over
-``sequences x max_completion_length``. ``policy_loss`` returns the numerator of this micro-batch;
+``sequences x max_completion_length`` (the job's ``max_new_tokens``). ``policy_loss`` returns the numerator of this micro-batch;
 ``denominator`` gives the step's divisor.
 
 Legend: ``T`` positions of the packed row, ``S`` sequences of the micro-batch.
@@ -32,54 +32,12 @@ Legend: ``T`` positions of the packed row, ``S`` sequences of the micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-REWARD_SCALES = ("group", "batch", "none")
+from trainer.objectives.grpo_config import GrpoLossConfig
+
 STD_EPS = 1e-4
 """Added to the reward spread before dividing (TRL's constant)."""
-
-
-@dataclass(frozen=True)
-class GrpoLossConfig:
-    """The loss's switches (the job's ``grpo`` section); ``validate`` names a bad field."""
-
-    loss_type: str = "dapo"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
-    beta: float = 0.0
-    kl_bias_correction: bool = True
-    """Multiply the KL term by the importance ratio (unbiased reverse-KL gradient; DeepSeek-V3.2, TRL's default)."""
-    importance_sampling_level: str = "token"
-    max_completion_length: int = 256
-    scale_rewards: str = "group"
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.loss_type in LOSS_TYPES, "loss_type", f"one of {', '.join(LOSS_TYPES)}", self.loss_type),
-            (self.importance_sampling_level in IMPORTANCE_LEVELS, "importance_sampling_level",
-             f"one of {', '.join(IMPORTANCE_LEVELS)}", self.importance_sampling_level),
-            (self.scale_rewards in REWARD_SCALES, "scale_rewards", f"one of {', '.join(REWARD_SCALES)}",
-             self.scale_rewards),
-            (0.0 <= self.epsilon_low < 1.0, "epsilon_low", "a number in [0, 1)", self.epsilon_low),
-            (self.epsilon_high >= 0.0, "epsilon_high", "a number >= 0", self.epsilon_high),
-            (self.delta is None or self.delta > 1.0 + self.epsilon_high, "delta",
-             "null, or above 1 + epsilon_high", self.delta),
-            (self.beta >= 0.0, "beta", "a number >= 0", self.beta),
-            (self.max_completion_length >= 1, "max_completion_length", "an integer >= 1", self.max_completion_length),
-        ]
-        for ok, name, want, got in checks:
-            if not ok:
-                raise ValueError(f"grpo.{name}: must be {want}, got {got!r}")
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
-            raise ValueError(
-                f"grpo.importance_sampling_level: sequence (GSPO) weighs each sequence's tokens by one ratio and "
-                f"needs loss_type grpo (a per-sequence mean); {self.loss_type} sums tokens across sequences"
-            )
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,12 +62,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return advantages, torch.isclose(group_std, torch.zeros_like(group_std))
 
 
-def denominator(config: GrpoLossConfig, sequences: int, completion_tokens: int) -> float:
-    """The step's divisor of the summed ``policy_loss`` numerators (see the module docstring)."""
+def denominator(config: GrpoLossConfig, sequences: int, completion_tokens: int, max_completion_length: int) -> float:
+    """The step's divisor of the summed ``policy_loss`` numerators (see the module docstring);
+    ``max_completion_length``: Dr. GRPO's constant per sequence (the job's ``max_new_tokens``)."""
     if config.loss_type == "grpo":
         return float(max(sequences, 1))
     if config.loss_type == "dr_grpo":
-        return float(max(sequences, 1) * config.max_completion_length)
+        return float(max(sequences, 1) * max_completion_length)
     return float(max(completion_tokens, 1))
 
 

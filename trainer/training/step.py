@@ -164,6 +164,7 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
     objective = ctx.objective
     stats = objective.new_stats(ctx.device)
     todo = _padded(mine, parts, ctx.parallel.strategy)
+    _rollout(ctx, timer, step, [ctx.samples[i] for j in mine for i in refs[j].sample_indices])
     try:
         for k, j in enumerate(todo):
             host_batch = objective.pack([ctx.samples[i] for i in refs[j].sample_indices])
@@ -209,6 +210,15 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         targets=step_targets,
         host=host,
     )
+
+
+def _rollout(ctx: StepContext, timer: metrics.StepTimer, step: int, items: list[Any]) -> None:
+    """An objective that samples its step's data from the policy (GRPO's ``rollout``) does it now,
+    on this rank's ``items``; the others have no ``rollout``."""
+    rollout = getattr(ctx.objective, "rollout", None)
+    if rollout is not None:
+        with timer.phase("data"):
+            rollout(ctx.comm, ctx.model, step, items)
 
 
 class _HostCopy:

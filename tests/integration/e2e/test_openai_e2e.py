@@ -201,6 +201,6 @@ def test_bad_files_and_bodies_answer_openai_errors(client, train_file):
     with pytest.raises(openai.BadRequestError) as info:
         client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file,
                                        method={"type": "reinforcement"})
-    assert info.value.response.json()["error"]["param"] == "method.type"
+    assert info.value.response.json()["error"]["param"] == "method.reinforcement.grader"
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("job-000000000000000000000000")

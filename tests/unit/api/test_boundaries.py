@@ -39,6 +39,7 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
                                                    "trainer.training", "trainer.training.layout", "trainer.plan",
                                                    "trainer.plan.memory", "trainer.objectives",
                                                    "trainer.objectives.registry", "trainer.objectives.declarations",
+                                                   "trainer.objectives.grpo_config",
                                                    "trainer.generate", "trainer.generate.job_config",
                                                    "trainer.generate.outputs", "trainer.generate.prompts",
                                                    "trainer.graders", "trainer.graders.errors", "trainer.graders.formula",

@@ -32,16 +32,15 @@ MAX_COMPLETION = 8
 NOISE = 0.3
 
 VARIANTS = {
-    "grpo": GrpoLossConfig(loss_type="grpo", max_completion_length=MAX_COMPLETION),
-    "bnpo": GrpoLossConfig(loss_type="bnpo", max_completion_length=MAX_COMPLETION),
-    "dr_grpo": GrpoLossConfig(loss_type="dr_grpo", max_completion_length=MAX_COMPLETION),
-    "dapo-asymmetric": GrpoLossConfig(loss_type="dapo", epsilon_high=0.28, max_completion_length=MAX_COMPLETION),
+    "grpo": GrpoLossConfig(loss_type="grpo"),
+    "bnpo": GrpoLossConfig(loss_type="bnpo"),
+    "dr_grpo": GrpoLossConfig(loss_type="dr_grpo"),
+    "dapo-asymmetric": GrpoLossConfig(loss_type="dapo", epsilon_high=0.28),
     "gspo": GrpoLossConfig(loss_type="grpo", importance_sampling_level="sequence", epsilon_low=3e-4,
-                           epsilon_high=4e-4, max_completion_length=MAX_COMPLETION),
-    "grpo-delta-kl": GrpoLossConfig(loss_type="grpo", delta=1.3, beta=0.04, max_completion_length=MAX_COMPLETION),
-    "dapo-kl": GrpoLossConfig(loss_type="dapo", beta=0.1, max_completion_length=MAX_COMPLETION),
-    "dapo-kl-uncorrected": GrpoLossConfig(loss_type="dapo", beta=0.1, kl_bias_correction=False,
-                                          max_completion_length=MAX_COMPLETION),
+                           epsilon_high=4e-4),
+    "grpo-delta-kl": GrpoLossConfig(loss_type="grpo", delta=1.3, beta=0.04),
+    "dapo-kl": GrpoLossConfig(loss_type="dapo", beta=0.1),
+    "dapo-kl-uncorrected": GrpoLossConfig(loss_type="dapo", beta=0.1, kl_bias_correction=False),
 }
 
 
@@ -90,7 +89,7 @@ def trl_side(trainer, state: dict, config: GrpoLossConfig, advantages: torch.Ten
     trainer.loss_type, trainer.beta = config.loss_type, config.beta
     trainer.epsilon_low, trainer.epsilon_high = config.epsilon_low, config.epsilon_high
     trainer.importance_sampling_level = config.importance_sampling_level
-    trainer.max_completion_length = config.max_completion_length
+    trainer.max_completion_length = MAX_COMPLETION
     trainer.args.delta = config.delta
     trainer.args.use_bias_correction_kl = config.kl_bias_correction
     inputs = _padded_inputs(advantages)
@@ -137,7 +136,7 @@ def ftq_side(model, config: GrpoLossConfig, advantages: torch.Tensor) -> tuple[f
     noise_ref[mask_T] = torch.tensor([x for row in _noise(2) for x in row])
     logp_T = packed_token_logprobs(model, batch, meta, LOSS_FUSED)
     numerator, stats = policy_loss(logp_T, current + noise_old, current + noise_ref, advantages, seq_T, mask_T, config)
-    loss = numerator / denominator(config, len(COMPLETIONS), int(mask_T.sum()))
+    loss = numerator / denominator(config, len(COMPLETIONS), int(mask_T.sum()), MAX_COMPLETION)
     loss.backward()
     assert stats[2].item() == mask_T.sum().item()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

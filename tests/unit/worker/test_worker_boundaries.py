@@ -9,8 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 TRAINER_MODULES_FOR_THE_WORKER = {"trainer", "trainer.catalog", "trainer.config", "trainer.events", "trainer.training",
                                   "trainer.training.layout", "trainer.objectives", "trainer.objectives.registry",
-                                  "trainer.objectives.declarations", "trainer.generate", "trainer.generate.job_config"}
-"""``trainer.objectives`` is its torch-free registry: the step fields the recorder stores and the trackers send;
+                                  "trainer.objectives.declarations", "trainer.objectives.grpo_config", "trainer.generate",
+                                  "trainer.generate.job_config"}
+"""``trainer.objectives`` is its torch-free registry: the step fields the recorder stores and the trackers send
+(``grpo_config``: GRPO's section, standard library);
 ``trainer.generate.job_config`` a generation job's job.json (standard library only)."""
 
 

@@ -1,0 +1,138 @@
+"""The ``grpo`` objective end to end on CPU: a tiny random-weight Llama learns what its grader pays for.
+
+The reward is a ``string_check`` grader: 1 when the completion (8 new tokens) contains the record's
+``target`` (``{{item.target}}``, the one-token word " the"), else 0. The base model writes it in a
+few % of its completions, so a group has a signal now and then, and the run must raise the reward
+mean from the first step's to 0.9 over the last 4 of 30 steps (4 prompts x 8 completions a step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from trainer_helpers import Recorder, make_job, write_jsonl
+
+from trainer.config import DataConfig, LoraConfig, OptimConfig
+from trainer.errors import ConfigError
+from trainer.objectives.grpo_config import GrpoConfig
+from trainer.training.train import StopFlag, run
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+PROMPTS = ("The cat", "A dog", "Hello", "Once upon")
+GROUP, NEW, STEPS = 8, 8, 30
+TARGET = " the"
+"""One token of the tiny tokenizer (id 264): the base model writes it in ~3% of 8-token completions."""
+GRADER = {"type": "string_check", "name": "says the", "input": "{{sample.output_text}}",
+          "reference": "{{item.target}}", "operation": "like"}
+
+
+def _job(tmp_path, model_dir, **grpo):
+    records = [{"prompt": p, "target": TARGET} for p in PROMPTS]
+    train = write_jsonl(tmp_path / "prompts.jsonl", records)
+    # full fine-tuning: the tiny model's frozen, tied head under a LoRA caps any token near 1%
+    return make_job(tmp_path, model_dir, objective="grpo", method="full",
+                    data=DataConfig(str(train), max_seq_len=64, batch_tokens=4 * GROUP * 16),
+                    optim=OptimConfig(max_steps=STEPS, learning_rate=1e-2, warmup_steps=1),
+                    grpo=GrpoConfig(graders=GRADER, group_size=GROUP, max_new_tokens=NEW, **grpo))
+
+
+@pytest.mark.slow  # 30 steps of 32 rollouts of 8 tokens and a full fine-tuning step each: ~40 s
+def test_a_tiny_model_learns_what_the_grader_pays_for(tmp_path, tiny_model_dir) -> None:
+    recorder = Recorder()
+    result = run(_job(tmp_path, tiny_model_dir, loss_type="grpo"), recorder)
+    assert result.status == "succeeded", recorder.of("done")
+    steps = recorder.of("step")
+    rewards = [s["reward_mean"] for s in steps]
+    assert len(steps) == STEPS and all(s["completion_length"] <= NEW for s in steps)
+    assert rewards[0] < 0.2, rewards  # the base: " the" in ~3% of completions
+    assert sum(rewards[-4:]) / 4 >= 0.9, rewards  # measured: 1.0 from step 19 (lr 1e-2)
+    assert all(s["grade_error_fraction"] == 0 for s in steps)
+
+
+def test_a_job_without_a_grader_is_refused_naming_the_field(tmp_path, tiny_model_dir) -> None:
+    config = dataclasses.replace(_job(tmp_path, tiny_model_dir), grpo=GrpoConfig(group_size=GROUP))
+    recorder = Recorder()
+    result = run(config, recorder)
+    assert result.status == "failed"
+    assert recorder.of("done")[0]["message"].startswith("grpo.graders: a GRPO job needs a grader"), recorder.of("done")
+
+
+def test_a_group_longer_than_batch_tokens_is_refused_at_the_start(tmp_path, tiny_model_dir) -> None:
+    config = _job(tmp_path, tiny_model_dir)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_tokens=64))
+    recorder = Recorder()
+    assert run(config, recorder).status == "failed"
+    message = recorder.of("done")[0]["message"]
+    assert message.startswith("data.batch_tokens: prompt ") and "8 x (9 prompt + 8 new) = 136 tokens" in message, message
+
+
+def test_a_record_the_grader_cannot_read_scores_0_as_a_grader_error(tmp_path, tiny_model_dir) -> None:
+    """Only the first records are dry-run at submission: a later one without the field the
+    template names fails its completions (reward 0, counted) and the run goes on."""
+    config = _job(tmp_path, tiny_model_dir)
+    records = [{"prompt": p, "target": TARGET} for p in PROMPTS[:3]] + [{"prompt": PROMPTS[3]}]
+    write_jsonl(tmp_path / "prompts.jsonl", records)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=1))
+    recorder = Recorder()
+    assert run(config, recorder).status == "succeeded", recorder.of("done")
+    [step] = recorder.of("step")
+    assert step["grade_error_fraction"] == pytest.approx(0.25), step  # 1 prompt of 4, all its completions
+
+
+def test_bad_settings_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="grpo.group_size: must be an integer >= 2"):
+        GrpoConfig(group_size=1)
+    with pytest.raises(ValueError, match="grpo.temperature: must be a number > 0"):
+        GrpoConfig(temperature=0.0)
+    assert issubclass(ConfigError, Exception)
+
+
+class _StopAfter(Recorder):
+    """A recorder that asks the run to stop once ``step``'s event is out (a cancel)."""
+
+    def __init__(self, step: int, stop: StopFlag) -> None:
+        super().__init__()
+        self.step, self.stop = step, stop
+
+    def __call__(self, type_: str, **payload: object) -> dict:
+        event = super().__call__(type_, **payload)
+        if type_ == "step" and payload["step"] == self.step:
+            self.stop.set("test stop")
+        return event
+
+
+def _resumable(tmp_path, model_dir):
+    tmp_path.mkdir()
+    records = [{"prompt": p, "target": TARGET} for p in PROMPTS[:2]]
+    train = write_jsonl(tmp_path / "prompts.jsonl", records)
+    return make_job(tmp_path, model_dir, objective="grpo", lora=LoraConfig(r=8, alpha=16), checkpoint_every=2,
+                    data=DataConfig(str(train), max_seq_len=64, batch_tokens=2 * 4 * 16),
+                    optim=OptimConfig(max_steps=4, learning_rate=1e-2),
+                    grpo=GrpoConfig(graders={**GRADER, "operation": "ilike", "reference": "e"}, group_size=4,
+                                    max_new_tokens=6, loss_type="grpo"))
+
+
+@pytest.mark.slow  # two runs of 4 steps of 8 rollouts: ~10 s
+def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path, tiny_model_dir) -> None:
+    """Stopped after step 2 (its checkpoint) and resumed, steps 3-4 regenerate the same rollouts
+    (their seeds come from the job's seed, the step and the prompt), so rewards, completion lengths
+    and losses equal the uninterrupted run's."""
+    straight = Recorder()
+    assert run(_resumable(tmp_path / "a", tiny_model_dir), straight).status == "succeeded"
+    split, stop = _resumable(tmp_path / "b", tiny_model_dir), StopFlag()
+    first = _StopAfter(2, stop)
+    assert run(split, first, stop).status == "cancelled"
+    second = Recorder()
+    assert run(split, second).status == "succeeded"
+    assert second.of("plan")[0]["resumed_from_step"] == 2
+    resumed = first.of("step") + second.of("step")
+    assert [e["step"] for e in resumed] == [1, 2, 3, 4]
+    for key in ("reward_mean", "reward_std", "completion_length", "zero_std_fraction"):
+        assert [e[key] for e in resumed] == [e[key] for e in straight.of("step")], key
+    assert [e["loss"] for e in resumed] == pytest.approx([e["loss"] for e in straight.of("step")], rel=1e-5)
+    assert len({e["reward_std"] for e in straight.of("step")}) > 1  # the rollouts differ from step to step

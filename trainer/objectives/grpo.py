@@ -1,0 +1,271 @@
+"""GRPO: each step samples ``group_size`` completions of its prompts from the policy being trained,
+grades them, and trains on them with group-normalised advantages (``trainer.objectives.grpo_loss``).
+
+The step (``trainer.training.step``) calls ``rollout`` with this rank's prompts before its
+micro-batches: the sampler (``trainer.generate.Engine``) runs on the training model itself (its
+adapters unmerged, the fused layers as installed, no copy), at ``grpo.temperature``/``top_p`` with a
+seed from the job's seed and the step, so a resumed step samples the same completions. Each
+completion is graded with the job's grader (``trainer.graders.run.grade``: its item is the prompt's
+record, so ``{{item.x}}`` reads the record's own fields); a grader's failure on an item scores it 0
+(and is counted). Advantages are normalised within each prompt's group. Then ``pack`` lays a
+prompt's group out as ``group_size`` sequences (prompt + completion, labels on the completion) and
+the loss reads each completion token's log-probability through the fused head. With one
+optimisation step per batch of rollouts the sampling policy is the current one: ``old`` is the
+log-probabilities detached (ratio 1, gradient of ``logp``). The step's denominator is its number
+of sequences (``grpo``, ``dr_grpo``) or of completion tokens over every rank (``bnpo``, ``dapo``:
+summed once after the rollouts, on the host group).
+
+Legend: ``G`` group size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.data.packing import PackedBatch
+from trainer.errors import ConfigError
+from trainer.objectives.grpo_loss import denominator, group_advantages, policy_loss
+from trainer.training.flops import FlopCounter
+
+STATS = ("reward_sum", "reward_sq_sum", "completions", "zero_std_groups", "groups", "completion_tokens",
+         "grade_errors", "clip_low", "clip_high", "loss_tokens", "ratio_sum", "kl_sum")
+"""The step's device sums, in order (``new_stats``)."""
+
+
+@dataclass
+class PromptItem:
+    """One prompt of the job: a schedule item whose group is sampled at its step."""
+
+    index: int
+    ids: list[int]
+    record: dict[str, Any]
+    group: int
+    max_new: int
+    completions: list[list[int]] = field(default_factory=list)
+    """This step's ``G`` completions (set by ``rollout``)."""
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def __len__(self) -> int:
+        """Tokens the packed group may take (prompt and longest completion, G times): what the
+        schedule packs micro-batches by."""
+        return self.group * (len(self.ids) + self.max_new)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """The group's sequences: the step's loss denominator counts sequences (see ``Grpo``)."""
+        return self.group
+
+
+class Grpo:
+    """The ``grpo`` objective (``trainer.objectives.declarations.GRPO``)."""
+
+    def __init__(self) -> None:
+        self.config: Any = None
+        self.tokenizer: Any = None
+        self.engine: Any = None
+        self.seed = 0
+        self.items: list[PromptItem] = []
+        self.step_tokens = 0
+        """Completion tokens of the step over every rank (``bnpo``/``dapo``'s denominator)."""
+
+    def load_data(self, config: TrainConfig, tokenizer: Any) -> tuple[list[PromptItem], None]:
+        from trainer.generate.job import encode
+        from trainer.generate.prompts import PromptError, read_prompts
+        from trainer.graders.errors import GraderError
+        from trainer.graders.run import uses_model
+        from trainer.graders.spec import validate
+
+        grpo = config.grpo
+        if grpo.graders is None:
+            raise ConfigError("grpo.graders: a GRPO job needs a grader (the reward), e.g. "
+                              '{"type": "string_check", "operation": "like", ...}')
+        try:
+            self.grader = validate(grpo.graders, "grpo.graders")
+        except GraderError as exc:
+            raise ConfigError(str(exc)) from None
+        if uses_model(self.grader):
+            raise ConfigError("grpo.graders.type: score_model and label_model graders need a judge model beside the "
+                              "policy, which a GRPO job does not load; use string_check, text_similarity or python")
+        try:
+            prompts = read_prompts(config.data.train_path)
+        except PromptError as exc:
+            raise ConfigError(f"data.train_path: {exc}") from None
+        self.config, self.tokenizer, self.seed = grpo, tokenizer, config.seed
+        items = [PromptItem(p.index, list(encode(p, tokenizer)), p.record, grpo.group_size, grpo.max_new_tokens)
+                 for p in prompts]
+        self.items = items
+        _check_fit(items, config.data.batch_tokens)
+        return items, None
+
+    def rollout(self, comm: Any, model: torch.nn.Module, step: int, items: Sequence[PromptItem]) -> None:
+        """Sample, grade and score each of this rank's ``items`` for ``step`` (module docstring)."""
+        from trainer.generate.engine import Engine
+        from trainer.generate.params import Request, SamplingParams
+
+        grpo = self.config
+        longest = max((len(item.ids) for item in items), default=1)
+        if self.engine is None or self.engine.max_len < longest + grpo.max_new_tokens:
+            self.engine = Engine(model, self.tokenizer, slots=max(grpo.group_size, 8 * grpo.group_size),
+                                 max_len=longest + grpo.max_new_tokens)
+        requests = [Request(tuple(item.ids), SamplingParams(
+            max_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, n=grpo.group_size,
+            seed=(self.seed * 1_000_003 + step) * 1_000_003 + item.index)) for item in items]
+        results = self.engine.generate(requests)
+        for item, result in zip(items, results):
+            item.completions = [c.token_ids for c in result.completions]
+            item.rewards, item.errors = self._grade(item, [c.text for c in result.completions])
+            advantages, _ = group_advantages(torch.tensor(item.rewards), grpo.group_size, grpo.scale_rewards)
+            item.advantages = advantages.tolist()
+        local = sum(len(c) for item in items for c in item.completions)
+        self.step_tokens = int(sum(row[0] for row in comm.gather_host([float(local)])))
+
+    def _grade(self, item: PromptItem, texts: list[str]) -> tuple[list[float], int]:
+        """Each completion's reward and how many failed (scored 0). A template naming a field this
+        record lacks fails its completions too: the submission's dry run reads the first records only."""
+        from trainer.graders.errors import GraderError
+        from trainer.graders.run import grade
+
+        rewards, errors = [], 0
+        for text in texts:
+            try:
+                result = grade(self.grader, text, item.record, param="grpo.graders")
+            except GraderError:
+                rewards.append(0.0)
+                errors += 1
+                continue
+            rewards.append(float(result.score))
+            errors += 0 if result.ok else 1
+        return rewards, errors
+
+    def pack(self, items: Sequence[PromptItem]) -> PackedBatch:
+        self._packed = list(items)  # the micro-batch whose rollout sums ``collecting`` adds
+        ids, positions, targets, advantage = [], [], [], []
+        lengths = []
+        for item in items:
+            for completion, adv in zip(item.completions, item.advantages):
+                sequence = item.ids + completion
+                ids += sequence
+                positions += range(len(sequence))
+                targets += [-100] * (len(item.ids) - 1) + completion + [-100]
+                advantage += [adv] * len(sequence)
+                lengths.append(len(sequence))
+        row = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype).unsqueeze(0)  # noqa: E731
+        return PackedBatch(row(ids), row(positions), row(targets), lengths, sum(i.num_loss_tokens for i in items),
+                           extras={"advantage": row(advantage, torch.float32)})
+
+    def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
+        if strategy == "fsdp2":
+            raise ConfigError("objective grpo: rollouts run per rank, which FSDP2's gathers cannot pair; "
+                              "use method lora or qlora (DDP) on several GPUs")
+        if config.grpo.beta > 0 and config.method == "full":
+            raise ConfigError("grpo.beta: the KL reference is the base with the adapter off, which method full "
+                              "has not; use lora or qlora, or beta 0")
+        self._check_context(model)
+        self.loss = GrpoLoss(self, installed.loss.kernel)
+        return self.loss
+
+    def _check_context(self, model: torch.nn.Module) -> None:
+        """Refuse prompts that, with ``max_new_tokens`` after them, overrun the model's positions."""
+        context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        longest = max((len(item.ids) for item in self.items), default=0)
+        if isinstance(context, int) and longest + self.config.max_new_tokens > context:
+            raise ConfigError(f"grpo.max_new_tokens: the longest prompt ({longest} tokens) and "
+                              f"{self.config.max_new_tokens} new tokens overrun the model's context of {context}; "
+                              "lower grpo.max_new_tokens or shorten the prompts")
+
+    def new_stats(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(len(STATS), dtype=torch.float32, device=device)
+
+    @contextmanager
+    def collecting(self, stats: torch.Tensor | None) -> Iterator[None]:
+        self.loss.stats = stats
+        self.loss.add_rollout_stats(getattr(self, "_packed", []))
+        try:
+            yield
+        finally:
+            self.loss.stats = None
+
+    def step_fields(self, sums: Sequence[float], targets: int) -> dict[str, float | None]:
+        s = dict(zip(STATS, sums))
+        n = max(s["completions"], 1.0)
+        mean = s["reward_sum"] / n
+        return {
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(s["reward_sq_sum"] / n - mean * mean, 0.0)),
+            "zero_std_fraction": s["zero_std_groups"] / max(s["groups"], 1.0),
+            "completion_length": s["completion_tokens"] / n,
+            "clip_fraction": (s["clip_low"] + s["clip_high"]) / max(s["loss_tokens"], 1.0),
+            "kl": s["kl_sum"] / max(s["loss_tokens"], 1.0) if self.config.beta > 0 else None,
+            "grade_error_fraction": s["grade_errors"] / n,
+        }
+
+    def eval_accuracy(self, sums: Sequence[float], targets: int) -> float | None:
+        return None
+
+    def step_flops(self, counter: FlopCounter, items: Sequence[Any]) -> float:
+        """The training forward and backward on the packed groups, plus the sampler's forwards
+        (2 per parameter per token it fed: each prompt once, each generated token once)."""
+        lengths = [len(item.ids) + len(c) for item in items for c in item.completions]
+        fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in items)
+        return counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
+
+
+def _check_fit(items: Sequence[PromptItem], batch_tokens: int) -> None:
+    """A prompt's group is packed whole into one micro-batch: refuse one longer than ``batch_tokens``."""
+    over = max(items, key=len, default=None)
+    if over is not None and len(over) > batch_tokens:
+        raise ConfigError(f"data.batch_tokens: prompt {over.index}'s group, {over.group} x ({len(over.ids)} prompt + "
+                          f"{over.max_new} new) = {len(over)} tokens, is packed into one micro-batch of at most "
+                          f"{batch_tokens}; raise hyperparameters.batch_tokens or lower grpo.group_size, "
+                          "grpo.max_new_tokens or the prompt")
+
+
+class GrpoLoss:
+    """``loss(model, batch, meta, num_items)`` of one packed micro-batch of groups."""
+
+    def __init__(self, objective: Grpo, loss_kernel: str) -> None:
+        self.objective, self.loss_kernel = objective, loss_kernel
+        self.stats: torch.Tensor | None = None
+
+    def __call__(self, model: torch.nn.Module, batch: PackedBatch, meta: Any, num_items: int) -> torch.Tensor:
+        from trainer.features.loss.packed_forward import packed_token_logprobs
+
+        grpo = self.objective.config
+        loss_config = grpo.loss_config()
+        ref_T = None
+        if grpo.beta > 0:
+            with torch.no_grad(), model.disable_adapter():
+                ref_T = packed_token_logprobs(model, batch, meta, self.loss_kernel)
+        logp_T = packed_token_logprobs(model, batch, meta, self.loss_kernel)
+        position_T = batch.position_ids.reshape(-1)
+        seq_T = (position_T == 0).cumsum(0) - 1
+        mask_T = batch.targets.reshape(-1) != -100
+        adv_T = batch.extras["advantage"].reshape(-1)
+        num_seqs = len(batch.lengths)
+        adv_S = torch.zeros(num_seqs, dtype=adv_T.dtype, device=adv_T.device).index_add_(
+            0, seq_T, adv_T * (position_T == 0).to(adv_T.dtype))
+        numerator, stats = policy_loss(logp_T, logp_T.detach(), ref_T, adv_S, seq_T, mask_T, loss_config)
+        divisor = denominator(loss_config, int(num_items), self.objective.step_tokens, grpo.max_new_tokens)
+        if self.stats is not None:
+            self.stats[7:] += stats.to(self.stats.device)
+        return numerator / divisor
+
+    def add_rollout_stats(self, items: Sequence[PromptItem]) -> None:
+        """The micro-batch's rewards and completions into the step's sums (host values, one copy)."""
+        if self.stats is None:
+            return
+        rewards = [r for item in items for r in item.rewards]
+        zero = sum(1 for item in items if len(set(item.rewards)) == 1)
+        tokens = sum(len(c) for item in items for c in item.completions)
+        values = [sum(rewards), sum(r * r for r in rewards), len(rewards), zero, len(items), tokens,
+                  sum(item.errors for item in items)]
+        self.stats[:7] += torch.tensor(values, dtype=torch.float32).to(self.stats.device)

@@ -94,13 +94,14 @@ def _make(*args: str, venv: Path) -> str:
 
 @pytest.fixture
 def installed_venv(tmp_path: Path) -> Path:
-    """A venv folder whose plain (no extras) install is newer than pyproject.toml and the lock."""
+    """A venv folder whose plain (no extras) install and uv are newer than pyproject.toml and the lock."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    for stamp in (".venv-created", ".ftq-installed"):
+    stamps = (".venv-created", ".ftq-installed", "bin/uv")
+    for stamp in stamps:
         (venv / stamp).touch()
     newer = max(ROOT.joinpath("pyproject.toml").stat().st_mtime, LOCK.stat().st_mtime) + 60
-    for stamp in (".venv-created", ".ftq-installed"):
+    for stamp in stamps:
         os.utime(venv / stamp, (newer, newer))
     return venv
 
@@ -112,13 +113,17 @@ class TestMakeInstall:
 
     def test_service_extras_install_into_an_existing_venv(self, installed_venv: Path) -> None:
         commands = _make("install", "SERVICE_EXTRAS=tracking,qlora", venv=installed_venv)
-        assert "-m pip install -c requirements/lock.txt -e '.[tracking,qlora]'" in commands
+        uv = f"{installed_venv}/bin/uv pip install --python {installed_venv}/bin/python"
+        assert f"{uv} -c requirements/lock.txt -e '.[tracking,qlora]'" in commands
+        assert "pip install -q -c requirements/lock.txt uv" not in commands  # uv is there already
         assert f"touch {installed_venv}/.ftq-installed-tracking-qlora" in commands
 
     def test_every_install_goes_through_the_lock(self, tmp_path: Path) -> None:
         commands = _make("install-dev", venv=tmp_path / "new")
         pip = [c for c in commands.splitlines() if "pip install" in c]
         assert pip and all("-c requirements/lock.txt" in c for c in pip), pip
+        assert any("-m pip install -q -c requirements/lock.txt uv" in c for c in pip), pip  # uv at its locked version
+        assert any("uv pip install" in c and "-e '.[dev]'" in c for c in pip), pip
 
 
 # -- scripts/install-torch.sh: which build ---------------------------------------------------

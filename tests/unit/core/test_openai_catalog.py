@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import new_id, utcnow
 from core.errors import NotFound
+from core.files.models import File
 from core.jobs.models import Checkpoint, Job
 from core.openai.catalog import ORGANIZATION, checkpoint_model, fine_tuned_model, get_model, list_models
 from core.settings import Settings
@@ -27,8 +28,12 @@ def _openai_caller(session: Session, name: str) -> Caller:
 
 def _job(session: Session, caller: Caller, *, name: str | None, status: str = "succeeded",
          steps: tuple[int, ...] = ()) -> Job:
+    file_id = new_id("file")
+    session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64, format="chat",
+                     num_records=1, path="/x", owner_id=caller.user_id, project_id=caller.project_id,
+                     created_at=utcnow()))
     job = Job(job_id=new_id("job"), status=status, model="tiny", method="lora", spec={}, name=name,
-              training_file_id="file-" + "0" * 24, owner_id=caller.user_id, project_id=caller.project_id,
+              training_file_id=file_id, owner_id=caller.user_id, project_id=caller.project_id,
               output_dir="/x", finished_at=utcnow() if status == "succeeded" else None)
     session.add(job)
     session.flush()

@@ -131,6 +131,10 @@ class Settings(BaseSettings):
     checked before it is tokenized, a record over it is a 422 naming its line."""
     record_max_chars: int = Field(default=4_000_000, ge=1)
     """Characters of all one record's strings together (about a million tokens), checked the same way."""
+    generate_max_len: int | None = Field(default=None, ge=1)
+    """Tokens one sequence of a generation job may hold (its prompt + ``sampling.max_tokens``),
+    below the model's own context; checked at submission (``core.jobs.prompt_lengths``). None:
+    the model's ``max_position_embeddings`` alone."""
     auth_failure_limit: int = Field(default=20, ge=0)
     """Failed requests per minute one stored key id may have (a wrong secret, revoked, disabled
     user), and one address with keys the store does not know (unknown id, malformed, none); past

@@ -59,7 +59,7 @@ dashboard user asks again for the same model with every dataset or length they t
 DEFAULT_BUDGET_S = 60.0
 """``Settings.tokenizer_budget_s``'s default."""
 
-PARAMS = ("model", "file", "training_file", "validation_file")
+PARAMS = ("model", "file", "training_file", "validation_file", "prompts_file")
 """What a worker can be on (``progress(param, line)``), by index in the shared position."""
 
 Progress = Callable[[str, int], None]

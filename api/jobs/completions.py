@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse
 from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.jobs.schemas import PreflightOut
-from api.jobs.submit import generation_preflight
+from api.jobs.submit import generation_report
 from core.jobs import completions, service
 from core.jobs.generate_spec import GenerateSpec
 
@@ -23,11 +23,12 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 @router.post("/generate/preview", summary="Check a generation job without creating it")
-def preview_generation(spec: GenerateSpec, state: StateDep, caller: CallerDep) -> PreflightOut:
+async def preview_generation(spec: GenerateSpec, state: StateDep, caller: CallerDep) -> PreflightOut:
     """The checks ``POST /v1/jobs`` runs on a ``kind: generate`` body: the prompts file (yours, of the
-    project, purpose=generate) and the model (a base, ``job:<id>``, ``job:<id>@<step>``,
-    ``export:<id>``); the report counts the prompts. 422 naming the field otherwise."""
-    return PreflightOut.model_validate(generation_preflight(state, spec, caller))
+    project, purpose=generate), the model (a base, ``job:<id>``, ``job:<id>@<step>``,
+    ``export:<id>``) and, for a local model, each prompt + ``sampling.max_tokens`` within its context;
+    the report counts the prompts and their tokens. 422 naming the field (and a prompt's line) otherwise."""
+    return PreflightOut.model_validate(await generation_report(state, spec, caller))
 
 
 @router.get("/{job_id}/completions", response_class=FileResponse,

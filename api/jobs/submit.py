@@ -3,7 +3,9 @@ from this process. Every route that queues a job (``POST /v1/jobs``, ``/clone``,
 ``/openai/v1/fine_tuning/jobs`` and its ``resume``) calls ``core.jobs.submit.submit(ApiPorts(state), ...)``.
 
     preflight   ``api.jobs.preview.preflight_for``: files, model, and the dataset under the
-                model's own tokenizer, in a tokenizer-pool process
+                model's own tokenizer, in a tokenizer-pool process; a generation job's
+                (``generation_report``): its prompts file and model, and each prompt's length
+                against the model's context in the same pool
     wake        after the commit: wake the worker host the queue policy places the job on
                 (``api.jobs.wakeups``: one thread for the process)
     notify      after the commit: tell the job's viewers (Redis pub/sub)
@@ -21,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from api.jobs.preview import preflight_for
 from api.state import AppState
-from core.jobs import generation, live, scheduling
+from core.jobs import generation, live, prompt_lengths, scheduling
 from core.jobs.generate_spec import GenerateSpec
 from core.jobs.service import AnySpec
 from core.queue import enqueue_job
@@ -47,7 +49,7 @@ class ApiPorts:
 
     async def preflight(self, spec: AnySpec, owner: Caller) -> dict[str, Any]:
         if isinstance(spec, GenerateSpec):
-            return await to_thread.run_sync(generation_preflight, self.state, spec, owner)
+            return await generation_report(self.state, spec, owner)
         return await preflight_for(self.state, spec, owner)
 
     def wake(self, job_id: str) -> None:
@@ -57,11 +59,30 @@ class ApiPorts:
         await notify(self.state, job_id, seq)
 
 
-def generation_preflight(state: AppState, spec: GenerateSpec, owner: Caller) -> dict[str, Any]:
-    """``core.jobs.generation.preflight`` in the project the job will belong to."""
+async def generation_report(state: AppState, spec: GenerateSpec, owner: Caller) -> dict[str, Any]:
+    """``core.jobs.generation.preflight`` in the project the job will belong to, then, for a local
+    model, each prompt's tokens against its context in a tokenizer-pool process (``core.jobs.prompt_lengths``).
+
+    Raises:
+        InvalidInput: the prompts file or the model; a prompt too long for the model with
+            ``sampling.max_tokens`` (``InvalidDataset``, naming its line).
+    """
+    report, located = await to_thread.run_sync(_generation_preflight, state, spec, owner)
+    counted = None
+    if located is not None:
+        assert state.tokenizers is not None, "the lifespan creates the tokenizer pool"
+        counted = await state.tokenizers.run(prompt_lengths.count, spec.model, located.source, located.prompts_path,
+                                             spec.sampling.max_tokens, located.limit, user=owner.user_id)
+    return prompt_lengths.add_counts(report, counted, spec.sampling.max_tokens,
+                                     located.limit if located is not None else None)
+
+
+def _generation_preflight(state: AppState, spec: GenerateSpec,
+                          owner: Caller) -> tuple[dict[str, Any], prompt_lengths.Located | None]:
     with state.sessions() as session:
         project_id = access.project_for_create(session, owner, spec.project)
-        return generation.preflight(session, spec, settings=state.settings, project_id=project_id)
+        report = generation.preflight(session, spec, settings=state.settings, project_id=project_id)
+        return report, prompt_lengths.locate(session, spec, settings=state.settings, project_id=project_id)
 
 
 def enqueue(state: AppState, job_id: str) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.deps import SessionDep, SettingsDep
-from api.models.catalog import find_models
 from api.models.fit import METHODS, fit, live_gpu_hosts, shape_of
 from api.models.schemas import ModelList, ModelOut
+from core.jobs.model_catalog import find_models
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

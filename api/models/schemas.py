@@ -4,8 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from api.models.catalog import LocalModel
 from api.models.fit import Fit
+from core.jobs.model_catalog import LocalModel
 
 
 class FitOut(BaseModel):

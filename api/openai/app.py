@@ -18,6 +18,7 @@ from api.openai.errors import add_openai_exception_handlers
 from api.openai.files import router as files_router
 from api.openai.graders import router as graders_router
 from api.openai.jobs import router as jobs_router
+from api.openai.models import router as models_router
 
 PREFIX = "/openai/v1"
 
@@ -25,7 +26,7 @@ PREFIX = "/openai/v1"
 def create_openai_app() -> FastAPI:
     app = FastAPI(
         title="ftq: OpenAI-compatible fine-tuning",
-        summary="files and fine_tuning.jobs as the official openai client calls them",
+        summary="files, fine_tuning.jobs and models as the official openai client calls them",
         version="0.1.0",
         dependencies=[Depends(authenticate), Depends(check_request_text)],  # the parent's do not reach a mount
         docs_url=None,  # its /docs and /redoc: api/docs_ui.py, assets from the parent's /static/docs
@@ -37,4 +38,5 @@ def create_openai_app() -> FastAPI:
     app.include_router(files_router)
     app.include_router(jobs_router)
     app.include_router(graders_router)
+    app.include_router(models_router)
     return app

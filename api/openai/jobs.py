@@ -27,7 +27,7 @@ from core.jobs import eta, rerun, service
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.submit import Origin, submit
-from core.openai import history
+from core.openai import catalog, history
 from core.openai import jobs as openai_jobs
 from core.openai.twins import validation_twin
 from core.settings import Settings
@@ -116,7 +116,7 @@ def list_checkpoints(job_id: str, session: SessionDep, caller: CallerDep, after:
     job = _get(session, caller, job_id)
     extra = openai_jobs.extra(session, job_id)
     owner = access.owner_name(session, job.owner_id)
-    name = translate.fine_tuned_model(job, owner, extra.suffix if extra else job.name)
+    name = catalog.fine_tuned_model(job, owner, extra.suffix if extra else job.name)
     checkpoints, more = reports.list_checkpoints(session, job, name, after=after, limit=limit)
     return Page.of(checkpoints, more)
 

@@ -19,6 +19,7 @@ from core.errors import InvalidInput
 from core.jobs.models import Job
 from core.jobs.models import JobEvent as StoredEvent
 from core.openai import history
+from core.openai.catalog import checkpoint_model
 from trainer import objectives
 
 CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
@@ -105,7 +106,7 @@ def list_checkpoints(session: Session, job: Job, model_name: str, *, after: str 
         out.append(JobCheckpoint(
             id=f"ftckpt-{_hex(job.job_id)}-{row.step}",
             created_at=int(row.created_at.timestamp()),
-            fine_tuned_model_checkpoint=f"{model_name}:ckpt-step-{row.step}",
+            fine_tuned_model_checkpoint=checkpoint_model(model_name, row.step),
             fine_tuning_job_id=job.job_id,
             step_number=row.step,
             metrics=CheckpointMetrics(

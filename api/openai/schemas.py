@@ -221,3 +221,20 @@ class Page(BaseModel):
             first_id=items[0].id if items else None,
             last_id=items[-1].id if items else None,
         )
+
+
+class Model(BaseModel):
+    """``openai.types.Model``: a base under the model root, a tuned job or one of its checkpoints."""
+
+    id: str
+    """The name a job names as ``model`` (a base), or ``fine_tuned_model`` / ``fine_tuned_model_checkpoint``."""
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """``models.list``: one page holding every model, as OpenAI's (no ``has_more``)."""
+
+    object: Literal["list"] = "list"
+    data: list[Model]

@@ -35,10 +35,10 @@ from core.files.models import File
 from core.jobs.models import Job
 from core.jobs.spec import JobSpec
 from core.jobs.trackers import asked_for
+from core.openai.catalog import ORGANIZATION, fine_tuned_model
 from core.openai.models import OpenAIJob
 from trainer import objectives
 
-ORGANIZATION = "ftq"
 RESULTS_PREFIX = "file-results-"
 """A job's metrics CSV is ``file-results-<24 hex of the job id>``: made on request, never stored."""
 DEFAULT_OBJECTIVE = JobSpec.model_fields["objective"].default
@@ -221,11 +221,6 @@ def fine_tuning_job(job: Job, extra: OpenAIJob | None, *, owner: str | None, tra
         method=method,
         user_provided_suffix=suffix,
     )
-
-
-def fine_tuned_model(job: Job, owner: str | None, suffix: str | None) -> str:
-    """OpenAI's ``ft:<base>:<org>:<suffix>:<id>``, with ftq's owner and job id: the job's adapter."""
-    return f"ft:{job.model}:{owner or ORGANIZATION}:{suffix or ''}:{job.job_id}"
 
 
 def _native_method(job: Job) -> dict[str, Any]:

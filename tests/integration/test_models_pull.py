@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from api.models.catalog import find_models
 from cli.main import main
+from core.jobs.model_catalog import find_models
 from core.jobs.model_source import resolve_model
 from tests.integration.fake_hub import FakeHub
 

@@ -110,8 +110,10 @@ def work(client: TestClient, keys: dict[str, str], store, tmp_path: Path) -> Wor
         session.commit()
         export_id = export.export_id
     results = client.get(f"{OPENAI_PREFIX}/fine_tuning/jobs/{oa_job.json()['id']}", headers=alice).json()["result_files"]
+    native_model = f"ft:tiny:alice:alice-p-job:{job_id}"  # /openai/v1/models: the jobs' and the checkpoint's names
+    models = [native_model, f"{native_model}:ckpt-step-2", f"ft:tiny:alice:alicep:{oa_job.json()['id']}"]
     ids = {"job_id": [job_id, oa_job.json()["id"]], "file_id": [train, valid, oa_file.json()["id"], *results],
-           "export_id": [export_id], "step": ["2"], "name": ["team-p"], "user": ["alice"]}
+           "export_id": [export_id], "step": ["2"], "name": ["team-p"], "user": ["alice"], "model": models}
     secrets = [*ids["job_id"], *ids["file_id"], export_id, "alice", "team-p", SECRET_TEXT, "alice-p-job",
                "alice-p-train", "alice-p-valid", "alice-p-openai", "alicep"]
     return Work(ids, secrets)

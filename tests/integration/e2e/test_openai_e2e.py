@@ -3,8 +3,9 @@ Redis): a user's OpenAI fine-tuning script with three lines changed trains a tin
 
 Upload, a supervised job to ``succeeded`` (events newest first, checkpoints with metrics, the
 metrics CSV as a result file), a failed job's ``error``, pause and resume (the job continues
-from its checkpoint with no gap in its steps) then cancel of the running job, a DPO job to ``succeeded`` with its reward metrics, and
-bad files and bodies answered in OpenAI's error shape. One stack for the module.
+from its checkpoint with no gap in its steps) then cancel of the running job, a DPO job to ``succeeded`` with its reward metrics,
+bad files and bodies answered in OpenAI's error shape, and ``models.list``/``retrieve`` naming the
+tuned jobs. One stack for the module.
 """
 
 from __future__ import annotations
@@ -204,3 +205,25 @@ def test_bad_files_and_bodies_answer_openai_errors(client, train_file):
     assert info.value.response.json()["error"]["param"] == "method.reinforcement.grader"
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("job-000000000000000000000000")
+
+
+def test_models_list_and_retrieve_show_the_bases_and_the_tuned_jobs(client, oa_stack, train_file):
+    """``models.list`` / ``models.retrieve`` on the real stack, over the jobs this module's tests made
+    (a short job of its own when it runs alone): no other stack, no other training in a full run."""
+    succeeded = [j for j in client.fine_tuning.jobs.list(limit=100) if j.status == "succeeded"]
+    if not succeeded:
+        job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file, suffix="models", seed=1,
+                                             hyperparameters={"n_epochs": 1})
+        succeeded = [wait(client, job.id, FINISHED, oa_stack)]
+        assert succeeded[0].status == "succeeded", f"{succeeded[0]}\n{oa_stack.log_tail()}"
+    models = {m.id: m for m in client.models.list()}
+    assert models["tiny-llama"].owned_by == "ftq" and models["tiny-llama"].object == "model"
+    for job in succeeded:
+        checkpoints = [c.fine_tuned_model_checkpoint for c in client.fine_tuning.jobs.checkpoints.list(job.id)]
+        assert {job.fine_tuned_model, *checkpoints} <= set(models), (job.fine_tuned_model, sorted(models))
+        retrieved = client.models.retrieve(job.fine_tuned_model)
+        assert retrieved == models[job.fine_tuned_model]
+        assert (retrieved.created, retrieved.owned_by) == (job.finished_at, job.fine_tuned_model.split(":")[2])
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve(f"{succeeded[0].fine_tuned_model}:ckpt-step-999999")
+    assert info.value.response.json()["error"]["param"] == "model"

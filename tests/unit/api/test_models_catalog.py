@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.models.catalog import count_params, find_models
+from core.jobs.model_catalog import count_params, find_models
 from core.migrate import upgrade
 from core.settings import Settings
 from tests.helpers import create_api_key

@@ -51,14 +51,16 @@ class LocalModel:
 def find_models(model_root: Path) -> list[LocalModel]:
     """Every model directory under ``model_root``, sorted by name; empty if the root is missing."""
     root = model_root.expanduser().resolve()
+    return [describe_model(directory, root) for directory in model_dirs(model_root).values()]
+
+
+def model_dirs(model_root: Path) -> dict[str, Path]:
+    """``{name: directory}`` of the models ``find_models`` describes, by name, without reading them."""
+    root = model_root.expanduser().resolve()
     if not root.is_dir():
-        return []
-    found: list[LocalModel] = []
-    for directory in _model_dirs(root):
-        found.append(describe_model(directory, root))
-        if len(found) >= MAX_MODELS:
-            break
-    return sorted(found, key=lambda m: m.name)
+        return {}
+    found = {directory.relative_to(root).as_posix(): directory for directory in _model_dirs(root)[:MAX_MODELS]}
+    return dict(sorted(found.items()))
 
 
 def describe_model(directory: Path, root: Path) -> LocalModel:

@@ -1,7 +1,8 @@
 """OpenAI's reinforcement fine-tuning at ``/openai/v1`` (the official client, in-process app, both
 stores): a reinforcement file uploads as ``prompts`` with no format named, ``method: reinforcement``
 becomes a native ``grpo`` job with the request's grader, and any GRPO job reads back as a
-reinforcement job. The GRPO job trains end to end in tests/integration/e2e/test_grpo_e2e.py."""
+reinforcement job. The GRPO job trains end to end in tests/integration/e2e/test_grpo_e2e.py, and
+through this route with the official client in e2e/test_openai_reinforcement_e2e.py."""
 
 from __future__ import annotations
 

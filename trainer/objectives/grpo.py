@@ -7,13 +7,15 @@ adapters unmerged, the fused layers as installed, no copy), at ``grpo.temperatur
 seed from the job's seed and the step, so a resumed step samples the same completions. Each
 completion is graded with the job's grader (``trainer.graders.run.grade``: its item is the prompt's
 record, so ``{{item.x}}`` reads the record's own fields); a grader's failure on an item scores it 0
-(and is counted). Advantages are normalised within each prompt's group. Then ``pack`` lays a
-prompt's group out as ``group_size`` sequences (prompt + completion, labels on the completion) and
+(and is counted). Advantages are each reward less its group's mean, over the group's spread (or,
+``scale_rewards: batch``, the step's over every rank). Each rank samples only its own prompts; the
+seeds depend on the prompt, not the rank, so two ranks sample what one process would. Then ``pack``
+lays a prompt's group out as ``group_size`` sequences (prompt + completion, labels on the completion) and
 the loss reads each completion token's log-probability through the fused head. With one
 optimisation step per batch of rollouts the sampling policy is the current one: ``old`` is the
 log-probabilities detached (ratio 1, gradient of ``logp``). The step's denominator is its number
 of sequences (``grpo``, ``dr_grpo``) or of completion tokens over every rank (``bnpo``, ``dapo``:
-summed once after the rollouts, on the host group).
+gathered once after the rollouts with the batch spread's sums, on the host group).
 
 Legend: ``G`` group size.
 """
@@ -31,7 +33,7 @@ import torch
 from trainer.config import TrainConfig
 from trainer.data.packing import PackedBatch
 from trainer.errors import ConfigError
-from trainer.objectives.grpo_loss import denominator, group_advantages, policy_loss
+from trainer.objectives.grpo_loss import STD_EPS, denominator, group_advantages, policy_loss
 from trainer.training.flops import FlopCounter
 
 STATS = ("reward_sum", "reward_sq_sum", "completions", "zero_std_groups", "groups", "completion_tokens",
@@ -76,6 +78,9 @@ class Grpo:
         self.items: list[PromptItem] = []
         self.step_tokens = 0
         """Completion tokens of the step over every rank (``bnpo``/``dapo``'s denominator)."""
+        self.sampled: list[PromptItem] = []
+        """This rank's prompts of the step (``rollout``'s), the only ones whose completions it knows."""
+        self.comm: Any = None
 
     def load_data(self, config: TrainConfig, tokenizer: Any) -> tuple[list[PromptItem], None]:
         from trainer.generate.job import encode
@@ -120,13 +125,27 @@ class Grpo:
             max_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, n=grpo.group_size,
             seed=(self.seed * 1_000_003 + step) * 1_000_003 + item.index)) for item in items]
         results = self.engine.generate(requests)
+        self.sampled, self.comm = list(items), comm
         for item, result in zip(items, results):
             item.completions = [c.token_ids for c in result.completions]
             item.rewards, item.errors = self._grade(item, [c.text for c in result.completions])
-            advantages, _ = group_advantages(torch.tensor(item.rewards), grpo.group_size, grpo.scale_rewards)
-            item.advantages = advantages.tolist()
-        local = sum(len(c) for item in items for c in item.completions)
-        self.step_tokens = int(sum(row[0] for row in comm.gather_host([float(local)])))
+        self._score(comm, items)
+
+    def _score(self, comm: Any, items: Sequence[PromptItem]) -> None:
+        """Each completion's advantage, and the step's completion tokens over every rank. One host
+        gather: ``scale_rewards: batch`` divides by the spread of the whole step's rewards (TRL's std of
+        the generation batch, gathered over processes; the sample std), not this rank's."""
+        rewards = [r for item in items for r in item.rewards]
+        local = [float(sum(len(c) for item in items for c in item.completions)),
+                 float(len(rewards)), sum(rewards), sum(r * r for r in rewards)]
+        tokens, n, total, squares = (sum(column) for column in zip(*comm.gather_host(local)))
+        self.step_tokens = int(tokens)
+        scale = self.config.scale_rewards
+        spread = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
+        for item in items:
+            advantages, _ = group_advantages(torch.tensor(item.rewards), self.config.group_size,
+                                             "none" if scale == "batch" else scale)
+            item.advantages = (advantages / (spread + STD_EPS) if scale == "batch" else advantages).tolist()
 
     def _grade(self, item: PromptItem, texts: list[str]) -> tuple[list[float], int]:
         """Each completion's reward and how many failed (scored 0). A template naming a field this
@@ -151,7 +170,7 @@ class Grpo:
         ids, positions, targets, advantage = [], [], [], []
         lengths = []
         for item in items:
-            for completion, adv in zip(item.completions, item.advantages):
+            for completion, adv in zip(*_sampled(item)):
                 sequence = item.ids + completion
                 ids += sequence
                 positions += range(len(sequence))
@@ -213,10 +232,25 @@ class Grpo:
 
     def step_flops(self, counter: FlopCounter, items: Sequence[Any]) -> float:
         """The training forward and backward on the packed groups, plus the sampler's forwards
-        (2 per parameter per token it fed: each prompt once, each generated token once)."""
-        lengths = [len(item.ids) + len(c) for item in items for c in item.completions]
-        fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in items)
-        return counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
+        (2 per parameter per token it fed: each prompt once, each generated token once). A rank
+        knows the completions of its own prompts only (``sampled``; the step's ``items`` of other
+        ranks hold older ones), so each counts its own and the counts are summed over the ranks:
+        a host gather, which every rank reaches once a step, after its micro-batches."""
+        mine = self.sampled if self.comm is not None else items
+        lengths = [len(item.ids) + len(c) for item in mine for c in item.completions]
+        fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in mine)
+        local = counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
+        return sum(row[0] for row in self.comm.gather_host([local])) if self.comm is not None else local
+
+
+def _sampled(item: PromptItem) -> tuple[list[list[int]], list[float]]:
+    """``item``'s completions and advantages. On a rank with no micro-batch of its own, the step
+    packs the step's first one as a stand-in (``trainer.training.step._padded``: its loss times 0,
+    only so DDP's collectives pair) whose prompts another rank sampled: one this rank never sampled
+    packs as ``G`` copies of its last prompt token, advantage 0, so the row is never empty."""
+    if item.completions:
+        return item.completions, item.advantages
+    return [item.ids[-1:]] * item.group, [0.0] * item.group
 
 
 def _check_fit(items: Sequence[PromptItem], batch_tokens: int) -> None:

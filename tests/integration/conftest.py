@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, create_engine, text
@@ -140,3 +141,11 @@ def client(settings: Settings, admin_key: str) -> Iterator[TestClient]:
 
     with TestClient(create_app(settings), headers=bearer(admin_key)) as test_client:
         yield test_client
+
+
+@pytest.fixture
+def oai(client: TestClient, admin_key: str) -> Iterator[openai.OpenAI]:
+    """The official ``openai`` client over ``client`` (the app in this process) with ``admin``'s key."""
+    with openai.OpenAI(base_url="http://testserver/openai/v1", api_key=admin_key, http_client=client,
+                       max_retries=0) as sdk:
+        yield sdk

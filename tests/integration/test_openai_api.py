@@ -5,7 +5,6 @@ files and bodies answered in OpenAI's error shape. Training itself: tests/integr
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -26,13 +25,6 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 def jsonl(record: dict, n: int = 40) -> bytes:
     return "".join(json.dumps(record) + "\n" for _ in range(n)).encode()
-
-
-@pytest.fixture
-def oai(client: TestClient, admin_key: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url="http://testserver/openai/v1", api_key=admin_key, http_client=client,
-                       max_retries=0) as sdk:
-        yield sdk
 
 
 @pytest.fixture

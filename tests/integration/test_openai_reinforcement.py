@@ -2,12 +2,11 @@
 stores): a reinforcement file uploads as ``prompts`` with no format named, ``method: reinforcement``
 becomes a native ``grpo`` job with the request's grader, and any GRPO job reads back as a
 reinforcement job. The GRPO job trains end to end in tests/integration/e2e/test_grpo_e2e.py, and
-through this route with the official client in e2e/test_openai_reinforcement_e2e.py."""
+through this route with the official client in e2e/test_openai_e2e.py (test_a_reinforcement_job_...)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -18,13 +17,6 @@ pytestmark = pytest.mark.integration
 RECORD = {"messages": [{"role": "user", "content": "What is 7 + 5? Answer with the number only."}], "answer": "12"}
 GRADER = {"type": "string_check", "name": "right", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
           "operation": "like"}
-
-
-@pytest.fixture
-def oai(client: TestClient, admin_key: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url="http://testserver/openai/v1", api_key=admin_key, http_client=client,
-                       max_retries=0) as sdk:
-        yield sdk
 
 
 @pytest.fixture

@@ -4,8 +4,17 @@ Redis): a user's OpenAI fine-tuning script with three lines changed trains a tin
 Upload, a supervised job to ``succeeded`` (events newest first, checkpoints with metrics, the
 metrics CSV as a result file), a failed job's ``error``, pause and resume (the job continues
 from its checkpoint with no gap in its steps) then cancel of the running job, a DPO job to ``succeeded`` with its reward metrics,
-bad files and bodies answered in OpenAI's error shape, and ``models.list``/``retrieve`` naming the
-tuned jobs. One stack for the module.
+bad files and bodies answered in OpenAI's error shape, ``models.list``/``retrieve`` naming the
+tuned jobs, and a ``method: reinforcement`` job (a prompts file, a ``string_check`` grader) to
+``succeeded`` with each step's reward fields in its events. One stack for the module.
+
+What the reinforcement test does not assert: that the reward rises. OpenAI's route trains LoRA
+(ftq's defaults, docs/openai.md: no request field asks for full fine-tuning), and a LoRA on the
+tiny random-weight model, its head frozen, barely moves a token's probability:
+tests/unit/trainer/test_grpo.py learns this reward with ``method: full``, which only the native
+``/v1/jobs`` can ask for. The route's ``grpo.max_new_tokens`` is the default 256 (no OpenAI
+hyperparameter sets it), so ``compute_multiplier`` 0.25 (groups of 2) and one epoch of four
+prompts keep the job to two steps (~11 s here).
 """
 
 from __future__ import annotations
@@ -227,3 +236,35 @@ def test_models_list_and_retrieve_show_the_bases_and_the_tuned_jobs(client, oa_s
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve(f"{succeeded[0].fine_tuned_model}:ckpt-step-999999")
     assert info.value.response.json()["error"]["param"] == "model"
+
+
+RFT_PROMPTS = ("Tell me a story.", "Describe the sea.", "Name a colour.", "Say something.")
+RFT_GRADER = {"type": "string_check", "name": "says the", "input": "{{sample.output_text}}",
+              "reference": "{{item.target}}", "operation": "like"}
+RFT_NEW_TOKENS = 256
+"""``grpo.max_new_tokens`` of a job made by OpenAI's route (GrpoConfig's default)."""
+
+
+def test_a_reinforcement_job_trains_to_success_with_its_rewards_in_the_events(client, oa_stack):
+    records = [{"messages": [{"role": "user", "content": p}], "target": " the"} for p in RFT_PROMPTS]
+    upload = client.files.create(file=("rft.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode()),
+                                 purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=upload.id, seed=5, method={
+        "type": "reinforcement",
+        "reinforcement": {"grader": RFT_GRADER, "hyperparameters": {
+            "n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25}}})
+    assert job.status == "queued" and job.method.type == "reinforcement", job
+    job = wait(client, job.id, FINISHED, oa_stack)
+    assert job.status == "succeeded", f"{job}\n{oa_stack.log_tail()}"
+    assert job.fine_tuned_model and job.method.reinforcement.grader.name == "says the"
+    assert job.method.reinforcement.hyperparameters.compute_multiplier == 0.25
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=50))
+
+    assert events[0].message == "The job has successfully completed"
+    steps = sorted((e.data for e in events if e.type == "metrics" and "train_loss" in e.data), key=lambda d: d["step"])
+    assert steps and [s["step"] for s in steps] == list(range(1, steps[0]["total_steps"] + 1)), events
+    for step in steps:
+        assert 0.0 <= step["reward_mean"] <= 1.0 and step["reward_std"] >= 0.0, step
+        assert 0.0 <= step["zero_std_fraction"] <= 1.0 and step["grade_error_fraction"] == 0.0, step
+        assert 0 < step["completion_length"] <= RFT_NEW_TOKENS, step
+        assert "kl" not in step and step["train_mean_token_accuracy"] is None, step  # beta 0; no token accuracy

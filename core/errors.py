@@ -30,6 +30,12 @@ class NotFound(FtqError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """A model name nobody may use, or the caller may not (alike): OpenAI's ``model_not_found``."""
+
+    code = "model_not_found"
+
+
 class InvalidInput(FtqError):
     code = "invalid_input"
 

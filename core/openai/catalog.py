@@ -24,7 +24,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.errors import NotFound
+from core.errors import ModelNotFound, NotFound
 from core.jobs import service
 from core.jobs.model_catalog import model_dirs
 from core.jobs.models import Checkpoint, Job
@@ -83,7 +83,7 @@ def get_model(session: Session, caller: Caller, model: str, model_root: Path) ->
     """The model named ``model``, if ``list_models`` would show it to ``caller``.
 
     Raises:
-        NotFound: no such base, job or checkpoint, or one the caller may not read (alike).
+        ModelNotFound: no such base, job or checkpoint, or one the caller may not read (alike).
     """
     if model.startswith("ft:"):
         found = _tuned(session, caller, model)
@@ -91,7 +91,7 @@ def get_model(session: Session, caller: Caller, model: str, model_root: Path) ->
         directory = model_dirs(model_root).get(model)
         found = ListedModel(model, _written(directory), ORGANIZATION) if directory is not None else None
     if found is None:
-        raise NotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")
+        raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")
     return found
 
 

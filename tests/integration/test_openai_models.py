@@ -121,7 +121,7 @@ class TestNotFound:
                     bob.models.retrieve(name)
                 error = error_of(info.value)
                 assert error == {"message": f"The model '{name}' does not exist or you do not have access to it.",
-                                 "type": "invalid_request_error", "param": "model", "code": "not_found"}
+                                 "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
     @pytest.mark.parametrize("name", [
         "gpt-4o-mini", "tiny/", "ft:tiny:admin:demo:job-000000000000000000000000", "ft:", "ft:tiny",

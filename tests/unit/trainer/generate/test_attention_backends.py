@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.fixtures.interpreter import interpreter_results as run_in_interpreter
 import torch
 
 from trainer.generate.attention import choose_backend
 from trainer.generate.engine import BACKEND_ENV, DecodeGraphs, Engine
 from trainer.generate.scheduler import StepPlan
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 LOGPROB_ATOL = 1e-4
 ARCHS = ("llama", "gpt_oss")
@@ -83,11 +80,7 @@ class TestDecodeGraphs:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop(BACKEND_ENV, None)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(__file__, unset=(BACKEND_ENV,))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

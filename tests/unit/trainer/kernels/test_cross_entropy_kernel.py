@@ -15,14 +15,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
+from tests.fixtures.interpreter import interpreter_results as run_in_interpreter
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CASES = [
     # (tokens, hidden, vocab, dtype, softcap, trainable head, scale as a device tensor)
@@ -36,10 +33,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> list[dict[str, float]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(__file__, timeout=300)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

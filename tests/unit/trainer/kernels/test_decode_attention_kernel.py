@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
+from tests.fixtures.interpreter import interpreter_results as run_in_interpreter
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FP32_ATOL = 1e-5
 HALF_ATOL = 3e-2
@@ -48,10 +45,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict[str, float]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -178,7 +178,7 @@ def _common_facts(use_cuda: bool) -> dict[str, Any]:
     kernels = ["sdpa"]
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
         kernels.append("flex_attention")
-    varlen_options = _varlen_options()
+    varlen_options = _varlen_options(imported=use_cuda)
     # On CUDA "varlen" is listed only when a tiny real call runs (a build may ship the module
     # without the kernel for this GPU); on CPU it is listed when it imports (no CPU kernel exists).
     if varlen_options is not None and (not use_cuda or _varlen_runs()):
@@ -328,16 +328,42 @@ def _write_peak(path: Path, record: dict[str, Any]) -> None:
         pass
 
 
-def _varlen_options() -> tuple[str, ...] | None:
-    """Keyword options of torch's ``varlen_attn``, or None when this torch has none."""
+def _varlen_options(*, imported: bool = True) -> tuple[str, ...] | None:
+    """Keyword options of torch's ``varlen_attn``, or None when this torch has none.
+
+    ``imported=False`` (a CPU, where no varlen kernel runs and only the listing needs it) reads the
+    signature from the module's source instead of importing it: the import pulls in
+    ``torch._dynamo`` (~1.5 s of CPU), which ``python -m trainer detect`` at every worker start
+    would pay for a line of the hardware facts."""
     import inspect
 
+    if not imported:
+        return _varlen_source_options()
     try:
         from torch.nn.attention.varlen import varlen_attn
     except Exception:  # noqa: BLE001 - a broken module is as unusable as a missing one
         return None
     params = inspect.signature(varlen_attn).parameters
     return tuple(p for p in ("window_size", "return_aux", "enable_gqa") if p in params)
+
+
+def _varlen_source_options() -> tuple[str, ...] | None:
+    """``_varlen_options`` read from ``torch/nn/attention/varlen.py``'s ``def varlen_attn``."""
+    import ast
+
+    try:
+        spec = importlib.util.find_spec("torch.nn.attention.varlen")
+        source = Path(spec.origin).read_text(encoding="utf-8") if spec and spec.origin else None
+        tree = ast.parse(source) if source else None
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return None
+    found = next((node for node in (tree.body if tree else ()) if isinstance(node, ast.FunctionDef)
+                  and node.name == "varlen_attn"), None)
+    if found is None:
+        return None
+    args = found.args
+    names = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+    return tuple(p for p in ("window_size", "return_aux", "enable_gqa") if p in names)
 
 
 def _varlen_runs() -> bool:

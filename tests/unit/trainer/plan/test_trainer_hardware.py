@@ -26,6 +26,24 @@ class TestDetect:
         )
         assert json.loads(json.dumps(hw.to_dict()))["cpu_count"] >= 1
 
+    def test_varlen_options_read_from_the_source_are_the_imported_signature_s(self):
+        """A CPU's facts read ``varlen_attn``'s keywords from torch's source (importing it pulls in
+        torch._dynamo, ~1.5 s of every worker start's ``trainer detect``): the same tuple."""
+        from trainer.plan.hardware import _varlen_options
+
+        assert _varlen_options(imported=False) == _varlen_options()
+
+    def test_detect_on_the_cpu_imports_neither_dynamo_nor_transformers(self):
+        """``python -m trainer detect`` runs at every worker start: its imports are its cost."""
+        import subprocess
+        import sys
+
+        code = ("import atexit, runpy, sys; sys.argv = ['trainer', 'detect', '--json', '--device', 'cpu']; "
+                "atexit.register(lambda: print(sorted(m for m in ('torch._dynamo', 'transformers', 'peft') "
+                "if m in sys.modules))); runpy.run_module('trainer', run_name='__main__')")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
     def test_peak_flops_table_prefers_specific_names(self):
         assert peak_flops("NVIDIA H100 PCIe") == 756e12
         assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12

@@ -113,7 +113,7 @@ class TestMakeInstall:
 
     def test_service_extras_install_into_an_existing_venv(self, installed_venv: Path) -> None:
         commands = _make("install", "SERVICE_EXTRAS=tracking,qlora", venv=installed_venv)
-        uv = f"{installed_venv}/bin/uv pip install --python {installed_venv}/bin/python"
+        uv = f"{installed_venv}/bin/uv pip install --compile-bytecode --python {installed_venv}/bin/python"
         assert f"{uv} -c requirements/lock.txt -e '.[tracking,qlora]'" in commands
         assert "pip install -q -c requirements/lock.txt uv" not in commands  # uv is there already
         assert f"touch {installed_venv}/.ftq-installed-tracking-qlora" in commands
@@ -124,6 +124,15 @@ class TestMakeInstall:
         assert pip and all("-c requirements/lock.txt" in c for c in pip), pip
         assert any("-m pip install -q -c requirements/lock.txt uv" in c for c in pip), pip  # uv at its locked version
         assert any("uv pip install" in c and "-e '.[dev]'" in c for c in pip), pip
+        uv = [c for c in pip if "/bin/uv pip install" in c]
+        assert uv and all("--compile-bytecode" in c for c in uv), uv  # see the Makefile: no .pyc, every start compiles
+
+    def test_the_test_run_and_the_service_start_compile_ftq_s_own_packages_first(self, installed_venv: Path) -> None:
+        for target in ("test", "up"):
+            commands = _make(target, venv=installed_venv).splitlines()
+            compiled = [i for i, c in enumerate(commands) if "-m compileall" in c and " trainer " in c]
+            started = [i for i, c in enumerate(commands) if "-m pytest" in c or "ftq up" in c]
+            assert compiled and started and compiled[0] < started[0], (target, commands)
 
 
 # -- scripts/install-torch.sh: which build ---------------------------------------------------

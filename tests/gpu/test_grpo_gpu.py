@@ -31,7 +31,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "trainer"))
 from distributed_helpers import launch  # noqa: E402
-from test_grpo_ranks import GRADER, GROUP, NEW, PROMPTS  # noqa: E402
 from trainer_helpers import Recorder, make_job, tiny_model_for_gpu, write_jsonl  # noqa: E402
 
 pytestmark = [
@@ -40,6 +39,13 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
+PROMPTS = ("Once upon", "The old house", "Hello there", "In the morning", "The big dog", "My friend",
+           "The small house", "A long road", "The blue sky", "Good morning", "The last day", "Her brother",
+           "One night", "A bright star")
+GROUP, NEW = 4, 6
+GRADER = {"type": "string_check", "name": "has an e", "input": "{{sample.output_text}}", "reference": "e",
+          "operation": "ilike"}
+"""``tests/unit/trainer/test_grpo_ranks.py``'s prompts, group and grader (its CPU twin of the two-rank test)."""
 BF16_SAME_SHARE = 0.9
 LOSS_RTOL = 2e-3
 """Two ranks against one GPU (bf16): as ``test_multi_gpu``'s (measured there 7.6e-8 for DDP LoRA)."""

@@ -250,6 +250,11 @@ class Grpo:
     def eval_accuracy(self, sums: Sequence[float], targets: int) -> float | None:
         return None
 
+    def sampled_tokens(self) -> int:
+        """Tokens this rank trained on in the step: each of its sampled sequences, prompt and completion
+        (the step event's ``tokens``; an item's ``len`` is what the schedule packs it by)."""
+        return sum(len(item.ids) + len(c) for item in self.sampled for c in item.completions)
+
     def step_flops(self, counter: FlopCounter, items: Sequence[Any]) -> float:
         """The training forward and backward on the packed groups, plus the sampler's forwards
         (2 per parameter per token it fed: each prompt once, each generated token once). A rank

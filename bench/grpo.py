@@ -168,8 +168,8 @@ def run_ftq(model_dir: Path, data: Path, root: Path, args: argparse.Namespace, w
         row.step_ms.append(e["step_ms"])
         row.generation_ms.append(e["generation_ms"])
         row.reward_ms.append(e["grading_ms"])
-        # A GRPO step's ``sequences`` counts its prompts; trained tokens are each sequence's prompt
-        # and completion (what the event's ``tokens`` counts since commit "step tokens: GRPO's sampled").
+        # A GRPO step's ``sequences`` counts its prompts. Trained tokens: each sequence's prompt and
+        # completion, what the event's ``tokens`` counts since 2026-11-27 (before, the packed budget).
         completions = e["sequences"] * work.group
         generated = round(e["completion_length"] * completions)
         row.generated.append(generated)

@@ -23,6 +23,7 @@ Legend: ``G`` group size.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,8 +38,12 @@ from trainer.objectives.grpo_loss import STD_EPS, denominator, group_advantages,
 from trainer.training.flops import FlopCounter
 
 STATS = ("reward_sum", "reward_sq_sum", "completions", "zero_std_groups", "groups", "completion_tokens",
-         "grade_errors", "clip_low", "clip_high", "loss_tokens", "ratio_sum", "kl_sum")
-"""The step's device sums, in order (``new_stats``)."""
+         "grade_errors", "clip_low", "clip_high", "loss_tokens", "ratio_sum", "kl_sum",
+         "rollout_ranks", "generation_ms", "grading_ms")
+"""The step's device sums, in order (``new_stats``): the rollout's, the loss's (``LOSS_STATS``), the
+ranks' rollout timings (host wall times, summed over the ranks that sampled, then averaged)."""
+LOSS_STATS = slice(7, 12)
+TIMING_STATS = slice(12, 15)
 
 
 @dataclass
@@ -73,7 +78,6 @@ class Grpo:
     def __init__(self) -> None:
         self.config: Any = None
         self.tokenizer: Any = None
-        self.engine: Any = None
         self.seed = 0
         self.items: list[PromptItem] = []
         self.step_tokens = 0
@@ -81,6 +85,10 @@ class Grpo:
         self.sampled: list[PromptItem] = []
         """This rank's prompts of the step (``rollout``'s), the only ones whose completions it knows."""
         self.comm: Any = None
+        self.memory_cap: int | None = None
+        self._timings: list[float] = []
+        """This rank's last rollout: [1, generation ms, grading ms], added to the step's sums once."""
+        """The job's ``max_gpu_memory_gb`` in bytes: the sampler's cache is sized within it too."""
 
     def load_data(self, config: TrainConfig, tokenizer: Any) -> tuple[list[PromptItem], None]:
         from trainer.generate.job import encode
@@ -105,6 +113,7 @@ class Grpo:
         except PromptError as exc:
             raise ConfigError(f"data.train_path: {exc}") from None
         self.config, self.tokenizer, self.seed = grpo, tokenizer, config.seed
+        self.memory_cap = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * 2**30)
         items = [PromptItem(p.index, list(encode(p, tokenizer)), p.record, grpo.group_size, grpo.max_new_tokens)
                  for p in prompts]
         self.items = items
@@ -117,18 +126,24 @@ class Grpo:
         from trainer.generate.params import Request, SamplingParams
 
         grpo = self.config
-        longest = max((len(item.ids) for item in items), default=1)
-        if self.engine is None or self.engine.max_len < longest + grpo.max_new_tokens:
-            self.engine = Engine(model, self.tokenizer, slots=max(grpo.group_size, 8 * grpo.group_size),
-                                 max_len=longest + grpo.max_new_tokens)
+        max_len = max((len(item.ids) for item in items), default=1) + grpo.max_new_tokens
+        slots = rollout_slots(model, len(items) * grpo.group_size, max_len, self.memory_cap)
+        # A fresh engine a step: its cache and CUDA graphs (bound to the cache) go with it.
+        engine = Engine(model, self.tokenizer, slots=slots, max_len=max_len, cuda_graphs="auto")
         requests = [Request(tuple(item.ids), SamplingParams(
             max_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, n=grpo.group_size,
             seed=(self.seed * 1_000_003 + step) * 1_000_003 + item.index)) for item in items]
-        results = self.engine.generate(requests)
+        started = time.perf_counter()
+        try:
+            results = engine.generate(requests)  # each decode step reads its tokens back: synced at the end
+        finally:
+            engine.release()  # the training step after needs the memory
+        generated = time.perf_counter()
         self.sampled, self.comm = list(items), comm
         for item, result in zip(items, results):
             item.completions = [c.token_ids for c in result.completions]
             item.rewards, item.errors = self._grade(item, [c.text for c in result.completions])
+        self._timings = [1.0, (generated - started) * 1e3, (time.perf_counter() - generated) * 1e3]
         self._score(comm, items)
 
     def _score(self, comm: Any, items: Sequence[PromptItem]) -> None:
@@ -208,6 +223,9 @@ class Grpo:
     def collecting(self, stats: torch.Tensor | None) -> Iterator[None]:
         self.loss.stats = stats
         self.loss.add_rollout_stats(getattr(self, "_packed", []))
+        if stats is not None and self._timings:  # the rank's rollout, with its first micro-batch
+            stats[TIMING_STATS] += torch.tensor(self._timings, dtype=torch.float32).to(stats.device)
+            self._timings = []
         try:
             yield
         finally:
@@ -225,10 +243,17 @@ class Grpo:
             "clip_fraction": (s["clip_low"] + s["clip_high"]) / max(s["loss_tokens"], 1.0),
             "kl": s["kl_sum"] / max(s["loss_tokens"], 1.0) if self.config.beta > 0 else None,
             "grade_error_fraction": s["grade_errors"] / n,
+            "generation_ms": s["generation_ms"] / s["rollout_ranks"] if s["rollout_ranks"] else None,
+            "grading_ms": s["grading_ms"] / s["rollout_ranks"] if s["rollout_ranks"] else None,
         }
 
     def eval_accuracy(self, sums: Sequence[float], targets: int) -> float | None:
         return None
+
+    def sampled_tokens(self) -> int:
+        """Tokens this rank trained on in the step: each of its sampled sequences, prompt and completion
+        (the step event's ``tokens``; an item's ``len`` is what the schedule packs it by)."""
+        return sum(len(item.ids) + len(c) for item in self.sampled for c in item.completions)
 
     def step_flops(self, counter: FlopCounter, items: Sequence[Any]) -> float:
         """The training forward and backward on the packed groups, plus the sampler's forwards
@@ -241,6 +266,38 @@ class Grpo:
         fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in mine)
         local = counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
         return sum(row[0] for row in self.comm.gather_host([local])) if self.comm is not None else local
+
+
+CPU_SLOTS = 64
+"""Sequences the sampler decodes together off CUDA (no memory to size it by)."""
+
+
+def rollout_slots(model: torch.nn.Module, sequences: int, max_len: int, cap: int | None) -> int:
+    """Sequences the step's sampler decodes together: all of them (one decode batch, the fastest:
+    a decode step reads every weight once whatever its batch) where the KV cache of that many fits
+    the GPU memory left beside what the run holds now (the weights, adapters and optimizer state,
+    within ``max_gpu_memory_gb`` when set, less the planner's margin), else as many as fit; at
+    least one. The cache is freed after the rollout (``Engine.release``), so the training step
+    after gets the memory back. Off CUDA: at most ``CPU_SLOTS``."""
+    from trainer.features.attention.packed import unwrap_model
+    from trainer.plan.memory import margin
+
+    lm = unwrap_model(model)
+    weight = lm.get_input_embeddings().weight
+    if weight.device.type != "cuda":
+        return max(1, min(sequences, CPU_SLOTS))
+    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cache_bytes = 2 * text.num_hidden_layers * kv_heads * head_dim * weight.element_size() * max_len
+    logits_bytes = 3 * text.vocab_size * 4  # a slot's fp32 logits row and the sampler's copies of it
+    free, _ = torch.cuda.mem_get_info(weight.device)
+    allocated = torch.cuda.memory_allocated(weight.device)
+    limit = free + torch.cuda.memory_reserved(weight.device)
+    if cap is not None:
+        limit = min(limit, cap)
+    room = limit - allocated - margin(limit)
+    return max(1, min(sequences, room // (cache_bytes + logits_bytes)))
 
 
 def _sampled(item: PromptItem) -> tuple[list[list[int]], list[float]]:
@@ -290,7 +347,7 @@ class GrpoLoss:
         numerator, stats = policy_loss(logp_T, logp_T.detach(), ref_T, adv_S, seq_T, mask_T, loss_config)
         divisor = denominator(loss_config, int(num_items), self.objective.step_tokens, grpo.max_new_tokens)
         if self.stats is not None:
-            self.stats[7:] += stats.to(self.stats.device)
+            self.stats[LOSS_STATS] += stats.to(self.stats.device)
         return numerator / divisor
 
     def add_rollout_stats(self, items: Sequence[PromptItem]) -> None:

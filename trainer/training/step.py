@@ -193,15 +193,16 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         # queued before the phase's end event, which ``PendingStep.read`` waits for
         host = _HostCopy.stage(ctx.device, loss=total_loss, grad_norm=grad_norm, stats=stats)
     every = [n for row in lengths for n in row]
+    tokens, rank_tokens = _trained_tokens(ctx, lengths, mine)
     return PendingStep(
         step=step,
         epoch=refs[-1].epoch,
         loss=total_loss,
         grad_norm=grad_norm,
         lr=lr,
-        tokens=sum(every),
+        tokens=tokens,
         sequences=len(every),
-        rank_tokens=sum(sum(lengths[j]) for j in mine),
+        rank_tokens=rank_tokens,
         flops=objective.step_flops(ctx.flops, [ctx.samples[i] for r in refs for i in r.sample_indices]),
         timing=timer.finish(),
         memory=metrics.memory_stats(ctx.device, retries_at_start),
@@ -219,6 +220,18 @@ def _rollout(ctx: StepContext, timer: metrics.StepTimer, step: int, items: list[
     if rollout is not None:
         with timer.phase("data"):
             rollout(ctx.comm, ctx.model, step, items)
+
+
+def _trained_tokens(ctx: StepContext, lengths: list[list[int]], mine: list[int]) -> tuple[int, int]:
+    """The step's real tokens over every rank and this rank's: the schedule items' lengths, or, for
+    an objective that samples its step's data (GRPO's ``sampled_tokens``: an item's length is what
+    the schedule packs it by, not what was sampled), what this rank trained on, summed over the
+    ranks (a host gather every rank reaches once a step)."""
+    sampled = getattr(ctx.objective, "sampled_tokens", None)
+    if sampled is None:
+        return sum(n for row in lengths for n in row), sum(sum(lengths[j]) for j in mine)
+    rank = int(sampled())
+    return int(sum(row[0] for row in ctx.comm.gather_host([float(rank)]))), rank
 
 
 class _HostCopy:

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 from trainer_helpers import Recorder, make_job, write_jsonl
+from transformers import AutoTokenizer
 
 from trainer.config import DataConfig, LoraConfig, OptimConfig
 from trainer.errors import ConfigError
@@ -52,6 +53,9 @@ def test_a_tiny_model_learns_what_the_grader_pays_for(tmp_path, tiny_model_dir) 
     assert rewards[0] < 0.2, rewards  # the base: " the" in ~3% of completions
     assert sum(rewards[-4:]) / 4 >= 0.9, rewards  # measured: 1.0 from step 19 (lr 1e-2)
     assert all(s["grade_error_fraction"] == 0 for s in steps)
+    prompt_tokens = sum(len(AutoTokenizer.from_pretrained(tiny_model_dir)(p)["input_ids"]) for p in PROMPTS)
+    for s in steps:  # every prompt every step: the sampled sequences, not the packed budget
+        assert s["tokens"] == GROUP * prompt_tokens + round(s["completion_length"] * GROUP * len(PROMPTS)), s
 
 
 def test_a_job_without_a_grader_is_refused_naming_the_field(tmp_path, tiny_model_dir) -> None:

@@ -22,6 +22,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # ahead of use (a fork server importing transformers each). Stacks of real `ftq api` processes
 # (tests/integration/e2e) leave FTQ_* behind and start one, as a deployment does.
 os.environ.setdefault("FTQ_TOKENIZER_PRESTART", "false")
+# One intra-op thread in every test process and what it starts (before anything imports torch): the
+# suite runs three pytest workers and their trainers, servers and ranks on two cores, where a second
+# OpenMP thread per process only spin-waits for a core (CPU burnt, nothing sooner); the stacks and
+# the rank tests set the same for their processes (tests/fixtures/stack.py STACK_ENV).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 

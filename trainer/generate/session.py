@@ -7,7 +7,8 @@ store and no credentials. Lines in:
 
 ``{"op": "request", "id": str, "adapter": str, "messages": [...] | "prompt": str, "params": {...}}``
     ``adapter``: a name of ``SessionConfig.adapters`` or ``BASE``; ``params``: the fields of
-    ``trainer.generate.params.SamplingParams`` (``stop`` a string or a list)
+    ``trainer.generate.params.SamplingParams`` (``stop`` a string or a list; no ``max_tokens``:
+    the room the context leaves, at most ``DEFAULT_MAX_TOKENS``)
 ``{"op": "cancel", "id": str}``  ends that request at the next step (a client that went away)
 
 ``reply`` events out (``kind``):
@@ -28,6 +29,7 @@ stdout's replies, never to stderr or a log event.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -43,6 +45,8 @@ from trainer.generate.session_config import BASE, SessionConfig
 
 Emit = Callable[..., Any]
 IDLE, STOPPED = "idle", "stopped"
+DEFAULT_MAX_TOKENS = 1024
+"""New tokens of a request that sets no ``max_tokens``: the context's room, at most this."""
 
 
 class RequestError(ValueError):
@@ -105,6 +109,9 @@ class Session:
         if adapter != BASE and adapter not in self.config.adapters:
             raise RequestError("model_not_found", f"this session serves no adapter {adapter!r}", "model")
         raw = dict(message.get("params") or {})
+        unbounded = raw.get("max_tokens") is None
+        if unbounded:
+            raw.pop("max_tokens", None)
         if isinstance(raw.get("stop"), str):
             raw["stop"] = (raw["stop"],)
         elif "stop" in raw:
@@ -120,6 +127,8 @@ class Session:
                    else self.tokenizer(str(message.get("prompt", "")))["input_ids"])
         except ValueError as exc:
             raise RequestError("invalid_value", str(exc), field) from exc
+        if unbounded and len(ids) < self.config.max_len:  # what is left of the context, as OpenAI's chat does
+            params = dataclasses.replace(params, max_tokens=min(self.config.max_len - len(ids), DEFAULT_MAX_TOKENS))
         if len(ids) + params.max_tokens > self.config.max_len:
             raise RequestError(
                 "context_length_exceeded",

@@ -53,15 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
     export_cli.add_parser(sub)
-    generate_cli.add_parser(sub)
-    generate_cli.add_serve_parser(sub)
+    generate_cli.add_parser(sub)  # generate and serve
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
-    if args.command == "serve":
-        return generate_cli.serve_main(args)
-    if args.command in ("export", "generate"):
-        return {"export": export_cli, "generate": generate_cli}[args.command].main(args)
+    if args.command in ("export", "generate", "serve"):
+        return {"export": export_cli.main, "generate": generate_cli.main, "serve": generate_cli.serve_main}[args.command](args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

@@ -25,6 +25,7 @@ from trainer.generate.job_config import GenerateConfig
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="complete a prompts file as a generation job.json says (JSON-lines events)")
     p.add_argument("job", help="path to job.json (trainer.generate.job_config.GenerateConfig)")
+    add_serve_parser(sub)
 
 
 def add_serve_parser(sub: Any) -> None:

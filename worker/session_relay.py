@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from core.sessions import relay
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
+QUIET_S = 2.0
+"""Seconds without a request or a reply after which the relay polls five times less often."""
 
 
 class NoRelay:
@@ -69,35 +72,43 @@ class SessionRelay(NoRelay):
             relay.clear(session, self.job_id)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.runtime.settings.session_poll_interval_s):
-            self._step(forward=True)
+        """Every poll interval while requests come and go; five times slower after ``QUIET_S`` without
+        any, so an idle session costs a few reads a second, and its next request waits at most that."""
+        poll = self.runtime.settings.session_poll_interval_s
+        busy_at = time.monotonic()
+        while not self._stop.wait(poll if time.monotonic() - busy_at < QUIET_S else poll * 5):
+            if self._step(forward=True):
+                busy_at = time.monotonic()
 
-    def _step(self, *, forward: bool) -> None:
+    def _step(self, *, forward: bool) -> bool:
+        """Relay what there is; whether anything moved."""
         try:
-            self._flush()
-            if forward:
-                self._forward()
+            moved = self._flush()
+            return (self._forward() if forward else False) or moved
         except Exception as exc:  # noqa: BLE001 - the next interval tries again; no payload in the log
             log.warning("session %s: relay step failed: %s", self.job_id, type(exc).__name__)
+            return False
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
         with self._lock:
             replies, self._replies = self._replies, []
         if replies:
             with self.runtime.sessionmaker.begin() as session:
                 relay.put_replies(session, self.job_id, replies)
+        return bool(replies)
 
-    def _forward(self) -> None:
+    def _forward(self) -> bool:
         trainer = getattr(self.executor, "trainer", None)
         if trainer is None:
-            return
+            return False
         with self.runtime.sessionmaker() as session:
             lines = [(row.message_id, json.dumps({"op": row.kind, "id": row.request_id, **row.body}))
                      for row in relay.pending(session, self.job_id, self._after)]
         for message_id, line in lines:
             if not trainer.write_line(line):
-                return  # the trainer is gone; its exit ends the job
+                return False  # the trainer is gone; its exit ends the job
             self._after = message_id
+        return bool(lines)
 
 
 def relay_for(runtime: Runtime, job_id: str, kind: str, executor: Executor) -> NoRelay:

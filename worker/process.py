@@ -200,6 +200,9 @@ class TrainerProcess:
             left = wait_untagged(self.tag)
             if left:
                 log.warning("processes %s of %s outlived SIGKILL", left, self.tag)
+        if self._proc.stdin is not None:
+            with self._stdin_lock:
+                self._proc.stdin.close()
         for thread in self._threads:
             thread.join(timeout=reader_timeout_s)
             if thread.is_alive():

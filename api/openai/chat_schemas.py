@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from core.errors import InvalidInput
 from core.jobs.generate_spec import MAX_NEW_TOKENS
@@ -71,11 +71,12 @@ class ChatCompletionCreate(_Sampling):
     metadata: dict[str, str] | None = None
     store: bool | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionCreate:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return top
 
     def sampling(self) -> dict[str, Any]:
         self._refuse_unsupported(("tools", "response_format", "logit_bias", "presence_penalty", "frequency_penalty"))

@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import new_id
@@ -28,7 +29,7 @@ from core.errors import InvalidInput, ModelNotFound, Unavailable
 from core.jobs.models import Job
 from core.openai import catalog
 from core.sessions import relay
-from core.sessions.service import LIVE, adapters_of, create_session, find_live
+from core.sessions.service import LIVE, adapters_of, create_session, find_live, start_key_for
 from core.sessions.spec import SessionSpec
 from core.settings import Settings
 from core.users import access
@@ -69,8 +70,8 @@ def begin(sessions: Sessions, caller: Caller, model: str, payload: dict[str, Any
     that ended on the way is replaced once."""
     deadline = time.monotonic() + settings.session_start_wait_s
     for attempt in range(2):
-        job_id, adapter = open_session(sessions, caller, model, settings, wake)
         try:
+            job_id, adapter = open_session(sessions, caller, model, settings, wake)
             wait_ready(sessions, job_id, deadline, settings)
             return start(sessions, job_id, adapter, payload, n, max(deadline, time.monotonic() + 30), settings)
         except SessionEnded:
@@ -90,14 +91,23 @@ def open_session(sessions: Sessions, caller: Caller, model: str, settings: Setti
         ref = catalog.reference(session, caller, model, settings.model_root)
         project_id = access.project_for_create(session, caller, None)
         job = find_live(session, caller, ref, project_id)
-        created = job is None
-        if job is None:
-            job = create_session(session, caller, SessionSpec(models=[ref]), settings=settings)
+        if job is not None:
+            return job.job_id, adapters_of(job)[ref]
+        try:
+            # Requests that found none at once (two columns of the playground) compute one key: one makes it.
+            mine = create_session(session, caller, SessionSpec(models=[ref]), settings=settings,
+                                  start_key=start_key_for(session, caller, ref, project_id))
+            mine_id, adapter = mine.job_id, adapters_of(mine)[ref]
             session.commit()
-        job_id, adapter = job.job_id, adapters_of(job)[ref]
-    if created:
-        wake(job_id)
-    return job_id, adapter
+        except IntegrityError:
+            session.rollback()
+            job = find_live(session, caller, ref, project_id)
+            if job is None:
+                raise SessionEnded("the session another request started ended at once; send the request again",
+                                   param="model") from None
+            return job.job_id, adapters_of(job)[ref]
+    wake(mine_id)
+    return mine_id, adapter
 
 
 def wait_ready(sessions: Sessions, job_id: str, deadline: float, settings: Settings) -> None:

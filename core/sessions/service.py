@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+import hashlib
+
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core.db import new_id, utcnow
@@ -32,8 +34,11 @@ from trainer.generate.session_config import BASE, SessionConfig
 LIVE = (JobStatus.queued.value, JobStatus.running.value)
 
 
-def create_session(session: Session, caller: Caller, spec: SessionSpec, *, settings: Settings) -> Job:
-    """Check and record a queued session; the caller commits, then wakes a worker.
+def create_session(session: Session, caller: Caller, spec: SessionSpec, *, settings: Settings,
+                   start_key: str | None = None) -> Job:
+    """Check and record a queued session; the caller commits, then wakes a worker. ``start_key``
+    (``start_key_for``) makes a second session started at once for the same model a unique-key
+    ``IntegrityError`` at the flush.
 
     Raises:
         InvalidInput: a model the project cannot use, or models of different bases.
@@ -55,7 +60,7 @@ def create_session(session: Session, caller: Caller, spec: SessionSpec, *, setti
               method=KIND, spec=spec.to_stored(), training_file_id=None, priority=spec.priority, gpus=1, nodes=1,
               owner_id=caller.user_id, project_id=project_id, progress_step=0,
               output_dir=str(settings.jobs_dir / job_id), preflight={"adapters": adapters}, created_at=now,
-              updated_at=now)
+              updated_at=now, idempotency_key=start_key)
     session.add(job)
     session.flush()
     append_events(session, job_id, [state_event(JobStatus.queued)])
@@ -64,11 +69,21 @@ def create_session(session: Session, caller: Caller, spec: SessionSpec, *, setti
 
 
 def find_live(session: Session, caller: Caller, model: str, project_id: str) -> Job | None:
-    """The newest queued or running session of ``project_id`` that ``caller`` reads and that serves ``model``."""
+    """The oldest queued or running session of ``project_id`` that ``caller`` reads and that serves
+    ``model`` (not one being ended): of two started at once, both requests pick the same one."""
     rows = session.scalars(select(Job).where(Job.kind == KIND, Job.status.in_(LIVE), Job.project_id == project_id,
                                              access.readable_by(caller, Job), Job.cancel_requested.is_not(True))
-                           .order_by(Job.created_at.desc()))
+                           .order_by(Job.created_at, Job.job_id))
     return next((job for job in rows if model in adapters_of(job)), None)
+
+
+def start_key_for(session: Session, caller: Caller, model: str, project_id: str) -> str:
+    """The key of the next session a chat request starts for ``model`` (``job.idempotency_key``):
+    requests that find none live at once compute the same key, so the store lets one of them make it."""
+    digest = hashlib.sha256(model.encode()).hexdigest()[:16]
+    prefix = f"session:{project_id}:{caller.user_id}:{digest}:"
+    started = session.scalar(select(func.count()).select_from(Job).where(Job.idempotency_key.startswith(prefix)))
+    return f"{prefix}{started or 0}"
 
 
 def adapters_of(job: Job) -> dict[str, str]:

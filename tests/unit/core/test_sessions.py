@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import InvalidInput
@@ -170,3 +171,26 @@ def test_the_workers_relay_moves_requests_to_stdin_and_replies_to_the_store(box)
     worker_side.stop()
     with sessions() as session:
         assert relay.is_ready(session, job_id) is None and not relay.has_request(session, "req-1")
+
+
+def test_requests_that_start_a_session_at_once_make_one_and_share_it(box) -> None:
+    sessions, settings = box
+    with sessions() as session:
+        alice = _caller(session, "alice")
+        session.commit()
+    woken: list[str] = []
+    barrier = threading.Barrier(2)
+    opened: list[str] = []
+
+    def open_one() -> None:
+        barrier.wait()
+        opened.append(calls.open_session(sessions, alice, "tiny", settings, woken.append)[0])
+
+    threads = [threading.Thread(target=open_one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with sessions() as session:
+        live = session.scalars(select(Job).where(Job.kind == "session", Job.status == "queued")).all()
+    assert len(set(opened)) == 1 and [j.job_id for j in live] == opened[:1], (opened, [j.job_id for j in live])

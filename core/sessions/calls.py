@@ -119,9 +119,9 @@ def wait_ready(sessions: Sessions, job_id: str, deadline: float, settings: Setti
     """
     while True:
         with sessions() as session:
+            _check_live(session, job_id)  # first: a session that failed may have left its ready row
             if relay.is_ready(session, job_id) is not None:
                 return
-            _check_live(session, job_id)
         if time.monotonic() >= deadline:
             raise SessionStarting(
                 f"The model is loading in a new session ({job_id}), which took longer than this request may wait "

@@ -194,3 +194,39 @@ def test_requests_that_start_a_session_at_once_make_one_and_share_it(box) -> Non
     with sessions() as session:
         live = session.scalars(select(Job).where(Job.kind == "session", Job.status == "queued")).all()
     assert len(set(opened)) == 1 and [j.job_id for j in live] == opened[:1], (opened, [j.job_id for j in live])
+
+
+def test_a_waiting_job_of_higher_priority_takes_the_gpu_of_an_idle_session(box) -> None:
+    """One host with one GPU held by a running low-priority session; a high-priority training job
+    waits for it: the session is asked to end (it drains), while a busy one, or one of the same
+    priority, is left."""
+    from core.db import utcnow
+    from core.sessions.preemption import preempt_idle_sessions
+    from core.workers.models import GpuSlot, Worker
+
+    sessions, settings = box
+    with sessions() as session:
+        alice = _caller(session, "alice")
+        chat = create_session(session, alice, SessionSpec(models=["tiny"], priority="low"), settings=settings)
+        transition(session, chat.job_id, JobStatus.running, only_from=[JobStatus.queued])
+        session.add(Worker(worker_id="box/gpu0", hostname="box", device="cuda:0", started_at=utcnow(),
+                           heartbeat_at=utcnow()))
+        session.flush()
+        session.add(GpuSlot(worker_id="box/gpu0", slot=0, device="0", job_id=chat.job_id, reserved_at=utcnow()))
+        relay.post(session, chat.job_id, "req-busy", "request", {})
+        session.commit()
+        waiting = Job(job_id="job-" + "a" * 24, kind="train", status="queued", model="tiny", method="lora", spec={},
+                      priority="low", gpus=1, nodes=1, owner_id=alice.user_id, project_id=alice.project_id,
+                      output_dir="/x", created_at=utcnow(), updated_at=utcnow())
+        session.add(waiting)
+        session.commit()
+        assert preempt_idle_sessions(session, settings) == [], "a job of the session's own priority waits"
+        waiting.priority = "high"
+        session.commit()
+        assert preempt_idle_sessions(session, settings) == [], "a busy session finishes its request first"
+        relay.forget(session, "req-busy")
+        assert preempt_idle_sessions(session, settings) == [chat.job_id]
+        session.commit()
+        session.refresh(chat)
+        assert chat.cancel_requested and chat.status == "running", "it drains, then its worker ends it"
+        assert preempt_idle_sessions(session, settings) == [], "asked once"

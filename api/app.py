@@ -38,6 +38,7 @@ from api.openai.app import PREFIX as OPENAI_PREFIX
 from api.openai.app import create_openai_app
 from api.responses import sweep_temporaries
 from api.state import AppState
+from api.sessions.routes import router as sessions_router
 from api.system.routes import router as system_router
 from api.users.routes import router as users_router
 from api.web.routes import router as web_router
@@ -114,6 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(users_router)
     app.include_router(projects_router)
     app.include_router(workers_router)
+    app.include_router(sessions_router)
     app.include_router(web_router)
     app.mount(OPENAI_PREFIX, create_openai_app())  # the official openai client's API (api/openai)
     # A Mount matches the rest of the path with ``.*``, which stops at a newline: an OpenAI path id

@@ -70,6 +70,8 @@ ROUTES: tuple[RouteHint, ...] = (
     RouteHint("GET /v1/jobs/{id}/completions/preview", "completions {id} --head 5"),
     RouteHint("POST /v1/jobs/{id}/exports", "export {id} --format " + "|".join(EXPORT_FORMATS)),
     RouteHint("GET /v1/queue", "jobs --status queued"),
+    RouteHint("GET /v1/sessions", "sessions"),
+    RouteHint("GET /v1/sessions/{id}", "sessions"),
     RouteHint("GET /v1/hardware", "machines"),
     RouteHint("GET /v1/projects", "projects list"),
     RouteHint("GET /v1/workers/keys", "workers key list"),

@@ -11,6 +11,9 @@
     ftq rerun ID [--set key=value ...] | resume ID [--step N] | metrics ID [-o FILE]
     ftq export ID --format merged|gguf [--quantization q8_0] [-o FILE] | exports ID
     ftq generate MODEL PROMPTS.jsonl [--max-tokens N ...] [--gpus N] [-o FILE] | completions ID [--head N]
+    ftq chat MODEL [-m MESSAGE] [--system TEXT] [--max-tokens N ...]
+                           talk to a base or a tuned model (a REPL, or one turn with -m)
+    ftq sessions [--all] | sessions end ID
     ftq machines           the machines running workers: live or lost, their GPUs and the jobs on them
     ftq models [pull ORG/NAME [--revision REV]]
                            the box's models and whether they fit its GPUs; pull one from the hub
@@ -36,7 +39,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import db, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
+from cli import chat, db, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -51,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_parsers(commands)
     exports.add_parsers(commands)
     generate.add_parsers(commands)
+    chat.add_parsers(commands)
     runs.add_parsers(commands)
     machines.add_parsers(commands)
     models.add_parsers(commands)

@@ -6,9 +6,10 @@ from core.files.models import File
 from core.jobs.models import Checkpoint, Job, JobEvent, JobNode, StepMetric
 from core.openai.models import OpenAIJob
 from core.projects.models import Project, ProjectMember
+from core.sessions.models import SessionMessage
 from core.users.models import ApiKey, User
 from core.workers.models import GpuSlot, Worker, WorkerKey
 
 metadata = Base.metadata
 
-__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "JobNode", "OpenAIJob", "Project", "ProjectMember", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "JobNode", "OpenAIJob", "Project", "ProjectMember", "SessionMessage", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]

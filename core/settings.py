@@ -135,6 +135,17 @@ class Settings(BaseSettings):
     """Tokens one sequence of a generation job may hold (its prompt + ``sampling.max_tokens``),
     below the model's own context; checked at submission (``core.jobs.prompt_lengths``). None:
     the model's ``max_position_embeddings`` alone."""
+    session_start_wait_s: float = Field(default=120.0, ge=0)
+    """How long a chat request for a model with no live session waits while one starts (queued,
+    then loading); past it the request answers 503 with ``Retry-After`` and the session keeps starting."""
+    session_idle_timeout_s: float = Field(default=600.0, gt=0)
+    """A chat session with no request for this long ends by itself and frees its GPU."""
+    session_max_len: int = Field(default=4096, ge=16)
+    """Positions per sequence of a chat session (prompt + max_tokens), below the model's own context."""
+    session_slots: int = Field(default=8, ge=1)
+    """Sequences one chat session decodes together."""
+    session_poll_interval_s: float = Field(default=0.05, gt=0)
+    """How often the API and a session's worker look for new relay messages (``core.sessions.relay``)."""
     auth_failure_limit: int = Field(default=20, ge=0)
     """Failed requests per minute one stored key id may have (a wrong secret, revoked, disabled
     user), and one address with keys the store does not know (unknown id, malformed, none); past

@@ -1,4 +1,4 @@
-"""``python -m trainer``: ``run JOB.json`` | ``generate JOB.json`` (``trainer.generate.cli``) | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
+"""``python -m trainer``: ``run JOB.json`` | ``generate JOB.json`` | ``serve SESSION.json`` (``trainer.generate.cli``) | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
 | ``export JOB.json --format merged|gguf --out DIR`` (``trainer.export.cli``).
 
 ``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
     export_cli.add_parser(sub)
-    generate_cli.add_parser(sub)
+    generate_cli.add_parser(sub)  # generate and serve
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
-    if args.command in ("export", "generate"):
-        return {"export": export_cli, "generate": generate_cli}[args.command].main(args)
+    if args.command in ("export", "generate", "serve"):
+        return {"export": export_cli.main, "generate": generate_cli.main, "serve": generate_cli.serve_main}[args.command](args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

@@ -29,6 +29,8 @@ without torch. Every event has
                 (0..1 of that stage); its ``done`` carries path and bytes instead of adapter_path.
                 ``python -m trainer generate``: stage "generate", prompts_done, prompts_total,
                 tokens, tokens_per_s (``trainer.generate.job``); its ``done`` adds path
+``reply``       ``python -m trainer serve``: a session's answer to one request (kind ready, accepted,
+                delta, error: ``trainer.generate.session``); relayed to the API, never stored
 
 The trainer always tries to end with one ``done`` event; a process that dies without one is
 a crash, and the worker says so from the exit code and stderr.
@@ -52,7 +54,7 @@ from typing import IO, Any
 
 from trainer import objectives
 
-EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done", "progress", "skip", "sample")
+EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done", "progress", "skip", "sample", "reply")
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,18 @@ if TYPE_CHECKING:
     from core.settings import Settings
     from trainer.config import TrainConfig
     from trainer.generate.job_config import GenerateConfig
+    from trainer.generate.session_config import SessionConfig
     from worker.claim import Claim
     from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
-def build_config(runtime: Runtime, session: Session, job: Job, output_dir: Path) -> TrainConfig | GenerateConfig:
+def build_config(runtime: Runtime, session: Session, job: Job,
+                 output_dir: Path) -> TrainConfig | GenerateConfig | SessionConfig:
     """The job's trainer config from the store: ``Runtime.config_builder``, by default
-    ``build_train_config``, or a generation job's ``GenerateConfig``; the caller saves it as job.json.
+    ``build_train_config``, a generation job's ``GenerateConfig`` or a session's ``SessionConfig``;
+    the caller saves it as job.json.
 
     Raises:
         Exception: whatever the builder raises (the spec no longer translates, a dataset
@@ -45,6 +48,10 @@ def build_config(runtime: Runtime, session: Session, job: Job, output_dir: Path)
         from core.jobs.generation import build_generate_config
 
         return build_generate_config(session, job, settings=runtime.settings, output_dir=str(output_dir))
+    if job.kind == "session":  # a chat session: trainer.generate.session_config.SessionConfig
+        from core.sessions.service import build_session_config
+
+        return build_session_config(session, job, settings=runtime.settings, output_dir=str(output_dir))
     builder = runtime.config_builder or build_train_config
     return builder(session, job, settings=runtime.settings, output_dir=str(output_dir))
 

@@ -90,6 +90,7 @@ class TrainerProcess:
         tag: str | None = None,
         ranks: int = 1,
         rank_log_dir: str | Path | None = None,
+        stdin_pipe: bool = False,
     ) -> None:
         """``argv`` starts the trainer, or torchrun with ``ranks`` ranks writing each rank's
         stderr under ``rank_log_dir``; ``tag`` marks every process of the run (``TAG_ENV``)."""
@@ -110,6 +111,9 @@ class TrainerProcess:
         self._threads: list[threading.Thread] = []
         self._returncode: int | None = None
         self._oom_before: OomCounters | None = None
+        self._stdin_pipe = stdin_pipe
+        """A pipe to the trainer's stdin (a chat session's requests: ``write_line``); else /dev/null."""
+        self._stdin_lock = threading.Lock()
 
     @property
     def pid(self) -> int:
@@ -121,7 +125,7 @@ class TrainerProcess:
         self._oom_before = OomCounters.read()
         self._proc = subprocess.Popen(
             self.argv,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if self._stdin_pipe else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=self._env,
@@ -135,6 +139,18 @@ class TrainerProcess:
         ]
         for thread in self._threads:
             thread.start()
+
+    def write_line(self, line: str) -> bool:
+        """Send one line to the trainer's stdin (``stdin_pipe``); False when it is closed or gone."""
+        if self._proc is None or self._proc.stdin is None:
+            return False
+        with self._stdin_lock:
+            try:
+                self._proc.stdin.write(line.encode() + b"\n")
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                return False
+        return True
 
     def has_exited(self) -> bool:
         """True once the trainer has exited; it stays a zombie (its pid reserved) until ``finish``."""
@@ -184,6 +200,9 @@ class TrainerProcess:
             left = wait_untagged(self.tag)
             if left:
                 log.warning("processes %s of %s outlived SIGKILL", left, self.tag)
+        if self._proc.stdin is not None:
+            with self._stdin_lock:
+                self._proc.stdin.close()
         for thread in self._threads:
             thread.join(timeout=reader_timeout_s)
             if thread.is_alive():

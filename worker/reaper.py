@@ -44,6 +44,7 @@ from core.jobs.placement import Placement
 from core.jobs.models import Job
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
+from core.sessions.preemption import preempt_idle_sessions
 from core.settings import Settings
 from core.workers import pool
 from core.workers.models import Worker
@@ -59,6 +60,8 @@ class ReapReport:
     cancelled: list[str] = field(default_factory=list)
     """Stale jobs whose cancel had been requested: ended, not retried."""
     resent: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    """Idle chat sessions asked to end for a waiting job of higher priority (core/sessions/preemption.py)."""
     signalled: list[str] = field(default_factory=list)
     """Waiting jobs signalled because a reaped job freed GPUs or its owner's cap (scheduling.py)."""
     placed: list[Placement] = field(default_factory=list)
@@ -98,6 +101,7 @@ def reap(
         for job in stale:
             _settle_lost(session, settings, report, job, now)
         pool.release_orphans(session, reserved_before=cutoff)
+        report.preempted.extend(preempt_idle_sessions(session, settings))
         if report.requeued or report.failed or report.cancelled:
             report.placed.extend(scheduling.signal_targets(session, settings))
             report.signalled.extend(p.job_id for p in report.placed if p.job_id not in report.requeued)
@@ -111,6 +115,8 @@ def reap(
     if publish is not None:
         for job_id, seq in report.published.items():
             publish(job_id, seq)
+    if report.preempted:
+        log.info("reaper: preempted idle sessions %s for the queue's head", report.preempted)
     if report.requeued or report.failed or report.cancelled or report.resent:
         log.warning("reaper: requeued %s, failed %s, cancelled %s, re-sent %s",
                     report.requeued, report.failed, report.cancelled, report.resent)

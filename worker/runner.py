@@ -41,6 +41,7 @@ from worker.outcome import Outcome, classify
 from worker.prepare import build_config, set_aside_unrecorded_checkpoints
 from worker.process import TrainerExit
 from worker.recorder import EventRecorder
+from worker.session_relay import relay_for
 from worker.runtime import Runtime
 from worker.tracking.resolve import tracking_for
 from worker.watchdog import Watchdog, set_worker_job
@@ -172,17 +173,24 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
     outputs = remote.job_outputs(runtime, claim, recorder)  # a remote worker's uploads (worker/remote.py)
     done: list[dict[str, Any]] = []
     tracking = tracking_for(runtime, claim.job_id, claim.output_dir)  # a background thread: never waited on
+    executor = executors.get(claim.executor)(runtime, claim)
+    relay = relay_for(runtime, claim.job_id, getattr(config, "kind", "train"), executor)  # a chat session's requests
 
     def on_event(event: dict[str, Any]) -> None:
+        if relay.take(event):
+            return
         tracking.add(event)
         if event["type"] == "done":
             done.append(event)
         else:
             outputs.add(event)
 
-    executor = executors.get(claim.executor)(runtime, claim)
     watchdog = Watchdog(runtime, claim, executor)
-    exit_, error = _drive(executor, watchdog, job_json, on_event, recorder, outputs)
+    relay.start()
+    try:
+        exit_, error = _drive(executor, watchdog, job_json, on_event, recorder, outputs)
+    finally:
+        relay.stop()
     if error is not None:
         tracking.finish(JobStatus.failed.value)
         return Outcome(JobStatus.failed, "worker_error", f"the worker failed while running the trainer: {error!r}"), None

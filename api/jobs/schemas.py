@@ -193,14 +193,16 @@ class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
     kind: str = "train"
-    """``train`` (a fine-tuning job) or ``generate`` (a batch generation job: ``training_file`` is its
-    prompts file, ``generation`` its progress, ``GET /v1/jobs/{id}/completions`` its output)."""
+    """``train`` (a fine-tuning job), ``generate`` (a batch generation job: ``training_file`` is its
+    prompts file, ``generation`` its progress, ``GET /v1/jobs/{id}/completions`` its output) or
+    ``session`` (a chat session: no ``training_file``; ``GET /v1/sessions/{id}``, docs/sessions.md)."""
     name: str | None
     status: str
     """queued, running, succeeded, failed or cancelled."""
     model: str
     method: str
-    training_file: str
+    training_file: str | None
+    """The dataset (a generation job's prompts file); null for a session."""
     validation_file: str | None
     progress: Progress
     plan: PlanOut | None

@@ -19,15 +19,17 @@ class Job(Base):
     name: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16), index=True, default=JobStatus.queued.value)
     kind: Mapped[str] = mapped_column(String(16), server_default="train")
-    """``train`` (``spec``: ``core.jobs.spec.JobSpec``) or ``generate`` (``core.jobs.generate_spec.GenerateSpec``:
-    ``training_file_id`` holds its prompts file, ``method`` reads ``generate``). A server default only
+    """``train`` (``spec``: ``core.jobs.spec.JobSpec``), ``generate`` (``core.jobs.generate_spec.GenerateSpec``:
+    ``training_file_id`` holds its prompts file, ``method`` reads ``generate``) or ``session`` (a chat
+    session: ``core.sessions.spec.SessionSpec``, no file, ``method`` reads ``session``). A server default only
     (no Python-side one): an INSERT that does not name it (the migration tests' rows written at
     revisions before it) leaves it to the store; ``core.jobs.service`` names it for new jobs."""
     model: Mapped[str] = mapped_column(String(512))
     method: Mapped[str] = mapped_column(String(16))
     spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
     """The validated ``core.jobs.spec.JobSpec`` as JSON (what the user asked for, defaults filled)."""
-    training_file_id: Mapped[str] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
+    training_file_id: Mapped[str | None] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
+    """The dataset (a generation job's prompts file); None for a session, which reads no file."""
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("file.file_id", ondelete="RESTRICT"))
     owner_id: Mapped[str | None] = mapped_column(ForeignKey("user.user_id", ondelete="RESTRICT"), index=True)
     """Who submitted it; None only for jobs created before users existed."""

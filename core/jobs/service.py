@@ -232,8 +232,11 @@ def list_jobs(
     project_id: str | None = None,
 ) -> tuple[list[Job], str | None]:
     """Jobs newest first that ``reader`` may read (None: all), optionally only those in ``statuses``
-    / of ``owner_id`` / ``project_id`` / whose name, model or owner's name contains ``text``."""
-    query = select(Job) if reader is None else select(Job).where(readable_by(reader, Job))
+    / of ``owner_id`` / ``project_id`` / whose name, model or owner's name contains ``text``. Chat
+    sessions (kind ``session``) are listed by ``GET /v1/sessions``, not here."""
+    query = select(Job).where(Job.kind != "session")
+    if reader is not None:
+        query = query.where(readable_by(reader, Job))
     if project_id is not None:
         query = query.where(Job.project_id == project_id)
     if text and text.strip():

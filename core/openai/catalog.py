@@ -138,3 +138,19 @@ def _written(directory: Path) -> int:
 
 def _unix(when: dt.datetime) -> int:
     return int(when.timestamp())
+
+
+def reference(session: Session, caller: Caller, model: str, model_root: Path) -> str:
+    """The ftq reference (``job:<id>``, ``job:<id>@<step>`` or the base's name) of a model
+    ``list_models`` shows ``caller``.
+
+    Raises:
+        ModelNotFound: as ``get_model``.
+    """
+    get_model(session, caller, model, model_root)
+    if not model.startswith("ft:"):
+        return model
+    match = _CHECKPOINT.match(model)
+    name = match["model"] if match else model
+    job_ref = f"job:{name.rpartition(':')[2]}"
+    return f"{job_ref}@{int(match['step'])}" if match else job_ref

@@ -112,10 +112,12 @@ def work(client: TestClient, keys: dict[str, str], store, tmp_path: Path) -> Wor
     results = client.get(f"{OPENAI_PREFIX}/fine_tuning/jobs/{oa_job.json()['id']}", headers=alice).json()["result_files"]
     native_model = f"ft:tiny:alice:alice-p-job:{job_id}"  # /openai/v1/models: the jobs' and the checkpoint's names
     models = [native_model, f"{native_model}:ckpt-step-2", f"ft:tiny:alice:alicep:{oa_job.json()['id']}"]
-    ids = {"job_id": [job_id, oa_job.json()["id"]], "file_id": [train, valid, oa_file.json()["id"], *results],
+    chat = client.post("/v1/sessions", json={"models": ["tiny"], "name": "alice-p-session"}, headers=alice)
+    assert chat.status_code == 201, chat.text
+    ids = {"session_id": [chat.json()["id"]], "job_id": [job_id, oa_job.json()["id"]], "file_id": [train, valid, oa_file.json()["id"], *results],
            "export_id": [export_id], "step": ["2"], "name": ["team-p"], "user": ["alice"], "model": models}
     secrets = [*ids["job_id"], *ids["file_id"], export_id, "alice", "team-p", SECRET_TEXT, "alice-p-job",
-               "alice-p-train", "alice-p-valid", "alice-p-openai", "alicep"]
+               "alice-p-train", "alice-p-valid", "alice-p-openai", "alicep", "alice-p-session"]
     return Work(ids, secrets)
 
 
@@ -237,7 +239,7 @@ class TestAnotherProjectsIds:
 class TestListsAndCreates:
     def test_lists_show_only_the_callers_projects(self, client: TestClient, keys: dict[str, str], work: Work) -> None:
         bob = bearer(keys["bob"])
-        for url in ("/v1/jobs", "/v1/files", f"{OPENAI_PREFIX}/files", f"{OPENAI_PREFIX}/fine_tuning/jobs"):
+        for url in ("/v1/jobs", "/v1/files", f"{OPENAI_PREFIX}/files", f"{OPENAI_PREFIX}/fine_tuning/jobs", "/v1/sessions"):
             response = client.get(url, headers=bob)
             assert response.status_code == 200 and response.json()["data"] == [], url
             assert not [s for s in work.secrets if s in response.text], url
@@ -293,6 +295,8 @@ class TestSharedViews:
     def test_the_queue_shows_another_projects_job_by_its_project_alone(self, client: TestClient,
                                                                        keys: dict[str, str], work: Work) -> None:
         alice, bob = bearer(keys["alice"]), bearer(keys["bob"])
+        # Alice's session waits in the queue too (it is placed like a job); ended here, at once while queued.
+        assert client.delete(f"/v1/sessions/{work.ids['session_id'][0]}", headers=alice).status_code == 200
         queued = client.post("/v1/jobs", json={"model": "tiny", "training_file": work.ids["file_id"][0],
                                                "name": "alice-p-job"}, headers=alice).json()
         [theirs] = client.get("/v1/queue", headers=bob).json()["data"]

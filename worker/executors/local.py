@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from worker.executors.base import Executor, OnEvent, Signal
-from worker.launch import run_tag, trainer_argv, trainer_env
+from worker.launch import run_tag, subcommand, trainer_argv, trainer_env
 from worker.process import TrainerExit, TrainerProcess
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class LocalExecutor(Executor):
             tag=run_tag(self.runtime.worker_id, self.claim.job_id, self.claim.attempt),
             ranks=self.ranks,
             rank_log_dir=self.rank_log_dir,
+            stdin_pipe=subcommand(job_json) == "serve",  # a chat session reads its requests there
         )
         trainer.start()
         self.trainer = trainer

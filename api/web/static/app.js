@@ -5,6 +5,7 @@
 //   #/new                     submit a job         (view-new.js)
 //   #/compare?ids=a,b         compare runs         (view-compare.js)
 //   #/gpus                    workers and queue    (view-gpus.js)
+//   #/playground[?job=<id>]   chat with 1-2 models (view-playground.js)
 //   #/login[?next=#/...]      paste an API key     (view-login.js)
 //
 // Every view but login needs a session: without one (GET /v1/users/me is 401,
@@ -23,6 +24,7 @@ import { renderJob } from "./view-job.js";
 import { renderNew } from "./view-new.js";
 import { renderCompare } from "./view-compare.js";
 import { renderGpus } from "./view-gpus.js";
+import { renderPlayground } from "./view-playground.js";
 import { renderLogin } from "./view-login.js";
 import { currentUser, logout, myProjects, selectProject, selectedProject } from "./api.js";
 import { h, clear } from "./dom.js";
@@ -33,6 +35,7 @@ const ROUTES = [
   { pattern: /^\/new\/?$/, nav: "new", title: "New job", render: renderNew },
   { pattern: /^\/compare\/?$/, nav: "jobs", title: "Compare runs", render: renderCompare },
   { pattern: /^\/gpus\/?$/, nav: "gpus", title: "GPUs", render: renderGpus },
+  { pattern: /^\/playground\/?$/, nav: "playground", title: "Playground", render: renderPlayground },
   { pattern: /^\/login\/?$/, nav: "login", title: "Log in", render: renderLogin, open: true },
 ];
 

@@ -297,6 +297,7 @@ export function renderJob(main, [jobId]) {
     const nodes = [];
     if (job.status === "succeeded" && job.kind !== "generate") {
       nodes.push(h("a", { class: "button", href: `/v1/jobs/${id}/adapter`, download: "", "data-testid": "download-adapter", text: "Download adapter (.zip)" }));
+      nodes.push(h("a", { class: "button secondary", href: `#/playground?job=${id}`, "data-testid": "try-it", text: "Try it" }));
       if (!exportsSlot.firstChild) clear(exportsSlot, exportsSection(id, signal));
     }
     // Only the owner or an admin may cancel (the API answers 403 to anyone else anyway).

@@ -23,6 +23,8 @@ import csv
 import io
 import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -268,3 +270,99 @@ def test_a_reinforcement_job_trains_to_success_with_its_rewards_in_the_events(cl
         assert 0.0 <= step["zero_std_fraction"] <= 1.0 and step["grade_error_fraction"] == 0.0, step
         assert 0 < step["completion_length"] <= RFT_NEW_TOKENS, step
         assert "kl" not in step and step["train_mean_token_accuracy"] is None, step  # beta 0; no token accuracy
+
+
+CHAT = [{"role": "user", "content": "Tell me a story."}]
+
+
+def _tuned_model(client: openai.OpenAI, oa_stack: Stack, train_file: str) -> str:
+    """A succeeded job's ``fine_tuned_model`` from this module's earlier tests (a short job when run alone)."""
+    succeeded = [j for j in client.fine_tuning.jobs.list(limit=100) if j.status == "succeeded"]
+    if not succeeded:
+        job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=train_file, suffix="chat", seed=1,
+                                             hyperparameters={"n_epochs": 1})
+        succeeded = [wait(client, job.id, FINISHED, oa_stack)]
+        assert succeeded[0].status == "succeeded", f"{succeeded[0]}\n{oa_stack.log_tail()}"
+    return succeeded[-1].fine_tuned_model
+
+
+def _sampler_greedy(oa_stack: Stack, session_id: str, messages: list[dict], max_tokens: int) -> tuple[list[str], str]:
+    """The sampler's own greedy tokens (as text pieces) and text for ``messages``, on what the session loaded
+    (its job.json: the base and the job's adapter)."""
+    import torch
+
+    from trainer.generate.chat import render_messages
+    from trainer.generate.engine import Engine
+    from trainer.generate.params import Request, SamplingParams
+    from trainer.generate.session import load_session_model
+    from trainer.generate.session_config import SessionConfig
+
+    config = SessionConfig.load(oa_stack.data_dir / "jobs" / session_id / "job.json")
+    model, tokenizer = load_session_model(config, torch.device("cpu"))
+    ids = tuple(render_messages(tokenizer, messages))
+    (adapter,) = config.adapters
+    [result] = Engine(model, tokenizer, slots=1, max_len=config.max_len).generate(
+        [Request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter=adapter)])
+    completion = result.completions[0]
+    return [tokenizer.decode([t]) for t in completion.token_ids], completion.text
+
+
+def test_chat_and_completions_answer_from_a_session_of_the_tuned_model(client, oa_stack, train_file):
+    """The official client's ``chat.completions.create`` (whole and streamed) and ``completions.create``
+    on a job's ``fine_tuned_model``: the first request starts a session (a job of kind ``session`` on the
+    worker) and waits while it loads; greedy tokens over the route equal the sampler's own for the
+    same prompt; bad input answers OpenAI's errors; ``DELETE /v1/sessions/{id}`` ends it (drained)."""
+    model = _tuned_model(client, oa_stack, train_file)
+    whole = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    [choice] = whole.choices
+    assert whole.object == "chat.completion" and whole.model == model and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and whole.usage.prompt_tokens > 0
+    assert whole.usage.completion_tokens == len(choice.logprobs.content) > 0
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage == whole.usage
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+
+    text = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, n=2, seed=1)
+    assert text.object == "text_completion" and [c.index for c in text.choices] == [0, 1]
+    assert text.choices[0].text == text.choices[1].text and text.usage.completion_tokens > 0  # greedy: alike
+
+    with oa_stack.client() as native:
+        [session] = native.get("/v1/sessions").json()["data"]
+        assert session["ready"] and session["status"] == "running" and session["models"][0].startswith("job:")
+        pieces, sampler_text = _sampler_greedy(oa_stack, session["id"], CHAT, 12)
+        assert [t.token for t in choice.logprobs.content] == pieces, "the route's greedy tokens are the sampler's"
+        assert choice.message.content == sampler_text
+
+        for bad, param, error in ((dict(model="no-such-model"), "model", openai.NotFoundError),
+                                  (dict(model=model, temperature=5), "temperature", openai.BadRequestError),
+                                  (dict(model=model, max_tokens=30_000), "messages", openai.BadRequestError)):
+            with pytest.raises(error) as refused:
+                client.chat.completions.create(**{"messages": CHAT, **bad})
+            assert refused.value.response.json()["error"]["param"] == param, refused.value.response.json()
+        assert refused.value.code == "context_length_exceeded"
+
+        bob = oa_stack.create_user("bob-chat")
+        with openai.OpenAI(base_url=f"{oa_stack.url}/openai/v1", api_key=bob, max_retries=0) as other:
+            with pytest.raises(openai.NotFoundError) as refused:
+                other.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
+        assert refused.value.code == "model_not_found", "another user's model is unknown to them"
+
+        env = {**oa_stack.env, "FTQ_API_URL": oa_stack.url, "FTQ_API_KEY": oa_stack.api_key}
+        one_shot = subprocess.run([sys.executable, "-m", "cli", "chat", model, "-m", CHAT[0]["content"],
+                                   "--max-tokens", "12", "--temperature", "0"], env=env, capture_output=True,
+                                  text=True, timeout=120, check=False)
+        assert one_shot.returncode == 0, one_shot.stderr
+        assert one_shot.stdout.rstrip("\n") == choice.message.content.rstrip("\n"), "ftq chat -m: the same answer"
+
+        assert native.delete(f"/v1/sessions/{session['id']}").status_code == 202
+        deadline = time.monotonic() + 60
+        while (ended := native.get(f"/v1/sessions/{session['id']}").json())["status"] == "running":
+            assert time.monotonic() < deadline, oa_stack.log_tail()
+            time.sleep(0.2)
+        assert ended["status"] == "cancelled", ended

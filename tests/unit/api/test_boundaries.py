@@ -42,6 +42,7 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
                                                    "trainer.objectives.grpo_config",
                                                    "trainer.generate", "trainer.generate.job_config",
                                                    "trainer.generate.outputs", "trainer.generate.prompts",
+                                                       "trainer.generate.session_config",
                                                    "trainer.graders", "trainer.graders.errors", "trainer.graders.formula",
                                                    "trainer.graders.judge", "trainer.graders.run",
                                                    "trainer.graders.sandbox", "trainer.graders.spec",

@@ -1,0 +1,82 @@
+"""What ``python -m trainer serve session.json`` reads: a chat session (standard library only, so the
+worker builds and saves it without torch, as it does ``GenerateConfig``).
+
+A session loads ``model`` once, applies each adapter of ``adapters`` unmerged under its own name
+(several adapters of one base in one session; ``BASE`` names the base alone), and answers requests
+until it has been idle ``idle_timeout_s`` seconds or is stopped (``trainer.generate.session``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KIND = "session"
+"""``kind`` of a session's job.json."""
+BASE = "base"
+"""The name under which requests ask for the base model alone."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """One chat session."""
+
+    model: str
+    """The base's directory or hub id (or a full fine-tune's weights)."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """``{name: LoRA adapter directory}``, each applied unmerged on ``model``; a request names one."""
+    slots: int = 8
+    """Sequences decoded together (the KV cache's slots)."""
+    max_len: int = 2048
+    """Positions per slot: a request's prompt plus its ``max_tokens`` must fit."""
+    idle_timeout_s: float = 600.0
+    """With no request running or arriving for this long, the session ends (status succeeded)."""
+    drain_s: float = 30.0
+    """On a stop (SIGTERM: a cancel, a preemption) running requests may finish for this long."""
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    job_id: str | None = None
+    kind: str = KIND
+
+    def __post_init__(self) -> None:
+        if self.kind != KIND:
+            raise ValueError(f"kind: a session job.json has kind {KIND!r}, got {self.kind!r}")
+        if BASE in self.adapters:
+            raise ValueError(f"adapters: {BASE!r} names the base model; pick another adapter name")
+        for name in ("slots", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.idle_timeout_s <= 0 or self.drain_s < 0:
+            raise ValueError("idle_timeout_s must be > 0 and drain_s >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SessionConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        return cls(**raw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SessionConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def is_session_job(raw: dict[str, Any]) -> bool:
+    """Whether a parsed job.json is a session's."""
+    return raw.get("kind") == KIND

@@ -1,4 +1,4 @@
-"""``python -m trainer``: ``run JOB.json`` | ``generate JOB.json`` (``trainer.generate.cli``) | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
+"""``python -m trainer``: ``run JOB.json`` | ``generate JOB.json`` (``trainer.generate.cli``) | ``eval JOB.json`` (``trainer.evals.cli``) | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
 | ``export JOB.json --format merged|gguf --out DIR`` (``trainer.export.cli``).
 
 ``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
@@ -14,6 +14,7 @@ import os
 import sys
 
 from trainer.export import cli as export_cli
+from trainer.evals import cli as eval_cli
 from trainer.generate import cli as generate_cli
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.events import Emitter
@@ -54,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     p_tiny.add_argument("--vocab-size", type=int, default=512)
     export_cli.add_parser(sub)
     generate_cli.add_parser(sub)
+    eval_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
-    if args.command in ("export", "generate"):
-        return {"export": export_cli, "generate": generate_cli}[args.command].main(args)
+    if args.command in ("export", "generate", "eval"):
+        return {"export": export_cli, "generate": generate_cli, "eval": eval_cli}[args.command].main(args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

@@ -94,15 +94,18 @@ def torchrun_argv(
 
 
 def subcommand(job_json: Path) -> str:
-    """``generate`` for a generation job's job.json, else ``run``; a file that is not there or
-    not JSON is the trainer's to refuse (``run``, which ends with a config_error)."""
+    """``generate`` for a generation job's job.json, ``eval`` for an eval run's, else ``run``; a
+    file that is not there or not JSON is the trainer's to refuse (``run``, which ends with a config_error)."""
+    from trainer.evals.config import is_eval_job
     from trainer.generate.job_config import is_generate_job
 
     try:
         raw = json.loads(job_json.read_text())
     except (OSError, ValueError):
         return "run"
-    return "generate" if isinstance(raw, dict) and is_generate_job(raw) else "run"
+    if not isinstance(raw, dict):
+        return "run"
+    return "generate" if is_generate_job(raw) else "eval" if is_eval_job(raw) else "run"
 
 
 def torchrun_entry(trainer_argv: tuple[str, ...]) -> list[str]:

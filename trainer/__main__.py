@@ -23,9 +23,7 @@ from trainer.events import Emitter
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser(
-        "run", help="train as a job.json says, emitting JSON-lines events"
-    )
+    p_run = sub.add_parser("run", help="train as a job.json says, emitting JSON-lines events")
     p_run.add_argument("job", help="path to job.json (trainer.config.TrainConfig)")
     p_detect = sub.add_parser(
         "detect", help="print the detected hardware and the optimization plan"
@@ -53,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
-    export_cli.add_parser(sub)
-    generate_cli.add_parser(sub)
-    eval_cli.add_parser(sub)
+    clis = {"export": export_cli, "generate": generate_cli, "eval": eval_cli}
+    for cli in clis.values():
+        cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
-    if args.command in ("export", "generate", "eval"):
-        return {"export": export_cli, "generate": generate_cli, "eval": eval_cli}[args.command].main(args)
+    if args.command in clis:
+        return clis[args.command].main(args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

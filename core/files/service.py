@@ -125,14 +125,7 @@ def store_upload(
         if layout not in ("auto", "prompts", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
         return same
-    if purpose == "evals":
-        from core.evals.items import summarize_file
-
-        source, converted_from, summary = sink.path, None, DatasetSummary(*summarize_file(sink.path))
-    elif prompts:
-        source, converted_from, summary = sink.path, None, validate_prompts(sink.path)
-    else:
-        source, converted_from, summary = _validated_or_prompts(sink.path, layout, or_prompts)
+    source, converted_from, summary = _described(sink.path, purpose, prompts, layout, or_prompts)
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
     os.replace(source, final)
@@ -153,6 +146,18 @@ def store_upload(
         created_at=utcnow(),
     )
     return commit_file(session, row)
+
+
+def _described(path: Path, purpose: str, prompts: bool, layout: str,
+               or_prompts: bool) -> tuple[Path, str | None, DatasetSummary]:
+    """``(the file to keep, the layout it was converted from or None, its summary)`` by purpose."""
+    if purpose == "evals":
+        from core.evals.items import summarize_file
+
+        return path, None, DatasetSummary(*summarize_file(path))
+    if prompts:
+        return path, None, validate_prompts(path)
+    return _validated_or_prompts(path, layout, or_prompts)
 
 
 def _validated_or_prompts(path: Path, layout: str, or_prompts: bool) -> tuple[Path, str | None, DatasetSummary]:

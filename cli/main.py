@@ -11,6 +11,8 @@
     ftq rerun ID [--set key=value ...] | resume ID [--step N] | metrics ID [-o FILE]
     ftq export ID --format merged|gguf [--quantization q8_0] [-o FILE] | exports ID
     ftq generate MODEL PROMPTS.jsonl [--max-tokens N ...] [--gpus N] [-o FILE] | completions ID [--head N]
+    ftq eval create EVAL.json | list | show EVAL | run EVAL MODEL ITEMS.jsonl --template 'user:{{item.q}}'
+             | results EVAL RUN [--items] | cancel EVAL RUN | delete EVAL [RUN]
     ftq machines           the machines running workers: live or lost, their GPUs and the jobs on them
     ftq models [pull ORG/NAME [--revision REV]]
                            the box's models and whether they fit its GPUs; pull one from the hub
@@ -36,7 +38,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import db, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
+from cli import db, evals, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_parsers(commands)
     exports.add_parsers(commands)
     generate.add_parsers(commands)
+    evals.add_parsers(commands)
     runs.add_parsers(commands)
     machines.add_parsers(commands)
     models.add_parsers(commands)

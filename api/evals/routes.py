@@ -24,6 +24,9 @@ from core.jobs.models import Job
 from core.jobs.submit import Origin, submit
 
 router = APIRouter(prefix="/evals", tags=["evals"])
+_RUN_PARAMS = {"model": "data_source.model", "prompts_file": "data_source.source",
+               "sampling.max_tokens": "data_source.sampling_params.max_completion_tokens"}
+"""A refused job's fields as the run's request names them."""
 JsonBody = Annotated[dict[str, Any], Body()]
 
 
@@ -84,9 +87,7 @@ async def create_run(eval_id: str, body: JsonBody, state: StateDep, caller: Call
                               view=view)
     except InvalidInput as exc:
         await to_thread.run_sync(_discard, state, prepared)
-        if exc.param in ("model", "prompts_file") or (exc.param or "").startswith("sampling"):
-            exc.param = {"model": "data_source.model", "prompts_file": "data_source.source"}.get(
-                exc.param or "", f"data_source.{exc.param}")
+        exc.param = _RUN_PARAMS.get(exc.param or "", exc.param)
         raise
     except BaseException:
         await to_thread.run_sync(_discard, state, prepared)

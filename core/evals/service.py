@@ -134,7 +134,8 @@ def list_evals(session: Session, caller: Caller, *, order: str = "asc", order_by
     return page(rows, lambda row: row.eval_id, order=order, after=after, limit=limit, what="eval")
 
 
-def page(rows: list[Any], id_of: Any, *, order: str, after: str | None, limit: int, what: str) -> tuple[list[Any], bool]:
+def page(rows: list[Any], id_of: Any, *, order: str, after: str | None, limit: int,
+         what: str) -> tuple[list[Any], bool]:
     """One page of ``rows`` (oldest first) in ``order``, after the row whose id is ``after``."""
     if order not in ("asc", "desc"):
         raise InvalidInput("order: asc or desc", param="order")

@@ -91,10 +91,13 @@ class TestRuns:
         assert client.get(f"{url}/{failed[0]['id']}").json()["results"][0]["score"] == 0.0
         assert client.get(f"{url}/outputitem_none_9").status_code == 404
 
+        clone = client.post(f"/v1/jobs/{run['job_id']}/clone")
+        assert clone.status_code == 422 and "create another run" in clone.json()["error"]["message"], clone.text
         cancelled = client.post(f"/v1/evals/{ev['id']}/runs/{run['id']}/cancel")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "canceled", cancelled.text
         assert client.post(f"/v1/evals/{ev['id']}/runs/{run['id']}/cancel").status_code == 409
-        assert client.get(f"/v1/evals/{ev['id']}/runs", params={"status": "canceled"}).json()["data"][0]["id"] == run["id"]
+        canceled = client.get(f"/v1/evals/{ev['id']}/runs", params={"status": "canceled"}).json()["data"]
+        assert [r["id"] for r in canceled] == [run["id"]]
         assert client.delete(f"/v1/evals/{ev['id']}/runs/{run['id']}").json()["deleted"]
         assert client.delete(f"/v1/evals/{ev['id']}").json()["deleted"]
         assert client.get(f"/v1/evals/{ev['id']}").status_code == 404
@@ -117,7 +120,8 @@ class TestRefusals:
         ([{"item": ITEMS[0]}], {"input_messages": {"type": "template", "template": [
             {"role": "user", "content": "{{item.nope}}"}]}}, "data_source.input_messages.template[0].content",
          "data_source.source.content: line 1:"),
-        ([{"item": ITEMS[0]}], {"model": "job:job-0123456789abcdef01234567"}, "data_source.model", "model: no training job"),
+        ([{"item": ITEMS[0]}], {"model": "job:job-0123456789abcdef01234567"}, "data_source.model",
+         "model: no training job"),
         ([{"item": ITEMS[0]}], {"sampling_params": {"max_completion_tokens": 5000}},
          "data_source.sampling_params.max_completion_tokens", "over the 4,096 the model holds"),
         ([{"item": ITEMS[0]}], {"type": "jsonl"}, "data_source.type", "ftq runs 'completions'"),
@@ -136,7 +140,8 @@ class TestRefusals:
         before = counts(store)
         config = {"type": "custom", "item_schema": SCHEMA}
         for criteria, param in (([{**CRITERIA[0], "operation": "eqq"}], "testing_criteria[0].operation"),
-                                ([{"type": "python", "name": "p", "source": "def grade(:"}], "testing_criteria[0].source"),
+                                ([{"type": "python", "name": "p", "source": "def grade(:"}],
+                                 "testing_criteria[0].source"),
                                 ([], "testing_criteria")):
             refused = client.post("/v1/evals", json={"data_source_config": config, "testing_criteria": criteria})
             assert refused.status_code == 422 and refused.json()["error"]["param"] == param, refused.text

@@ -120,7 +120,8 @@ def work(client: TestClient, keys: dict[str, str], store, tmp_path: Path) -> Wor
     models = [native_model, f"{native_model}:ckpt-step-2", f"ft:tiny:alice:alicep:{oa_job.json()['id']}"]
     ids = {"job_id": [job_id, oa_job.json()["id"], *evals.pop("eval_job_id")], "file_id": [train, valid, oa_file.json()["id"], *results],
            "export_id": [export_id], "step": ["2"], "name": ["team-p"], "user": ["alice"], "model": models, **evals}
-    secrets = [*ids["job_id"], *ids["file_id"], export_id, *evals["eval_id"], *evals["run_id"], "alice-p-eval", "alice-p-check", "alice", "team-p", SECRET_TEXT, "alice-p-job",
+    secrets = [*ids["job_id"], *ids["file_id"], export_id, *evals["eval_id"], *evals["run_id"], "alice-p-eval",
+               "alice-p-check", "alice", "team-p", SECRET_TEXT, "alice-p-job",
                "alice-p-train", "alice-p-valid", "alice-p-openai", "alicep"]
     return Work(ids, secrets)
 

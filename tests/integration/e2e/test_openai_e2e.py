@@ -6,7 +6,10 @@ metrics CSV as a result file), a failed job's ``error``, pause and resume (the j
 from its checkpoint with no gap in its steps) then cancel of the running job, a DPO job to ``succeeded`` with its reward metrics,
 bad files and bodies answered in OpenAI's error shape, ``models.list``/``retrieve`` naming the
 tuned jobs, and a ``method: reinforcement`` job (a prompts file, a ``string_check`` grader) to
-``succeeded`` with each step's reward fields in its events. One stack for the module.
+``succeeded`` with each step's reward fields in its events. Evals: ``evals.create`` with a
+``string_check`` and a ``python`` grader, runs on the base and on the first test's tuned model
+(a job of kind ``eval`` each: ~6 s of CPU apiece for the trainer's start), hand-checked counts and
+output items, and bad evals and runs answered naming the field or the line. One stack for the module.
 
 What the reinforcement test does not assert: that the reward rises. OpenAI's route trains LoRA
 (ftq's defaults, docs/openai.md: no request field asks for full fine-tuning), and a LoRA on the
@@ -330,7 +333,8 @@ def test_an_eval_runs_on_the_base_and_on_the_tuned_model_with_hand_checked_score
         assert [o.status for o in items_out] == ["pass", "fail", "pass"]
         assert [[(r.name, r.score, r.passed) for r in o.results] for o in items_out][1] == [
             ("not the marker", 1.0, True), ("answer is yes", 0.0, False)]
-        assert items_out[0].sample.input[0].content == "Is water wet?" and items_out[0].sample.usage.completion_tokens <= 3
+        assert items_out[0].sample.input[0].content == "Is water wet?"
+        assert items_out[0].sample.usage.completion_tokens <= 3
         one = client.evals.runs.output_items.retrieve(items_out[2].id, eval_id=ev.id, run_id=run.id)
         assert one.datasource_item_id == 2
         failed = list(client.evals.runs.output_items.list(run.id, eval_id=ev.id, status="fail"))

@@ -34,7 +34,8 @@ class TestSchema:
 
     def test_check_items_names_the_line(self):
         with pytest.raises(InvalidDataset) as caught:
-            check_items([{"question": "q", "answer": "a"}, {"question": "q", "answer": 1}], SCHEMA, "data_source.source.id")
+            check_items([{"question": "q", "answer": "a"}, {"question": "q", "answer": 1}], SCHEMA,
+                        "data_source.source.id")
         assert caught.value.line == 2 and caught.value.param == "data_source.source.id"
         assert str(caught.value).startswith("data_source.source.id: line 2: item.answer: expected string or null")
 

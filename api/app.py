@@ -30,6 +30,7 @@ from api.files.tokenizer_pool import TokenizerPool
 from api.inputs import BoundedJsonBodies, check_request_text
 from api.jobs.completions import router as completions_router
 from api.jobs.routes import router as jobs_router
+from api.evals.routes import jobs_router as job_evals_router
 from api.evals.routes import router as evals_router
 from api.projects.routes import router as projects_router
 from api.queue.routes import router as queue_router
@@ -115,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(users_router)
     app.include_router(projects_router)
     app.include_router(evals_router, prefix="/v1")
+    app.include_router(job_evals_router)
     app.include_router(workers_router)
     app.include_router(web_router)
     app.mount(OPENAI_PREFIX, create_openai_app())  # the official openai client's API (api/openai)

@@ -19,11 +19,13 @@ from api.auth import CallerDep
 from api.deps import SessionDep, StateDep
 from api.jobs.submit import ApiPorts
 from core.errors import InvalidInput
-from core.evals import runs, service, views
+from core.evals import after_training, runs, service, views
 from core.jobs.models import Job
+from core.jobs.service import get_job
 from core.jobs.submit import Origin, submit
 
 router = APIRouter(prefix="/evals", tags=["evals"])
+jobs_router = APIRouter(prefix="/v1/jobs", tags=["evals"])
 _RUN_PARAMS = {"model": "data_source.model", "prompts_file": "data_source.source",
                "sampling.max_tokens": "data_source.sampling_params.max_completion_tokens"}
 """A refused job's fields as the run's request names them."""
@@ -140,3 +142,11 @@ def retrieve_output_item(eval_id: str, run_id: str, output_item_id: str, session
                          caller: CallerDep) -> dict[str, Any]:
     run, job = runs.get_run(session, eval_id, run_id, reader=caller)
     return views.one_output_item(run, job, output_item_id)
+
+
+@jobs_router.get("/{job_id}/evals", summary="A training job's evals: base vs tuned, per criterion and per item")
+def job_evals(job_id: str, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+    """Per eval the job's spec names (``evals``): its runs on the base and on the tuned model (null
+    until they exist: they start when the job succeeds), each criterion's pass rate on both and
+    the difference, and the items side by side (``changed``: base and tuned statuses differ)."""
+    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller), caller)}

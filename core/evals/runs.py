@@ -76,6 +76,25 @@ def prepare(session: Session, caller: Caller, eval_id: str, body: dict[str, Any]
         NotFound: the eval, the file or an ``ft:`` model the caller may not read.
         InvalidInput: the first bad field or line (``InvalidDataset`` with ``line``).
     """
+    ev, source, model, records = check(session, caller, eval_id, body, settings=settings)
+    run_id = new_eval_id("evalrun")
+    metadata = check_metadata(body.get("metadata"))
+    name = body.get("name") or f"{source['model']} on {ev.name}"
+    sampling = _sampling(source.get("sampling_params"))
+    project = session.get(Project, ev.project_id) if ev.project_id else None
+    spec = _spec(name=str(name)[:200], model=model, prompts_file=new_id("file"), sampling=sampling, eval_id=eval_id,
+                 run_id=run_id, testing_criteria=ev.testing_criteria, project=project.name if project else None)
+    prompts = _store_prompts(session, records, spec.prompts_file, run_id, caller, ev.project_id, settings)
+    recorded = {**source, "model": source.get("model")}
+    if recorded["source"].get("type") == "file_content":
+        recorded["source"] = {"type": "file_content", "content": recorded["source"]["content"][:0],
+                              "stored_as": prompts.file_id}
+    return Prepared(run_id, spec, prompts, recorded, str(name)[:200], metadata, source["model"])
+
+
+def check(session: Session, caller: Caller, eval_id: str, body: dict[str, Any], *,
+          settings: Settings) -> tuple[Eval, dict[str, Any], str, list[dict[str, Any]]]:
+    """Steps 1-3: ``(eval, data_source, the job's model, the prompts records)``; stores nothing."""
     ev = get_eval(session, eval_id, reader=caller)
     source = body.get("data_source")
     if not isinstance(source, dict) or source.get("type") != "completions":
@@ -90,19 +109,8 @@ def prepare(session: Session, caller: Caller, eval_id: str, body: dict[str, Any]
     template = _template(source.get("input_messages"))
     records = eval_items.render_prompts(template, items, template_param="data_source.input_messages.template",
                                         items_param=param)
-    run_id = new_eval_id("evalrun")
-    metadata = check_metadata(body.get("metadata"))
-    name = body.get("name") or f"{model} on {ev.name}"
-    sampling = _sampling(source.get("sampling_params"))
-    project = session.get(Project, ev.project_id) if ev.project_id else None
-    spec = _spec(name=str(name)[:200], model=model, prompts_file=new_id("file"), sampling=sampling, eval_id=eval_id,
-                 run_id=run_id, testing_criteria=ev.testing_criteria, project=project.name if project else None)
-    prompts = _store_prompts(session, records, spec.prompts_file, run_id, caller, ev.project_id, settings)
-    recorded = {**source, "model": source.get("model")}
-    if recorded["source"].get("type") == "file_content":
-        recorded["source"] = {"type": "file_content", "content": recorded["source"]["content"][:0],
-                              "stored_as": prompts.file_id}
-    return Prepared(run_id, spec, prompts, recorded, str(name)[:200], metadata, source["model"])
+    _sampling(source.get("sampling_params"))
+    return ev, source, model, records
 
 
 def attach_run(prepared: Prepared, caller: Caller) -> Any:

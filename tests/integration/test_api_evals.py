@@ -148,3 +148,63 @@ class TestRefusals:
         assert counts(store) == before
         assert client.get("/v1/evals/eval_missing").status_code == 404
         assert client.post("/v1/evals/eval_missing/runs", json=run_body([{"item": ITEMS[0]}])).status_code == 404
+
+
+def train_file(client: TestClient) -> str:
+    record = {"messages": [{"role": "user", "content": "Say one"}, {"role": "assistant", "content": "1"}]}
+    uploaded = client.post("/v1/files", files={"file": ("t.jsonl", (json.dumps(record) + "\n") * 20)},
+                           data={"purpose": "train"})
+    assert uploaded.status_code == 201, uploaded.text
+    return uploaded.json()["id"]
+
+
+class TestJobEvals:
+    """A training job names evals: checked at submission, run on base and tuned once it succeeded
+    (the worker's ``start_job_evals`` calls ``start_runs`` so), compared at ``/v1/jobs/{id}/evals``."""
+
+    def test_a_job_runs_its_evals_on_base_and_tuned_and_compares_them(self, client: TestClient, store, settings,
+                                                                        ev) -> None:
+        from core.evals.after_training import start_runs
+        from core.jobs import artifact_store
+        from core.jobs.submit import Origin, record
+        from tests.integration.helpers import finish
+
+        data_source = run_body([{"item": i} for i in ITEMS])["data_source"]
+        data_source.pop("model")
+        body = {"model": "tiny", "training_file": train_file(client), "hyperparameters": {"max_steps": 1}}
+        before = counts(store)
+        for change, param in (({"eval_id": "eval_missing"}, "evals[0].eval_id"),
+                              ({"data_source": {**data_source, "source": {"type": "file_content", "content": [
+                                  {"item": {"q": "x"}}]}}}, "evals[0].data_source.source.content")):
+            refused = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source,
+                                                                        **change}]})
+            assert refused.status_code == 422 and refused.json()["error"]["param"] == param, refused.text
+        assert counts(store) == before
+        job = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source}]})
+        assert job.status_code == 201, job.text
+        job_id = job.json()["id"]
+        assert client.get(f"/v1/jobs/{job_id}/evals").json()["data"][0]["base"] is None  # not before it succeeds
+
+        finish(store, job_id)
+        artifact_store.final_store_dir(settings, job_id, "lora").mkdir(parents=True)
+
+        def submit_run(session, spec, owner, attach):
+            return record(session, spec, owner, Origin(attach=attach), settings=settings, preflight=None)[0]
+
+        started = start_runs(store.sessions, job_id, settings=settings, record=submit_run)
+        assert len(started) == 2
+        runs = client.get(f"/v1/evals/{ev['id']}/runs").json()["data"]
+        assert [(r["model"], r["metadata"]["ftq_side"]) for r in runs] == [("tiny", "base"), (f"job:{job_id}", "tuned")]
+        with store.sessions() as session:
+            dirs = {r["metadata"]["ftq_side"]: Path(session.get(Job, r["job_id"]).output_dir) for r in runs}
+        for side, texts in (("base", "1x3"), ("tuned", "123")):
+            (dirs[side] / "completions.parts").mkdir(parents=True)
+            (dirs[side] / "completions.parts" / "rank-0.jsonl").write_text(
+                "".join(json.dumps(graded(i, t)) + "\n" for i, t in enumerate(texts)))
+        [compared] = client.get(f"/v1/jobs/{job_id}/evals").json()["data"]
+        [exact] = compared["criteria"]
+        assert exact["base"] == pytest.approx(2 / 3) and exact["tuned"] == 1.0
+        assert exact["difference"] == pytest.approx(1 / 3)
+        assert compared["tuned"]["result_counts"]["passed"] == 3 and compared["base"]["result_counts"]["passed"] == 2
+        assert [(row["index"], row["changed"]) for row in compared["items"]] == [(0, False), (1, True), (2, False)]
+        assert (compared["items"][1]["base"]["output"], compared["items"][1]["tuned"]["output"]) == ("x", "2")

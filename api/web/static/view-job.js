@@ -16,6 +16,7 @@
 
 import { api, eventsUrl, mayAct } from "./api.js";
 import { exportsSection } from "./view-job-exports.js";
+import { evalsSection } from "./view-job-evals.js";
 import { generationSection } from "./view-job-generation.js";
 import { jobResults } from "./view-job-results.js";
 import { jobErrorBox, rerunActions } from "./view-job-reruns.js";
@@ -158,6 +159,7 @@ export function renderJob(main, [jobId]) {
   const exportsSlot = h("div"); // filled once the job has succeeded (view-job-exports.js)
   const generation = generationSection(id, signal, () => window.location.reload()); // a generation job's progress and completions
   generation.element.hidden = true;
+  const evals = evalsSection(id, signal); // a training job's evals, base vs tuned (view-job-evals.js)
   const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
   const spec = h("pre", { class: "spec", "data-testid": "job-spec" });
   const problem = h("div");
@@ -174,6 +176,7 @@ export function renderJob(main, [jobId]) {
     summary,
     generation.element,
     results.element,
+    evals.element,
     ranks,
     chartSection,
     h("section", { "aria-labelledby": "plan-h", "data-training": "" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
@@ -225,6 +228,7 @@ export function renderJob(main, [jobId]) {
     if (job.plan) renderPlan(job.plan);
     renderActions();
     renderProgress();
+    if (!GENERATING.has(job.kind)) evals.update(job);
     if (GENERATING.has(job.kind)) { // no steps, plan or checkpoints: prompts, tokens/s and completions
       generation.element.hidden = false;
       for (const el of [progress, summary, chartSection, ...main.querySelectorAll("[data-training]")]) el.hidden = true;

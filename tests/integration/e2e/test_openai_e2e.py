@@ -380,3 +380,32 @@ def test_bad_evals_and_runs_answer_openai_errors_naming_the_field_or_line(client
         {"type": "file_content", "content": content[:1]}, "tiny-llama")), openai.NotFoundError)
     assert list(client.evals.runs.list(ev.id)) == [], "no refused run was stored"
     client.evals.delete(ev.id)
+
+
+def test_a_job_that_names_an_eval_runs_it_on_base_and_tuned_once_it_succeeded(client, oa_stack, train_file):
+    """The worker's side of a spec's ``evals``: after ``succeeded`` it queues a base and a tuned run,
+    which the same worker runs; ``/v1/jobs/{id}/evals`` compares them (the criteria score the item
+    here, so both sides are hand-checkable: 3/3 and 2/3, no item changed)."""
+    schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}}}
+    ev = client.evals.create(name="after training", testing_criteria=EVAL_CRITERIA,
+                             data_source_config={"type": "custom", "item_schema": schema})
+    data_source = _eval_source({"type": "file_content", "content": [{"item": item} for item in EVAL_ITEMS]}, "")
+    data_source.pop("model")
+    with oa_stack.client() as native:
+        job = native.post("/v1/jobs", json={"model": "tiny-llama", "training_file": train_file, "name": "with evals",
+                                            "hyperparameters": {"max_steps": 1},
+                                            "evals": [{"eval_id": ev.id, "data_source": data_source}]})
+        assert job.status_code == 201, job.text
+        assert wait(client, job.json()["id"], FINISHED, oa_stack).status == "succeeded"
+        deadline = time.monotonic() + 120
+        while True:
+            [compared] = native.get(f"/v1/jobs/{job.json()['id']}/evals").json()["data"]
+            sides = [compared[s] and compared[s]["status"] for s in ("base", "tuned")]
+            if sides == ["completed", "completed"]:
+                break
+            assert time.monotonic() < deadline and "failed" not in sides, f"{sides}\n{oa_stack.log_tail()}"
+            time.sleep(0.5)
+    assert [(c["name"], c["base"], c["tuned"], c["difference"]) for c in compared["criteria"]] == [
+        ("not the marker", 1.0, 1.0, 0.0), ("answer is yes", pytest.approx(2 / 3), pytest.approx(2 / 3), 0.0)]
+    assert [row["changed"] for row in compared["items"]] == [False, False, False]
+    assert compared["tuned"]["model"] == f"job:{job.json()['id']}" and compared["base"]["model"] == "tiny-llama"

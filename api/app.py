@@ -30,6 +30,8 @@ from api.files.tokenizer_pool import TokenizerPool
 from api.inputs import BoundedJsonBodies, check_request_text
 from api.jobs.completions import router as completions_router
 from api.jobs.routes import router as jobs_router
+from api.evals.routes import jobs_router as job_evals_router
+from api.evals.routes import router as evals_router
 from api.projects.routes import router as projects_router
 from api.queue.routes import router as queue_router
 from api.models.routes import router as models_router
@@ -114,6 +116,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models_router)
     app.include_router(users_router)
     app.include_router(projects_router)
+    app.include_router(evals_router, prefix="/v1")
+    app.include_router(job_evals_router)
     app.include_router(workers_router)
     app.include_router(sessions_router)
     app.include_router(web_router)

@@ -55,6 +55,7 @@ _FILE_TAIL = r"(?: \(purpose=[^)\s]+\))? and use (?:its|the returned) id(?: \(fi
 
 ROUTES: tuple[RouteHint, ...] = (
     RouteHint("GET /v1/jobs", "jobs"),
+    RouteHint("GET /v1/evals", "eval list"),
     RouteHint("POST /v1/jobs", "submit JOB.yaml"),
     RouteHint("GET /v1/jobs/{id}", "show {id}"),
     RouteHint("GET /v1/jobs/{id}/checkpoints", "show {id}"),

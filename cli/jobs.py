@@ -172,7 +172,7 @@ def format_jobs(jobs: list[dict[str, Any]], now: dt.datetime | None = None) -> s
     rows = [("ID", "NAME", "STATUS", "STEP", "LOSS", "BEST", "TIME", "GPUS", "OWNER", "MODEL", "CREATED")]
     for job in jobs:
         progress = job["progress"]
-        step = f"{progress['step']}/{progress['total_steps'] or '?'}" if job.get("kind") != "generate" else (
+        step = f"{progress['step']}/{progress['total_steps'] or '?'}" if job.get("kind") not in ("generate", "eval") else (
             prompts_cell(job, "p"))
         final, best = loss_cells(job)
         rows.append((job["id"], _clip(job.get("name") or "-", 24), job["status"], step, final, best,

@@ -14,6 +14,8 @@
     ftq chat MODEL [-m MESSAGE] [--system TEXT] [--max-tokens N ...]
                            talk to a base or a tuned model (a REPL, or one turn with -m)
     ftq sessions [--all] | sessions end ID
+    ftq eval create EVAL.json | list | show EVAL | run EVAL MODEL ITEMS.jsonl --template 'user:{{item.q}}'
+             | results EVAL RUN [--items] | cancel EVAL RUN | delete EVAL [RUN]
     ftq machines           the machines running workers: live or lost, their GPUs and the jobs on them
     ftq models [pull ORG/NAME [--revision REV]]
                            the box's models and whether they fit its GPUs; pull one from the hub
@@ -39,7 +41,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import chat, db, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
+from cli import chat, db, evals, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     exports.add_parsers(commands)
     generate.add_parsers(commands)
     chat.add_parsers(commands)
+    evals.add_parsers(commands)
     runs.add_parsers(commands)
     machines.add_parsers(commands)
     models.add_parsers(commands)

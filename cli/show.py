@@ -45,7 +45,7 @@ def show(client: httpx.Client, job_id: str, *, raw: bool = False) -> str:
 def format_job(job: dict[str, Any], steps: list[dict[str, Any]], checkpoints: list[dict[str, Any]],
                exports: list[dict[str, Any]]) -> str:
     """The summary of ``job`` given its last ``steps`` (metric rows), ``checkpoints`` and ``exports``."""
-    if job.get("kind") == "generate":
+    if job.get("kind") in ("generate", "eval"):
         from cli.generate import format_generation_job
 
         return format_generation_job(job)

@@ -1,6 +1,7 @@
 """Every store model, imported in one place so Alembic sees the whole metadata."""
 
 from core.db import Base
+from core.evals.models import Eval, EvalRun
 from core.exports.models import Export
 from core.files.models import File
 from core.jobs.models import Checkpoint, Job, JobEvent, JobNode, StepMetric
@@ -12,4 +13,4 @@ from core.workers.models import GpuSlot, Worker, WorkerKey
 
 metadata = Base.metadata
 
-__all__ = ["ApiKey", "Base", "Checkpoint", "Export", "File", "GpuSlot", "Job", "JobEvent", "JobNode", "OpenAIJob", "Project", "ProjectMember", "SessionMessage", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]
+__all__ = ["ApiKey", "Base", "Checkpoint", "Eval", "EvalRun", "Export", "File", "GpuSlot", "Job", "JobEvent", "JobNode", "OpenAIJob", "Project", "ProjectMember", "SessionMessage", "StepMetric", "User", "Worker", "WorkerKey", "metadata"]

@@ -1,4 +1,4 @@
-"""``python -m trainer``: ``run JOB.json`` | ``generate JOB.json`` | ``serve SESSION.json`` (``trainer.generate.cli``) | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
+"""``python -m trainer``: ``run JOB.json`` | ``generate JOB.json`` | ``serve SESSION.json`` (``trainer.generate.cli``) | ``eval JOB.json`` (``trainer.evals.cli``) | ``detect [--json] [--job JOB.json] [--measure-peak]`` | ``make-tiny-model DIR``
 | ``export JOB.json --format merged|gguf --out DIR`` (``trainer.export.cli``).
 
 ``run`` writes one JSON event per line to stdout (library prints are sent to stderr so the event
@@ -14,6 +14,7 @@ import os
 import sys
 
 from trainer.export import cli as export_cli
+from trainer.evals import cli as eval_cli
 from trainer.generate import cli as generate_cli
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.events import Emitter
@@ -22,9 +23,7 @@ from trainer.events import Emitter
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser(
-        "run", help="train as a job.json says, emitting JSON-lines events"
-    )
+    p_run = sub.add_parser("run", help="train as a job.json says, emitting JSON-lines events")
     p_run.add_argument("job", help="path to job.json (trainer.config.TrainConfig)")
     p_detect = sub.add_parser(
         "detect", help="print the detected hardware and the optimization plan"
@@ -52,13 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
-    export_cli.add_parser(sub)
-    generate_cli.add_parser(sub)  # generate and serve
+    clis = {"export": export_cli, "generate": generate_cli, "eval": eval_cli}
+    for cli in clis.values():
+        cli.add_parser(sub)  # generate_cli adds both generate and serve
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args.job)
-    if args.command in ("export", "generate", "serve"):
-        return {"export": export_cli.main, "generate": generate_cli.main, "serve": generate_cli.serve_main}[args.command](args)
+    if args.command == "serve":
+        return generate_cli.serve_main(args)
+    if args.command in clis:
+        return clis[args.command].main(args)
     if args.command == "detect":
         from trainer.errors import TrainerError
 

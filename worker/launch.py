@@ -94,8 +94,10 @@ def torchrun_argv(
 
 
 def subcommand(job_json: Path) -> str:
-    """``generate`` for a generation job's job.json, ``serve`` for a chat session's, else ``run``; a
-    file that is not there or not JSON is the trainer's to refuse (``run``, which ends with a config_error)."""
+    """``generate`` for a generation job's job.json, ``serve`` for a chat session's, ``eval`` for an eval
+    run's, else ``run``; a file that is not there or not JSON is the trainer's to refuse (``run``, which
+    ends with a config_error)."""
+    from trainer.evals.config import is_eval_job
     from trainer.generate.job_config import is_generate_job
     from trainer.generate.session_config import is_session_job
 
@@ -103,9 +105,11 @@ def subcommand(job_json: Path) -> str:
         raw = json.loads(job_json.read_text())
     except (OSError, ValueError):
         return "run"
-    if isinstance(raw, dict) and is_session_job(raw):
+    if not isinstance(raw, dict):
+        return "run"
+    if is_session_job(raw):
         return "serve"
-    return "generate" if isinstance(raw, dict) and is_generate_job(raw) else "run"
+    return "generate" if is_generate_job(raw) else "eval" if is_eval_job(raw) else "run"
 
 
 def torchrun_entry(trainer_argv: tuple[str, ...]) -> list[str]:

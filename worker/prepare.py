@@ -44,7 +44,7 @@ def build_config(runtime: Runtime, session: Session, job: Job,
         Exception: whatever the builder raises (the spec no longer translates, a dataset
             download failed); the caller turns it into the job's outcome.
     """
-    if job.kind == "generate":  # a batch generation job: trainer.generate.job_config.GenerateConfig
+    if job.kind in ("generate", "eval"):  # trainer.generate.job_config.GenerateConfig, an eval's EvalConfig
         from core.jobs.generation import build_generate_config
 
         return build_generate_config(session, job, settings=runtime.settings, output_dir=str(output_dir))

@@ -265,6 +265,8 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
         (event,) = append_events(session, job_id, [state_event(target, **detail)])
         seq = event.seq
     runtime.publish(job_id, seq)
+    if target is JobStatus.succeeded:
+        start_job_evals(runtime, job_id)
     # Wake the host each startable job is placed on: a requeued job of several machines can be
     # claimed only by its leader's host, and a message to any host was dropped by the others
     # (then the job waited for the reaper's re-send, 2 minutes).
@@ -273,6 +275,24 @@ def finish_job(runtime: Runtime, claim: Claim, outcome: Outcome, done: dict[str,
         runtime.enqueue(job_id)  # not placeable now (or the signal failed): any host, as before
     log.info("job %s → %s%s", job_id, target.value, f" ({outcome.error_code})" if outcome.error_code else "")
     return target.value
+
+
+def start_job_evals(runtime: Runtime, job_id: str) -> None:
+    """Queue the eval runs a succeeded training job names (``core.evals.after_training``); the
+    wake-up after it sends them to a host. Best effort: a failure is logged, the job stays succeeded."""
+    from core.evals.after_training import start_runs
+    from core.jobs.submit import Origin, record
+
+    def submit_run(session: Any, spec: Any, owner: Any, attach: Any) -> Any:
+        return record(session, spec, owner, Origin(attach=attach), settings=runtime.settings, preflight=None)[0]
+
+    try:
+        started = start_runs(runtime.sessionmaker, job_id, settings=runtime.settings, record=submit_run)
+    except Exception as exc:  # noqa: BLE001 - the training job's outcome is stored already
+        log.warning("job %s: could not start its evals: %s", job_id, exc)
+        return
+    if started:
+        log.info("job %s: eval runs queued as jobs %s", job_id, ", ".join(started))
 
 
 def signal_waiting(runtime: Runtime) -> list[str]:

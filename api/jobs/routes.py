@@ -49,6 +49,7 @@ from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, eta, rerun, service
 from core.jobs.models import Job
+from core.jobs.eval_spec import EvalJobSpec
 from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
@@ -225,8 +226,8 @@ async def resume_job(job_id: str, state: StateDep, caller: CallerDep, body: Resu
     def resumed() -> tuple[JobSpec | GenerateSpec, Origin]:
         with state.sessions() as session:
             source = service.get_job(session, job_id, reader=caller)
-            if source.kind == "generate":  # the same job again: its trainer continues at the first undone prompt
-                spec = GenerateSpec.model_validate(source.spec)
+            if source.kind in ("generate", "eval"):  # the same job again: it continues at the first undone prompt
+                spec = (EvalJobSpec if source.kind == "eval" else GenerateSpec).model_validate(source.spec)
                 return rerun.in_project_of(spec, source), Origin(requeue=job_id)
             checkpoint = rerun.pick_checkpoint(session, source, body.step if body else None, settings=state.settings)
             return rerun.in_project_of(rerun.resumed_spec(source), source), Origin(resume_from=checkpoint)

@@ -15,6 +15,7 @@ from api.auth import authenticate, authenticate_openai
 from api.docs_ui import add_docs_pages
 from api.inputs import check_request_text
 from api.openai.chat import router as chat_router
+from api.evals.routes import router as evals_router
 from api.openai.errors import add_openai_exception_handlers
 from api.openai.files import router as files_router
 from api.openai.graders import router as graders_router
@@ -41,4 +42,5 @@ def create_openai_app() -> FastAPI:
     app.include_router(graders_router)
     app.include_router(models_router)
     app.include_router(chat_router)
+    app.include_router(evals_router)
     return app

@@ -34,6 +34,7 @@ from core.users.service import Caller
 
 router = APIRouter(prefix="/files", tags=["openai files"])
 PURPOSE = "fine-tune"
+EVALS = "evals"
 
 
 @router.post("", summary="files.create: upload a fine-tuning JSONL (purpose fine-tune)")
@@ -43,16 +44,17 @@ async def create_file(request: Request, state: StateDep, caller: CallerDep) -> F
     with sink:
         form = await receive_upload(request, sink)
         purpose = form.fields.get("purpose")
-        if purpose != PURPOSE:
+        if purpose not in (PURPOSE, EVALS):
             raise InvalidInput(
                 f"purpose: {purpose!r} is not supported here; ftq's OpenAI-compatible API takes "
-                f"purpose='{PURPOSE}' (training and validation files alike)",
+                f"purpose='{PURPOSE}' (training and validation files alike) or '{EVALS}' (an eval run's items)",
                 param="purpose",
             )
 
         def store() -> FileObject:
             with state.sessions() as session:
-                row = service.store_upload(session, sink, filename=form.filename or "", purpose="train",
+                row = service.store_upload(session, sink, filename=form.filename or "",
+                                           purpose="evals" if purpose == EVALS else "train",
                                            files_dir=settings.files_dir, owner_id=caller.user_id,
                                            layout=form.fields.get("format") or "auto",
                                            project_id=access.project_for_create(session, caller, None),

@@ -172,7 +172,7 @@ def file_object(row: File) -> FileObject:
         bytes=row.bytes,
         created_at=_unix(row.created_at),
         filename=row.filename,
-        purpose="fine-tune",
+        purpose="evals" if row.purpose == "evals" else "fine-tune",
     )
 
 

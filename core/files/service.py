@@ -32,9 +32,10 @@ from core.paging import page_newest_first, split_page
 from core.users.access import readable_by
 from core.users.service import Caller
 
-Purpose = Literal["train", "validation", "generate"]
-PURPOSES = ("train", "validation", "generate")
-"""``generate``: a generation job's prompts (``trainer.generate.prompts``: chat or text lines)."""
+Purpose = Literal["train", "validation", "generate", "evals"]
+PURPOSES = ("train", "validation", "generate", "evals")
+"""``generate``: a generation job's prompts (``trainer.generate.prompts``: chat or text lines);
+``evals``: an eval run's items (``core.evals.items``: ``{"item": {...}}`` lines)."""
 UPLOAD_LAYOUTS = ("auto", "sharegpt", "alpaca", "prompts")
 """The upload's ``format``: ``auto`` detects ShareGPT / Alpaca; naming one converts or refuses;
 ``prompts``: a GRPO job's training file of prompts (``core.files.validate.validate_prompts``)."""
@@ -124,10 +125,7 @@ def store_upload(
         if layout not in ("auto", "prompts", (same.stats or {}).get("converted_from")):
             check_layout(sink.path, layout)
         return same
-    if prompts:
-        source, converted_from, summary = sink.path, None, validate_prompts(sink.path)
-    else:
-        source, converted_from, summary = _validated_or_prompts(sink.path, layout, or_prompts)
+    source, converted_from, summary = _described(sink.path, purpose, prompts, layout, or_prompts)
     file_id = new_id("file")
     final = files_dir / f"{file_id}.jsonl"
     os.replace(source, final)
@@ -148,6 +146,18 @@ def store_upload(
         created_at=utcnow(),
     )
     return commit_file(session, row)
+
+
+def _described(path: Path, purpose: str, prompts: bool, layout: str,
+               or_prompts: bool) -> tuple[Path, str | None, DatasetSummary]:
+    """``(the file to keep, the layout it was converted from or None, its summary)`` by purpose."""
+    if purpose == "evals":
+        from core.evals.items import summarize_file
+
+        return path, None, DatasetSummary(*summarize_file(path))
+    if prompts:
+        return path, None, validate_prompts(path)
+    return _validated_or_prompts(path, layout, or_prompts)
 
 
 def _validated_or_prompts(path: Path, layout: str, or_prompts: bool) -> tuple[Path, str | None, DatasetSummary]:

@@ -23,7 +23,7 @@ MAX_PREVIEW = 100
 
 
 def _require_generation(job: Job) -> None:
-    if job.kind != "generate":
+    if job.kind not in ("generate", "eval"):
         raise InvalidInput(f"job {job.job_id} is a {job.kind} job; completions belong to generation jobs "
                            "(kind: generate)", param="job_id")
 

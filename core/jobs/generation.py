@@ -27,12 +27,14 @@ from core.errors import InvalidInput
 from core.exports.models import Export
 from core.jobs import artifact_store
 from core.jobs.admission import usable_file
+from core.jobs.eval_spec import EvalJobSpec
 from core.jobs.generate_spec import EXPORT_REF, JOB_REF, GenerateSpec
 from core.jobs.model_source import resolve_model
 from core.jobs.models import Checkpoint, Job
 from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.states import JobStatus
 from core.settings import Settings
+from trainer.evals.config import EvalConfig
 from trainer.generate.job_config import GenerateConfig
 
 PURPOSE = "generate"
@@ -169,11 +171,17 @@ def build_generate_config(session: Session, job: Job, *, settings: Settings, out
         raise InvalidInput("a generation job runs on a worker that shares the API's data directory (its prompts, "
                            "job: weights and completions.jsonl live there); this worker is on another machine. "
                            "Run a worker on the API's machine", param="gpus")
-    spec = GenerateSpec.model_validate(job.spec)
+    spec = (EvalJobSpec if job.kind == "eval" else GenerateSpec).model_validate(job.spec)
     files = paths_for(session, [spec.prompts_file])
     path = files.get(spec.prompts_file)
     if path is None or not Path(path).is_file():
         raise InvalidInput(f"prompts_file {spec.prompts_file} was deleted after the job was submitted; upload it "
                            "again and resubmit", param="prompts_file")
     resolved = resolve(session, spec.model, settings=settings, project_id=job.project_id)
-    return to_generate_config(spec, resolved, job_id=job.job_id, prompts_path=path, output_dir=output_dir)
+    config = to_generate_config(spec, resolved, job_id=job.job_id, prompts_path=path, output_dir=output_dir)
+    if isinstance(spec, EvalJobSpec):  # an eval run: the same generation, each line graded (trainer.evals)
+        sandbox = {"cpu_s": settings.grader_cpu_s, "wall_s": settings.grader_wall_s,
+                   "memory_bytes": settings.grader_memory_mib << 20}
+        fields = {**config.to_dict(), "kind": "eval", "testing_criteria": spec.testing_criteria, "sandbox": sandbox}
+        return EvalConfig.from_dict(fields)
+    return config

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from core.db import utcnow
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, service
+from core.jobs.eval_spec import is_eval
 from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.models import Checkpoint, Job
 from core.jobs.spec import JobSpec
@@ -58,6 +59,9 @@ def cloned_spec(source_spec: dict[str, Any], overrides: dict[str, Any]) -> JobSp
     """The source's spec with ``overrides`` (a generation job's: a ``GenerateSpec``); raises
     pydantic's ValidationError like a submission."""
     base = dict(source_spec)
+    if is_eval(base):  # its run row, prompts and criteria belong to one run: a new run is a new job
+        raise InvalidInput(f"job: an eval run's job is not cloned; create another run of eval {base.get('eval_id')} "
+                           "(evals.runs.create, `ftq eval run`)", param="job_id")
     if is_generate(base):
         return GenerateSpec.model_validate(merge_patch(base, overrides))
     hp_patch = overrides.get("hyperparameters")

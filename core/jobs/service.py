@@ -201,8 +201,8 @@ def _queued_job(spec: AnySpec, job_id: str, *, settings: Settings, owner_id: str
 def _queued_generation(spec: GenerateSpec, job_id: str, *, settings: Settings, owner_id: str | None,
                        project_id: str | None, preflight: dict[str, Any] | None) -> Job:
     now = utcnow()
-    return Job(job_id=job_id, kind="generate", name=spec.name, status=JobStatus.queued.value, model=spec.model,
-               method="generate", spec=spec.to_stored(), training_file_id=spec.prompts_file, priority=spec.priority,
+    return Job(job_id=job_id, kind=spec.kind, name=spec.name, status=JobStatus.queued.value, model=spec.model,
+               method=spec.kind, spec=spec.to_stored(), training_file_id=spec.prompts_file, priority=spec.priority,
                gpus=spec.gpus, nodes=1, owner_id=owner_id, project_id=project_id, progress_step=0,
                output_dir=str(settings.jobs_dir / job_id), preflight=preflight, created_at=now, updated_at=now)
 
@@ -318,7 +318,7 @@ def resume_stopped(session: Session, job_id: str) -> bool:
 
 def resume_refused(job: Job) -> Conflict:
     """Why the paused job ``job`` cannot be queued again now (``resume_stopped`` would move nothing)."""
-    stopped = "cancelled" if job.kind == "generate" else "paused"
+    stopped = "cancelled" if job.kind in ("generate", "eval") else "paused"
     return Conflict(
         f"job {job.job_id} is still stopping ({job.status}); resume it once its status reads '{stopped}'"
         if job.status == JobStatus.running.value else

@@ -265,6 +265,15 @@ def _check_objective(spec: JobSpec) -> None:
             raise ValueError(f"{name} settings apply to objective {name}; set objective to {name} or remove '{name}'")
 
 
+class JobEval(_Strict):
+    """An eval run on the base and on the tuned model once the job has succeeded (docs/evals.md)."""
+
+    eval_id: Annotated[str, Field(min_length=1, max_length=64, description="The eval (eval_...).")]
+    data_source: Annotated[dict[str, Any], Field(
+        description="A run's data_source without its model: type completions, source (file_id or file_content), "
+        "input_messages, sampling_params; checked at submission as a run of the base would be.")]
+
+
 class JobSpec(_Strict):
     """The body of ``POST /v1/jobs``."""
 
@@ -296,6 +305,9 @@ class JobSpec(_Strict):
     ] = "sft"
     dpo: DpoSpec = DpoSpec()
     grpo: GrpoSpec = GrpoSpec()
+    evals: Annotated[list[JobEval], Field(
+        max_length=8, description="Evals run after training, on the base and on the tuned model (a run "
+        "each), compared on the job's page and in its evals.")] = []
     hyperparameters: Hyperparameters = Hyperparameters()
     checkpoint_every: Annotated[
         int, Field(ge=0, le=10_000_000, description="Checkpoint every N steps; 0 keeps only the final one.")

@@ -32,7 +32,9 @@ from sqlalchemy.orm import Session
 
 from core.errors import Conflict
 from core.jobs import rerun, service
+from core.evals.after_training import check_job_evals
 from core.jobs.generate_spec import GenerateSpec
+from core.jobs.spec import JobSpec
 from core.jobs.models import Checkpoint, Job
 from core.jobs.service import AnySpec
 from core.jobs.states import JobStatus
@@ -116,6 +118,8 @@ def record(session: Session, spec: AnySpec, owner: Caller, origin: Origin, *, se
         InvalidInput, Unsupported: whatever ``core.jobs.admission.admit`` refuses.
     """
     access.require_usable_files(session, owner, _files(spec))
+    if isinstance(spec, JobSpec) and spec.evals and origin.requeue is None:
+        check_job_evals(session, owner, spec, settings=settings)
     if origin.requeue is not None:
         job = _requeue(session, spec, origin.requeue, settings=settings)
     else:

@@ -7,7 +7,7 @@ directions switch it off first, as the projects migration does, and check the ke
 The downgrade refuses while a session job exists (its null file would not fit the column).
 
 Revision ID: 7c2d9e4a1f60
-Revises: 9b1e5d7c3a42
+Revises: e4a1c7b9d2f0
 Create Date: 2026-11-27 23:30:00+00:00
 """
 
@@ -21,7 +21,7 @@ from alembic import op
 import core.db
 
 revision: str = '7c2d9e4a1f60'
-down_revision: str | Sequence[str] | None = '9b1e5d7c3a42'
+down_revision: str | Sequence[str] | None = 'e4a1c7b9d2f0'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -48,7 +48,12 @@ EXCLUDED = {
     # Global admins only: 403 for anyone else before the name is looked up, the same for every name.
     "PATCH /v1/projects/{name}",
 }
-BODIES = {("POST", "/v1/jobs/{job_id}/exports"): {"format": "merged"}}
+EVAL_RUN = {"data_source": {"type": "completions", "model": "tiny", "source": {
+    "type": "file_content", "content": [{"item": {"question": SECRET_TEXT}}]}, "input_messages": {
+    "type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}}}
+BODIES = {("POST", "/v1/jobs/{job_id}/exports"): {"format": "merged"},
+          **{("POST", f"{prefix}/evals/{{eval_id}}"): {"name": "renamed"} for prefix in ("/v1", "")},
+          **{("POST", f"{prefix}/evals/{{eval_id}}/runs"): EVAL_RUN for prefix in ("/v1", "")}}
 """A body each route that requires one is sent (a valid one, so the 404 cannot be a 422 for the body)."""
 QUERIES = {"model": "tiny"}
 """Values for required query parameters, by name."""
@@ -110,15 +115,43 @@ def work(client: TestClient, keys: dict[str, str], store, tmp_path: Path) -> Wor
         session.commit()
         export_id = export.export_id
     results = client.get(f"{OPENAI_PREFIX}/fine_tuning/jobs/{oa_job.json()['id']}", headers=alice).json()["result_files"]
+    evals = _alices_eval(client, alice, store)
     native_model = f"ft:tiny:alice:alice-p-job:{job_id}"  # /openai/v1/models: the jobs' and the checkpoint's names
     models = [native_model, f"{native_model}:ckpt-step-2", f"ft:tiny:alice:alicep:{oa_job.json()['id']}"]
     chat = client.post("/v1/sessions", json={"models": ["tiny"], "name": "alice-p-session"}, headers=alice)
     assert chat.status_code == 201, chat.text
-    ids = {"session_id": [chat.json()["id"]], "job_id": [job_id, oa_job.json()["id"]], "file_id": [train, valid, oa_file.json()["id"], *results],
-           "export_id": [export_id], "step": ["2"], "name": ["team-p"], "user": ["alice"], "model": models}
-    secrets = [*ids["job_id"], *ids["file_id"], export_id, "alice", "team-p", SECRET_TEXT, "alice-p-job",
+    ids = {"session_id": [chat.json()["id"]], "job_id": [job_id, oa_job.json()["id"], *evals.pop("eval_job_id")],
+           "file_id": [train, valid, oa_file.json()["id"], *results],
+           "export_id": [export_id], "step": ["2"], "name": ["team-p"], "user": ["alice"], "model": models, **evals}
+    secrets = [*ids["job_id"], *ids["file_id"], export_id, *evals["eval_id"], *evals["run_id"], "alice-p-eval",
+               "alice-p-check", "alice", "team-p", SECRET_TEXT, "alice-p-job",
                "alice-p-train", "alice-p-valid", "alice-p-openai", "alicep", "alice-p-session"]
     return Work(ids, secrets)
+
+
+def _alices_eval(client: TestClient, alice: dict[str, str], store) -> dict[str, list[str]]:
+    """An eval, a run (its job finished by hand) and one graded line written where its job writes them."""
+    from core.jobs.models import Job
+
+    ev = client.post("/v1/evals", json={"name": "alice-p-eval", "data_source_config": {
+        "type": "custom", "item_schema": {"type": "object", "properties": {"question": {"type": "string"}}}},
+        "testing_criteria": [{"type": "string_check", "name": "alice-p-check", "input": "{{sample.output_text}}",
+                              "reference": "{{item.question}}", "operation": "eq"}]}, headers=alice)
+    assert ev.status_code == 200, ev.text
+    run = client.post(f"/v1/evals/{ev.json()['id']}/runs", json=EVAL_RUN, headers=alice)
+    assert run.status_code == 200, run.text
+    with store.sessions() as session:
+        parts = Path(session.get(Job, run.json()["job_id"]).output_dir) / "completions.parts"
+    parts.mkdir(parents=True)
+    line = {"index": 0, "messages": [{"role": "user", "content": SECRET_TEXT}], "item": {"question": SECRET_TEXT},
+            "choices": [{"index": 0, "text": "no", "finish_reason": "stop", "tokens": 1}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1}, "status": "fail",
+            "results": [{"name": "alice-p-check", "type": "string_check", "score": 0.0, "passed": False}]}
+    (parts / "rank-0.jsonl").write_text(json.dumps(line) + "\n")
+    finish(store, run.json()["job_id"])  # a queued job's event stream would follow it forever
+    item = f"outputitem_{run.json()['id'].removeprefix('evalrun_')}_0"
+    return {"eval_id": [ev.json()["id"]], "run_id": [run.json()["id"]], "output_item_id": [item],
+            "eval_job_id": [run.json()["job_id"]]}
 
 
 @dataclass(frozen=True)
@@ -282,7 +315,8 @@ class TestOpenAIProjectHeader:
         alice, bob = bearer(keys["alice"]), bearer(keys["bob"])
         url = f"{OPENAI_PREFIX}/fine_tuning/jobs"
         listed = client.get(url, headers={**alice, "OpenAI-Project": "team-p"}).json()["data"]
-        assert {j["id"] for j in listed} == set(work.ids["job_id"])  # the native job too: one store
+        # the native job too (one store); the eval run's job (the third) is no fine-tuning job
+        assert {j["id"] for j in listed} == set(work.ids["job_id"][:2])
         for who, project in ((bob, "team-p"), (alice, "no-such-project"), (alice, "team-q")):
             refused = client.get(url, headers={**who, "OpenAI-Project": project})
             assert refused.status_code == 404, refused.text

@@ -66,24 +66,33 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    return run_job(args.job, GenerateConfig, "trainer.generate.job:run_generation")
+
+
+def run_job(job: str, config_type: type[GenerateConfig], runner: str) -> int:
+    """Load ``job`` as ``config_type`` and run it with ``runner`` (``module:function``, imported
+    after the config parses: torch loads only for a job that can run); the exit code."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     emit = Emitter(sys.stdout)
     sys.stdout = sys.stderr  # library prints must not interleave with events
     try:
-        config = GenerateConfig.load(args.job)
+        config = config_type.load(job)
     except (OSError, ValueError, TypeError) as exc:
-        return _failed(emit, "config_error", f"{args.job}: {exc}")
+        return _failed(emit, "config_error", f"{job}: {exc}")
     from trainer.model.imports import skip_bitsandbytes
 
     skip_bitsandbytes(quantized=False)  # bases load in bf16/fp32; before anything imports peft
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from trainer.generate.job import run_generation
+    import importlib
+
     from trainer.generate.prompts import PromptError
 
+    module, _, name = runner.partition(":")
+    run = getattr(importlib.import_module(module), name)
     try:
-        status = run_generation(config, emit)
+        status = run(config, emit)
     except PromptError as exc:
         return _failed(emit, "invalid_input", f"prompts_file: {exc}")
     except (ValueError, TypeError) as exc:

@@ -43,8 +43,17 @@ from trainer.parallel.distributed import Comm, World, device_for
 Emit = Callable[..., None]
 
 
-def run_generation(config: GenerateConfig, emit: Emit, world: World | None = None) -> str:
+LineOf = Callable[[PromptRecord, Result], dict[str, Any]]
+"""What a finished prompt writes: ``output_line`` for a generation job; an eval grades it first."""
+
+
+def run_generation(config: GenerateConfig, emit: Emit, world: World | None = None,
+                   line_of: LineOf | None = None) -> str:
     """Run the job on this rank; returns ``succeeded`` or ``cancelled`` (failures raise).
+
+    ``line_of``: each finished prompt's line (default ``output_line``); an eval run
+    (``trainer.evals.run``) passes one that grades the completion, so a line is written (and a
+    resumed run skips its prompt) only once it is graded.
 
     Raises:
         trainer.generate.prompts.PromptError: the prompts file cannot be read.
@@ -56,13 +65,13 @@ def run_generation(config: GenerateConfig, emit: Emit, world: World | None = Non
     comm = Comm(world, device).start()
     try:
         with _stop_on_signals() as stop:
-            return _run(config, emit if world.is_main else _silent, world, device, comm, stop)
+            return _run(config, emit if world.is_main else _silent, world, device, comm, stop, line_of or output_line)
     finally:
         comm.close()
 
 
 def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device, comm: Comm,
-         stop: threading.Event) -> str:
+         stop: threading.Event, line_of: LineOf) -> str:
     params = SamplingParams(**_sampling(config.sampling))
     prompts = read_prompts(config.prompts_file)
     done = outputs.read_lines(config.completions_path, config.parts_dir)
@@ -85,7 +94,7 @@ def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device,
                 return "cancelled"
             chunk = mine[start:start + config.chunk_prompts]
             results = engine.generate([Request(ids[p.index], params) for p in chunk])
-            outputs.append(part, [output_line(p, r) for p, r in zip(chunk, results)])
+            outputs.append(part, [line_of(p, r) for p, r in zip(chunk, results)])
             prompts_done, tokens = progress.update()
             elapsed = max(time.perf_counter() - started, 1e-9)
             emit("progress", stage="generate", prompts_done=prompts_done, prompts_total=len(prompts),

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 KIND = "generate"
 """``kind`` of a generation job.json (a training job.json has none)."""
@@ -54,10 +54,12 @@ class GenerateConfig:
     trust_remote_code: bool = False
     job_id: str | None = None
     kind: str = KIND
+    KIND: ClassVar[str] = KIND
+    """The ``kind`` this class's job.json has (an eval run's: ``trainer.evals.config.EvalConfig``)."""
 
     def __post_init__(self) -> None:
-        if self.kind != KIND:
-            raise ValueError(f"kind: a generation job.json has kind {KIND!r}, got {self.kind!r}")
+        if self.kind != self.KIND:
+            raise ValueError(f"kind: this job.json has kind {self.KIND!r}, got {self.kind!r}")
         unknown = sorted(set(self.sampling) - set(SAMPLING_FIELDS))
         if unknown:
             raise ValueError(f"sampling: unknown field(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_FIELDS)}")

@@ -16,6 +16,7 @@
 
 import { api, eventsUrl, mayAct } from "./api.js";
 import { exportsSection } from "./view-job-exports.js";
+import { evalsSection } from "./view-job-evals.js";
 import { generationSection } from "./view-job-generation.js";
 import { jobResults } from "./view-job-results.js";
 import { jobErrorBox, rerunActions } from "./view-job-reruns.js";
@@ -39,6 +40,9 @@ import {
   poller,
   FINISHED,
 } from "./dom.js";
+
+// Jobs that generate rather than train: a batch generation job and an eval run (docs/evals.md).
+const GENERATING = new Set(["generate", "eval"]);
 
 const MAX_EVENTS = 300;
 const METRICS_PAGE = 1000;
@@ -155,6 +159,7 @@ export function renderJob(main, [jobId]) {
   const exportsSlot = h("div"); // filled once the job has succeeded (view-job-exports.js)
   const generation = generationSection(id, signal, () => window.location.reload()); // a generation job's progress and completions
   generation.element.hidden = true;
+  const evals = evalsSection(id, signal); // a training job's evals, base vs tuned (view-job-evals.js)
   const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
   const spec = h("pre", { class: "spec", "data-testid": "job-spec" });
   const problem = h("div");
@@ -171,6 +176,7 @@ export function renderJob(main, [jobId]) {
     summary,
     generation.element,
     results.element,
+    evals.element,
     ranks,
     chartSection,
     h("section", { "aria-labelledby": "plan-h", "data-training": "" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
@@ -193,7 +199,7 @@ export function renderJob(main, [jobId]) {
       ["Model", h("span", { class: "mono", text: job.model })],
       ["Method", job.spec?.objective === "dpo" ? `${job.method} · DPO (beta ${job.spec.dpo?.beta})` : job.method],
       ["GPUs", h("span", { "data-testid": "job-gpus", "data-gpus": String(job.gpus ?? 1), text: fmtGpus(job) })],
-      [job.kind === "generate" ? "Prompts file" : "Training file", h("span", { class: "mono", text: job.training_file })],
+      [GENERATING.has(job.kind) ? "Prompts file" : "Training file", h("span", { class: "mono", text: job.training_file })],
       ["Worker", job.worker || "–"],
       ["Created", fmtTime(job.created_at)],
       ["Started", fmtTime(job.started_at)],
@@ -222,7 +228,8 @@ export function renderJob(main, [jobId]) {
     if (job.plan) renderPlan(job.plan);
     renderActions();
     renderProgress();
-    if (job.kind === "generate") { // no steps, plan or checkpoints: prompts, tokens/s and completions
+    if (!GENERATING.has(job.kind)) evals.update(job);
+    if (GENERATING.has(job.kind)) { // no steps, plan or checkpoints: prompts, tokens/s and completions
       generation.element.hidden = false;
       for (const el of [progress, summary, chartSection, ...main.querySelectorAll("[data-training]")]) el.hidden = true;
       generation.update(job);
@@ -295,7 +302,7 @@ export function renderJob(main, [jobId]) {
   let reruns = null;
   function renderActions() {
     const nodes = [];
-    if (job.status === "succeeded" && job.kind !== "generate") {
+    if (job.status === "succeeded" && !GENERATING.has(job.kind)) {
       nodes.push(h("a", { class: "button", href: `/v1/jobs/${id}/adapter`, download: "", "data-testid": "download-adapter", text: "Download adapter (.zip)" }));
       nodes.push(h("a", { class: "button secondary", href: `#/playground?job=${id}`, "data-testid": "try-it", text: "Try it" }));
       if (!exportsSlot.firstChild) clear(exportsSlot, exportsSection(id, signal));
@@ -319,11 +326,11 @@ export function renderJob(main, [jobId]) {
       });
       nodes.push(cancelBtn, confirmBox);
     }
-    if (FINISHED.has(job.status) && job.kind !== "generate" && actions.dataset.reruns !== job.status) {
+    if (FINISHED.has(job.status) && !GENERATING.has(job.kind) && actions.dataset.reruns !== job.status) {
       actions.dataset.reruns = job.status; // once per final state: re-rendering would close an open form
       reruns = rerunActions(job, signal);
     }
-    clear(actions, nodes, FINISHED.has(job.status) && job.kind !== "generate" ? reruns : null);
+    clear(actions, nodes, FINISHED.has(job.status) && !GENERATING.has(job.kind) ? reruns : null);
   }
 
   async function doCancel() {
@@ -529,7 +536,7 @@ export function renderJob(main, [jobId]) {
     if (type === "log" && data.level === "warning" && data.source === "tracking") showTrackingWarning(data.message);
     if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
     if (type === "sample") results.addSample(data);
-    if (type === "progress" && job.kind === "generate") generation.update(job, data);
+    if (type === "progress" && GENERATING.has(job.kind)) generation.update(job, data);
     if (type === "plan") {
       job.plan = data;
       if (data.total_steps) job.progress.total_steps = data.total_steps;

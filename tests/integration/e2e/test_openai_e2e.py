@@ -6,7 +6,10 @@ metrics CSV as a result file), a failed job's ``error``, pause and resume (the j
 from its checkpoint with no gap in its steps) then cancel of the running job, a DPO job to ``succeeded`` with its reward metrics,
 bad files and bodies answered in OpenAI's error shape, ``models.list``/``retrieve`` naming the
 tuned jobs, and a ``method: reinforcement`` job (a prompts file, a ``string_check`` grader) to
-``succeeded`` with each step's reward fields in its events. One stack for the module.
+``succeeded`` with each step's reward fields in its events. Evals: ``evals.create`` with a
+``string_check`` and a ``python`` grader, runs on the base and on the first test's tuned model
+(a job of kind ``eval`` each: ~6 s of CPU apiece for the trainer's start), hand-checked counts and
+output items, and bad evals and runs answered naming the field or the line. One stack for the module.
 
 What the reinforcement test does not assert: that the reward rises. OpenAI's route trains LoRA
 (ftq's defaults, docs/openai.md: no request field asks for full fine-tuning), and a LoRA on the
@@ -366,3 +369,141 @@ def test_chat_and_completions_answer_from_a_session_of_the_tuned_model(client, o
             assert time.monotonic() < deadline, oa_stack.log_tail()
             time.sleep(0.2)
         assert ended["status"] == "cancelled", ended
+
+
+EVAL_ITEMS = [{"question": "Is water wet?", "answer": "yes"}, {"question": "Is fire cold?", "answer": "no"},
+              {"question": "Is the sky up?", "answer": "yes"}]
+EVAL_CRITERIA = [
+    # Hand-checkable on any output: no completion equals the reference, so "ne" passes every item.
+    {"type": "string_check", "name": "not the marker", "input": "{{sample.output_text}}",
+     "reference": "{{item.answer}}-never-said", "operation": "ne"},
+    # Scores the item, not the output: the two "yes" items pass, the "no" item fails.
+    {"type": "python", "name": "answer is yes", "pass_threshold": 1.0,
+     "source": "def grade(sample, item):\n    return 1.0 if item['answer'] == 'yes' else 0.0\n"},
+]
+EVAL_TEMPLATE = {"type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}
+
+
+def wait_run(client: openai.OpenAI, eval_id: str, run_id: str, stack: Stack, timeout_s: float = 120) -> Any:
+    deadline = time.monotonic() + timeout_s
+    run = client.evals.runs.retrieve(run_id, eval_id=eval_id)
+    while run.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{run_id} stayed {run.status}\n{stack.log_tail()}"
+        time.sleep(0.3)
+        run = client.evals.runs.retrieve(run_id, eval_id=eval_id)
+    return run
+
+
+def _eval_source(data_source: dict[str, Any], model: str) -> dict[str, Any]:
+    return {"type": "completions", "model": model, "input_messages": EVAL_TEMPLATE, "source": data_source,
+            "sampling_params": {"max_completion_tokens": 3, "temperature": 0, "seed": 1}}
+
+
+def test_an_eval_runs_on_the_base_and_on_the_tuned_model_with_hand_checked_scores(client, oa_stack):
+    tuned = next(j for j in client.fine_tuning.jobs.list()
+                 if j.status == "succeeded" and (j.fine_tuned_model or "").startswith("ft:tiny-llama:e2e:e2e:"))
+    schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+              "required": ["question", "answer"]}
+    ev = client.evals.create(name="yes or no", data_source_config={"type": "custom", "item_schema": schema},
+                             testing_criteria=EVAL_CRITERIA, metadata={"team": "e2e"})
+    assert ev.object == "eval" and ev.data_source_config.schema_["properties"]["item"] == schema
+    assert [c.name for c in ev.testing_criteria] == ["not the marker", "answer is yes"]
+    assert client.evals.retrieve(ev.id).name == "yes or no" and ev.id in [e.id for e in client.evals.list()]
+    assert client.evals.update(ev.id, name="yes/no").name == "yes/no"
+
+    items = "\n".join(json.dumps({"item": item}) for item in EVAL_ITEMS).encode()
+    file_id = client.files.create(file=("items.jsonl", items), purpose="evals").id
+    base = client.evals.runs.create(ev.id, name="base", data_source=_eval_source(
+        {"type": "file_content", "content": [{"item": item} for item in EVAL_ITEMS]}, "tiny-llama"))
+    ft = client.evals.runs.create(ev.id, name="tuned", data_source=_eval_source(
+        {"type": "file_id", "id": file_id}, tuned.fine_tuned_model))
+    assert base.status == "queued" and ft.model == tuned.fine_tuned_model
+    for run in (base, ft):
+        done = wait_run(client, ev.id, run.id, oa_stack)
+        assert done.status == "completed", f"{done}\n{oa_stack.log_tail()}"
+        assert (done.result_counts.total, done.result_counts.passed, done.result_counts.failed,
+                done.result_counts.errored) == (3, 2, 1, 0)
+        per = {r.testing_criteria: (r.passed, r.failed) for r in done.per_testing_criteria_results}
+        assert per == {"not the marker": (3, 0), "answer is yes": (2, 1)}
+        assert done.per_model_usage[0].invocation_count == 3
+        items_out = list(client.evals.runs.output_items.list(run.id, eval_id=ev.id))
+        assert [o.datasource_item for o in items_out] == EVAL_ITEMS
+        assert [o.status for o in items_out] == ["pass", "fail", "pass"]
+        assert [[(r.name, r.score, r.passed) for r in o.results] for o in items_out][1] == [
+            ("not the marker", 1.0, True), ("answer is yes", 0.0, False)]
+        assert items_out[0].sample.input[0].content == "Is water wet?"
+        assert items_out[0].sample.usage.completion_tokens <= 3
+        one = client.evals.runs.output_items.retrieve(items_out[2].id, eval_id=ev.id, run_id=run.id)
+        assert one.datasource_item_id == 2
+        failed = list(client.evals.runs.output_items.list(run.id, eval_id=ev.id, status="fail"))
+        assert [o.datasource_item_id for o in failed] == [1]
+    assert [r.id for r in client.evals.runs.list(ev.id)] == [base.id, ft.id]
+    with oa_stack.client() as native:  # one store: the run is a job of kind eval
+        job = native.get(f"/v1/jobs/{client.evals.runs.retrieve(base.id, eval_id=ev.id).model_extra['job_id']}").json()
+        assert job["kind"] == "eval" and job["status"] == "succeeded"
+    assert client.evals.runs.delete(base.id, eval_id=ev.id).deleted
+    assert client.evals.delete(ev.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.evals.retrieve(ev.id)
+
+
+def test_bad_evals_and_runs_answer_openai_errors_naming_the_field_or_line(client, oa_stack):
+    def refused(call: Any, status: type[openai.APIStatusError]) -> dict[str, Any]:
+        with pytest.raises(status) as caught:
+            call()
+        return caught.value.body
+
+    config = {"type": "custom", "item_schema": {"type": "object", "properties": {"q": {"type": "string"}},
+                                                "required": ["q"]}}
+    body = refused(lambda: client.evals.create(data_source_config=config, testing_criteria=[
+        {"type": "python", "name": "broken", "source": "def grade(sample, item) return 1"}]), openai.BadRequestError)
+    assert body["param"] == "testing_criteria[0].source", body
+    before = {e.id for e in client.evals.list()}
+    ev = client.evals.create(data_source_config=config, testing_criteria=[EVAL_CRITERIA[0]])
+    assert {e.id for e in client.evals.list()} == before | {ev.id}, "the refused eval was not stored"
+    content = [{"item": {"q": "a", "answer": "x"}}, {"item": {"q": 2, "answer": "y"}}]
+    body = refused(lambda: client.evals.runs.create(ev.id, data_source=_eval_source(
+        {"type": "file_content", "content": content}, "tiny-llama")), openai.BadRequestError)
+    assert "line 2" in body["message"] and "item.q" in body["message"], body
+    template = {"type": "template", "template": [{"role": "user", "content": "{{item.missing}}"}]}
+    body = refused(lambda: client.evals.runs.create(ev.id, data_source={**_eval_source(
+        {"type": "file_content", "content": content[:1]}, "tiny-llama"), "input_messages": template}),
+        openai.BadRequestError)
+    assert body["param"] == "data_source.input_messages.template[0].content" and "line 1" in body["message"], body
+    body = refused(lambda: client.evals.runs.create(ev.id, data_source=_eval_source(
+        {"type": "file_content", "content": content[:1]}, "ft:tiny-llama:someone:x:job-0123456789abcdef01234567")),
+        openai.NotFoundError)
+    assert body["param"] == "model", body
+    refused(lambda: client.evals.runs.create("eval_unknown", data_source=_eval_source(
+        {"type": "file_content", "content": content[:1]}, "tiny-llama")), openai.NotFoundError)
+    assert list(client.evals.runs.list(ev.id)) == [], "no refused run was stored"
+    client.evals.delete(ev.id)
+
+
+def test_a_job_that_names_an_eval_runs_it_on_base_and_tuned_once_it_succeeded(client, oa_stack, train_file):
+    """The worker's side of a spec's ``evals``: after ``succeeded`` it queues a base and a tuned run,
+    which the same worker runs; ``/v1/jobs/{id}/evals`` compares them (the criteria score the item
+    here, so both sides are hand-checkable: 3/3 and 2/3, no item changed)."""
+    schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}}}
+    ev = client.evals.create(name="after training", testing_criteria=EVAL_CRITERIA,
+                             data_source_config={"type": "custom", "item_schema": schema})
+    data_source = _eval_source({"type": "file_content", "content": [{"item": item} for item in EVAL_ITEMS]}, "")
+    data_source.pop("model")
+    with oa_stack.client() as native:
+        job = native.post("/v1/jobs", json={"model": "tiny-llama", "training_file": train_file, "name": "with evals",
+                                            "hyperparameters": {"max_steps": 1},
+                                            "evals": [{"eval_id": ev.id, "data_source": data_source}]})
+        assert job.status_code == 201, job.text
+        assert wait(client, job.json()["id"], FINISHED, oa_stack).status == "succeeded"
+        deadline = time.monotonic() + 120
+        while True:
+            [compared] = native.get(f"/v1/jobs/{job.json()['id']}/evals").json()["data"]
+            sides = [compared[s] and compared[s]["status"] for s in ("base", "tuned")]
+            if sides == ["completed", "completed"]:
+                break
+            assert time.monotonic() < deadline and "failed" not in sides, f"{sides}\n{oa_stack.log_tail()}"
+            time.sleep(0.5)
+    assert [(c["name"], c["base"], c["tuned"], c["difference"]) for c in compared["criteria"]] == [
+        ("not the marker", 1.0, 1.0, 0.0), ("answer is yes", pytest.approx(2 / 3), pytest.approx(2 / 3), 0.0)]
+    assert [row["changed"] for row in compared["items"]] == [False, False, False]
+    assert compared["tuned"]["model"] == f"job:{job.json()['id']}" and compared["base"]["model"] == "tiny-llama"

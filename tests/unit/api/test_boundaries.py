@@ -29,7 +29,8 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
     ``MetricOut``'s fields and the charts. ``trainer.generate.job_config``, ``outputs`` and ``prompts``
     are a generation job's job.json, its output files and its prompts file (standard library only).
     ``trainer.graders`` are the graders ``graders.run`` runs (standard library; only
-    ``judge.engine_judge`` imports the sampler, when it is called)."""
+    ``judge.engine_judge`` imports the sampler, when it is called). ``trainer.evals.config`` and
+    ``results`` are an eval run's job.json and its pass rules and totals (standard library)."""
     code = (
         "import sys; from api.app import create_app; create_app(); "
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer')))"
@@ -46,7 +47,8 @@ def test_the_app_uses_only_the_trainers_standard_library_modules() -> None:
                                                    "trainer.graders", "trainer.graders.errors", "trainer.graders.formula",
                                                    "trainer.graders.judge", "trainer.graders.run",
                                                    "trainer.graders.sandbox", "trainer.graders.spec",
-                                                   "trainer.graders.template", "trainer.graders.text"}
+                                                   "trainer.graders.template", "trainer.graders.text",
+                                                   "trainer.evals", "trainer.evals.config", "trainer.evals.results"}
 
 
 def test_sse_event_format() -> None:

@@ -1,0 +1,130 @@
+"""Evals a training job names (``JobSpec.evals``): checked when the job is submitted, run on its
+base and on its tuned model once it has succeeded, and compared.
+
+    submission   ``check_job_evals``: each eval as a run of the base would be checked (the eval
+                 readable by the owner, the items against its schema, the templates), nothing stored
+    success      ``start_runs`` (the worker, after it records ``succeeded``): two runs per eval, one
+                 on the base (``job.model``) and one on ``job:<id>``, their metadata ``ftq_job`` (the
+                 training job) and ``ftq_side`` (``base`` or ``tuned``); a run that cannot start is a
+                 warning in the training job's log, never a change of its status
+    read         ``compare``: per eval, each side's run and results, each criterion's pass rate on
+                 both and the difference, and the items side by side (``changed``: their statuses differ)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.errors import FtqError, InvalidInput
+from core.evals import runs, views
+from core.evals.models import EvalRun
+from core.jobs.models import Job
+from core.jobs.service import append_events
+from core.jobs.spec import JobSpec
+from core.settings import Settings
+from core.users.service import Caller, caller_of, user_by_id
+
+SIDES = ("base", "tuned")
+
+
+def check_job_evals(session: Session, owner: Caller, spec: JobSpec, *, settings: Settings) -> None:
+    """Each of ``spec.evals`` as a run on the base; ``InvalidInput`` naming ``evals[i]...`` otherwise."""
+    for i, job_eval in enumerate(spec.evals):
+        body = {"data_source": {**job_eval.data_source, "model": spec.model}}
+        try:
+            runs.check(session, owner, job_eval.eval_id, body, settings=settings)
+        except FtqError as exc:
+            param = f"evals[{i}].{exc.param or 'eval_id'}".replace(".data_source.data_source", ".data_source")
+            raise InvalidInput(f"evals[{i}]: {exc}", param=param) from None
+
+
+def start_runs(sessions: sessionmaker[Session], job_id: str, *, settings: Settings, record: Any) -> list[str]:
+    """The succeeded job's eval runs, base and tuned, queued; returns their jobs' ids (to wake).
+    ``record(session, spec, owner, attach) -> Job``: ``core.jobs.submit.record`` with an
+    ``Origin(attach=attach)`` (passed in: the submission path imports this module)."""
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        if job is None or job.kind != "train" or not job.spec.get("evals") or job.owner_id is None:
+            return []
+        spec = JobSpec.model_validate(job.spec)
+        owner = caller_of(session, user_by_id(session, job.owner_id))
+    started = []
+    for job_eval in spec.evals:
+        for side, model in zip(SIDES, (spec.model, f"job:{job_id}")):
+            body = {"name": f"{side}: {job.name or job_id}", "metadata": {"ftq_job": job_id, "ftq_side": side},
+                    "data_source": {**job_eval.data_source, "model": model}}
+            with sessions() as session:
+                try:
+                    prepared = runs.prepare(session, owner, job_eval.eval_id, body, settings=settings)
+                except FtqError as exc:
+                    _warn(session, job_id, f"eval {job_eval.eval_id} on the {side} model did not start: {exc}")
+                    continue
+                try:
+                    run_job = record(session, prepared.spec, owner, runs.attach_run(prepared, owner))
+                    session.commit()
+                    started.append(run_job.job_id)
+                except FtqError as exc:
+                    session.rollback()
+                    runs.discard(session, prepared)
+                    _warn(session, job_id, f"eval {job_eval.eval_id} on the {side} model did not start: {exc}")
+    return started
+
+
+def _warn(session: Session, job_id: str, message: str) -> None:
+    append_events(session, job_id, [("log", {"level": "warning", "message": message})])
+    session.commit()
+
+
+def compare(session: Session, job: Job, caller: Caller) -> list[dict[str, Any]]:
+    """Per eval the job names: its base and tuned runs (OpenAI's run objects, None before they
+    exist), each criterion's pass rate on both and the difference, and the items side by side."""
+    out = []
+    for job_eval in job.spec.get("evals") or []:
+        sides = _runs(session, job.job_id, job_eval["eval_id"])
+        objects, lines = {}, {}
+        for side, pair in sides.items():
+            run, run_job = pair
+            lines[side] = views.graded_lines(run_job)
+            objects[side] = views.run_object(run, run_job, run_job.spec["testing_criteria"], lines=lines[side])
+        out.append({"eval_id": job_eval["eval_id"], "base": objects.get("base"), "tuned": objects.get("tuned"),
+                    "criteria": _criteria(objects), "items": _items(lines)})
+    return out
+
+
+def _runs(session: Session, job_id: str, eval_id: str) -> dict[str, tuple[EvalRun, Job]]:
+    found: dict[str, tuple[EvalRun, Job]] = {}
+    rows = session.execute(select(EvalRun, Job).join(Job, Job.job_id == EvalRun.job_id).where(
+        EvalRun.eval_id == eval_id).order_by(EvalRun.created_at))
+    for run, run_job in rows:
+        meta = run.user_metadata or {}
+        if meta.get("ftq_job") == job_id and meta.get("ftq_side") in SIDES:
+            found[meta["ftq_side"]] = (run, run_job)  # the newest of each side
+    return found
+
+
+def _criteria(objects: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rates: dict[str, dict[str, Any]] = {}
+    for side, run in objects.items():
+        for result in run["per_testing_criteria_results"]:
+            rates.setdefault(result["testing_criteria"], {"name": result["testing_criteria"]})[side] = result["pass_rate"]
+    for row in rates.values():
+        base, tuned = row.get("base"), row.get("tuned")
+        row["difference"] = tuned - base if base is not None and tuned is not None else None
+    return list(rates.values())
+
+
+def _items(lines: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    by_index: dict[int, dict[str, Any]] = {}
+    for side, side_lines in lines.items():
+        for line in side_lines:
+            row = by_index.setdefault(line["index"], {"index": line["index"], "item": line.get("item"),
+                                                      "input": line.get("messages")})
+            text = line["choices"][0]["text"] if line.get("choices") else ""
+            row[side] = {"output": text, "status": line["status"],
+                         "scores": {r["name"]: r["score"] for r in line["results"]}}
+    for row in by_index.values():
+        row["changed"] = ("base" in row and "tuned" in row and row["base"]["status"] != row["tuned"]["status"])
+    return [by_index[i] for i in sorted(by_index)]

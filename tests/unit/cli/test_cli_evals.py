@@ -1,0 +1,35 @@
+"""``ftq eval``: the flags become the run's body; a run and an item read as lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.errors import CliError
+from cli.evals import format_item, format_run, run_body, template_of
+from cli.main import build_parser
+
+
+class TestEvalCommand:
+    def test_run_flags_become_the_runs_data_source(self) -> None:
+        args = build_parser().parse_args(["eval", "run", "eval_1", "ft:tiny:me::job-1", "items.jsonl",
+                                          "--template", "system:Be brief.", "--template", "user:{{item.q}}",
+                                          "--max-tokens", "8", "--temperature", "0", "--name", "tuned"])
+        assert run_body(args, "file-1") == {"name": "tuned", "data_source": {
+            "type": "completions", "model": "ft:tiny:me::job-1", "source": {"type": "file_id", "id": "file-1"},
+            "input_messages": {"type": "template", "template": [{"role": "system", "content": "Be brief."},
+                                                                {"role": "user", "content": "{{item.q}}"}]},
+            "sampling_params": {"max_completion_tokens": 8, "temperature": 0.0}}}
+
+    def test_a_template_without_a_known_role_is_refused(self) -> None:
+        with pytest.raises(CliError, match="ROLE:TEXT"):
+            template_of(["{{item.q}}"])
+
+    def test_a_run_and_an_item_print_their_counts_and_scores(self) -> None:
+        run = {"id": "evalrun_1", "status": "completed", "model": "tiny", "result_counts": {
+            "total": 3, "passed": 2, "failed": 1, "errored": 0}, "per_testing_criteria_results": [
+            {"testing_criteria": "exact", "passed": 2, "failed": 1, "mean_score": 2 / 3}]}
+        assert format_run(run) == ("evalrun_1  completed  tiny  passed 2/3 (failed 1, errored 0)\n"
+                                   "    exact: 2 passed, 1 failed, mean score 0.667")
+        item = {"datasource_item_id": 1, "status": "fail", "sample": {"output": [{"content": "no"}]},
+                "results": [{"name": "exact", "score": 0.0, "passed": False}]}
+        assert format_item(item) == '  #1  fail  "no"  exact 0 ✗'

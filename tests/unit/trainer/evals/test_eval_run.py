@@ -1,0 +1,70 @@
+"""``python -m trainer eval``: each item generated, graded and written once; a resumed run
+grades only the items with no line (a spy on the real ``grade_all`` counts the calls)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from trainer.evals import run as eval_run
+from trainer.evals.config import EvalConfig
+from trainer.generate import outputs
+from trainer.parallel.distributed import World
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ONE = World(rank=0, world_size=1, local_rank=0)
+ITEMS = [{"q": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(5)]
+CRITERIA = [{"type": "string_check", "name": "not empty marker", "input": "{{sample.output_text}}",
+             "reference": "{{item.answer}}!!", "operation": "ne"},
+            {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+             "reference": "{{item.answer}}", "operation": "eq"}]
+
+
+def _config(tmp_path: Path, model_dir: Path) -> EvalConfig:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": item["q"]}], "item": item}) + "\n"
+                               for item in ITEMS))
+    return EvalConfig(model=str(model_dir), prompts_file=str(prompts), output_dir=str(tmp_path / "out"),
+                      sampling={"max_tokens": 3, "temperature": 0.0}, slots=2, chunk_prompts=2,
+                      testing_criteria=CRITERIA)
+
+
+def _run(config: EvalConfig, monkeypatch: pytest.MonkeyPatch, stop_after: int | None = None) -> tuple[str, list]:
+    graded: list[str] = []
+    real = eval_run.grade_all
+
+    def spy(criteria, text, item, **kwargs):
+        graded.append(item["answer"])
+        return real(criteria, text, item, **kwargs)
+
+    monkeypatch.setattr(eval_run, "grade_all", spy)
+    progress = []
+
+    def emit(type_: str, **payload: object) -> None:
+        if type_ == "progress":
+            progress.append(payload)
+            if stop_after is not None and len(progress) == stop_after + 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return eval_run.run_eval(config, emit, ONE), graded
+
+
+def test_every_item_is_graded_once_and_a_resumed_run_grades_only_the_rest(tmp_path, tiny_model_dir, monkeypatch):
+    config = _config(tmp_path, tiny_model_dir)
+    status, graded = _run(config, monkeypatch, stop_after=1)
+    assert status == "cancelled" and graded == ["0", "2"]
+    assert sorted(outputs.read_lines(config.completions_path, config.parts_dir)) == [0, 1]
+    status, graded = _run(config, monkeypatch)
+    assert status == "succeeded" and graded == ["4", "6", "8"], "items 0 and 1 are not graded again"
+    lines = [json.loads(x) for x in config.completions_path.read_text().splitlines()]
+    assert [line["item"] for line in lines] == ITEMS
+    for line in lines:
+        text = line["choices"][0]["text"]
+        assert [r["name"] for r in line["results"]] == ["not empty marker", "exact"]
+        assert line["results"][0]["passed"] is True
+        assert line["results"][1]["passed"] is (text == line["item"]["answer"])
+        assert line["status"] == ("pass" if text == line["item"]["answer"] else "fail")

@@ -1,0 +1,40 @@
+"""What ``python -m trainer eval job.json`` reads: an eval run (standard library only, as
+``trainer.generate.job_config``, so the worker builds it without torch).
+
+An eval run is a generation job (``GenerateConfig``: the model, the prompts, sampling, chunks,
+the resumable output) plus the eval's ``testing_criteria``: each prompt's line carries the
+item it was rendered from (``item``), and its completion is graded by every criterion before
+the line is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from trainer.generate.job_config import GenerateConfig
+
+KIND = "eval"
+"""``kind`` of an eval run's job.json."""
+
+
+@dataclass(frozen=True)
+class EvalConfig(GenerateConfig):
+    """One eval run: generate, then grade each completion."""
+
+    testing_criteria: list[dict[str, Any]] = field(default_factory=list)
+    """The eval's graders, as ``trainer.graders.validate`` returned them (with ``pass_threshold``)."""
+    sandbox: dict[str, float] = field(default_factory=dict)
+    """A python grader's limits: ``trainer.graders.SandboxLimits`` fields (the box's settings)."""
+    kind: str = KIND
+    KIND: ClassVar[str] = KIND
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.testing_criteria:
+            raise ValueError("testing_criteria: an eval run needs at least one grader")
+
+
+def is_eval_job(raw: dict[str, Any]) -> bool:
+    """Whether a parsed job.json is an eval run's."""
+    return raw.get("kind") == KIND

@@ -20,7 +20,41 @@ from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.events import Emitter
 
 
+CLIS = {"export": export_cli, "generate": generate_cli, "eval": eval_cli}
+"""Subcommands whose parser and ``main`` live in their package (``generate_cli`` adds ``serve`` too)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args.job)
+    if args.command == "serve":
+        return generate_cli.serve_main(args)
+    if args.command in CLIS:
+        return CLIS[args.command].main(args)
+    if args.command == "detect":
+        from trainer.errors import TrainerError
+
+        try:
+            if args.measure_peak:
+                from trainer.plan.hardware import remeasure_peak
+
+                peak, source = remeasure_peak()
+                rate = f"{peak / 1e12:.0f} TFLOP/s bf16 ({source})" if peak else "could not be measured"
+                print(f"peak: {rate}", file=sys.stderr)
+            return _detect(args.json, args.job, args.device)
+        except (TrainerError, ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    from trainer.model.tiny import make_tiny_model
+
+    print(
+        make_tiny_model(args.dir, args.arch, seed=args.seed, vocab_size=args.vocab_size)
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="train as a job.json says, emitting JSON-lines events")
@@ -51,36 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_tiny.add_argument("--seed", type=int, default=0)
     p_tiny.add_argument("--vocab-size", type=int, default=512)
-    clis = {"export": export_cli, "generate": generate_cli, "eval": eval_cli}
-    for cli in clis.values():
-        cli.add_parser(sub)  # generate_cli adds both generate and serve
-    args = parser.parse_args(argv)
-    if args.command == "run":
-        return _run(args.job)
-    if args.command == "serve":
-        return generate_cli.serve_main(args)
-    if args.command in clis:
-        return clis[args.command].main(args)
-    if args.command == "detect":
-        from trainer.errors import TrainerError
-
-        try:
-            if args.measure_peak:
-                from trainer.plan.hardware import remeasure_peak
-
-                peak, source = remeasure_peak()
-                rate = f"{peak / 1e12:.0f} TFLOP/s bf16 ({source})" if peak else "could not be measured"
-                print(f"peak: {rate}", file=sys.stderr)
-            return _detect(args.json, args.job, args.device)
-        except (TrainerError, ValueError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    from trainer.model.tiny import make_tiny_model
-
-    print(
-        make_tiny_model(args.dir, args.arch, seed=args.seed, vocab_size=args.vocab_size)
-    )
-    return 0
+    for cli in CLIS.values():
+        cli.add_parser(sub)
+    return parser
 
 
 def _run(job_path: str) -> int:

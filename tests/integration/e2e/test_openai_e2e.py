@@ -37,6 +37,7 @@ import openai
 import pytest
 
 from tests.fixtures.e2e_stacks import postgres_stack
+from tests.fixtures.openai_e2e import sampler_greedy, wait_run
 from tests.fixtures.stack import Stack
 from tests.fixtures.training_inputs import WORDS
 
@@ -289,27 +290,6 @@ def _tuned_model(client: openai.OpenAI, oa_stack: Stack, train_file: str) -> str
     return succeeded[-1].fine_tuned_model
 
 
-def _sampler_greedy(oa_stack: Stack, session_id: str, messages: list[dict], max_tokens: int) -> tuple[list[str], str]:
-    """The sampler's own greedy tokens (as text pieces) and text for ``messages``, on what the session loaded
-    (its job.json: the base and the job's adapter)."""
-    import torch
-
-    from trainer.generate.chat import render_messages
-    from trainer.generate.engine import Engine
-    from trainer.generate.params import Request, SamplingParams
-    from trainer.generate.session import load_session_model
-    from trainer.generate.session_config import SessionConfig
-
-    config = SessionConfig.load(oa_stack.data_dir / "jobs" / session_id / "job.json")
-    model, tokenizer = load_session_model(config, torch.device("cpu"))
-    ids = tuple(render_messages(tokenizer, messages))
-    (adapter,) = config.adapters
-    [result] = Engine(model, tokenizer, slots=1, max_len=config.max_len).generate(
-        [Request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter=adapter)])
-    completion = result.completions[0]
-    return [tokenizer.decode([t]) for t in completion.token_ids], completion.text
-
-
 def test_chat_and_completions_answer_from_a_session_of_the_tuned_model(client, oa_stack, train_file):
     """The official client's ``chat.completions.create`` (whole and streamed) and ``completions.create``
     on a job's ``fine_tuned_model``: the first request starts a session (a job of kind ``session`` on the
@@ -338,7 +318,7 @@ def test_chat_and_completions_answer_from_a_session_of_the_tuned_model(client, o
     with oa_stack.client() as native:
         [session] = native.get("/v1/sessions").json()["data"]
         assert session["ready"] and session["status"] == "running" and session["models"][0].startswith("job:")
-        pieces, sampler_text = _sampler_greedy(oa_stack, session["id"], CHAT, 12)
+        pieces, sampler_text = sampler_greedy(oa_stack, session["id"], CHAT, 12)
         assert [t.token for t in choice.logprobs.content] == pieces, "the route's greedy tokens are the sampler's"
         assert choice.message.content == sampler_text
 
@@ -382,16 +362,6 @@ EVAL_CRITERIA = [
      "source": "def grade(sample, item):\n    return 1.0 if item['answer'] == 'yes' else 0.0\n"},
 ]
 EVAL_TEMPLATE = {"type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}
-
-
-def wait_run(client: openai.OpenAI, eval_id: str, run_id: str, stack: Stack, timeout_s: float = 120) -> Any:
-    deadline = time.monotonic() + timeout_s
-    run = client.evals.runs.retrieve(run_id, eval_id=eval_id)
-    while run.status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline, f"{run_id} stayed {run.status}\n{stack.log_tail()}"
-        time.sleep(0.3)
-        run = client.evals.runs.retrieve(run_id, eval_id=eval_id)
-    return run
 
 
 def _eval_source(data_source: dict[str, Any], model: str) -> dict[str, Any]:

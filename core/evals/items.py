@@ -111,8 +111,13 @@ def item_of(record: Any, line: int, param: str) -> dict[str, Any]:
 def read_items(path: Path, param: str) -> list[dict[str, Any]]:
     """The items of a JSONL file (blank lines skipped); ``InvalidDataset`` names the first bad line."""
     items = []
-    with path.open(encoding="utf-8") as handle:
-        for number, raw in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                raw = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidDataset(f"{param}: line {number}: not UTF-8 (byte {exc.start}); save the file as UTF-8",
+                                     line=number, param=param) from None
             if not raw.strip():
                 continue
             try:

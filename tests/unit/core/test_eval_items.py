@@ -59,6 +59,14 @@ class TestReadItems:
             read_items(path, "file")
         assert caught.value.line == 2 and "a JSON object is expected, got array" in str(caught.value)
 
+    def test_a_line_that_is_not_utf8_is_named_not_a_server_error(self, tmp_path):
+        """What schemathesis sent as an evals file (a PNG): a 422 naming the line, not a decode error."""
+        path = tmp_path / "items.jsonl"
+        path.write_bytes(json.dumps({"a": 1}).encode() + b"\n\x89PNG\r\n")
+        with pytest.raises(InvalidDataset) as caught:
+            read_items(path, "file")
+        assert caught.value.line == 2 and "not UTF-8 (byte 0)" in str(caught.value)
+
 
 class TestTemplate:
     def test_renders_item_fields_into_each_message_and_keeps_the_item(self):

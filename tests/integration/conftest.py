@@ -28,7 +28,7 @@ from tests.integration.helpers import bearer, make_user
 
 ADMIN_URL = os.environ.get("FTQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("FTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-TABLES = ("eval_run", "eval", "gpu_slot", "step_metric", "eval_metric", "checkpoint", "job_event", "job", "file", "worker", "worker_key", "api_key", "user", "project_member", "project")
+TABLES = ("session_message", "eval_run", "eval", "gpu_slot", "step_metric", "eval_metric", "checkpoint", "job_event", "job", "file", "worker", "worker_key", "api_key", "user", "project_member", "project")
 
 
 @dataclass

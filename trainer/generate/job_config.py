@@ -13,7 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 KIND = "generate"
 """``kind`` of a generation job.json (a training job.json has none)."""
@@ -27,8 +27,31 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+class JobFile:
+    """A dataclass read from and written to a job.json: ``from_dict`` refuses unknown fields (a job
+    file written by a newer worker fails loudly instead of dropping what it asked for)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        return cls(**raw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
 @dataclass(frozen=True)
-class GenerateConfig:
+class GenerateConfig(JobFile):
     """One batch generation run."""
 
     model: str
@@ -81,23 +104,6 @@ class GenerateConfig:
     def parts_dir(self) -> Path:
         return Path(self.output_dir) / PARTS
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> GenerateConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
-        return cls(**raw)
-
-    @classmethod
-    def load(cls, path: str | Path) -> GenerateConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def is_generate_job(raw: dict[str, Any]) -> bool:

@@ -8,21 +8,19 @@ until it has been idle ``idle_timeout_s`` seconds or is stopped (``trainer.gener
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from trainer.generate.job_config import DTYPES, JobFile
 
 KIND = "session"
 """``kind`` of a session's job.json."""
 BASE = "base"
 """The name under which requests ask for the base model alone."""
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
-class SessionConfig:
+class SessionConfig(JobFile):
     """One chat session."""
 
     model: str
@@ -57,24 +55,6 @@ class SessionConfig:
             raise ValueError(f"device: auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> SessionConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
-        return cls(**raw)
-
-    @classmethod
-    def load(cls, path: str | Path) -> SessionConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def is_session_job(raw: dict[str, Any]) -> bool:

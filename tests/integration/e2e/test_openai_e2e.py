@@ -369,9 +369,8 @@ def _eval_source(data_source: dict[str, Any], model: str) -> dict[str, Any]:
             "sampling_params": {"max_completion_tokens": 3, "temperature": 0, "seed": 1}}
 
 
-def test_an_eval_runs_on_the_base_and_on_the_tuned_model_with_hand_checked_scores(client, oa_stack):
-    tuned = next(j for j in client.fine_tuning.jobs.list()
-                 if j.status == "succeeded" and (j.fine_tuned_model or "").startswith("ft:tiny-llama:e2e:e2e:"))
+def test_an_eval_runs_on_the_base_and_on_the_tuned_model_with_hand_checked_scores(client, oa_stack, train_file):
+    tuned_model = _tuned_model(client, oa_stack, train_file)  # the module's first job; a short one when run alone
     schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
               "required": ["question", "answer"]}
     ev = client.evals.create(name="yes or no", data_source_config={"type": "custom", "item_schema": schema},
@@ -386,8 +385,8 @@ def test_an_eval_runs_on_the_base_and_on_the_tuned_model_with_hand_checked_score
     base = client.evals.runs.create(ev.id, name="base", data_source=_eval_source(
         {"type": "file_content", "content": [{"item": item} for item in EVAL_ITEMS]}, "tiny-llama"))
     ft = client.evals.runs.create(ev.id, name="tuned", data_source=_eval_source(
-        {"type": "file_id", "id": file_id}, tuned.fine_tuned_model))
-    assert base.status == "queued" and ft.model == tuned.fine_tuned_model
+        {"type": "file_id", "id": file_id}, tuned_model))
+    assert base.status == "queued" and ft.model == tuned_model
     for run in (base, ft):
         done = wait_run(client, ev.id, run.id, oa_stack)
         assert done.status == "completed", f"{done}\n{oa_stack.log_tail()}"

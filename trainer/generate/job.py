@@ -147,20 +147,27 @@ def output_line(prompt: PromptRecord, result: Result) -> dict[str, Any]:
                       "completion_tokens": sum(len(c.token_ids) for c in result.completions)}}
 
 
-def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, torch.dtype]:
-    """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it
-    through the trainer's fused LoRA layers (``trainer.features.lora_kernel.fused``)."""
+def load_base(path: str, dtype_name: str, trust_remote_code: bool, device: torch.device) -> tuple[Any, Any, torch.dtype]:
+    """``(model, tokenizer, dtype)`` of the base at ``path`` on ``device``: ``dtype_name`` or, for
+    ``auto``, the checkpoint's own dtype on CUDA and float32 on the CPU (generation jobs and sessions)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.export.formats import base_torch_dtype
 
-    if config.dtype != "auto":
-        dtype = getattr(torch, config.dtype)
+    if dtype_name != "auto":
+        dtype = getattr(torch, dtype_name)
     else:
-        dtype = base_torch_dtype(config.model) if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, device_map={"": str(device)},
-                                                 trust_remote_code=config.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        dtype = base_torch_dtype(path) if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)},
+                                                 trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model, tokenizer, dtype
+
+
+def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, torch.dtype]:
+    """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it
+    through the trainer's fused LoRA layers (``trainer.features.lora_kernel.fused``)."""
+    model, tokenizer, dtype = load_base(config.model, config.dtype, config.trust_remote_code, device)
     if config.adapter:
         import warnings
 

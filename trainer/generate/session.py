@@ -211,17 +211,9 @@ def _read(inbox: IO[str], session: Session, ended: threading.Event) -> None:
 def load_session_model(config: SessionConfig, device: torch.device) -> tuple[Any, Any]:
     """The base on ``device`` in eval mode with every adapter loaded under its name, unmerged,
     through the trainer's fused LoRA layers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trainer.generate.job import load_base
 
-    from trainer.export.formats import base_torch_dtype
-
-    if config.dtype != "auto":
-        dtype = getattr(torch, config.dtype)
-    else:
-        dtype = base_torch_dtype(config.model) if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, device_map={"": str(device)},
-                                                 trust_remote_code=config.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+    model, tokenizer, _ = load_base(config.model, config.dtype, config.trust_remote_code, device)
     if config.adapters:
         import warnings
 

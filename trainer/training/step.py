@@ -183,8 +183,8 @@ def train_step(ctx: StepContext, step: int, refs: list[MicroBatchRef]) -> Pendin
         if not ctx.parallel.agreeing:
             raise
         ctx.parallel.agree(exc, ctx.comm)  # raises on every rank
-    if ctx.parallel.agreeing:
-        ctx.parallel.agree(None, ctx.comm)  # raises on every rank if another ran out; else syncs the gradients
+    # an agreeing step raises on every rank if another ran out; else the gradients are exchanged
+    ctx.parallel.end_backward(ctx.comm)
     ctx.comm.all_reduce_sum(total_loss)
     if stats.numel():
         ctx.comm.all_reduce_sum(stats)

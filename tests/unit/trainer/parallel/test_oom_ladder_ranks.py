@@ -9,6 +9,11 @@ failed. The budget is what full checkpointing saves (the two layers' inputs of a
 micro-batch in float32): keeping every activation and checkpointing half the layers run out,
 full checkpointing fits. The reference is the same 2-rank job with full checkpointing from the
 start (its window's steps also end in the agreement). gloo, float32, 2 ranks: tolerance 0.
+
+Both runs use DDP's reducer (``FTQ_DDP_EXCHANGE=overlapped``, what a run across machines gets):
+its ``no_sync`` inside the window and its bucketed exchange after it are covered here, while the
+one-machine default (one flat exchange after backward) is what ``test_distributed_runs``' LoRA
+runs compare with one process.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from distributed_helpers import STEPS, launch, weights, write_job
 
 from trainer.config import TrainConfig
 from trainer.features.checkpointing.policy import BUDGET_ENV, BUDGET_RANKS_ENV
+from trainer.parallel.strategy import EXCHANGE_ENV, OVERLAPPED
 from trainer.training import layout
 
 pytestmark = pytest.mark.slow  # two torchrun launches of 2 CPU ranks: ~30 s
@@ -37,6 +43,7 @@ def _job(directory: Path, model_dir: Path, policy: str) -> Path:
 
 
 def test_one_rank_out_of_memory_steps_every_rank_down_on_the_same_curve(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(EXCHANGE_ENV, OVERLAPPED)
     reference = launch(_job(tmp_path / "full", tiny_model_dir, "on"), 2)
     assert reference.returncode == 0, reference.stderr[-3000:]
     monkeypatch.setenv(BUDGET_ENV, str(FULL_CHECKPOINTING_BYTES))
@@ -45,7 +52,8 @@ def test_one_rank_out_of_memory_steps_every_rank_down_on_the_same_curve(tmp_path
     assert laddered.returncode == 0 and laddered.done["status"] == "succeeded", laddered.stderr[-3000:]
 
     (plan,) = laddered.of("plan")
-    assert {d["name"]: d for d in plan["decisions"]}["parallelism"]["backend"] == "ddp"
+    parallelism = {d["name"]: d for d in plan["decisions"]}["parallelism"]
+    assert parallelism["backend"] == "ddp" and "in buckets under backward" in parallelism["reason"]
     warnings = [e["message"] for e in laddered.of("log") if e["level"] == "warning"]
     assert len(warnings) == 2, warnings
     # rank 0 (whose events these are) did not run out itself: it names the rank that did

@@ -198,14 +198,51 @@ class BatchSchedule:
             epoch += 1
 
     def steps(self, start_step: int = 0) -> Iterator[tuple[int, list[MicroBatchRef]]]:
-        """Yield ``(step, micro_batches)`` for optimizer steps ``start_step + 1 ..`` (1-based steps)."""
+        """Yield ``(step, micro_batches)`` for optimizer steps ``start_step + 1 ..`` (1-based steps).
+
+        A step's micro-batches hold the samples the greedy packing gave them, re-dealt so that
+        their token counts are as equal as the budget allows (``balance``): the step trains the
+        same samples, and ranks that each take one micro-batch wait less for the fullest.
+        """
         group: list[MicroBatchRef] = []
         step = start_step
         for ref in self.micro_batches(start_step * self.grad_accum):
             group.append(ref)
             if len(group) == self.grad_accum:
                 step += 1
-                yield step, group
+                yield step, self._balanced(group)
                 group = []
         if group:
-            yield step + 1, group
+            yield step + 1, self._balanced(group)
+
+    def _balanced(self, group: list[MicroBatchRef]) -> list[MicroBatchRef]:
+        dealt = balance([ref.sample_indices for ref in group], self.lengths, self.batch_tokens)
+        return [MicroBatchRef(ref.index, ref.epoch, indices) for ref, indices in zip(group, dealt)]
+
+
+def balance(batches: list[list[int]], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """The samples of ``batches`` re-dealt over as many batches with near-equal token counts.
+
+    Longest sample first, each to the batch with the fewest tokens that still has room (ties: the
+    lower batch); each batch keeps its samples in the order they had in ``batches``. Greedy
+    packing fills a batch until the next sample does not fit, so one micro-batch of a step may
+    hold 10% fewer tokens than another (16,384-token budget, ~250-token samples: 14.7k to 16.3k);
+    on several ranks each step then waits for the fullest one. Deterministic: a function of the
+    lengths only. ``batches`` is returned as it is when the deal would leave a batch empty or a
+    sample without room (which longest-first into the emptiest batch makes rare).
+    """
+    if len(batches) < 2:
+        return batches
+    position = {i: k for k, i in enumerate(i for batch in batches for i in batch)}
+    load = [0] * len(batches)
+    dealt: list[list[int]] = [[] for _ in batches]
+    for i in sorted(position, key=lambda i: (-lengths[i], position[i])):
+        room = [b for b in range(len(batches)) if load[b] + lengths[i] <= batch_tokens]
+        if not room:
+            return batches
+        b = min(room, key=lambda b: (load[b], b))
+        dealt[b].append(i)
+        load[b] += lengths[i]
+    if not all(dealt):
+        return batches
+    return [sorted(batch, key=position.__getitem__) for batch in dealt]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.data.dataset import IGNORE_INDEX, Sample
-from trainer.data.packing import BatchSchedule, pack_batch, pack_indices
+from trainer.data.packing import BatchSchedule, balance, pack_batch, pack_indices
 
 X = IGNORE_INDEX
 
@@ -75,3 +75,46 @@ class TestSchedule:
             (s, [r.sample_indices for r in g]) for s, g in schedule.steps(start_step=4)
         ]
         assert len(full) == 7 and resumed == full[4:]
+
+
+class TestBalance:
+    """A step's micro-batches re-dealt to near-equal token counts (``balance``): on several ranks,
+    one micro-batch each, the step waits for the fullest."""
+
+    def test_hand_checked_deal(self):
+        # greedy packing at budget 10 gave [6, 3] (9 tokens) and [5, 1] (6 tokens)
+        lengths = [6, 3, 5, 1]
+        assert balance([[0, 1], [2, 3]], lengths, 10) == [[0, 3], [1, 2]]  # 7 and 8 tokens
+
+    def test_the_same_number_of_batches_none_empty(self):
+        assert balance([[0], [1]], [9, 1], 10) == [[0], [1]]
+        assert balance([[0, 1], [2]], [2, 2, 8], 8) == [[2], [0, 1]]  # the longest alone, the rest together
+
+    def test_one_batch_is_left_as_it_is(self):
+        assert balance([[2, 0, 1]], [1, 2, 3], 10) == [[2, 0, 1]]
+
+    def test_steps_train_the_same_samples_closer_to_equal_and_within_the_budget(self):
+        import random
+
+        rng = random.Random(0)
+        lengths = [min(max(int(rng.lognormvariate(5.5, 1.0)), 16), 4096) for _ in range(4000)]
+        budget, ranks = 16_384, 4
+        schedule = BatchSchedule(lengths, budget, seed=0, grad_accum=ranks, max_steps=12)
+        greedy = [schedule.epoch_batches(0)[k * ranks:(k + 1) * ranks] for k in range(12)]
+        spreads_before, spreads_after = [], []
+        for (step, refs), packed in zip(schedule.steps(), greedy):
+            dealt = [ref.sample_indices for ref in refs]
+            assert sorted(i for b in dealt for i in b) == sorted(i for b in packed for i in b), step
+            tokens = [sum(lengths[i] for i in b) for b in dealt]
+            assert max(tokens) <= budget
+            spreads_after.append(max(tokens) - min(tokens))
+            before = [sum(lengths[i] for i in b) for b in packed]
+            spreads_before.append(max(before) - min(before))
+        # measured: greedy packing's micro-batches differ by up to ~1,700 tokens within a step,
+        # the dealt ones by the length of about one short sample
+        assert max(spreads_after) < 100 < min(spreads_before), (spreads_before, spreads_after)
+
+    def test_without_accumulation_nothing_moves(self):
+        lengths = [5, 3, 7, 2, 6, 4]
+        schedule = BatchSchedule(lengths, 10, seed=1, max_steps=4)
+        assert [refs[0].sample_indices for _, refs in schedule.steps()] == schedule.epoch_batches(0)[:4]

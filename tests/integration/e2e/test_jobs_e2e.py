@@ -29,16 +29,23 @@ CPU-bound, and each of these trains a job of its own (a trainer process importin
 transformers). The PostgreSQL stack is the production one: API and worker apart, Redis between."""
 
 
-# peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_a_job_trains_to_success_and_its_adapter_loads(stack, chat_dataset: Path, tmp_path: Path):
+@pytest.fixture(scope="module")
+def trained(stack, chat_dataset: Path) -> tuple[str, list[tuple[int, str, dict[str, Any]]]]:
+    """The stack's one successful SFT job (``SHORT``: 30 steps, a checkpoint every 10), trained once
+    and followed over SSE: its id and events. The success test checks the run; the export test
+    exports the same job instead of training one of its own (a trainer start, ~9 s of CPU)."""
     with stack.client() as client:
         job = submit(client, upload(client, chat_dataset), checkpoint_every=10, name="e2e")
         assert job["status"] == "queued"
+        return job["id"], follow(client, job["id"])
 
-        events = follow(client, job["id"])
 
-        job = client.get(f"/v1/jobs/{job['id']}").json()
+# peft 0.21 still reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_a_job_trains_to_success_and_its_adapter_loads(stack, trained, tmp_path: Path):
+    job_id, events = trained
+    with stack.client() as client:
+        job = client.get(f"/v1/jobs/{job_id}").json()
         assert job["status"] == "succeeded", f"{job}\n{stack.log_tail()}"
         ids = [seq for seq, _, _ in events]
         assert ids == list(range(1, len(ids) + 1)), "event ids must increase by one, from 1"
@@ -222,16 +229,15 @@ def test_team_keys_and_ownership_through_the_cli(stack, chat_dataset: Path, tmp_
 
 @postgres_only
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_a_finished_job_exports_a_portable_adapter_a_merged_model_and_a_gguf(stack, chat_dataset: Path, tmp_path: Path):
+def test_a_finished_job_exports_a_portable_adapter_a_merged_model_and_a_gguf(stack, trained, tmp_path: Path):
     """The adapter zip loads in a fresh process that knows only the base's name; the merged export
     and the GGUF (in llama.cpp) give the adapter's greedy tokens; the CLI downloads the GGUF.
-    PostgreSQL only: the export's store side runs on both stores in tests/integration/test_api_exports.py."""
+    The job is the success test's (``trained``). PostgreSQL only: the export's store side runs on
+    both stores in tests/integration/test_api_exports.py."""
     from tests.fixtures.exports import fresh_process_greedy, llama_cpp_greedy, wait_export
 
     with stack.client() as client:
-        job = submit(client, upload(client, chat_dataset), hyperparameters={**SHORT, "max_steps": 4})
-        job = wait_job(client, job["id"], lambda j: j["status"] in ("succeeded", "failed", "cancelled"),
-                       what="finished", timeout_s=240)
+        job = client.get(f"/v1/jobs/{trained[0]}").json()
         assert job["status"] == "succeeded", f"{job}\n{stack.log_tail()}"
         asked = client.post(f"/v1/jobs/{job['id']}/exports", json={"format": "merged"})
         assert asked.status_code == 202, asked.text

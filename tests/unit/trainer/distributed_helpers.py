@@ -1,7 +1,8 @@
 """Helpers of the several-rank tests: a tiny job with a global batch of 2 ranks, run by one
 process (``python -m trainer run``) or by ``torchrun --standalone --nproc_per_node=N`` (gloo on
-the CPU), and what the runs left behind (events, weights). Imported by name, like
-``trainer_helpers``.
+the CPU), and what the runs left behind (events, weights). ``run_here`` runs the one process in the
+test's own (no start-up, no imports again) where a test compares numbers, not processes. Imported
+by name, like ``trainer_helpers``.
 
 Every process runs with one torch thread (``OMP_NUM_THREADS=1``, what torchrun gives each of
 several ranks anyway), so the 1-process run and the ranks compute each micro-batch with the same
@@ -116,6 +117,15 @@ def launch(job: Path, ranks: int, timeout: float = 150, *, fsdp2: bool = False) 
         timeout=timeout, check=False,
     )
     return Finished(result.returncode, events_of(result.stdout), result.stderr, job.parent / "out")
+
+
+def run_here(job: Path) -> Finished:
+    """``launch(job, 1)`` in this process (``tests.fixtures.trainer_here``): the same events and
+    output dir without a Python start and the trainer's imports; ``stderr`` is empty."""
+    from tests.fixtures.trainer_here import train_here
+
+    returncode, events = train_here(job)
+    return Finished(returncode, events, "", job.parent / "out")
 
 
 def resume_copy(checkpoint: Path, directory: Path, model_dir: Path, method: str, **overrides: object) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from distributed_helpers import Started, launch, weights, write_job
+from distributed_helpers import Started, run_here, weights, write_job
 
 from trainer.training import layout
 
@@ -59,8 +59,8 @@ class TestStop:
         assert 1 < at < STOP_STEPS and not saved["final"], at
         assert (layout.sharded_state_dir(saved["path"]) / "__1_0.distcp").is_file()
 
-        resumed = launch(job, 1)
-        reference = launch(write_job(tmp_path / "one", tiny_model_dir, "full", steps=STOP_STEPS, checkpoint_every=0), 1)
+        resumed = run_here(job)
+        reference = run_here(write_job(tmp_path / "one", tiny_model_dir, "full", steps=STOP_STEPS, checkpoint_every=0))
         for run in (resumed, reference):
             assert run.done["status"] == "succeeded", (run.done, run.stderr[-3000:])
         assert resumed.of("plan")[0]["resumed_from_step"] == at

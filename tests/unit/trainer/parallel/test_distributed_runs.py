@@ -4,7 +4,8 @@ The LoRA runs also sample greedy answers at each checkpoint (``SAMPLES``): under
 runs the sampler's forwards in step, and rank 0's samples are the one process's.
 
 The same tiny job (``gpus: 2`` x ``grad_accum: 2`` micro-batches per step) runs once as a single
-process, which accumulates all four micro-batches, and once under ``torchrun
+process, which accumulates all four micro-batches (in the test's own process, ``run_here``: what
+``python -m trainer run`` does, without its ~5 s of start-up and imports), and once under ``torchrun
 --nproc_per_node=2``, where each rank trains two and the gradients meet in DDP's all-reduce
 (LoRA) or FSDP2's reduce-scatter (full fine-tuning, parameters and AdamW state sharded).
 
@@ -35,6 +36,7 @@ from distributed_helpers import (
     Finished,
     launch,
     resume_copy,
+    run_here,
     weights,
     write_job,
 )
@@ -68,7 +70,7 @@ class _Runs:
         if key not in self._done:
             job = write_job(self.root / f"{method}-{ranks}", self.model_dir, method,
                             **(SAMPLES if method == "lora" else {}))
-            run = launch(job, ranks)
+            run = run_here(job) if ranks == 1 else launch(job, ranks)
             assert run.returncode == 0 and run.done["status"] == "succeeded", (run.done, run.stderr[-3000:])
             self._done[key] = run
         return self._done[key]
@@ -171,7 +173,7 @@ class TestCheckpointsOfTwoRanks:
         the end: the curve and the weights are the uninterrupted one-process run's."""
         two, one = runs.get(method, 2), runs.get(method, 1)
         job = resume_copy(layout.checkpoint_dir(two.out, RESUME_AT), tmp_path, tiny_model_dir, method)
-        resumed = launch(job, 1)
+        resumed = run_here(job)
         assert resumed.done["status"] == "succeeded", (resumed.done, resumed.stderr[-3000:])
         (plan,) = resumed.of("plan")
         assert plan["resumed_from_step"] == RESUME_AT and plan["world_size"] == 1
@@ -218,7 +220,7 @@ class TestAShortLastStep:
                 optim=OptimConfig(epochs=1.0, warmup_steps=1, learning_rate=1e-3),
             )
             config.save(directory / "job.json")
-            jobs.append(launch(directory / "job.json", ranks))
+            jobs.append(run_here(directory / "job.json") if ranks == 1 else launch(directory / "job.json", ranks))
         one, two = jobs
         assert two.done["status"] == "succeeded", (two.done, two.stderr[-3000:])
         assert sorted(one.steps()) == sorted(two.steps()) == [1, 2, 3]

@@ -28,6 +28,12 @@ os.environ.setdefault("FTQ_TOKENIZER_PRESTART", "false")
 # the rank tests set the same for their processes (tests/fixtures/stack.py STACK_ENV).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# pytest caches each test module's assertion-rewritten code object next to it (``__pycache__/*-pytest-*.pyc``)
+# unless ``sys.dont_write_bytecode``, which this machine's image sets (``PYTHONDONTWRITEBYTECODE=1``):
+# then every pytest process (each xdist worker collects the whole suite) rewrote and compiled all the
+# test modules again. Written here, before the test modules are collected; what this process starts
+# keeps the environment's setting (ftq's own packages are compiled by ``make test``).
+sys.dont_write_bytecode = False
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 

@@ -2,8 +2,8 @@
 
 Two stores, one fixture (``stack``, parametrized):
 
-``postgres``  a fresh PostgreSQL database per session (``ftq db upgrade`` applies the
-              migrations), Redis as broker and pub/sub on an empty Redis db; ``ftq api`` and
+``postgres``  a fresh PostgreSQL database per stack, copied from one that ``ftq db upgrade``
+              migrated once per test process (tests/fixtures/e2e_stacks.py), Redis as broker and pub/sub on an empty Redis db; ``ftq api`` and
               ``ftq worker`` started separately, as in production.
 ``embedded``  ``ftq up`` with no URL set: SQLite store and SQLAlchemy broker in a tmp data dir.
 

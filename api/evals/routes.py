@@ -149,4 +149,4 @@ def job_evals(job_id: str, session: SessionDep, caller: CallerDep) -> dict[str, 
     """Per eval the job's spec names (``evals``): its runs on the base and on the tuned model (null
     until they exist: they start when the job succeeds), each criterion's pass rate on both and
     the difference, and the items side by side (``changed``: base and tuned statuses differ)."""
-    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller), caller)}
+    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller))}

@@ -272,6 +272,10 @@ class JobEval(_Strict):
     data_source: Annotated[dict[str, Any], Field(
         description="A run's data_source without its model: type completions, source (file_id or file_content), "
         "input_messages, sampling_params; checked at submission as a run of the base would be.")]
+    at_checkpoints: Annotated[Literal["all"] | list[Annotated[int, Field(ge=1, le=10_000_000)]], Field(
+        max_length=16, description="Also run it on checkpoints (job:<id>@<step>) once the job has succeeded: "
+        "'all' (every checkpoint before the final one, at most 16) or a list of steps, each a multiple of "
+        "checkpoint_every below max_steps. Default: none (base and tuned only). LoRA/QLoRA jobs only.")] = []
 
 
 class JobSpec(_Strict):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,10 @@ def test_every_item_is_graded_once_and_a_resumed_run_grades_only_the_rest(tmp_pa
         assert line["results"][0]["passed"] is True
         assert line["results"][1]["passed"] is (text == line["item"]["answer"])
         assert line["status"] == ("pass" if text == line["item"]["answer"] else "fail")
+
+
+def test_the_trainer_and_its_eval_run_import_without_lm_eval() -> None:
+    """lm-eval is an optional extra: only ``trainer.evals.lm_harness`` imports it."""
+    code = ("import sys, trainer, trainer.__main__, trainer.evals.run, trainer.evals.cli, trainer.training.train; "
+            "assert 'lm_eval' not in sys.modules, 'lm_eval imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[4], check=True, timeout=120)

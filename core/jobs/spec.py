@@ -277,6 +277,15 @@ class JobEval(_Strict):
         "'all' (every checkpoint before the final one, at most 16) or a list of steps, each a multiple of "
         "checkpoint_every below max_steps. Default: none (base and tuned only). LoRA/QLoRA jobs only.")] = []
 
+    @field_validator("at_checkpoints", mode="before")
+    @classmethod
+    def _check_steps(cls, value: Any) -> Any:
+        """One message for a bad value (not one per branch of the union)."""
+        steps_ok = isinstance(value, list) and all(type(s) is int and 1 <= s <= 10_000_000 for s in value)
+        if value != "all" and not steps_ok:
+            raise ValueError(f"'all' or a list of checkpoint steps (integers from 1), got {value!r}")
+        return value
+
 
 class JobSpec(_Strict):
     """The body of ``POST /v1/jobs``."""

@@ -236,7 +236,7 @@ class TestJobEvals:
                              ([0], "evals.0.at_checkpoints")):
             refused = client.post("/v1/jobs", json={**body, "evals": [
                 {"eval_id": ev["id"], "data_source": data_source, "at_checkpoints": steps}]})
-            assert refused.status_code == 422 and param in refused.json()["error"]["param"], refused.text
+            assert refused.status_code == 422 and refused.json()["error"]["param"] == param, refused.text
         assert counts(store) == before
         job = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source,
                                                                  "at_checkpoints": [2, 4]}]})

@@ -103,7 +103,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def save_adapter(shape: ModelShape, model_dir: Path, directory: Path, device: str) -> Path:
+def save_adapter(shape: ModelShape, directory: Path, device: str) -> Path:
     """A rank-16 LoRA adapter with non-zero B on the saved model (``bench.sampler.attach_lora``)."""
     from transformers import AutoModelForCausalLM
 
@@ -144,7 +144,7 @@ def run_eval_timed(args: argparse.Namespace, shape: ModelShape, workdir: Path) -
 
     device = torch.device(args.device)
     model_dir = save_model(shape, workdir / shape.name / "model", args.device)
-    adapter = save_adapter(shape, model_dir, workdir / shape.name / "adapter", args.device)
+    adapter = save_adapter(shape, workdir / shape.name / "adapter", args.device)
     prompts = workdir / f"items-{args.items}.jsonl"
     write_items(prompts, model_dir, args.items, args.prompt_words)
     out = Path(tempfile.mkdtemp(dir=workdir, prefix="run-"))

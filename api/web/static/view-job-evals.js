@@ -68,7 +68,7 @@ function evalBlock(ev) {
     h(
       "table",
       { class: "table", "data-testid": "eval-criteria" },
-      h("thead", {}, h("tr", {}, ["Criterion", "Base", "Tuned", "Difference", "Mean score: base", "tuned", "difference"]
+      h("thead", {}, h("tr", {}, ["Criterion", "Base", "Tuned", "Difference", "Mean score: base", "Mean score: tuned", "Mean score: difference"]
         .map((t) => h("th", { text: t })))),
       h("tbody", {}, ev.criteria.map((c) => h("tr", { "data-criterion": c.name },
         h("td", { text: c.name }), h("td", { "data-testid": "eval-base", text: pct(c.base) }),

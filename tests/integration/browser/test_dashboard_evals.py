@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.dashboard import submit_job
+from tests.fixtures.dashboard import screenshot_dir, submit_job
 from tests.fixtures.stack import Stack
 from tests.fixtures.stack_jobs import wait_job
 from tests.fixtures.training_inputs import held_out_questions, write_phrase_dataset
@@ -106,6 +106,8 @@ def test_a_tiny_model_learns_a_phrase_and_the_job_page_shows_its_eval_rise(
     assert [per_step.locator(f"tr[data-step='{s}'] td").first.inner_text() for s in ("base", "4", "tuned")] == [
         "base (step 0)", "step 4 (completed)", "tuned (final)"]
     assert per_step.locator("tr[data-step='tuned'] td").nth(1).inner_text() == f"{100 * rates['tuned']:.1f}%"
+    if shots := screenshot_dir():
+        section.screenshot(path=str(shots / "dashboard-job-evals.png"))
     rows = section.get_by_test_id("eval-items").locator("tbody tr")
     assert rows.count() == QUESTIONS + 1
     assert PHRASE in rows.nth(0).inner_text()

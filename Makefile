@@ -108,5 +108,7 @@ test-latest:
 
 # Re-resolves requirements/lock.txt from pyproject.toml (newest versions the ranges allow, torch
 # pinned to TORCH_VERSION); run `make test-latest` first, then `make test` on the new lock.
+# `make lock KEEP=1` keeps every pin that still fits (for a new dependency: only it and what it pulls
+# are added).
 lock: install-dev
-	scripts/lock.sh $(VENV)/bin/uv $(TORCH_VERSION)
+	scripts/lock.sh $(VENV)/bin/uv $(TORCH_VERSION)$(if $(KEEP), --keep)

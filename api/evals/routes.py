@@ -106,8 +106,7 @@ def _discard(state: Any, prepared: runs.Prepared) -> None:
 def list_runs(eval_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
               limit: Annotated[int, Query()] = 20, order: str = "asc", status: str | None = None) -> dict[str, Any]:
     pairs, more = runs.list_runs(session, eval_id, caller, order=order, status=status, after=after, limit=limit)
-    criteria = service.get_eval(session, eval_id, reader=caller).testing_criteria
-    return _page([views.run_object(run, job, criteria) for run, job in pairs], more)
+    return _page([views.run_object(run, job, job.spec["testing_criteria"]) for run, job in pairs], more)
 
 
 @router.get("/{eval_id}/runs/{run_id}", summary="evals.runs.retrieve: status and results so far")

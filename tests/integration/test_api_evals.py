@@ -280,3 +280,55 @@ class TestJobEvals:
         assert summary["criteria"][0]["difference"] == pytest.approx(2 / 3)
         assert [(c["step"], c["run_id"], c["criteria"][0]["pass_rate"]) for c in summary["checkpoints"]] == [
             (2, runs[2]["id"], pytest.approx(2 / 3))]
+
+
+LM_TASK = {"task": "numbers", "output_type": "multiple_choice", "doc_to_text": "Say {{q}}:",
+           "doc_to_choice": ["1", "2", "3"], "doc_to_target": "{{['1', '2', '3'].index(a)}}",
+           "metric_list": [{"metric": "acc"}, {"metric": "acc_norm", "pass_threshold": 0.5}]}
+
+
+def lm_body(**change: Any) -> dict[str, Any]:
+    return {"name": "lm", "data_source": {"type": "lm_eval", "model": "tiny", "task": LM_TASK,
+                                          "source": {"type": "file_content", "content": [{"item": i} for i in ITEMS]},
+                                          **change}}
+
+
+class TestLmEvalRuns:
+    def test_an_lm_eval_run_is_an_eval_job_of_the_task_s_metrics(self, client: TestClient, store, ev) -> None:
+        created = client.post(f"/v1/evals/{ev['id']}/runs", json=lm_body())
+        assert created.status_code == 200, created.text
+        run = created.json()
+        assert run["data_source"]["type"] == "lm_eval" and run["data_source"]["task"] == LM_TASK
+        job = client.get(f"/v1/jobs/{run['job_id']}").json()
+        assert job["kind"] == "eval" and job["spec"]["lm_eval"]["task"] == "numbers"
+        assert job["spec"]["testing_criteria"] == [{"name": "acc", "type": "lm_eval", "pass_threshold": 1.0},
+                                                   {"name": "acc_norm", "type": "lm_eval", "pass_threshold": 0.5}]
+        assert job["spec"]["sampling"]["max_tokens"] == 1
+        with store.sessions() as session:
+            lines = [json.loads(x) for x in Path(session.get(File, job["training_file"]).path).read_text().splitlines()]
+        assert [line["item"] for line in lines] == ITEMS
+        assert client.post(f"/v1/evals/{ev['id']}/runs/{run['id']}/cancel").json()["status"] == "canceled"
+
+    @pytest.mark.parametrize(("change", "param", "message"), [
+        ({"task": {**LM_TASK, "dataset_path": "hellaswag"}}, "data_source.task.dataset_path", "nothing is downloaded"),
+        ({"task": {**LM_TASK, "output_type": "loglikelihood_rolling"}}, "data_source.task.output_type", "one of"),
+        ({"task": {**LM_TASK, "metric_list": [{"metric": "bleu"}]}}, "data_source.task.metric_list[0].metric",
+         "fetched from the hub"),
+        ({"task": {**LM_TASK, "metric_list": [{"metric": "acc", "aggregation": "median"}]}},
+         "data_source.task.metric_list[0].aggregation", "mean"),
+        ({"task": {**LM_TASK, "process_results": "x"}}, "data_source.task.process_results", "not supported"),
+        ({"task": {**LM_TASK, "num_fewshot": 5}}, "data_source.task.num_fewshot", "few-shot"),
+        ({"task": {**LM_TASK, "doc_to_text": "{{ q.__class__ }}"}}, "data_source.task.doc_to_text", "sandboxed"),
+        ({"task": {k: v for k, v in LM_TASK.items() if k != "doc_to_choice"}}, "data_source.task.doc_to_choice",
+         "names its choices"),
+        ({"input_messages": {"type": "template", "template": []}}, "data_source.input_messages", "not taken"),
+        ({"source": {"type": "file_content", "content": [{"item": {"q": 1}}]}}, "data_source.source.content",
+         "line 1"),
+    ])
+    def test_a_bad_task_names_its_field_and_stores_nothing(self, client: TestClient, store, ev, change, param,
+                                                          message) -> None:
+        before = counts(store)
+        refused = client.post(f"/v1/evals/{ev['id']}/runs", json=lm_body(**change))
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["param"] == param and message in refused.json()["error"]["message"], refused.text
+        assert counts(store) == before

@@ -332,3 +332,18 @@ class TestLmEvalRuns:
         assert refused.status_code == 422, refused.text
         assert refused.json()["error"]["param"] == param and message in refused.json()["error"]["message"], refused.text
         assert counts(store) == before
+
+    def test_a_training_job_s_evals_may_be_lm_eval_tasks_checked_at_submission(self, client: TestClient, store,
+                                                                                ev) -> None:
+        data_source = lm_body()["data_source"]
+        data_source.pop("model")
+        body = {"model": "tiny", "training_file": train_file(client), "hyperparameters": {"max_steps": 1}}
+        before = counts(store)
+        bad = {**data_source, "task": {**LM_TASK, "output_type": "generate"}}
+        refused = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": bad}]})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["param"] == "evals[0].data_source.task.output_type", refused.text
+        assert counts(store) == before
+        job = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source}]})
+        assert job.status_code == 201, job.text
+        assert client.post(f"/v1/jobs/{job.json()['id']}/cancel").status_code == 200

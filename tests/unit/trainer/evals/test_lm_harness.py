@@ -94,6 +94,8 @@ def test_an_lm_eval_run_scores_each_item_once_in_chunks_and_resumes(name, tmp_pa
     from trainer.generate import outputs
     from trainer.parallel.distributed import World
 
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the run sets them: restored after the test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     task, criteria = _task(name)
     docs = [json.loads(line) for line in (TASKS / "tiny_qa.jsonl").read_text().splitlines()]
     prompts = tmp_path / "prompts.jsonl"

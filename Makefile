@@ -8,7 +8,7 @@
 # with uv (UV below): `make up`
 # with the service's dependencies plus SERVICE_EXTRAS (e.g. `make up SERVICE_EXTRAS=tracking,qlora`,
 # also into an existing venv), `make test` with the dev extras (test tooling, browsers' driver,
-# MLflow's server, llama.cpp's bindings). An install is redone when pyproject.toml or the lock
+# MLflow's server, llama.cpp's bindings, lm-eval). An install is redone when pyproject.toml or the lock
 # changes, or for extras not installed yet.
 
 VENV ?= .venv

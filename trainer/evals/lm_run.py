@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ def run_lm_eval(config: EvalConfig, emit: Emit, world: World | None = None) -> s
          + (f" + adapter {config.adapter}" if config.adapter else "") + f" ({str(dtype).removeprefix('torch.')})")
     emit("progress", stage="generate", prompts_done=len(done), prompts_total=len(prompts), tokens=0, tokens_per_s=None)
     todo = [p for p in prompts if p.index not in done]
-    progress, started = outputs.Progress(config.completions_path, config.parts_dir), time.perf_counter()
+    progress = outputs.Progress(config.completions_path, config.parts_dir)
     with _stop_on_signals() as stop, tempfile.TemporaryDirectory(prefix="ftq-lm-eval-") as tmp, \
             outputs.open_part(config.parts_dir, world.rank) as part:
         for start in range(0, len(todo), config.chunk_prompts):
@@ -62,10 +61,9 @@ def run_lm_eval(config: EvalConfig, emit: Emit, world: World | None = None) -> s
             chunk = todo[start:start + config.chunk_prompts]
             samples = run_chunk(lm, config.lm_eval, [p.record.get("item") for p in chunk], Path(tmp) / str(start))
             outputs.append(part, [item_line(p, samples[i], config) for i, p in enumerate(chunk)])
-            prompts_done, _ = progress.update()
-            elapsed = max(time.perf_counter() - started, 1e-9)
+            prompts_done, _ = progress.update()  # tokens are not counted (a likelihood task generates none): 0
             emit("progress", stage="generate", prompts_done=prompts_done, prompts_total=len(prompts), tokens=0,
-                 tokens_per_s=round((prompts_done - len(done)) / elapsed, 2))
+                 tokens_per_s=0.0)
     if stop.is_set():
         return "cancelled"
     outputs.merge(config.completions_path, config.parts_dir, len(prompts))

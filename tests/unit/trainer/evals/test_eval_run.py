@@ -80,7 +80,8 @@ def test_the_trainer_and_its_eval_run_import_without_lm_eval() -> None:
 
 
 def test_an_lm_eval_run_on_a_worker_without_lm_eval_names_the_extra(tmp_path, tiny_model_dir, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError, as where it is not installed
+    for name in {"lm_eval", "lm_eval.api.model", *(m for m in sys.modules if m.startswith("lm_eval."))}:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError, as where it is not installed
     monkeypatch.delitem(sys.modules, "trainer.evals.lm_harness", raising=False)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

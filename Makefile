@@ -8,7 +8,7 @@
 # with uv (UV below): `make up`
 # with the service's dependencies plus SERVICE_EXTRAS (e.g. `make up SERVICE_EXTRAS=tracking,qlora`,
 # also into an existing venv), `make test` with the dev extras (test tooling, browsers' driver,
-# MLflow's server, llama.cpp's bindings). An install is redone when pyproject.toml or the lock
+# MLflow's server, llama.cpp's bindings, lm-eval). An install is redone when pyproject.toml or the lock
 # changes, or for extras not installed yet.
 
 VENV ?= .venv
@@ -108,5 +108,7 @@ test-latest:
 
 # Re-resolves requirements/lock.txt from pyproject.toml (newest versions the ranges allow, torch
 # pinned to TORCH_VERSION); run `make test-latest` first, then `make test` on the new lock.
+# `make lock KEEP=1` keeps every pin that still fits (for a new dependency: only it and what it pulls
+# are added).
 lock: install-dev
-	scripts/lock.sh $(VENV)/bin/uv $(TORCH_VERSION)
+	scripts/lock.sh $(VENV)/bin/uv $(TORCH_VERSION)$(if $(KEEP), --keep)

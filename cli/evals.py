@@ -1,11 +1,12 @@
-"""Client commands: ``ftq eval create|list|show|run|results|cancel|delete`` over ``/v1/evals``.
+"""Client commands: ``ftq eval create|list|show|run|lm-eval|results|cancel|delete`` over ``/v1/evals``.
 
 ``ftq eval create EVAL.json`` stores an eval (the body of ``evals.create``: ``data_source_config``
 with an ``item_schema``, ``testing_criteria``, ``name``) and prints its id. ``ftq eval run EVAL
 MODEL ITEMS.jsonl --template 'user:{{item.question}}'`` uploads the items (``purpose=evals``; a
 file id is used as it is), queues a run on MODEL (a base, ``job:<id>``, ``job:<id>@<step>``, an
 ``ft:`` name, ``export:<id>``), waits for it and prints its results; ``--no-wait`` prints the run
-id only. ``ftq eval results EVAL RUN [--items] [--status fail]`` prints a run's counts, and with
+id only. ``ftq eval lm-eval EVAL MODEL TASK.yaml`` runs a local lm-eval task (``cli.evals_lm``).
+``ftq eval results EVAL RUN [--items] [--status fail]`` prints a run's counts, and with
 ``--items`` each item's output and scores. See docs/evals.md.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from cli import config
+from cli import config, evals_lm
 from cli.client import call, connect
 from cli.errors import CliError
 from cli.jobs import FILE_ID, upload
@@ -52,6 +53,7 @@ def add_parsers(commands: Any) -> None:
     r.add_argument("--name")
     r.add_argument("--no-wait", action="store_true", help="only queue the run; print its id")
     r.set_defaults(run=run_run)
+    evals_lm.add_parser(sub, _finish)
     o = sub.add_parser("results", help="a run's counts; --items: each item's output and scores")
     o.add_argument("eval_id")
     o.add_argument("run_id")
@@ -156,6 +158,15 @@ def run_run(args: argparse.Namespace) -> int:
             return 0
         print(f"job {run['job_id']}: follow it with ftq logs {run['job_id']} --follow", file=sys.stderr)
         run = wait(client, args.eval_id, run["id"])
+    print(format_run(run))
+    return 0 if run["status"] == "completed" else 1
+
+
+def _finish(args: argparse.Namespace, start: Any) -> int:
+    """Run ``start(args)`` (a run object) and print the run: its id alone with ``--no-wait``."""
+    run = start(args, wait)
+    if args.no_wait:
+        return 0
     print(format_run(run))
     return 0 if run["status"] == "completed" else 1
 

@@ -106,8 +106,7 @@ def _discard(state: Any, prepared: runs.Prepared) -> None:
 def list_runs(eval_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
               limit: Annotated[int, Query()] = 20, order: str = "asc", status: str | None = None) -> dict[str, Any]:
     pairs, more = runs.list_runs(session, eval_id, caller, order=order, status=status, after=after, limit=limit)
-    criteria = service.get_eval(session, eval_id, reader=caller).testing_criteria
-    return _page([views.run_object(run, job, criteria) for run, job in pairs], more)
+    return _page([views.run_object(run, job, job.spec["testing_criteria"]) for run, job in pairs], more)
 
 
 @router.get("/{eval_id}/runs/{run_id}", summary="evals.runs.retrieve: status and results so far")
@@ -149,4 +148,4 @@ def job_evals(job_id: str, session: SessionDep, caller: CallerDep) -> dict[str, 
     """Per eval the job's spec names (``evals``): its runs on the base and on the tuned model (null
     until they exist: they start when the job succeeds), each criterion's pass rate on both and
     the difference, and the items side by side (``changed``: base and tuned statuses differ)."""
-    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller), caller)}
+    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller))}

@@ -21,6 +21,7 @@ from api.openai import reports, translate
 from api.openai.schemas import FineTuningJob, JobCreate, Page
 from api.state import AppState
 from core.errors import InvalidInput, NotFound
+from core.evals import after_training
 from core.files.models import File
 from core.files.service import get_file
 from core.jobs import eta, rerun, service
@@ -172,7 +173,7 @@ def _views(session: Session, jobs: list[Job], settings: Settings | None = None) 
         translate.fine_tuning_job(
             job, extras.get(job.job_id), owner=access.owner_name(session, job.owner_id),
             trained_tokens=tokens.get(job.job_id, 0), estimated_finish=finish.get(job.job_id),
-            has_metrics=job.job_id in tokens,
+            has_metrics=job.job_id in tokens, evals=after_training.summary(session, job),
         )
         for job in jobs
     ]

@@ -172,6 +172,10 @@ class FineTuningJob(BaseModel):
     metadata: dict[str, str] | None = None
     method: dict[str, Any]
     user_provided_suffix: str | None = None
+    evals: list[dict[str, Any]] | None = None
+    """ftq's: the results of the evals the job names (its spec's ``evals``, docs/evals.md), per eval
+    the base, tuned and checkpoint runs (id, status, counts) and each criterion's pass rates and
+    difference; None for a job that names none. The ``openai`` client keeps it (``job.evals``)."""
 
 
 class JobEvent(BaseModel):

@@ -186,8 +186,10 @@ def job_of_results_file(file_id: str) -> str | None:
 
 
 def fine_tuning_job(job: Job, extra: OpenAIJob | None, *, owner: str | None, trained_tokens: int | None,
-                    estimated_finish: int | None, has_metrics: bool) -> FineTuningJob:
-    """``job`` as OpenAI shows it; ``extra`` is its ``openai_job`` row (None for a native job)."""
+                    estimated_finish: int | None, has_metrics: bool,
+                    evals: list[dict[str, Any]] | None = None) -> FineTuningJob:
+    """``job`` as OpenAI shows it; ``extra`` is its ``openai_job`` row (None for a native job);
+    ``evals``: ``core.evals.after_training.summary`` of it."""
     method = extra.method if extra is not None else _native_method(job)
     kind = method["type"]
     hyper = Hyperparameters.model_validate(method.get(kind, {}).get("hyperparameters", {}))
@@ -220,6 +222,7 @@ def fine_tuning_job(job: Job, extra: OpenAIJob | None, *, owner: str | None, tra
         metadata=extra.user_metadata if extra is not None else None,
         method=method,
         user_provided_suffix=suffix,
+        evals=evals,
     )
 
 

@@ -3,7 +3,8 @@
 Creating a run (``prepare``, then the API submits the spec through ``core.jobs.submit`` with
 ``attach`` writing the run row in the job's transaction; ``discard`` if the submission is refused):
 
-1. ``data_source``: ``type: completions`` (the model answers each item); its ``model`` a base,
+1. ``data_source``: ``type: completions`` (the model answers each item) or ``lm_eval`` (an
+   lm-evaluation-harness task over the items: ``core.evals.lm_task``); its ``model`` a base,
    ``job:<id>``, ``job:<id>@<step>``, ``export:<id>`` or an ``ft:`` name (``core.openai.catalog``:
    one the caller may read, else 404 ``model_not_found``);
 2. the items: ``source.type: file_id`` (a file uploaded with purpose ``evals``) or
@@ -31,6 +32,7 @@ from sqlalchemy.orm import Session
 from core.db import new_id, utcnow
 from core.errors import Conflict, InvalidInput, NotFound
 from core.evals import items as eval_items
+from core.evals import lm_task
 from core.evals.models import Eval, EvalRun
 from core.evals.service import check_metadata, get_eval, new_eval_id, page
 from core.evals.views import STATUSES
@@ -80,10 +82,13 @@ def prepare(session: Session, caller: Caller, eval_id: str, body: dict[str, Any]
     run_id = new_eval_id("evalrun")
     metadata = check_metadata(body.get("metadata"))
     name = body.get("name") or f"{source['model']} on {ev.name}"
-    sampling = _sampling(source.get("sampling_params"))
+    sampling, criteria, task = _sampling(source.get("sampling_params")), ev.testing_criteria, None
+    if source["type"] == "lm_eval":
+        task, criteria = lm_task.check_task(source["task"])
+        sampling = lm_task.sampling(task)
     project = session.get(Project, ev.project_id) if ev.project_id else None
     spec = _spec(name=str(name)[:200], model=model, prompts_file=new_id("file"), sampling=sampling, eval_id=eval_id,
-                 run_id=run_id, testing_criteria=ev.testing_criteria, project=project.name if project else None)
+                 run_id=run_id, testing_criteria=criteria, lm_eval=task, project=project.name if project else None)
     prompts = _store_prompts(session, records, spec.prompts_file, run_id, caller, ev.project_id, settings)
     recorded = {**source, "model": source.get("model")}
     if recorded["source"].get("type") == "file_content":
@@ -97,14 +102,18 @@ def check(session: Session, caller: Caller, eval_id: str, body: dict[str, Any], 
     """Steps 1-3: ``(eval, data_source, the job's model, the prompts records)``; stores nothing."""
     ev = get_eval(session, eval_id, reader=caller)
     source = body.get("data_source")
-    if not isinstance(source, dict) or source.get("type") != "completions":
+    if not isinstance(source, dict) or source.get("type") not in ("completions", "lm_eval"):
         got = source.get("type") if isinstance(source, dict) else source
-        raise InvalidInput(f"data_source.type: ftq runs 'completions' (a model on this box answers each item), "
-                           f"got {got!r}", param="data_source.type")
+        raise InvalidInput(f"data_source.type: ftq runs 'completions' (a model on this box answers each item) or "
+                           f"'lm_eval' (an lm-evaluation-harness task over the items), got {got!r}",
+                           param="data_source.type")
     model = model_reference(session, caller, source.get("model"), settings=settings)
     items = load_items(session, caller, source.get("source"), settings=settings)
     param = _items_param(source["source"])
     eval_items.check_items(items, ev.item_schema, param)
+    if source["type"] == "lm_eval":  # the task's templates render each item on the worker (trainer.evals.lm_run)
+        lm_task.check_data_source(source)
+        return ev, source, model, [{"prompt": json.dumps(item, ensure_ascii=False), "item": item} for item in items]
     check_criteria_fields(ev.testing_criteria, items, param)
     template = _template(source.get("input_messages"))
     records = eval_items.render_prompts(template, items, template_param="data_source.input_messages.template",

@@ -26,7 +26,11 @@ class EvalJobSpec(GenerateSpec):
     eval_id: Annotated[str, Field(min_length=1, max_length=64, description="The eval this run belongs to.")]
     run_id: Annotated[str, Field(min_length=1, max_length=64, description="The run (evalrun_...).")]
     testing_criteria: Annotated[list[dict[str, Any]], Field(
-        min_length=1, description="The eval's graders as validated at its creation, each with its pass_threshold.")]
+        min_length=1, description="The eval's graders as validated at its creation, each with its pass_threshold "
+        "(an lm_eval run: its task's metrics, type lm_eval).")]
+    lm_eval: Annotated[dict[str, Any] | None, Field(
+        description="An lm_eval run's task (core.evals.lm_task.check_task): the worker runs it over the "
+        "prompts file's items with lm-evaluation-harness instead of generating and grading.")] = None
 
 
 def is_eval(raw: object) -> bool:

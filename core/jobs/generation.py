@@ -182,6 +182,7 @@ def build_generate_config(session: Session, job: Job, *, settings: Settings, out
     if isinstance(spec, EvalJobSpec):  # an eval run: the same generation, each line graded (trainer.evals)
         sandbox = {"cpu_s": settings.grader_cpu_s, "wall_s": settings.grader_wall_s,
                    "memory_bytes": settings.grader_memory_mib << 20}
-        fields = {**config.to_dict(), "kind": "eval", "testing_criteria": spec.testing_criteria, "sandbox": sandbox}
+        fields = {**config.to_dict(), "kind": "eval", "testing_criteria": spec.testing_criteria, "sandbox": sandbox,
+                  "lm_eval": spec.lm_eval}
         return EvalConfig.from_dict(fields)
     return config

@@ -271,7 +271,21 @@ class JobEval(_Strict):
     eval_id: Annotated[str, Field(min_length=1, max_length=64, description="The eval (eval_...).")]
     data_source: Annotated[dict[str, Any], Field(
         description="A run's data_source without its model: type completions, source (file_id or file_content), "
-        "input_messages, sampling_params; checked at submission as a run of the base would be.")]
+        "input_messages, sampling_params; or type lm_eval, source and task (an lm-eval task); checked at "
+        "submission as a run of the base would be.")]
+    at_checkpoints: Annotated[Literal["all"] | list[Annotated[int, Field(ge=1, le=10_000_000)]], Field(
+        max_length=16, description="Also run it on checkpoints (job:<id>@<step>) once the job has succeeded: "
+        "'all' (every checkpoint before the final one, at most 16) or a list of steps, each a multiple of "
+        "checkpoint_every below max_steps. Default: none (base and tuned only). LoRA/QLoRA jobs only.")] = []
+
+    @field_validator("at_checkpoints", mode="before")
+    @classmethod
+    def _check_steps(cls, value: Any) -> Any:
+        """One message for a bad value (not one per branch of the union)."""
+        steps_ok = isinstance(value, list) and all(type(s) is int and 1 <= s <= 10_000_000 for s in value)
+        if value != "all" and not steps_ok:
+            raise ValueError(f"'all' or a list of checkpoint steps (integers from 1), got {value!r}")
+        return value
 
 
 class JobSpec(_Strict):

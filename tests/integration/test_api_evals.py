@@ -208,3 +208,142 @@ class TestJobEvals:
         assert compared["tuned"]["result_counts"]["passed"] == 3 and compared["base"]["result_counts"]["passed"] == 2
         assert [(row["index"], row["changed"]) for row in compared["items"]] == [(0, False), (1, True), (2, False)]
         assert (compared["items"][1]["base"]["output"], compared["items"][1]["tuned"]["output"]) == ("x", "2")
+
+    def test_checkpoint_runs_are_checked_started_and_scored_per_step(self, client: TestClient, store, settings, ev,
+                                                                       oai) -> None:
+        """``at_checkpoints``: refused naming the field when the job writes no such checkpoint; after
+        success one run per recorded checkpoint (``job:<id>@<step>``), a named step never written a
+        warning in the job's log; the scores per step in ``/v1/jobs/{id}/evals`` and in the OpenAI
+        job object's ``evals`` (read through the ``openai`` client)."""
+        from core.evals.after_training import start_runs
+        from core.jobs import artifact_store
+        from core.jobs.models import Checkpoint, JobEvent
+        from core.jobs.submit import Origin, record
+        from tests.integration.helpers import finish
+
+        data_source = run_body([{"item": i} for i in ITEMS])["data_source"]
+        data_source.pop("model")
+        body = {"model": "tiny", "training_file": train_file(client), "hyperparameters": {"max_steps": 6},
+                "checkpoint_every": 2}
+        before = counts(store)
+        for change, param in (({"checkpoint_every": 0}, "evals[0].at_checkpoints"),
+                              ({"hyperparameters": {"max_steps": 100}, "checkpoint_every": 1}, "evals[0].at_checkpoints"),
+                              ({"method": "full"}, "evals[0].at_checkpoints")):
+            refused = client.post("/v1/jobs", json={**body, **change, "evals": [
+                {"eval_id": ev["id"], "data_source": data_source, "at_checkpoints": "all"}]})
+            assert refused.status_code == 422 and refused.json()["error"]["param"] == param, refused.text
+        for steps, param in (([3], "evals[0].at_checkpoints[0]"), ([2, 6], "evals[0].at_checkpoints[1]"),
+                             ([0], "evals.0.at_checkpoints")):
+            refused = client.post("/v1/jobs", json={**body, "evals": [
+                {"eval_id": ev["id"], "data_source": data_source, "at_checkpoints": steps}]})
+            assert refused.status_code == 422 and refused.json()["error"]["param"] == param, refused.text
+        assert counts(store) == before
+        job = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source,
+                                                                 "at_checkpoints": [2, 4]}]})
+        assert job.status_code == 201, job.text
+        job_id = job.json()["id"]
+        assert oai.fine_tuning.jobs.retrieve(job_id).evals[0]["checkpoints"] == []
+
+        finish(store, job_id)
+        artifact_store.final_store_dir(settings, job_id, "lora").mkdir(parents=True)
+        ckpt = artifact_store.checkpoint_store_dir(settings, job_id, 2)
+        ckpt.mkdir(parents=True)
+        (ckpt / "adapter_config.json").write_text("{}")
+        with store.sessions() as session:  # step 4's checkpoint was never written
+            session.add(Checkpoint(job_id=job_id, step=2, path=str(ckpt), bytes=2, final=False))
+            session.add(Checkpoint(job_id=job_id, step=6, path=str(ckpt), bytes=2, final=True))
+            session.commit()
+
+        def submit_run(session, spec, owner, attach):
+            return record(session, spec, owner, Origin(attach=attach), settings=settings, preflight=None)[0]
+
+        assert len(start_runs(store.sessions, job_id, settings=settings, record=submit_run)) == 3
+        runs = client.get(f"/v1/evals/{ev['id']}/runs").json()["data"]
+        assert [(r["model"], r["metadata"]["ftq_side"], r["metadata"].get("ftq_step")) for r in runs] == [
+            ("tiny", "base", None), (f"job:{job_id}", "tuned", None), (f"job:{job_id}@2", "checkpoint", "2")]
+        with store.sessions() as session:
+            logs = session.scalars(select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == "log")).all()
+            dirs = [Path(session.get(Job, r["job_id"]).output_dir) for r in runs]
+        assert any("no checkpoint at step(s) 4" in p["message"] for p in logs), logs
+        for directory, texts in zip(dirs, ("1xx", "123", "1x3")):
+            (directory / "completions.parts").mkdir(parents=True)
+            (directory / "completions.parts" / "rank-0.jsonl").write_text(
+                "".join(json.dumps(graded(i, t)) + "\n" for i, t in enumerate(texts)))
+        [compared] = client.get(f"/v1/jobs/{job_id}/evals").json()["data"]
+        [step2] = compared["checkpoints"]
+        assert step2["step"] == 2 and step2["run"]["model"] == f"job:{job_id}@2"
+        assert step2["criteria"] == [{"name": "exact", "pass_rate": pytest.approx(2 / 3),
+                                      "mean_score": pytest.approx(2 / 3)}]
+        assert compared["criteria"][0]["mean_score_difference"] == pytest.approx(2 / 3)
+        [summary] = oai.fine_tuning.jobs.retrieve(job_id).evals  # the openai client keeps the extra field
+        assert summary["base"]["run_id"] == runs[0]["id"] and summary["tuned"]["status"] == "queued"
+        assert summary["criteria"][0]["difference"] == pytest.approx(2 / 3)
+        assert [(c["step"], c["run_id"], c["criteria"][0]["pass_rate"]) for c in summary["checkpoints"]] == [
+            (2, runs[2]["id"], pytest.approx(2 / 3))]
+
+
+LM_TASK = {"task": "numbers", "output_type": "multiple_choice", "doc_to_text": "Say {{q}}:",
+           "doc_to_choice": ["1", "2", "3"], "doc_to_target": "{{['1', '2', '3'].index(a)}}",
+           "metric_list": [{"metric": "acc"}, {"metric": "acc_norm", "pass_threshold": 0.5}]}
+
+
+def lm_body(**change: Any) -> dict[str, Any]:
+    return {"name": "lm", "data_source": {"type": "lm_eval", "model": "tiny", "task": LM_TASK,
+                                          "source": {"type": "file_content", "content": [{"item": i} for i in ITEMS]},
+                                          **change}}
+
+
+class TestLmEvalRuns:
+    def test_an_lm_eval_run_is_an_eval_job_of_the_task_s_metrics(self, client: TestClient, store, ev) -> None:
+        created = client.post(f"/v1/evals/{ev['id']}/runs", json=lm_body())
+        assert created.status_code == 200, created.text
+        run = created.json()
+        assert run["data_source"]["type"] == "lm_eval" and run["data_source"]["task"] == LM_TASK
+        job = client.get(f"/v1/jobs/{run['job_id']}").json()
+        assert job["kind"] == "eval" and job["spec"]["lm_eval"]["task"] == "numbers"
+        assert job["spec"]["testing_criteria"] == [{"name": "acc", "type": "lm_eval", "pass_threshold": 1.0},
+                                                   {"name": "acc_norm", "type": "lm_eval", "pass_threshold": 0.5}]
+        assert job["spec"]["sampling"]["max_tokens"] == 1
+        with store.sessions() as session:
+            lines = [json.loads(x) for x in Path(session.get(File, job["training_file"]).path).read_text().splitlines()]
+        assert [line["item"] for line in lines] == ITEMS
+        assert client.post(f"/v1/evals/{ev['id']}/runs/{run['id']}/cancel").json()["status"] == "canceled"
+
+    @pytest.mark.parametrize(("change", "param", "message"), [
+        ({"task": {**LM_TASK, "dataset_path": "hellaswag"}}, "data_source.task.dataset_path", "nothing is downloaded"),
+        ({"task": {**LM_TASK, "output_type": "loglikelihood_rolling"}}, "data_source.task.output_type", "one of"),
+        ({"task": {**LM_TASK, "metric_list": [{"metric": "bleu"}]}}, "data_source.task.metric_list[0].metric",
+         "fetched from the hub"),
+        ({"task": {**LM_TASK, "metric_list": [{"metric": "acc", "aggregation": "median"}]}},
+         "data_source.task.metric_list[0].aggregation", "mean"),
+        ({"task": {**LM_TASK, "process_results": "x"}}, "data_source.task.process_results", "not supported"),
+        ({"task": {**LM_TASK, "num_fewshot": 5}}, "data_source.task.num_fewshot", "few-shot"),
+        ({"task": {**LM_TASK, "doc_to_text": "{{ q.__class__ }}"}}, "data_source.task.doc_to_text", "sandboxed"),
+        ({"task": {k: v for k, v in LM_TASK.items() if k != "doc_to_choice"}}, "data_source.task.doc_to_choice",
+         "names its choices"),
+        ({"input_messages": {"type": "template", "template": []}}, "data_source.input_messages", "not taken"),
+        ({"source": {"type": "file_content", "content": [{"item": {"q": 1}}]}}, "data_source.source.content",
+         "line 1"),
+    ])
+    def test_a_bad_task_names_its_field_and_stores_nothing(self, client: TestClient, store, ev, change, param,
+                                                          message) -> None:
+        before = counts(store)
+        refused = client.post(f"/v1/evals/{ev['id']}/runs", json=lm_body(**change))
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["param"] == param and message in refused.json()["error"]["message"], refused.text
+        assert counts(store) == before
+
+    def test_a_training_job_s_evals_may_be_lm_eval_tasks_checked_at_submission(self, client: TestClient, store,
+                                                                                ev) -> None:
+        data_source = lm_body()["data_source"]
+        data_source.pop("model")
+        body = {"model": "tiny", "training_file": train_file(client), "hyperparameters": {"max_steps": 1}}
+        before = counts(store)
+        bad = {**data_source, "task": {**LM_TASK, "output_type": "generate"}}
+        refused = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": bad}]})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["param"] == "evals[0].data_source.task.output_type", refused.text
+        assert counts(store) == before
+        job = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source}]})
+        assert job.status_code == 201, job.text
+        assert client.post(f"/v1/jobs/{job.json()['id']}/cancel").status_code == 200

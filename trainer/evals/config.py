@@ -26,6 +26,9 @@ class EvalConfig(GenerateConfig):
     """The eval's graders, as ``trainer.graders.validate`` returned them (with ``pass_threshold``)."""
     sandbox: dict[str, float] = field(default_factory=dict)
     """A python grader's limits: ``trainer.graders.SandboxLimits`` fields (the box's settings)."""
+    lm_eval: dict[str, Any] | None = None
+    """An lm-evaluation-harness task (``core.evals.lm_task``): the items are its documents and
+    ``trainer.evals.lm_run`` runs it instead of generating and grading."""
     kind: str = KIND
     KIND: ClassVar[str] = KIND
 

@@ -21,7 +21,12 @@ from trainer.parallel.distributed import World
 
 
 def run_eval(config: EvalConfig, emit: Emit, world: World | None = None) -> str:
-    """Generate and grade every item; ``succeeded`` or ``cancelled`` (failures raise, as generation's)."""
+    """Generate and grade every item; ``succeeded`` or ``cancelled`` (failures raise, as generation's).
+    An lm-eval task's run (``config.lm_eval``) is ``trainer.evals.lm_run``'s."""
+    if config.lm_eval is not None:
+        from trainer.evals.lm_run import run_lm_eval
+
+        return run_lm_eval(config, emit, world)
     limits = SandboxLimits(**config.sandbox) if config.sandbox else SandboxLimits()
 
     def graded(prompt: PromptRecord, result: Result) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 ``ftq worker --slots 3``) for every assertion here. Bad input is refused naming the field and stores
 nothing; a job is submitted, followed, cancelled after its first prompts, resumed under its own id
 (it continues at the first undone prompt: every prompt has exactly one line), previewed and
-downloaded; a job of ``gpus: 2`` splits its prompts over two torchrun ranks."""
+downloaded; a job of ``gpus: 2`` splits its prompts over two torchrun ranks. An lm-eval task (a local YAML
+and JSONL, ``ftq eval lm-eval``) runs as an eval run on the same worker (its trainer is generation's)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,47 @@ def test_ftq_generate_submits_follows_and_downloads(pool_stack, tmp_path: Path):
     assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2]
     head = stack.ftq("completions", job_id, "--head", "1")
     assert head.returncode == 0 and json.loads(head.stdout) == json.loads(out.read_text().splitlines()[0])
+
+
+LM_TASKS = Path(__file__).resolve().parents[2] / "data" / "lm_eval"
+
+
+def test_an_lm_eval_task_runs_as_an_eval_run_through_ftq_eval_lm_eval(pool_stack, tmp_path: Path):
+    """tests/data/lm_eval's multiple-choice task, its YAML naming its JSONL beside it: the CLI uploads the
+    documents, the worker scores each choice with forwards (lm-eval's own acc), and the run reads as any
+    eval run: counts, the metric's pass rate, output items with the rendered context and the likeliest choice."""
+    stack = pool_stack
+    pytest.importorskip("lm_eval", reason="the optional lm-eval extra is not installed")
+    shutil.copy(LM_TASKS / "tiny_qa.jsonl", tmp_path / "qa.jsonl")
+    task = (LM_TASKS / "ftq_tiny_choice.yaml").read_text().replace("tests/data/lm_eval/tiny_qa.jsonl", "qa.jsonl")
+    (tmp_path / "choice.yaml").write_text(task)
+    docs = [json.loads(line) for line in (tmp_path / "qa.jsonl").read_text().splitlines()]
+    with stack.client() as client:
+        ev = client.post("/v1/evals", json={"name": "tiny qa", "data_source_config": {
+            "type": "custom", "item_schema": {"type": "object", "required": ["question", "choices", "label"]}},
+            "testing_criteria": [{"type": "string_check", "name": "unused", "input": "{{sample.output_text}}",
+                                  "reference": "x", "operation": "eq"}]}).json()
+        assert stack.ftq("login", "--key", stack.api_key, "--url", stack.url).returncode == 0
+        done = stack.ftq("eval", "lm-eval", ev["id"], MODEL, str(tmp_path / "choice.yaml"), timeout_s=300)
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{stack.log_tail()}"
+        run_id = done.stdout.split()[0]
+        run = client.get(f"/v1/evals/{ev['id']}/runs/{run_id}").json()
+        assert run["status"] == "completed" and run["data_source"]["type"] == "lm_eval", run
+        items = client.get(f"/v1/evals/{ev['id']}/runs/{run_id}/output_items", params={"limit": 10}).json()["data"]
+        assert [i["datasource_item"] for i in items] == docs
+        right = 0
+        for item, doc in zip(items, docs):
+            answer = item["sample"]["output"][0]["content"]
+            assert item["sample"]["input"] == [{"role": "user", "content": f"Q: {doc['question']}\nA:"}]
+            assert answer.strip() in doc["choices"]
+            correct = answer == " " + doc["choices"][doc["label"]]  # acc: the likeliest choice is the label
+            assert [(r["name"], r["score"]) for r in item["results"]] == [("acc", float(correct))]
+            assert item["status"] == ("pass" if correct else "fail")
+            right += correct
+        assert run["result_counts"] == {"total": 4, "passed": right, "failed": 4 - right, "errored": 0}
+        [acc] = run["per_testing_criteria_results"]
+        assert (acc["testing_criteria"], acc["pass_rate"]) == ("acc", right / 4)
+        job = client.get(f"/v1/jobs/{run['job_id']}").json()
+        assert (job["kind"], job["status"]) == ("eval", "succeeded")
+    shown = stack.ftq("eval", "show", ev["id"])
+    assert shown.returncode == 0 and run_id in shown.stdout and "acc: " in shown.stdout, shown.stdout

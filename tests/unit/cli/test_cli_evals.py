@@ -33,3 +33,34 @@ class TestEvalCommand:
         item = {"datasource_item_id": 1, "status": "fail", "sample": {"output": [{"content": "no"}]},
                 "results": [{"name": "exact", "score": 0.0, "passed": False}]}
         assert format_item(item) == '  #1  fail  "no"  exact 0 ✗'
+
+
+class TestLmEvalTask:
+    """``ftq eval lm-eval``: the task YAML read locally, its documents found, a hub dataset refused."""
+
+    def test_the_yaml_s_local_documents_are_found_and_its_dataset_keys_left_out(self, tmp_path, monkeypatch) -> None:
+        from cli.evals_lm import load_task
+
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "qa.jsonl").write_text('{"q": "x"}\n')
+        (tmp_path / "task.yaml").write_text("task: qa\noutput_type: generate_until\ndataset_path: json\n"
+                                            "dataset_kwargs:\n  data_files:\n    test: docs/qa.jsonl\n"
+                                            "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: x\n")
+        monkeypatch.chdir(tmp_path / "docs")
+        task, data = load_task(tmp_path / "task.yaml")
+        assert task == {"task": "qa", "output_type": "generate_until", "doc_to_text": "{{q}}", "doc_to_target": "x"}
+        assert data == tmp_path / "docs" / "qa.jsonl"
+        args = build_parser().parse_args(["eval", "lm-eval", "eval_1", "tiny", str(tmp_path / "task.yaml"), "--no-wait"])
+        assert (args.eval_id, args.model, args.task, args.no_wait) == ("eval_1", "tiny", tmp_path / "task.yaml", True)
+
+    @pytest.mark.parametrize(("text", "message"), [
+        ("task: h\ndataset_path: Rowan/hellaswag\n", "local documents only"),
+        ("task: h\nprocess_docs: !function utils.process\n", "!function"),
+        ("task: h\ndataset_path: json\ndataset_kwargs:\n  data_files: missing.jsonl\n", "is not a file"),
+    ])
+    def test_a_task_that_would_download_or_run_code_is_refused(self, tmp_path, text, message) -> None:
+        from cli.evals_lm import load_task
+
+        (tmp_path / "task.yaml").write_text(text)
+        with pytest.raises(CliError, match=message):
+            load_task(tmp_path / "task.yaml")

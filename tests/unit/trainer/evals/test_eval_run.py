@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,23 @@ def test_every_item_is_graded_once_and_a_resumed_run_grades_only_the_rest(tmp_pa
         assert line["results"][0]["passed"] is True
         assert line["results"][1]["passed"] is (text == line["item"]["answer"])
         assert line["status"] == ("pass" if text == line["item"]["answer"] else "fail")
+
+
+def test_the_trainer_and_its_eval_run_import_without_lm_eval() -> None:
+    """lm-eval is an optional extra: only ``trainer.evals.lm_harness`` imports it."""
+    code = ("import sys, trainer, trainer.__main__, trainer.evals.run, trainer.evals.cli, trainer.training.train; "
+            "assert 'lm_eval' not in sys.modules, 'lm_eval imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[4], check=True, timeout=120)
+
+
+def test_an_lm_eval_run_on_a_worker_without_lm_eval_names_the_extra(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    for name in {"lm_eval", "lm_eval.api.model", *(m for m in sys.modules if m.startswith("lm_eval."))}:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError, as where it is not installed
+    monkeypatch.delitem(sys.modules, "trainer.evals.lm_harness", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = EvalConfig(model=str(tiny_model_dir), prompts_file=str(tmp_path / "p.jsonl"), output_dir=str(tmp_path),
+                        testing_criteria=[{"name": "exact_match", "type": "lm_eval", "pass_threshold": 1.0}],
+                        lm_eval={"task": "t", "output_type": "generate_until"})
+    with pytest.raises(RuntimeError, match="ftq's lm_eval extra"):
+        eval_run.run_eval(config, lambda *_a, **_k: None, ONE)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -104,14 +104,21 @@ def _refuse_sharding_across_machines(sharded: bool, why: str) -> None:
 
 
 class LossModule(torch.nn.Module):
-    """The model and its loss function as one module: what DDP / FSDP2 wrap."""
+    """The model and its loss function as one module: what DDP / FSDP2 wrap.
+
+    Called with ``model_kwargs`` instead (``Parallel.model_forward``), it is the model's own
+    forward: under FSDP2 the call enters the root unit, which gathers the embeddings, final norm
+    and head (and, on the run's first forward, makes itself the root), as the sampler's forwards need.
+    """
 
     def __init__(self, model: torch.nn.Module, loss: Any) -> None:
         super().__init__()
         self.model = model
         self._loss = loss
 
-    def forward(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
+    def forward(self, batch: Any = None, meta: Any = None, num_items: int = 0, **model_kwargs: Any) -> Any:
+        if model_kwargs:
+            return self.model(**model_kwargs)
         return self._loss(self.model, batch, meta, num_items)
 
 
@@ -171,6 +178,15 @@ class Parallel:
 
     def loss(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
         return self.module(batch, meta, num_items)
+
+    @property
+    def model_forward(self) -> Callable[..., Any] | None:
+        """Under FSDP2, the model's forward through the root unit (``LossModule``'s ``model_kwargs``):
+        a forward of the bare model would meet the root's parameters still sharded. None otherwise
+        (call the model itself: DDP's forward would only add its bookkeeping)."""
+        if self.strategy != "fsdp2":
+            return None
+        return lambda **model_kwargs: self.module(**model_kwargs)
 
     @contextmanager
     def sync(self, last: bool) -> Iterator[None]:

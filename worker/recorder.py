@@ -8,6 +8,7 @@ transaction: every event gets a ``job_event`` row with the next ``seq``, and
     step        → a step_metric row, job.progress_step / total_steps
     checkpoint  → a checkpoint row
     eval        → an eval_metric row
+    rollouts    → a step_rollout row (a GRPO step's shown rollouts; the event is kept too, for live viewers)
     progress    → job.summary (a generation job's prompts_done, prompts_total, tokens, tokens_per_s)
     skip, sample, log → the event only
     step, eval, skip → job.summary recomputed from the rows (``core.jobs.summary``)
@@ -36,7 +37,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
-from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric
+from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric, StepRollout
 from core.jobs.summary import summarize
 from core.jobs.service import append_events
 from core.jobs.states import JobStatus
@@ -45,7 +46,7 @@ from trainer.events import BASE_STEP_FIELDS
 
 log = logging.getLogger(__name__)
 
-STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample", "progress")
+STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample", "progress", "rollouts")
 GENERATION_PROGRESS = ("prompts_done", "prompts_total", "tokens", "tokens_per_s")
 """A generation job's ``progress`` fields (``trainer.generate.job``), kept as its summary."""
 _METRIC_COLUMNS = tuple(f for f in BASE_STEP_FIELDS if f not in ("step", "total_steps"))
@@ -63,6 +64,7 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
     steps: dict[int, StepMetric] = {}
     checkpoints: dict[int, Checkpoint] = {}
     evals: dict[int, EvalMetric] = {}
+    rollouts: dict[int, StepRollout] = {}
     stored: list[dict[str, Any]] = []
     for raw in events:
         if raw.get("type") not in STORED_EVENT_TYPES:
@@ -83,6 +85,8 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
                 row = _checkpoint_row(job_id, event)
             elif kind == "eval":
                 row = _eval_row(job_id, event)
+            elif kind == "rollouts":
+                row = _rollout_row(job_id, event)
             elif kind == "progress":
                 values["summary"] = {name: event[name] for name in GENERATION_PROGRESS}
         except (KeyError, TypeError, ValueError) as exc:
@@ -96,10 +100,13 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
             checkpoints[row.step] = row
         elif kind == "eval":
             evals[row.step] = row
+        elif kind == "rollouts":
+            rollouts[row.step] = row
         stored.append(event)
     if not stored:
         return 0
-    for model, by_step in ((StepMetric, steps), (Checkpoint, checkpoints), (EvalMetric, evals)):
+    for model, by_step in ((StepMetric, steps), (Checkpoint, checkpoints), (EvalMetric, evals),
+                          (StepRollout, rollouts)):
         _replace_rows(session, model, job_id, by_step)
     rows = append_events(session, job_id, [(e["type"], _payload(e)) for e in stored])
     if steps or evals or any(e["type"] == "skip" for e in stored):
@@ -158,6 +165,13 @@ def _eval_row(job_id: str, event: dict[str, Any]) -> EvalMetric:
     tokens = event.get("tokens")
     return EvalMetric(job_id=job_id, step=int(event["step"]), loss=None if loss is None else float(loss),
                       tokens=None if tokens is None else int(tokens), time=_event_time(event))
+
+
+def _rollout_row(job_id: str, event: dict[str, Any]) -> StepRollout:
+    shown = event["rollouts"]
+    if not isinstance(shown, list) or not all(isinstance(r, dict) for r in shown):
+        raise TypeError("rollouts: a list of objects")
+    return StepRollout(job_id=job_id, step=int(event["step"]), rollouts=shown, time=_event_time(event))
 
 
 def _checkpoint_row(job_id: str, event: dict[str, Any]) -> Checkpoint:

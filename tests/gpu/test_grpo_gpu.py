@@ -227,3 +227,21 @@ class TestTwoGpus:
             for field in ("loss", "grad_norm"):
                 assert got[step][field] == pytest.approx(want[step][field], rel=LOSS_RTOL, abs=1e-6), (step, gaps)
         assert any(want[s]["zero_std_fraction"] < 1 and want[s]["grad_norm"] > 0 for s in want), want
+
+    def test_full_grpo_on_two_fsdp2_ranks_in_bf16_samples_from_the_gathered_weights(self, tmp_path, model_dir):
+        """The product's dtype: fp32 master shards gathered in bf16 for every forward, the sampler's
+        own included, so its KV cache is bf16 (``Parallel.gathered_dtype``) though the shards are
+        fp32. One GPU trains bf16 weights instead, so the runs part after the first update: the run
+        must finish with finite losses, real rewards and rollouts at every step."""
+        path = tmp_path / "two" / "job.json"
+        _config(tmp_path / "two", model_dir, steps=3, gpus=2, method="full").save(path)
+        two = launch(path, 2, timeout=300)
+        assert two.returncode == 0 and two.done["status"] == "succeeded", (two.done, two.stderr[-4000:])
+        assert {d["name"]: d["backend"] for d in two.of("plan")[0]["decisions"]}["parallelism"] == "fsdp2"
+        steps = two.steps()
+        assert sorted(steps) == [1, 2, 3]
+        for step in steps.values():
+            assert torch.isfinite(torch.tensor([step["loss"], step["grad_norm"]])).all(), step
+            assert 0.0 <= step["reward_mean"] <= 1.0 and 0 < step["completion_length"] <= NEW
+            assert step["generation_ms"] > 0 and step["grade_error_fraction"] == 0
+        assert [e["step"] for e in two.of("rollouts")] == [1, 2, 3]

@@ -131,9 +131,11 @@ class Grpo:
         return items, None
 
     def rollout(self, comm: Any, model: torch.nn.Module, step: int, items: Sequence[PromptItem],
-                forward: Any = None) -> None:
+                forward: Any = None, cache_dtype: torch.dtype | None = None) -> None:
         """Sample, grade and score each of this rank's ``items`` for ``step`` (module docstring);
-        ``forward``: the model's forward as the run's strategy calls it (``Parallel.model_forward``)."""
+        ``forward``: the model's forward as the run's strategy calls it (``Parallel.model_forward``),
+        ``cache_dtype``: the dtype its forwards see the parameters in (``Parallel.gathered_dtype``;
+        None: the parameters' own)."""
         from trainer.generate.engine import Engine
         from trainer.generate.params import Request, SamplingParams
 
@@ -145,7 +147,7 @@ class Grpo:
         # (a CUDA graph would not capture the gathers)
         lockstep = comm.any_rank if self.strategy == "fsdp2" else None
         engine = Engine(model, self.tokenizer, slots=slots, max_len=max_len, forward=forward,
-                        cuda_graphs="auto" if lockstep is None else False)
+                        cache_dtype=cache_dtype, cuda_graphs="auto" if lockstep is None else False)
         requests = [Request(tuple(item.ids), SamplingParams(
             max_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, n=grpo.group_size,
             seed=(self.seed * 1_000_003 + step) * 1_000_003 + item.index)) for item in items]

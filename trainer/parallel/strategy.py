@@ -125,10 +125,13 @@ class LossModule(torch.nn.Module):
 class Parallel:
     """The wrapped loss module of a run (``module``), and the gradient-sync switch."""
 
-    def __init__(self, module: torch.nn.Module, strategy: str | None, *, static_graph: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, strategy: str | None, *, static_graph: bool = False,
+                 compute_dtype: str = "float32") -> None:
         self.module = module
         self.strategy = strategy
         self.static_graph = static_graph
+        self.compute_dtype = compute_dtype
+        """The dtype FSDP2 gathers the parameters in (``apply_fsdp``)."""
         self.agreeing = False
         """Set by the OOM ladder for its window's steps (``can_agree``): every backward runs without
         the gradient exchange, and ``agree`` ends the step."""
@@ -178,6 +181,12 @@ class Parallel:
 
     def loss(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
         return self.module(batch, meta, num_items)
+
+    @property
+    def gathered_dtype(self) -> torch.dtype | None:
+        """Under FSDP2, the dtype a forward sees the parameters in (the shards may be fp32 masters):
+        what a sampler's KV cache must hold. None otherwise (the parameters' own dtype)."""
+        return getattr(torch, self.compute_dtype) if self.strategy == "fsdp2" else None
 
     @property
     def model_forward(self) -> Callable[..., Any] | None:
@@ -233,7 +242,7 @@ def parallelize(
         return Parallel(module, None)
     if decision.backend == "ddp":
         return Parallel(apply_ddp(module, comm, static_graph=static_graph), "ddp", static_graph=static_graph)
-    return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2")
+    return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2", compute_dtype=compute_dtype)
 
 
 def apply_ddp(module: torch.nn.Module, comm: Comm, *, static_graph: bool = False) -> torch.nn.Module:

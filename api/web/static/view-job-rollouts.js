@@ -18,7 +18,9 @@ export function rolloutsSection(id, signal) {
     h("div", { class: "toolbar" }, h("label", { for: "rollouts-step", text: "Step" }), select),
     body,
   );
-  const shown = new Map(); // step -> rollouts, as read or received
+  const shown = new Map(); // step -> rollouts: the steps looked at, and the newest received while following
+  const known = new Set(); // the steps in the selector
+  let last = -Infinity;
   let following = true; // show each new step as it comes, until the user picks another
   let started = false;
 
@@ -28,9 +30,15 @@ export function rolloutsSection(id, signal) {
   });
 
   function addStep(step) {
-    if ([...select.options].some((o) => Number(o.value) === step)) return;
-    const later = [...select.options].find((o) => Number(o.value) > step);
-    select.insertBefore(h("option", { value: String(step), text: `step ${step}` }), later || null);
+    if (known.has(step)) return;
+    known.add(step);
+    const option = h("option", { value: String(step), text: `step ${step}` });
+    if (step > last) { // the usual case: steps come in order (a long run's history replays thousands)
+      select.append(option);
+      last = step;
+    } else {
+      select.insertBefore(option, [...select.options].find((o) => Number(o.value) > step) || null);
+    }
   }
 
   async function show(step) {
@@ -54,7 +62,7 @@ export function rolloutsSection(id, signal) {
         if (!select.options.length) clear(body, h("p", { class: "muted", text: "Each step's first rollouts appear here as the job trains." }));
         return;
       }
-      if (following) await show(Math.max(...[...select.options].map((o) => Number(o.value))));
+      if (following) await show(last);
     } catch (err) {
       if (err.name !== "AbortError") clear(body, errorBox(err, "job-rollouts-error"));
     }
@@ -71,9 +79,10 @@ export function rolloutsSection(id, signal) {
 
   function add(event) {
     if (element.hidden || typeof event.step !== "number") return;
-    shown.set(event.step, event.rollouts || []);
     addStep(event.step);
-    if (following) show(event.step);
+    if (!following || event.step < last) return; // another step is read when picked
+    shown.set(event.step, event.rollouts || []);
+    show(event.step);
   }
 
   return { element, update, add };

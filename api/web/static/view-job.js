@@ -536,11 +536,14 @@ export function renderJob(main, [jobId]) {
       }
       return;
     }
+    if (type === "rollouts") { // one a step, as steps: shown in its section, not in the log
+      rollouts.add(data);
+      return;
+    }
     logEvent(type, data, seq);
     if (type === "log" && data.level === "warning" && data.source === "tracking") showTrackingWarning(data.message);
     if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
     if (type === "sample") results.addSample(data);
-    if (type === "rollouts") rollouts.add(data);
     if (type === "progress" && GENERATING.has(job.kind)) generation.update(job, data);
     if (type === "plan") {
       job.plan = data;
@@ -655,8 +658,6 @@ function describeEvent(type, d) {
       return `step ${d.step} not applied: loss ${d.loss ?? "NaN/inf"}, grad norm ${d.grad_norm ?? "NaN/inf"} (${d.consecutive} in a row of at most ${d.limit})`;
     case "sample":
       return `step ${d.step}: ${(d.samples || []).length} sample generations${d.final ? " (final)" : ""}`;
-    case "rollouts":
-      return `step ${d.step}: ${(d.rollouts || []).length} rollouts shown`;
     case "progress":
       return `${d.prompts_done} / ${d.prompts_total} prompts${d.tokens_per_s ? ` · ${fmtCompact(d.tokens_per_s)} tokens/s` : ""}`;
     default:

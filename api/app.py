@@ -29,6 +29,7 @@ from api.files.routes import router as files_router
 from api.files.tokenizer_pool import TokenizerPool
 from api.inputs import BoundedJsonBodies, check_request_text
 from api.jobs.completions import router as completions_router
+from api.jobs.rollouts import router as rollouts_router
 from api.jobs.routes import router as jobs_router
 from api.evals.routes import jobs_router as job_evals_router
 from api.evals.routes import router as evals_router
@@ -110,6 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     add_docs_pages(app)
     app.include_router(files_router)
     app.include_router(completions_router)
+    app.include_router(rollouts_router)
     app.include_router(jobs_router)
     app.include_router(queue_router)
     app.include_router(system_router)

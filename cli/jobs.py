@@ -345,6 +345,8 @@ def describe(kind: str, data: dict[str, Any]) -> str:
         return f"eval: step {data.get('step')} loss " + (f"{loss:.4f}" if isinstance(loss, (int, float)) else str(loss))
     if kind == "sample":
         return sample_lines(data)
+    if kind == "rollouts":
+        return rollout_lines(data)
     if kind == "progress" and "prompts_done" in data:  # a generation job's (trainer.generate.job)
         rate = data.get("tokens_per_s")
         return (f"progress: {data['prompts_done']}/{data.get('prompts_total')} prompts"
@@ -366,6 +368,16 @@ def sample_lines(data: dict[str, Any]) -> str:
         tokens = sample.get("tokens")
         lines.append(f"  {_shown(sample.get('prompt'))} → {completion}"
                      + (f"  ({tokens} token{'s' if tokens != 1 else ''})" if tokens is not None else ""))
+    return "\n".join(lines)
+
+
+def rollout_lines(data: dict[str, Any]) -> str:
+    """A GRPO step's ``rollouts`` event as text: a head line, then ``[reward] prompt → completion``
+    per rollout (escaped as ``sample_lines`` escapes)."""
+    lines = [f"rollouts: step {data.get('step')}"]
+    for rollout in data.get("rollouts") or []:
+        completion = _shown(rollout.get("completion")) or "(nothing: end of sequence first)"
+        lines.append(f"  [reward {rollout.get('reward')}] {_shown(rollout.get('prompt'))} → {completion}")
     return "\n".join(lines)
 
 

@@ -21,6 +21,9 @@ without torch. Every event has
                 a non-finite step whose update was not applied (``trainer.training.guards``)
 ``sample``      step, final (bool), samples: list of {prompt, completion, tokens}: greedy
                 generations at a checkpoint and at the end (``trainer.generate.samples``)
+``rollouts``    step, rollouts: list of {prompt_index, prompt, completion, completion_tokens, reward,
+                advantage, scores: {grader name: score}}: a GRPO step's first ``grpo.log_rollouts``
+                completions of rank 0's prompts (texts cut to 2,000 characters), after its ``step``
 ``log``         level ("debug" | "info" | "warning" | "error"), message
 ``checkpoint``  step, path (directory), bytes, final (bool)
 ``done``        status ("succeeded" | "failed" | "cancelled"), error_code (str | None),
@@ -54,7 +57,8 @@ from typing import IO, Any
 
 from trainer import objectives
 
-EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done", "progress", "skip", "sample", "reply")
+EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "done", "progress", "skip", "sample", "reply",
+               "rollouts")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ transaction: every event gets a ``job_event`` row with the next ``seq``, and
     step        → a step_metric row, job.progress_step / total_steps
     checkpoint  → a checkpoint row
     eval        → an eval_metric row
+    rollouts    → a step_rollout row (a GRPO step's shown rollouts; the event is kept too, for live viewers)
     progress    → job.summary (a generation job's prompts_done, prompts_total, tokens, tokens_per_s)
     skip, sample, log → the event only
     step, eval, skip → job.summary recomputed from the rows (``core.jobs.summary``)
@@ -36,7 +37,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
-from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric
+from core.jobs.models import Checkpoint, EvalMetric, Job, StepMetric, StepRollout
 from core.jobs.summary import summarize
 from core.jobs.service import append_events
 from core.jobs.states import JobStatus
@@ -45,7 +46,7 @@ from trainer.events import BASE_STEP_FIELDS
 
 log = logging.getLogger(__name__)
 
-STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample", "progress")
+STORED_EVENT_TYPES = ("plan", "step", "eval", "log", "checkpoint", "skip", "sample", "progress", "rollouts")
 GENERATION_PROGRESS = ("prompts_done", "prompts_total", "tokens", "tokens_per_s")
 """A generation job's ``progress`` fields (``trainer.generate.job``), kept as its summary."""
 _METRIC_COLUMNS = tuple(f for f in BASE_STEP_FIELDS if f not in ("step", "total_steps"))
@@ -60,9 +61,7 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
     strings (PostgreSQL's JSONB and text columns reject them).
     """
     job_values: dict[str, Any] = {}
-    steps: dict[int, StepMetric] = {}
-    checkpoints: dict[int, Checkpoint] = {}
-    evals: dict[int, EvalMetric] = {}
+    rows: dict[type, dict[int, Any]] = {model: {} for model in (StepMetric, Checkpoint, EvalMetric, StepRollout)}
     stored: list[dict[str, Any]] = []
     for raw in events:
         if raw.get("type") not in STORED_EVENT_TYPES:
@@ -70,45 +69,35 @@ def apply_events(session: Session, job_id: str, events: list[dict[str, Any]]) ->
         event = _strip_nul(raw)
         kind = event["type"]
         try:
+            row = _ROWS[kind](job_id, event) if kind in _ROWS else None
             values: dict[str, Any] = {}
             if kind == "plan":
                 values["plan"] = _payload(event)
-                if event.get("total_steps") is not None:
-                    values["total_steps"] = int(event["total_steps"])
-            elif kind == "step":
-                row = _step_row(job_id, event)
-                if event.get("total_steps") is not None:
-                    values["total_steps"] = int(event["total_steps"])
-            elif kind == "checkpoint":
-                row = _checkpoint_row(job_id, event)
-            elif kind == "eval":
-                row = _eval_row(job_id, event)
-            elif kind == "progress":
+            if kind in ("plan", "step") and event.get("total_steps") is not None:
+                values["total_steps"] = int(event["total_steps"])
+            if kind == "progress":
                 values["summary"] = {name: event[name] for name in GENERATION_PROGRESS}
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("job %s: dropped a malformed %r event (%r): %s", job_id, kind, exc, _preview(event))
             continue
         job_values.update(values)
+        if row is not None:
+            rows[type(row)][row.step] = row
         if kind == "step":
-            steps[row.step] = row
             job_values["progress_step"] = max(row.step, job_values.get("progress_step", 0))
-        elif kind == "checkpoint":
-            checkpoints[row.step] = row
-        elif kind == "eval":
-            evals[row.step] = row
         stored.append(event)
     if not stored:
         return 0
-    for model, by_step in ((StepMetric, steps), (Checkpoint, checkpoints), (EvalMetric, evals)):
+    for model, by_step in rows.items():
         _replace_rows(session, model, job_id, by_step)
-    rows = append_events(session, job_id, [(e["type"], _payload(e)) for e in stored])
-    if steps or evals or any(e["type"] == "skip" for e in stored):
+    appended = append_events(session, job_id, [(e["type"], _payload(e)) for e in stored])
+    if rows[StepMetric] or rows[EvalMetric] or any(e["type"] == "skip" for e in stored):
         job_values["summary"] = summarize(session, job_id)
     if job_values:
         session.execute(
             update(Job).where(Job.job_id == job_id).values(**job_values).execution_options(synchronize_session=False)
         )
-    return rows[-1].seq
+    return appended[-1].seq
 
 
 def _replace_rows(session: Session, model: Any, job_id: str, by_step: dict[int, Any]) -> None:
@@ -160,6 +149,13 @@ def _eval_row(job_id: str, event: dict[str, Any]) -> EvalMetric:
                       tokens=None if tokens is None else int(tokens), time=_event_time(event))
 
 
+def _rollout_row(job_id: str, event: dict[str, Any]) -> StepRollout:
+    shown = event["rollouts"]
+    if not isinstance(shown, list) or not all(isinstance(r, dict) for r in shown):
+        raise TypeError("rollouts: a list of objects")
+    return StepRollout(job_id=job_id, step=int(event["step"]), rollouts=shown, time=_event_time(event))
+
+
 def _checkpoint_row(job_id: str, event: dict[str, Any]) -> Checkpoint:
     return Checkpoint(
         job_id=job_id,
@@ -169,6 +165,11 @@ def _checkpoint_row(job_id: str, event: dict[str, Any]) -> Checkpoint:
         final=bool(event.get("final", False)),
         created_at=_event_time(event),
     )
+
+
+_ROWS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
+    "step": _step_row, "checkpoint": _checkpoint_row, "eval": _eval_row, "rollouts": _rollout_row}
+"""The event types kept as rows of their own (beside the event), each row keyed by the job and its step."""
 
 
 class EventRecorder:

@@ -72,6 +72,9 @@ def _describe(type_: str, data: dict[str, Any]) -> tuple[str, str, dict[str, Any
         model = (data.get("model") or {}).get("name", "the model")
         return "info", (f"Training plan: {data.get('total_steps')} steps of {model} on {data.get('device')} "
                         f"({data.get('dtype')})"), None, "message"
+    if type_ == "rollouts":  # a GRPO step's shown rollouts (docs/grpo.md): kept whole in data
+        shown = data.get("rollouts") or []
+        return "info", f"Step {data.get('step')}: {len(shown)} rollouts shown", data, "message"
     return "info", f"{type_} event", data, "message"
 
 

@@ -134,6 +134,19 @@ class EvalMetric(Base):
     time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class StepRollout(Base):
+    """The rollouts shown for a GRPO step (the trainer's ``rollouts`` event): its first
+    ``grpo.log_rollouts`` completions of rank 0's prompts, each ``{prompt_index, prompt, completion,
+    completion_tokens, reward, advantage, scores}`` (``trainer.objectives.grpo.shown_rollouts``)."""
+
+    __tablename__ = "step_rollout"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.job_id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollouts: Mapped[list[dict[str, Any]]] = mapped_column(JSONType)
+    time: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Checkpoint(Base):
     """A checkpoint directory the trainer wrote (adapter + optimizer + step + RNG)."""
 

@@ -1,5 +1,6 @@
 """GRPO on CUDA: a LoRA job samples on its live weights through the Triton decode path, that path
-samples what the plain-torch reference samples, and two ranks on NCCL train as one GPU.
+samples what the plain-torch reference samples, and two ranks on NCCL train as one GPU (DDP over
+LoRA adapters; FSDP2 for full fine-tuning, the rollouts in lock-step).
 
 Run on the lent GPU: ``python -m pytest -m gpu tests/gpu/test_grpo_gpu.py`` (the last class needs
 two GPUs: ``-m gpu_multi``). The one-GPU runs go in this process (``trainer.training.train.run``),
@@ -58,8 +59,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_for_gpu(tmp_path_factory.mktemp("tiny-gpu"), "llama")
 
 
-def _config(directory: Path, model_dir: Path, *, steps: int, dtype: str = "auto", gpus: int = 1) -> Any:
-    """A LoRA GRPO job on CUDA: two prompts' groups (4 x up to 6 new tokens) a micro-batch,
+def _config(directory: Path, model_dir: Path, *, steps: int, dtype: str = "auto", gpus: int = 1,
+            method: str = "lora") -> Any:
+    """A GRPO job on CUDA (LoRA unless ``method``): two prompts' groups (4 x up to 6 new tokens) a micro-batch,
     ``gpus`` x 1 micro-batches a step; ``scale_rewards: batch`` and ``dapo`` so the step's spread and
     token count are gathered over the ranks (``test_grpo_ranks``'s job)."""
     from trainer.config import DataConfig, ModelConfig, OptimConfig
@@ -68,10 +70,10 @@ def _config(directory: Path, model_dir: Path, *, steps: int, dtype: str = "auto"
     directory.mkdir(parents=True, exist_ok=True)
     prompts = write_jsonl(directory / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
     return make_job(
-        directory, model_dir, device="cuda", gpus=gpus, objective="grpo", gradient_checkpointing="auto",
+        directory, model_dir, device="cuda", gpus=gpus, objective="grpo", gradient_checkpointing="auto", method=method,
         model=ModelConfig(str(model_dir), dtype=dtype),
         data=DataConfig(str(prompts), max_seq_len=64, batch_tokens=GROUP * 32),
-        optim=OptimConfig(max_steps=steps, grad_accum=1, warmup_steps=1, learning_rate=1e-2),
+        optim=OptimConfig(max_steps=steps, grad_accum=1, warmup_steps=1, learning_rate=1e-2 if method == "lora" else 1e-3),
         grpo=GrpoConfig(graders=GRADER, group_size=GROUP, max_new_tokens=NEW, loss_type="dapo", scale_rewards="batch"),
     )
 
@@ -85,8 +87,8 @@ class _Rollouts:
         self.calls: list[dict[str, Any]] = []
         generate = Engine.generate
 
-        def spy(engine: Engine, requests: Any) -> Any:
-            results = generate(engine, requests)
+        def spy(engine: Engine, requests: Any, lockstep: Any = None) -> Any:
+            results = generate(engine, requests, lockstep)
             self.calls.append({
                 "backend": engine.backend, "replays": engine.stats.graph_replays, "slots": engine.slots,
                 "sequences": sum(r.params.n for r in requests),
@@ -192,3 +194,54 @@ class TestTwoGpus:
             for field in ("loss", "grad_norm"):
                 assert got[step][field] == pytest.approx(want[step][field], rel=LOSS_RTOL, abs=1e-6), (step, gaps)
         assert any(want[s]["zero_std_fraction"] < 1 and want[s]["grad_norm"] > 0 for s in want), want
+
+    def test_full_grpo_on_two_fsdp2_ranks_over_nccl_follows_one_gpu(self, tmp_path, model_dir):
+        """Method full on two GPUs is sharded with FSDP2: every forward gathers the layers with both
+        ranks, so each step's rollouts decode in lock-step (a rank done first runs idle forwards,
+        no CUDA graphs: they would not capture the gathers) through the FSDP2 root. Against one GPU
+        with the same global batch, both in float32 (FSDP2 keeps fp32 master shards; the one GPU
+        then trains in fp32 too, so the two sample from the same weights): equal reward fields and
+        tokens, loss and grad norm within ``LOSS_RTOL`` (1e-6 absolute for an on-policy loss near 0);
+        ``tests/unit/trainer/test_grpo_ranks.py`` is the CPU (gloo) twin."""
+        from trainer.objectives.declarations import GRPO
+
+        def job(name: str) -> Path:
+            path = tmp_path / name / "job.json"
+            _config(tmp_path / name, model_dir, steps=4, gpus=2, dtype="float32", method="full").save(path)
+            return path
+
+        one, two = launch(job("one"), 1, timeout=300), launch(job("two"), 2, timeout=300)
+        for run in (one, two):
+            assert run.returncode == 0 and run.done["status"] == "succeeded", (run.done, run.stderr[-4000:])
+        [plan] = two.of("plan")
+        assert {d["name"]: d["backend"] for d in plan["decisions"]}["parallelism"] == "fsdp2"
+        got, want = two.steps(), one.steps()
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+        fields = [m.name for m in GRPO.metrics if not m.name.endswith("_ms")]
+        gaps = {s: {f: abs(got[s][f] - want[s][f]) / max(abs(want[s][f]), 1e-12) for f in ("loss", "grad_norm")}
+                for s in want}
+        _report({"test": "grpo-fsdp2-full-2-vs-1", "by_step": gaps})
+        for step in want:
+            assert {f: got[step][f] for f in fields} == {f: want[step][f] for f in fields}, step
+            assert got[step]["tokens"] == want[step]["tokens"], step
+            for field in ("loss", "grad_norm"):
+                assert got[step][field] == pytest.approx(want[step][field], rel=LOSS_RTOL, abs=1e-6), (step, gaps)
+        assert any(want[s]["zero_std_fraction"] < 1 and want[s]["grad_norm"] > 0 for s in want), want
+
+    def test_full_grpo_on_two_fsdp2_ranks_in_bf16_samples_from_the_gathered_weights(self, tmp_path, model_dir):
+        """The product's dtype: fp32 master shards gathered in bf16 for every forward, the sampler's
+        own included, so its KV cache is bf16 (``Parallel.gathered_dtype``) though the shards are
+        fp32. One GPU trains bf16 weights instead, so the runs part after the first update: the run
+        must finish with finite losses, real rewards and rollouts at every step."""
+        path = tmp_path / "two" / "job.json"
+        _config(tmp_path / "two", model_dir, steps=3, gpus=2, method="full").save(path)
+        two = launch(path, 2, timeout=300)
+        assert two.returncode == 0 and two.done["status"] == "succeeded", (two.done, two.stderr[-4000:])
+        assert {d["name"]: d["backend"] for d in two.of("plan")[0]["decisions"]}["parallelism"] == "fsdp2"
+        steps = two.steps()
+        assert sorted(steps) == [1, 2, 3]
+        for step in steps.values():
+            assert torch.isfinite(torch.tensor([step["loss"], step["grad_norm"]])).all(), step
+            assert 0.0 <= step["reward_mean"] <= 1.0 and 0 < step["completion_length"] <= NEW
+            assert step["generation_ms"] > 0 and step["grade_error_fraction"] == 0
+        assert [e["step"] for e in two.of("rollouts")] == [1, 2, 3]

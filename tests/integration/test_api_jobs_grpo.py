@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from core.jobs import service
 from core.jobs.models import Job
 from tests.integration.helpers import spec, upload
 
@@ -103,3 +104,45 @@ class TestGrpoJobs:
         assert response.status_code == 201, response.text
         warnings = response.json()["preflight"]["warnings"]
         assert len(warnings) == 2 and all("empty completion" in w for w in warnings), warnings
+
+
+def _shown(step: int, rewards: list[float]) -> dict[str, Any]:
+    """A ``rollouts`` event of ``step`` as the trainer emits it (``trainer.objectives.grpo.shown_rollouts``)."""
+    from trainer.events import make_event
+
+    return make_event("rollouts", step=step, rollouts=[
+        {"prompt_index": 0, "prompt": "2 + 2 =", "completion": f" {step}{k}", "completion_tokens": 2, "reward": r,
+         "advantage": r - 0.5, "scores": {"exact": r}} for k, r in enumerate(rewards)])
+
+
+class TestRollouts:
+    """The trainer's ``rollouts`` events, stored by the worker's recorder, at ``/v1/jobs/{id}/rollouts``."""
+
+    def test_each_steps_rollouts_are_stored_and_served_by_step_and_in_pages(self, client: TestClient, store) -> None:
+        from worker.recorder import apply_events
+
+        job_id = client.post("/v1/jobs", json=_grpo(_upload(client, PROMPTS).json()["id"])).json()["id"]
+        assert client.get(f"/v1/jobs/{job_id}/rollouts").json() == {"object": "list", "data": [], "next_after_step": None}
+        with store.sessions() as session:
+            apply_events(session, job_id, [_shown(step, [1.0, 0.0, 0.0, 0.0]) for step in (1, 2, 3)])
+            apply_events(session, job_id, [_shown(2, [1.0, 1.0])])  # a resumed run re-emits step 2: it replaces
+            session.commit()
+        assert client.get(f"/v1/jobs/{job_id}/rollouts/steps").json() == {"steps": [1, 2, 3]}
+        [two] = client.get(f"/v1/jobs/{job_id}/rollouts", params={"step": 2}).json()["data"]
+        assert [(r["completion"], r["reward"], r["scores"]) for r in two["rollouts"]] == [
+            (" 20", 1.0, {"exact": 1.0}), (" 21", 1.0, {"exact": 1.0})]
+        first = client.get(f"/v1/jobs/{job_id}/rollouts", params={"limit": 2}).json()
+        assert [p["step"] for p in first["data"]] == [1, 2] and first["next_after_step"] == 2
+        rest = client.get(f"/v1/jobs/{job_id}/rollouts", params={"limit": 2, "after_step": 2}).json()
+        assert [p["step"] for p in rest["data"]] == [3] and rest["next_after_step"] is None
+        assert client.get(f"/v1/jobs/{job_id}/rollouts", params={"step": 9}).json()["data"] == []
+        with store.sessions() as session:  # kept as events too: the job page's live updates
+            assert [e.type for e in service.events_after(session, job_id, 0)].count("rollouts") == 4
+
+    def test_a_bad_page_is_422_naming_the_field_and_an_unknown_job_404(self, client: TestClient) -> None:
+        job_id = client.post("/v1/jobs", json=_grpo(_upload(client, PROMPTS).json()["id"])).json()["id"]
+        for params, field in (({"limit": 0}, "limit"), ({"limit": 201}, "limit"), ({"step": -1}, "step")):
+            response = client.get(f"/v1/jobs/{job_id}/rollouts", params=params)
+            assert response.status_code == 422 and response.json()["error"]["param"] == field, response.text
+        for path in ("rollouts", "rollouts/steps"):
+            assert client.get(f"/v1/jobs/job-nope/{path}").status_code == 404

@@ -24,7 +24,9 @@ rank). Ranks may still disagree on a token (a seedless request draws its seed fr
 own generator; reductions may differ between ranks); pass ``agree`` (e.g. a broadcast from rank
 0, ``trainer.parallel.distributed.Comm.broadcast_from_first``) and every step's tokens are rank
 0's, so all ranks finish together. Under DDP the forward exchanges nothing; ``agree`` still
-keeps the ranks' outputs equal.
+keeps the ranks' outputs equal. Ranks that complete different requests (GRPO's rollouts, each
+rank its own prompts) pass ``lockstep`` instead: a rank done early runs idle forwards until the
+last rank is done, one "anyone still busy?" collective a step.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class EngineStats:
     forward_tokens: int = 0
     """Tokens fed through the model (prompts once, then one per decoding sequence and step)."""
     caches_allocated: int = 0
+    idle_forwards: int = 0
+    """Forwards run only to keep step with other ranks (``generate``'s ``lockstep``)."""
 
 
 class Engine:
@@ -74,6 +78,8 @@ class Engine:
         cache_dtype: of the cached keys and values; default autocast's dtype when it is on around
             ``generate``, else the input embeddings' dtype (a call in another dtype reallocates).
         agree: ``tokens -> tokens`` applied to each step's drawn tokens (see the module docstring).
+        forward: what a step calls with the model's keyword arguments, default ``model`` itself
+            (under FSDP2, ``trainer.parallel.strategy.Parallel.model_forward``: through the root unit).
         attention_backend: ``auto``, ``torch`` or ``triton`` (``trainer.generate.attention``'s
             ``BACKENDS``); default the ``FTQ_SAMPLER_ATTENTION`` environment variable, else ``auto``
             (``triton`` on CUDA where Triton imports, else ``torch``). ``self.backend`` is the choice.
@@ -93,12 +99,13 @@ class Engine:
                  max_batch_tokens: int = 4096, device: torch.device | None = None,
                  cache_dtype: torch.dtype | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 attention_backend: str | None = None, cuda_graphs: bool | str = False) -> None:
+                 forward: Callable[..., Any] | None = None, attention_backend: str | None = None, cuda_graphs: bool | str = False) -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
             )
         self.model, self.tokenizer = model, tokenizer
+        self._call = forward if forward is not None else model
         self.slots, self.max_len, self.max_batch_tokens = slots, max_len, max_batch_tokens
         lm = unwrap_model(model)
         embed = lm.get_input_embeddings().weight
@@ -117,8 +124,14 @@ class Engine:
                              f"{self.device}); pass cuda_graphs=False")
         self.graphs: DecodeGraphs | None = DecodeGraphs(slots) if cuda_graphs else None
 
-    def generate(self, requests: Seq[Request]) -> list[Result]:
+    def generate(self, requests: Seq[Request], lockstep: Callable[[bool], bool] | None = None) -> list[Result]:
         """Complete every request; results in request order.
+
+        Args:
+            lockstep: ``busy -> any rank busy`` (``Comm.any_rank``): each rank completes its own
+                requests, and a rank that is done keeps running a one-token idle forward
+                (``_idle``) until every rank is, so all ranks run the same number of forwards, as
+                FSDP2's gathers need. One small host collective per step.
 
         Raises:
             ValueError: a prompt does not fit ``max_len``, a request asks for stop strings without a
@@ -126,8 +139,15 @@ class Engine:
         """
         scheduler = self.scheduler(requests)
         with self.running() as step:
-            while scheduler.busy:
-                step(scheduler)
+            if lockstep is None:
+                while scheduler.busy:
+                    step(scheduler)
+            else:
+                while lockstep(scheduler.busy):
+                    if scheduler.busy:
+                        step(scheduler)
+                    else:
+                        self._idle()
         return scheduler.results()
 
     def scheduler(self, requests: Seq[Request] = ()) -> Scheduler:
@@ -186,6 +206,15 @@ class Engine:
             logits_RV = logits_RV.index_select(0, torch.tensor(plan.pick, device=logits_RV.device))
         scheduler.advance(plan, *self._draw(plan, logits_RV))
 
+    def _idle(self) -> None:
+        """One forward of one token at position 0 of slot 0 (free: nothing runs), its logits
+        unread: a rank whose requests are done pairs the forwards of the ranks still sampling."""
+        assert self.cache is not None, "_idle runs inside running(), which allocates the cache"
+        plan = StepPlan(segments=[(0, 0, 1)], input_ids=[0], keep=[0], adapters=[None])
+        self._forward(plan, StepState.build(self.cache, plan.segments, self.device, self.backend), None)
+        self.stats.forwards += 1
+        self.stats.idle_forwards += 1
+
     def _forward(self, plan: StepPlan, state: StepState, active: str | None) -> torch.Tensor:
         """The logits of the row's kept tokens [K, V].
 
@@ -197,12 +226,12 @@ class Engine:
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long).to(self.device)
         keep = torch.tensor(plan.keep, dtype=torch.long).to(self.device)
         if active is None:
-            out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=state.position_T.unsqueeze(0),
+            out = self._call(input_ids=input_ids.unsqueeze(0), position_ids=state.position_T.unsqueeze(0),
                              use_cache=False, logits_to_keep=keep, sampler_state=state)
             return out.logits[0]
         names = [name if name is not None else active
                  for name, (_, _, count) in zip(plan.adapters, plan.segments) for _ in range(count)]
-        out = self.model(input_ids=input_ids.unsqueeze(1), position_ids=state.position_T.unsqueeze(1),
+        out = self._call(input_ids=input_ids.unsqueeze(1), position_ids=state.position_T.unsqueeze(1),
                          use_cache=False, sampler_state=state, adapter_names=names)
         return out.logits[:, -1].index_select(0, keep)
 

@@ -103,6 +103,5 @@ GRPO = register(Declaration(
         Chart("grpo-time", "Rollout time", ("generation_ms", "grading_ms")),
     ),
     section=GrpoConfig,
-    fsdp2=False,
     openai_method="reinforcement",
 ))

@@ -9,7 +9,11 @@ completion is graded with the job's grader (``trainer.graders.run.grade``: its i
 record, so ``{{item.x}}`` reads the record's own fields); a grader's failure on an item scores it 0
 (and is counted). Advantages are each reward less its group's mean, over the group's spread (or,
 ``scale_rewards: batch``, the step's over every rank). Each rank samples only its own prompts; the
-seeds depend on the prompt, not the rank, so two ranks sample what one process would. Then ``pack``
+seeds depend on the prompt, not the rank, so two ranks sample what one process would. Under FSDP2
+(method full on several GPUs, or a sharded LoRA base) every forward gathers parameters with all
+ranks, so the ranks' samplers decode in lock-step (``Engine.generate``'s ``lockstep``): a rank whose
+prompts are done runs idle forwards until every rank's are, decided each step by one small host
+collective (``Comm.any_rank``). Then ``pack``
 lays a prompt's group out as ``group_size`` sequences (prompt + completion, labels on the completion) and
 the loss reads each completion token's log-probability through the fused head. With one
 optimisation step per batch of rollouts the sampling policy is the current one: ``old`` is the
@@ -58,6 +62,8 @@ class PromptItem:
     completions: list[list[int]] = field(default_factory=list)
     """This step's ``G`` completions (set by ``rollout``)."""
     rewards: list[float] = field(default_factory=list)
+    scores: list[dict[str, float]] = field(default_factory=list)
+    """Each completion's score by grader (a ``multi`` grader's graders, else the one grader's name)."""
     advantages: list[float] = field(default_factory=list)
     errors: int = 0
 
@@ -86,9 +92,13 @@ class Grpo:
         """This rank's prompts of the step (``rollout``'s), the only ones whose completions it knows."""
         self.comm: Any = None
         self.memory_cap: int | None = None
+        """The job's ``max_gpu_memory_gb`` in bytes: the sampler's cache is sized within it too."""
+        self.strategy: str | None = None
+        """The run's parallel strategy (``build_loss``'s): under ``fsdp2`` the rollouts run in lock-step."""
         self._timings: list[float] = []
         """This rank's last rollout: [1, generation ms, grading ms], added to the step's sums once."""
-        """The job's ``max_gpu_memory_gb`` in bytes: the sampler's cache is sized within it too."""
+        self._shown: dict[int, list[dict[str, Any]]] = {}
+        """The first rollouts of each step not yet emitted (``take_rollouts``), by step."""
 
     def load_data(self, config: TrainConfig, tokenizer: Any) -> tuple[list[PromptItem], None]:
         from trainer.generate.job import encode
@@ -120,8 +130,12 @@ class Grpo:
         _check_fit(items, config.data.batch_tokens)
         return items, None
 
-    def rollout(self, comm: Any, model: torch.nn.Module, step: int, items: Sequence[PromptItem]) -> None:
-        """Sample, grade and score each of this rank's ``items`` for ``step`` (module docstring)."""
+    def rollout(self, comm: Any, model: torch.nn.Module, step: int, items: Sequence[PromptItem],
+                forward: Any = None, cache_dtype: torch.dtype | None = None) -> None:
+        """Sample, grade and score each of this rank's ``items`` for ``step`` (module docstring);
+        ``forward``: the model's forward as the run's strategy calls it (``Parallel.model_forward``),
+        ``cache_dtype``: the dtype its forwards see the parameters in (``Parallel.gathered_dtype``;
+        None: the parameters' own)."""
         from trainer.generate.engine import Engine
         from trainer.generate.params import Request, SamplingParams
 
@@ -129,22 +143,36 @@ class Grpo:
         max_len = max((len(item.ids) for item in items), default=1) + grpo.max_new_tokens
         slots = rollout_slots(model, len(items) * grpo.group_size, max_len, self.memory_cap)
         # A fresh engine a step: its cache and CUDA graphs (bound to the cache) go with it.
-        engine = Engine(model, self.tokenizer, slots=slots, max_len=max_len, cuda_graphs="auto")
+        # FSDP2 gathers every layer in every forward with all ranks: the ranks decode in lock-step
+        # (a CUDA graph would not capture the gathers)
+        lockstep = comm.any_rank if self.strategy == "fsdp2" else None
+        engine = Engine(model, self.tokenizer, slots=slots, max_len=max_len, forward=forward,
+                        cache_dtype=cache_dtype, cuda_graphs="auto" if lockstep is None else False)
         requests = [Request(tuple(item.ids), SamplingParams(
             max_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, n=grpo.group_size,
             seed=(self.seed * 1_000_003 + step) * 1_000_003 + item.index)) for item in items]
         started = time.perf_counter()
         try:
-            results = engine.generate(requests)  # each decode step reads its tokens back: synced at the end
+            results = engine.generate(requests, lockstep)  # each decode step reads its tokens back: synced
         finally:
             engine.release()  # the training step after needs the memory
         generated = time.perf_counter()
         self.sampled, self.comm = list(items), comm
-        for item, result in zip(items, results):
+        texts = [[c.text for c in result.completions] for result in results]
+        for item, result, text in zip(items, results, texts):
             item.completions = [c.token_ids for c in result.completions]
-            item.rewards, item.errors = self._grade(item, [c.text for c in result.completions])
+            item.rewards, item.scores, item.errors = self._grade(item, text)
         self._timings = [1.0, (generated - started) * 1e3, (time.perf_counter() - generated) * 1e3]
         self._score(comm, items)
+        self._shown[step] = shown_rollouts(items, texts, self.tokenizer, self.config.log_rollouts)
+
+    def take_rollouts(self, step: int) -> list[dict[str, Any]] | None:
+        """The first ``grpo.log_rollouts`` rollouts of this rank's prompts at ``step`` (the ``rollouts``
+        event's, which rank 0 emits after the step's event), forgotten once taken; older steps' too."""
+        shown = self._shown.pop(step, None)
+        for older in [s for s in self._shown if s < step]:
+            del self._shown[older]
+        return shown
 
     def _score(self, comm: Any, items: Sequence[PromptItem]) -> None:
         """Each completion's advantage, and the step's completion tokens over every rank. One host
@@ -162,23 +190,26 @@ class Grpo:
                                              "none" if scale == "batch" else scale)
             item.advantages = (advantages / (spread + STD_EPS) if scale == "batch" else advantages).tolist()
 
-    def _grade(self, item: PromptItem, texts: list[str]) -> tuple[list[float], int]:
-        """Each completion's reward and how many failed (scored 0). A template naming a field this
-        record lacks fails its completions too: the submission's dry run reads the first records only."""
+    def _grade(self, item: PromptItem, texts: list[str]) -> tuple[list[float], list[dict[str, float]], int]:
+        """Each completion's reward, its score by grader, and how many failed (scored 0). A template
+        naming a field this record lacks fails its completions too: the submission's dry run reads
+        the first records only."""
         from trainer.graders.errors import GraderError
         from trainer.graders.run import grade
 
-        rewards, errors = [], 0
+        rewards, scores, errors = [], [], 0
         for text in texts:
             try:
                 result = grade(self.grader, text, item.record, param="grpo.graders")
             except GraderError:
                 rewards.append(0.0)
+                scores.append({self.grader["name"]: 0.0})
                 errors += 1
                 continue
             rewards.append(float(result.score))
+            scores.append({k: float(v) for k, v in result.sub_scores.items()} or {result.name: float(result.score)})
             errors += 0 if result.ok else 1
-        return rewards, errors
+        return rewards, scores, errors
 
     def pack(self, items: Sequence[PromptItem]) -> PackedBatch:
         self._packed = list(items)  # the micro-batch whose rollout sums ``collecting`` adds
@@ -197,9 +228,7 @@ class Grpo:
                            extras={"advantage": row(advantage, torch.float32)})
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
-        if strategy == "fsdp2":
-            raise ConfigError("objective grpo: rollouts run per rank, which FSDP2's gathers cannot pair; "
-                              "use method lora or qlora (DDP) on several GPUs")
+        self.strategy = strategy
         if config.grpo.beta > 0 and config.method == "full":
             raise ConfigError("grpo.beta: the KL reference is the base with the adapter off, which method full "
                               "has not; use lora or qlora, or beta 0")
@@ -298,6 +327,33 @@ def rollout_slots(model: torch.nn.Module, sequences: int, max_len: int, cap: int
         limit = min(limit, cap)
     room = limit - allocated - margin(limit)
     return max(1, min(sequences, room // (cache_bytes + logits_bytes)))
+
+
+MAX_ROLLOUT_CHARS = 2000
+"""A shown rollout's prompt and completion are cut to this many characters (the event stays small)."""
+
+
+def shown_rollouts(items: Sequence[PromptItem], texts: Sequence[Sequence[str]], tokenizer: Any,
+                   count: int) -> list[dict[str, Any]]:
+    """The first ``count`` completions of ``items`` (graded and scored), in order, as the
+    ``rollouts`` event lists them: the prompt's index and text, the completion's text and tokens,
+    its reward, advantage and score by grader, and whether its grading failed."""
+    shown: list[dict[str, Any]] = []
+    for item, completions in zip(items, texts):
+        if len(shown) >= count:
+            break
+        prompt = tokenizer.decode(item.ids, skip_special_tokens=True) if tokenizer is not None else ""
+        for k, text in enumerate(completions[: count - len(shown)]):
+            shown.append({
+                "prompt_index": item.index, "prompt": _cut(prompt), "completion": _cut(text),
+                "completion_tokens": len(item.completions[k]), "reward": item.rewards[k],
+                "advantage": item.advantages[k], "scores": item.scores[k],
+            })
+    return shown
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ROLLOUT_CHARS else text[:MAX_ROLLOUT_CHARS] + "…"
 
 
 def _sampled(item: PromptItem) -> tuple[list[list[int]], list[float]]:

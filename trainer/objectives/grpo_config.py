@@ -72,6 +72,9 @@ class GrpoConfig(GrpoLossConfig):
     max_new_tokens: int = field(default=256, metadata={"doc": "Longest completion (tokens).", "spec": {"ge": 1, "le": 32768}})
     temperature: float = field(default=1.0, metadata={"doc": "Sampling temperature (> 0).", "spec": {"gt": 0, "le": 10}})
     top_p: float = field(default=1.0, metadata={"doc": "Nucleus sampling (0, 1].", "spec": {"gt": 0, "le": 1}})
+    log_rollouts: int = field(default=4, metadata={
+        "doc": "Rollouts shown per step (the first completions of rank 0's prompts, with their rewards): the "
+               "rollouts event and the job page; 0: none.", "spec": {"ge": 0, "le": 64}})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,6 +84,7 @@ class GrpoConfig(GrpoLossConfig):
             (self.temperature > 0, "temperature", "a number > 0 (rollouts must differ within a group)",
              self.temperature),
             (0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p),
+            (0 <= self.log_rollouts <= 64, "log_rollouts", "an integer in [0, 64]", self.log_rollouts),
         ]
         for ok, name, want, got in checks:
             if not ok:

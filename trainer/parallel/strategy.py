@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -134,14 +134,21 @@ def _refuse_sharding_across_machines(sharded: bool, why: str) -> None:
 
 
 class LossModule(torch.nn.Module):
-    """The model and its loss function as one module: what DDP / FSDP2 wrap."""
+    """The model and its loss function as one module: what DDP / FSDP2 wrap.
+
+    Called with ``model_kwargs`` instead (``Parallel.model_forward``), it is the model's own
+    forward: under FSDP2 the call enters the root unit, which gathers the embeddings, final norm
+    and head (and, on the run's first forward, makes itself the root), as the sampler's forwards need.
+    """
 
     def __init__(self, model: torch.nn.Module, loss: Any) -> None:
         super().__init__()
         self.model = model
         self._loss = loss
 
-    def forward(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
+    def forward(self, batch: Any = None, meta: Any = None, num_items: int = 0, **model_kwargs: Any) -> Any:
+        if model_kwargs:
+            return self.model(**model_kwargs)
         return self._loss(self.model, batch, meta, num_items)
 
 
@@ -155,6 +162,7 @@ class Parallel:
         *,
         static_graph: bool = False,
         after_backward: bool = False,
+        compute_dtype: str = "float32",
     ) -> None:
         self.module = module
         self.strategy = strategy
@@ -162,6 +170,8 @@ class Parallel:
         self.after_backward = after_backward
         """DDP without DDP's wrapper: every backward is local and ``end_backward`` all-reduces the
         gradients once per step (``ddp_exchange``)."""
+        self.compute_dtype = compute_dtype
+        """The dtype FSDP2 gathers the parameters in (``apply_fsdp``)."""
         self.agreeing = False
         """Set by the OOM ladder for its window's steps (``can_agree``): every backward runs without
         the gradient exchange, and ``agree`` ends the step."""
@@ -218,6 +228,21 @@ class Parallel:
     def loss(self, batch: Any, meta: Any, num_items: int) -> torch.Tensor:
         return self.module(batch, meta, num_items)
 
+    @property
+    def gathered_dtype(self) -> torch.dtype | None:
+        """Under FSDP2, the dtype a forward sees the parameters in (the shards may be fp32 masters):
+        what a sampler's KV cache must hold. None otherwise (the parameters' own dtype)."""
+        return getattr(torch, self.compute_dtype) if self.strategy == "fsdp2" else None
+
+    @property
+    def model_forward(self) -> Callable[..., Any] | None:
+        """Under FSDP2, the model's forward through the root unit (``LossModule``'s ``model_kwargs``):
+        a forward of the bare model would meet the root's parameters still sharded. None otherwise
+        (call the model itself: DDP's forward would only add its bookkeeping)."""
+        if self.strategy != "fsdp2":
+            return None
+        return lambda **model_kwargs: self.module(**model_kwargs)
+
     @contextmanager
     def sync(self, last: bool) -> Iterator[None]:
         """Exchange gradients in this backward only when ``last`` (the rank's last micro-batch).
@@ -268,7 +293,7 @@ def parallelize(
         return Parallel(module, "ddp", static_graph=static_graph, after_backward=True)
     if decision.backend == "ddp":
         return Parallel(apply_ddp(module, comm, static_graph=static_graph), "ddp", static_graph=static_graph)
-    return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2")
+    return Parallel(apply_fsdp(module, comm, compute_dtype), "fsdp2", compute_dtype=compute_dtype)
 
 
 def apply_ddp(module: torch.nn.Module, comm: Comm, *, static_graph: bool = False) -> torch.nn.Module:

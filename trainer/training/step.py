@@ -219,7 +219,8 @@ def _rollout(ctx: StepContext, timer: metrics.StepTimer, step: int, items: list[
     rollout = getattr(ctx.objective, "rollout", None)
     if rollout is not None:
         with timer.phase("data"):
-            rollout(ctx.comm, ctx.model, step, items)
+            rollout(ctx.comm, ctx.model, step, items, forward=ctx.parallel.model_forward,
+                    cache_dtype=ctx.parallel.gathered_dtype)
 
 
 def _trained_tokens(ctx: StepContext, lengths: list[list[int]], mine: list[int]) -> tuple[int, int]:

@@ -153,6 +153,10 @@ class Run:
     def emit_step(self, pending: PendingStep) -> None:
         event = pending.event(self.schedule.total_steps, self.hw.peak_flops, self.ctx.comm)
         self.emit("step", **event)
+        take = getattr(self.ctx.objective, "take_rollouts", None)  # GRPO's first rollouts of the step
+        shown = take(pending.step) if take is not None else None
+        if shown:
+            self.emit("rollouts", step=pending.step, rollouts=shown)
         self.guard.check(event, self.emit, self.last_checkpoint_step)  # raises at the limit
 
     def stopping(self) -> bool:

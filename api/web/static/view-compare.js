@@ -6,9 +6,12 @@
 // step's real tokens, so runs with other batch sizes line up by data seen);
 // smoothing (an exponential moving average, debiased as TensorBoard's, 0 = raw);
 // log scale (the charts plot log10 of the value and label the axis with the
-// value itself). A table of the jobs' hyperparameters marks the rows whose
-// values differ. Each job's metrics are read once (paged), then the controls
-// only redraw.
+// value itself). GRPO runs add their reward curves (each step's reward_mean)
+// on a chart of their own. The eval scores table shows, per eval criterion, each
+// job's pass rate on the base and the tuned model (GET /v1/jobs/{id}/evals, for
+// the jobs whose spec names evals). A table of the jobs' hyperparameters marks
+// the rows whose values differ. Each job's metrics are read once (paged), then
+// the controls only redraw.
 
 import { api } from "./api.js";
 import { Chart } from "./charts.js";
@@ -22,6 +25,7 @@ const METRICS = [
   ["eval_loss", "Eval loss", "chart-compare-eval"],
   ["lr", "Learning rate", "chart-compare-lr"],
   ["grad_norm", "Gradient norm", "chart-compare-grad"],
+  ["reward_mean", "Reward (mean, GRPO)", "chart-compare-reward"],
 ];
 
 export function renderCompare(main, _params, query) {
@@ -32,6 +36,7 @@ export function renderCompare(main, _params, query) {
   const problem = h("div");
   const chartsBox = h("section", { class: "charts", "aria-label": "Compared charts" });
   const table = h("div", { "data-testid": "compare-params" });
+  const evalScores = h("section", { "aria-labelledby": "compare-evals-h", "data-testid": "compare-evals", hidden: true });
   let charts = [];
 
   const xSelect = h("select", { id: "compare-x", "data-testid": "compare-x" }, h("option", { value: "step", text: "step" }), h("option", { value: "tokens", text: "tokens" }));
@@ -56,6 +61,7 @@ export function renderCompare(main, _params, query) {
     ),
     problem,
     chartsBox,
+    evalScores,
     h("h2", { text: "Hyperparameters" }),
     table,
   );
@@ -80,7 +86,9 @@ export function renderCompare(main, _params, query) {
       if (state.x === "tokens") chart.setNote("x: tokens trained (the legend's step is the token count)");
       return chart;
     });
-    clear(chartsBox, charts.filter((c, i) => i !== 1 || runs.some((r) => r.evals.length)).map((c) => c.element));
+    const drawn = (key) => (key === "eval_loss" ? runs.some((r) => r.evals.length)
+      : key === "reward_mean" ? runs.some((r) => r.rows.some((row) => typeof row.reward_mean === "number")) : true);
+    clear(chartsBox, charts.filter((c, i) => drawn(METRICS[i][0])).map((c) => c.element));
   }
 
   function plot(chart, run, key) {
@@ -97,6 +105,9 @@ export function renderCompare(main, _params, query) {
     .then((loaded) => {
       loaded.forEach((r, i) => runs.push({ ...r, color: COLORS[i % COLORS.length] }));
       clear(table, paramsTable(runs));
+      const scores = evalScoresTable(runs);
+      evalScores.hidden = !scores;
+      clear(evalScores, h("h2", { id: "compare-evals-h", text: "Eval scores: base → tuned" }), scores);
       redraw();
     })
     .catch((err) => {
@@ -123,8 +134,37 @@ async function load(ids, signal) {
         if (page.next_after_step === null || page.next_after_step === undefined) break;
         after = page.next_after_step;
       }
-      return { job, rows, evals };
+      const scores = job.spec?.evals?.length ? (await api(`/v1/jobs/${encodeURIComponent(id)}/evals`, { signal })).data : [];
+      return { job, rows, evals, scores };
     }),
+  );
+}
+
+/** One row per eval criterion of any compared job, a column per job: its pass rate on the base and on
+ * the tuned model and the difference ("–" where the job has no such eval or it has not run). */
+function evalScoresTable(runs) {
+  const keys = [];
+  for (const r of runs) {
+    for (const ev of r.scores) {
+      for (const c of ev.criteria) {
+        const key = `${ev.eval_id} · ${c.name}`;
+        if (!keys.includes(key)) keys.push(key);
+      }
+    }
+  }
+  if (!keys.length) return null;
+  const pct = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`);
+  const cell = (run, key) => {
+    const c = run.scores.flatMap((ev) => ev.criteria.map((c) => ({ key: `${ev.eval_id} · ${c.name}`, ...c }))).find((c) => c.key === key);
+    if (!c) return h("td", { text: "–" });
+    const diff = c.difference === null || c.difference === undefined ? "" : ` (${c.difference >= 0 ? "+" : ""}${(100 * c.difference).toFixed(1)} pts)`;
+    return h("td", { class: "num", "data-testid": "compare-eval-score", "data-job": run.job.id, text: `${pct(c.base)} → ${pct(c.tuned)}${diff}` });
+  };
+  return h(
+    "table",
+    { class: "compare-table", "data-testid": "compare-evals-table" },
+    h("thead", {}, h("tr", {}, h("th", { scope: "col", text: "Eval · criterion" }), runs.map((r) => h("th", { scope: "col" }, h("span", { class: "swatch", style: `background:${r.color}` }), jobTitle(r.job))))),
+    h("tbody", {}, keys.map((key) => h("tr", { "data-testid": "compare-eval-row", "data-key": key }, h("th", { scope: "row", class: "mono", text: key }), runs.map((r) => cell(r, key))))),
   );
 }
 

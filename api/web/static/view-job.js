@@ -17,6 +17,7 @@
 import { api, eventsUrl, mayAct } from "./api.js";
 import { exportsSection } from "./view-job-exports.js";
 import { evalsSection } from "./view-job-evals.js";
+import { rolloutsSection } from "./view-job-rollouts.js";
 import { generationSection } from "./view-job-generation.js";
 import { jobResults } from "./view-job-results.js";
 import { jobErrorBox, rerunActions } from "./view-job-reruns.js";
@@ -160,6 +161,7 @@ export function renderJob(main, [jobId]) {
   const generation = generationSection(id, signal, () => window.location.reload()); // a generation job's progress and completions
   generation.element.hidden = true;
   const evals = evalsSection(id, signal); // a training job's evals, base vs tuned (view-job-evals.js)
+  const rollouts = rolloutsSection(id, signal); // a GRPO job's rollouts per step (view-job-rollouts.js)
   const eventList = h("ol", { class: "events", "data-testid": "event-log", "aria-live": "off" });
   const spec = h("pre", { class: "spec", "data-testid": "job-spec" });
   const problem = h("div");
@@ -179,6 +181,7 @@ export function renderJob(main, [jobId]) {
     evals.element,
     ranks,
     chartSection,
+    rollouts.element,
     h("section", { "aria-labelledby": "plan-h", "data-training": "" }, h("h2", { id: "plan-h", text: "Hardware plan" }), plan),
     h("section", { "aria-labelledby": "ckpt-h", "data-training": "" }, h("h2", { id: "ckpt-h", text: "Checkpoints" }), checkpoints),
     exportsSlot,
@@ -229,6 +232,7 @@ export function renderJob(main, [jobId]) {
     renderActions();
     renderProgress();
     if (!GENERATING.has(job.kind)) evals.update(job);
+    if (!GENERATING.has(job.kind)) rollouts.update(job);
     if (GENERATING.has(job.kind)) { // no steps, plan or checkpoints: prompts, tokens/s and completions
       generation.element.hidden = false;
       for (const el of [progress, summary, chartSection, ...main.querySelectorAll("[data-training]")]) el.hidden = true;
@@ -532,6 +536,10 @@ export function renderJob(main, [jobId]) {
       }
       return;
     }
+    if (type === "rollouts") { // one a step, as steps: shown in its section, not in the log
+      rollouts.add(data);
+      return;
+    }
     logEvent(type, data, seq);
     if (type === "log" && data.level === "warning" && data.source === "tracking") showTrackingWarning(data.message);
     if (type === "eval" && typeof data.loss === "number") charts.loss.upsert(data.step, { eval_loss: data.loss });
@@ -577,7 +585,7 @@ export function renderJob(main, [jobId]) {
         live.dataset.state = "reconnecting";
       }
     };
-    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval", "skip", "sample", "progress"]) {
+    for (const type of ["state", "plan", "step", "log", "checkpoint", "eval", "skip", "sample", "progress", "rollouts"]) {
       source.addEventListener(type, (message) => onEvent(type, message));
     }
   }

@@ -1,7 +1,8 @@
 """A GRPO job through the product, on CPU: docs/grpo.md's prompts file uploaded with
 ``format=prompts``, its job body submitted over ``POST /v1/jobs`` to a real stack (PostgreSQL,
-Redis, ``ftq api``, ``ftq worker``), its rollouts sampled and graded in the trainer, and its reward
-fields in the step events (SSE) and in ``/metrics``. The refusals before queueing are ``tests/integration/test_api_jobs_grpo.py``'s
+Redis, ``ftq api``, ``ftq worker``), its rollouts sampled and graded in the trainer, its reward
+fields in the step events (SSE) and in ``/metrics``, its first rollouts of each step in the stream and at
+``/rollouts``. The refusals before queueing are ``tests/integration/test_api_jobs_grpo.py``'s
 (in-process app, both stores)."""
 
 from __future__ import annotations
@@ -59,3 +60,11 @@ def test_the_docs_grpo_job_trains_to_success_with_its_rewards_in_steps_and_metri
             assert step["kl"] is None and step["reward_margin"] is None, step  # beta 0; a DPO field
         rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
         assert [{k: row[k] for k in fields} for row in rows] == [{k: s[k] for k in fields} for s in steps]
+        # each step's first rollouts (grpo.log_rollouts: 4), live in the stream and stored by the worker
+        shown = [data for _, kind, data in events if kind == "rollouts"]
+        stored = client.get(f"/v1/jobs/{job['id']}/rollouts").json()["data"]
+        assert [r["step"] for r in stored] == [e["step"] for e in shown] == list(range(1, STEPS + 1))
+        for page, event in zip(stored, shown):
+            assert page["rollouts"] == event["rollouts"] and len(page["rollouts"]) == 4
+            assert all(r["reward"] in (0.0, 1.0) and r["scores"] == {"right number": r["reward"]}
+                       for r in page["rollouts"]), page

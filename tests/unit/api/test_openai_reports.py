@@ -32,3 +32,10 @@ def test_states_read_as_openai_messages():
 def test_log_levels_map_to_openais():
     assert _describe("log", {"level": "warning", "message": "slow"})[:2] == ("warn", "slow")
     assert _describe("log", {"level": "debug", "message": "x"})[0] == "info"
+
+
+def test_a_grpo_steps_rollouts_are_a_message_with_them_in_its_data():
+    rollouts = [{"prompt": "2 + 2 =", "completion": " 4", "reward": 1.0, "scores": {"exact": 1.0}}]
+    level, message, data, kind = _describe("rollouts", {"step": 4, "rollouts": rollouts})
+    assert (level, kind, message) == ("info", "message", "Step 4: 1 rollouts shown")
+    assert data == {"step": 4, "rollouts": rollouts}

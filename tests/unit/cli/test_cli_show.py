@@ -136,6 +136,14 @@ class TestSampleEvents:
         data = {"step": 1, "samples": [{"prompt": "a", "completion": "\x1b[2Jb\tc", "tokens": 1}]}
         assert describe("sample", data).splitlines()[1] == "  a → \\x1b[2Jb\tc  (1 token)"
 
+    def test_a_grpo_steps_rollouts_are_reward_prompt_and_completion(self):
+        data = {"step": 7, "rollouts": [
+            {"prompt": "2 + 2 =", "completion": " 4", "reward": 1.0, "scores": {"exact": 1.0}},
+            {"prompt": "2 + 2 =", "completion": "\x1b[2J5", "reward": 0.0, "scores": {"exact": 0.0}},
+        ]}
+        assert describe("rollouts", data).splitlines() == [
+            "rollouts: step 7", "  [reward 1.0] 2 + 2 = →  4", "  [reward 0.0] 2 + 2 = → \\x1b[2J5"]
+
     def test_other_events_print_their_text_unescaped(self):
         assert describe("skip", {"step": 3, "note": "é"}) == 'skip: {"step": 3, "note": "é"}'
 

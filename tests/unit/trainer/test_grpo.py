@@ -86,6 +86,33 @@ def test_a_record_the_grader_cannot_read_scores_0_as_a_grader_error(tmp_path, ti
     assert run(config, recorder).status == "succeeded", recorder.of("done")
     [step] = recorder.of("step")
     assert step["grade_error_fraction"] == pytest.approx(0.25), step  # 1 prompt of 4, all its completions
+    [shown] = recorder.of("rollouts")  # grpo.log_rollouts: 4 by default, the first prompt's first completions
+    assert shown["step"] == 1 and len(shown["rollouts"]) == 4
+    assert recorder.events.index(shown) == recorder.events.index(step) + 1  # right after its step
+    assert len({r["prompt_index"] for r in shown["rollouts"]}) == 1
+    for rollout in shown["rollouts"]:
+        assert rollout["prompt"] == PROMPTS[rollout["prompt_index"]]  # decoded, special tokens left out
+        assert rollout["reward"] == float(TARGET in rollout["completion"]), rollout
+        assert rollout["scores"] == {"says the": rollout["reward"]} and 1 <= rollout["completion_tokens"] <= NEW
+
+
+def test_rollouts_shown_span_prompts_and_zero_shows_none(tmp_path, tiny_model_dir) -> None:
+    """``grpo.log_rollouts`` 10 with groups of 8: the step's first prompt's 8 completions, then the
+    second's first 2 (in the step's order of prompts); their advantages are the group's (mean 0 over a whole group). 0 emits no event."""
+    config = _job(tmp_path, tiny_model_dir, log_rollouts=10)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=1))
+    recorder = Recorder()
+    assert run(config, recorder).status == "succeeded", recorder.of("done")
+    [shown] = recorder.of("rollouts")
+    first, second = shown["rollouts"][0]["prompt_index"], shown["rollouts"][-1]["prompt_index"]
+    assert first != second and [r["prompt_index"] for r in shown["rollouts"]] == [first] * GROUP + [second] * 2
+    assert sum(r["advantage"] for r in shown["rollouts"][:GROUP]) == pytest.approx(0.0, abs=1e-5)
+    [step] = recorder.of("step")
+    assert step["reward_mean"] * len(PROMPTS) * GROUP >= sum(r["reward"] for r in shown["rollouts"])
+    none = dataclasses.replace(config, grpo=dataclasses.replace(config.grpo, log_rollouts=0),
+                               output_dir=str(tmp_path / "none"))
+    recorder = Recorder()
+    assert run(none, recorder).status == "succeeded" and not recorder.of("rollouts")
 
 
 def test_bad_settings_are_refused_naming_the_field() -> None:
@@ -93,6 +120,8 @@ def test_bad_settings_are_refused_naming_the_field() -> None:
         GrpoConfig(group_size=1)
     with pytest.raises(ValueError, match="grpo.temperature: must be a number > 0"):
         GrpoConfig(temperature=0.0)
+    with pytest.raises(ValueError, match=r"grpo.log_rollouts: must be an integer in \[0, 64\]"):
+        GrpoConfig(log_rollouts=65)
     assert issubclass(ConfigError, Exception)
 
 
@@ -140,3 +169,5 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path, tiny
         assert [e[key] for e in resumed] == [e[key] for e in straight.of("step")], key
     assert [e["loss"] for e in resumed] == pytest.approx([e["loss"] for e in straight.of("step")], rel=1e-5)
     assert len({e["reward_std"] for e in straight.of("step")}) > 1  # the rollouts differ from step to step
+    shown = [(e["step"], e["rollouts"]) for e in first.of("rollouts") + second.of("rollouts")]
+    assert shown == [(e["step"], e["rollouts"]) for e in straight.of("rollouts")]  # the same texts and rewards

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import launch, weights
+from distributed_helpers import Finished, launch, weights
 from trainer_helpers import Recorder, make_job, write_jsonl
 
 from trainer.config import DataConfig, OptimConfig
@@ -54,13 +54,13 @@ GRADER = {"type": "string_check", "name": "has an e", "input": "{{sample.output_
 most groups have a spread."""
 
 
-def write_grpo_job(directory: Path, model_dir: Path) -> Path:
+def write_grpo_job(directory: Path, model_dir: Path, method: str = "lora") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     prompts = write_jsonl(directory / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
     config = make_job(
-        directory, model_dir, gpus=2, objective="grpo",
+        directory, model_dir, gpus=2, objective="grpo", method=method,
         data=DataConfig(str(prompts), max_seq_len=64, batch_tokens=GROUP * 32),
-        optim=OptimConfig(epochs=1, grad_accum=1, warmup_steps=1, learning_rate=1e-2),
+        optim=OptimConfig(epochs=1, grad_accum=1, warmup_steps=1, learning_rate=1e-2 if method == "lora" else 1e-3),
         grpo=GrpoConfig(graders=GRADER, group_size=GROUP, max_new_tokens=NEW, loss_type="dapo",
                         scale_rewards="batch"),
     )
@@ -68,20 +68,24 @@ def write_grpo_job(directory: Path, model_dir: Path) -> Path:
     return directory / "job.json"
 
 
-@pytest.mark.slow  # a torchrun launch of two ranks and a one-process run, 4 steps each: ~15 s
-@pytest.mark.timeout(300)
-@pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same arithmetic
-def test_two_ranks_sample_and_train_as_one_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+def _run_both(tmp_path: Path, model_dir: Path, method: str, *, fsdp2: bool = False) -> tuple[Recorder, Finished]:
+    """The job as one process (in this process, as ``python -m trainer run`` does) and as two ranks."""
     from trainer.config import TrainConfig
     from trainer.training.train import run
 
-    one = Recorder()  # the one-process run in this process, as `python -m trainer run` does
-    assert run(TrainConfig.load(write_grpo_job(tmp_path / "one", tiny_model_dir)), one).status == "succeeded", \
+    one = Recorder()
+    assert run(TrainConfig.load(write_grpo_job(tmp_path / "one", model_dir, method)), one).status == "succeeded", \
         one.of("done")
-    two = launch(write_grpo_job(tmp_path / "two", tiny_model_dir), 2)
+    two = launch(write_grpo_job(tmp_path / "two", model_dir, method), 2, fsdp2=fsdp2)
     assert two.returncode == 0 and two.done["status"] == "succeeded", (two.done, two.stderr[-3000:])
+    return one, two
+
+
+def _assert_same_steps(one: Recorder, two: Finished, strategy: str) -> dict[int, dict]:
+    """Equal reward fields and tokens, loss and grad norm within ``RTOL`` at every step; the one
+    process's steps."""
     [plan] = two.of("plan")
-    assert {d["name"]: d["backend"] for d in plan["decisions"]}["parallelism"] == "ddp"
+    assert {d["name"]: d["backend"] for d in plan["decisions"]}["parallelism"] == strategy
     got, want = two.steps(), {e["step"]: e for e in one.of("step")}
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     assert [want[s]["sequences"] for s in want] == [4, 4, 4, 2], "prompts a step: the last step is short"
@@ -94,10 +98,36 @@ def test_two_ranks_sample_and_train_as_one_process(tmp_path: Path, tiny_model_di
     assert any(0 < want[s]["reward_mean"] < 1 and want[s]["zero_std_fraction"] < 1 for s in want)
     trained = [s for s in want if want[s]["zero_std_fraction"] < 1]  # a group with a spread: a gradient
     assert len(trained) >= STEPS - 1 and all(want[s]["grad_norm"] > 0.01 for s in trained), want
+    # rank 0 emits the first rollouts of its own prompts, each step, graded as the step's
+    assert [e["step"] for e in two.of("rollouts")] == [e["step"] for e in one.of("rollouts")] == sorted(want)
+    for event in two.of("rollouts"):
+        assert len(event["rollouts"]) == GROUP and len({r["prompt_index"] for r in event["rollouts"]}) == 1
+        assert all(r["reward"] == float("e" in r["completion"].lower()) for r in event["rollouts"]), event
+    return want
+
+
+@pytest.mark.slow  # a torchrun launch of two ranks and a one-process run, 4 steps each: ~15 s
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("one_thread")  # the ranks run one thread each: the same arithmetic
+def test_two_ranks_sample_and_train_as_one_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+    one, two = _run_both(tmp_path, tiny_model_dir, "lora")
+    _assert_same_steps(one, two, "ddp")
     mine, theirs = weights(layout.export_dir(two.out, "lora")), weights(layout.export_dir(tmp_path / "one" / "out", "lora"))
     assert sorted(mine) == sorted(theirs)
     for name in mine:
         torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.slow  # as above, full fine-tuning: ~20 s
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("one_thread")
+def test_two_fsdp2_ranks_sample_in_lock_step_and_train_as_one_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Method full on two ranks is sharded with FSDP2: every forward gathers the layers with both
+    ranks, so the rollouts decode in lock-step, the rank done first running idle forwards (its
+    prompts' completions end at other steps than the other rank's: a group's longest completion
+    sets how many forwards its rank runs). Same tolerances as under DDP."""
+    one, two = _run_both(tmp_path, tiny_model_dir, "full")
+    _assert_same_steps(one, two, "fsdp2")
 
 
 class _Gather:

@@ -88,6 +88,31 @@ class TestEngine:
         assert fed[0] == sum(map(len, prompts[:3]))  # three slots: three prompts in the first row
         assert len(fed) == engine.stats.forwards and sum(fed) == engine.stats.forward_tokens
 
+    def test_lockstep_runs_idle_forwards_until_every_rank_is_done_and_samples_the_same(self, tiny) -> None:
+        """A rank done before the others (``lockstep`` says another is busy for 3 more steps) keeps
+        stepping on one-token idle forwards, so it runs as many forwards as the busiest rank; its
+        own completions are those of a plain run; a rank with no requests only idles."""
+        model, tokenizer = tiny
+        requests = [Request((1, 40, 41), SamplingParams(max_tokens=4, seed=7, n=2))]
+        plain = Engine(model, tokenizer, slots=2, max_len=16)
+        want = plain.generate(requests)
+        asked: list[bool] = []
+
+        def others_busy_for(extra: int):  # noqa: ANN202 - the any-rank callable
+            def any_rank(busy: bool) -> bool:
+                asked.append(busy)
+                return busy or asked.count(False) <= extra
+            return any_rank
+
+        engine = Engine(model, tokenizer, slots=2, max_len=16)
+        got = engine.generate(requests, others_busy_for(3))
+        assert [[c.token_ids for c in r.completions] for r in got] == [[c.token_ids for c in r.completions] for r in want]
+        assert engine.stats.forwards == plain.stats.forwards + 3 and engine.stats.idle_forwards == 3
+        assert asked == [True] * plain.stats.forwards + [False] * 4  # asked each step, once more to stop
+        asked.clear()
+        idle = Engine(model, tokenizer, slots=1, max_len=16)
+        assert idle.generate([], others_busy_for(2)) == [] and idle.stats.idle_forwards == 2
+
     def test_max_len_cuts_a_sequence_and_a_prompt_that_fills_it_is_refused(self, tiny) -> None:
         model, tokenizer = tiny
         engine = Engine(model, tokenizer, slots=2, max_len=8)

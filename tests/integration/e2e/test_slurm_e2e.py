@@ -177,3 +177,15 @@ def _slurm_state(slurm_job_id: str) -> str:
         time.sleep(0.5)
         state = SlurmCli().state(slurm_job_id).state
     return state
+
+
+def test_a_bridge_for_a_partition_slurm_lacks_fails_at_start(bridge):
+    """Checked against the real cluster before the worker starts: a clear message, exit 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cli", "slurm-bridge", "--partition", "nope", "--shared-dir",
+                           str(bridge.data_dir.parent)], env=bridge.env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2, done
+    assert "partition 'nope' does not exist in this Slurm cluster (its partitions: ftq)" in done.stderr, done.stderr

@@ -69,3 +69,24 @@ def test_check_pool_refuses_more_than_the_partition_has(box):
         assert gpus.value.param == "gpus"
         with pytest.raises(Unsupported, match=r"pools known: slurm"):
             check_pool(session, "k8s", gpus=1, nodes=1)
+
+
+def test_a_queued_slurm_job_says_slurm_decides_and_only_the_bridge_claims_it(box):
+    from types import SimpleNamespace
+
+    from core.jobs import eta, scheduling
+    from core.workers.pool import register_pool
+    from tests.fixtures.scheduling import add_job
+
+    maker, settings = box
+    with maker() as session:
+        _bridge(session, nodes=2, per_node=1)
+        register_pool(session, "slurm-gpu@login", [None, None])
+        session.commit()
+    pooled = add_job(SimpleNamespace(sessions=maker), pool="slurm", gpus=2, nodes=2)
+    with maker() as session:
+        entry = eta.snapshot(session, settings).entry(pooled)
+        assert entry is not None and entry.decided_by == "Slurm decides" and entry.estimated_start_at is None
+        placement = scheduling.next_placement(session, settings, "slurm-gpu@login")
+        assert placement == Placement(pooled, "slurm-gpu@login", (0, 1))
+        assert scheduling.try_claim(session, placement, settings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,12 +89,25 @@ def limits(config: BridgeConfig, partition: Partition) -> dict[str, Any]:
             "qos": config.qos, "time_limit": config.time_limit}
 
 
+REPORT_EVERY_S = 5.0
+"""Slurm is asked (sinfo, squeue) at most this often, however fast the heartbeat."""
+
+
 def reporter(config: BridgeConfig, cli: SlurmCli, partition: Partition, worker_id: str) -> Callable[[], dict[str, Any]]:
-    """What the bridge stores as its hardware at each heartbeat: the limits and Slurm's view now."""
+    """What the bridge stores as its hardware at each heartbeat: the limits and Slurm's view (at
+    most ``REPORT_EVERY_S`` old)."""
     shape = limits(config, partition)
     prefix = job_name("")
+    last: list[tuple[float, dict[str, Any]]] = []
 
     def report() -> dict[str, Any]:
+        if last and time.monotonic() - last[0][0] < REPORT_EVERY_S:
+            return last[0][1]
+        fresh = ask()
+        last[:] = [(time.monotonic(), fresh)]
+        return fresh
+
+    def ask() -> dict[str, Any]:
         use = cli.node_use(partition.name)
         jobs = [{**job, "job_id": job["name"][len(prefix):] if job["name"].startswith(prefix) else None}
                 for job in cli.jobs(bridge_comment(worker_id))]

@@ -56,7 +56,6 @@ def job_name(job_id: str) -> str:
 def batch_script(config: BridgeConfig, attempt: Attempt) -> str:
     """The whole script, ``#!/bin/bash`` first."""
     out = config.job_dir(attempt.job_id, attempt.attempt)
-    q = shlex.quote
     options = [
         f"--job-name={job_name(attempt.job_id)}",
         f"--comment={attempt.comment}",

@@ -10,7 +10,9 @@
     collect   cancels what still runs, waits for Slurm to end it, reads the last events; the
               batch script's exit code and the tail of its stderr
     settle    a node failure, a preemption, a time limit or Slurm's own TERM: a retry from the
-              last checkpoint (worker/slurm/states.py)
+              last checkpoint; a job Slurm would never start (a pending reason of states.NEVER,
+              cancelled at once) or one that ended before its trainer ran: failed, saying so
+              (worker/slurm/states.py)
 
 The bridge (worker/slurm/bridge.py) binds its ``BridgeConfig`` and ``SlurmCli`` to a subclass
 (``bound``) and registers it as ``slurm`` for every job of its host.
@@ -74,6 +76,8 @@ class SlurmExecutor(Executor):
         self.state: JobState | None = None
         self.ran = False
         """Slurm reported the job running (or ended after it ran)."""
+        self.refused: str | None = None
+        """The pending reason the job was cancelled for: Slurm would never start it (states.NEVER)."""
         self._on_event: OnEvent | None = None
         self._offset = 0
         self._partial = b""
@@ -140,6 +144,9 @@ class SlurmExecutor(Executor):
             reason = "" if state.reason in ("None", "") else f" ({state.reason})"
             self._log(f"Slurm job {self.slurm_job_id}: {state.state}{reason}", slurm_state=state.state,
                       slurm_reason=state.reason)
+        if states.phase(state.state) == "waiting" and state.reason in states.NEVER and self.refused is None:
+            self.refused = state.reason
+            self.cli.cancel(self.slurm_job_id)
 
     def _read_events(self) -> None:
         path = self.dir / EVENTS
@@ -200,7 +207,7 @@ class SlurmExecutor(Executor):
 
     def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
         return states.settle(outcome, self.state, self.slurm_job_id, attempt=self.claim.attempt,
-                             max_attempts=max_attempts)
+                             max_attempts=max_attempts, ran=self.ran or self._offset > 0, refused=self.refused)
 
 
 def _trainer_reads_shared_dir() -> bool:

@@ -14,6 +14,10 @@
     TIMEOUT, DEADLINE                 the same: --signal=TERM@S let the trainer checkpoint first
     a trainer stopped by a TERM       the same (Slurm's time-limit signal, a preemption's grace
     ftq did not send                  or an operator's scancel --signal)
+    PENDING for a reason that never   the executor cancels it: failed slurm_refused, naming the
+    clears (NEVER: a partition, QOS   reason (no job waits forever on limits it can never meet)
+    or account limit the job exceeds)
+    ended before the trainer ran      failed slurm_not_started (an operator's scancel, ...)
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ from worker.slurm.commands import JobState
 WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD",
                      "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT"})
 RUNNING = frozenset({"RUNNING", "COMPLETING"})
+NEVER = frozenset({
+    "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidQOS", "InvalidAccount",
+    "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied", "QOSMaxNodePerJobLimit", "QOSMaxGRESPerJob",
+    "QOSMaxCpuPerJobLimit", "QOSMaxWallDurationPerJobLimit", "AssocMaxNodesPerJobLimit", "AssocMaxGRESPerJob",
+    "AssocMaxCpuPerJobLimit", "AssocMaxWallDurationPerJobLimit", "QOSMinGRES",
+})
+"""Pending reasons Slurm gives a job it will never start as submitted (its limits, not its load)."""
 LOST_MACHINE = {"NODE_FAIL": "node_fail", "PREEMPTED": "preempted", "BOOT_FAIL": "node_fail"}
 OUT_OF_TIME = {"TIMEOUT": "time_limit", "DEADLINE": "time_limit"}
 
@@ -57,10 +68,18 @@ def trainer_exit(job: JobState, stderr_tail: tuple[str, ...], world_size: int, *
 
 
 def settle(outcome: Outcome, job: JobState | None, slurm_job_id: str | None, *, attempt: int,
-           max_attempts: int) -> Outcome:
-    """``outcome`` (worker/outcome.py's verdict) corrected by what Slurm says ended the job."""
+           max_attempts: int, ran: bool = True, refused: str | None = None) -> Outcome:
+    """``outcome`` (worker/outcome.py's verdict) corrected by what Slurm says ended the job
+    (``ran``: the trainer started; ``refused``: the pending reason the executor cancelled it for)."""
     if job is None or outcome.status is None or outcome.status in (JobStatus.succeeded, JobStatus.cancelled):
         return outcome
+    if refused is not None:
+        return Outcome(JobStatus.failed, "slurm_refused", f"Slurm would never start job {slurm_job_id} as submitted "
+                       f"(pending reason {refused}: a limit of the partition, QOS or account that the job exceeds), so "
+                       "the bridge cancelled it; lower gpus, nodes or the bridge's --time, or ask the cluster's admins")
+    if not ran and outcome.status is JobStatus.failed:
+        return Outcome(JobStatus.failed, "slurm_not_started", f"Slurm job {slurm_job_id} ended {job.state} (reason "
+                       f"{job.reason}) before the trainer started; resume the job once the cluster takes it again")
     code = LOST_MACHINE.get(job.state) or OUT_OF_TIME.get(job.state)
     if code is None and outcome.error_code == "interrupted":
         code = "slurm_signal"

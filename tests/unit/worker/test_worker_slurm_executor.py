@@ -92,3 +92,23 @@ def test_collect_ends_what_still_runs_and_settle_retries_a_failed_node(runtime, 
     assert exit_.returncode == -9 and exit_.stderr_tail == ("srun: error: n2: task 1: Killed",)
     settled = ex.settle(Outcome(JobStatus.failed, "killed", "killed"), max_attempts=2)
     assert (settled.status, settled.error_code, settled.retry) == (JobStatus.queued, "node_fail", True)
+
+
+def test_a_job_slurm_would_never_start_is_cancelled_and_fails_naming_the_reason(runtime, make_job, tmp_path):
+    ex, cli, events = executor(runtime, make_job, tmp_path, [JobState("PENDING", "QOSMaxGRESPerJob"),
+                                                              JobState("CANCELLED")])
+    assert ex.watch() and cli.cancelled == [("77", None)]
+    assert ex.watch() is False
+    exit_ = ex.collect()
+    assert exit_.returncode == -1
+    settled = ex.settle(Outcome(JobStatus.failed, "killed", "the trainer was killed by SIGHUP"), max_attempts=3)
+    assert (settled.status, settled.error_code) == (JobStatus.failed, "slurm_refused")
+    assert "pending reason QOSMaxGRESPerJob" in (settled.message or "")
+
+
+def test_a_job_cancelled_by_someone_else_before_it_ran_says_so(runtime, make_job, tmp_path):
+    ex, cli, _ = executor(runtime, make_job, tmp_path, [JobState("PENDING", "Priority"), JobState("CANCELLED")])
+    assert ex.watch() and ex.watch() is False
+    ex.collect()
+    settled = ex.settle(Outcome(JobStatus.failed, "killed", "x"), max_attempts=3)
+    assert settled.error_code == "slurm_not_started" and "ended CANCELLED" in (settled.message or "")

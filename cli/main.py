@@ -4,6 +4,8 @@
     ftq api                the REST API (uvicorn)
     ftq worker [--gpus all | --gpus 0,1,3 | --gpu N | --slots K]
                            this host's worker: its GPUs (or K CPU slots) as one pool
+    ftq slurm-bridge --partition P --shared-dir DIR [--gpus-per-node N --account A --qos Q ...]
+                           a worker whose pool is a Slurm partition: jobs with pool: slurm (docs/slurm.md)
     ftq db upgrade         apply the store's migrations
 
     ftq submit JOB.yaml    client commands, against FTQ_API_URL (default the local API):
@@ -41,7 +43,7 @@ import os
 import sys
 from typing import Sequence
 
-from cli import chat, db, evals, exports, generate, jobs, machines, models, projects, runs, serve, up, users, worker_keys
+from cli import chat, db, evals, exports, generate, jobs, machines, models, projects, runs, serve, slurm, up, users, worker_keys
 from cli.errors import CliError
 
 
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(commands)
     serve.add_api_parser(commands)
     serve.add_worker_parser(commands)
+    slurm.add_parsers(commands)
     db.add_parser(commands)
     jobs.add_parsers(commands)
     exports.add_parsers(commands)

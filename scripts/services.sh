@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start PostgreSQL and Redis for the test suite when they are not already running, and wait
-# until both answer. Used by `make test` (and so by .ci/run).
+# until both answer; then a real Slurm (scripts/slurm.sh: munge, slurmctld, two slurmd nodes on
+# 127.0.0.1), installed with apt-get when missing. Used by `make test` (and so by .ci/run).
 set -euo pipefail
 
 PG_HOST=127.0.0.1
@@ -41,3 +42,10 @@ if ! redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping >/dev/null 2>&1; then
 fi
 wait_for Redis redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping
 echo "services.sh: PostgreSQL and Redis are up"
+
+# Slurm for tests/integration/e2e/test_slurm_e2e.py (its fixture starts it too when absent, and
+# stops what it started). A machine where it cannot be installed still runs the rest of the
+# suite: those tests skip there, and fail under CI.
+if ! "$(dirname "$0")/slurm.sh" start; then
+  echo "services.sh: Slurm could not be installed or started; the Slurm tests will skip (and fail under CI)" >&2
+fi

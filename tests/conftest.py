@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.training_inputs"]
+pytest_plugins = ["tests.fixtures.training_inputs", "tests.fixtures.slurm"]
 """Fixture modules every test may use besides this file's (tests/fixtures/README.md: the map)."""
 # The helpers in tests/fixtures assert as test modules do: their failures show the values.
 pytest.register_assert_rewrite("tests.fixtures")

@@ -69,6 +69,7 @@ def register(runtime: Runtime, hardware: dict[str, Any]) -> None:
             row.current_job_id = runtime.current_job_id
             row.started_at = now
             row.heartbeat_at = now
+            row.pool = runtime.options.pool_name
             for name, value in identity(session, runtime.settings).items():  # key_id, address
                 setattr(row, name, value)
             session.flush()
@@ -106,9 +107,9 @@ class Presence:
         runtime = self._runtime
         try:
             trackers = {"trackers": installed_trackers()}
-            register(runtime, trackers)
+            register(runtime, trackers if runtime.options.report is None else {**runtime.options.report(), **trackers})
             self.signal_own()
-            if self._detect:
+            if self._detect and runtime.options.report is None:
                 register(runtime, {**detect_hardware(runtime), **trackers})
         except Exception:  # noqa: BLE001 - the worker still runs jobs without its row
             log.exception("could not register worker %s", runtime.worker_id)
@@ -149,4 +150,17 @@ def register_heartbeat(runtime: Runtime) -> None:
         row = session.get(Worker, runtime.worker_id)
         if row is not None:
             row.heartbeat_at = utcnow()
+            if runtime.options.report is not None:
+                row.hardware = {**(row.hardware or {}), "error": None, **_fresh_report(runtime)}
             row.current_job_id = runtime.current_job_id
+
+
+def _fresh_report(runtime: Runtime) -> dict[str, Any]:
+    """The host's own report (a bridge's cluster view); a failure is stored as its error, beside
+    the last report that worked."""
+    assert runtime.options.report is not None
+    try:
+        return runtime.options.report()
+    except Exception as exc:  # noqa: BLE001 - the heartbeat must go on; the GPUs page shows why
+        log.warning("worker %s: could not refresh its report: %s", runtime.worker_id, exc)
+        return {"error": f"the report could not be refreshed: {exc}"}

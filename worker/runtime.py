@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -77,6 +77,12 @@ class WorkerOptions:
     resend_queued_after_s: float = 120.0
     """A host with free GPUs re-sends the message of a job placed on it but still queued after
     this long (see reaper.py)."""
+    pool_name: str | None = None
+    """The named pool this host serves (``worker.pool``: only jobs asking for it land here); None:
+    an ordinary host. A Slurm bridge's (worker/slurm/bridge.py)."""
+    report: Callable[[], dict[str, Any]] | None = None
+    """What the host stores as its hardware report, read again at every heartbeat, instead of
+    the trainer's ``detect`` (a bridge's: its partition and what the cluster reports now)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_events < 1:
@@ -200,7 +206,7 @@ class Runtime:
                     now = utcnow()
                     session.add(Worker(worker_id=self.worker_id, hostname=socket.gethostname(),
                                        device=self.options.device, hardware={}, started_at=now, heartbeat_at=now,
-                                       **identity(session, self.settings)))
+                                       pool=self.options.pool_name, **identity(session, self.settings)))
                     session.flush()
                 register_pool(session, self.worker_id, self.options.pool)
             self._registered = True

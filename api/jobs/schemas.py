@@ -57,6 +57,8 @@ class QueueInfo(BaseModel):
     holds: str | None = None
     """The worker host whose free GPUs wait for this job: it is the head of the queue and needs
     more GPUs of one host than are free now (later jobs may not take them)."""
+    decided_by: str | None = None
+    """Instead of an estimate: who starts it ("Slurm decides" for a job on a Slurm pool)."""
 
 
 class HeldGpu(BaseModel):
@@ -219,6 +221,8 @@ class JobOut(BaseModel):
     """GPUs the job runs on (one rank each): of one worker host, or spread evenly over ``nodes`` machines."""
     nodes: int = 1
     """Machines the job spans (``gpus / nodes`` GPUs on each; 1: one host)."""
+    pool: str | None = None
+    """The named pool it runs on (``slurm``: a Slurm cluster, docs/slurm.md); null: ftq's own hosts."""
     held_gpus: list[HeldGpu] = []
     """The GPUs it holds while it runs (empty otherwise)."""
     queue: QueueInfo | None = None
@@ -258,6 +262,7 @@ class JobOut(BaseModel):
             priority=job.priority,
             gpus=job.gpus,
             nodes=job.nodes or 1,
+            pool=job.pool,
             held_gpus=[HeldGpu.of(row) for row in held],
             attempts=job.attempts,
             worker=job.worker_id,
@@ -383,7 +388,7 @@ def queue_info(entry: QueueEntry | None) -> QueueInfo | None:
     if entry is None:
         return None
     return QueueInfo(position=entry.position, ahead=list(entry.ahead), estimated_start_at=entry.estimated_start_at,
-                     holds=entry.holds)
+                     holds=entry.holds, decided_by=entry.decided_by)
 
 
 def metrics_csv(rows: Sequence[StepMetric]) -> str:

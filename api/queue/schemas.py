@@ -28,6 +28,9 @@ class QueuedJobOut(BaseModel):
     holds: str | None
     """The worker host whose free GPUs wait for this job (the head of the queue that fits no
     host yet; later jobs may not take them): see core/jobs/placement.py."""
+    decided_by: str | None = None
+    """Instead of an estimate: who starts it ("Slurm decides" for a job on a Slurm pool)."""
+    pool: str | None = None
     priority: str
     owner: str | None
     gpus: int
@@ -46,6 +49,8 @@ class QueuedJobOut(BaseModel):
             ahead=[a if shown.get(a, (False,))[0] else None for a in entry.ahead],
             estimated_start_at=entry.estimated_start_at,
             holds=entry.holds,
+            decided_by=entry.decided_by,
+            pool=job.pool,
             priority=job.priority,
             owner=owners.get(job.owner_id) if job.owner_id else None,
             gpus=job.gpus,

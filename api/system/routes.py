@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from typing import Any
 
 from anyio import to_thread
 from fastapi import APIRouter
@@ -43,6 +44,7 @@ def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: fl
     age = max((now - row.heartbeat_at).total_seconds(), 0.0)
     hw = dict(row.hardware or {})
     trackers = hw.pop("trackers", None)
+    pool_report = _shown_pool(hw.pop("pool", None), shown)
     return WorkerOut(
         id=row.worker_id,
         hostname=row.hostname,
@@ -56,12 +58,23 @@ def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: fl
         hardware=hw.get("hardware", hw) if isinstance(hw.get("hardware"), dict) else hw,
         plan=PlanOut.of(hw.get("plan")),
         trackers=trackers if isinstance(trackers, dict) else None,
+        pool=pool_report,
         current_job=row.current_job_id if shown.get(row.current_job_id or "", (False,))[0] else None,
         started_at=row.started_at,
         heartbeat_at=row.heartbeat_at,
         heartbeat_age_s=round(age, 3),
         alive=age < timeout,
     )
+
+
+def _shown_pool(report: Any, shown: dict[str, tuple[bool, str | None]]) -> dict[str, Any] | None:
+    """A bridge's pool report, each Slurm job's ftq id only to those who may read that job."""
+    if not isinstance(report, dict):
+        return None
+    cluster = dict(report.get("cluster") or {})
+    cluster["jobs"] = [{**job, "job_id": job.get("job_id") if shown.get(job.get("job_id") or "", (False,))[0] else None}
+                       for job in cluster.get("jobs") or [] if isinstance(job, dict)]
+    return {**report, "cluster": cluster}
 
 
 def machines_of(workers: list[WorkerOut]) -> list[MachineOut]:

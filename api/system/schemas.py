@@ -40,6 +40,11 @@ class WorkerOut(BaseModel):
     trackers: dict[str, bool] | None = None
     """Which experiment trackers' packages import there (``mlflow``, ``tensorboard``, ``wandb``); null
     when it did not say (an older worker). A job asking for a tracker no live worker has is refused."""
+    pool: dict[str, Any] | None = None
+    """A Slurm bridge's pool (null for an ordinary worker): ``name``, ``partition``, ``nodes``,
+    ``per_node`` (GPUs, or CPU slots when ``unit`` is ``cpu``), and ``cluster``, what Slurm reports
+    now: ``nodes``/``cpus``/``gpus`` idle and allocated, and ftq's Slurm jobs with their state and
+    pending reason (core/workers/pools.py)."""
     current_job: str | None
     started_at: dt.datetime
     heartbeat_at: dt.datetime

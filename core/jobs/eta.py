@@ -17,6 +17,9 @@ the per-user cap on GPUs, the per-project quota) on the box's current state:
     replay     at time 0 the policy starts what it can; then at each job end (in time order) it
                runs again on the GPUs that end freed, until nothing waits or no end is known
 
+A job on a named pool (``pool: slurm``) gets no estimate: the cluster's own scheduler starts it
+(``decided_by`` says so: "Slurm decides"), and ftq knows neither its queue nor its other users.
+
 Unknown stays unknown: a job whose total_steps or pace is unknown has an unknown end, and its
 GPUs are treated as busy from then on (a later estimate may only be earlier than real). A job
 the replay never starts gets ``None``; with no live worker host every estimate is ``None``.
@@ -41,6 +44,8 @@ from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers import pool
 
+DECIDED_BY = {"slurm": "Slurm decides"}
+"""What a queued job of a named pool shows instead of a start estimate."""
 PACE_WINDOW = 20
 """Step rows a job's pace is measured over: recent enough to follow a slowdown, long enough to
 smooth an evaluation or checkpoint step."""
@@ -78,6 +83,8 @@ class QueueEntry:
     holds: str | None = None
     """The worker host whose free GPUs are held for this job: the head of the queue that cannot
     start yet (core/jobs/placement.py)."""
+    decided_by: str | None = None
+    """Who decides its start instead of an estimate ("Slurm decides": a job on a Slurm pool)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,7 @@ def replay_starts(
     durations: dict[str, float | None],
     addresses: Mapping[str, str | None] | None = None,
     quota_caps: Mapping[str | None, int] | None = None,
+    pools: Mapping[str, str | None] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
@@ -134,6 +142,7 @@ def replay_starts(
         caps: each waiting owner's cap on running GPUs (0 = none).
         durations: each waiting job's expected seconds (None unknown).
         quota_caps: each project's GPU quota (``ProjectQuotas.caps``; default none).
+        pools: the named pool each live host serves (default none).
     """
     jobs = list(running)
     pending = list(waiting)
@@ -142,8 +151,8 @@ def replay_starts(
     while pending:
         live = [b for b in jobs if b.ends_in_s is None or b.ends_in_s > now]
         held = set().union(*(b.holds() for b in live))
-        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w))
-                 for w, slots in hosts.items()]
+        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w),
+                      (pools or {}).get(w)) for w, slots in hosts.items()]
         used: Counter[Owner] = Counter()
         in_project: Counter[str | None] = Counter()
         for b in live:
@@ -201,15 +210,17 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
     quotas = project_quotas(session)
     starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations,
-                           {host.worker_id: host.address for host in hosts}, quotas.caps)
+                           {host.worker_id: host.address for host in hosts}, quotas.caps,
+                           {host.worker_id: host.pool for host in hosts})
     used: Counter[Owner] = Counter()
     for b in busy:
         used[b.owner_id] += b.gpus
     hold = place(waiting, hosts, used, caps, quotas).hold
     ids = [job.job_id for job in waiting]
     entries = tuple(
-        QueueEntry(job, i + 1, tuple(ids[:i]), _at(now, starts[job.job_id]),
-                   hold.worker_id if hold is not None and hold.job_id == job.job_id else None)
+        QueueEntry(job, i + 1, tuple(ids[:i]), None if job.pool else _at(now, starts[job.job_id]),
+                   hold.worker_id if hold is not None and hold.job_id == job.job_id else None,
+                   decided_by=DECIDED_BY.get(job.pool, f"pool {job.pool} decides") if job.pool else None)
         for i, job in enumerate(waiting)
     )
     return QueueSnapshot(entries, tuple(running), len(hosts), now, sum(h.size for h in hosts), hold)

@@ -41,6 +41,9 @@ class Job(Base):
     """GPUs the job asks for."""
     nodes: Mapped[int] = mapped_column(Integer, server_default="1")
     """Machines the GPUs are spread over (``gpus / nodes`` each); 1: one worker host."""
+    pool: Mapped[str | None] = mapped_column(String(64))
+    """The named pool the job runs on (``slurm``: a cluster scheduler's, through its bridge,
+    docs/slurm.md); None: ftq's own worker hosts."""
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     idempotency_hash: Mapped[str | None] = mapped_column(String(64))
     """sha256 of the stored spec sent with ``idempotency_key``: a replay must match it."""

@@ -29,6 +29,10 @@ estimates and the wake-up messages all call it, so they agree by construction.
               sorts first: torch's c10d rendezvous gives node ranks in sorted address order, so
               global rank 0 lands there. As the head it holds M machines, those with the most free
               GPUs, the same way.
+    pools     a job naming a pool (``pool: slurm``) starts only on a host serving that pool (a
+              Slurm bridge: one host whose slots are its partition's, docs/slurm.md), and a job
+              naming none never there. The cluster's scheduler places its nodes, so a pooled job
+              of ``nodes: M`` takes ``gpus`` slots of that one host, as a job of one machine does.
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -64,10 +68,22 @@ class Waiting:
     nodes: int = 1
     """Machines the job's GPUs are spread over (``gpus / nodes`` each)."""
     project_id: str | None = None
+    pool: str | None = None
+    """The named pool it runs on (None: ftq's own hosts)."""
 
     @property
     def per_node(self) -> int:
         return self.gpus // self.nodes
+
+    @property
+    def machines(self) -> int:
+        """ftq hosts it spans: ``nodes``, or 1 on a pool (whose scheduler spreads the nodes)."""
+        return 1 if self.pool else self.nodes
+
+    @property
+    def per_host(self) -> int:
+        """Slots it takes on each of its hosts."""
+        return self.gpus // self.machines
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,8 @@ class Host:
     free: tuple[int, ...]
     address: str | None = None
     """The address other machines reach it at (None: it takes no part in multi-machine jobs)."""
+    pool: str | None = None
+    """The named pool it serves (None: an ordinary host)."""
 
     @property
     def size(self) -> int:
@@ -180,13 +198,14 @@ def place(
     free = {host.worker_id: list(host.free) for host in hosts}
     size = {host.worker_id: host.size for host in hosts}
     address = {host.worker_id: host.address for host in hosts}
+    pool_of = {host.worker_id: host.pool for host in hosts}
     used: Counter[Owner] = Counter(running)
     blocked: set[Owner] = set()
     placements: list[Placement] = []
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        big_enough = _big_enough(job, size, address)
+        big_enough = _big_enough(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:
@@ -201,7 +220,7 @@ def place(
             blocked_projects.add(job.project_id)
             continue
         held = hold.hosts if hold is not None else frozenset()
-        fits = [w for w in big_enough if len(free[w]) >= job.per_node and w not in held]
+        fits = [w for w in big_enough if len(free[w]) >= job.per_host and w not in held]
         chosen = _choose(job, fits, free, address)
         if chosen:
             placements.append(_take(job, chosen, free, address))
@@ -209,7 +228,7 @@ def place(
             project_used[job.project_id] += job.gpus
         elif hold is None:
             target, *also = _hold_targets(job, big_enough, free, address)
-            hold = Hold(job.job_id, target, job.per_node, len(free[target]), tuple(also))
+            hold = Hold(job.job_id, target, job.per_host, len(free[target]), tuple(also))
             blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
             if quota is not None:  # nor its project's later jobs the quota (a project without one: backfill)
                 blocked_projects.add(job.project_id)
@@ -221,15 +240,15 @@ def _take(job: Waiting, chosen: Sequence[str], free: dict[str, list[int]],
     """Place ``job`` on the ``chosen`` hosts (its leader first): their first free slots are its."""
     parts = []
     for host in chosen:
-        slots, free[host] = free[host][: job.per_node], free[host][job.per_node :]
-        parts.append(Part(host, tuple(slots), address[host] if job.nodes > 1 else None))
+        slots, free[host] = free[host][: job.per_host], free[host][job.per_host :]
+        parts.append(Part(host, tuple(slots), address[host] if job.machines > 1 else None))
     leader, *followers = parts
     return Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address)
 
 
 def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None]) -> list[str]:
     """The hosts that could ever take a part of ``job`` (empty: fewer machines than it needs)."""
-    if job.nodes == 1:
+    if job.machines == 1:
         return sorted(w for w in size if size[w] >= job.gpus)
     hosts = sorted(w for w in size if size[w] >= job.per_node and address[w])
     return hosts if len({address[w] for w in hosts}) >= job.nodes else []
@@ -249,7 +268,7 @@ def _choose(job: Waiting, fits: Sequence[str], free: Mapping[str, list[int]],
     def fewest_free(w: str) -> tuple[int, str]:
         return (len(free[w]), w)
 
-    if job.nodes == 1:
+    if job.machines == 1:
         return [min(fits, key=fewest_free)] if fits else None
     machines = _one_per_machine(fits, address, fewest_free)[: job.nodes]
     if len(machines) < job.nodes:
@@ -263,6 +282,6 @@ def _hold_targets(job: Waiting, big_enough: Sequence[str], free: Mapping[str, li
     def most_free(w: str) -> tuple[int, str]:
         return (-len(free[w]), w)
 
-    if job.nodes == 1:
+    if job.machines == 1:
         return [min(big_enough, key=most_free)]
     return _one_per_machine(big_enough, address, most_free)[: job.nodes]

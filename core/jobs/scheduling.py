@@ -95,7 +95,7 @@ def claim_order() -> tuple[Any, ...]:
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
         select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name,
-               Job.nodes, Job.project_id)
+               Job.nodes, Job.project_id, Job.pool)
         .outerjoin(Project, Project.project_id == Job.project_id)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
@@ -177,9 +177,9 @@ def try_claim(
     It should have done no write before in the same transaction (SQLite: see the module
     docstring). ``values`` are further job columns to set (worker id, attempts, ...).
     """
-    job = session.execute(select(Job.owner_id, Job.gpus, Job.nodes, Job.project_id)
+    job = session.execute(select(Job.owner_id, Job.gpus, Job.nodes, Job.project_id, Job.pool)
                           .where(Job.job_id == placement.job_id)).one_or_none()
-    if job is None or job.gpus != placement.gpus or job.nodes != len(placement.parts):
+    if job is None or job.gpus != placement.gpus or (1 if job.pool else job.nodes) != len(placement.parts):
         return False
     owner_id: Owner = job.owner_id
     cap = _cap(_lock_owner(session, owner_id), settings.max_running_jobs_per_user)
@@ -218,11 +218,13 @@ def try_claim(
 
 
 def host_sizes(session: Session, settings: Settings) -> dict[str, int]:
-    """GPUs of each live worker host, by worker id."""
-    return {host.worker_id: host.size for host in pool.live_hosts(session, cutoff=live_cutoff(settings))}
+    """GPUs of each live ordinary worker host (not a named pool's), by worker id."""
+    return {host.worker_id: host.size for host in pool.live_hosts(session, cutoff=live_cutoff(settings))
+            if host.pool is None}
 
 
-def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None, nodes: int = 1) -> None:
+def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None, nodes: int = 1,
+               pool_name: str | None = None) -> None:
     """Refuse at submission a GPU count no live host (or set of ``nodes`` machines), or the
     owner's cap, can ever give.
 
@@ -231,10 +233,15 @@ def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Own
     Raises:
         Unsupported: more GPUs than the largest live host has (the message lists the hosts and
             their GPU counts), fewer live machines with an address and gpus/nodes GPUs each than
-            ``nodes``, or more GPUs than the owner's cap on running GPUs.
+            ``nodes``, or more GPUs than the owner's cap on running GPUs; on a named pool
+            (``pool_name``), what ``core.workers.pools.check_pool`` refuses instead of the hosts' sizes.
     """
     sizes = host_sizes(session, settings)
-    if nodes > 1:
+    if pool_name is not None:
+        from core.workers.pools import check_pool
+
+        check_pool(session, pool_name, gpus=gpus, nodes=nodes)
+    elif nodes > 1:
         _check_machines(session, gpus, nodes, settings)
     elif sizes and gpus > max(sizes.values()):
         hosts = ", ".join(f"{worker_id} ({size} GPU{'s' if size != 1 else ''})" for worker_id, size in sorted(sizes.items()))
@@ -275,7 +282,7 @@ def check_project(session: Session, project_id: str | None, gpus: int, priority:
 
 def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings) -> None:
     """``nodes`` live machines (distinct addresses) with ``gpus / nodes`` GPUs each, when any host is live."""
-    hosts = pool.live_hosts(session, cutoff=live_cutoff(settings))
+    hosts = [host for host in pool.live_hosts(session, cutoff=live_cutoff(settings)) if host.pool is None]
     if not hosts:
         return
     per_node = gpus // nodes

@@ -187,6 +187,7 @@ def _queued_job(spec: AnySpec, job_id: str, *, settings: Settings, owner_id: str
         priority=spec.priority,
         gpus=spec.gpus,
         nodes=spec.nodes,
+        pool=spec.pool,
         owner_id=owner_id,
         project_id=project_id,
         progress_step=0,

@@ -367,6 +367,15 @@ class JobSpec(_Strict):
             "whose checkpoints rank 0 writes alone (lora, qlora).",
         ),
     ] = 1
+    pool: Annotated[
+        str | None,
+        Field(
+            pattern=r"^[a-z][a-z0-9_-]{0,63}$",
+            description="The named pool the job runs on: 'slurm' submits it to a Slurm cluster through the "
+            "bridge serving that pool (docs/slurm.md; gpus and nodes within its partition); unset: ftq's own "
+            "worker hosts.",
+        ),
+    ] = None
     tracking: TrackingSpec = TrackingSpec()
     max_non_finite_steps: Annotated[
         int,

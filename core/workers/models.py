@@ -36,6 +36,9 @@ class Worker(Base):
     sharing the API's data directory."""
     address: Mapped[str | None] = mapped_column(String(255))
     """The address other machines reach this worker at (torchrun's rendezvous)."""
+    pool: Mapped[str | None] = mapped_column(String(64))
+    """The named pool this host serves (a Slurm bridge's, docs/slurm.md): only jobs naming it
+    land here, and none of them anywhere else; None: an ordinary worker host."""
 
 
 class GpuSlot(Base):

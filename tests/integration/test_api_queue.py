@@ -82,7 +82,8 @@ class TestApi:
         third = client.post("/v1/jobs", json=spec(file_id, priority="high")).json()["id"]
 
         job = client.get(f"/v1/jobs/{first}").json()
-        assert job["queue"] == {"position": 3, "ahead": [third, second], "estimated_start_at": None, "holds": None}
+        assert job["queue"] == {"position": 3, "ahead": [third, second], "estimated_start_at": None, "holds": None,
+                                "decided_by": None}
 
         queue = client.get("/v1/queue").json()
         assert [(q["id"], q["position"], q["priority"]) for q in queue["data"]] == [

@@ -14,6 +14,10 @@
 // Every GPU says which project holds it; another project's job shows only that
 // (GPUs are shared by scheduling, the work on them is the project's), and in the
 // queue such a job shows its project, GPUs, priority and estimate, no name.
+//
+// A Slurm bridge (worker.pool, docs/slurm.md) shows its partition as Slurm reports
+// it: nodes and GPUs (or CPUs) idle and allocated, and ftq's Slurm jobs with their
+// state and pending reason; a job queued for it shows "Slurm decides", no estimate.
 
 import { api } from "./api.js";
 import { h, clear, fmtAge, fmtBytes, fmtCompact, fmtDuration, fmtEta, fmtTime, jobTitle, progressBar, errorBox, poller, statusBadge } from "./dom.js";
@@ -108,6 +112,26 @@ export function renderGpus(main) {
     );
   }
 
+  /** A Slurm bridge's partition as Slurm reports it (GET /v1/hardware `pool`). */
+  function poolBlock(pool) {
+    const c = pool.cluster || {};
+    const count = (x) => (x ? `${x.idle ?? 0} idle, ${x.allocated ?? 0} allocated` : "unknown");
+    const unit = pool.unit === "gpu" ? "GPUs" : "CPU slots";
+    return h(
+      "div",
+      { class: "pool", "data-testid": "slurm-pool", "data-partition": pool.partition || "" },
+      h("p", { text: `Slurm partition ${pool.partition} · ${pool.nodes} node${pool.nodes === 1 ? "" : "s"} × ${pool.per_node} ${unit} · pool "${pool.name}"` }),
+      h("p", { "data-testid": "slurm-nodes", text: `Nodes: ${count(c.nodes)}${c.nodes?.other ? `, ${c.nodes.other} down or drained` : ""}` }),
+      h("p", { "data-testid": "slurm-gpus", text: c.gpus?.total ? `GPUs: ${count(c.gpus)}` : `CPUs: ${count(c.cpus)}` }),
+      (c.jobs || []).length
+        ? h("ul", { "data-testid": "slurm-jobs" }, c.jobs.map((j) => h("li", { "data-testid": "slurm-job", "data-job-id": j.job_id || "" },
+            j.job_id ? h("a", { href: `#/jobs/${encodeURIComponent(j.job_id)}`, text: j.job_id }) : h("span", { class: "muted", text: "another project's job" }),
+            ` · Slurm job ${j.slurm_job_id}: ${j.state}${j.reason && j.reason !== "None" ? ` (${j.reason})` : ""}`)))
+        : h("p", { class: "muted", text: "No ftq job in Slurm's queue." }),
+      pool.observed_at ? h("p", { class: "muted", text: `Reported by Slurm ${fmtTime(pool.observed_at)}` }) : null,
+    );
+  }
+
   function workerCard(worker, jobs, finishAt) {
     const report = worker.hardware || {};
     const hw = report.hardware || report;
@@ -127,9 +151,9 @@ export function renderGpus(main) {
         h("span", { class: `pill ${worker.alive ? "on" : "off"}`, "data-testid": "worker-alive", text: worker.alive ? "alive" : "no heartbeat" }),
         ` heartbeat ${fmtDuration(worker.heartbeat_age_s)} ago`,
       ),
-      h("p", { text: capacity ? `Memory: ${fmtBytes(capacity)} per GPU` : `CPU worker · host memory ${fmtBytes(hw.host_memory)}` }),
-      report.error ? h("p", { class: "bad", text: `Hardware probe failed: ${report.error}` }) : null,
-      h("p", { class: "muted", text: enabled.length ? `Optimizations on by default: ${enabled.join(", ")}` : "No optimization on by default here" }),
+      worker.pool ? null : h("p", { text: capacity ? `Memory: ${fmtBytes(capacity)} per GPU` : `CPU worker · host memory ${fmtBytes(hw.host_memory)}` }),
+      report.error ? h("p", { class: "bad", text: `${worker.pool ? "Slurm report" : "Hardware probe"} failed: ${report.error}` }) : null,
+      worker.pool ? poolBlock(worker.pool) : h("p", { class: "muted", text: enabled.length ? `Optimizations on by default: ${enabled.join(", ")}` : "No optimization on by default here" }),
       slotStrip(worker, jobs),
     ];
     const running = jobsOf(worker).map((jobId) => jobs.get(jobId)).filter(Boolean);
@@ -221,7 +245,7 @@ export function renderGpus(main) {
               h("td", { text: job.owner || "–" }),
               h("td", { class: "mono", text: job.model || "–" }),
               h("td", { text: fmtAge(job.created_at) }),
-              h("td", { "data-testid": "queue-eta", title: job.estimated_start_at ? fmtTime(job.estimated_start_at) : "no estimate: no live worker, or no pace to go by", text: fmtEta(job.estimated_start_at) }),
+              h("td", { "data-testid": "queue-eta", title: job.decided_by ? "the cluster's scheduler starts it: ftq knows neither its queue nor its other users" : job.estimated_start_at ? fmtTime(job.estimated_start_at) : "no estimate: no live worker, or no pace to go by", text: job.decided_by || fmtEta(job.estimated_start_at) }),
             ),
           ),
         ),

@@ -1,0 +1,192 @@
+"""Jobs on the Slurm pool, end to end against a real Slurm (scripts/slurm.sh: slurmctld and two
+slurmd nodes on 127.0.0.1), a real uvicorn API, PostgreSQL and Redis; the only worker is
+``ftq slurm-bridge`` (tests/fixtures/slurm.py). Ranks run on the nodes' CPUs.
+
+- a job with ``pool: slurm`` goes through sbatch/srun to ``succeeded``, its steps and events in
+  the store, Slurm's states on its page;
+- a job spread over both Slurm nodes (``nodes: 2``: srun starts a torchrun on each, c10d
+  rendezvous at the first node) succeeds with one rank per node;
+- a cancel stops the running trainer at a checkpoint (``scancel --signal=TERM``): ``cancelled``;
+- the trainer killed inside its srun step: the attempt fails in Slurm, the bridge resubmits, the
+  trainer resumes from its checkpoint and every step is recorded once;
+- a job larger than the partition is refused at submission (422 naming the limit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fixtures.slurm import Cluster, slurm_stack
+from tests.fixtures.stack import Stack
+from tests.fixtures.stack_jobs import SHORT, follow, submit, upload, wait_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = {**SHORT, "max_steps": 6}
+LONG = {**SHORT, "max_steps": 100_000}
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory: pytest.TempPathFactory, model_root: Path, slurm_cluster: Cluster) -> Iterator[Stack]:
+    yield from slurm_stack(tmp_path_factory.mktemp("slurm"), model_root, slurm_cluster)
+
+
+def _finished(client: httpx.Client, job_id: str, timeout_s: float = 400) -> dict[str, Any]:
+    return wait_job(client, job_id, lambda j: j["status"] not in ("queued", "running"), what="finished",
+                    timeout_s=timeout_s)
+
+
+def _slurm_logs(events: list[tuple[int, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The job's ``log`` events the bridge wrote (Slurm's states and reasons)."""
+    return [data for _, kind, data in events if kind == "log" and data.get("source") == "slurm"]
+
+
+def test_a_job_runs_through_slurm_to_succeeded(bridge, chat_dataset: Path):
+    with bridge.client() as client:
+        file_id = upload(client, chat_dataset)
+        job = submit(client, file_id, hyperparameters=STEPS, pool="slurm", name="through slurm")
+        assert job["pool"] == "slurm"
+        events = follow(client, job["id"], timeout_s=400)
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        assert done["status"] == "succeeded", f"{done}\n{bridge.log_tail()}"
+        assert [s["status"] for _, kind, s in events if kind == "state"] == ["queued", "running", "succeeded"]
+        assert [s["step"] for _, kind, s in events if kind == "step"] == list(range(1, 7))
+        metrics = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
+        assert [m["step"] for m in metrics] == list(range(1, 7))
+        slurm = _slurm_logs(events)
+        assert slurm[0]["message"].startswith("submitted to Slurm as job "), slurm
+        assert {"RUNNING", "COMPLETED"} <= {e.get("slurm_state") for e in slurm}, slurm
+        attempt = bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1"
+        assert "#SBATCH --partition=ftq" in (attempt / "job.sbatch").read_text()
+
+
+def test_a_job_over_both_slurm_nodes_runs_one_torchrun_per_node(bridge, chat_dataset: Path):
+    """srun starts one torchrun on each node of the allocation (c10d rendezvous at the first
+    node's NodeAddr): two ranks, one per node, as Slurm's allocation shows."""
+    with bridge.client() as client:
+        file_id = upload(client, chat_dataset)
+        job = submit(client, file_id, hyperparameters={**SHORT, "max_steps": 3}, pool="slurm", gpus=2, nodes=2,
+                     name="two nodes")
+        events = follow(client, job["id"], timeout_s=400)
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        assert done["status"] == "succeeded", f"{done}\n{bridge.log_tail()}"
+        steps = [data for _, kind, data in events if kind == "step"]
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        assert all([r["rank"] for r in s["ranks"]] == [0, 1] for s in steps)
+        running = [e for e in _slurm_logs(events) if e.get("slurm_state") == "RUNNING"]
+        assert running, _slurm_logs(events)
+        script = (bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1" / "job.sbatch").read_text()
+        assert "#SBATCH --nodes=2" in script and "--nnodes=2" in script
+
+
+def test_a_cancel_stops_the_slurm_job_at_a_checkpoint(bridge, chat_dataset: Path):
+    with bridge.client() as client:
+        file_id = upload(client, chat_dataset)
+        job = submit(client, file_id, hyperparameters=LONG, pool="slurm", name="cancelled on slurm")
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 2, what="past step 2", timeout_s=300)
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+        done = _finished(client, job["id"])
+        assert done["status"] == "cancelled", f"{done}\n{bridge.log_tail()}"
+        checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]
+        assert checkpoints, "the trainer wrote a checkpoint when Slurm passed it ftq's TERM"
+        slurm_id = _slurm_logs(follow(client, job["id"]))[0]["slurm_job_id"]
+        assert _slurm_state(slurm_id) in ("COMPLETED", "CANCELLED", "FAILED")
+
+
+def test_a_killed_srun_step_is_resubmitted_and_resumes_with_each_step_once(bridge, chat_dataset: Path):
+    with bridge.client() as client:
+        file_id = upload(client, chat_dataset)
+        job = submit(client, file_id, hyperparameters={**SHORT, "max_steps": 12}, checkpoint_every=3, pool="slurm",
+                     name="killed step")
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 4, what="past its first checkpoint",
+                 timeout_s=300)
+        pids = _trainer_pids(bridge, job["id"], attempt=1)
+        assert pids, "the trainer of attempt 1 runs under slurmd"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        events = follow(client, job["id"], timeout_s=400)
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        assert done["status"] == "succeeded", f"{done}\n{bridge.log_tail()}"
+        assert done["attempts"] == 2
+        states = [s for _, kind, s in events if kind == "state"]
+        assert [s["status"] for s in states] == ["queued", "running", "queued", "running", "succeeded"]
+        assert states[2]["error_code"] == "killed", states[2]
+        submitted = [e for e in _slurm_logs(events) if e["message"].startswith("submitted to Slurm")]
+        assert len(submitted) == 2 and submitted[0]["slurm_job_id"] != submitted[1]["slurm_job_id"]
+        metrics = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
+        assert [m["step"] for m in metrics] == list(range(1, 13)), "every step recorded once"
+        second_start = [seq for seq, kind, data in events if kind == "state" and data["status"] == "running"][1]
+        resumed = [data["step"] for seq, kind, data in events if kind == "step" and seq > second_start]
+        assert resumed == list(range(resumed[0], 13)) and (resumed[0] - 1) % 3 == 0 and resumed[0] > 1, \
+            f"attempt 2 resumed after a checkpoint (every 3 steps): {resumed}"
+
+
+def test_a_job_larger_than_the_partition_is_refused(bridge, chat_dataset: Path):
+    with bridge.client() as client:
+        file_id = upload(client, chat_dataset)
+        body = {"model": "tiny-llama", "training_file": file_id, "hyperparameters": STEPS, "pool": "slurm"}
+        nodes = client.post("/v1/jobs", json={**body, "gpus": 3, "nodes": 3})
+        assert nodes.status_code == 422 and "nodes: 3" in nodes.text and "(2 nodes)" in nodes.text, nodes.text
+        per_node = client.post("/v1/jobs", json={**body, "gpus": 6, "nodes": 2})
+        assert per_node.status_code == 422 and "2 CPU slots each" in per_node.text, per_node.text
+        unknown = client.post("/v1/jobs", json={**body, "pool": "kubernetes"})
+        assert unknown.status_code == 422 and "no bridge serves pool 'kubernetes'" in unknown.text, unknown.text
+        full = client.post("/v1/jobs", json={**body, "gpus": 2, "nodes": 2, "method": "full"})
+        assert full.status_code == 422 and "method full" in full.text, full.text
+
+
+def test_the_gpus_page_api_shows_the_slurm_pool(bridge):
+    with bridge.client() as client:
+        hosts = client.get("/v1/hardware").json()["data"]
+    (host,) = [h for h in hosts if h["id"] == bridge.worker_id]
+    pool = host["pool"]
+    assert pool["kind"] == "slurm" and pool["partition"] == "ftq" and pool["nodes"] == 2 and pool["per_node"] == 2
+    assert pool["cluster"]["nodes"]["idle"] + pool["cluster"]["nodes"]["allocated"] == 2
+    assert pool["cluster"]["cpus"]["total"] >= 4
+
+
+def _trainer_pids(stack: Stack, job_id: str, *, attempt: int) -> list[int]:
+    """The trainer processes of one attempt (slurmd's children: found by their job.json path)."""
+    needle = str(stack.data_dir.parent / "ftq-jobs" / job_id / f"attempt-{attempt}" / "job.json").encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in argv and b"trainer" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def _slurm_state(slurm_job_id: str) -> str:
+    from worker.slurm.commands import SlurmCli
+
+    deadline = time.monotonic() + 60
+    state = SlurmCli().state(slurm_job_id).state
+    while state in ("RUNNING", "COMPLETING", "PENDING") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = SlurmCli().state(slurm_job_id).state
+    return state
+
+
+def test_a_bridge_for_a_partition_slurm_lacks_fails_at_start(bridge):
+    """Checked against the real cluster before the worker starts: a clear message, exit 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cli", "slurm-bridge", "--partition", "nope", "--shared-dir",
+                           str(bridge.data_dir.parent)], env=bridge.env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2, done
+    assert "partition 'nope' does not exist in this Slurm cluster (its partitions: ftq)" in done.stderr, done.stderr

@@ -1,0 +1,151 @@
+"""The Slurm executor's pure parts: Slurm's states as ftq's exit and outcome, the batch script
+of an attempt, the bridge's configuration and its checks at start (a fake ``bin`` directory
+stands for Slurm's commands; the real cluster runs in tests/integration/e2e/test_slurm_e2e.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from worker.oom import OomVerdict
+from worker.outcome import Outcome
+from worker.slurm import bridge, states
+from worker.slurm.commands import JobState, Partition, SlurmCli, gres_gpus, parse_fields
+from worker.slurm.config import BridgeConfig
+from worker.slurm.script import Attempt, batch_script
+
+
+@pytest.mark.parametrize(("state", "phase"), [("PENDING", "waiting"), ("CONFIGURING", "waiting"),
+                                              ("RUNNING", "running"), ("COMPLETING", "running"),
+                                              ("COMPLETED", "ended"), ("NODE_FAIL", "ended"), ("UNKNOWN", "ended")])
+def test_phases(state, phase):
+    assert states.phase(state) == phase
+
+
+def test_exit_codes_and_signals_read_as_a_process_exit():
+    def exit_of(job: JobState, started: bool = True) -> int:
+        return states.trainer_exit(job, ("tail",), 1, started=started).returncode
+
+    assert exit_of(JobState("COMPLETED")) == 0
+    assert exit_of(JobState("FAILED", "NonZeroExitCode", 3)) == 3
+    assert exit_of(JobState("FAILED", "NonZeroExitCode", 137)) == -9, "the shell's 128+9: killed by SIGKILL"
+    assert exit_of(JobState("CANCELLED", "None", 0, 15)) == -15
+    assert exit_of(JobState("CANCELLED"), started=False) == -1
+    oom = states.trainer_exit(JobState("OUT_OF_MEMORY"), (), 1, started=True)
+    assert oom.returncode == -9 and oom.oom is OomVerdict.oom and "OUT_OF_MEMORY" in oom.oom_evidence
+    assert states.trainer_exit(JobState("FAILED", "x", 137), (), 1, started=True).oom is OomVerdict.not_oom
+
+
+FAILED = Outcome(JobStatus.failed, "killed", "the trainer was killed by SIGTERM")
+
+
+@pytest.mark.parametrize(("state", "code"), [("NODE_FAIL", "node_fail"), ("PREEMPTED", "preempted"),
+                                             ("BOOT_FAIL", "node_fail"), ("TIMEOUT", "time_limit")])
+def test_a_lost_node_preemption_or_time_limit_is_a_retry_until_max_attempts(state, code):
+    retried = states.settle(FAILED, JobState(state, nodes="n2"), "41", attempt=1, max_attempts=3)
+    assert (retried.status, retried.error_code, retried.retry) == (JobStatus.queued, code, True)
+    assert "41" in (retried.message or "") and "retrying from the last checkpoint" in (retried.message or "")
+    last = states.settle(FAILED, JobState(state), "41", attempt=3, max_attempts=3)
+    assert (last.status, last.error_code) == (JobStatus.failed, code)
+
+
+def test_a_trainer_stopped_by_slurms_own_term_resumes_and_ftqs_verdicts_stand():
+    interrupted = Outcome(JobStatus.failed, "interrupted", "stopped by a signal that did not come from ftq")
+    settled = states.settle(interrupted, JobState("COMPLETED"), "7", attempt=1, max_attempts=2)
+    assert (settled.status, settled.error_code) == (JobStatus.queued, "slurm_signal")
+    for kept in (Outcome(JobStatus.succeeded), Outcome(JobStatus.cancelled), Outcome(None),
+                 Outcome(JobStatus.failed, "trainer_crashed", "exit 1")):
+        assert states.settle(kept, JobState("FAILED", "NonZeroExitCode", 1), "7", attempt=1, max_attempts=2) is kept
+    assert states.settle(FAILED, None, None, attempt=1, max_attempts=2) is FAILED
+
+
+def config(tmp_path: Path, **fields) -> BridgeConfig:
+    return BridgeConfig(partition="gpu", shared_dir=tmp_path, python="/opt/ftq/bin/python", **fields)
+
+
+def attempt(tmp_path: Path, nodes: int, per_node: int) -> Attempt:
+    return Attempt("job-1", 2, nodes, per_node, tmp_path / "job.json", tmp_path / "out", "ftq:bridge")
+
+
+def test_one_rank_is_the_trainer_itself_under_srun(tmp_path):
+    script = batch_script(config(tmp_path), attempt(tmp_path, 1, 1))
+    assert script.startswith("#!/bin/bash\n")
+    for option in ("--job-name=ftq-job-1", "--comment=ftq:bridge", "--partition=gpu", "--nodes=1",
+                   "--ntasks-per-node=1", "--cpus-per-task=1", "--signal=TERM@120", "--no-requeue",
+                   f"--output={tmp_path}/ftq-jobs/job-1/attempt-2/events.jsonl",
+                   f"--error={tmp_path}/ftq-jobs/job-1/attempt-2/stderr.log", f"--chdir={tmp_path}/out"):
+        assert f"#SBATCH {option}\n" in script, option
+    assert f"srun --nodes=1 --ntasks=1 /opt/ftq/bin/python -m trainer run {tmp_path}/job.json\nexit $?" in script
+    assert "torch.distributed.run" not in script and "--account" not in script and "--time" not in script
+
+
+def test_several_nodes_run_one_torchrun_each_meeting_at_the_first_node(tmp_path):
+    cfg = config(tmp_path, gpus_per_node=8, account="lab", qos="high", time_limit="1-00:00:00", signal_s=300,
+                 environment="module load cuda\nsource /opt/ftq/bin/activate", container="nvcr.io/ftq:1")
+    script = batch_script(cfg, attempt(tmp_path, 4, 8))
+    for option in ("--nodes=4", "--gpus-per-node=8", "--account=lab", "--qos=high", "--time=1-00:00:00",
+                   "--signal=TERM@300"):
+        assert f"#SBATCH {option}\n" in script, option
+    assert "--cpus-per-task" not in script
+    assert script.index("module load cuda\nsource /opt/ftq/bin/activate") < script.index("srun ")
+    launch = script[script.index("srun "):]
+    assert launch.startswith("srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --container-image=nvcr.io/ftq:1 bash -c ")
+    for arg in ("--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d", '--rdzv-endpoint="$FTQ_RDZV"',
+                "--rdzv-id=ftq-job-1-2", "--rdzv-conf=is_host=$((SLURM_NODEID == 0 ? 1 : 0))", "-m trainer run"):
+        assert arg in launch, arg
+    assert 'NodeAddr' in script and 'export FTQ_RDZV="${addr:-$head}:$port"' in script
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"partition": "gpu;rm"}, "partition: 'gpu;rm' is not a Slurm name"),
+    ({"gpus_per_node": -1}, "gpus_per_node: must be >= 0"),
+    ({"time_limit": "tomorrow"}, "time_limit: 'tomorrow' is not a Slurm time"),
+    ({"shared_dir": Path("relative")}, "shared_dir: relative must be an absolute path"),
+])
+def test_bad_configuration_names_the_field(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        BridgeConfig(**{"partition": "gpu", "shared_dir": tmp_path, **fields})
+
+
+def test_parsers():
+    assert gres_gpus("gpu:a100:8(S:0-1)") == 8 and gres_gpus("gpu:4,gpu:v100:2") == 6 and gres_gpus("(null)") == 0
+    assert parse_fields("JobId=5 JobName=ftq job Reason=None ExitCode=0:9") == {
+        "JobId": "5", "JobName": "ftq job", "Reason": "None", "ExitCode": "0:9"}
+
+
+def fake_slurm(tmp_path: Path, sinfo_output: str) -> SlurmCli:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "squeue", "scancel", "scontrol"):
+        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+    names = " ".join(line.split("|")[0] for line in sinfo_output.split("\\n") if line)
+    (bin_dir / "sinfo").write_text(f"#!/bin/sh\ncase \"$*\" in *'%P|'*) printf '{sinfo_output}';; *) echo {names};; esac\n")
+    for script in bin_dir.iterdir():
+        script.chmod(0o755)
+    return SlurmCli(bin_dir)
+
+
+def test_the_bridge_refuses_to_start_without_sbatch_or_its_partition(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data").resolved()
+    with pytest.raises(bridge.BridgeError, match="sbatch is not in .*--slurm-bin"):
+        bridge.check(config(tmp_path), SlurmCli(tmp_path / "nowhere"), settings)
+    cli = fake_slurm(tmp_path, "cpu*|2|4|(null)|up\\n")
+    with pytest.raises(bridge.BridgeError, match=r"partition 'gpu' does not exist .*\(its partitions: cpu\)"):
+        bridge.check(config(tmp_path), cli, settings)
+
+
+def test_the_bridge_refuses_more_than_the_nodes_have_and_a_data_dir_off_the_shared_one(tmp_path):
+    cli = fake_slurm(tmp_path, "gpu|3|64|gpu:h100:4(S:0-1)|up\\n")
+    inside = Settings(data_dir=tmp_path / "data").resolved()
+    assert bridge.check(config(tmp_path, gpus_per_node=4), cli, inside) == Partition("gpu", 3, 64, 4, True)
+    with pytest.raises(bridge.BridgeError, match="--gpus-per-node 8: the nodes of partition 'gpu' have 4 GPUs"):
+        bridge.check(config(tmp_path, gpus_per_node=8), cli, inside)
+    (tmp_path / "data").mkdir()
+    outside = Settings(data_dir=tmp_path.parent / "elsewhere").resolved()
+    with pytest.raises(bridge.BridgeError, match="FTQ_DATA_DIR .* is outside --shared-dir"):
+        bridge.check(config(tmp_path / "data", gpus_per_node=4), cli, outside)
+    options = bridge.worker_options(config(tmp_path, gpus_per_node=4), cli, Partition("gpu", 3, 64, 4, True), "b")
+    assert (options.slots, options.executor, options.pool_name) == (12, "slurm", "slurm")

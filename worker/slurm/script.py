@@ -1,0 +1,103 @@
+"""The batch script of one attempt of a job: ``#SBATCH`` options, then one ``srun`` step that
+starts the trainer on every node.
+
+    1 node, 1 rank    srun <python> -m trainer run job.json            (as the local executor)
+    M nodes x N ranks srun --nodes=M --ntasks-per-node=1: on each node one torchrun with N ranks,
+                      c10d rendezvous at the first node's address (``scontrol show node``: its
+                      NodeAddr) on a port free there, is_host on node 0 only (several nodes may
+                      share one address, as the test cluster's do)
+
+The script's stdout (``--output``) is the events file: the trainer's rank 0 prints one JSON event
+per line, which the bridge tails. Its stderr (``--error``) keeps srun's, torchrun's and every
+rank's stderr (``--tee=2``), whose tail a failed job's message ends with. ``--signal=TERM@S``
+asks every rank to checkpoint S seconds before the time limit; ``--no-requeue``: a node failure or
+preemption ends this attempt and ftq queues the next one itself, resuming from the last
+checkpoint (docs/slurm.md says why). The script exits with srun's status.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.slurm.config import BridgeConfig
+
+EVENTS = "events.jsonl"
+STDERR = "stderr.log"
+SCRIPT = "job.sbatch"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one attempt of one job asks of Slurm."""
+
+    job_id: str
+    attempt: int
+    nodes: int
+    per_node: int
+    """GPUs (a CPU cluster: ranks on CPU slots) on each node."""
+    job_json: Path
+    workdir: Path
+    """The trainer's working directory (the job's output directory)."""
+    comment: str
+    """``--comment``: tags the job as this bridge's (``ftq:<worker id>``)."""
+    subcommand: str = "run"
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.per_node
+
+
+def job_name(job_id: str) -> str:
+    return f"ftq-{job_id}"
+
+
+def batch_script(config: BridgeConfig, attempt: Attempt) -> str:
+    """The whole script, ``#!/bin/bash`` first."""
+    out = config.job_dir(attempt.job_id, attempt.attempt)
+    options = [
+        f"--job-name={job_name(attempt.job_id)}",
+        f"--comment={attempt.comment}",
+        f"--partition={config.partition}",
+        *([f"--account={config.account}"] if config.account else []),
+        *([f"--qos={config.qos}"] if config.qos else []),
+        f"--nodes={attempt.nodes}",
+        "--ntasks-per-node=1",
+        *([f"--gpus-per-node={attempt.per_node}"] if config.gpus_per_node else [f"--cpus-per-task={attempt.per_node}"]),
+        *([f"--time={config.time_limit}"] if config.time_limit else []),
+        *([f"--signal=TERM@{config.signal_s}"] if config.signal_s else []),
+        "--no-requeue",
+        f"--chdir={attempt.workdir}",
+        f"--output={out / EVENTS}",
+        f"--error={out / STDERR}",
+    ]
+    lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "",
+             f"# ftq job {attempt.job_id}, attempt {attempt.attempt}: written by the Slurm bridge (docs/slurm.md)",
+             "set -u", "export PYTHONUNBUFFERED=1"]
+    if config.environment.strip():
+        lines += ["", "# the bridge's --environment", config.environment.strip()]
+    lines += ["", *_launch(config, attempt), "exit $?", ""]
+    return "\n".join(lines)
+
+
+def _launch(config: BridgeConfig, attempt: Attempt) -> list[str]:
+    q = shlex.quote
+    container = [f"--container-image={q(config.container)}"] if config.container else []
+    trainer = ["-m", "trainer", attempt.subcommand, q(str(attempt.job_json))]
+    if attempt.ranks == 1:
+        return [" ".join(["srun", "--nodes=1", "--ntasks=1", *container, q(config.python), *trainer])]
+    torchrun = " ".join([
+        q(config.python), "-m", "torch.distributed.run", f"--nnodes={attempt.nodes}",
+        f"--nproc-per-node={attempt.per_node}", "--rdzv-backend=c10d", '--rdzv-endpoint="$FTQ_RDZV"',
+        f"--rdzv-id=ftq-{attempt.job_id}-{attempt.attempt}", '--rdzv-conf=is_host=$((SLURM_NODEID == 0 ? 1 : 0))',
+        "--tee=2", *trainer,
+    ])
+    return [
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'addr=$(scontrol show node "$head" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
+        f"port=$({q(config.python)} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+        'export FTQ_RDZV="${addr:-$head}:$port"',
+        " ".join(["srun", f"--nodes={attempt.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container,
+                  "bash", "-c", q(f"exec {torchrun}")]),
+    ]

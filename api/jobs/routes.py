@@ -324,6 +324,15 @@ def download_checkpoint(
     root = _job_root(state, service.get_job(session, job_id))
     session.close()
     src = artifact_store.checkpoint_store_dir(state.settings, job_id, checkpoint.step)
+    if not src.is_dir() and (shared := artifact_store.shared_checkpoint_dir(state.settings, job_id, step)):
+        src, root = shared, shared.parent.parent  # the API host mounts the machines' shared directory
+    elif not src.is_dir() and checkpoint.path and not Path(checkpoint.path).is_relative_to(root):
+        raise Conflict(
+            f"checkpoint {step} of job {job_id} was written to the shared checkpoint directory of the machines "
+            f"that ran it ({checkpoint.path}) and is not uploaded; read it there, mount that directory on the "
+            "API host at the same path with FTQ_SHARED_DIR, or download the final model once the job has succeeded",
+            param="step",
+        )
     return _archive_response(state, src, format, f"{job_id}-step-{step}", root)
 
 

@@ -123,6 +123,7 @@ def replay_starts(
     durations: dict[str, float | None],
     addresses: Mapping[str, str | None] | None = None,
     quota_caps: Mapping[str | None, int] | None = None,
+    storages: Mapping[str, tuple[str, str] | None] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
@@ -134,6 +135,7 @@ def replay_starts(
         caps: each waiting owner's cap on running GPUs (0 = none).
         durations: each waiting job's expected seconds (None unknown).
         quota_caps: each project's GPU quota (``ProjectQuotas.caps``; default none).
+        storages: each live host's shared storage (``Host.shared``; default none).
     """
     jobs = list(running)
     pending = list(waiting)
@@ -142,8 +144,8 @@ def replay_starts(
     while pending:
         live = [b for b in jobs if b.ends_in_s is None or b.ends_in_s > now]
         held = set().union(*(b.holds() for b in live))
-        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w))
-                 for w, slots in hosts.items()]
+        state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w),
+                      (storages or {}).get(w)) for w, slots in hosts.items()]
         used: Counter[Owner] = Counter()
         in_project: Counter[str | None] = Counter()
         for b in live:
@@ -201,7 +203,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
     quotas = project_quotas(session)
     starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations,
-                           {host.worker_id: host.address for host in hosts}, quotas.caps)
+                           {host.worker_id: host.address for host in hosts}, quotas.caps,
+                           {host.worker_id: host.shared for host in hosts})
     used: Counter[Owner] = Counter()
     for b in busy:
         used[b.owner_id] += b.gpus

@@ -29,6 +29,11 @@ estimates and the wake-up messages all call it, so they agree by construction.
               sorts first: torch's c10d rendezvous gives node ranks in sorted address order, so
               global rank 0 lands there. As the head it holds M machines, those with the most free
               GPUs, the same way.
+    shared    a job whose ranks shard the model over machines (``method: full``, M > 1) writes
+              its checkpoints into a directory all its machines share, so its M machines must
+              be of ONE shared storage (``Host.shared``: the same FTQ_SHARED_DIR path and marker
+              id); it is placed, and holds, within the one storage where it fits best. Without
+              any storage of M such machines it is too big (the API refuses it at submission).
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -64,10 +69,16 @@ class Waiting:
     nodes: int = 1
     """Machines the job's GPUs are spread over (``gpus / nodes`` each)."""
     project_id: str | None = None
+    method: str = "lora"
 
     @property
     def per_node(self) -> int:
         return self.gpus // self.nodes
+
+    @property
+    def needs_shared(self) -> bool:
+        """Its machines must share a checkpoint directory: full fine-tuning shards the model."""
+        return self.nodes > 1 and self.method == "full"
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,8 @@ class Host:
     free: tuple[int, ...]
     address: str | None = None
     """The address other machines reach it at (None: it takes no part in multi-machine jobs)."""
+    shared: tuple[str, str] | None = None
+    """``(shared_dir, shared_id)`` of the checkpoint directory it mounts (None: none)."""
 
     @property
     def size(self) -> int:
@@ -180,13 +193,14 @@ def place(
     free = {host.worker_id: list(host.free) for host in hosts}
     size = {host.worker_id: host.size for host in hosts}
     address = {host.worker_id: host.address for host in hosts}
+    shared = {host.worker_id: host.shared for host in hosts}
     used: Counter[Owner] = Counter(running)
     blocked: set[Owner] = set()
     placements: list[Placement] = []
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        big_enough = _big_enough(job, size, address)
+        big_enough = _big_enough(job, size, address, shared)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:
@@ -202,13 +216,13 @@ def place(
             continue
         held = hold.hosts if hold is not None else frozenset()
         fits = [w for w in big_enough if len(free[w]) >= job.per_node and w not in held]
-        chosen = _choose(job, fits, free, address)
+        chosen = _choose(job, fits, free, address, shared)
         if chosen:
             placements.append(_take(job, chosen, free, address))
             used[job.owner_id] += job.gpus
             project_used[job.project_id] += job.gpus
         elif hold is None:
-            target, *also = _hold_targets(job, big_enough, free, address)
+            target, *also = _hold_targets(job, big_enough, free, address, shared)
             hold = Hold(job.job_id, target, job.per_node, len(free[target]), tuple(also))
             blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
             if quota is not None:  # nor its project's later jobs the quota (a project without one: backfill)
@@ -227,12 +241,30 @@ def _take(job: Waiting, chosen: Sequence[str], free: dict[str, list[int]],
     return Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address)
 
 
-def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None]) -> list[str]:
-    """The hosts that could ever take a part of ``job`` (empty: fewer machines than it needs)."""
+Shared = Mapping[str, "tuple[str, str] | None"]
+
+
+def _groups(job: Waiting, hosts: Sequence[str], shared: Shared) -> list[list[str]]:
+    """``hosts`` as the sets ``job``'s machines must all come from: one set, or for a job that
+    needs shared storage one per storage (hosts without one left out), in storage order."""
+    if not job.needs_shared:
+        return [list(hosts)]
+    by_storage: dict[tuple[str, str], list[str]] = {}
+    for w in hosts:
+        if shared[w] is not None:
+            by_storage.setdefault(shared[w], []).append(w)  # type: ignore[arg-type]
+    return [by_storage[key] for key in sorted(by_storage)]
+
+
+def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],
+                shared: Shared) -> list[str]:
+    """The hosts that could ever take a part of ``job`` (empty: fewer machines than it needs,
+    or, needing shared storage, no storage with that many)."""
     if job.nodes == 1:
         return sorted(w for w in size if size[w] >= job.gpus)
     hosts = sorted(w for w in size if size[w] >= job.per_node and address[w])
-    return hosts if len({address[w] for w in hosts}) >= job.nodes else []
+    return sorted(w for group in _groups(job, hosts, shared) if len({address[h] for h in group}) >= job.nodes
+                  for w in group)
 
 
 def _one_per_machine(hosts: Sequence[str], address: Mapping[str, str | None], key: Any) -> list[str]:
@@ -244,25 +276,31 @@ def _one_per_machine(hosts: Sequence[str], address: Mapping[str, str | None], ke
 
 
 def _choose(job: Waiting, fits: Sequence[str], free: Mapping[str, list[int]],
-            address: Mapping[str, str | None]) -> list[str] | None:
-    """The hosts ``job`` starts on (best fit), the leader first; None: it does not fit now."""
+            address: Mapping[str, str | None], shared: Shared) -> list[str] | None:
+    """The hosts ``job`` starts on (best fit; needing shared storage, within the storage where
+    the fit is best), the leader first; None: it does not fit now."""
     def fewest_free(w: str) -> tuple[int, str]:
         return (len(free[w]), w)
 
     if job.nodes == 1:
         return [min(fits, key=fewest_free)] if fits else None
-    machines = _one_per_machine(fits, address, fewest_free)[: job.nodes]
-    if len(machines) < job.nodes:
+    options = [machines for group in _groups(job, fits, shared)
+               if len(machines := _one_per_machine(group, address, fewest_free)[: job.nodes]) == job.nodes]
+    if not options:
         return None
-    return sorted(machines, key=lambda w: (address[w] or "", w))
+    best = min(options, key=lambda machines: sum(len(free[w]) for w in machines))
+    return sorted(best, key=lambda w: (address[w] or "", w))
 
 
 def _hold_targets(job: Waiting, big_enough: Sequence[str], free: Mapping[str, list[int]],
-                  address: Mapping[str, str | None]) -> list[str]:
-    """The hosts the head holds: the one (a multi-machine job: ``nodes`` machines) with the most free GPUs."""
+                  address: Mapping[str, str | None], shared: Shared) -> list[str]:
+    """The hosts the head holds: the one (a multi-machine job: ``nodes`` machines, of one
+    storage when it needs shared storage) with the most free GPUs."""
     def most_free(w: str) -> tuple[int, str]:
         return (-len(free[w]), w)
 
     if job.nodes == 1:
         return [min(big_enough, key=most_free)]
-    return _one_per_machine(big_enough, address, most_free)[: job.nodes]
+    options = [machines for group in _groups(job, big_enough, shared)
+               if len(machines := _one_per_machine(group, address, most_free)[: job.nodes]) == job.nodes]
+    return max(options, key=lambda machines: sum(len(free[w]) for w in machines))

@@ -349,8 +349,8 @@ class JobSpec(_Strict):
             ge=1,
             le=64,
             description="Machines the job's GPUs are spread over (gpus / nodes on each, one torchrun per machine "
-            "meeting through a c10d rendezvous); gpus must be a multiple of nodes. Above 1 only for methods "
-            "whose checkpoints rank 0 writes alone (lora, qlora).",
+            "meeting through a c10d rendezvous); gpus must be a multiple of nodes. Above 1 with method full "
+            "only on machines that share a checkpoint directory (FTQ_SHARED_DIR).",
         ),
     ] = 1
     tracking: TrackingSpec = TrackingSpec()
@@ -419,10 +419,6 @@ class JobSpec(_Strict):
         if gpus % nodes:
             raise ValueError(f"gpus ({gpus}) must be a multiple of nodes ({nodes}): each machine runs gpus / nodes "
                              "ranks; set gpus to a multiple of nodes")
-        if nodes > 1 and info.data.get("method") == "full":
-            raise ValueError("method full cannot span machines yet: its ranks write sharded checkpoints "
-                             "(FSDP2, torch.distributed.checkpoint) each onto its own machine's disk, so no machine "
-                             "holds a whole checkpoint to resume or upload; set nodes to 1 or use method lora")
         return nodes
 
     def to_stored(self) -> dict:

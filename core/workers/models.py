@@ -36,6 +36,11 @@ class Worker(Base):
     sharing the API's data directory."""
     address: Mapped[str | None] = mapped_column(String(255))
     """The address other machines reach this worker at (torchrun's rendezvous)."""
+    shared_dir: Mapped[str | None] = mapped_column(String(1024))
+    """The shared checkpoint directory this machine mounts (``FTQ_SHARED_DIR``); None: none."""
+    shared_id: Mapped[str | None] = mapped_column(String(64))
+    """The id in that directory's marker file (worker/shared_storage.py): workers with the same
+    ``shared_id`` and ``shared_dir`` see one directory at one path."""
 
 
 class GpuSlot(Base):

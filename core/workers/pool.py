@@ -55,7 +55,7 @@ def live_hosts(session: Session, *, cutoff: dt.datetime, include: str | None = N
     if include is not None:
         live = live | (Worker.worker_id == include)
     rows = session.execute(
-        select(GpuSlot.worker_id, GpuSlot.slot, GpuSlot.job_id, Worker.address)
+        select(GpuSlot.worker_id, GpuSlot.slot, GpuSlot.job_id, Worker.address, Worker.shared_dir, Worker.shared_id)
         .join(Worker, Worker.worker_id == GpuSlot.worker_id)
         .where(live)
         .order_by(GpuSlot.worker_id, GpuSlot.slot)
@@ -63,13 +63,15 @@ def live_hosts(session: Session, *, cutoff: dt.datetime, include: str | None = N
     slots: dict[str, list[int]] = {}
     free: dict[str, list[int]] = {}
     address: dict[str, str | None] = {}
-    for worker_id, slot, job_id, addr in rows:
+    shared: dict[str, tuple[str, str] | None] = {}
+    for worker_id, slot, job_id, addr, shared_dir, shared_id in rows:
         slots.setdefault(worker_id, []).append(slot)
         free.setdefault(worker_id, [])
         address[worker_id] = addr
+        shared[worker_id] = (shared_dir, shared_id) if shared_dir and shared_id else None
         if job_id is None:
             free[worker_id].append(slot)
-    return [Host(w, tuple(slots[w]), tuple(free[w]), address[w]) for w in sorted(slots)]
+    return [Host(w, tuple(slots[w]), tuple(free[w]), address[w], shared[w]) for w in sorted(slots)]
 
 
 def reserve(session: Session, job_id: str, worker_id: str, slots: Sequence[int]) -> bool:

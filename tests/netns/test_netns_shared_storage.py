@@ -1,0 +1,168 @@
+"""Issue 29's shared-storage proof on one CPU box: full fine-tuning over two machines (network
+namespaces, conftest.py) whose workers mount one directory (``FTQ_SHARED_DIR``, a host directory
+both namespaces see at the same path); every rank writes its DCP shards there, nothing is uploaded
+but the final model.
+
+The reference is the same job.json run by ``torchrun --standalone --nproc-per-node=2`` on one
+machine (this process's own), once per module: 2 ranks, gloo, one thread each, as the machines run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.netns.cluster import REPO_ROOT
+from tests.netns.jobs import TINY, checkpoint_steps, events, finished, metrics, submit, upload, wait_job, zip_files
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.netns]
+
+STEPS = 18
+CHECKPOINT_EVERY = 3
+HYPER = {**TINY, "max_steps": STEPS}
+LOSS_TOLERANCE = 1e-4
+"""Relative, per step, against the 2-rank one-machine run: the same ranks over the same shards,
+FSDP2 over gloo either way; what may differ is the order of floating-point sums (a few ulp at
+the first step, growing a little over 18 full-weight updates), far under this. A resume from the
+shared checkpoint restores weights, AdamW state, schedule, data position and RNG exactly."""
+
+
+@pytest.fixture
+def shared(cluster) -> Iterator[Path]:
+    """Both machines' workers restarted with ``FTQ_SHARED_DIR`` (one host directory); restarted
+    without it afterwards, as the other tests of the deployment expect them."""
+    directory = cluster.base / "shared"
+    directory.mkdir(exist_ok=True)
+    cluster.ensure_up()
+    _restart(cluster, {"FTQ_SHARED_DIR": str(directory)})
+    try:
+        yield directory
+    finally:
+        _restart(cluster, {"FTQ_SHARED_DIR": None})
+
+
+def _restart(cluster, env: dict[str, str | None]) -> None:
+    for name in ("m1", "m2"):
+        cluster.stop_worker(name)
+        machine = cluster.machines[name]
+        for key, value in env.items():
+            if value is None:
+                machine.env.pop(key, None)
+            else:
+                machine.env[key] = value
+        cluster.start_worker(name)
+    cluster.wait_workers(["m1", "m2"])
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[float]]:
+    """job.json of a 2-machine run -> its per-step losses as 2 ranks on this one machine (memoised
+    by the job.json's content)."""
+    return {}
+
+
+def _reference_losses(cache: dict[str, list[float]], job_json: Path, work: Path) -> list[float]:
+    from trainer.config import TrainConfig
+
+    config = TrainConfig.load(job_json)
+    key = json.dumps({**config.to_dict(), "output_dir": None, "shared_checkpoint_dir": None, "job_id": None},
+                     sort_keys=True)
+    if key not in cache:
+        work.mkdir(parents=True, exist_ok=True)
+        local = dataclasses.replace(config, output_dir=str(work / "out"), shared_checkpoint_dir=None)
+        local.save(work / "job.json")
+        env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "-m", "trainer", "run", str(work / "job.json")], env=env, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=600, check=False)
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        assert done.returncode == 0, f"the 2-rank reference failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        cache[key] = [e["loss"] for e in lines if e.get("type") == "step"]
+    return cache[key]
+
+
+def _same_losses(rows: list[dict], expected: list[float]) -> list[str]:
+    return [f"step {row['step']}: 2 machines {row['loss']!r}, 2 ranks on one machine {want!r}"
+            for row, want in zip(rows, expected)
+            if row["loss"] is None or not math.isclose(row["loss"], want, rel_tol=LOSS_TOLERANCE)]
+
+
+def _full_job(client, cluster, chat_dataset, name: str) -> dict:
+    file_id = upload(client, chat_dataset)
+    return submit(client, file_id, cluster.model, method="full", hyperparameters=HYPER, gpus=2, nodes=2,
+                  checkpoint_every=CHECKPOINT_EVERY, name=name)
+
+
+def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one(cluster, shared, reference, chat_dataset,
+                                                                      tmp_path):
+    with cluster.client() as client:
+        job = _full_job(client, cluster, chat_dataset, "full over 2 machines")
+        done = finished(client, job["id"], logs=cluster.log_tail)
+        assert done["status"] == "succeeded" and done["attempts"] == 1, f"{done}\n{cluster.log_tail()}"
+        rows = metrics(client, job["id"])
+        recorded = checkpoint_steps(client, job["id"])
+        model = zip_files(client, f"/v1/jobs/{job['id']}/adapter")  # method full: the whole model
+        refused = client.get(f"/v1/jobs/{job['id']}/checkpoints/{recorded[0]}/download")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [sorted(r["rank"] for r in row["ranks"] or []) for row in rows] == [[0, 1]] * STEPS
+    home = shared / "jobs" / job["id"] / "checkpoints"
+    assert recorded == list(range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
+    for step in recorded:  # every rank's shards in the one shared directory
+        shards = sorted(p.name for p in (home / f"step-{step:06d}" / "dcp").glob("*.distcp"))
+        assert len(shards) == 2, f"step {step}: expected both ranks' DCP shards in {home}, found {shards}"
+    stored = cluster.api_data_dir / "jobs" / job["id"]
+    assert not (stored / "checkpoints").exists(), "a shared checkpoint was uploaded to the API"
+    for machine in cluster.machines.values():
+        assert not (machine.data_dir / "jobs" / job["id"] / "checkpoints").exists(), f"{machine.name} kept its own"
+    assert any(name.endswith(".safetensors") for name in model), sorted(model)
+    assert refused.status_code == 409 and "shared checkpoint directory" in refused.text, refused.text
+    job_json = cluster.machines["m1"].data_dir / "jobs" / job["id"] / "job.json"
+    assert json.loads(job_json.read_text())["shared_checkpoint_dir"] == str(shared / "jobs" / job["id"])
+    problems = _same_losses(rows, _reference_losses(reference, job_json, tmp_path / "reference"))
+    assert not problems, "\n".join(problems)
+
+
+def _past_a_checkpoint(client, job: dict) -> bool:
+    assert job["status"] in ("queued", "running"), f"the job ended before a machine could be lost: {job}"
+    return job["status"] == "running" and job["progress"]["step"] > CHECKPOINT_EVERY and bool(
+        checkpoint_steps(client, job["id"]))
+
+
+def test_a_lost_machine_resumes_the_job_from_the_shared_checkpoint(cluster, shared, reference, chat_dataset,
+                                                                   tmp_path):
+    """The leader (m1: rank 0, the one that renames each checkpoint into place) dies mid-run; the
+    job goes back to the queue, and, as ftq keeps a job's machine count, resumes on both machines
+    once m1 is back, from the newest checkpoint recorded, which only the shared directory holds."""
+    with cluster.client() as client:
+        job = _full_job(client, cluster, chat_dataset, "full, leader lost")
+        running = wait_job(client, job["id"], lambda j: _past_a_checkpoint(client, j), what="past a recorded checkpoint",
+                           logs=cluster.log_tail)
+        assert running["worker"] == "m1", running
+        cluster.kill_machine("m1")
+        wait_job(client, job["id"], lambda j: j["status"] == "queued", what="back in the queue",
+                 logs=lambda: cluster.diagnose("m2"))
+        newest = checkpoint_steps(client, job["id"])[-1]
+        assert newest < STEPS
+        cluster.revive_machine("m1")
+        done = finished(client, job["id"], logs=cluster.log_tail)
+        assert done["status"] == "succeeded" and done["attempts"] == 2, f"{done}\n{cluster.log_tail()}"
+        rows = metrics(client, job["id"])
+        history = events(client, job["id"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "a step is missing or repeated"
+    plans = [data for kind, data in history if kind == "plan"]
+    assert len(plans) == 2 and plans[1].get("resumed_from_step") == newest, (newest, plans[-1:])
+    assert plans[1]["decisions"] and any(d["name"] == "parallelism" and d["backend"] == "fsdp2"
+                                         for d in plans[1]["decisions"]), plans[1]
+    resumed = shared / "jobs" / job["id"] / "checkpoints" / f"step-{newest:06d}" / "dcp"
+    assert len(list(resumed.glob("*.distcp"))) == 2, f"the checkpoint resumed from is not in {resumed}"
+    job_json = cluster.machines["m1"].data_dir / "jobs" / job["id"] / "job.json"
+    problems = _same_losses(rows, _reference_losses(reference, job_json, tmp_path / "reference"))
+    assert not problems, "\n".join(problems)

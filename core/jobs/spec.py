@@ -402,7 +402,8 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_method(self) -> JobSpec:
-        if self.method == "full" and "lora" in self.model_fields_set:
+        # The defaults pass: a stored spec (``to_stored``) names every field, lora included.
+        if self.method == "full" and "lora" in self.model_fields_set and self.lora != LoraSpec():
             raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
         _check_objective(self)
         if self.sample_count and not self.sample_prompts and self.validation_file is None:

@@ -58,6 +58,14 @@ def _restart(cluster, env: dict[str, str | None]) -> None:
             else:
                 machine.env[key] = value
         cluster.start_worker(name)
+    want = env.get("FTQ_SHARED_DIR")
+
+    def registered_again() -> bool:  # the rows of the stopped workers stay live a while
+        rows = {w["id"]: w for w in cluster.hardware()["data"]}
+        return all(rows[name]["shared_dir"] == want and bool(rows[name]["shared_id"]) == bool(want)
+                   for name in ("m1", "m2"))
+
+    cluster.wait(registered_again, f"workers m1, m2 registered with FTQ_SHARED_DIR={want}")
     cluster.wait_workers(["m1", "m2"])
 
 

@@ -34,39 +34,38 @@ the first step, growing a little over 18 full-weight updates), far under this. A
 shared checkpoint restores weights, AdamW state, schedule, data position and RNG exactly."""
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared(cluster) -> Iterator[Path]:
-    """Both machines' workers restarted with ``FTQ_SHARED_DIR`` (one host directory); restarted
-    without it afterwards, as the other tests of the deployment expect them."""
+    """Both machines' workers restarted with ``FTQ_SHARED_DIR`` (one host directory) for this
+    module; at its end they are stopped and lose the variable, so the next test that wants them
+    (``Cluster.ensure_up``) starts them as the other tests expect."""
     directory = cluster.base / "shared"
     directory.mkdir(exist_ok=True)
     cluster.ensure_up()
-    _restart(cluster, {"FTQ_SHARED_DIR": str(directory)})
+    for name in ("m1", "m2"):
+        cluster.stop_worker(name)
+        cluster.machines[name].env["FTQ_SHARED_DIR"] = str(directory)
+        cluster.start_worker(name)
+
+    def registered_again() -> bool:  # the stopped workers' rows stay live a while
+        rows = {w["id"]: w for w in cluster.hardware()["data"]}
+        return all(rows[name]["shared_dir"] == str(directory) and rows[name]["shared_id"] for name in ("m1", "m2"))
+
+    cluster.wait(registered_again, f"workers m1, m2 registered with FTQ_SHARED_DIR={directory}")
+    cluster.wait_workers(["m1", "m2"])
     try:
         yield directory
     finally:
-        _restart(cluster, {"FTQ_SHARED_DIR": None})
+        for name in ("m1", "m2"):
+            cluster.stop_worker(name, timeout_s=20)
+            cluster.machines[name].env.pop("FTQ_SHARED_DIR", None)
 
 
-def _restart(cluster, env: dict[str, str | None]) -> None:
-    for name in ("m1", "m2"):
-        cluster.stop_worker(name)
-        machine = cluster.machines[name]
-        for key, value in env.items():
-            if value is None:
-                machine.env.pop(key, None)
-            else:
-                machine.env[key] = value
-        cluster.start_worker(name)
-    want = env.get("FTQ_SHARED_DIR")
-
-    def registered_again() -> bool:  # the rows of the stopped workers stay live a while
-        rows = {w["id"]: w for w in cluster.hardware()["data"]}
-        return all(rows[name]["shared_dir"] == want and bool(rows[name]["shared_id"]) == bool(want)
-                   for name in ("m1", "m2"))
-
-    cluster.wait(registered_again, f"workers m1, m2 registered with FTQ_SHARED_DIR={want}")
-    cluster.wait_workers(["m1", "m2"])
+@pytest.fixture
+def up(cluster, shared: Path) -> Path:
+    """Both machines up with the shared directory (a test before may have killed one)."""
+    cluster.ensure_up()
+    return shared
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +108,8 @@ def _full_job(client, cluster, chat_dataset, name: str) -> dict:
                   checkpoint_every=CHECKPOINT_EVERY, name=name)
 
 
-def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one(cluster, shared, reference, chat_dataset,
-                                                                      tmp_path):
+def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one(cluster, up, reference, chat_dataset, tmp_path):
+    shared = up
     with cluster.client() as client:
         job = _full_job(client, cluster, chat_dataset, "full over 2 machines")
         done = finished(client, job["id"], logs=cluster.log_tail)
@@ -144,11 +143,11 @@ def _past_a_checkpoint(client, job: dict) -> bool:
         checkpoint_steps(client, job["id"]))
 
 
-def test_a_lost_machine_resumes_the_job_from_the_shared_checkpoint(cluster, shared, reference, chat_dataset,
-                                                                   tmp_path):
+def test_a_lost_machine_resumes_the_job_from_the_shared_checkpoint(cluster, up, reference, chat_dataset, tmp_path):
     """The leader (m1: rank 0, the one that renames each checkpoint into place) dies mid-run; the
     job goes back to the queue, and, as ftq keeps a job's machine count, resumes on both machines
     once m1 is back, from the newest checkpoint recorded, which only the shared directory holds."""
+    shared = up
     with cluster.client() as client:
         job = _full_job(client, cluster, chat_dataset, "full, leader lost")
         running = wait_job(client, job["id"], lambda j: _past_a_checkpoint(client, j), what="past a recorded checkpoint",

@@ -251,8 +251,8 @@ def _groups(job: Waiting, hosts: Sequence[str], shared: Shared) -> list[list[str
         return [list(hosts)]
     by_storage: dict[tuple[str, str], list[str]] = {}
     for w in hosts:
-        if shared[w] is not None:
-            by_storage.setdefault(shared[w], []).append(w)  # type: ignore[arg-type]
+        if (storage := shared[w]) is not None:
+            by_storage.setdefault(storage, []).append(w)
     return [by_storage[key] for key in sorted(by_storage)]
 
 

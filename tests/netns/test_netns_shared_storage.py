@@ -86,6 +86,7 @@ def _reference_losses(job_json: Path, work: Path) -> list[float]:
 
 
 def _same_losses(rows: list[dict], expected: list[float]) -> list[str]:
+    assert len(expected) == len(rows) == STEPS, f"{len(rows)} steps recorded, {len(expected)} in the reference"
     return [f"step {row['step']}: 2 machines {row['loss']!r}, 2 ranks on one machine {want!r}"
             for row, want in zip(rows, expected)
             if row["loss"] is None or not math.isclose(row["loss"], want, rel_tol=LOSS_TOLERANCE)]
@@ -104,7 +105,7 @@ def _past_a_checkpoint(client, job: dict) -> bool:
 
 
 def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one_and_survives_losing_one(
-    cluster, up, chat_dataset, tmp_path
+    cluster, up, chat_dataset, tmp_path, record_property
 ):
     """One training carries both proofs (each trainer start costs CI seconds): the leader (m1:
     rank 0, the one that renames each checkpoint into place) dies mid-run; the job goes back to the
@@ -149,5 +150,8 @@ def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one_and_survive
 
     job_json = cluster.machines["m1"].data_dir / "jobs" / job["id"] / "job.json"
     assert json.loads(job_json.read_text())["shared_checkpoint_dir"] == str(shared / "jobs" / job["id"])
-    problems = _same_losses(rows, _reference_losses(job_json, tmp_path / "reference"))
+    expected = _reference_losses(job_json, tmp_path / "reference")
+    problems = _same_losses(rows, expected)
     assert not problems, "\n".join(problems)
+    record_property("max_relative_loss_difference",
+                    max(abs(row["loss"] - want) / abs(want) for row, want in zip(rows, expected)))

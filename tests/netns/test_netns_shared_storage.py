@@ -27,11 +27,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.netns]
 STEPS = 18
 CHECKPOINT_EVERY = 3
 HYPER = {**TINY, "max_steps": STEPS}
-LOSS_TOLERANCE = 1e-4
-"""Relative, per step, against the 2-rank one-machine run: the same ranks over the same shards,
-FSDP2 over gloo either way; what may differ is the order of floating-point sums (a few ulp at
-the first step, growing a little over 18 full-weight updates), far under this. A resume from the
-shared checkpoint restores weights, AdamW state, schedule, data position and RNG exactly."""
+LOSS_TOLERANCE = 1e-5
+"""Relative, per step, against the 2-rank one-machine run: the same two ranks over the same data
+shards, FSDP2 over gloo either way (a sum of two addends), one thread each; only a different order
+of floating-point sums could differ, far under this (measured: 0.0, every step bitwise equal, the
+resumed ones included). A resume from the shared checkpoint restores weights, AdamW state,
+schedule, data position and RNG exactly."""
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def _past_a_checkpoint(client, job: dict) -> bool:
 
 
 def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one_and_survives_losing_one(
-    cluster, up, chat_dataset, tmp_path, record_property
+    cluster, up, chat_dataset, tmp_path
 ):
     """One training carries both proofs (each trainer start costs CI seconds): the leader (m1:
     rank 0, the one that renames each checkpoint into place) dies mid-run; the job goes back to the
@@ -153,5 +154,3 @@ def test_full_fine_tuning_over_two_machines_matches_two_ranks_on_one_and_survive
     expected = _reference_losses(job_json, tmp_path / "reference")
     problems = _same_losses(rows, expected)
     assert not problems, "\n".join(problems)
-    record_property("max_relative_loss_difference",
-                    max(abs(row["loss"] - want) / abs(want) for row, want in zip(rows, expected)))

@@ -147,6 +147,7 @@ class TestJobJson:
         config = TrainConfig(ModelConfig("m"), DataConfig("t"), OptimConfig(max_steps=1), output_dir=str(tmp_path))
         claim = Claim("job-1", 1, tmp_path, shared_home=Path("/shared/jobs/job-1"))
         assert with_shared_home(config, claim).shared_checkpoint_dir == "/shared/jobs/job-1"
+        assert with_shared_home(config, claim).checkpoint_home == "/shared/jobs/job-1"  # where the trainer checkpoints
         assert with_shared_home(config, Claim("job-1", 1, tmp_path)).shared_checkpoint_dir is None
         assert config.checkpoint_home == str(tmp_path)
 

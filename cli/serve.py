@@ -82,6 +82,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from cli.errors import CliError
     from worker.app import create_worker_app, worker_argv
     from worker.runtime import WorkerOptions
+    from worker.shared_storage import published
 
     gpus = worker_gpus(args)
     if args.slots is not None and args.slots < 1:
@@ -90,6 +91,7 @@ def run_worker(args: argparse.Namespace) -> int:
     settings = Settings().resolved()
     try:
         settings.check_remote_worker()
+        published(settings)  # FTQ_SHARED_DIR mounted and writable, its marker read: refused now, not at a job
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     _pin(settings)

@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     worker_address: str | None = None
     """The address other machines reach this worker at (torchrun's rendezvous); default: this
     machine's IP on the route to the store's (or broker's) host."""
+    shared_dir: Path | None = None
+    """A directory this worker's machine shares with other worker machines (an NFS/CephFS/Lustre
+    mount), at the same absolute path on each: multi-machine jobs placed on machines sharing one
+    write their checkpoints there (``<shared_dir>/jobs/<id>/checkpoints/``), which lets
+    ``method: full`` span machines (worker/shared_storage.py). Unset: none."""
     rdzv_port: int = Field(default=29400, ge=1, le=65535)
     """The port a multi-machine job's rank-0 machine listens on for torchrun's c10d rendezvous
     (the next free port upward if it is taken)."""

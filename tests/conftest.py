@@ -55,9 +55,10 @@ def model_root(tmp_path: Path, _tiny_model_template: Path) -> Path:
     return root
 
 
-FOLDER_UNITS = ("tests/integration/browser/",)
-"""Folders whose modules share one package-scoped stack (their ``__init__.py`` makes them a
-package): pytest-xdist hands each to one worker whole, so the stack starts once per run."""
+FOLDER_UNITS = ("tests/integration/browser/", "tests/netns/")
+"""Folders whose modules share one stack (the browser's package-scoped one, their ``__init__.py``
+making them a package; the netns deployment, session-scoped): pytest-xdist hands each to one worker
+whole, so the stack starts once per run."""
 
 
 @pytest.hookimpl(optionalhook=True)

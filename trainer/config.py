@@ -214,7 +214,12 @@ class TrainConfig:
     """Cap on the GPU memory the activation policy plans for (GiB), on a GPU shared with others;
     None plans for the GPU's free memory at start."""
     resume: bool = True
-    """Resume from the newest checkpoint in ``output_dir`` when one exists."""
+    """Resume from the newest checkpoint (``checkpoint_home``) when one exists."""
+    shared_checkpoint_dir: str | None = None
+    """An absolute directory that every machine of the run sees at this same path (a pool's
+    shared storage): every rank writes its checkpoint shards under ``<it>/checkpoints/`` and
+    resumes from there, so a sharded run (method ``full``, FSDP2) may span machines. None: the
+    checkpoints go under ``output_dir``, on this machine's disk."""
     device: str = "auto"
     """``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``."""
     job_id: str | None = None
@@ -234,6 +239,11 @@ class TrainConfig:
     """Ranks the job's global batch is defined over: each optimizer step trains
     ``gpus x optim.grad_accum`` packed micro-batches, whatever number of ranks runs it (a job
     resumed on fewer ranks accumulates more micro-batches per rank)."""
+
+    @property
+    def checkpoint_home(self) -> str:
+        """The directory whose ``checkpoints/`` holds the run's checkpoints: the shared one if set."""
+        return self.shared_checkpoint_dir or self.output_dir
 
     @property
     def global_micro_batches(self) -> int:
@@ -259,6 +269,9 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
+        shared = self.shared_checkpoint_dir
+        if shared is not None and (not isinstance(shared, str) or not Path(shared).is_absolute()):
+            raise ValueError(f"shared_checkpoint_dir: must be an absolute path (the same on every machine), got {shared!r}")
         _check_guards(self)
         _check_objective(self)
 

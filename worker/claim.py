@@ -23,6 +23,15 @@ class Claim:
     """A multi-machine job's, on its leader (worker/nodes.py); None on one machine."""
     executor: str = "local"
     """The name of the executor that runs it (worker/executors/), picked from the placement."""
+    shared_home: Path | None = None
+    """A multi-machine job's directory in the storage all its machines share
+    (worker/shared_storage.py): its checkpoints go there, none is uploaded. None: this machine's
+    ``output_dir``."""
+
+    @property
+    def checkpoint_home(self) -> Path:
+        """The directory whose ``checkpoints/`` holds the run's checkpoints."""
+        return self.shared_home or self.output_dir
 
     @property
     def gpus(self) -> int:

@@ -30,7 +30,8 @@ from worker.executors import Signal
 from worker.executors.multi_machine import MultiMachineExecutor
 from worker.launch import Rendezvous
 from worker.nodes import run_id
-from worker.prepare import build_config, set_aside_unrecorded_checkpoints
+from worker.prepare import build_config, set_aside_unrecorded_checkpoints, with_shared_home
+from worker.shared_storage import shared_home
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def _run(runtime: Runtime, job_id: str, attempt: int, node_rank: int, rdzv_endpo
         job = session.get(Job, job_id)
         part = session.get(JobNode, (job_id, attempt, node_rank))
         assert job is not None and part is not None, f"job {job_id} node {node_rank} vanished after it started"
+        shared = shared_home(session, job_id, attempt)
         config = build_config(runtime, session, job, output_dir)
         slots = session.execute(
             select(GpuSlot.slot, GpuSlot.device).where(GpuSlot.worker_id == runtime.worker_id, GpuSlot.job_id == job_id)
@@ -110,10 +112,13 @@ def _run(runtime: Runtime, job_id: str, attempt: int, node_rank: int, rdzv_endpo
                     job_id, node_rank, rdzv_endpoint, part.rdzv_endpoint)
         rendezvous = Rendezvous(job.nodes, node_rank, part.rdzv_endpoint, rendezvous.run_id, part.address)
     job_json = output_dir / f"job.node-{node_rank}.json"  # local mode shares the leader's directory
-    config.save(job_json)
     claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=tuple(row.slot for row in slots),
-                  devices=tuple(row.device for row in slots), rendezvous=rendezvous, executor="multi_machine")
-    if runtime.settings.remote_worker:  # every rank resumes from its own disk: the same checkpoint as the leader
+                  devices=tuple(row.device for row in slots), rendezvous=rendezvous, executor="multi_machine",
+                  shared_home=shared)
+    with_shared_home(config, claim).save(job_json)
+    # Every rank resumes from its own disk (the same checkpoint as the leader), or from the shared
+    # directory, which the leader prepares alone before its ranks start (the rendezvous waits for them).
+    if runtime.settings.remote_worker and shared is None:
         _prepare_remote(runtime, claim)
     executor = MultiMachineExecutor(runtime, claim)
     try:

@@ -1,8 +1,10 @@
-"""What this machine is to the store: its worker key's id and the address other machines reach it at.
+"""What this machine is to the store: its worker key's id, the address other machines reach it
+at, and the shared checkpoint directory it mounts.
 
-The worker row carries both (``Runtime.ensure_registered``, ``presence.register``): the key id
+The worker row carries them (``Runtime.ensure_registered``, ``presence.register``): the key id
 ties a remote worker to the key an admin can revoke (worker/remote.py ``may_claim``), the
-address is where a multi-machine job's ranks meet (worker/nodes.py).
+address is where a multi-machine job's ranks meet (worker/nodes.py), the shared directory and
+its id say which machines may run a sharded job together (worker/shared_storage.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ if TYPE_CHECKING:
 
 
 def identity(session: Session, settings: Settings) -> dict[str, Any]:
-    """The worker row's ``key_id`` (None: a local worker, or a key the store does not know) and
-    ``address`` (FTQ_WORKER_ADDRESS, else the local IP of the route to the store's host)."""
+    """The worker row's ``key_id`` (None: a local worker, or a key the store does not know),
+    ``address`` (FTQ_WORKER_ADDRESS, else the local IP of the route to the store's host),
+    ``shared_dir`` and ``shared_id`` (FTQ_SHARED_DIR and its marker's id; None without one,
+    or while it cannot be used: ``cli serve`` refused that at the worker's start)."""
+    from worker.shared_storage import published
+
     key_id = None
     if settings.remote_worker:
         from core.workers.keys import worker_key_active
@@ -28,7 +34,8 @@ def identity(session: Session, settings: Settings) -> dict[str, Any]:
         assert settings.worker_key is not None
         row = worker_key_active(session, settings.worker_key.get_secret_value())
         key_id = row.worker_key_id if row is not None else None
-    return {"key_id": key_id, "address": settings.worker_address or default_address(settings)}
+    address = settings.worker_address or default_address(settings)
+    return {"key_id": key_id, "address": address, **published(settings, strict=False)}
 
 
 def default_address(settings: Settings) -> str | None:

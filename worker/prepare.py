@@ -11,6 +11,7 @@ prepare their directory this way.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,9 +64,10 @@ def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str
     the trainer may have saved a checkpoint after them. Resuming from that checkpoint would
     leave a hole in the job's metrics. So a retry resumes from the newest checkpoint the store
     knows, and the trainer re-emits the steps after it; the newer directories are moved to
-    ``<output_dir>/unrecorded-checkpoints/`` (kept, not deleted). Returns the names moved.
+    ``<output_dir>/unrecorded-checkpoints/`` (kept, not deleted; in the shared directory for a
+    job whose checkpoints are there, ``Claim.checkpoint_home``). Returns the names moved.
     """
-    root = layout.checkpoints_dir(claim.output_dir)
+    root = layout.checkpoints_dir(claim.checkpoint_home)
     if not root.is_dir():
         return []
     with runtime.sessionmaker() as session:
@@ -76,7 +78,7 @@ def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str
     for path in sorted(root.iterdir()):
         step = layout.parse_checkpoint_step(path.name)
         if step is not None and step > recorded:
-            target = layout.unrecorded_checkpoints_dir(claim.output_dir) / f"{path.name}-attempt{claim.attempt}"
+            target = layout.unrecorded_checkpoints_dir(claim.checkpoint_home) / f"{path.name}-attempt{claim.attempt}"
             target.parent.mkdir(exist_ok=True)
             path.rename(target)
             moved.append(path.name)
@@ -89,6 +91,17 @@ def set_aside_unrecorded_checkpoints(runtime: Runtime, claim: Claim) -> list[str
             seq = event.seq
         runtime.publish(claim.job_id, seq)
     return moved
+
+
+def with_shared_home(config: TrainConfig | GenerateConfig | SessionConfig,
+                     claim: Claim) -> TrainConfig | GenerateConfig | SessionConfig:
+    """``config`` with ``shared_checkpoint_dir`` set to the claim's shared directory, when its
+    machines share one (a training job's config; others are returned as they are)."""
+    from trainer.config import TrainConfig
+
+    if claim.shared_home is None or not isinstance(config, TrainConfig):
+        return config
+    return dataclasses.replace(config, shared_checkpoint_dir=str(claim.shared_home))
 
 
 def build_train_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> TrainConfig:

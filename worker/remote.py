@@ -11,7 +11,10 @@ store stays its channel for claims, events and heartbeats, and bytes go through 
                 here; then each ``checkpoint`` event is held back until its directory is
                 uploaded (an uploader thread, training does not wait), and at the end job.json
                 and adapter/ or model/ go up before the job may be ``succeeded`` (an upload
-                that fails for good makes the attempt a retryable failure)
+                that fails for good makes the attempt a retryable failure). A job whose
+                machines share a checkpoint directory (``Claim.shared_home``) uploads no
+                checkpoint: each is recorded as written there; its final weights, which rank 0
+                gathers into this machine's output_dir, go up as any job's
     export      export_inputs / upload_export: job.json and the weights come down, the export
                 goes up before it is marked done
 
@@ -204,9 +207,9 @@ class RemoteOutputs:
         """Checkpoints whose upload failed for good (their events were not recorded)."""
 
     def add(self, event: dict[str, Any]) -> None:
-        if event.get("type") == "checkpoint":
+        if event.get("type") == "checkpoint" and self._claim.shared_home is None:
             self._queue.put(event)
-        else:
+        else:  # a checkpoint in the machines' shared directory is recorded where it is, not uploaded
             self._recorder.add(event)
 
     def _loop(self) -> None:
@@ -286,7 +289,7 @@ def fetch_recorded_checkpoint(runtime: Runtime, claim: Claim, client: TransferCl
     if not step:
         return None
     name = layout.checkpoint_name(step)
-    target = layout.checkpoints_dir(claim.output_dir) / name
+    target = layout.checkpoints_dir(claim.checkpoint_home) / name
     if target.is_dir():
         return None
     try:

@@ -38,10 +38,11 @@ from worker import executors, remote
 from worker.claim import Claim
 from worker.executors import Executor, OnEvent
 from worker.outcome import Outcome, classify
-from worker.prepare import build_config, set_aside_unrecorded_checkpoints
+from worker.prepare import build_config, set_aside_unrecorded_checkpoints, with_shared_home
 from worker.process import TrainerExit
 from worker.recorder import EventRecorder
 from worker.session_relay import relay_for
+from worker.shared_storage import shared_home
 from worker.runtime import Runtime
 from worker.tracking.resolve import tracking_for
 from worker.watchdog import Watchdog, set_worker_job
@@ -145,8 +146,9 @@ def _record_claim(session: Session, runtime: Runtime, placement: Placement, exec
     )])
     rendezvous = executors.get(executor).reserve(session, runtime.settings, placement, attempt)
     set_worker_job(session, runtime.worker_id, job_id)
+    shared = shared_home(session, job_id, attempt) if rendezvous is not None else None
     claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=placement.slots, devices=devices,
-                  rendezvous=rendezvous, executor=executor)
+                  rendezvous=rendezvous, executor=executor, shared_home=shared)
     return claim, event.seq
 
 
@@ -158,7 +160,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
         with runtime.sessionmaker() as session:
             job = session.get(Job, claim.job_id)
             assert job is not None, f"job {claim.job_id} vanished after it was claimed"
-            config = build_config(runtime, session, job, claim.output_dir)
+            config = with_shared_home(build_config(runtime, session, job, claim.output_dir), claim)
     except Exception as exc:  # noqa: BLE001 - a spec that no longer translates fails; a transfer retries
         log.warning("job %s: cannot build the trainer config: %s", claim.job_id, exc)
         return remote.not_prepared(exc, claim.attempt, runtime.settings.max_attempts), None

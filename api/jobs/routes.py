@@ -48,7 +48,7 @@ from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, eta, rerun, service
-from core.jobs.models import Job
+from core.jobs.models import Checkpoint, Job
 from core.jobs.eval_spec import EvalJobSpec
 from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.spec import JobSpec
@@ -321,9 +321,19 @@ def download_checkpoint(
     format: artifacts.ArchiveFormat = "zip",
 ) -> FileResponse:
     checkpoint = service.get_checkpoint(session, job_id, step, reader=caller)
-    root = _job_root(state, service.get_job(session, job_id))
+    job = service.get_job(session, job_id)
+    root = _job_root(state, job)
     session.close()
     src = artifact_store.checkpoint_store_dir(state.settings, job_id, checkpoint.step)
+    if not src.is_dir() and (shared := artifact_store.shared_checkpoint_dir(state.settings, job_id, step)):
+        src, root = shared, shared.parent.parent  # the API host mounts the machines' shared directory
+    elif not src.is_dir() and _in_shared_directory(checkpoint, job.output_dir):
+        raise Conflict(
+            f"checkpoint {step} of job {job_id} was written to the shared checkpoint directory of the machines "
+            f"that ran it ({checkpoint.path}) and is not uploaded; read it there, mount that directory on the "
+            "API host at the same path with FTQ_SHARED_DIR, or download the final model once the job has succeeded",
+            param="step",
+        )
     return _archive_response(state, src, format, f"{job_id}-step-{step}", root)
 
 
@@ -359,6 +369,15 @@ def download_adapter(
     session.close()
     return _archive_response(state, adapter, format, f"{job_id}-{export}", root,
                              members=artifacts.adapter_members(adapter, card))
+
+
+def _in_shared_directory(checkpoint: Checkpoint, output_dir: str | None) -> bool:
+    """Whether a recorded checkpoint was written into the shared checkpoint directory of its
+    machines (``<shared>/jobs/<id>/checkpoints/step-N``, outside the run's ``output_dir``), which
+    uploads none; any other path a worker reported says nothing."""
+    path = Path(checkpoint.path or "/")
+    shaped = path.parts[-4:] == ("jobs", checkpoint.job_id, layout.CHECKPOINTS, layout.checkpoint_name(checkpoint.step))
+    return shaped and output_dir is not None and not path.is_relative_to(output_dir)
 
 
 def _job_root(state: AppState, job: Job) -> Path:

@@ -51,6 +51,8 @@ def _worker_out(row: Worker, slots: list[GpuSlot], now: dt.datetime, timeout: fl
         machine=row.hostname,
         address=row.address,
         remote=row.key_id is not None,
+        shared_dir=row.shared_dir,
+        shared_id=row.shared_id,
         device=row.device,
         gpus=[GpuOut(slot=g.slot, device=g.device, job=g.job_id if shown.get(g.job_id or "", (False,))[0] else None,
                      project=shown.get(g.job_id or "", (False, None))[1]) for g in slots],

@@ -29,6 +29,11 @@ class WorkerOut(BaseModel):
     """Where other machines reach it (torchrun's rendezvous); null when it did not say."""
     remote: bool
     """It runs with a worker key (no shared disk; bytes go through the API)."""
+    shared_dir: str | None = None
+    """The shared checkpoint directory its machine mounts (FTQ_SHARED_DIR); null: none."""
+    shared_id: str | None = None
+    """The id in that directory's marker: workers with the same ``shared_dir`` and ``shared_id``
+    share one directory, so a full fine-tuning job may span their machines."""
     device: str
     """``cuda:0,1,3`` (the GPUs it holds) or ``cpu``."""
     gpus: list[GpuOut]

@@ -53,7 +53,8 @@ def admit(session: Session, spec: JobSpec, *, settings: Settings, owner_id: str 
     _check_forced_switches(session, spec, settings)
     project = session.get(Project, project_id) if project_id is not None else None
     check_trackers(spec.tracking.model_dump(), _live_reports(session, settings), allowed_trackers(settings, project))
-    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes, pool_name=spec.pool)
+    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=spec.nodes, pool_name=spec.pool,
+               method=spec.method)
     check_project(session, project_id, spec.gpus, spec.priority)
     train_row = usable_file(session, spec.training_file, "train", "training_file", project_id)
     _check_objective(spec.objective, train_row, "training_file")

@@ -43,6 +43,22 @@ def checkpoint_store_dir(settings: Settings, job_id: str, step: int) -> Path:
     return layout.checkpoint_dir(job_store_dir(settings, job_id), step)
 
 
+def shared_job_dir(shared_dir: str | Path, job_id: str) -> Path:
+    """A job's directory in a shared checkpoint directory (``FTQ_SHARED_DIR``): what the worker
+    writes into job.json as ``shared_checkpoint_dir``; its checkpoints are under ``checkpoints/``."""
+    return Path(shared_dir) / "jobs" / job_id
+
+
+def shared_checkpoint_dir(settings: Settings, job_id: str, step: int) -> Path | None:
+    """The checkpoint of ``step`` in the API host's own mount of the shared directory (its
+    ``FTQ_SHARED_DIR``, the path computed here, never one a worker reported); None when the API
+    host mounts none or the checkpoint is not there."""
+    if settings.shared_dir is None:
+        return None
+    found = layout.checkpoint_dir(shared_job_dir(settings.shared_dir, job_id), step)
+    return found if found.is_dir() else None
+
+
 def final_store_dir(settings: Settings, job_id: str, method: str) -> Path:
     """The finished run's weights: ``adapter/``, or ``model/`` for method ``full``."""
     return layout.export_dir(job_store_dir(settings, job_id), method)

@@ -131,6 +131,7 @@ def replay_starts(
     addresses: Mapping[str, str | None] | None = None,
     quota_caps: Mapping[str | None, int] | None = None,
     pools: Mapping[str, str | None] | None = None,
+    storages: Mapping[str, tuple[str, str] | None] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
@@ -143,6 +144,7 @@ def replay_starts(
         durations: each waiting job's expected seconds (None unknown).
         quota_caps: each project's GPU quota (``ProjectQuotas.caps``; default none).
         pools: the named pool each live host serves (default none).
+        storages: each live host's shared storage (``Host.shared``; default none).
     """
     jobs = list(running)
     pending = list(waiting)
@@ -152,7 +154,7 @@ def replay_starts(
         live = [b for b in jobs if b.ends_in_s is None or b.ends_in_s > now]
         held = set().union(*(b.holds() for b in live))
         state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w),
-                      (pools or {}).get(w)) for w, slots in hosts.items()]
+                      (pools or {}).get(w), (storages or {}).get(w)) for w, slots in hosts.items()]
         used: Counter[Owner] = Counter()
         in_project: Counter[str | None] = Counter()
         for b in live:
@@ -211,7 +213,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
     quotas = project_quotas(session)
     starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations,
                            {host.worker_id: host.address for host in hosts}, quotas.caps,
-                           {host.worker_id: host.pool for host in hosts})
+                           {host.worker_id: host.pool for host in hosts},
+                           {host.worker_id: host.shared for host in hosts})
     used: Counter[Owner] = Counter()
     for b in busy:
         used[b.owner_id] += b.gpus

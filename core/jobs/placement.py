@@ -33,6 +33,11 @@ estimates and the wake-up messages all call it, so they agree by construction.
               Slurm bridge: one host whose slots are its partition's, docs/slurm.md), and a job
               naming none never there. The cluster's scheduler places its nodes, so a pooled job
               of ``nodes: M`` takes ``gpus`` slots of that one host, as a job of one machine does.
+    shared    a job whose ranks shard the model over machines (``method: full``, M > 1) writes
+              its checkpoints into a directory all its machines share, so its M machines must
+              be of ONE shared storage (``Host.shared``: the same FTQ_SHARED_DIR path and marker
+              id); it is placed, and holds, within the one storage where it fits best. Without
+              any storage of M such machines it is too big (the API refuses it at submission).
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -70,6 +75,7 @@ class Waiting:
     project_id: str | None = None
     pool: str | None = None
     """The named pool it runs on (None: ftq's own hosts)."""
+    method: str = "lora"
 
     @property
     def per_node(self) -> int:
@@ -85,6 +91,11 @@ class Waiting:
         """Slots it takes on each of its hosts."""
         return self.gpus // self.machines
 
+    @property
+    def needs_shared(self) -> bool:
+        """Its machines must share a checkpoint directory: full fine-tuning shards the model."""
+        return self.machines > 1 and self.method == "full"
+
 
 @dataclass(frozen=True)
 class Host:
@@ -97,6 +108,8 @@ class Host:
     """The address other machines reach it at (None: it takes no part in multi-machine jobs)."""
     pool: str | None = None
     """The named pool it serves (None: an ordinary host)."""
+    shared: tuple[str, str] | None = None
+    """``(shared_dir, shared_id)`` of the checkpoint directory it mounts (None: none)."""
 
     @property
     def size(self) -> int:
@@ -199,13 +212,14 @@ def place(
     size = {host.worker_id: host.size for host in hosts}
     address = {host.worker_id: host.address for host in hosts}
     pool_of = {host.worker_id: host.pool for host in hosts}
+    shared = {host.worker_id: host.shared for host in hosts}
     used: Counter[Owner] = Counter(running)
     blocked: set[Owner] = set()
     placements: list[Placement] = []
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        big_enough = _big_enough(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address)
+        big_enough = _big_enough(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address, shared)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:
@@ -221,13 +235,13 @@ def place(
             continue
         held = hold.hosts if hold is not None else frozenset()
         fits = [w for w in big_enough if len(free[w]) >= job.per_host and w not in held]
-        chosen = _choose(job, fits, free, address)
+        chosen = _choose(job, fits, free, address, shared)
         if chosen:
             placements.append(_take(job, chosen, free, address))
             used[job.owner_id] += job.gpus
             project_used[job.project_id] += job.gpus
         elif hold is None:
-            target, *also = _hold_targets(job, big_enough, free, address)
+            target, *also = _hold_targets(job, big_enough, free, address, shared)
             hold = Hold(job.job_id, target, job.per_host, len(free[target]), tuple(also))
             blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
             if quota is not None:  # nor its project's later jobs the quota (a project without one: backfill)
@@ -246,12 +260,30 @@ def _take(job: Waiting, chosen: Sequence[str], free: dict[str, list[int]],
     return Placement(job.job_id, leader.worker_id, leader.slots, tuple(followers), leader.address)
 
 
-def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None]) -> list[str]:
-    """The hosts that could ever take a part of ``job`` (empty: fewer machines than it needs)."""
+Shared = Mapping[str, "tuple[str, str] | None"]
+
+
+def _groups(job: Waiting, hosts: Sequence[str], shared: Shared) -> list[list[str]]:
+    """``hosts`` as the sets ``job``'s machines must all come from: one set, or for a job that
+    needs shared storage one per storage (hosts without one left out), in storage order."""
+    if not job.needs_shared:
+        return [list(hosts)]
+    by_storage: dict[tuple[str, str], list[str]] = {}
+    for w in hosts:
+        if (storage := shared[w]) is not None:
+            by_storage.setdefault(storage, []).append(w)
+    return [by_storage[key] for key in sorted(by_storage)]
+
+
+def _big_enough(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],
+                shared: Shared) -> list[str]:
+    """The hosts that could ever take a part of ``job`` (empty: fewer machines than it needs,
+    or, needing shared storage, no storage with that many)."""
     if job.machines == 1:
         return sorted(w for w in size if size[w] >= job.gpus)
     hosts = sorted(w for w in size if size[w] >= job.per_node and address[w])
-    return hosts if len({address[w] for w in hosts}) >= job.nodes else []
+    return sorted(w for group in _groups(job, hosts, shared) if len({address[h] for h in group}) >= job.nodes
+                  for w in group)
 
 
 def _one_per_machine(hosts: Sequence[str], address: Mapping[str, str | None], key: Any) -> list[str]:
@@ -263,25 +295,31 @@ def _one_per_machine(hosts: Sequence[str], address: Mapping[str, str | None], ke
 
 
 def _choose(job: Waiting, fits: Sequence[str], free: Mapping[str, list[int]],
-            address: Mapping[str, str | None]) -> list[str] | None:
-    """The hosts ``job`` starts on (best fit), the leader first; None: it does not fit now."""
+            address: Mapping[str, str | None], shared: Shared) -> list[str] | None:
+    """The hosts ``job`` starts on (best fit; needing shared storage, within the storage where
+    the fit is best), the leader first; None: it does not fit now."""
     def fewest_free(w: str) -> tuple[int, str]:
         return (len(free[w]), w)
 
     if job.machines == 1:
         return [min(fits, key=fewest_free)] if fits else None
-    machines = _one_per_machine(fits, address, fewest_free)[: job.nodes]
-    if len(machines) < job.nodes:
+    options = [machines for group in _groups(job, fits, shared)
+               if len(machines := _one_per_machine(group, address, fewest_free)[: job.nodes]) == job.nodes]
+    if not options:
         return None
-    return sorted(machines, key=lambda w: (address[w] or "", w))
+    best = min(options, key=lambda machines: sum(len(free[w]) for w in machines))
+    return sorted(best, key=lambda w: (address[w] or "", w))
 
 
 def _hold_targets(job: Waiting, big_enough: Sequence[str], free: Mapping[str, list[int]],
-                  address: Mapping[str, str | None]) -> list[str]:
-    """The hosts the head holds: the one (a multi-machine job: ``nodes`` machines) with the most free GPUs."""
+                  address: Mapping[str, str | None], shared: Shared) -> list[str]:
+    """The hosts the head holds: the one (a multi-machine job: ``nodes`` machines, of one
+    storage when it needs shared storage) with the most free GPUs."""
     def most_free(w: str) -> tuple[int, str]:
         return (-len(free[w]), w)
 
     if job.machines == 1:
         return [min(big_enough, key=most_free)]
-    return _one_per_machine(big_enough, address, most_free)[: job.nodes]
+    options = [machines for group in _groups(job, big_enough, shared)
+               if len(machines := _one_per_machine(group, address, most_free)[: job.nodes]) == job.nodes]
+    return max(options, key=lambda machines: sum(len(free[w]) for w in machines))

@@ -63,7 +63,7 @@ from sqlalchemy.orm import Session, aliased
 from core.db import utcnow
 from core.errors import InvalidInput, Unsupported
 from core.jobs.models import Job
-from core.jobs.placement import Owner, Placement, ProjectQuotas, Schedule, Waiting, cap_allows, place
+from core.jobs.placement import Host, Owner, Placement, ProjectQuotas, Schedule, Waiting, cap_allows, place
 from core.projects.models import Project
 from core.jobs.states import JobStatus
 from core.settings import Settings
@@ -95,7 +95,7 @@ def claim_order() -> tuple[Any, ...]:
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
         select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name,
-               Job.nodes, Job.project_id, Job.pool)
+               Job.nodes, Job.project_id, Job.pool, Job.method)
         .outerjoin(Project, Project.project_id == Job.project_id)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
@@ -224,7 +224,7 @@ def host_sizes(session: Session, settings: Settings) -> dict[str, int]:
 
 
 def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None, nodes: int = 1,
-               pool_name: str | None = None) -> None:
+               pool_name: str | None = None, method: str = "lora") -> None:
     """Refuse at submission a GPU count no live host (or set of ``nodes`` machines), or the
     owner's cap, can ever give.
 
@@ -233,8 +233,9 @@ def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Own
     Raises:
         Unsupported: more GPUs than the largest live host has (the message lists the hosts and
             their GPU counts), fewer live machines with an address and gpus/nodes GPUs each than
-            ``nodes``, or more GPUs than the owner's cap on running GPUs; on a named pool
-            (``pool_name``), what ``core.workers.pools.check_pool`` refuses instead of the hosts' sizes.
+            ``nodes`` (for ``method: full``, of one shared storage), or more GPUs than the owner's
+            cap on running GPUs; on a named pool (``pool_name``), what
+            ``core.workers.pools.check_pool`` refuses instead of the hosts' sizes.
     """
     sizes = host_sizes(session, settings)
     if pool_name is not None:
@@ -242,7 +243,7 @@ def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Own
 
         check_pool(session, pool_name, gpus=gpus, nodes=nodes)
     elif nodes > 1:
-        _check_machines(session, gpus, nodes, settings)
+        _check_machines(session, gpus, nodes, settings, method)
     elif sizes and gpus > max(sizes.values()):
         hosts = ", ".join(f"{worker_id} ({size} GPU{'s' if size != 1 else ''})" for worker_id, size in sorted(sizes.items()))
         largest = max(sizes.values())
@@ -280,12 +281,16 @@ def check_project(session: Session, project_id: str | None, gpus: int, priority:
                            f"{' or '.join(PRIORITIES[PRIORITY_RANK[ceiling]:])}", param="priority")
 
 
-def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings) -> None:
-    """``nodes`` live machines (distinct addresses) with ``gpus / nodes`` GPUs each, when any host is live."""
+def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings, method: str) -> None:
+    """``nodes`` live machines (distinct addresses) with ``gpus / nodes`` GPUs each, when any host
+    is live; for ``method: full``, machines of one shared storage."""
     hosts = [host for host in pool.live_hosts(session, cutoff=live_cutoff(settings)) if host.pool is None]
     if not hosts:
         return
     per_node = gpus // nodes
+    if method == "full":
+        _check_shared_storage(hosts, per_node, nodes)
+        return
     machines = {h.address for h in hosts if h.address and h.size >= per_node}
     if len(machines) < nodes:
         listed = ", ".join(f"{h.worker_id} ({h.size} GPU{'s' if h.size != 1 else ''}, address {h.address or 'none'})"
@@ -296,6 +301,30 @@ def _check_machines(session: Session, gpus: int, nodes: int, settings: Settings)
             "lower nodes or gpus, or start workers on more machines",
             param="nodes",
         )
+
+
+def _check_shared_storage(hosts: list[Host], per_node: int, nodes: int) -> None:
+    """``nodes`` live machines with ``per_node`` GPUs each that share one checkpoint directory
+    (``Host.shared``), for full fine-tuning across machines.
+
+    Refused rather than queued: with no such set of machines now the job could only wait for
+    machines nobody has declared. (An empty box, no live worker, accepts it, as every check here.)
+    """
+    storages: dict[tuple[str, str], set[str]] = {}
+    for h in hosts:
+        if h.address and h.size >= per_node and h.shared is not None:
+            storages.setdefault(h.shared, set()).add(h.address)
+    if any(len(machines) >= nodes for machines in storages.values()):
+        return
+    found = "; ".join(f"{len(m)} machine(s) share {path}" for (path, _id), m in sorted(storages.items())) or \
+        "no live machine declares one (FTQ_SHARED_DIR)"
+    raise Unsupported(
+        f"nodes: method full over {nodes} machines writes every rank's checkpoint shards into a directory all "
+        f"of them share, so it needs {nodes} live machines with {per_node} GPU{'s' if per_node != 1 else ''} each "
+        f"that mount one shared directory ({found}); set FTQ_SHARED_DIR on the workers of machines that mount "
+        "one, or set nodes to 1, or use method lora",
+        param="nodes",
+    )
 
 
 def _cap(override: int | None, default: int) -> int:

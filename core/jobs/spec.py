@@ -363,8 +363,8 @@ class JobSpec(_Strict):
             ge=1,
             le=64,
             description="Machines the job's GPUs are spread over (gpus / nodes on each, one torchrun per machine "
-            "meeting through a c10d rendezvous); gpus must be a multiple of nodes. Above 1 only for methods "
-            "whose checkpoints rank 0 writes alone (lora, qlora).",
+            "meeting through a c10d rendezvous); gpus must be a multiple of nodes. Above 1 with method full "
+            "only on machines that share a checkpoint directory (FTQ_SHARED_DIR).",
         ),
     ] = 1
     pool: Annotated[
@@ -425,7 +425,8 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_method(self) -> JobSpec:
-        if self.method == "full" and "lora" in self.model_fields_set:
+        # The defaults pass: a stored spec (``to_stored``) names every field, lora included.
+        if self.method == "full" and "lora" in self.model_fields_set and self.lora != LoraSpec():
             raise ValueError("lora settings apply to method lora or qlora; remove 'lora' for method full")
         _check_objective(self)
         if self.sample_count and not self.sample_prompts and self.validation_file is None:
@@ -442,10 +443,6 @@ class JobSpec(_Strict):
         if gpus % nodes:
             raise ValueError(f"gpus ({gpus}) must be a multiple of nodes ({nodes}): each machine runs gpus / nodes "
                              "ranks; set gpus to a multiple of nodes")
-        if nodes > 1 and info.data.get("method") == "full":
-            raise ValueError("method full cannot span machines yet: its ranks write sharded checkpoints "
-                             "(FSDP2, torch.distributed.checkpoint) each onto its own machine's disk, so no machine "
-                             "holds a whole checkpoint to resume or upload; set nodes to 1 or use method lora")
         return nodes
 
     def to_stored(self) -> dict:

@@ -39,6 +39,11 @@ class Worker(Base):
     pool: Mapped[str | None] = mapped_column(String(64))
     """The named pool this host serves (a Slurm bridge's, docs/slurm.md): only jobs naming it
     land here, and none of them anywhere else; None: an ordinary worker host."""
+    shared_dir: Mapped[str | None] = mapped_column(String(1024))
+    """The shared checkpoint directory this machine mounts (``FTQ_SHARED_DIR``); None: none."""
+    shared_id: Mapped[str | None] = mapped_column(String(64))
+    """The id in that directory's marker file (worker/shared_storage.py): workers with the same
+    ``shared_id`` and ``shared_dir`` see one directory at one path."""
 
 
 class GpuSlot(Base):

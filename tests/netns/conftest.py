@@ -1,6 +1,7 @@
-"""Fixtures of the multi-machine tests: ``cluster``, one deployment per module over three network
-namespaces (cluster.py, hosts.py). The tiny model and dataset they train on are ``tiny_llama`` and
-``chat_dataset`` (tests/fixtures/training_inputs.py); each machine gets its own copy of the model.
+"""Fixtures of the multi-machine tests: ``cluster``, one deployment for the session over three
+network namespaces (cluster.py, hosts.py); each test brings the machines up as it needs them
+(``Cluster.ensure_up``, or a restart with other settings). The tiny model and dataset they train
+on are ``tiny_llama`` and ``chat_dataset`` (tests/fixtures/training_inputs.py); each machine gets its own copy of the model.
 
 These tests need root (``ip netns add``): where namespaces cannot be made they FAIL saying why,
 never skip, so a CI box that cannot run them is noticed."""
@@ -39,6 +40,6 @@ def start_cluster(base: Path, model: Path, *, keys: bool = True, proxied: tuple[
             cluster.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Cluster]:
     yield from start_cluster(tmp_path_factory.mktemp("netns"), tiny_llama, proxied=("m2",))

@@ -1,6 +1,6 @@
 """Issue 17's proof on one CPU box: the API host and two worker machines as network namespaces
 (conftest.py, cluster.py), each machine with its own empty data directory and its own copy of
-the model, sharing nothing with the API but the network. One deployment for the module; each
+the model, sharing nothing with the API but the network. One deployment for the session; each
 test starts with both machines up (a test may have killed one).
 
 Machine ``m2`` talks to the API through the corrupting proxy (proxy.py), which only forwards

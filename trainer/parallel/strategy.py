@@ -58,7 +58,8 @@ class Parallelism:
             PlanError: the strategy shards the model on more than one machine.
         """
         decision = _strategy(ctx)
-        _refuse_sharding_across_machines(decision.backend == "fsdp2", decision.reason)
+        _refuse_sharding_across_machines(decision.backend == "fsdp2", decision.reason,
+                                         shared=ctx.job.shared_checkpoints)
         return decision
 
 
@@ -116,20 +117,22 @@ def ddp_exchange() -> str:
     return OVERLAPPED if int(os.environ.get("GROUP_WORLD_SIZE") or 1) > 1 else AFTER_BACKWARD
 
 
-def _refuse_sharding_across_machines(sharded: bool, why: str) -> None:
-    """A run over several machines (torchrun's ``GROUP_WORLD_SIZE``: its nnodes) must not shard:
-    FSDP2's checkpoints are written in pieces, each machine's on its own disk, and a machine
-    shares no disk with the others, so no machine could resume from one.
+def _refuse_sharding_across_machines(sharded: bool, why: str, *, shared: bool = False) -> None:
+    """A run over several machines (torchrun's ``GROUP_WORLD_SIZE``: its nnodes) must not shard
+    unless its checkpoints go to a directory every machine shares (``shared``): FSDP2's
+    checkpoints are written in pieces, each rank its own, and on disks the machines do not share
+    no machine could resume from one.
 
     Raises:
-        PlanError: ``sharded`` on more than one machine.
+        PlanError: ``sharded`` on more than one machine without a shared checkpoint directory.
     """
     machines = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
-    if sharded and machines > 1:
+    if sharded and machines > 1 and not shared:
         raise PlanError(
             f"this run spans {machines} machines and would shard the model (FSDP2: {why}); its checkpoints "
             "would be split over the machines' own disks and could not be resumed. Run it on one machine "
-            "(nodes: 1, all its GPUs there), or use method lora/qlora with a base that fits one GPU"
+            "(nodes: 1, all its GPUs there), on machines sharing a checkpoint directory (FTQ_SHARED_DIR; "
+            "job.json shared_checkpoint_dir), or use method lora/qlora with a base that fits one GPU"
         )
 
 

@@ -48,6 +48,9 @@ class Job:
     batch_tokens: int
     max_seq_len: int
     max_gpu_memory_gb: float | None
+    shared_checkpoints: bool = False
+    """Whether every machine of the run writes its checkpoints into one shared directory
+    (``TrainConfig.shared_checkpoint_dir``): then a sharded run may span machines."""
 
     @classmethod
     def of(cls, config: TrainConfig) -> Job:
@@ -62,6 +65,7 @@ class Job:
             batch_tokens=config.data.batch_tokens,
             max_seq_len=config.data.max_seq_len,
             max_gpu_memory_gb=config.max_gpu_memory_gb,
+            shared_checkpoints=config.shared_checkpoint_dir is not None,
         )
 
     def switch(self, name: str) -> str:

@@ -142,7 +142,7 @@ class Run:
         checkpoint is in place, so no rank runs ahead of one that is not there yet."""
         ctx = self.ctx
         path, size = checkpoint.save(
-            self.config.output_dir, ctx.model, ctx.optimizer, ctx.scheduler, self.state, ctx.comm,
+            self.config.checkpoint_home, ctx.model, ctx.optimizer, ctx.scheduler, self.state, ctx.comm,
             sharded=checkpoint.uses_dcp(self.config.method, ctx.parallel.strategy), final=final,
         )
         self.emit("checkpoint", step=self.state.step, path=str(path), bytes=size, final=final)
@@ -301,8 +301,8 @@ def _optimizer(
 
 
 def _resume(r: Run) -> bool:
-    """Load the newest checkpoint in ``output_dir`` when the job resumes; True when one was loaded."""
-    path = checkpoint.latest_checkpoint(r.config.output_dir) if r.config.resume else None
+    """Load the newest checkpoint (in ``checkpoint_home``) when the job resumes; True when one was loaded."""
+    path = checkpoint.latest_checkpoint(r.config.checkpoint_home) if r.config.resume else None
     if path is None:
         return False
     r.state = checkpoint.load_checkpoint(path, r.ctx.model, r.ctx.optimizer, r.ctx.scheduler)

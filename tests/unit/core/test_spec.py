@@ -78,7 +78,8 @@ class TestJobSpec:
         assert "POST /v1/files" in errors(training_file="train.jsonl")[0][1]
         assert "must differ" in errors(validation_file=FILE)[0][1]
         assert "remove 'lora'" in errors(method="full", lora={"r": 4})[0][1]
-        JobSpec(model="org/m", training_file=FILE, method="full")
+        full = JobSpec(model="org/m", training_file=FILE, method="full")
+        assert JobSpec.model_validate(full.to_stored()) == full, "a stored full job's spec (the worker re-reads it)"
 
     def test_spec_round_trips_through_its_stored_form(self) -> None:
         spec = JobSpec(model="org/m", training_file=FILE, name="x", hyperparameters={"max_steps": 3},

@@ -203,13 +203,23 @@ class TestPlanEvent:
 
 
 class TestAcrossMachines:
-    """A run torchrun spreads over several machines (GROUP_WORLD_SIZE > 1) must not shard: each
-    machine would keep its own pieces of every checkpoint on a disk no other machine reads."""
+    """A run torchrun spreads over several machines (GROUP_WORLD_SIZE > 1) must not shard unless
+    its checkpoints go to a directory they all share (``shared_checkpoint_dir``): else each machine
+    would keep its own pieces of every checkpoint on a disk no other machine reads."""
 
     def test_sharding_over_two_machines_is_refused_saying_why(self, monkeypatch):
         monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
         with pytest.raises(PlanError, match="spans 2 machines and would shard"):
             plan(H100, plan_config(method="full"), world_size=2)
+
+    def test_sharding_over_machines_sharing_a_checkpoint_directory_is_planned(self, monkeypatch):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+        config = plan_config(method="full", shared_checkpoint_dir="/shared/jobs/j")
+        assert plan(H100, config, world_size=2).decision("parallelism").backend == "fsdp2"
+
+    def test_a_shared_checkpoint_directory_must_be_absolute(self):
+        with pytest.raises(ValueError, match="shared_checkpoint_dir: must be an absolute path"):
+            plan_config(method="full", shared_checkpoint_dir="shared/jobs/j")
 
     def test_adapters_over_two_machines_and_sharding_on_one_are_planned(self, monkeypatch):
         monkeypatch.setenv("GROUP_WORLD_SIZE", "2")

@@ -1,0 +1,178 @@
+"""Shared checkpoint storage (``FTQ_SHARED_DIR``, worker/shared_storage.py) over a SQLite store:
+the marker's id, what a worker publishes, the leader's claim of a full fine-tuning job over two
+machines of one storage (its ``shared_home``, job.json's ``shared_checkpoint_dir``), the refusal at
+submission when no storage has enough machines, and a remote worker recording shared checkpoints
+without uploading them."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.db import new_id, utcnow
+from core.errors import Unsupported
+from core.jobs.models import Job
+from core.jobs.scheduling import check_gpus
+from core.jobs.states import JobStatus
+from core.settings import Settings
+from core.workers.models import Worker
+from core.workers.pool import register_pool
+from tests.fixtures.worker_runtime import recording_runtime
+from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from worker import shared_storage
+from worker.claim import Claim
+from worker.prepare import with_shared_home
+from worker.remote import RemoteOutputs
+from worker.runner import claim_next_job
+from worker.runtime import Runtime
+
+LEADER, FOLLOWER = "box-a/gpu0", "box-b/gpu0"
+
+
+class TestMarker:
+    def test_the_first_worker_writes_an_id_and_every_later_one_reads_it(self, tmp_path: Path):
+        first = shared_storage.storage_id(tmp_path)
+        assert len(first) == 32 and shared_storage.storage_id(tmp_path) == first
+        assert (tmp_path / shared_storage.MARKER).read_text().strip() == first
+        assert [p.name for p in tmp_path.iterdir()] == [shared_storage.MARKER], "a temporary file was left"
+
+    def test_another_directory_at_the_same_path_elsewhere_gets_another_id(self, tmp_path: Path):
+        (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+        assert shared_storage.storage_id(tmp_path / "a") != shared_storage.storage_id(tmp_path / "b")
+
+    @pytest.mark.parametrize("bad, says", [("relative/dir", "not an absolute path"), ("/nonexistent/ftq-shared",
+                                                                                       "not a directory")])
+    def test_a_path_that_cannot_be_used_is_refused_naming_the_variable(self, bad: str, says: str):
+        with pytest.raises(ValueError, match=f"FTQ_SHARED_DIR: .*{says}"):
+            shared_storage.storage_id(Path(bad))
+
+    def test_an_empty_marker_is_refused_saying_how_to_fix_it(self, tmp_path: Path):
+        (tmp_path / shared_storage.MARKER).write_text("\n")
+        with pytest.raises(ValueError, match="holds no id; remove it"):
+            shared_storage.storage_id(tmp_path)
+
+    def test_a_worker_publishes_none_without_it_and_none_when_it_broke_after_start(self, tmp_path: Path):
+        assert shared_storage.published(Settings(data_dir=tmp_path)) == {"shared_dir": None, "shared_id": None}
+        gone = Settings(data_dir=tmp_path, shared_dir=tmp_path / "unmounted")
+        with pytest.raises(ValueError):
+            shared_storage.published(gone)
+        assert shared_storage.published(gone, strict=False) == {"shared_dir": None, "shared_id": None}
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def leader(settings: Settings, shared: Path) -> Iterator[Runtime]:
+    """A leader machine mounting ``shared`` and a follower machine's worker row; the follower
+    mounts the same storage unless a test changes its row."""
+    settings = settings.model_copy(update={"max_running_jobs_per_user": 0, "worker_address": "127.0.0.1",
+                                           "rdzv_port": 29750, "shared_dir": shared})
+    rt = recording_runtime(settings, ("0",), LEADER)
+    rt.celery = None  # no follower is started: only the claim is under test
+    rt.ensure_registered()
+    with rt.sessionmaker.begin() as session:
+        now = utcnow()
+        session.add(Worker(worker_id=FOLLOWER, hostname="b", device="cuda:0", hardware={}, started_at=now,
+                           heartbeat_at=now, address="127.0.0.2", shared_dir=str(shared),
+                           shared_id=shared_storage.storage_id(shared)))
+        session.flush()
+        register_pool(session, FOLLOWER, ("0",))
+    yield rt
+    rt.engine.dispose()
+
+
+def _queue_full_job(rt: Runtime) -> str:
+    from core.files.models import File
+
+    job_id = new_id("job")
+    with rt.sessionmaker.begin() as session:
+        file_id = new_id("file")
+        session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64,
+                         format="text", num_records=1, path="/dev/null"))
+        session.flush()
+        session.add(Job(job_id=job_id, model="fake:ok", method="full", spec={}, training_file_id=file_id,
+                        status=JobStatus.queued.value, gpus=2, nodes=2, created_at=utcnow(), updated_at=utcnow()))
+    return job_id
+
+
+def _follower_mounts(rt: Runtime, shared_id: str | None) -> None:
+    with rt.sessionmaker.begin() as session:
+        session.get(Worker, FOLLOWER).shared_id = shared_id
+
+
+class TestFullFineTuningOverMachines:
+    def test_the_leader_publishes_its_storage_and_claims_the_job_with_its_shared_home(self, leader, shared):
+        with leader.sessionmaker() as session:
+            row = session.get(Worker, LEADER)
+            assert (row.shared_dir, row.shared_id) == (str(shared), shared_storage.storage_id(shared))
+        job_id = _queue_full_job(leader)
+        claim = claim_next_job(leader)
+        assert claim is not None and claim.job_id == job_id
+        assert claim.shared_home == shared / "jobs" / job_id == claim.checkpoint_home
+
+    def test_machines_of_two_storages_take_no_such_job(self, leader):
+        _follower_mounts(leader, "another-filesystem")
+        _queue_full_job(leader)
+        assert claim_next_job(leader) is None
+
+    def test_submission_is_refused_naming_nodes_when_no_storage_has_enough_machines(self, leader):
+        with leader.sessionmaker() as session:
+            check_gpus(session, 2, leader.settings, nodes=2, method="full")
+        _follower_mounts(leader, None)
+        with leader.sessionmaker() as session, pytest.raises(Unsupported) as refused:
+            check_gpus(session, 2, leader.settings, nodes=2, method="full")
+        assert refused.value.param == "nodes" and "FTQ_SHARED_DIR" in str(refused.value), refused.value
+        with leader.sessionmaker() as session:
+            check_gpus(session, 2, leader.settings, nodes=2, method="lora")  # adapters need no shared storage
+
+    def test_a_lora_job_over_machines_sharing_a_storage_checkpoints_there_too(self, leader, shared):
+        job_id = _queue_full_job(leader)
+        with leader.sessionmaker.begin() as session:
+            session.get(Job, job_id).method = "lora"
+        claim = claim_next_job(leader)
+        assert claim is not None and claim.shared_home == shared / "jobs" / job_id
+
+
+class TestJobJson:
+    def test_the_shared_home_becomes_shared_checkpoint_dir(self, tmp_path: Path):
+        config = TrainConfig(ModelConfig("m"), DataConfig("t"), OptimConfig(max_steps=1), output_dir=str(tmp_path))
+        claim = Claim("job-1", 1, tmp_path, shared_home=Path("/shared/jobs/job-1"))
+        assert with_shared_home(config, claim).shared_checkpoint_dir == "/shared/jobs/job-1"
+        assert with_shared_home(config, claim).checkpoint_home == "/shared/jobs/job-1"  # where the trainer checkpoints
+        assert with_shared_home(config, Claim("job-1", 1, tmp_path)).shared_checkpoint_dir is None
+        assert config.checkpoint_home == str(tmp_path)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.events.put(event)
+
+
+class _NoUploads:
+    def upload_artifact(self, *args: Any) -> None:
+        raise AssertionError(f"uploaded {args}")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_remote_worker_records_a_shared_checkpoint_without_uploading_it(tmp_path: Path):
+    recorder = _Recorder()
+    claim = Claim("job-1", 1, tmp_path, shared_home=tmp_path / "shared" / "jobs" / "job-1")
+    outputs = RemoteOutputs(_NoUploads(), claim, recorder, max_attempts=2)  # type: ignore[arg-type]
+    event = {"type": "checkpoint", "step": 3, "path": str(claim.shared_home / "checkpoints" / "step-000003")}
+    outputs.add(event)
+    outputs.drain()
+    assert recorder.events.get_nowait() == event

@@ -16,6 +16,9 @@ class SessionMessage(Base):
     a session's when the session ends."""
 
     __tablename__ = "session_message"
+    __table_args__ = {"sqlite_autoincrement": True}
+    """Ids are never reused (SQLite's default reuses the largest after a delete): the worker reads
+    requests past the last id it saw (``core.sessions.relay.pending``)."""
 
     message_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                             autoincrement=True)

@@ -108,6 +108,22 @@ class TestRelay:
         with sessions() as session:
             assert not relay.has_request(session, call.request_id), "an answered request leaves no rows"
 
+    def test_a_second_request_after_the_first_was_answered_goes_through(self, box) -> None:
+        """The worker reads requests past the last id it saw: the second request's id must be above
+        the first's although the first's rows were deleted (SQLite reuses ids without AUTOINCREMENT:
+        the second message of a conversation on the embedded store waited forever)."""
+        sessions, settings, alice, job_id = self._session(box)
+        answer = [{"kind": "accepted", "prompt_tokens": 2},
+                  {"kind": "delta", "choice": 0, "text": "ok", "token_ids": [1], "finish_reason": "stop"}]
+        stop = threading.Event()
+        threading.Thread(target=_fake_session, args=(sessions, job_id, answer, stop), daemon=True).start()
+        try:
+            for turn in ("hi", "and then?"):
+                call = calls.begin(sessions, alice, "tiny", {"prompt": turn, "params": {}}, 1, settings, lambda _: None)
+                assert "".join(d["text"] for d in calls.deltas(sessions, call, settings)) == "ok", turn
+        finally:
+            stop.set()
+
     def test_a_refusal_names_its_param_and_code(self, box) -> None:
         sessions, settings, alice, job_id = self._session(box)
         answer = [{"kind": "error", "code": "context_length_exceeded", "param": "messages", "message": "too long"}]

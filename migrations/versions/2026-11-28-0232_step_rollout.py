@@ -5,7 +5,7 @@ their rewards and scores by grader (the trainer's ``rollouts`` event), served by
 ``GET /v1/jobs/{id}/rollouts`` and shown on the job page. Jobs written before have none.
 
 Revision ID: 5d8e2a7c4b19
-Revises: 7c2d9e4a1f60
+Revises: 5e8c1a7d3b92
 Create Date: 2026-11-28 02:30:00+00:00
 """
 
@@ -19,7 +19,7 @@ from alembic import op
 import core.db
 
 revision: str = '5d8e2a7c4b19'
-down_revision: str | Sequence[str] | None = '7c2d9e4a1f60'
+down_revision: str | Sequence[str] | None = '5e8c1a7d3b92'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

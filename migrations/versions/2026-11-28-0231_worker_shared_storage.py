@@ -9,7 +9,7 @@ Only columns are added, so SQLite's batch mode alters the table in place (no cop
 whose ``gpu_slot`` rows cascade).
 
 Revision ID: 5e8c1a7d3b92
-Revises: 7c2d9e4a1f60
+Revises: 5d3f8a2c6b17
 Create Date: 2026-11-28 02:30:00+00:00
 """
 
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '5e8c1a7d3b92'
-down_revision: str | Sequence[str] | None = '7c2d9e4a1f60'
+down_revision: str | Sequence[str] | None = '5d3f8a2c6b17'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,13 +1,15 @@
-// The playground: one prompt to one or two models at once, their answers streaming side by side.
+// The playground: a conversation with one or two models at once, their answers streaming side by side.
 //
 //   #/playground[?job=<id>]   (the job page's "Try it" preselects that job's tuned model)
 //
 // Pick a base or a tuned model (a job's final adapter or one of its checkpoints: GET /openai/v1/models)
-// for each column, a system prompt and the sampling parameters; Send posts the same messages to
+// for each column, a system prompt and the sampling parameters; Send posts each column's conversation
+// so far (system prompt, every earlier message and that column's own answers, the new message last) to
 // POST /openai/v1/chat/completions (stream: true) for each column at once and shows each answer as
 // it streams, with its time to first token and tokens/s (the usage chunk's completion tokens over
-// the time from the first token to the last). The first request for a model starts its chat session
-// on a worker (docs/sessions.md): a 503 while it loads is retried after its Retry-After.
+// the time from the first token to the last). "New conversation", or another model in a column,
+// starts that column over. The first request for a model starts its chat session on a worker
+// (docs/sessions.md): a 503 while it loads is retried after its Retry-After.
 
 import { api, selectedProject } from "./api.js";
 import { h, clear, errorBox } from "./dom.js";
@@ -27,11 +29,13 @@ export function renderPlayground(main, _params, query) {
   const columns = h("div", { class: "playground-columns", "data-testid": "playground-answers" });
   const problem = h("div");
   const send = h("button", { type: "submit", "data-testid": "playground-send", text: "Send" });
+  const restart = h("button", { type: "button", "data-testid": "playground-new", text: "New conversation", on: { click: () => startOver() } });
+  let conversations = [null, null]; // per column: { model, turns: [{role, content}], pane }
 
   clear(
     main,
     h("h1", { text: "Playground" }),
-    h("p", { class: "muted", text: "The first message to a model starts a chat session for it on a GPU (it loads once, then answers at once until it idles out)." }),
+    h("p", { class: "muted", text: "The first message to a model starts a chat session for it on a GPU (it loads once, then answers at once until it idles out). Each column keeps its own conversation." }),
     h(
       "form",
       { class: "playground-form", on: { submit: (e) => { e.preventDefault(); run(); } } },
@@ -40,7 +44,7 @@ export function renderPlayground(main, _params, query) {
       h("div", { class: "playground-params" },
         h("label", {}, "Temperature", temperature), h("label", {}, "Max tokens", maxTokens), h("label", {}, "Seed", seed)),
       h("label", {}, "Message", message),
-      send,
+      h("div", { class: "playground-actions" }, send, restart),
     ),
     problem,
     columns,
@@ -50,24 +54,42 @@ export function renderPlayground(main, _params, query) {
     if (err.name !== "AbortError") clear(problem, errorBox(err, "playground-error"));
   });
 
+  function startOver() {
+    conversations = [null, null];
+    clear(columns);
+    clear(problem);
+  }
+
   async function run() {
     clear(problem);
-    const models = pickers.map((p) => p.select.value).filter(Boolean);
-    if (!models.length || !message.value.trim()) {
+    const chosen = pickers.map((p) => p.select.value);
+    if (!chosen.some(Boolean) || !message.value.trim()) {
       clear(problem, h("p", { class: "error", text: "Pick a model and write a message." }));
       return;
     }
-    const messages = [...(system.value.trim() ? [{ role: "system", content: system.value }] : []), { role: "user", content: message.value }];
-    const body = { messages, stream: true, stream_options: { include_usage: true }, temperature: Number(temperature.value), max_tokens: Number(maxTokens.value) };
-    if (seed.value !== "") body.seed = Number(seed.value);
-    send.disabled = true;
-    const panes = models.map((model, i) => answerPane(model, i));
-    clear(columns, panes.map((p) => p.element));
-    await Promise.all(panes.map((pane) => stream({ ...body, model: pane.model }, pane, controller.signal)));
-    send.disabled = false;
+    // a column whose model changed (or was emptied) starts over
+    conversations = conversations.map((c, i) => (c && c.model === chosen[i] ? c : chosen[i] ? newConversation(chosen[i], i) : null));
+    clear(columns, conversations.filter(Boolean).map((c) => c.pane.element));
+    const text = message.value;
+    const prefix = system.value.trim() ? [{ role: "system", content: system.value }] : [];
+    const sampling = { stream: true, stream_options: { include_usage: true }, temperature: Number(temperature.value), max_tokens: Number(maxTokens.value) };
+    if (seed.value !== "") sampling.seed = Number(seed.value);
+    send.disabled = restart.disabled = true;
+    message.value = "";
+    await Promise.all(conversations.filter(Boolean).map(async (c) => {
+      const turn = c.pane.addTurn(text);
+      const messages = [...prefix, ...c.turns, { role: "user", content: text }];
+      const answer = await stream({ ...sampling, model: c.model, messages }, turn, controller.signal);
+      if (answer !== null) c.turns.push({ role: "user", content: text }, { role: "assistant", content: answer });
+    }));
+    send.disabled = restart.disabled = false;
   }
 
   return () => controller.abort();
+}
+
+function newConversation(model, index) {
+  return { model, turns: [], pane: conversationPane(model, index) };
 }
 
 function modelPicker(testid, optional) {
@@ -98,14 +120,32 @@ function projectHeader() {
   return project ? { "OpenAI-Project": project } : {};
 }
 
-function answerPane(model, index) {
-  const text = h("div", { class: "playground-text", "data-testid": `playground-text-${index}` });
-  const stats = h("p", { class: "muted", "data-testid": `playground-stats-${index}`, text: "waiting…" });
-  const element = h("section", { class: "playground-answer", "data-testid": `playground-answer-${index}` }, h("h2", { class: "mono", text: model }), text, stats);
-  return { model, text, stats, element };
+/** A column: its model's name and its turns; ``addTurn`` shows the user's message and an answer
+ * box. The newest turn's answer and stats carry the column's test ids (``playground-text-<column>``,
+ * ``playground-stats-<column>``); earlier ones keep theirs with the turn's number appended. */
+function conversationPane(model, index) {
+  const transcript = h("div", { class: "playground-transcript" });
+  const element = h("section", { class: "playground-answer", "data-testid": `playground-answer-${index}` }, h("h2", { class: "mono", text: model }), transcript);
+  let count = 0;
+  let latest = null;
+  function addTurn(text) {
+    if (latest) {
+      latest.text.dataset.testid = `playground-text-${index}-${count}`;
+      latest.stats.dataset.testid = `playground-stats-${index}-${count}`;
+    }
+    count += 1;
+    const said = h("div", { class: "playground-user", "data-testid": `playground-user-${index}-${count}`, text });
+    const answer = h("div", { class: "playground-text", "data-testid": `playground-text-${index}` });
+    const stats = h("p", { class: "muted", "data-testid": `playground-stats-${index}`, text: "waiting…" });
+    transcript.append(h("div", { class: "playground-turn" }, said, answer, stats));
+    latest = { text: answer, stats };
+    return latest;
+  }
+  return { model, element, addTurn };
 }
 
-/** POST one streamed chat completion into ``pane``, retrying while its session loads. */
+/** POST one streamed chat completion into ``pane``, retrying while its session loads; resolves to
+ * the answer's text, or null when it failed (the turn is then left out of the conversation). */
 async function stream(body, pane, signal) {
   const started = performance.now();
   const deadline = started + LOAD_WAIT_MS;
@@ -118,7 +158,7 @@ async function stream(body, pane, signal) {
       });
     } catch (err) {
       if (err.name !== "AbortError") pane.stats.textContent = `the API is not reachable (${err.message})`;
-      return;
+      return null;
     }
     if (response.status === 503 && performance.now() < deadline) {
       const pause = Number(response.headers.get("Retry-After") || "5");
@@ -130,7 +170,7 @@ async function stream(body, pane, signal) {
       const error = (await response.json().catch(() => ({}))).error || {};
       pane.stats.textContent = `${response.status}: ${error.message || response.statusText}`;
       pane.stats.className = "error";
-      return;
+      return null;
     }
     return readStream(response, pane, performance.now());
   }
@@ -153,7 +193,8 @@ async function readStream(response, pane, sent) {
       const chunk = JSON.parse(data);
       if (chunk.error) {
         pane.stats.textContent = chunk.error.message;
-        return;
+        pane.stats.className = "error";
+        return null;
       }
       const piece = chunk.choices?.[0]?.delta?.content;
       if (piece) {
@@ -168,4 +209,5 @@ async function readStream(response, pane, sent) {
   const rate = first !== null && end > first ? (tokens / ((end - first) / 1000)).toFixed(1) : "–";
   pane.stats.textContent = `${tokens} tokens · first token ${ttft === null ? "–" : Math.round(ttft) + " ms"} · ${rate} tokens/s`;
   pane.stats.dataset.tokens = String(tokens);
+  return pane.text.textContent;
 }

@@ -15,13 +15,13 @@ CEPH = ("/shared", "id-ceph")
 
 
 def job(job_id: str, gpus: int = 2, nodes: int = 2, method: str = "full", owner: str | None = None) -> Waiting:
-    return Waiting(job_id, owner, "normal", gpus, "m", 10, T0, None, nodes, None, method)
+    return Waiting(job_id, owner, "normal", gpus, "m", 10, T0, None, nodes, None, method=method)
 
 
 def host(name: str, address: str, shared: tuple[str, str] | None, size: int = 1,
          busy: tuple[int, ...] = ()) -> Host:
     slots = tuple(range(size))
-    return Host(name, slots, tuple(s for s in slots if s not in busy), address, shared)
+    return Host(name, slots, tuple(s for s in slots if s not in busy), address, shared=shared)
 
 
 class TestFullFineTuningAcrossMachines:

@@ -25,7 +25,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('worker') as batch:
-        batch.drop_column('pool')
-    with op.batch_alter_table('job') as batch:
-        batch.drop_column('pool')
+    # Plain ALTER TABLE ... DROP COLUMN (SQLite >= 3.35), not batch mode: batch copies the table, and
+    # dropping the old ``job`` (``worker``) with foreign keys on deletes every row that cascades from it
+    op.drop_column('worker', 'pool')
+    op.drop_column('job', 'pool')

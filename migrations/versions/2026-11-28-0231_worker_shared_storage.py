@@ -33,6 +33,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('worker', schema=None) as batch_op:
-        batch_op.drop_column('shared_dir')
-        batch_op.drop_column('shared_id')
+    # Plain ALTER TABLE ... DROP COLUMN (SQLite >= 3.35), not batch mode, which would copy ``worker``
+    # and drop the old one: its ``gpu_slot`` rows would cascade
+    op.drop_column('worker', 'shared_dir')
+    op.drop_column('worker', 'shared_id')

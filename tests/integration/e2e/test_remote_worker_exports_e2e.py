@@ -28,6 +28,7 @@ import pytest
 
 from tests.fixtures.e2e_stacks import KEY_NAME
 from tests.fixtures.exports import wait_export
+from tests.fixtures.processes import pids_where
 from tests.fixtures.stack import Stack
 from tests.fixtures.stack_jobs import SHORT, submit, upload, wait_job
 
@@ -105,15 +106,8 @@ def _export_process(stack: Stack, export_id: str, timeout_s: float = 120) -> int
     downloads are done (``worker.exports.run_export``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"export" in argv and any(export_id.encode() in arg for arg in argv):
-                return int(entry.name)
+        for pid in pids_where(lambda argv: b"export" in argv and any(export_id.encode() in arg for arg in argv)):
+            return pid
         time.sleep(0.02)
     raise AssertionError(f"the export process of {export_id} never started\n{stack.log_tail()}")
 

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.fixtures.processes import pids_where
 from tests.fixtures.slurm import Cluster, slurm_stack
 from tests.fixtures.stack import Stack
 from tests.fixtures.stack_jobs import SHORT, follow, submit, upload, wait_job
@@ -163,17 +164,7 @@ def test_the_gpus_page_api_shows_the_slurm_pool(bridge):
 def _trainer_pids(stack: Stack, job_id: str, *, attempt: int) -> list[int]:
     """The trainer processes of one attempt (slurmd's children: found by their job.json path)."""
     needle = str(stack.data_dir.parent / "ftq-jobs" / job_id / f"attempt-{attempt}" / "job.json").encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if needle in argv and b"trainer" in argv:
-            found.append(int(entry.name))
-    return found
+    return pids_where(lambda argv: needle in argv and b"trainer" in argv)
 
 
 def _slurm_state(slurm_job_id: str) -> str:

@@ -141,8 +141,10 @@ export function renderGpus(main) {
     // attention and loss always pick a backend; the rest are optimizations that may be on or off.
     const enabled = decisions.filter((d) => d.enabled && d.name !== "attention" && d.name !== "loss").map((d) => d.name);
     const count = (worker.gpus || []).length;
-    const gpuWord = worker.device === "cpu" ? "CPU slot" : "GPU";
-    const heading = `${worker.device}${hw.name ? ` · ${hw.name}` : ""}${count ? ` · ${count} ${gpuWord}${count === 1 ? "" : "s"}` : ""}`;
+    // a Slurm bridge's slots are its partition's (GPUs, or CPU task slots on a cluster without GPUs)
+    const gpuWord = worker.pool ? (worker.pool.unit === "gpu" ? "GPU" : "CPU slot") : worker.device === "cpu" ? "CPU slot" : "GPU";
+    const kind = worker.pool ? `Slurm pool "${worker.pool.name}"` : `${worker.device}${hw.name ? ` · ${hw.name}` : ""}`;
+    const heading = `${kind}${count ? ` · ${count} ${gpuWord}${count === 1 ? "" : "s"}` : ""}`;
     const body = [
       h("p", { class: "muted" }, `${worker.hostname} · `, h("span", { class: "mono", text: worker.id })),
       h(

@@ -93,7 +93,8 @@ class QueueOut(BaseModel):
     """Every queued job, in claim order."""
     running: list[RunningJobOut]
     live_workers: int
-    """Worker hosts with a fresh heartbeat: their GPUs are what the estimates assume."""
+    """Worker hosts with a fresh heartbeat: their GPUs are what the estimates assume (a Slurm
+    bridge's pool is left out: its scheduler decides)."""
     live_gpus: int
     """GPUs of those hosts together."""
     max_running_jobs_per_user: int

@@ -226,7 +226,8 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
                    decided_by=DECIDED_BY.get(job.pool, f"pool {job.pool} decides") if job.pool else None)
         for i, job in enumerate(waiting)
     )
-    return QueueSnapshot(entries, tuple(running), len(hosts), now, sum(h.size for h in hosts), hold)
+    own = [h for h in hosts if h.pool is None]  # a pool's slots are its scheduler's: no estimate rests on them
+    return QueueSnapshot(entries, tuple(running), len(own), now, sum(h.size for h in own), hold)
 
 
 def _at(now: dt.datetime, seconds: float | None) -> dt.datetime | None:

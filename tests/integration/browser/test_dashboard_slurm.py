@@ -93,6 +93,7 @@ def test_the_gpus_page_shows_the_slurm_pool_and_slurm_decides_for_its_queue(
         assert job.locator("a").get_attribute("href") == f"#/jobs/{pending['id']}"
         row = page.locator("tr", has_text=queued["id"]).or_(page.locator("tr", has_text="queued for Slurm")).first
         assert row.get_by_test_id("queue-eta").inner_text() == "Slurm decides"
+        assert "Estimates assume 1 live worker host with 1 GPU." in page.get_by_test_id("queue-rules").inner_text()
         if shots := screenshot_dir():
             page.screenshot(path=str(shots / "dashboard-gpus-slurm.png"), full_page=True)
     finally:

@@ -18,7 +18,9 @@ from tests.fixtures.stack_jobs import follow, wait_job
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = 16
+PROMPTS = 48
+"""One prompt a chunk: the cancel must land while chunks are left. 16 prompts (~4 s here) finished
+before a cancel sent at the second chunk took effect once (the job ended succeeded)."""
 
 
 def _upload(client, path: Path) -> tuple[int, dict]:

@@ -257,11 +257,7 @@ def place(
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        sizes = {w: n for w, n in size.items() if pool_of[w] == job.pool}
-        big_enough = _big_enough(job, sizes, address, shared)
-        fit = job
-        if not big_enough and job.shrink:
-            fit, big_enough = _fewer(job, sizes, address, shared)
+        fit, big_enough = _could_take(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address, shared)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:
@@ -303,6 +299,15 @@ def _take(job: Waiting, chosen: Sequence[str], free: dict[str, list[int]],
 
 
 Shared = Mapping[str, "tuple[str, str] | None"]
+
+
+def _could_take(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],
+                shared: Shared) -> tuple[Waiting, list[str]]:
+    """``job`` as it is placed (on fewer machines when ``shrink`` and no full set is live) and the
+    hosts that could ever take a part of it (empty: too big)."""
+    if (hosts := _big_enough(job, size, address, shared)) or not job.shrink:
+        return job, hosts
+    return _fewer(job, size, address, shared)
 
 
 def _fewer(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],

@@ -100,6 +100,12 @@ class Settings(BaseSettings):
     """How often a running job's worker proves it is alive."""
     heartbeat_timeout_s: float = 60.0
     """A running job whose heartbeat is older than this is reaped (retried or failed)."""
+    shrink_after_s: float = Field(default=120.0, ge=0)
+    """A job over several machines that lost one and went back to the queue may resume on fewer
+    machines (down to one, the same GPUs on each, the same global batch) once the machines of
+    its previous attempt that are not live have been gone this long and no full set is live; 0:
+    at once. A machine back within it (a quick reboot) resumes the job at full size. Read where
+    jobs are placed: the workers (and the API, for start estimates)."""
     max_attempts: int = 3
     """Claims per job: a job whose worker was lost is retried from its last checkpoint until this."""
     max_running_jobs_per_user: int = Field(default=0, ge=0)

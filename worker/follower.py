@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from core.db import utcnow
 from core.jobs.models import Job, JobNode
@@ -106,11 +106,14 @@ def _run(runtime: Runtime, job_id: str, attempt: int, node_rank: int, rdzv_endpo
             .order_by(GpuSlot.slot)
         ).all()
         leader = session.get(JobNode, (job_id, attempt, 0))
-        rendezvous = Rendezvous(job.nodes, node_rank, rdzv_endpoint, run_id(job_id, attempt), part.address)
+        # The attempt's machines, which a retry placed on fewer machines has less of than job.nodes.
+        nnodes = session.scalar(select(func.count()).select_from(JobNode)
+                                .where(JobNode.job_id == job_id, JobNode.attempt == attempt)) or job.nodes
+        rendezvous = Rendezvous(nnodes, node_rank, rdzv_endpoint, run_id(job_id, attempt), part.address)
     if rdzv_endpoint != part.rdzv_endpoint:
         log.warning("job %s node %d: the message's endpoint %s is not the stored %s; using the stored one",
                     job_id, node_rank, rdzv_endpoint, part.rdzv_endpoint)
-        rendezvous = Rendezvous(job.nodes, node_rank, part.rdzv_endpoint, rendezvous.run_id, part.address)
+        rendezvous = Rendezvous(nnodes, node_rank, part.rdzv_endpoint, rendezvous.run_id, part.address)
     job_json = output_dir / f"job.node-{node_rank}.json"  # local mode shares the leader's directory
     claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=tuple(row.slot for row in slots),
                   devices=tuple(row.device for row in slots), rendezvous=rendezvous, executor="multi_machine",

@@ -42,7 +42,7 @@ from worker.prepare import build_config, set_aside_unrecorded_checkpoints, with_
 from worker.process import TrainerExit
 from worker.recorder import EventRecorder
 from worker.session_relay import relay_for
-from worker.shared_storage import shared_home
+from worker.shared_storage import claim_home
 from worker.runtime import Runtime
 from worker.tracking.resolve import tracking_for
 from worker.watchdog import Watchdog, set_worker_job
@@ -146,10 +146,24 @@ def _record_claim(session: Session, runtime: Runtime, placement: Placement, exec
     )])
     rendezvous = executors.get(executor).reserve(session, runtime.settings, placement, attempt)
     set_worker_job(session, runtime.worker_id, job_id)
-    shared = shared_home(session, job_id, attempt) if rendezvous is not None else None
+    job = session.execute(select(Job.nodes, Job.pool).where(Job.job_id == job_id)).one()
+    machines = 1 if job.pool else job.nodes or 1
+    shared = claim_home(session, job_id, attempt, runtime.worker_id, parts=len(placement.parts)) if machines > 1 else None
+    if len(placement.parts) < machines:  # a retry placed on fewer machines (core/jobs/placement.py ``fewer``)
+        (event,) = append_events(session, job_id, [("log", _fewer_machines(placement, machines, shared))])
     claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=placement.slots, devices=devices,
                   rendezvous=rendezvous, executor=executor, shared_home=shared)
     return claim, event.seq
+
+
+def _fewer_machines(placement: Placement, machines: int, shared: Path | None) -> dict[str, Any]:
+    """The ``log`` event of an attempt that resumes on fewer machines than the job asked for."""
+    where = ", ".join(part.worker_id for part in placement.parts)
+    return {"level": "warning", "machines": len(placement.parts), "nodes": machines, "message": (
+        f"resumed on {len(placement.parts)} of {machines} machines ({where}): the others are not live; the same "
+        f"global batch, {len(placement.slots)} GPU(s) on each, from the newest checkpoint"
+        + (f" in the shared directory {shared}" if shared is not None else "")
+        + "; it stays on these machines until it ends (a later retry may use all of them again)")}
 
 
 def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any] | None]:

@@ -113,3 +113,28 @@ def shared_home(session: Session, job_id: str, attempt: int) -> Path | None:
         return None
     ((shared_dir, shared_id),) = storages
     return shared_job_dir(shared_dir, job_id) if shared_dir and shared_id else None
+
+
+def claim_home(session: Session, job_id: str, attempt: int, worker_id: str, *, parts: int) -> Path | None:
+    """The shared home of an attempt on ``parts`` machines: ``shared_home`` over several; on one
+    machine (a multi-machine retry placed on fewer machines, core/jobs/placement.py ``fewer``),
+    the home of the newest earlier attempt over several machines when this worker mounts that
+    storage too: its checkpoints are there. None otherwise."""
+    from core.jobs.models import JobNode
+    from core.workers.models import Worker
+
+    if parts > 1:
+        return shared_home(session, job_id, attempt)
+    earlier = session.execute(
+        select(JobNode.attempt).where(JobNode.job_id == job_id, JobNode.attempt < attempt, JobNode.node_rank == 1)
+        .order_by(JobNode.attempt.desc()).limit(1)
+    ).scalar_one_or_none()
+    home = shared_home(session, job_id, earlier) if earlier is not None else None
+    if home is None:
+        return None
+    mine = session.execute(select(Worker.shared_dir, Worker.shared_id).where(Worker.worker_id == worker_id)).one_or_none()
+    theirs = session.execute(
+        select(Worker.shared_dir, Worker.shared_id).join(JobNode, JobNode.worker_id == Worker.worker_id)
+        .where(JobNode.job_id == job_id, JobNode.attempt == earlier).limit(1)
+    ).one_or_none()
+    return home if mine is not None and theirs is not None and tuple(mine) == tuple(theirs) else None

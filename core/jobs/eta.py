@@ -37,6 +37,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import utcnow
+from core.jobs.fewer_machines import with_previous_machines
 from core.jobs.models import Job, StepMetric
 from core.jobs.placement import Hold, Host, Owner, ProjectQuotas, Waiting, place
 from core.jobs.scheduling import caps_of, live_cutoff, project_quotas, queued_in_claim_order
@@ -178,7 +179,7 @@ def replay_starts(
 def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = None) -> QueueSnapshot:
     """The queue in claim order with positions and start estimates, and the running jobs' ends."""
     now = now or utcnow()
-    waiting = queued_in_claim_order(session)
+    waiting = with_previous_machines(session, queued_in_claim_order(session), settings, now)
     hosts = pool.live_hosts(session, cutoff=live_cutoff(settings, now))
     running_rows = session.execute(
         select(Job.job_id, Job.worker_id, Job.owner_id, Job.model, Job.progress_step, Job.total_steps, Job.gpus,

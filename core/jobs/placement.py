@@ -38,6 +38,15 @@ estimates and the wake-up messages all call it, so they agree by construction.
               be of ONE shared storage (``Host.shared``: the same FTQ_SHARED_DIR path and marker
               id); it is placed, and holds, within the one storage where it fits best. Without
               any storage of M such machines it is too big (the API refuses it at submission).
+    fewer     a retry of a multi-machine job (``Waiting.shrink``, set by ``allow_shrink``: queued
+              again after an attempt, and the machines of that attempt that are not live now
+              stopped being live at least ``shrink_after_s`` ago) may start on fewer machines
+              than ``nodes`` when no set of ``nodes`` machines it could use is live: on the most
+              machines (``nodes - 1`` down to 1) that are, ``gpus / nodes`` GPUs each, within the
+              storage its checkpoints are in (``Waiting.storage``) when they are in one. The
+              trainer keeps the job's ``gpus`` (its global batch): fewer ranks each take more of
+              a step's micro-batches. Busy machines are no reason to shrink: the job waits (and
+              holds) for them as any job. A running job never grows back.
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -52,7 +61,7 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 Owner = str | None
@@ -76,6 +85,16 @@ class Waiting:
     pool: str | None = None
     """The named pool it runs on (None: ftq's own hosts)."""
     method: str = "lora"
+    attempts: int = 0
+    """Claims so far: more than 0 on a queued job is a retry (or a hand-back)."""
+    lost_since: dt.datetime | None = None
+    """A retry of a multi-machine job: when the last of its previous attempt's machines that
+    are not live now stopped being live (None: every one of them is live, or none is known)."""
+    storage: tuple[str, str] | None = None
+    """``Host.shared`` of the storage its previous attempt's checkpoints are in (every machine
+    of that attempt mounted it); None: they are in the store (or there is none)."""
+    shrink: bool = False
+    """It may start on fewer machines than ``nodes`` now (``allow_shrink``)."""
 
     @property
     def per_node(self) -> int:
@@ -95,6 +114,25 @@ class Waiting:
     def needs_shared(self) -> bool:
         """Its machines must share a checkpoint directory: full fine-tuning shards the model."""
         return self.machines > 1 and self.method == "full"
+
+
+RESUMABLE_ON_ANY_COUNT = frozenset({"lora", "qlora", "full"})
+"""Methods whose checkpoints a run on any number of ranks resumes (trainer/training/checkpoint.py):
+adapters are written whole by rank 0 (every DDP rank holds the same), method ``full`` and FSDP2
+through DCP, whose files name every tensor's global shape."""
+
+
+def may_shrink(job: Waiting, now: dt.datetime, shrink_after_s: float) -> bool:
+    """``job`` may start on fewer machines than ``nodes`` (the ``fewer`` rule): a queued retry of
+    a job over several of ftq's machines, with checkpoints any machine count resumes, whose
+    missing machines have not been live for ``shrink_after_s`` (0: at once)."""
+    return (job.machines > 1 and job.attempts > 0 and job.method in RESUMABLE_ON_ANY_COUNT
+            and job.lost_since is not None and (now - job.lost_since).total_seconds() >= shrink_after_s)
+
+
+def allow_shrink(waiting: Sequence[Waiting], now: dt.datetime, shrink_after_s: float) -> list[Waiting]:
+    """``waiting`` with ``shrink`` set on each job ``may_shrink`` now."""
+    return [replace(job, shrink=True) if may_shrink(job, now, shrink_after_s) else job for job in waiting]
 
 
 @dataclass(frozen=True)
@@ -219,7 +257,7 @@ def place(
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        big_enough = _big_enough(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address, shared)
+        fit, big_enough = _could_take(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address, shared)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:
@@ -234,15 +272,15 @@ def place(
             blocked_projects.add(job.project_id)
             continue
         held = hold.hosts if hold is not None else frozenset()
-        fits = [w for w in big_enough if len(free[w]) >= job.per_host and w not in held]
-        chosen = _choose(job, fits, free, address, shared)
+        fits = [w for w in big_enough if len(free[w]) >= fit.per_host and w not in held]
+        chosen = _choose(fit, fits, free, address, shared)
         if chosen:
-            placements.append(_take(job, chosen, free, address))
+            placements.append(_take(fit, chosen, free, address))
             used[job.owner_id] += job.gpus
             project_used[job.project_id] += job.gpus
         elif hold is None:
-            target, *also = _hold_targets(job, big_enough, free, address, shared)
-            hold = Hold(job.job_id, target, job.per_host, len(free[target]), tuple(also))
+            target, *also = _hold_targets(fit, big_enough, free, address, shared)
+            hold = Hold(job.job_id, target, fit.per_host, len(free[target]), tuple(also))
             blocked.add(job.owner_id)  # its owner's later jobs must not take the cap it needs
             if quota is not None:  # nor its project's later jobs the quota (a project without one: backfill)
                 blocked_projects.add(job.project_id)
@@ -261,6 +299,30 @@ def _take(job: Waiting, chosen: Sequence[str], free: dict[str, list[int]],
 
 
 Shared = Mapping[str, "tuple[str, str] | None"]
+
+
+def _could_take(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],
+                shared: Shared) -> tuple[Waiting, list[str]]:
+    """``job`` as it is placed (on fewer machines when ``shrink`` and no full set is live) and the
+    hosts that could ever take a part of it (empty: too big)."""
+    if (hosts := _big_enough(job, size, address, shared)) or not job.shrink:
+        return job, hosts
+    return _fewer(job, size, address, shared)
+
+
+def _fewer(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],
+           shared: Shared) -> tuple[Waiting, list[str]]:
+    """``job`` on the most machines below ``nodes`` (down to 1) that could take it, ``per_node``
+    GPUs each, within the storage its checkpoints are in, and those machines' hosts; ``job`` and
+    none when not even one could."""
+    if job.storage is not None:
+        size = {w: n for w, n in size.items() if shared[w] == job.storage}
+    for nodes in range(job.nodes - 1, 0, -1):
+        fewer = replace(job, gpus=job.per_node * nodes, nodes=nodes)
+        if hosts := _big_enough(fewer, size, address, shared):
+            return fewer, hosts
+    return job, []
+
 
 
 def _groups(job: Waiting, hosts: Sequence[str], shared: Shared) -> list[list[str]]:

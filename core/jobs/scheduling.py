@@ -62,6 +62,7 @@ from sqlalchemy.orm import Session, aliased
 
 from core.db import utcnow
 from core.errors import InvalidInput, Unsupported
+from core.jobs.fewer_machines import with_previous_machines
 from core.jobs.models import Job
 from core.jobs.placement import Host, Owner, Placement, ProjectQuotas, Schedule, Waiting, cap_allows, place
 from core.projects.models import Project
@@ -95,7 +96,7 @@ def claim_order() -> tuple[Any, ...]:
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
         select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name,
-               Job.nodes, Job.project_id, Job.pool, Job.method)
+               Job.nodes, Job.project_id, Job.pool, Job.method, Job.attempts)
         .outerjoin(Project, Project.project_id == Job.project_id)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
@@ -137,9 +138,10 @@ def live_cutoff(settings: Settings, now: dt.datetime | None = None) -> dt.dateti
 def schedule(session: Session, settings: Settings, *, include: str | None = None) -> Schedule:
     """The policy on the store's state now: who starts where, and the head's hold.
 
-    ``include`` counts that host as live whatever its heartbeat (the claimant's own).
+    ``include`` counts that host as live whatever its heartbeat (the claimant's own). A queued
+    retry of a multi-machine job may be placed on fewer machines (core/jobs/fewer_machines.py).
     """
-    waiting = queued_in_claim_order(session)
+    waiting = with_previous_machines(session, queued_in_claim_order(session), settings, utcnow(), include=include)
     hosts = pool.live_hosts(session, cutoff=live_cutoff(settings), include=include)
     caps = caps_of(session, {job.owner_id for job in waiting}, settings)
     return place(waiting, hosts, running_by_owner(session), caps, project_quotas(session))
@@ -179,7 +181,11 @@ def try_claim(
     """
     job = session.execute(select(Job.owner_id, Job.gpus, Job.nodes, Job.project_id, Job.pool)
                           .where(Job.job_id == placement.job_id)).one_or_none()
-    if job is None or job.gpus != placement.gpus or (1 if job.pool else job.nodes) != len(placement.parts):
+    machines = 1 if job is None or job.pool else job.nodes
+    # A retry may run on fewer machines than it asked for (placement's ``fewer``), never on more,
+    # with the same GPUs on each; the cap and quota still count the job's own gpus.
+    if job is None or not 1 <= len(placement.parts) <= machines or \
+            placement.gpus != job.gpus // machines * len(placement.parts):
         return False
     owner_id: Owner = job.owner_id
     cap = _cap(_lock_owner(session, owner_id), settings.max_running_jobs_per_user)

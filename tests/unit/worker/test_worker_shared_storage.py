@@ -142,6 +142,53 @@ class TestFullFineTuningOverMachines:
         assert claim is not None and claim.shared_home == shared / "jobs" / job_id
 
 
+def _lose_follower(rt: Runtime, job_id: str, silent_s: float) -> None:
+    """The job's attempt ended (it went back to the queue) and the follower machine has been
+    silent ``silent_s`` seconds."""
+    import datetime as dt
+
+    from core.jobs.service import transition
+
+    with rt.sessionmaker.begin() as session:
+        assert transition(session, job_id, JobStatus.queued, only_from=[JobStatus.running], worker_id=None)
+        session.get(Worker, FOLLOWER).heartbeat_at = utcnow() - dt.timedelta(seconds=silent_s)
+
+
+class TestARetryOnFewerMachines:
+    """A retry whose follower machine is gone resumes on the leader's machine alone, from the
+    shared directory, once the follower has been gone ``shrink_after_s`` (core/jobs/fewer_machines.py)."""
+
+    def test_after_the_grace_it_resumes_alone_from_the_shared_home_saying_so(self, leader, shared):
+        from core.jobs.models import JobEvent
+
+        job_id = _queue_full_job(leader)
+        assert claim_next_job(leader) is not None
+        timeout = leader.settings.heartbeat_timeout_s
+        _lose_follower(leader, job_id, silent_s=timeout + 60)
+        leader.settings = leader.settings.model_copy(update={"shrink_after_s": 120.0})
+        assert claim_next_job(leader) is None, "gone 60 s of a 120 s grace: it waits for the full set"
+        leader.settings = leader.settings.model_copy(update={"shrink_after_s": 30.0})
+        claim = claim_next_job(leader)
+        assert claim is not None and claim.job_id == job_id and claim.attempt == 2
+        assert claim.rendezvous is None and claim.executor == "local" and claim.slots == (0,)
+        assert claim.shared_home == shared / "jobs" / job_id, "its checkpoints are in the shared directory"
+        with leader.sessionmaker() as session:
+            job = session.get(Job, job_id)
+            assert (job.gpus, job.nodes, job.worker_id) == (2, 2, LEADER), "the job keeps its gpus: its global batch"
+            said = [e.data for e in session.query(JobEvent).filter_by(job_id=job_id, type="log")]
+        assert [(d["machines"], d["nodes"]) for d in said] == [(1, 2)]
+        assert "resumed on 1 of 2 machines" in said[0]["message"] and str(shared) in said[0]["message"]
+
+    def test_a_first_attempt_never_starts_on_fewer_machines(self, leader):
+        import datetime as dt
+
+        _queue_full_job(leader)
+        with leader.sessionmaker.begin() as session:
+            session.get(Worker, FOLLOWER).heartbeat_at = utcnow() - dt.timedelta(hours=1)
+        leader.settings = leader.settings.model_copy(update={"shrink_after_s": 0.0})
+        assert claim_next_job(leader) is None
+
+
 class TestJobJson:
     def test_the_shared_home_becomes_shared_checkpoint_dir(self, tmp_path: Path):
         config = TrainConfig(ModelConfig("m"), DataConfig("t"), OptimConfig(max_steps=1), output_dir=str(tmp_path))

@@ -60,7 +60,7 @@ def admit_generation(session: Session, spec: GenerateSpec, *, settings: Settings
             model cannot be resolved (see the module docstring); a priority over the project's.
         Unsupported: ``gpus`` no live host, the owner's cap or the project's quota can give.
     """
-    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=1)
+    check_gpus(session, spec.gpus, settings, owner_id=owner_id, nodes=1, kind=spec.kind)
     check_project(session, project_id, spec.gpus, spec.priority)
     usable_file(session, spec.prompts_file, PURPOSE, "prompts_file", project_id)
     return resolve(session, spec.model, settings=settings, project_id=project_id, check_hub=True)

@@ -45,7 +45,7 @@ def create_session(session: Session, caller: Caller, spec: SessionSpec, *, setti
         Unsupported, NotFound, Forbidden: the project, its quota, the box's GPUs (as a job's).
     """
     project_id = access.project_for_create(session, caller, spec.project)
-    check_gpus(session, 1, settings, owner_id=caller.user_id, nodes=1)
+    check_gpus(session, 1, settings, owner_id=caller.user_id, nodes=1, kind=KIND)
     check_project(session, project_id, 1, spec.priority)
     adapters, base = {}, None
     for index, model in enumerate(spec.models):

@@ -132,7 +132,6 @@ def replay_starts(
     quota_caps: Mapping[str | None, int] | None = None,
     pools: Mapping[str, str | None] | None = None,
     storages: Mapping[str, tuple[str, str] | None] | None = None,
-    remotes: Mapping[str, bool] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiting job starts (None: unknown), by replaying the policy.
 
@@ -146,7 +145,6 @@ def replay_starts(
         quota_caps: each project's GPU quota (``ProjectQuotas.caps``; default none).
         pools: the named pool each live host serves (default none).
         storages: each live host's shared storage (``Host.shared``; default none).
-        remotes: whether each live host is remote (``Host.remote``; default none is).
     """
     jobs = list(running)
     pending = list(waiting)
@@ -156,8 +154,7 @@ def replay_starts(
         live = [b for b in jobs if b.ends_in_s is None or b.ends_in_s > now]
         held = set().union(*(b.holds() for b in live))
         state = [Host(w, tuple(slots), tuple(s for s in slots if (w, s) not in held), (addresses or {}).get(w),
-                      (pools or {}).get(w), (storages or {}).get(w), (remotes or {}).get(w, False))
-                 for w, slots in hosts.items()]
+                      (pools or {}).get(w), (storages or {}).get(w)) for w, slots in hosts.items()]
         used: Counter[Owner] = Counter()
         in_project: Counter[str | None] = Counter()
         for b in live:
@@ -217,8 +214,7 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
     starts = replay_starts({host.worker_id: host.slots for host in hosts}, busy, waiting, caps, durations,
                            {host.worker_id: host.address for host in hosts}, quotas.caps,
                            {host.worker_id: host.pool for host in hosts},
-                           {host.worker_id: host.shared for host in hosts},
-                           {host.worker_id: host.remote for host in hosts})
+                           {host.worker_id: host.shared for host in hosts})
     used: Counter[Owner] = Counter()
     for b in busy:
         used[b.owner_id] += b.gpus

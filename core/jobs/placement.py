@@ -38,11 +38,6 @@ estimates and the wake-up messages all call it, so they agree by construction.
               be of ONE shared storage (``Host.shared``: the same FTQ_SHARED_DIR path and marker
               id); it is placed, and holds, within the one storage where it fits best. Without
               any storage of M such machines it is too big (the API refuses it at submission).
-    local     a job that reads and writes the API's data directory directly (``LOCAL_ONLY_KINDS``:
-              chat sessions, generation jobs, eval runs) starts only on a host without a worker
-              key (``Host.remote`` False): a remote host would claim it and then fail it. With no
-              such host it waits and holds nothing (the API refuses it at submission when every
-              live host is remote).
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -61,10 +56,6 @@ from dataclasses import dataclass
 from typing import Any
 
 Owner = str | None
-
-LOCAL_ONLY_KINDS = frozenset({"session", "generate", "eval"})
-"""Job kinds whose worker reads their inputs from, and writes their outputs into, the API's data
-directory itself, so they never start on a remote host (docs/several-machines.md)."""
 
 
 @dataclass(frozen=True)
@@ -85,13 +76,6 @@ class Waiting:
     pool: str | None = None
     """The named pool it runs on (None: ftq's own hosts)."""
     method: str = "lora"
-    kind: str = "train"
-    """``train``, ``generate``, ``eval`` or ``session`` (``Job.kind``)."""
-
-    @property
-    def local_only(self) -> bool:
-        """It must run on a host that shares the API's data directory (``LOCAL_ONLY_KINDS``)."""
-        return self.kind in LOCAL_ONLY_KINDS
 
     @property
     def per_node(self) -> int:
@@ -126,8 +110,6 @@ class Host:
     """The named pool it serves (None: an ordinary host)."""
     shared: tuple[str, str] | None = None
     """``(shared_dir, shared_id)`` of the checkpoint directory it mounts (None: none)."""
-    remote: bool = False
-    """Its worker runs with a worker key on another machine (no shared disk with the API)."""
 
     @property
     def size(self) -> int:
@@ -231,15 +213,13 @@ def place(
     address = {host.worker_id: host.address for host in hosts}
     pool_of = {host.worker_id: host.pool for host in hosts}
     shared = {host.worker_id: host.shared for host in hosts}
-    remote = {host.worker_id: host.remote for host in hosts}
     used: Counter[Owner] = Counter(running)
     blocked: set[Owner] = set()
     placements: list[Placement] = []
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        eligible = {w: n for w, n in size.items() if pool_of[w] == job.pool and not (job.local_only and remote[w])}
-        big_enough = _big_enough(job, eligible, address, shared)
+        big_enough = _big_enough(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address, shared)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:

@@ -63,7 +63,7 @@ from sqlalchemy.orm import Session, aliased
 from core.db import utcnow
 from core.errors import InvalidInput, Unsupported
 from core.jobs.models import Job
-from core.jobs.placement import LOCAL_ONLY_KINDS, Host, Owner, Placement, ProjectQuotas, Schedule, Waiting, cap_allows, place
+from core.jobs.placement import Host, Owner, Placement, ProjectQuotas, Schedule, Waiting, cap_allows, place
 from core.projects.models import Project
 from core.jobs.states import JobStatus
 from core.settings import Settings
@@ -95,7 +95,7 @@ def claim_order() -> tuple[Any, ...]:
 def queued_in_claim_order(session: Session) -> list[Waiting]:
     rows = session.execute(
         select(Job.job_id, Job.owner_id, Job.priority, Job.gpus, Job.model, Job.total_steps, Job.created_at, Job.name,
-               Job.nodes, Job.project_id, Job.pool, Job.method, Job.kind)
+               Job.nodes, Job.project_id, Job.pool, Job.method)
         .outerjoin(Project, Project.project_id == Job.project_id)
         .where(Job.status == JobStatus.queued.value)
         .order_by(*claim_order())
@@ -217,29 +217,14 @@ def try_claim(
     return result.rowcount == 1
 
 
-def host_sizes(session: Session, settings: Settings, *, kind: str = "train") -> dict[str, int]:
-    """GPUs of each live ordinary worker host (not a named pool's) that can run a job of ``kind``
-    (a ``LOCAL_ONLY_KINDS`` one: the hosts without a worker key), by worker id.
-
-    Raises:
-        Unsupported: ``kind`` must run beside the API's data directory and every live ordinary
-            host is remote.
-    """
-    hosts = [host for host in pool.live_hosts(session, cutoff=live_cutoff(settings)) if host.pool is None]
-    if kind in LOCAL_ONLY_KINDS and hosts and all(host.remote for host in hosts):
-        what = {"session": "a chat session", "generate": "a generation job", "eval": "an eval run"}[kind]
-        names = ", ".join(host.worker_id for host in hosts)
-        raise Unsupported(
-            f"{what} needs a worker that shares the API's data directory (its inputs and outputs are read and "
-            f"written there), and every live worker host is remote (a worker key, another machine: {names}); "
-            "start a worker on the API's machine (ftq worker without FTQ_WORKER_KEY)",
-            param="gpus",
-        )
-    return {host.worker_id: host.size for host in hosts if not (kind in LOCAL_ONLY_KINDS and host.remote)}
+def host_sizes(session: Session, settings: Settings) -> dict[str, int]:
+    """GPUs of each live ordinary worker host (not a named pool's), by worker id."""
+    return {host.worker_id: host.size for host in pool.live_hosts(session, cutoff=live_cutoff(settings))
+            if host.pool is None}
 
 
 def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Owner = None, nodes: int = 1,
-               pool_name: str | None = None, method: str = "lora", kind: str = "train") -> None:
+               pool_name: str | None = None, method: str = "lora") -> None:
     """Refuse at submission a GPU count no live host (or set of ``nodes`` machines), or the
     owner's cap, can ever give.
 
@@ -250,10 +235,9 @@ def check_gpus(session: Session, gpus: int, settings: Settings, *, owner_id: Own
             their GPU counts), fewer live machines with an address and gpus/nodes GPUs each than
             ``nodes`` (for ``method: full``, of one shared storage), or more GPUs than the owner's
             cap on running GPUs; on a named pool (``pool_name``), what
-            ``core.workers.pools.check_pool`` refuses instead of the hosts' sizes; a ``kind`` of
-            ``LOCAL_ONLY_KINDS`` when every live host is remote (then only local hosts count).
+            ``core.workers.pools.check_pool`` refuses instead of the hosts' sizes.
     """
-    sizes = host_sizes(session, settings, kind=kind)
+    sizes = host_sizes(session, settings)
     if pool_name is not None:
         from core.workers.pools import check_pool
 

@@ -56,7 +56,7 @@ def live_hosts(session: Session, *, cutoff: dt.datetime, include: str | None = N
         live = live | (Worker.worker_id == include)
     rows = session.execute(
         select(GpuSlot.worker_id, GpuSlot.slot, GpuSlot.job_id, Worker.address, Worker.pool, Worker.shared_dir,
-               Worker.shared_id, Worker.key_id)
+               Worker.shared_id)
         .join(Worker, Worker.worker_id == GpuSlot.worker_id)
         .where(live)
         .order_by(GpuSlot.worker_id, GpuSlot.slot)
@@ -66,18 +66,15 @@ def live_hosts(session: Session, *, cutoff: dt.datetime, include: str | None = N
     address: dict[str, str | None] = {}
     pool: dict[str, str | None] = {}
     shared: dict[str, tuple[str, str] | None] = {}
-    remote: dict[str, bool] = {}
-    for worker_id, slot, job_id, addr, named, shared_dir, shared_id, key_id in rows:
+    for worker_id, slot, job_id, addr, named, shared_dir, shared_id in rows:
         slots.setdefault(worker_id, []).append(slot)
         free.setdefault(worker_id, [])
         address[worker_id] = addr
         pool[worker_id] = named
         shared[worker_id] = (shared_dir, shared_id) if shared_dir and shared_id else None
-        remote[worker_id] = key_id is not None
         if job_id is None:
             free[worker_id].append(slot)
-    return [Host(w, tuple(slots[w]), tuple(free[w]), address[w], pool[w], shared[w], remote[w])
-            for w in sorted(slots)]
+    return [Host(w, tuple(slots[w]), tuple(free[w]), address[w], pool[w], shared[w]) for w in sorted(slots)]
 
 
 def reserve(session: Session, job_id: str, worker_id: str, slots: Sequence[int]) -> bool:

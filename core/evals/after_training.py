@@ -114,9 +114,11 @@ def compare(session: Session, job: Job, settings: Settings, *, items: bool = Tru
         objects, lines = {}, {}
         for side, (run, run_job) in sides.items():
             lines[side] = views.graded_lines(run_job, settings)
-            objects[side] = views.run_object(run, run_job, run_job.spec["testing_criteria"], settings, lines=lines[side])
+            criteria = run_job.spec["testing_criteria"]
+            objects[side] = views.run_object(run, run_job, criteria, settings, lines=lines[side])
         entry = {"eval_id": job_eval["eval_id"], "base": objects.get("base"), "tuned": objects.get("tuned"),
-                 "criteria": _criteria(objects), "checkpoints": [_checkpoint(step, *steps[step], settings) for step in sorted(steps)]}
+                 "criteria": _criteria(objects),
+                 "checkpoints": [_checkpoint(step, *steps[step], settings) for step in sorted(steps)]}
         if items:
             entry["items"] = _items(lines)
         out.append(entry)

@@ -142,8 +142,9 @@ class TestSubmitGeneration:
         fetched.parent.mkdir(parents=True)
         fetched.write_text('{"prompt": "hi"}\n')
         with sessions() as session:
-            remote = generation.build_generate_config(session, session.get(Job, job_id), settings=settings,
-                                                      output_dir="/out", files_for=lambda _s, ids: {ids[0]: str(fetched)})
+            remote = generation.build_generate_config(
+                session, session.get(Job, job_id), settings=settings, output_dir="/out",
+                files_for=lambda _s, ids: {ids[0]: str(fetched)})
         assert remote.prompts_file == str(fetched) and remote.model == config.model
 
     @pytest.mark.parametrize(("purpose", "fields", "param", "says"), [

@@ -29,7 +29,8 @@ def _worker(session, name: str) -> str:
 
 
 def _job(session, *, kind: str = "train", status: str = "succeeded", spec: dict | None = None,
-         project: str | None = None, worker: str | None = None, method: str = "lora", file_id: str | None = None) -> str:
+         project: str | None = None, worker: str | None = None, method: str = "lora",
+         file_id: str | None = None) -> str:
     job_id = new_id("job")
     now = utcnow()
     session.add(Job(job_id=job_id, kind=kind, model="tiny", method=method, spec=spec or {}, training_file_id=file_id,
@@ -123,7 +124,8 @@ def test_the_sweep_drops_uploaded_parts_once_completions_hold_every_line(world, 
 
     session, _keys, _trained = world
     _maker, settings = box
-    done, cancelled = (_job(session, kind="generate", status=s, spec={"model": "tiny"}) for s in ("succeeded", "cancelled"))
+    done, cancelled = (_job(session, kind="generate", status=status, spec={"model": "tiny"})
+                       for status in ("succeeded", "cancelled"))
     session.commit()
     for job_id in (done, cancelled):
         parts = artifact_store.job_store_dir(settings, job_id) / "completions.parts"

@@ -38,21 +38,29 @@ log = logging.getLogger(__name__)
 def build_config(runtime: Runtime, session: Session, job: Job,
                  output_dir: Path) -> TrainConfig | GenerateConfig | SessionConfig:
     """The job's trainer config from the store: ``Runtime.config_builder``, by default
-    ``build_train_config``, a generation job's ``GenerateConfig`` or a session's ``SessionConfig``;
+    ``build_train_config``, a generation job's ``GenerateConfig`` or a session's ``SessionConfig``
+    (on a remote worker, their weights and prompts downloaded: worker/remote_generation.py);
     the caller saves it as job.json.
 
     Raises:
         Exception: whatever the builder raises (the spec no longer translates, a dataset
             download failed); the caller turns it into the job's outcome.
     """
+    settings = runtime.settings
+    fetch, files = None, None
+    if settings.remote_worker and job.kind in ("generate", "eval", "session"):  # through the API
+        from worker.remote_generation import prompts_fetcher, weights_fetcher
+
+        fetch, files = weights_fetcher(settings), prompts_fetcher(settings)
     if job.kind in ("generate", "eval"):  # trainer.generate.job_config.GenerateConfig, an eval's EvalConfig
         from core.jobs.generation import build_generate_config
 
-        return build_generate_config(session, job, settings=runtime.settings, output_dir=str(output_dir))
+        return build_generate_config(session, job, settings=settings, output_dir=str(output_dir), fetch=fetch,
+                                     files_for=files)
     if job.kind == "session":  # a chat session: trainer.generate.session_config.SessionConfig
         from core.sessions.service import build_session_config
 
-        return build_session_config(session, job, settings=runtime.settings, output_dir=str(output_dir))
+        return build_session_config(session, job, settings=settings, output_dir=str(output_dir), fetch=fetch)
     builder = runtime.config_builder or build_train_config
     return builder(session, job, settings=runtime.settings, output_dir=str(output_dir))
 

@@ -18,7 +18,8 @@ store stays its channel for claims, events and heartbeats, and bytes go through 
     export      export_inputs / upload_export: job.json and the weights come down, the export
                 goes up before it is marked done
 
-A local worker gets ``LocalOutputs``, the no-op twin of ``RemoteOutputs``.
+A local worker gets ``LocalOutputs``, the no-op twin of ``RemoteOutputs``. A chat session's, a
+generation job's and an eval run's weights and lines: worker/remote_generation.py.
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
     recorder = EventRecorder(runtime.sessionmaker, claim.job_id, flush_interval_s=settings.event_flush_interval_s,
                              max_batch=runtime.options.max_batch_events, publish=runtime.publish,
                              worker_id=runtime.worker_id, attempt=claim.attempt)
-    outputs = remote.job_outputs(runtime, claim, recorder)  # a remote worker's uploads (worker/remote.py)
+    outputs = job_outputs(runtime, claim, recorder, getattr(config, "kind", "train"))  # a remote worker's uploads
     done: list[dict[str, Any]] = []
     tracking = tracking_for(runtime, claim.job_id, claim.output_dir)  # a background thread: never waited on
     executor = executors.get(claim.executor)(runtime, claim)
@@ -218,6 +218,17 @@ def _run_claimed(runtime: Runtime, claim: Claim) -> tuple[Outcome, dict[str, Any
     outcome = outputs.finish(executor.settle(outcome, max_attempts=settings.max_attempts))
     tracking.finish(outcome.status.value if outcome.status else "lost")
     return outcome, last_done
+
+
+def job_outputs(runtime: Runtime, claim: Claim, recorder: EventRecorder,
+                kind: str) -> remote.LocalOutputs | remote.RemoteOutputs:
+    """What a remote worker uploads of a job (worker/remote.py; a generation job's or eval run's
+    lines: worker/remote_generation.py); a local worker's no-op twin."""
+    if runtime.settings.remote_worker and kind in ("generate", "eval"):
+        from worker.remote_generation import generation_outputs
+
+        return generation_outputs(runtime, claim, recorder)
+    return remote.job_outputs(runtime, claim, recorder)
 
 
 def _drive(executor: Executor, watchdog: Watchdog, job_json: Path, on_event: OnEvent, recorder: EventRecorder,

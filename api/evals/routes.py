@@ -82,7 +82,7 @@ async def create_run(eval_id: str, body: JsonBody, state: StateDep, caller: Call
 
     def view(session: Session, job: Job) -> dict[str, Any]:
         run, job = runs.get_run(session, eval_id, prepared.run_id, reader=caller)
-        return views.run_object(run, job, prepared.spec.testing_criteria, lines=[])
+        return views.run_object(run, job, prepared.spec.testing_criteria, state.settings, lines=[])
 
     try:
         out, _ = await submit(ApiPorts(state), prepared.spec, caller, Origin(attach=runs.attach_run(prepared, caller)),
@@ -103,22 +103,23 @@ def _discard(state: Any, prepared: runs.Prepared) -> None:
 
 
 @router.get("/{eval_id}/runs", summary="evals.runs.list")
-def list_runs(eval_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
+def list_runs(eval_id: str, session: SessionDep, caller: CallerDep, state: StateDep, after: str | None = None,
               limit: Annotated[int, Query()] = 20, order: str = "asc", status: str | None = None) -> dict[str, Any]:
     pairs, more = runs.list_runs(session, eval_id, caller, order=order, status=status, after=after, limit=limit)
-    return _page([views.run_object(run, job, job.spec["testing_criteria"]) for run, job in pairs], more)
+    return _page([views.run_object(run, job, job.spec["testing_criteria"], state.settings) for run, job in pairs],
+                 more)
 
 
 @router.get("/{eval_id}/runs/{run_id}", summary="evals.runs.retrieve: status and results so far")
-def retrieve_run(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def retrieve_run(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep, state: StateDep) -> dict[str, Any]:
     run, job = runs.get_run(session, eval_id, run_id, reader=caller)
-    return views.run_object(run, job, job.spec["testing_criteria"])
+    return views.run_object(run, job, job.spec["testing_criteria"], state.settings)
 
 
 @router.post("/{eval_id}/runs/{run_id}/cancel", summary="evals.runs.cancel")
-def cancel_run(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def cancel_run(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep, state: StateDep) -> dict[str, Any]:
     run, job = runs.cancel_run(session, eval_id, run_id, caller)
-    return views.run_object(run, job, job.spec["testing_criteria"])
+    return views.run_object(run, job, job.spec["testing_criteria"], state.settings)
 
 
 @router.delete("/{eval_id}/runs/{run_id}", summary="evals.runs.delete (a finished run)")
@@ -128,24 +129,26 @@ def delete_run(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep
 
 
 @router.get("/{eval_id}/runs/{run_id}/output_items", summary="evals.runs.output_items.list")
-def list_output_items(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep, after: str | None = None,
+def list_output_items(eval_id: str, run_id: str, session: SessionDep, caller: CallerDep, state: StateDep,
+                      after: str | None = None,
                       limit: Annotated[int, Query()] = 20, order: str = "asc",
                       status: str | None = None) -> dict[str, Any]:
     run, job = runs.get_run(session, eval_id, run_id, reader=caller)
-    items, more = views.output_items(run, job, status=status, order=order, after=after, limit=limit)
+    items, more = views.output_items(run, job, state.settings, status=status, order=order, after=after, limit=limit)
     return _page(items, more)
 
 
 @router.get("/{eval_id}/runs/{run_id}/output_items/{output_item_id}", summary="evals.runs.output_items.retrieve")
 def retrieve_output_item(eval_id: str, run_id: str, output_item_id: str, session: SessionDep,
-                         caller: CallerDep) -> dict[str, Any]:
+                         caller: CallerDep, state: StateDep) -> dict[str, Any]:
     run, job = runs.get_run(session, eval_id, run_id, reader=caller)
-    return views.one_output_item(run, job, output_item_id)
+    return views.one_output_item(run, job, output_item_id, state.settings)
 
 
 @jobs_router.get("/{job_id}/evals", summary="A training job's evals: base vs tuned, per criterion and per item")
-def job_evals(job_id: str, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def job_evals(job_id: str, session: SessionDep, caller: CallerDep, state: StateDep) -> dict[str, Any]:
     """Per eval the job's spec names (``evals``): its runs on the base and on the tuned model (null
     until they exist: they start when the job succeeds), each criterion's pass rate on both and
     the difference, and the items side by side (``changed``: base and tuned statuses differ)."""
-    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller))}
+    return {"object": "list", "data": after_training.compare(session, get_job(session, job_id, reader=caller),
+                                                                     state.settings)}

@@ -60,7 +60,8 @@ async def create_job(body: JobCreate, state: StateDep, caller: CallerDep) -> Fin
                          training_file=body.training_file,
                          validation_file=body.validation_file)
 
-    out, _ = await submit(ApiPorts(state), spec, caller, Origin(attach=attach), view=_view)
+    out, _ = await submit(ApiPorts(state), spec, caller, Origin(attach=attach),
+                          view=lambda session, job: _view(session, job, state.settings))
     return out
 
 
@@ -99,7 +100,8 @@ async def resume_job(job_id: str, state: StateDep, caller: CallerDep) -> FineTun
 
     spec = await to_thread.run_sync(paused)
     origin = Origin(requeue=job_id, attach=openai_jobs.unpause)
-    out, _ = await submit(ApiPorts(state), spec, caller, origin, view=_view)
+    out, _ = await submit(ApiPorts(state), spec, caller, origin,
+                          view=lambda session, job: _view(session, job, state.settings))
     return out
 
 
@@ -127,7 +129,7 @@ async def _stop(state: AppState, caller: CallerDep, job_id: str, *, pause: bool)
         with state.sessions() as session:
             job, finished_now = openai_jobs.stop(session, _get(session, caller, job_id), pause=pause)
             session.commit()
-            return _view(session, job), finished_now, job.last_event_seq
+            return _view(session, job, state.settings), finished_now, job.last_event_seq
 
     out, finished_now, seq = await to_thread.run_sync(stop)
     if finished_now:
@@ -159,21 +161,21 @@ def _named_file(session: Session, caller: Caller, file_id: str, param: str) -> F
         ) from None
 
 
-def _view(session: Session, job: Job, settings: Settings | None = None) -> FineTuningJob:
+def _view(session: Session, job: Job, settings: Settings) -> FineTuningJob:
     return _views(session, [job], settings)[0]
 
 
-def _views(session: Session, jobs: list[Job], settings: Settings | None = None) -> list[FineTuningJob]:
+def _views(session: Session, jobs: list[Job], settings: Settings) -> list[FineTuningJob]:
     """Jobs as OpenAI shows them, with three reads for the whole page (extras, tokens, owners)."""
     ids = [job.job_id for job in jobs]
     extras = openai_jobs.extras(session, ids)
     tokens = history.trained_tokens(session, ids)
-    finish = _finish_estimates(session, settings) if settings and any(j.status == "running" for j in jobs) else {}
+    finish = _finish_estimates(session, settings) if any(j.status == "running" for j in jobs) else {}
     return [
         translate.fine_tuning_job(
             job, extras.get(job.job_id), owner=access.owner_name(session, job.owner_id),
             trained_tokens=tokens.get(job.job_id, 0), estimated_finish=finish.get(job.job_id),
-            has_metrics=job.job_id in tokens, evals=after_training.summary(session, job),
+            has_metrics=job.job_id in tokens, evals=after_training.summary(session, job, settings),
         )
         for job in jobs
     ]

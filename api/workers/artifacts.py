@@ -207,11 +207,11 @@ def _store(state: AppState, worker: WorkerCaller, job_id: str, path: str, receiv
         try:
             files = archive.extract_into(received, staging, quota.limits())
             source = staging
-            if path == layout.JOB_CONFIG:
-                source = staging / layout.JOB_CONFIG
+            if path in (layout.JOB_CONFIG, layout.COMPLETIONS):  # one file, not a directory
+                source = staging / path
                 if files != 1 or not source.is_file() or source.is_symlink():
-                    raise InvalidInput(f"body: the tar of {layout.JOB_CONFIG} must hold that one file, named "
-                                       f"{layout.JOB_CONFIG!r}", param="body")
+                    raise InvalidInput(f"body: the tar of {path} must hold that one file, named {path!r}",
+                                       param="body")
             archive.replace_atomically(source, artifact_store.artifact_path(settings, job_id, path), incoming)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

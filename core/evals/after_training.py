@@ -103,7 +103,7 @@ def _warn(session: Session, job_id: str, message: str) -> None:
     session.commit()
 
 
-def compare(session: Session, job: Job, *, items: bool = True) -> list[dict[str, Any]]:
+def compare(session: Session, job: Job, settings: Settings, *, items: bool = True) -> list[dict[str, Any]]:
     """Per eval the job names: its base and tuned runs (OpenAI's run objects, None before they
     exist), each criterion's pass rate and mean score on both and the difference, the checkpoint
     runs in step order (``checkpoints``: step, run, each criterion's pass rate and mean score),
@@ -113,10 +113,12 @@ def compare(session: Session, job: Job, *, items: bool = True) -> list[dict[str,
         sides, steps = _runs(session, job.job_id, job_eval["eval_id"])
         objects, lines = {}, {}
         for side, (run, run_job) in sides.items():
-            lines[side] = views.graded_lines(run_job)
-            objects[side] = views.run_object(run, run_job, run_job.spec["testing_criteria"], lines=lines[side])
+            lines[side] = views.graded_lines(run_job, settings)
+            criteria = run_job.spec["testing_criteria"]
+            objects[side] = views.run_object(run, run_job, criteria, settings, lines=lines[side])
         entry = {"eval_id": job_eval["eval_id"], "base": objects.get("base"), "tuned": objects.get("tuned"),
-                 "criteria": _criteria(objects), "checkpoints": [_checkpoint(step, *steps[step]) for step in sorted(steps)]}
+                 "criteria": _criteria(objects),
+                 "checkpoints": [_checkpoint(step, *steps[step], settings) for step in sorted(steps)]}
         if items:
             entry["items"] = _items(lines)
         out.append(entry)
@@ -141,8 +143,8 @@ def _runs(session: Session, job_id: str, eval_id: str) -> tuple[dict[str, tuple[
     return found, steps
 
 
-def _checkpoint(step: int, run: EvalRun, run_job: Job) -> dict[str, Any]:
-    obj = views.run_object(run, run_job, run_job.spec["testing_criteria"])
+def _checkpoint(step: int, run: EvalRun, run_job: Job, settings: Settings) -> dict[str, Any]:
+    obj = views.run_object(run, run_job, run_job.spec["testing_criteria"], settings)
     return {"step": step, "run": obj, "criteria": [
         {"name": r["testing_criteria"], "pass_rate": r["pass_rate"], "mean_score": r["mean_score"]}
         for r in obj["per_testing_criteria_results"]]}
@@ -176,7 +178,7 @@ def _items(lines: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return [by_index[i] for i in sorted(by_index)]
 
 
-def summary(session: Session, job: Job) -> list[dict[str, Any]] | None:
+def summary(session: Session, job: Job, settings: Settings) -> list[dict[str, Any]] | None:
     """``compare`` without the items, each run as its id, status and counts: what the OpenAI
     fine-tuning job object carries as ``evals`` (None for a job that names no evals)."""
     if not job.spec.get("evals"):
@@ -190,4 +192,4 @@ def summary(session: Session, job: Job) -> list[dict[str, Any]] | None:
              "criteria": entry["criteria"],
              "checkpoints": [{"step": c["step"], **(brief(c["run"]) or {}), "criteria": c["criteria"]}
                              for c in entry["checkpoints"]]}
-            for entry in compare(session, job, items=False)]
+            for entry in compare(session, job, settings, items=False)]

@@ -5,13 +5,14 @@ runs: ``trainer.generate.outputs``) and counted by ``trainer.evals.results.summa
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 from typing import Any
 
 from core.errors import InvalidInput, NotFound
 from core.evals.models import Eval, EvalRun
 from core.evals.service import page
+from core.jobs import artifact_store
 from core.jobs.models import Job
+from core.settings import Settings
 from trainer.evals.results import summarize
 from trainer.generate import outputs
 from trainer.generate.job_config import COMPLETIONS, PARTS
@@ -41,19 +42,18 @@ def eval_object(row: Eval) -> dict[str, Any]:
             "testing_criteria": row.testing_criteria}
 
 
-def graded_lines(job: Job) -> list[dict[str, Any]]:
-    """The run's graded lines written so far, in item order."""
-    directory = Path(job.output_dir) if job.output_dir else None
-    if directory is None:
-        return []
+def graded_lines(job: Job, settings: Settings) -> list[dict[str, Any]]:
+    """The run's graded lines written so far, in item order, read from its job's artifact store
+    (a remote worker uploads them there: worker/remote_generation.py)."""
+    directory = artifact_store.job_store_dir(settings, job.job_id)
     done = outputs.read_lines(directory / COMPLETIONS, directory / PARTS)
     return [done[i] for i in sorted(done)]
 
 
-def run_object(run: EvalRun, job: Job, criteria: list[dict[str, Any]],
+def run_object(run: EvalRun, job: Job, criteria: list[dict[str, Any]], settings: Settings,
                lines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """OpenAI's ``eval.run``; results count the lines graded so far (all of them once completed)."""
-    totals = summarize(graded_lines(job) if lines is None else lines, criteria)
+    totals = summarize(graded_lines(job, settings) if lines is None else lines, criteria)
     usage = totals["usage"]
     error = {"code": job.error_code or "failed", "message": job.error_message or ""} if job.status == "failed" else None
     return {
@@ -93,21 +93,21 @@ def output_item(run: EvalRun, line: dict[str, Any], sampling: dict[str, Any]) ->
             "results": line["results"], "sample": sample}
 
 
-def output_items(run: EvalRun, job: Job, *, status: str | None = None, order: str = "asc", after: str | None = None,
-                 limit: int = 20) -> tuple[list[dict[str, Any]], bool]:
+def output_items(run: EvalRun, job: Job, settings: Settings, *, status: str | None = None, order: str = "asc",
+                 after: str | None = None, limit: int = 20) -> tuple[list[dict[str, Any]], bool]:
     """A page of the run's output items (``status``: pass, fail or error)."""
     if status is not None and status not in ITEM_STATUSES:
         raise InvalidInput(f"status: one of {', '.join(ITEM_STATUSES)}", param="status")
-    lines = [line for line in graded_lines(job) if status is None or line["status"] == status]
+    lines = [line for line in graded_lines(job, settings) if status is None or line["status"] == status]
     rows, more = page(lines, lambda line: output_item_id(run.run_id, line["index"]), order=order, after=after,
                       limit=limit, what="output item")
     sampling = job.spec.get("sampling", {})
     return [output_item(run, line, sampling) for line in rows], more
 
 
-def one_output_item(run: EvalRun, job: Job, item_id: str) -> dict[str, Any]:
+def one_output_item(run: EvalRun, job: Job, item_id: str, settings: Settings) -> dict[str, Any]:
     """One output item by id; NotFound when the run has not graded it (yet)."""
-    for line in graded_lines(job):
+    for line in graded_lines(job, settings):
         if output_item_id(run.run_id, line["index"]) == item_id:
             return output_item(run, line, job.spec.get("sampling", {}))
     raise NotFound(f"No such output item: {item_id!r} of run {run.run_id}", param="output_item_id")

@@ -17,6 +17,7 @@ it may name is what that project holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,17 @@ from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from trainer.evals.config import EvalConfig
+from trainer.training import layout
 from trainer.generate.job_config import GenerateConfig
 
 PURPOSE = "generate"
 """The files API purpose of a prompts file."""
+
+Fetch = Callable[[str, str], Path]
+"""``(job id, artifact path)`` → that artifact of a job's store on this machine: the API's data
+directory read in place (``in_store``), or a remote worker's download of it (worker/remote_generation.py)."""
+Files = Callable[[Session, list[str]], dict[str, str]]
+"""file ids → their paths on this machine (``core.files.service.paths_for``, or a remote worker's downloads)."""
 
 
 @dataclass(frozen=True)
@@ -82,16 +90,25 @@ def preflight(session: Session, spec: GenerateSpec, *, settings: Settings, proje
     return {"checked": True, "format": row.format, "records": row.num_records, "note": note}
 
 
+def in_store(settings: Settings) -> Fetch:
+    """Artifacts read in place from the API's data directory (the API, a local worker)."""
+    return lambda job_id, path: artifact_store.artifact_path(settings, job_id, path)
+
+
 def resolve(session: Session, model: str, *, settings: Settings, project_id: str | None,
-            check_hub: bool = False) -> ResolvedModel:
-    """The directories (or hub id) behind ``model``; ``InvalidInput`` naming ``model`` otherwise."""
+            check_hub: bool = False, fetch: Fetch | None = None) -> ResolvedModel:
+    """The directories (or hub id) behind ``model``; ``InvalidInput`` naming ``model`` otherwise.
+
+    ``fetch`` brings a job's weights to this machine (default: read in place, ``in_store``); the
+    base is resolved on this machine's model root (or the hub) either way."""
+    fetch = fetch or in_store(settings)
     if (ref := JOB_REF.match(model)) is not None:
         source = _source_job(session, ref["job_id"], project_id)
         if ref["step"] is None:
-            return _final_weights(source, settings)
-        return _checkpoint(session, source, int(ref["step"]), settings)
+            return _final_weights(source, settings, fetch)
+        return _checkpoint(session, source, int(ref["step"]), settings, fetch)
     if (ref := EXPORT_REF.match(model)) is not None:
-        return _export(session, ref["export_id"], project_id, settings)
+        return _export(session, ref["export_id"], project_id, fetch)
     source = resolve_model(model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
                            check_hub=check_hub)
     return ResolvedModel(source.name_or_path)
@@ -112,11 +129,11 @@ def _base(job: Job, settings: Settings) -> str:
     return resolve_model(job.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models).name_or_path
 
 
-def _final_weights(job: Job, settings: Settings) -> ResolvedModel:
+def _final_weights(job: Job, settings: Settings, fetch: Fetch) -> ResolvedModel:
     if job.status != JobStatus.succeeded.value:
         raise _refuse(f"job {job.job_id} is {job.status}: its final weights exist once it has succeeded; "
                       f"name one of its checkpoints (job:{job.job_id}@<step>, GET /v1/jobs/{job.job_id}/checkpoints)")
-    weights = artifact_store.final_store_dir(settings, job.job_id, job.method)
+    weights = fetch(job.job_id, layout.export_name(job.method))
     if not weights.is_dir():
         raise _refuse(f"job {job.job_id} succeeded but its weights are not on disk ({weights.name}/)")
     if job.method == "full":
@@ -124,19 +141,21 @@ def _final_weights(job: Job, settings: Settings) -> ResolvedModel:
     return ResolvedModel(_base(job, settings), str(weights))
 
 
-def _checkpoint(session: Session, job: Job, step: int, settings: Settings) -> ResolvedModel:
+def _checkpoint(session: Session, job: Job, step: int, settings: Settings, fetch: Fetch) -> ResolvedModel:
     if job.method == "full":
         raise _refuse(f"job {job.job_id} trained the full model: its checkpoints are sharded training state; "
                       f"name its final weights (job:{job.job_id}) or export it")
-    row = session.get(Checkpoint, (job.job_id, step))
-    path = artifact_store.checkpoint_store_dir(settings, job.job_id, step)
-    if row is None or not (path / "adapter_config.json").is_file():
+    if session.get(Checkpoint, (job.job_id, step)) is None:
+        raise _refuse(f"job {job.job_id} has no checkpoint at step {step}; list them with "
+                      f"GET /v1/jobs/{job.job_id}/checkpoints")
+    path = fetch(job.job_id, f"{layout.CHECKPOINTS}/{layout.checkpoint_name(step)}")
+    if not (path / "adapter_config.json").is_file():
         raise _refuse(f"job {job.job_id} has no checkpoint at step {step}; list them with "
                       f"GET /v1/jobs/{job.job_id}/checkpoints")
     return ResolvedModel(_base(job, settings), str(path))
 
 
-def _export(session: Session, export_id: str, project_id: str | None, settings: Settings) -> ResolvedModel:
+def _export(session: Session, export_id: str, project_id: str | None, fetch: Fetch) -> ResolvedModel:
     export = session.get(Export, export_id)
     if export is None or project_id not in (None, export.project_id):
         raise _refuse(f"no export {export_id!r} in this project; list a job's exports with "
@@ -144,9 +163,11 @@ def _export(session: Session, export_id: str, project_id: str | None, settings: 
     if export.format != "merged":
         raise _refuse(f"export {export_id} is a {export.format} file, which the sampler cannot load; name a "
                       "merged export, or the job itself (job:<id>)")
-    path = artifact_store.export_store_dir(settings, export.job_id, export_id)
-    if export.status != "succeeded" or not (path / "config.json").is_file():
+    if export.status != "succeeded":
         raise _refuse(f"export {export_id} is {export.status}; name it once it has succeeded")
+    path = fetch(export.job_id, f"{layout.EXPORTS}/{export_id}")
+    if not (path / "config.json").is_file():
+        raise _refuse(f"export {export_id} succeeded but its weights are not on disk")
     return ResolvedModel(str(path))
 
 
@@ -158,26 +179,26 @@ def to_generate_config(spec: GenerateSpec, resolved: ResolvedModel, *, job_id: s
                           output_dir=output_dir, sampling=sampling, chunk_prompts=spec.chunk_prompts, job_id=job_id)
 
 
-def build_generate_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> GenerateConfig:
+def build_generate_config(session: Session, job: Job, *, settings: Settings, output_dir: str,
+                          fetch: Fetch | None = None, files_for: Files | None = None) -> GenerateConfig:
     """The stored generation spec → ``GenerateConfig`` on the worker, the model resolved again.
 
+    ``fetch`` and ``files_for`` bring the weights and the prompts file to this machine (a remote
+    worker downloads them through the API); by default they are read in the API's data directory.
+
     Raises:
-        InvalidInput: the prompts file was deleted, the model is no longer there, or this worker is
-            remote (no shared disk: docs/generation.md#limits).
+        InvalidInput: the prompts file was deleted, or the model is no longer there.
+        worker.transfer.TransferError: a remote worker's download failed (retried as a dataset's).
     """
     from core.files.service import paths_for
 
-    if settings.remote_worker:
-        raise InvalidInput("a generation job runs on a worker that shares the API's data directory (its prompts, "
-                           "job: weights and completions.jsonl live there); this worker is on another machine. "
-                           "Run a worker on the API's machine", param="gpus")
     spec = (EvalJobSpec if job.kind == "eval" else GenerateSpec).model_validate(job.spec)
-    files = paths_for(session, [spec.prompts_file])
+    files = (files_for or paths_for)(session, [spec.prompts_file])
     path = files.get(spec.prompts_file)
     if path is None or not Path(path).is_file():
         raise InvalidInput(f"prompts_file {spec.prompts_file} was deleted after the job was submitted; upload it "
                            "again and resubmit", param="prompts_file")
-    resolved = resolve(session, spec.model, settings=settings, project_id=job.project_id)
+    resolved = resolve(session, spec.model, settings=settings, project_id=job.project_id, fetch=fetch)
     config = to_generate_config(spec, resolved, job_id=job.job_id, prompts_path=path, output_dir=output_dir)
     if isinstance(spec, EvalJobSpec):  # an eval run: the same generation, each line graded (trainer.evals)
         sandbox = {"cpu_s": settings.grader_cpu_s, "wall_s": settings.grader_wall_s,

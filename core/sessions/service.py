@@ -106,21 +106,19 @@ def list_sessions(session: Session, caller: Caller, *, live_only: bool = True, l
     return list(session.scalars(query.order_by(Job.created_at.desc()).limit(limit)))
 
 
-def build_session_config(session: Session, job: Job, *, settings: Settings, output_dir: str) -> SessionConfig:
-    """The stored session → the trainer's ``SessionConfig`` on the worker, each model resolved again.
+def build_session_config(session: Session, job: Job, *, settings: Settings, output_dir: str,
+                         fetch: generation.Fetch | None = None) -> SessionConfig:
+    """The stored session → the trainer's ``SessionConfig`` on the worker, each model resolved again
+    (``fetch``: how a job's weights reach this machine, as for a generation job).
 
     Raises:
-        InvalidInput: a model is gone (a job deleted, weights missing), or this worker is remote
-            (the weights are read from the API's data directory, as a generation job's).
+        InvalidInput: a model is gone (a job deleted, weights missing).
+        worker.transfer.TransferError: a remote worker's download failed.
     """
-    if settings.remote_worker:
-        raise InvalidInput("a chat session runs on a worker that shares the API's data directory (the job: weights "
-                           "live there); this worker is on another machine. Run a worker on the API's machine",
-                           param="models")
     spec = SessionSpec.model_validate(job.spec)
     base, paths = None, {}
     for model, name in adapters_of(job).items():
-        resolved = generation.resolve(session, model, settings=settings, project_id=job.project_id)
+        resolved = generation.resolve(session, model, settings=settings, project_id=job.project_id, fetch=fetch)
         base = resolved.model
         if resolved.adapter:
             paths[name] = resolved.adapter

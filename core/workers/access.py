@@ -7,6 +7,18 @@ stolen key of one machine reads no other machine's jobs, and a job stops being r
 it ends or is claimed elsewhere. ``exports/<id>`` is written only by the worker running that
 export of that job (an id that names no export of the job is 404). What else bounds an upload
 (steps, immutable checkpoints, the quota) is ``core.workers.uploads``.
+
+A chat session, generation job or eval run loads weights another job made: while it runs on a
+worker with the key, that key may also download exactly the artifact its ``model`` (a session:
+each of its ``models``) names, and nothing else of that job (``referenced_artifacts``):
+
+    job:<id>           ``adapter`` (``model`` for a method ``full`` job) of that training job
+    job:<id>@<step>    ``checkpoints/step-<step>`` of it
+    export:<id>        ``exports/<id>`` of the export's job
+
+and only when the named job is of the running job's project (or the running job has none), as
+the API checked when it was submitted (``core.jobs.generation.resolve``). Its prompts file comes
+down as a dataset (``check_file_access``: ``training_file_id`` holds it).
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from sqlalchemy.orm import Session
 from core.errors import Forbidden, NotFound
 from core.exports.models import Export
 from core.files.models import File
+from core.jobs.generate_spec import EXPORT_REF, JOB_REF
 from core.jobs.models import Job, JobNode
 from core.jobs.states import JobStatus
 from core.workers.models import Worker
@@ -75,11 +88,50 @@ def check_job_access(session: Session, key_id: str, job_id: str, path: str, *, u
         return job
     if not upload and _keyed(session, set(export_worker_ids(session, job_id).values()), key_id):
         return job
+    if not upload and _referenced(session, key_id, job, path):
+        return job
     raise Forbidden(
         f"job {job_id} is not running on a worker with this worker key ({'write' if upload else 'read'} "
         f"{path[:200]!r}); a worker moves only the files of the jobs and exports it has claimed",
         param="job_id",
     )
+
+
+LOADS_WEIGHTS = ("generate", "eval", "session")
+"""Job kinds whose ``model`` may name another job's weights."""
+
+
+def _model_refs(job: Job) -> list[str]:
+    spec = job.spec or {}
+    return list(spec.get("models") or []) if job.kind == "session" else [spec.get("model") or ""]
+
+
+def referenced_artifacts(session: Session, job: Job) -> set[tuple[str, str]]:
+    """``(job id, artifact path)`` of each weights ``job`` loads from another job's store (see the
+    module docstring); a reference to a job or export of another project is left out."""
+    found: set[tuple[str, str]] = set()
+    for model in _model_refs(job):
+        if (ref := JOB_REF.match(model)) is not None:
+            source = session.get(Job, ref["job_id"])
+            if source is None or source.kind != "train" or job.project_id not in (None, source.project_id):
+                continue
+            path = (layout.export_name(source.method) if ref["step"] is None
+                    else f"{layout.CHECKPOINTS}/{layout.checkpoint_name(int(ref['step']))}")
+            found.add((source.job_id, path))
+        elif (ref := EXPORT_REF.match(model)) is not None:
+            export = session.get(Export, ref["export_id"])
+            if export is not None and job.project_id in (None, export.project_id):
+                found.add((export.job_id, f"{layout.EXPORTS}/{export.export_id}"))
+    return found
+
+
+def _referenced(session: Session, key_id: str, source: Job, path: str) -> bool:
+    """A job running on a worker with key ``key_id`` loads ``path`` of ``source``."""
+    running = session.scalars(
+        select(Job).join(Worker, Worker.worker_id == Job.worker_id).where(
+            Job.status == JobStatus.running.value, Job.kind.in_(LOADS_WEIGHTS), Worker.key_id == key_id)
+    )
+    return any((source.job_id, path) in referenced_artifacts(session, job) for job in running)
 
 
 def _check_export_upload(session: Session, key_id: str, job: Job, export_id: str) -> Job:

@@ -8,14 +8,15 @@ An upload (``PUT /v1/worker/jobs/{id}/artifacts/{path}``, api/workers/artifacts.
                          or the trainer's plan) and at most ``STEP_MARGIN`` past the newest step
                          or checkpoint the store recorded (422); a recorded checkpoint is never
                          replaced (409)
+    completions.*        only of a job of kind generate or eval (422)
     every path           a tar of at most ``worker_upload_max_members`` members, and the job's
                          store within ``worker_upload_quota_gib`` once it is unpacked (413,
                          ``Quota``; counted while the body arrives and while it is unpacked)
 
 Once a job has ended nothing more is uploaded for it (access), so what its store holds and the
 store never recorded stays unrecorded: ``sweep_finished`` removes checkpoints without a row,
-``exports/<id>`` without an export of the job (or of a failed one), and the final weights of a
-job that did not succeed. ``core.jobs.service.transition``, the one function that ends a job,
+``exports/<id>`` without an export of the job (or of a failed one), the final weights of a
+job that did not succeed, and ``completions.parts`` once ``completions.jsonl`` holds every line. ``core.jobs.service.transition``, the one function that ends a job,
 stamps ``finished_at``; it runs wherever the job ends (on a remote worker's machine, which does
 not hold the API's disk), so the API sweeps by that stamp: every finished job at its start,
 then those that finished lately (api/workers/sweeper.py).
@@ -56,12 +57,17 @@ FAILED_EXPORT = "failed"
 
 
 def check_upload(session: Session, job: Job, path: str) -> None:
-    """Refuse a checkpoint of a step ``job`` cannot have reached, or one already recorded.
+    """Refuse a checkpoint of a step ``job`` cannot have reached, or one already recorded, and a
+    generation output (``completions.jsonl``, ``completions.parts``) of a job that is not one.
 
     Raises:
         Conflict: ``checkpoints/step-N`` of a recorded checkpoint.
-        InvalidInput: a step past ``total_steps`` or more than ``STEP_MARGIN`` past the progress.
+        InvalidInput: a step past ``total_steps`` or more than ``STEP_MARGIN`` past the progress;
+            a generation output of a training job or a session.
     """
+    if path in layout.GENERATION_OUTPUTS and job.kind not in ("generate", "eval"):
+        raise InvalidInput(f"path: {path} is a generation job's output, and job {job.job_id} is a {job.kind} job",
+                           param="path")
     parts = path.split("/")
     step = layout.parse_checkpoint_step(parts[1]) if len(parts) == 2 and parts[0] == layout.CHECKPOINTS else None
     if step is None:
@@ -185,6 +191,8 @@ def _unrecorded(session: Session, settings: Settings, job_id: str, status: JobSt
         found += [path for path in exports if kept.get(path.name, FAILED_EXPORT) == FAILED_EXPORT]
     if status is not JobStatus.succeeded:
         found += [root / name for name in ("adapter", "model") if (root / name).exists()]
+    if (root / layout.COMPLETIONS).is_file() and (root / layout.COMPLETION_PARTS).is_dir():
+        found.append(root / layout.COMPLETION_PARTS)  # a remote run's parts, merged into its completions.jsonl
     return found
 
 

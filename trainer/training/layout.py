@@ -92,12 +92,20 @@ JOB_CONFIG = "job.json"
 """The trainer config the worker writes into ``output_dir`` and runs."""
 EXPORTS = "exports"
 """Directory under ``output_dir`` holding one directory per export."""
+COMPLETIONS = "completions.jsonl"
+"""A generation job's or eval run's output (``trainer.generate.job_config.COMPLETIONS``)."""
+COMPLETION_PARTS = "completions.parts"
+"""Its ranks' part files while it runs (``trainer.generate.job_config.PARTS``)."""
+GENERATION_OUTPUTS = (COMPLETIONS, COMPLETION_PARTS)
+"""The artifacts only a generation job or an eval run has (``core.workers.uploads``)."""
 ARTIFACT_PATHS = (
     JOB_CONFIG,
     f"{CHECKPOINTS}/step-NNNNNN",
     "adapter",
     "model",
     f"{EXPORTS}/<export id>",
+    COMPLETIONS,
+    COMPLETION_PARTS,
 )
 """What may be moved between a worker and the API's artifact store, relative to ``output_dir``."""
 
@@ -110,7 +118,7 @@ def check_artifact_path(path: str) -> str:
     the list pass: nothing absolute, no ``..``, no ``step-000042.tmp``, no empty part."""
     parts = path.split("/")
     allowed = (
-        (len(parts) == 1 and parts[0] in (JOB_CONFIG, "adapter", "model"))
+        (len(parts) == 1 and parts[0] in (JOB_CONFIG, "adapter", "model", *GENERATION_OUTPUTS))
         or (len(parts) == 2 and parts[0] == CHECKPOINTS and parse_checkpoint_step(parts[1]) is not None
             and parts[1] == checkpoint_name(int(parts[1][5:])))
         or (len(parts) == 2 and parts[0] == EXPORTS and _EXPORT_ID.match(parts[1]) is not None)

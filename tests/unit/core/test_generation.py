@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import new_id, utcnow
@@ -137,9 +137,15 @@ class TestSubmitGeneration:
             config = generation.build_generate_config(session, job, settings=settings, output_dir="/out")
         assert isinstance(config, GenerateConfig) and config.adapter is None
         assert config.model == str(settings.model_root / "tiny") and config.sampling["seed"] == 3
-        remote = settings.model_copy(update={"worker_key": SecretStr("ftqw_0_secret")})
-        with sessions() as session, pytest.raises(InvalidInput, match="shares the API's data directory"):
-            generation.build_generate_config(session, session.get(Job, job_id), settings=remote, output_dir="/out")
+        # A remote worker passes its downloads: the prompts file comes from ``files_for``.
+        fetched = settings.data_dir / "cache" / "files" / "prompts"
+        fetched.parent.mkdir(parents=True)
+        fetched.write_text('{"prompt": "hi"}\n')
+        with sessions() as session:
+            remote = generation.build_generate_config(
+                session, session.get(Job, job_id), settings=settings, output_dir="/out",
+                files_for=lambda _s, ids: {ids[0]: str(fetched)})
+        assert remote.prompts_file == str(fetched) and remote.model == config.model
 
     @pytest.mark.parametrize(("purpose", "fields", "param", "says"), [
         ("train", {}, "prompts_file", "purpose=train"),

@@ -27,7 +27,8 @@ from trainer.training import layout
 
 class TestArtifactPaths:
     @pytest.mark.parametrize("path", ["job.json", "adapter", "model", "checkpoints/step-000042",
-                                      "checkpoints/step-1234567", "exports/exp-0123abcdef"])
+                                      "checkpoints/step-1234567", "exports/exp-0123abcdef",
+                                      "completions.jsonl", "completions.parts"])
     def test_the_layouts_artifacts_are_allowed(self, path: str) -> None:
         assert layout.check_artifact_path(path) == path
 
@@ -35,7 +36,8 @@ class TestArtifactPaths:
         "", "/etc/passwd", "..", "../job-x/adapter", "checkpoints/../adapter", "checkpoints/step-000042.tmp",
         "checkpoints/step-42", "checkpoints/step-0000042", "checkpoints/step-000042/dcp", "adapter/x",
         "adapter/", "exports/../x", "exports/EXP-1", "exports", "unrecorded-checkpoints", ".incoming",
-        "job.json/", "checkpoints//step-000042", "trainer.stderr.log",
+        "job.json/", "checkpoints//step-000042", "trainer.stderr.log", "completions.parts/rank-0.jsonl",
+        "completions.jsonl.tmp",
     ])
     def test_anything_else_is_refused_naming_the_allowed_ones(self, path: str) -> None:
         with pytest.raises(ValueError, match=r"path: .* use one of job.json, checkpoints/step-NNNNNN"):

@@ -64,6 +64,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from trainer.catalog import METHODS
+
 Owner = str | None
 
 
@@ -116,10 +118,11 @@ class Waiting:
         return self.machines > 1 and self.method == "full"
 
 
-RESUMABLE_ON_ANY_COUNT = frozenset({"lora", "qlora", "full"})
-"""Methods whose checkpoints a run on any number of ranks resumes (trainer/training/checkpoint.py):
-adapters are written whole by rank 0 (every DDP rank holds the same), method ``full`` and FSDP2
-through DCP, whose files name every tensor's global shape."""
+RESUMABLE_ON_ANY_COUNT = frozenset(METHODS)
+"""Methods whose checkpoints a run on any number of ranks resumes: every one of
+``trainer.catalog.METHODS`` (trainer/training/checkpoint.py: adapters are written whole by rank 0,
+every DDP rank holding the same; method ``full`` and FSDP2 through DCP, whose files name every
+tensor's global shape)."""
 
 
 def may_shrink(job: Waiting, now: dt.datetime, shrink_after_s: float) -> bool:

@@ -273,7 +273,8 @@ class JobOut(BaseModel):
             updated_at=job.updated_at,
             summary=JobSummary.model_validate(job.summary) if job.summary and job.kind == "train" else None,
             generation=GenerationProgress.model_validate(job.summary) if job.summary and job.kind != "train" else None,
-            preflight=PreflightOut.model_validate(job.preflight) if job.preflight else None,
+            # a session keeps its adapters' names in that column (core.sessions.service), not a preflight
+            preflight=PreflightOut.model_validate(job.preflight) if job.preflight and job.kind != "session" else None,
         )
 
 

@@ -38,6 +38,8 @@ def test_a_session_starts_is_listed_and_ends_at_once_while_queued(client: TestCl
     assert [s["id"] for s in client.get("/v1/sessions").json()["data"]] == [session["id"]]
     assert client.get(f"/v1/sessions/{session['id']}").json()["name"] == "s1"
     assert session["id"] not in {j["id"] for j in client.get("/v1/jobs").json()["data"]}, "sessions are not jobs' list"
+    as_job = client.get(f"/v1/jobs/{session['id']}")  # was a 500: its adapters' names read as a preflight
+    assert as_job.status_code == 200 and (as_job.json()["kind"], as_job.json()["preflight"]) == ("session", None)
     ended = client.delete(f"/v1/sessions/{session['id']}")
     assert ended.status_code == 200 and ended.json()["status"] == "cancelled"
     assert client.get("/v1/sessions").json()["data"] == []

@@ -17,7 +17,8 @@ Refused with a 400 naming the field: ``dataset_path`` and the other dataset keys
 data), another output type (``loglikelihood_rolling``: its perplexities are corpus aggregates), a
 metric that lm-eval would fetch from the hub (any name outside ``METRICS``) or that is not a mean
 (bleu, perplexity, f1, ...), ``process_docs``/``process_results`` (code), few-shot examples, and a
-template string with ``__`` (lm-eval's Jinja is not sandboxed).
+template string with ``__`` (a first filter only: a template can build a dunder at render time; the
+boundary is the worker rendering every template in Jinja's sandbox, ``trainer.evals.lm_run.sandbox_templates``).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _check_templates(task: dict[str, Any], kind: str, param: str) -> None:
             raise _fail(f"{param}.{key}", "a string (doc_to_target may be an index, doc_to_choice a list of strings)")
     for key, value in task.items():
         if any("__" in s for s in _strings(value)):
-            raise _fail(f"{param}.{key}", "'__' is refused in a task's strings (lm-eval's templates are not sandboxed)")
+            raise _fail(f"{param}.{key}", "'__' is refused in a task's strings (templates may not reach Python's internals)")
 
 
 def _check_generation(kwargs: Any, param: str) -> None:

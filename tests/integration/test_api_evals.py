@@ -318,7 +318,7 @@ class TestLmEvalRuns:
          "data_source.task.metric_list[0].aggregation", "mean"),
         ({"task": {**LM_TASK, "process_results": "x"}}, "data_source.task.process_results", "not supported"),
         ({"task": {**LM_TASK, "num_fewshot": 5}}, "data_source.task.num_fewshot", "few-shot"),
-        ({"task": {**LM_TASK, "doc_to_text": "{{ q.__class__ }}"}}, "data_source.task.doc_to_text", "sandboxed"),
+        ({"task": {**LM_TASK, "doc_to_text": "{{ q.__class__ }}"}}, "data_source.task.doc_to_text", "Python's internals"),
         ({"task": {k: v for k, v in LM_TASK.items() if k != "doc_to_choice"}}, "data_source.task.doc_to_choice",
          "names its choices"),
         ({"input_messages": {"type": "template", "template": []}}, "data_source.input_messages", "not taken"),

@@ -70,11 +70,36 @@ def run_lm_eval(config: EvalConfig, emit: Emit, world: World | None = None) -> s
     return "succeeded"
 
 
+def sandbox_templates() -> None:
+    """Render lm-eval's task templates in Jinja's sandbox.
+
+    lm-eval renders ``doc_to_text``, ``doc_to_target``, ``doc_to_choice``, ``description`` and the
+    rest with a plain ``jinja2.Environment`` (``lm_eval.utils.env``, read by ``apply_template`` at
+    each call), so a user's task template could reach Python's internals (``lipsum``'s globals, a
+    string built at render time to spell a dunder: the submission's ``__`` check does not see it)
+    and run commands on the worker. The sandbox refuses every such access (``SecurityError``: the
+    run fails naming it); ordinary templates, ``regex_replace`` included, render as before.
+    """
+    import lm_eval.utils as utils
+    from jinja2 import BaseLoader, StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if isinstance(utils.env, ImmutableSandboxedEnvironment):
+        return
+    env = ImmutableSandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+    env.filters["regex_replace"] = utils.regex_replace
+    for name in ("lipsum", "cycler", "joiner", "namespace"):  # nothing a task needs; less to reach through
+        env.globals.pop(name, None)
+    utils.env = env
+
+
 def run_chunk(lm: Any, task: dict[str, Any], docs: list[Any], where: Path) -> dict[int, dict[str, Any]]:
-    """lm-eval's per-document records of ``task`` over ``docs``, by position in ``docs``."""
+    """lm-eval's per-document records of ``task`` over ``docs``, by position in ``docs``; its
+    templates rendered in Jinja's sandbox (``sandbox_templates``)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    sandbox_templates()
     where.mkdir(parents=True)
     data = where / "docs.jsonl"
     data.write_text("".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in docs), encoding="utf-8")

@@ -128,3 +128,47 @@ def test_an_lm_eval_run_scores_each_item_once_in_chunks_and_resumes(name, tmp_pa
         for line in lines:
             likeliest = max(range(3), key=lambda i: line["lm_eval"]["responses"][i][0])
             assert line["choices"][0]["text"] == " " + docs[line["index"]]["choices"][likeliest]
+
+
+ESCAPES = {
+    # each passes the submission's checks (no "__" in the task's text): the name is spelled at render time
+    "escaped": "{{ lipsum['\\x5f\\x5fglobals\\x5f\\x5f']['os'].popen('touch {marker}').read() }}Q: {{question}}",
+    "joined": "{{ (lipsum|attr('_'*2 ~ 'globals' ~ '_'*2)).os.popen('touch {marker}').read() }}Q: {{question}}",
+    "via a string": "{{ (''|attr('_'*2 ~ 'class' ~ '_'*2)) }}{{ question }}",
+    "via the doc": "{{ (question|attr('_'*2 ~ 'class' ~ '_'*2)|attr('_'*2 ~ 'mro' ~ '_'*2)) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(ESCAPES))
+def test_a_task_template_cannot_reach_python_internals(name, tmp_path) -> None:
+    """lm-eval renders templates with a plain jinja2 Environment; ftq swaps in Jinja's sandbox
+    (``lm_run.sandbox_templates``, which also drops the ``lipsum``/``cycler``/``joiner`` globals): a
+    template that builds a dunder at render time fails the chunk (the sandbox's SecurityError, or an
+    undefined name: its unsafe attribute reads as undefined) and runs nothing (a command it tried to
+    run would have touched ``marker``)."""
+    from jinja2.exceptions import TemplateError
+    from lm_eval.models.dummy import DummyLM
+
+    from core.evals.lm_task import check_task
+    from trainer.evals import lm_run
+
+    marker = tmp_path / "ran"
+    task = {"task": "escape", "output_type": "generate_until", "doc_to_target": "{{answer}}",
+            "doc_to_text": ESCAPES[name].replace("{marker}", str(marker))}
+    config, _ = check_task(task)  # the submission's check is not the boundary: the sandbox is
+    with pytest.raises(TemplateError):
+        lm_run.run_chunk(DummyLM(), config, [{"question": "2+2", "answer": "4"}], tmp_path / "chunk")
+    assert not marker.exists()
+
+
+def test_an_ordinary_template_with_regex_replace_still_renders(tmp_path) -> None:
+    from lm_eval.models.dummy import DummyLM
+
+    from core.evals.lm_task import check_task
+    from trainer.evals import lm_run
+
+    task = {"task": "plain", "output_type": "generate_until", "doc_to_target": "{{answer}}",
+            "doc_to_text": "Q: {{ question | regex_replace('[+]', ' plus ') }}\nA:"}
+    config, _ = check_task(task)
+    (sample,) = lm_run.run_chunk(DummyLM(), config, [{"question": "2+2", "answer": "4"}], tmp_path / "chunk").values()
+    assert sample["arguments"][0][0] == "Q: 2 plus 2\nA:"

@@ -55,7 +55,13 @@ def shared_checkpoint_dir(settings: Settings, job_id: str, step: int) -> Path | 
     host mounts none or the checkpoint is not there."""
     if settings.shared_dir is None:
         return None
-    found = layout.checkpoint_dir(shared_job_dir(settings.shared_dir, job_id), step)
+    job_dir = shared_job_dir(Path(settings.shared_dir).resolve(), job_id)
+    found = layout.checkpoint_dir(job_dir, step)
+    # Any process on a machine that mounts the directory (a job's own trainer) can write there: a
+    # link for the job's directory, its checkpoints/ or the step would point the download at another
+    # job's files (the containment check follows it too), so such a checkpoint is not served.
+    if any(part.is_symlink() for part in (job_dir.parent, job_dir, found.parent, found)):
+        return None
     return found if found.is_dir() else None
 
 

@@ -59,3 +59,18 @@ def test_a_shared_checkpoint_is_served_from_the_api_hosts_mount_or_refused_sayin
 
     lost = client.get(f"/v1/jobs/{job_id}/checkpoints/6/download")  # uploaded once, gone from the store
     assert lost.status_code == 404, lost.text
+
+
+def test_a_link_in_the_shared_directory_serves_nothing_of_another_job(client: TestClient, store, tmp_path: Path) -> None:
+    """A trainer on a machine that mounts the shared directory replaced its job's directory there by
+    a link to another job's directory in the API's store: the download follows nothing (the
+    containment check would follow the link too) and answers as for a checkpoint not in the mount."""
+    job_id, shared = _job_with_checkpoints(client, store, tmp_path)
+    victim = tmp_path / "victim-job"
+    (victim / "checkpoints" / "step-000004").mkdir(parents=True)
+    (victim / "checkpoints" / "step-000004" / "secret.bin").write_bytes(b"another project's weights")
+    job_dir = shared.parent
+    job_dir.parent.mkdir(parents=True, exist_ok=True)
+    job_dir.symlink_to(victim, target_is_directory=True)
+    refused = client.get(f"/v1/jobs/{job_id}/checkpoints/4/download")
+    assert refused.status_code == 409 and b"another project" not in refused.content, refused.text

@@ -148,7 +148,8 @@ def _record_claim(session: Session, runtime: Runtime, placement: Placement, exec
     set_worker_job(session, runtime.worker_id, job_id)
     job = session.execute(select(Job.nodes, Job.pool).where(Job.job_id == job_id)).one()
     machines = 1 if job.pool else job.nodes or 1
-    shared = claim_home(session, job_id, attempt, runtime.worker_id, parts=len(placement.parts)) if machines > 1 else None
+    shared = (claim_home(session, job_id, attempt, runtime.worker_id, parts=len(placement.parts)) if machines > 1
+              else executors.get(executor).shared_home(job_id))
     if len(placement.parts) < machines:  # a retry placed on fewer machines (core/jobs/placement.py ``fewer``)
         (event,) = append_events(session, job_id, [("log", _fewer_machines(placement, machines, shared))])
     claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=placement.slots, devices=devices,

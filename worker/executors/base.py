@@ -66,6 +66,12 @@ class Executor(Protocol):
     def announce(cls, runtime: Runtime, job_id: str, attempt: int) -> None:
         """After the claim's commit: start whatever else takes part in the run."""
 
+    @classmethod
+    def shared_home(cls, job_id: str) -> Path | None:
+        """Where every rank of the job writes its checkpoints when the executor's machines share a
+        directory of their own (a Slurm cluster's); None: the claim decides (worker/shared_storage.py)."""
+        return None
+
     def start(self, job_json: Path, on_event: OnEvent) -> None:
         """Start the trainer on ``job_json``; returns once it runs.
 

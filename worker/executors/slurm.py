@@ -85,6 +85,13 @@ class SlurmExecutor(Executor):
         self._failures = 0
         self._lock = threading.Lock()
 
+    @classmethod
+    def shared_home(cls, job_id: str) -> Path | None:
+        """The job's checkpoint directory in the cluster's shared directory: the claim's
+        ``shared_home``, so a bridge with a worker key records checkpoints there instead of
+        uploading ``output_dir``'s (which the trainer never writes)."""
+        return cls.config.checkpoint_dir(job_id)
+
     def start(self, job_json: Path, on_event: OnEvent) -> None:
         self._on_event = on_event
         with self.runtime.sessionmaker() as session:

@@ -71,5 +71,9 @@ class BridgeConfig:
         return self.shared_dir / "ftq-jobs" / job_id / f"attempt-{attempt}"
 
     def checkpoint_dir(self, job_id: str) -> Path:
-        """The job's shared checkpoint directory (the trainer's ``shared_checkpoint_dir``)."""
-        return self.shared_dir / "ftq-checkpoints" / job_id
+        """The job's shared checkpoint directory (the trainer's ``shared_checkpoint_dir``):
+        ``<shared>/jobs/<job>``, the layout ftq's own shared storage uses, so an API host that
+        mounts the directory (``FTQ_SHARED_DIR``) serves its checkpoints."""
+        from core.jobs.artifact_store import shared_job_dir
+
+        return shared_job_dir(self.shared_dir, job_id)

@@ -91,7 +91,7 @@ def test_a_full_fine_tuning_over_both_slurm_nodes_runs_one_torchrun_per_node(bri
         assert "#SBATCH --nodes=2" in script and "--nnodes=2" in script
         plan = next(data for _, kind, data in events if kind == "plan")
         assert {d["name"]: d["backend"] for d in plan["decisions"]}["parallelism"] == "fsdp2"
-        shards = sorted(p.name for p in (bridge.data_dir.parent / "ftq-checkpoints" / job["id"]).rglob("*.distcp"))
+        shards = sorted(p.name for p in (bridge.data_dir.parent / "jobs" / job["id"]).rglob("*.distcp"))
         assert len(shards) >= 2, f"each rank's DCP shards in the shared directory: {shards}"
 
 

@@ -149,3 +149,17 @@ def test_the_bridge_refuses_more_than_the_nodes_have_and_a_data_dir_off_the_shar
         bridge.check(config(tmp_path / "data", gpus_per_node=4), cli, outside)
     options = bridge.worker_options(config(tmp_path, gpus_per_node=4), cli, Partition("gpu", 3, 64, 4, True), "b")
     assert (options.slots, options.executor, options.pool_name) == (12, "slurm", "slurm")
+
+
+def test_a_slurm_claims_checkpoints_live_in_the_clusters_shared_directory(tmp_path: Path) -> None:
+    """The executor's ``shared_home`` is the claim's (worker/runner.py): a bridge with a worker key
+    then records each checkpoint where the ranks wrote it instead of uploading ``output_dir``'s,
+    which the trainer never writes; the layout is ftq's own shared storage's (``<shared>/jobs/<id>``),
+    which an API host mounting the directory serves."""
+    from core.jobs.artifact_store import shared_job_dir
+    from worker.executors.base import Executor
+    from worker.executors.slurm import SlurmExecutor
+
+    bound = SlurmExecutor.bound(config(tmp_path), SlurmCli())
+    assert bound.shared_home("job-1") == shared_job_dir(tmp_path, "job-1") == tmp_path / "jobs" / "job-1"
+    assert Executor.shared_home("job-1") is None, "other executors leave it to the claim"

@@ -75,6 +75,9 @@ def _check_dirs(config: BridgeConfig, settings: Settings) -> None:
         raise BridgeError(f"FTQ_DATA_DIR {data} is outside --shared-dir {shared}: the nodes read datasets and write "
                           "checkpoints there, so it must lie in the shared directory (e.g. "
                           f"FTQ_DATA_DIR={shared / 'ftq-data'})")
+    if any(c.isspace() or c == "%" for c in str(data)):
+        raise BridgeError(f"FTQ_DATA_DIR {data}: a path with whitespace or '%', which the batch script's #SBATCH "
+                          "--chdir line cannot carry; use a path without them")
 
 
 def per_node(config: BridgeConfig, partition: Partition) -> int:

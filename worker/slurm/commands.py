@@ -163,12 +163,14 @@ class SlurmCli:
         return JobState(state.split()[0], reason or "None", int(code or 0), int(sig or 0), nodes)
 
     def jobs(self, comment: str) -> list[dict[str, str]]:
-        """The cluster's jobs carrying ``--comment=<comment>``: id, name, state, reason."""
-        out = self.run("squeue", "-h", "-o", "%i|%j|%T|%r|%k").stdout
+        """The bridge user's own jobs (``--me``) named ``ftq-...`` and carrying ``--comment=<comment>``:
+        id, name, state, reason. Another user's job with the same comment is never one of them (the
+        bridge cancels its leftovers at start)."""
+        out = self.run("squeue", "-h", "--me", "-o", "%i|%j|%T|%r|%k").stdout
         found = []
         for line in out.splitlines():
             parts = line.split("|", 4)
-            if len(parts) == 5 and parts[4].strip() == comment:
+            if len(parts) == 5 and parts[4].strip() == comment and parts[1].startswith("ftq-"):
                 found.append({"slurm_job_id": parts[0], "name": parts[1], "state": parts[2], "reason": parts[3]})
         return found
 

@@ -61,6 +61,11 @@ class BridgeConfig:
             raise ValueError("container: give one image name, without quotes or newlines")
         if not self.shared_dir.is_absolute():
             raise ValueError(f"shared_dir: {self.shared_dir} must be an absolute path (every node resolves it alike)")
+        if re.search(r"[\s%]", str(self.shared_dir)):
+            # it is written unquoted into #SBATCH --chdir/--output/--error, where sbatch splits at
+            # whitespace and reads % as a filename pattern (%j, %u, ...)
+            raise ValueError(f"shared_dir: {str(self.shared_dir)!r} has whitespace or '%', which #SBATCH lines cannot "
+                             "carry; mount or link it at a path without them")
 
     @property
     def unit(self) -> str:

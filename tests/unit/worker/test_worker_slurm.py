@@ -104,6 +104,8 @@ def test_several_nodes_run_one_torchrun_each_meeting_at_the_first_node(tmp_path)
     ({"gpus_per_node": -1}, "gpus_per_node: must be >= 0"),
     ({"time_limit": "tomorrow"}, "time_limit: 'tomorrow' is not a Slurm time"),
     ({"shared_dir": Path("relative")}, "shared_dir: relative must be an absolute path"),
+    ({"shared_dir": Path("/mnt/lab share")}, "shared_dir: '/mnt/lab share' has whitespace or '%'"),
+    ({"shared_dir": Path("/mnt/100%")}, "shared_dir: '/mnt/100%' has whitespace or '%'"),
 ])
 def test_bad_configuration_names_the_field(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -163,3 +165,18 @@ def test_a_slurm_claims_checkpoints_live_in_the_clusters_shared_directory(tmp_pa
     bound = SlurmExecutor.bound(config(tmp_path), SlurmCli())
     assert bound.shared_home("job-1") == shared_job_dir(tmp_path, "job-1") == tmp_path / "jobs" / "job-1"
     assert Executor.shared_home("job-1") is None, "other executors leave it to the claim"
+
+
+def test_the_bridges_jobs_are_its_users_named_ftq_and_commented(tmp_path: Path) -> None:
+    """``SlurmCli.jobs``: ``squeue --me``, and of its lines only jobs named ``ftq-...`` with the
+    bridge's comment (the leftovers the bridge cancels at start); a job of another name with the
+    same comment is not the bridge's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text('#!/bin/sh\ncase "$*" in *--me*) ;; *) exit 1;; esac\n'
+                      "printf '11|ftq-job-1|PENDING|Resources|ftq:b1\\n12|sweep|RUNNING|None|ftq:b1\\n"
+                      "13|ftq-job-2|RUNNING|None|ftq:b2\\n'\n")
+    squeue.chmod(0o755)
+    assert SlurmCli(bin_dir).jobs("ftq:b1") == [
+        {"slurm_job_id": "11", "name": "ftq-job-1", "state": "PENDING", "reason": "Resources"}]

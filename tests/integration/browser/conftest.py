@@ -22,7 +22,6 @@ there (``docs/`` holds the committed ones).
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import shutil
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.dashboard import GIB, GPU_HOST, MODEL, CuttableProxy
+from tests.fixtures.dashboard import GIB, GPU_HOST, MODEL, CuttableProxy, live_host
 from tests.fixtures.stack import STACK_ENV, Stack, free_port, read_bootstrap_key
 from tests.fixtures.training_inputs import write_chat_dataset
 
@@ -181,21 +180,6 @@ def store(dashboard_stack: Stack) -> Iterator[Any]:
 def gpu_host(store: Any) -> Iterator[str]:
     """``GPU_HOST``, a live worker host with 4 H100s written into the store (its heartbeat set
     ahead, so it stays live for the test), removed afterwards."""
-    from sqlalchemy import delete
-
-    from core.db import utcnow
-    from core.workers.models import GpuSlot, Worker
-
-    now = utcnow()
     hardware = {"hardware": {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "gpu_memory": 80 * GIB}}
-    with store.begin() as session:
-        session.add(Worker(worker_id=GPU_HOST, hostname=GPU_HOST, device="cuda:0,1,2,3", hardware=hardware,
-                           started_at=now, heartbeat_at=now + dt.timedelta(minutes=10)))
-        session.flush()
-        session.add_all(GpuSlot(worker_id=GPU_HOST, slot=i, device=str(i)) for i in range(4))
-    try:
-        yield GPU_HOST
-    finally:
-        with store.begin() as session:
-            session.execute(delete(GpuSlot).where(GpuSlot.worker_id == GPU_HOST))
-            session.execute(delete(Worker).where(Worker.worker_id == GPU_HOST))
+    with live_host(store, GPU_HOST, 4, hostname=GPU_HOST, device="cuda:0,1,2,3", hardware=hardware) as host:
+        yield host

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.dashboard import cancel_in_store, screenshot_dir, submit_job
+from tests.fixtures.dashboard import cancel_in_store, live_host, screenshot_dir, submit_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -37,23 +37,8 @@ def _report(pending_job: str | None) -> dict[str, Any]:
 
 @pytest.fixture
 def bridge_row(store: Any) -> Iterator[str]:
-    from sqlalchemy import delete
-
-    from core.db import utcnow
-    from core.workers.models import GpuSlot, Worker
-
-    now = utcnow()
-    with store.begin() as session:
-        session.add(Worker(worker_id=BRIDGE, hostname="login1", device="cpu", pool="slurm", hardware=_report(None),
-                           started_at=now, heartbeat_at=now + dt.timedelta(minutes=10)))
-        session.flush()
-        session.add_all(GpuSlot(worker_id=BRIDGE, slot=i, device=str(i)) for i in range(4))
-    try:
-        yield BRIDGE
-    finally:
-        with store.begin() as session:
-            session.execute(delete(GpuSlot).where(GpuSlot.worker_id == BRIDGE))
-            session.execute(delete(Worker).where(Worker.worker_id == BRIDGE))
+    with live_host(store, BRIDGE, 4, hostname="login1", device="cpu", pool="slurm", hardware=_report(None)) as host:
+        yield host
 
 
 def _claim_on_bridge(store: Any, job_id: str) -> None:

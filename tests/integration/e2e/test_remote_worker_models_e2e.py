@@ -3,9 +3,9 @@
 The stack is ``remote_stack`` (its own instance here): the API and a worker with a worker key and
 an empty data directory of its own, sharing only PostgreSQL and Redis. Two tiny jobs train there,
 a LoRA one (then exported ``merged``, on the same worker) and a ``method: full`` one. A generation
-job on ``export:<id>`` and one on ``job:<full job>`` (its ``model/``, not an adapter) then run on
-the worker, which downloads exactly those directories with its key
-(``worker/remote_generation.py``, ``core/workers/access.py``). What proves the right weights were
+job on ``export:<id>`` and one on ``job:<full job>`` (its ``model/``, not an adapter), and a chat
+session on the full job, then run on the worker, which downloads exactly those directories with
+its key (``worker/remote_generation.py``, ``core/workers/access.py``). What proves the right weights were
 loaded: the trainer's job.json names the downloaded directory as the model (no adapter), and that
 directory holds the API's bytes, file for file; a generation on the tiny base answers otherwise.
 """
@@ -13,6 +13,7 @@ directory holds the API's bytes, file for file; a generation on the tiny base an
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,23 @@ def test_a_generation_job_on_a_full_fine_tune_loads_its_model_dir(remote_stack, 
     assert "model.safetensors" in in_api and tree_digests(cached) == in_api
     # The tuned weights, not the base's: greedy answers differ from the base's on the same prompts.
     assert _texts(served) != _texts(on_base), (served, on_base)
+
+
+def test_a_chat_session_on_a_full_fine_tune_loads_its_model_dir(remote_stack, trained):
+    """A session loads ``job:<id>`` as a generation job does (``model/`` with its tokenizer, downloaded)."""
+    stack, job_id = remote_stack, trained["full"]
+    with stack.client() as client:
+        model = client.get(f"/openai/v1/fine_tuning/jobs/{job_id}").json()["fine_tuned_model"]
+        chat = client.post("/openai/v1/chat/completions", timeout=180, json={
+            "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
+        assert chat.status_code == 200, f"{chat.text}\n{stack.log_tail()}"
+        assert chat.json()["usage"]["completion_tokens"] > 0
+        [session] = client.get("/v1/sessions").json()["data"]
+        assert session["worker_id"] == stack.worker_id and session["models"] == [f"job:{job_id}"], session
+        assert client.delete(f"/v1/sessions/{session['id']}").status_code == 202
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/sessions/{session['id']}").json()["status"] == "running":
+            assert time.monotonic() < deadline, stack.log_tail()
+            time.sleep(0.2)
+    cached = stack.data_dir.parent / "worker-data" / "cache" / "artifacts" / job_id / "model"
+    assert "tokenizer.json" in tree_digests(cached)

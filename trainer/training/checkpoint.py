@@ -249,7 +249,8 @@ def _load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.opti
     )
 
 
-def export(model: torch.nn.Module, directory: str | Path, comm: Comm, *, sharded: bool) -> Path:
+def export(model: torch.nn.Module, directory: str | Path, comm: Comm, *, sharded: bool,
+           tokenizer: Any | None = None) -> Path:
     """The trained weights to ``directory`` (``export_weights``); every rank calls it.
 
     ``sharded`` (FSDP2 parameters): every rank joins the gather of the full state dict first,
@@ -262,23 +263,28 @@ def export(model: torch.nn.Module, directory: str | Path, comm: Comm, *, sharded
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if comm.world.is_main:
-        export_weights(model, directory, state)
+        export_weights(model, directory, state, tokenizer=tokenizer)
     comm.barrier()
     return Path(directory)
 
 
 def export_weights(
-    model: torch.nn.Module, directory: str | Path, state_dict: dict[str, Any] | None = None
+    model: torch.nn.Module, directory: str | Path, state_dict: dict[str, Any] | None = None,
+    *, tokenizer: Any | None = None,
 ) -> Path:
     """Save the trained weights alone (the adapter for LoRA) to ``directory``, replacing it.
 
     ``state_dict``: the weights to save instead of the model's own (the gathered full state of
-    sharded parameters).
+    sharded parameters). ``tokenizer``: saved beside them (a full fine-tune's ``model/``, which a
+    generation job or session on ``job:<id>`` loads as a whole model, tokenizer included; an
+    adapter's tokenizer is its base's).
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + layout.PARTIAL_SUFFIX)
     _fresh(tmp)
     model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     _publish(tmp, directory)
     return directory
 

@@ -378,9 +378,11 @@ def _finish(r: Run) -> RunResult:
     # Equal when resumed from a finished run: nothing new was trained, the checkpoint is there.
     if r.last_checkpoint_step != r.state.step:
         r.write_checkpoint(final=True)
+    # A full fine-tune's model/ is loaded on its own (job:<id>): it carries the tokenizer it trained with.
+    tokenizer = load_tokenizer(r.config) if r.config.method == "full" and r.ctx.comm.world.is_main else None
     export = checkpoint.export(
         r.ctx.model, layout.export_dir(r.config.output_dir, r.config.method), r.ctx.comm,
-        sharded=r.ctx.parallel.sharded,
+        sharded=r.ctx.parallel.sharded, tokenizer=tokenizer,
     )
     r.log(f"saved trained weights to {export}")
     return RunResult("succeeded", r.state.step, str(export))

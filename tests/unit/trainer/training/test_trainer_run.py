@@ -242,7 +242,7 @@ class TestFullFineTuning:
     def test_full_method_trains_every_weight_for_one_epoch_and_saves_a_loadable_model(
         self, tmp_path, tiny_model_dir
     ):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         config = make_job(
             tmp_path,
@@ -263,3 +263,7 @@ class TestFullFineTuning:
             tuned.model.layers[0].mlp.up_proj.weight,
             base.model.layers[0].mlp.up_proj.weight,
         )
+        # model/ is a whole model on its own (a generation job on job:<id> loads it): the tokenizer too.
+        tokenizer = AutoTokenizer.from_pretrained(result.adapter_path)
+        assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
+        assert tokenizer.chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template

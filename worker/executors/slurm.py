@@ -11,8 +11,8 @@
               batch script's exit code and the tail of its stderr
     settle    a node failure, a preemption, a time limit or Slurm's own TERM: a retry from the
               last checkpoint; a job Slurm would never start (a pending reason of states.NEVER,
-              cancelled at once) or one that ended before its trainer ran: failed, saying so
-              (worker/slurm/states.py)
+              cancelled at once), one that ended before its trainer ran, or one whose
+              ``--environment`` failed: failed, saying so (worker/slurm/states.py)
 
 The bridge (worker/slurm/bridge.py) binds its ``BridgeConfig`` and ``SlurmCli`` to a subclass
 (``bound``) and registers it as ``slurm`` for every job of its host.
@@ -38,7 +38,7 @@ from worker.process import TrainerExit
 from worker.slurm import states
 from worker.slurm.commands import JobState, SlurmCli, SlurmError
 from worker.slurm.config import BridgeConfig
-from worker.slurm.script import EVENTS, SCRIPT, STDERR, Attempt, batch_script
+from worker.slurm.script import ENV_FAILED, EVENTS, SCRIPT, STDERR, Attempt, batch_script
 
 if TYPE_CHECKING:
     from worker.claim import Claim
@@ -214,7 +214,16 @@ class SlurmExecutor(Executor):
 
     def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
         return states.settle(outcome, self.state, self.slurm_job_id, attempt=self.claim.attempt,
-                             max_attempts=max_attempts, ran=self.ran or self._offset > 0, refused=self.refused)
+                             max_attempts=max_attempts, ran=self.ran or self._offset > 0, refused=self.refused,
+                             environment_failed=self._environment_failed())
+
+    def _environment_failed(self) -> str | None:
+        """The batch script's line saying its ``--environment`` failed (script.ENV_FAILED), if any."""
+        try:
+            with (self.dir / STDERR).open(errors="replace") as stream:
+                return next((line.strip() for line in stream if line.startswith(ENV_FAILED)), None)
+        except OSError:
+            return None
 
 
 def _trainer_reads_shared_dir() -> bool:

@@ -6,13 +6,22 @@
               its pipe) and reads the job's state every ``poll_s``; each new state or pending
               reason becomes a ``log`` event on the job page ("Slurm job 12: PENDING (Resources)")
     signal    stop: ``scancel --signal=TERM`` to the job's steps (every rank checkpoints and
-              exits); a job still pending is cancelled outright. kill: ``scancel``
+              exits), sent once the trainer's first event is read (below); a job still pending
+              is cancelled outright. kill: ``scancel``
     collect   cancels what still runs, waits for Slurm to end it, reads the last events; the
               batch script's exit code and the tail of its stderr
     settle    a node failure, a preemption, a time limit or Slurm's own TERM: a retry from the
               last checkpoint; a job Slurm would never start (a pending reason of states.NEVER,
-              cancelled at once) or one that ended before its trainer ran: failed, saying so
-              (worker/slurm/states.py)
+              cancelled at once), one that ended before its trainer ran, or one whose
+              ``--environment`` failed: failed, saying so (worker/slurm/states.py)
+
+A stop that comes while the job runs but before its trainer printed an event waits for that
+event: Slurm passes ``--signal`` only to the job's steps, so a TERM sent while the batch script
+still runs ``--environment`` (no step yet) is dropped and the trainer would train on until the
+kill ``cancel_grace_s`` later, without a checkpoint; and a TERM to a trainer still importing,
+before its handler is in place, ends it without one. Rank 0 prints its first event after it put
+its handler in place, and on several ranks after every rank joined the process group, each with
+its handler; from then on the TERM makes every rank stop at a step boundary and checkpoint.
 
 The bridge (worker/slurm/bridge.py) binds its ``BridgeConfig`` and ``SlurmCli`` to a subclass
 (``bound``) and registers it as ``slurm`` for every job of its host.
@@ -38,7 +47,7 @@ from worker.process import TrainerExit
 from worker.slurm import states
 from worker.slurm.commands import JobState, SlurmCli, SlurmError
 from worker.slurm.config import BridgeConfig
-from worker.slurm.script import EVENTS, SCRIPT, STDERR, Attempt, batch_script
+from worker.slurm.script import ENV_FAILED, EVENTS, SCRIPT, STDERR, Attempt, batch_script
 
 if TYPE_CHECKING:
     from worker.claim import Claim
@@ -84,6 +93,10 @@ class SlurmExecutor(Executor):
         self._polled = 0.0
         self._failures = 0
         self._lock = threading.Lock()
+        self._trainer_seen = False
+        """An event of the trainer was read: its ranks turn TERM into a checkpoint and a stop."""
+        self._stop_pending: str | None = None
+        """A stop asked for before that (``waiting``: not logged yet; ``logged``), sent once it is true."""
 
     @classmethod
     def shared_home(cls, job_id: str) -> Path | None:
@@ -121,6 +134,7 @@ class SlurmExecutor(Executor):
         self._read_events()
         if self.slurm_job_id is None:
             return False
+        self._pass_stop()
         if self.state is not None and time.monotonic() - self._polled < self.config.poll_s:
             return states.phase(self.state.state) != "ended"
         self._poll()
@@ -167,6 +181,7 @@ class SlurmExecutor(Executor):
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         for raw in lines:
             event = parse_line(raw)
+            self._trainer_seen = self._trainer_seen or event is not None
             if event is not None and self._on_event is not None:
                 try:
                     self._on_event(event)
@@ -184,8 +199,25 @@ class SlurmExecutor(Executor):
         with self._lock:
             waiting = self.state is None or states.phase(self.state.state) == "waiting"
             if signal is Signal.stop and not waiting:
+                if not self._trainer_seen:
+                    self._stop_pending = self._stop_pending or "waiting"  # watch() sends it (module docstring)
+                    return True
                 return self.cli.cancel(self.slurm_job_id, signal="TERM")
+            self._stop_pending = None
             return self.cli.cancel(self.slurm_job_id)
+
+    def _pass_stop(self) -> None:
+        """Send the TERM a stop asked for before the trainer's first event, once that is read."""
+        with self._lock:
+            pending, send = self._stop_pending, self._stop_pending is not None and self._trainer_seen
+            self._stop_pending = None if send else pending and "logged"
+        if pending == "waiting" and not send:
+            self._log(f"stop asked before the trainer of Slurm job {self.slurm_job_id} started: its TERM waits for "
+                      "the trainer's first event (Slurm would drop a TERM sent before the job's srun step, and a "
+                      "trainer still importing would end without a checkpoint)")
+        if send:
+            assert self.slurm_job_id is not None
+            self.cli.cancel(self.slurm_job_id, signal="TERM")
 
     def collect(self) -> TrainerExit:
         tail = self._stderr_tail()
@@ -214,7 +246,16 @@ class SlurmExecutor(Executor):
 
     def settle(self, outcome: Outcome, *, max_attempts: int) -> Outcome:
         return states.settle(outcome, self.state, self.slurm_job_id, attempt=self.claim.attempt,
-                             max_attempts=max_attempts, ran=self.ran or self._offset > 0, refused=self.refused)
+                             max_attempts=max_attempts, ran=self.ran or self._offset > 0, refused=self.refused,
+                             environment_failed=self._environment_failed())
+
+    def _environment_failed(self) -> str | None:
+        """The batch script's line saying its ``--environment`` failed (script.ENV_FAILED), if any."""
+        try:
+            with (self.dir / STDERR).open(errors="replace") as stream:
+                return next((line.strip() for line in stream if line.startswith(ENV_FAILED)), None)
+        except OSError:
+            return None
 
 
 def _trainer_reads_shared_dir() -> bool:

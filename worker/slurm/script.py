@@ -13,6 +13,14 @@ rank's stderr (``--tee=2``), whose tail a failed job's message ends with. ``--si
 asks every rank to checkpoint S seconds before the time limit; ``--no-requeue``: a node failure or
 preemption ends this attempt and ftq queues the next one itself, resuming from the last
 checkpoint (docs/slurm.md says why). The script exits with srun's status.
+
+The bridge's ``--environment`` runs before the launch as its user wrote it: without ``set -u`` or
+``set -e``, which sites' profile scripts, ``module``, venv and conda activation are not written for
+(they read unset variables and run tests that fail). A command of it that fails at the script's
+top level (``source`` of a missing file, ``module load`` of an unknown module) ends the job there
+with its status and an ``ENV_FAILED`` line naming it on stderr (an ERR trap, which ``if``
+conditions and ``cmd || true`` do not set off), instead of starting the trainer in the wrong
+environment; the executor then fails the job ``slurm_environment``. Then ``set -u`` for the launch.
 """
 
 from __future__ import annotations
@@ -26,6 +34,17 @@ from worker.slurm.config import BridgeConfig
 EVENTS = "events.jsonl"
 STDERR = "stderr.log"
 SCRIPT = "job.sbatch"
+LAUNCH = "# the trainer"
+ENV_FAILED = "ftq: the Slurm bridge's --environment failed"
+"""How the batch script's stderr line begins when a command of ``--environment`` failed."""
+ENV_TRAP = (
+    # a failure inside a sourced file or a function (BASH_SOURCE deeper than the script) is that
+    # file's own business; what counts is the command at the script's top level
+    'ftq_status=$?; if [ "${#BASH_SOURCE[@]}" -le 1 ]; then '
+    f'echo "{ENV_FAILED}: \\`$(sed -n "${{LINENO}}p" "$0" 2>/dev/null)\\` (line $LINENO of the batch script) exited '
+    "with status $ftq_status; fix the bridge's --environment, or end a line whose failure is harmless with "
+    "'|| true'\" >&2; exit $ftq_status; fi"
+)
 
 
 @dataclass(frozen=True)
@@ -74,10 +93,12 @@ def batch_script(config: BridgeConfig, attempt: Attempt) -> str:
     ]
     lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "",
              f"# ftq job {attempt.job_id}, attempt {attempt.attempt}: written by the Slurm bridge (docs/slurm.md)",
-             "set -u", "export PYTHONUNBUFFERED=1"]
+             "export PYTHONUNBUFFERED=1"]
     if config.environment.strip():
-        lines += ["", "# the bridge's --environment", config.environment.strip()]
-    lines += ["", *_launch(config, attempt), "exit $?", ""]
+        lines += ["", "# the bridge's --environment, as written: no set -u or set -e (sites' profile scripts read",
+                  "# unset variables and run failing tests); a command of it that fails ends the job, naming it",
+                  f"trap {shlex.quote(ENV_TRAP)} ERR", config.environment.strip(), "trap - ERR"]
+    lines += ["", LAUNCH, "set -u", *_launch(config, attempt), "exit $?", ""]
     return "\n".join(lines)
 
 

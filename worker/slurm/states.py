@@ -18,6 +18,7 @@
     clears (NEVER: a partition, QOS   reason (no job waits forever on limits it can never meet)
     or account limit the job exceeds)
     ended before the trainer ran      failed slurm_not_started (an operator's scancel, ...)
+    a command of --environment failed failed slurm_environment, naming it (worker/slurm/script.py)
 """
 
 from __future__ import annotations
@@ -68,15 +69,20 @@ def trainer_exit(job: JobState, stderr_tail: tuple[str, ...], world_size: int, *
 
 
 def settle(outcome: Outcome, job: JobState | None, slurm_job_id: str | None, *, attempt: int,
-           max_attempts: int, ran: bool = True, refused: str | None = None) -> Outcome:
+           max_attempts: int, ran: bool = True, refused: str | None = None,
+           environment_failed: str | None = None) -> Outcome:
     """``outcome`` (worker/outcome.py's verdict) corrected by what Slurm says ended the job
-    (``ran``: the trainer started; ``refused``: the pending reason the executor cancelled it for)."""
+    (``ran``: the trainer started; ``refused``: the pending reason the executor cancelled it for;
+    ``environment_failed``: the batch script's ``ENV_FAILED`` line, its --environment failed)."""
     if job is None or outcome.status is None or outcome.status in (JobStatus.succeeded, JobStatus.cancelled):
         return outcome
     if refused is not None:
         return Outcome(JobStatus.failed, "slurm_refused", f"Slurm would never start job {slurm_job_id} as submitted "
                        f"(pending reason {refused}: a limit of the partition, QOS or account that the job exceeds), so "
                        "the bridge cancelled it; lower gpus, nodes or the bridge's --time, or ask the cluster's admins")
+    if environment_failed is not None and outcome.status is JobStatus.failed:
+        return Outcome(JobStatus.failed, "slurm_environment", f"Slurm job {slurm_job_id} ended before the trainer "
+                       f"started: {environment_failed.removeprefix('ftq: ')}")
     if not ran and outcome.status is JobStatus.failed:
         return Outcome(JobStatus.failed, "slurm_not_started", f"Slurm job {slurm_job_id} ended {job.state} (reason "
                        f"{job.reason}) before the trainer started; resume the job once the cluster takes it again")

@@ -9,11 +9,15 @@ slurmd nodes on 127.0.0.1), a real uvicorn API, PostgreSQL and Redis; the only w
 - a cancel stops the running trainer at a checkpoint (``scancel --signal=TERM``): ``cancelled``;
 - the trainer killed inside its srun step: the attempt fails in Slurm, the bridge resubmits, the
   trainer resumes from its checkpoint and every step is recorded once;
-- a job larger than the partition is refused at submission (422 naming the limit).
+- a job larger than the partition is refused at submission (422 naming the limit);
+- the bridge's ``--environment`` sources a profile script that reads an unset variable (as sites'
+  do) and every job runs; a pause while it still runs (before the srun step exists) reaches the
+  trainer once it started, and every step it trained is in a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -36,9 +40,20 @@ LONG = {**SHORT, "max_steps": 100_000}
 KILLED_STEPS = 120
 
 
+PROFILE = """# as sites' profile scripts (modules.sh, conda) do: read a variable that may be unset
+if [ -n "$FTQ_TEST_NEVER_SET" ]; then echo "never" >&2; fi
+echo "ftq-test profile: loaded" >&2
+"""
+HOLD = "hold-environment"
+"""While this file is in the shared directory, the bridge's --environment waits (a slow module load)."""
+
+
 @pytest.fixture(scope="module")
 def bridge(tmp_path_factory: pytest.TempPathFactory, model_root: Path, slurm_cluster: Cluster) -> Iterator[Stack]:
-    yield from slurm_stack(tmp_path_factory.mktemp("slurm"), model_root, slurm_cluster)
+    base = tmp_path_factory.mktemp("slurm")
+    (base / "profile.sh").write_text(PROFILE)
+    environment = f"source {base}/profile.sh\nwhile [ -e {base}/{HOLD} ]; do sleep 0.2; done"
+    yield from slurm_stack(base, model_root, slurm_cluster, "--environment", environment)
 
 
 def _finished(client: httpx.Client, job_id: str, timeout_s: float = 400) -> dict[str, Any]:
@@ -68,6 +83,7 @@ def test_a_job_runs_through_slurm_to_succeeded(bridge, chat_dataset: Path):
         assert {"RUNNING", "COMPLETED"} <= {e.get("slurm_state") for e in slurm}, slurm
         attempt = bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1"
         assert "#SBATCH --partition=ftq" in (attempt / "job.sbatch").read_text()
+        assert "ftq-test profile: loaded" in (attempt / "stderr.log").read_text(), "the --environment ran, set -u off"
 
 
 def test_a_full_fine_tuning_over_both_slurm_nodes_runs_one_torchrun_per_node(bridge, chat_dataset: Path):
@@ -107,6 +123,54 @@ def test_a_cancel_stops_the_slurm_job_at_a_checkpoint(bridge, chat_dataset: Path
         assert checkpoints, "the trainer wrote a checkpoint when Slurm passed it ftq's TERM"
         slurm_id = _slurm_logs(follow(client, job["id"]))[0]["slurm_job_id"]
         assert _slurm_state(slurm_id) in ("COMPLETED", "CANCELLED", "FAILED")
+
+
+def test_a_pause_right_after_the_slurm_job_started_reaches_the_trainer(bridge, chat_dataset: Path):
+    """A stop while the batch script still runs the bridge's --environment: Slurm has no srun step
+    to pass a TERM to yet and drops it (seen here: the trainer then trained hundreds of steps until the
+    bridge's scancel cancel_grace_s later, whose TERM it checkpointed at only because Slurm's
+    KillWait outlasted a tiny model's checkpoint). The bridge sends the TERM once the trainer's
+    first event shows its handler in place: the stop, not the kill, ends it, every trained step in
+    a checkpoint."""
+    hold = bridge.data_dir.parent / HOLD
+    hold.touch()
+    try:
+        with bridge.client() as client:
+            file_id = upload(client, chat_dataset)
+            job = submit(client, file_id, hyperparameters=LONG, checkpoint_every=100_000, pool="slurm",
+                         name="paused at start")
+            _until_event(client, job["id"], lambda e: e.get("slurm_state") == "RUNNING")
+            assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+            _until_logged(bridge, f"job {job['id']}: stopping the trainer (cancel)")
+    finally:
+        hold.unlink(missing_ok=True)
+    with bridge.client() as client:
+        done = _finished(client, job["id"])
+        assert done["status"] == "cancelled", f"{done}\n{bridge.log_tail()}"
+        trained = [m["step"] for m in client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]]
+        checkpoints = [c["step"] for c in client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]]
+        assert max(trained, default=0) <= max(checkpoints, default=0), \
+            f"steps {trained[:3]}..{trained[-3:]} trained after the pause, checkpoints {checkpoints}: the TERM was lost"
+    assert f"job {job['id']}: trainer still running" not in bridge.logs["worker"].read_text(errors="replace"), \
+        "the TERM was lost: the trainer trained on until the bridge's kill cancel_grace_s later"
+
+
+def _until_event(client: httpx.Client, job_id: str, predicate, timeout_s: float = 300) -> dict[str, Any]:
+    """The first event of the job's stream that ``predicate`` accepts (the stream is left open no longer)."""
+    deadline = time.monotonic() + timeout_s
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", timeout=httpx.Timeout(30, read=60)) as response:
+        for line in response.iter_lines():
+            assert time.monotonic() < deadline, f"job {job_id}: no such event in {timeout_s}s"
+            if line.startswith("data:") and predicate(data := json.loads(line[5:])):
+                return data
+    raise AssertionError(f"job {job_id} finished without such an event")
+
+
+def _until_logged(stack: Stack, text: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in stack.logs["worker"].read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the bridge never logged {text!r}\n{stack.log_tail()}"
+        time.sleep(0.3)
 
 
 def test_a_killed_srun_step_is_resubmitted_and_resumes_with_each_step_once(bridge, chat_dataset: Path):

@@ -4,6 +4,8 @@ stands for Slurm's commands; the real cluster runs in tests/integration/e2e/test
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from worker.outcome import Outcome
 from worker.slurm import bridge, states
 from worker.slurm.commands import JobState, Partition, SlurmCli, gres_gpus, parse_fields
 from worker.slurm.config import BridgeConfig
-from worker.slurm.script import Attempt, batch_script
+from worker.slurm.script import ENV_FAILED, Attempt, batch_script
 
 
 @pytest.mark.parametrize(("state", "phase"), [("PENDING", "waiting"), ("CONFIGURING", "waiting"),
@@ -97,6 +99,52 @@ def test_several_nodes_run_one_torchrun_each_meeting_at_the_first_node(tmp_path)
                 "--rdzv-id=ftq-job-1-2", "--rdzv-conf=is_host=$((SLURM_NODEID == 0 ? 1 : 0))", "-m trainer run"):
         assert arg in launch, arg
     assert 'NodeAddr' in script and 'export FTQ_RDZV="${addr:-$head}:$port"' in script
+
+
+PROFILE = """# as sites' profile scripts do: read variables that may be unset, run tests that fail
+if [ -n "$MODULEPATH_ROOT" ]; then export MODULEPATH="$MODULEPATH_ROOT"; fi
+[ -z "$CONDA_SHLVL" ] && false
+ftq_module() { false; return 0; }
+"""
+
+
+def run_environment(tmp_path: Path, environment: str) -> subprocess.CompletedProcess[str]:
+    """The generated script up to its launch, run by bash (srun is the e2e tests' business), in an
+    environment without MODULEPATH_ROOT or CONDA_SHLVL; it prints FTQ_ENV_READY at the end."""
+    (tmp_path / "profile.sh").write_text(PROFILE)
+    script = batch_script(config(tmp_path, environment=environment), attempt(tmp_path, 1, 1))
+    head = tmp_path / "head.sh"
+    head.write_text(script[:script.index("\nsrun ")] + '\necho "FTQ_ENV_READY=${FTQ_ENV_READY:-unset}"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("MODULEPATH_ROOT", "CONDA_SHLVL")}
+    return subprocess.run(["bash", str(head)], capture_output=True, text=True, env=env, timeout=30, check=False)
+
+
+def test_the_environment_runs_without_set_u_before_the_launch_that_has_it(tmp_path):
+    """``source /etc/profile.d/modules.sh``, ``module load``, ``conda activate`` read unset
+    variables and run failing tests; under ``set -u`` (or ``set -e``) the batch script would abort."""
+    environment = f"source {tmp_path}/profile.sh\nftq_module load cuda\nif [ -n \"$UNSET_TOO\" ]; then :; fi\n" \
+                  "export FTQ_ENV_READY=yes"
+    done = run_environment(tmp_path, environment)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "FTQ_ENV_READY=yes\n", "")
+    script = batch_script(config(tmp_path, environment=environment), attempt(tmp_path, 1, 1))
+    assert script.index("export FTQ_ENV_READY=yes") < script.index("\nset -u\n") < script.index("srun ")
+
+
+def test_a_failing_environment_command_ends_the_job_naming_it(tmp_path):
+    done = run_environment(tmp_path, f"source {tmp_path}/profile.sh\nsource {tmp_path}/venv/bin/activate\n"
+                                     "export FTQ_ENV_READY=yes")
+    assert done.returncode == 1 and "FTQ_ENV_READY" not in done.stdout
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith(ENV_FAILED)]
+    assert f"`source {tmp_path}/venv/bin/activate` (line " in line and "exited with status 1" in line, line
+    harmless = run_environment(tmp_path, f"source {tmp_path}/venv/bin/activate || true\nexport FTQ_ENV_READY=yes")
+    assert harmless.returncode == 0 and harmless.stdout == "FTQ_ENV_READY=yes\n"
+    settled = states.settle(Outcome(JobStatus.failed, "trainer_crashed", "exit 1"), JobState("FAILED", "x", 1), "9",
+                            attempt=1, max_attempts=3, environment_failed=line)
+    assert settled.error_code == "slurm_environment" and "Slurm job 9 ended before the trainer started: the Slurm " \
+        "bridge's --environment failed: `source" in (settled.message or "")
+    cancelled = Outcome(JobStatus.cancelled)
+    assert states.settle(cancelled, JobState("CANCELLED"), "9", attempt=1, max_attempts=3,
+                         environment_failed=line) is cancelled
 
 
 @pytest.mark.parametrize(("fields", "message"), [

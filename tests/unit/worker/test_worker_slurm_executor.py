@@ -78,6 +78,7 @@ def test_stop_cancels_a_pending_job_outright_and_terms_a_running_one(runtime, ma
     ex, cli, _ = executor(runtime, make_job, tmp_path, [JobState("PENDING", "Resources"), JobState("RUNNING")])
     assert ex.watch()
     assert ex.signal(Signal.stop) and cli.cancelled == [("77", None)]
+    (ex.dir / "events.jsonl").write_text('{"type": "log", "message": "loading"}\n')
     assert ex.watch()
     assert ex.signal(Signal.stop) and cli.cancelled[-1] == ("77", "TERM")
     assert ex.signal(Signal.kill) and cli.cancelled[-1] == ("77", None)
@@ -112,3 +113,22 @@ def test_a_job_cancelled_by_someone_else_before_it_ran_says_so(runtime, make_job
     ex.collect()
     settled = ex.settle(Outcome(JobStatus.failed, "killed", "x"), max_attempts=3)
     assert settled.error_code == "slurm_not_started" and "ended CANCELLED" in (settled.message or "")
+
+
+def test_a_stop_before_the_trainers_first_event_is_sent_once_it_came(runtime, make_job, tmp_path):
+    """Slurm drops a TERM sent before the job's srun step exists, and a trainer still importing
+    dies of it without a checkpoint: the TERM waits for the trainer's first event (the real
+    cluster: test_a_pause_right_after_the_slurm_job_started_reaches_the_trainer)."""
+    ex, cli, events = executor(runtime, make_job, tmp_path, [JobState("RUNNING")])
+    assert ex.watch()
+    assert ex.signal(Signal.stop) and ex.signal(Signal.stop) and cli.cancelled == []
+    assert ex.watch() and ex.watch() and cli.cancelled == []
+    waits = [e["message"] for e in events if "its TERM waits for the trainer's first event" in e.get("message", "")]
+    assert len(waits) == 1, waits
+    (ex.dir / "events.jsonl").write_text('{"type": "log", "message": "loading"}\n')
+    assert ex.watch() and ex.watch() and cli.cancelled == [("77", "TERM")]
+    (tmp_path / "kill").mkdir()
+    other, cli2, _ = executor(runtime, make_job, tmp_path / "kill", [JobState("RUNNING")])
+    assert other.watch() and other.signal(Signal.stop) and other.signal(Signal.kill) and cli2.cancelled == [("77", None)]
+    (other.dir / "events.jsonl").write_text('{"type": "log", "message": "loading"}\n')
+    assert other.watch() and cli2.cancelled == [("77", None)], "a kill drops the stop that waited"

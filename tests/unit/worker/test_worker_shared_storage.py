@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from core.db import new_id, utcnow
+from core.db import utcnow
 from core.errors import Unsupported
 from core.jobs.models import Job
 from core.jobs.scheduling import check_gpus
@@ -21,7 +21,7 @@ from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers.models import Worker
 from core.workers.pool import register_pool
-from tests.fixtures.worker_runtime import recording_runtime
+from tests.fixtures.worker_runtime import queued_job, recording_runtime
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from worker import shared_storage
 from worker.claim import Claim
@@ -90,20 +90,6 @@ def leader(settings: Settings, shared: Path) -> Iterator[Runtime]:
     rt.engine.dispose()
 
 
-def _queue_full_job(rt: Runtime) -> str:
-    from core.files.models import File
-
-    job_id = new_id("job")
-    with rt.sessionmaker.begin() as session:
-        file_id = new_id("file")
-        session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                         format="text", num_records=1, path="/dev/null"))
-        session.flush()
-        session.add(Job(job_id=job_id, model="fake:ok", method="full", spec={}, training_file_id=file_id,
-                        status=JobStatus.queued.value, gpus=2, nodes=2, created_at=utcnow(), updated_at=utcnow()))
-    return job_id
-
-
 def _follower_mounts(rt: Runtime, shared_id: str | None) -> None:
     with rt.sessionmaker.begin() as session:
         session.get(Worker, FOLLOWER).shared_id = shared_id
@@ -114,14 +100,14 @@ class TestFullFineTuningOverMachines:
         with leader.sessionmaker() as session:
             row = session.get(Worker, LEADER)
             assert (row.shared_dir, row.shared_id) == (str(shared), shared_storage.storage_id(shared))
-        job_id = _queue_full_job(leader)
+        job_id = queued_job(leader, method="full")
         claim = claim_next_job(leader)
         assert claim is not None and claim.job_id == job_id
         assert claim.shared_home == shared / "jobs" / job_id == claim.checkpoint_home
 
     def test_machines_of_two_storages_take_no_such_job(self, leader):
         _follower_mounts(leader, "another-filesystem")
-        _queue_full_job(leader)
+        queued_job(leader, method="full")
         assert claim_next_job(leader) is None
 
     def test_submission_is_refused_naming_nodes_when_no_storage_has_enough_machines(self, leader):
@@ -135,7 +121,7 @@ class TestFullFineTuningOverMachines:
             check_gpus(session, 2, leader.settings, nodes=2, method="lora")  # adapters need no shared storage
 
     def test_a_lora_job_over_machines_sharing_a_storage_checkpoints_there_too(self, leader, shared):
-        job_id = _queue_full_job(leader)
+        job_id = queued_job(leader, method="full")
         with leader.sessionmaker.begin() as session:
             session.get(Job, job_id).method = "lora"
         claim = claim_next_job(leader)
@@ -161,7 +147,7 @@ class TestARetryOnFewerMachines:
     def test_after_the_grace_it_resumes_alone_from_the_shared_home_saying_so(self, leader, shared):
         from core.jobs.models import JobEvent
 
-        job_id = _queue_full_job(leader)
+        job_id = queued_job(leader, method="full")
         assert claim_next_job(leader) is not None
         timeout = leader.settings.heartbeat_timeout_s
         _lose_follower(leader, job_id, silent_s=timeout + 60)
@@ -182,7 +168,7 @@ class TestARetryOnFewerMachines:
     def test_a_first_attempt_never_starts_on_fewer_machines(self, leader):
         import datetime as dt
 
-        _queue_full_job(leader)
+        queued_job(leader, method="full")
         with leader.sessionmaker.begin() as session:
             session.get(Worker, FOLLOWER).heartbeat_at = utcnow() - dt.timedelta(hours=1)
         leader.settings = leader.settings.model_copy(update={"shrink_after_s": 0.0})

@@ -1,5 +1,8 @@
 """Jobs that span machines (``nodes > 1``): the leader's parts, the followers' runs, who stops whom.
 
+    alone     a retry resumed on one machine (core/jobs/placement.py ``fewer``) runs as a job of one
+              machine, but its claim writes that machine's ``job_node`` row too (``record_alone``),
+              without a rendezvous, so the next retry is judged on it.
     claim     only the leader claims (core/jobs/placement.py: the part whose machine's address
               sorts first); its claim reserves every part's GPUs and, in the same transaction,
               writes one ``job_node`` row per machine with the rendezvous endpoint (its address
@@ -133,13 +136,24 @@ def record_parts(session: Session, settings: Settings, placement: Placement, att
     return Rendezvous(len(placement.parts), 0, rdzv, run_id(placement.job_id, attempt), leader)
 
 
+def record_alone(session: Session, placement: Placement, attempt: int) -> None:
+    """In the claim's transaction: the one ``job_node`` row of an attempt of a multi-machine job
+    resumed on one machine (core/jobs/placement.py ``fewer``), like every attempt's, so a later
+    retry is judged on the machine this one ran on (core/jobs/fewer_machines.py); no rendezvous."""
+    address = session.scalar(select(Worker.address).where(Worker.worker_id == placement.worker_id))
+    session.add(JobNode(job_id=placement.job_id, attempt=attempt, node_rank=0, worker_id=placement.worker_id,
+                        address=address or "", rdzv_endpoint="", started_at=utcnow()))
+    session.flush()
+
+
 def _ports_in_use(session: Session, address: str) -> frozenset[int]:
     """Rendezvous ports of running jobs led from ``address``: one claimed a moment ago may not
     have bound its port yet."""
     rows = session.scalars(
         select(JobNode.rdzv_endpoint)
         .join(Job, (Job.job_id == JobNode.job_id) & (Job.attempts == JobNode.attempt))
-        .where(JobNode.node_rank == 0, JobNode.address == address, Job.status == JobStatus.running.value)
+        .where(JobNode.node_rank == 0, JobNode.address == address, Job.status == JobStatus.running.value,
+               JobNode.rdzv_endpoint != "")  # an attempt on one machine (``record_alone``) has no rendezvous
     )
     return frozenset(int(row.rsplit(":", 1)[1]) for row in rows)
 

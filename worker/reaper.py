@@ -21,6 +21,10 @@ most once per period). Such a job fits the host's free GPUs, and a host has a fr
 per free GPU, so a message still in the broker would have been taken already. A duplicate
 message is harmless: the claim is a compare-and-set.
 
+A queued retry whose newest checkpoint is in a shared storage no live worker mounts waits for one
+(core/jobs/placement.py ``storage``); each pass writes such a job a ``log`` event saying so, once
+(``note_storage_waits``).
+
 A reaped job frees GPUs and its owner's cap, so every job that can start now is signalled too
 (its message may have been dropped while it could not).
 
@@ -40,8 +44,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import utcnow
 from core.jobs import scheduling
+from core.jobs.artifact_store import shared_job_dir
+from core.jobs.fewer_machines import Storage, previous_attempts
 from core.jobs.placement import Placement
-from core.jobs.models import Job
+from core.jobs.models import Job, JobEvent
 from core.jobs.service import append_events, state_event, transition
 from core.jobs.states import JobStatus
 from core.sessions.preemption import preempt_idle_sessions
@@ -51,6 +57,9 @@ from core.workers.models import Worker
 from worker.nodes import lost_parts
 
 log = logging.getLogger(__name__)
+
+WAITS_FOR_STORAGE = "waits_for_storage"
+"""The field of the ``log`` event that says a retry waits for a machine of its checkpoints' storage."""
 
 
 @dataclass
@@ -101,6 +110,7 @@ def reap(
         for job in stale:
             _settle_lost(session, settings, report, job, now)
         pool.release_orphans(session, reserved_before=cutoff)
+        report.published.update(note_storage_waits(session, settings, now))
         report.preempted.extend(preempt_idle_sessions(session, settings))
         if report.requeued or report.failed or report.cancelled:
             report.placed.extend(scheduling.signal_targets(session, settings))
@@ -185,6 +195,49 @@ def _mark_resent(session: Session, settings: Settings, host: str, waited: dt.dat
             .execution_options(synchronize_session=False)
         )
     return list(lost)
+
+
+def note_storage_waits(session: Session, settings: Settings, now: dt.datetime) -> dict[str, int]:
+    """A ``log`` event on each queued multi-machine retry whose checkpoints' storage no live host
+    mounts (core/jobs/fewer_machines.py), saying it waits for one; once per wait (not when its
+    newest event already says so). Returns ``{job_id: seq}`` of the events written."""
+    retries = {job_id: nodes for job_id, nodes in session.execute(
+        select(Job.job_id, Job.nodes).where(Job.status == JobStatus.queued.value, Job.nodes > 1, Job.attempts > 0,
+                                            Job.pool.is_(None)))}
+    found = previous_attempts(session, retries, settings, now)
+    if not any(previous.storage for previous in found.values()):
+        return {}
+    hosts = pool.live_hosts(session, cutoff=scheduling.live_cutoff(settings, now))
+    mounted = {host.shared for host in hosts if host.shared is not None}
+    written: dict[str, int] = {}
+    for job_id, previous in found.items():
+        storage = previous.storage
+        if storage is None or storage in mounted or _said(session, job_id, storage):
+            continue
+        shared_dir, shared_id = storage
+        message = (f"waiting for a machine of the shared storage that holds its checkpoints: checkpoint step "
+                   f"{previous.step} is in {shared_job_dir(shared_dir, job_id)} (storage id {shared_id}) and was "
+                   "not uploaded, and no live worker mounts that storage now; the retry starts once a worker with "
+                   f"FTQ_SHARED_DIR={shared_dir} on that storage is live (no attempt is spent meanwhile), or cancel "
+                   "the job")
+        (event,) = append_events(session, job_id, [("log", {"level": "warning", WAITS_FOR_STORAGE: list(storage),
+                                                             "message": message})])
+        written[job_id] = event.seq
+    return written
+
+
+def _said(session: Session, job_id: str, storage: Storage) -> bool:
+    """Whether the job's newest event already says it waits for ``storage``. Takes the job row's
+    lock first (a no-op UPDATE: PostgreSQL's row lock, SQLite's write lock), so two reapers racing
+    write the notice once."""
+    session.execute(update(Job).where(Job.job_id == job_id)
+                    .values(last_event_seq=Job.last_event_seq, updated_at=Job.updated_at)
+                    .execution_options(synchronize_session=False))
+    data = session.execute(
+        select(JobEvent.data).join(Job, (Job.job_id == JobEvent.job_id) & (Job.last_event_seq == JobEvent.seq))
+        .where(JobEvent.job_id == job_id, JobEvent.type == "log")
+    ).scalar_one_or_none()
+    return isinstance(data, dict) and data.get(WAITS_FOR_STORAGE) == list(storage)
 
 
 def _record(session: Session, report: ReapReport, job_id: str, event: tuple[str, dict]) -> None:

@@ -36,6 +36,7 @@ from core.jobs.states import JobStatus
 from core.workers.models import GpuSlot
 from worker import executors, remote
 from worker.claim import Claim
+from worker.nodes import record_alone
 from worker.executors import Executor, OnEvent
 from worker.outcome import Outcome, classify
 from worker.prepare import build_config, set_aside_unrecorded_checkpoints, with_shared_home
@@ -151,6 +152,8 @@ def _record_claim(session: Session, runtime: Runtime, placement: Placement, exec
     shared = (claim_home(session, job_id, attempt, runtime.worker_id, parts=len(placement.parts)) if machines > 1
               else executors.get(executor).shared_home(job_id))
     if len(placement.parts) < machines:  # a retry placed on fewer machines (core/jobs/placement.py ``fewer``)
+        if len(placement.parts) == 1:  # its one machine's job_node row (several: the executor wrote theirs)
+            record_alone(session, placement, attempt)
         (event,) = append_events(session, job_id, [("log", _fewer_machines(placement, machines, shared))])
     claim = Claim(job_id=job_id, attempt=attempt, output_dir=output_dir, slots=placement.slots, devices=devices,
                   rendezvous=rendezvous, executor=executor, shared_home=shared)

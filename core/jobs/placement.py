@@ -42,11 +42,18 @@ estimates and the wake-up messages all call it, so they agree by construction.
               again after an attempt, and the machines of that attempt that are not live now
               stopped being live at least ``shrink_after_s`` ago) may start on fewer machines
               than ``nodes`` when no set of ``nodes`` machines it could use is live: on the most
-              machines (``nodes - 1`` down to 1) that are, ``gpus / nodes`` GPUs each, within the
-              storage its checkpoints are in (``Waiting.storage``) when they are in one. The
+              machines (``nodes - 1`` down to 1) that are, ``gpus / nodes`` GPUs each (within its
+              checkpoints' storage, below). The
               trainer keeps the job's ``gpus`` (its global batch): fewer ranks each take more of
               a step's micro-batches. Busy machines are no reason to shrink: the job waits (and
               holds) for them as any job. A running job never grows back.
+    storage   a retry whose newest checkpoint is in a shared storage and was never uploaded
+              (``Waiting.storage``, core/jobs/fewer_machines.py) starts, holds and shrinks only on
+              machines of that storage (``Host.shared``), whatever its method: no other machine can
+              read the checkpoint. With none of them live it holds nothing and waits (the reaper
+              writes the job a ``log`` event saying so); its attempts are not spent meanwhile. A
+              retry whose checkpoint is in the store (written to ``output_dir``, uploaded by a
+              remote worker) may start on any machine.
     too big   a job with more GPUs than any live host has, or than its owner's cap allows at all,
               is passed over and holds nothing (the API refuses both at submission; this
               covers a host that left, or a cap lowered later).
@@ -93,8 +100,9 @@ class Waiting:
     """A retry of a multi-machine job: when the last of its previous attempt's machines that
     are not live now stopped being live (None: every one of them is live, or none is known)."""
     storage: tuple[str, str] | None = None
-    """``Host.shared`` of the storage its previous attempt's checkpoints are in (every machine
-    of that attempt mounted it); None: they are in the store (or there is none)."""
+    """``Host.shared`` of the storage that holds its newest recorded checkpoint, which was written
+    there and never uploaded (a retry: core/jobs/fewer_machines.py); None: the checkpoint is in
+    the store (or there is none), any machine can resume from it."""
     shrink: bool = False
     """It may start on fewer machines than ``nodes`` now (``allow_shrink``)."""
 
@@ -260,7 +268,8 @@ def place(
     hold: Hold | None = None
     for job in waiting:
         cap = caps.get(job.owner_id, 0)
-        fit, big_enough = _could_take(job, {w: n for w, n in size.items() if pool_of[w] == job.pool}, address, shared)
+        fit, big_enough = _could_take(job, {w: n for w, n in size.items() if pool_of[w] == job.pool
+                                            and (job.storage is None or shared[w] == job.storage)}, address, shared)
         if not big_enough or (cap and job.gpus > cap):
             continue  # too big for any live host (or set of machines) or for its owner's cap: holds nothing
         if job.owner_id in blocked or job.project_id in blocked_projects:
@@ -316,10 +325,8 @@ def _could_take(job: Waiting, size: Mapping[str, int], address: Mapping[str, str
 def _fewer(job: Waiting, size: Mapping[str, int], address: Mapping[str, str | None],
            shared: Shared) -> tuple[Waiting, list[str]]:
     """``job`` on the most machines below ``nodes`` (down to 1) that could take it, ``per_node``
-    GPUs each, within the storage its checkpoints are in, and those machines' hosts; ``job`` and
-    none when not even one could."""
-    if job.storage is not None:
-        size = {w: n for w, n in size.items() if shared[w] == job.storage}
+    GPUs each (``size``: already only its checkpoints' storage), and those machines' hosts;
+    ``job`` and none when not even one could."""
     for nodes in range(job.nodes - 1, 0, -1):
         fewer = replace(job, gpus=job.per_node * nodes, nodes=nodes)
         if hosts := _big_enough(fewer, size, address, shared):

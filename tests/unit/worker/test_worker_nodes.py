@@ -20,7 +20,7 @@ from core.queue import TASK_RUN_NODE, host_queue
 from core.settings import Settings
 from core.workers.models import GpuSlot, Worker
 from core.workers.pool import register_pool
-from tests.fixtures.worker_runtime import recording_runtime
+from tests.fixtures.worker_runtime import queued_job, recording_runtime
 from worker import follower, nodes
 from worker.launch import Rendezvous, torchrun_argv
 from worker.outcome import Outcome
@@ -56,25 +56,9 @@ def leader(settings: Settings) -> Iterator[Runtime]:
     rt.engine.dispose()
 
 
-def _insert_job(rt: Runtime, **values: Any) -> str:
-    from core.db import new_id
-    from core.files.models import File
-
-    job_id = new_id("job")
-    with rt.sessionmaker.begin() as session:
-        file_id = new_id("file")
-        session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                         format="text", num_records=1, path="/dev/null"))
-        session.flush()
-        values = {"status": JobStatus.queued.value, "gpus": 2, "nodes": 2, **values}
-        session.add(Job(job_id=job_id, model="fake:ok", method="lora", spec={}, training_file_id=file_id,
-                        created_at=utcnow(), updated_at=utcnow(), **values))
-    return job_id
-
-
 class TestLeaderClaim:
     def test_the_leader_reserves_every_part_records_the_machines_and_starts_the_follower(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim = claim_next_job(leader)
         assert claim is not None and claim.job_id == job_id and claim.slots == (0,)
         assert claim.rendezvous == Rendezvous(2, 0, "127.0.0.1:29700", f"{job_id}-1", "127.0.0.1")
@@ -87,25 +71,25 @@ class TestLeaderClaim:
         assert leader.celery.sent == [(TASK_RUN_NODE, [job_id, 1, 1, "127.0.0.1:29700"], host_queue(FOLLOWER))]
 
     def test_a_second_job_led_from_the_same_machine_gets_another_rendezvous_port(self, leader):
-        first = _insert_job(leader)
+        first = queued_job(leader)
         assert claim_next_job(leader).rendezvous.endpoint == "127.0.0.1:29700"
         with leader.sessionmaker.begin() as session:  # free the GPUs, the first job still running
             session.execute(update(GpuSlot).where(GpuSlot.job_id == first).values(job_id=None))
-        _insert_job(leader)
+        queued_job(leader)
         assert claim_next_job(leader).rendezvous.endpoint == "127.0.0.1:29701"
 
     def test_the_follower_host_does_not_claim_it(self, leader):
-        _insert_job(leader)
+        queued_job(leader)
         other = Runtime(leader.settings, WorkerOptions(gpus=("0",), name=FOLLOWER), engine=leader.engine,
                         sessionmaker=leader.sessionmaker)
         other.ensure_registered()
         assert claim_next_job(other) is None
 
     def test_it_waits_while_the_follower_machine_has_no_free_gpu(self, leader):
-        busy = _insert_job(leader, gpus=1, nodes=1, status="running")
+        busy = queued_job(leader, gpus=1, nodes=1, status="running")
         with leader.sessionmaker.begin() as session:
             session.execute(update(GpuSlot).where(GpuSlot.worker_id == FOLLOWER).values(job_id=busy))
-        _insert_job(leader)
+        queued_job(leader)
         assert claim_next_job(leader) is None
 
 
@@ -133,7 +117,7 @@ class TestLaunch:
 
 class TestFollower:
     def test_a_part_starts_once_only_on_its_host_and_only_for_the_running_attempt(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         other = Runtime(leader.settings, WorkerOptions(gpus=("0",), name=FOLLOWER), engine=leader.engine,
                         sessionmaker=leader.sessionmaker)
@@ -154,7 +138,7 @@ class TestLostFollower:
         return nodes.PartsWatch(rt, job_id, 1, trainer=None)  # type: ignore[arg-type]
 
     def test_a_follower_killed_by_a_signal_makes_a_failed_run_a_retry(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         _end_part(leader, job_id, -9)
         crashed = Outcome(JobStatus.failed, "trainer_crashed", "rank 0: connection reset by peer")
@@ -164,7 +148,7 @@ class TestLostFollower:
         assert self._watch(leader, job_id).settle(crashed, max_attempts=1).status is JobStatus.failed
 
     def test_success_and_cancel_are_kept_and_an_error_caused_by_the_leader_is_not_a_loss(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         _end_part(leader, job_id, -9)
         ok = Outcome(JobStatus.succeeded)
@@ -174,7 +158,7 @@ class TestLostFollower:
         assert self._watch(leader, job_id).settle(crashed, max_attempts=2) is crashed
 
     def test_after_the_leaders_ranks_failed_a_follower_worker_missing_beats_counts_as_lost(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         with leader.sessionmaker.begin() as session:  # 5 heartbeat intervals: under the timeout, over 4 beats
             session.execute(update(Worker).where(Worker.worker_id == FOLLOWER)
@@ -185,7 +169,7 @@ class TestLostFollower:
         assert settled.error_code == "node_lost" and "stopped heartbeating" in (settled.message or "")
 
     def test_a_follower_that_never_starts_its_part_is_lost(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         with leader.sessionmaker.begin() as session:
             assert nodes.lost_follower(session, job_id, 1, leader.settings) is None
@@ -195,7 +179,7 @@ class TestLostFollower:
         assert why is not None and "never started" in why
 
     def test_a_silent_follower_worker_is_lost(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         with leader.sessionmaker.begin() as session:
             session.execute(update(Worker).where(Worker.worker_id == FOLLOWER)
@@ -204,7 +188,7 @@ class TestLostFollower:
         assert why is not None and "stopped heartbeating" in why
 
     def test_the_reaper_requeues_a_job_whose_follower_machine_is_lost(self, leader):
-        job_id = _insert_job(leader)
+        job_id = queued_job(leader)
         claim_next_job(leader)
         assert reap(leader.sessionmaker, leader.settings, enqueue=leader.enqueue).requeued == []
         with leader.sessionmaker.begin() as session:

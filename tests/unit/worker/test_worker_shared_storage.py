@@ -1,8 +1,9 @@
 """Shared checkpoint storage (``FTQ_SHARED_DIR``, worker/shared_storage.py) over a SQLite store:
 the marker's id, what a worker publishes, the leader's claim of a full fine-tuning job over two
 machines of one storage (its ``shared_home``, job.json's ``shared_checkpoint_dir``), the refusal at
-submission when no storage has enough machines, and a remote worker recording shared checkpoints
-without uploading them."""
+submission when no storage has enough machines, a remote worker recording shared checkpoints
+without uploading them, a retry on fewer machines (its one machine's ``job_node`` row, a later loss
+judged on it) and a retry kept on the storage that holds its checkpoints (waiting, saying so once)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core.db import new_id, utcnow
+from core.db import utcnow
 from core.errors import Unsupported
 from core.jobs.models import Job
 from core.jobs.scheduling import check_gpus
@@ -21,7 +22,7 @@ from core.jobs.states import JobStatus
 from core.settings import Settings
 from core.workers.models import Worker
 from core.workers.pool import register_pool
-from tests.fixtures.worker_runtime import recording_runtime
+from tests.fixtures.worker_runtime import queued_job, recording_runtime
 from trainer.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from worker import shared_storage
 from worker.claim import Claim
@@ -90,20 +91,6 @@ def leader(settings: Settings, shared: Path) -> Iterator[Runtime]:
     rt.engine.dispose()
 
 
-def _queue_full_job(rt: Runtime) -> str:
-    from core.files.models import File
-
-    job_id = new_id("job")
-    with rt.sessionmaker.begin() as session:
-        file_id = new_id("file")
-        session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                         format="text", num_records=1, path="/dev/null"))
-        session.flush()
-        session.add(Job(job_id=job_id, model="fake:ok", method="full", spec={}, training_file_id=file_id,
-                        status=JobStatus.queued.value, gpus=2, nodes=2, created_at=utcnow(), updated_at=utcnow()))
-    return job_id
-
-
 def _follower_mounts(rt: Runtime, shared_id: str | None) -> None:
     with rt.sessionmaker.begin() as session:
         session.get(Worker, FOLLOWER).shared_id = shared_id
@@ -114,14 +101,14 @@ class TestFullFineTuningOverMachines:
         with leader.sessionmaker() as session:
             row = session.get(Worker, LEADER)
             assert (row.shared_dir, row.shared_id) == (str(shared), shared_storage.storage_id(shared))
-        job_id = _queue_full_job(leader)
+        job_id = queued_job(leader, method="full")
         claim = claim_next_job(leader)
         assert claim is not None and claim.job_id == job_id
         assert claim.shared_home == shared / "jobs" / job_id == claim.checkpoint_home
 
     def test_machines_of_two_storages_take_no_such_job(self, leader):
         _follower_mounts(leader, "another-filesystem")
-        _queue_full_job(leader)
+        queued_job(leader, method="full")
         assert claim_next_job(leader) is None
 
     def test_submission_is_refused_naming_nodes_when_no_storage_has_enough_machines(self, leader):
@@ -135,7 +122,7 @@ class TestFullFineTuningOverMachines:
             check_gpus(session, 2, leader.settings, nodes=2, method="lora")  # adapters need no shared storage
 
     def test_a_lora_job_over_machines_sharing_a_storage_checkpoints_there_too(self, leader, shared):
-        job_id = _queue_full_job(leader)
+        job_id = queued_job(leader, method="full")
         with leader.sessionmaker.begin() as session:
             session.get(Job, job_id).method = "lora"
         claim = claim_next_job(leader)
@@ -161,7 +148,7 @@ class TestARetryOnFewerMachines:
     def test_after_the_grace_it_resumes_alone_from_the_shared_home_saying_so(self, leader, shared):
         from core.jobs.models import JobEvent
 
-        job_id = _queue_full_job(leader)
+        job_id = queued_job(leader, method="full")
         assert claim_next_job(leader) is not None
         timeout = leader.settings.heartbeat_timeout_s
         _lose_follower(leader, job_id, silent_s=timeout + 60)
@@ -179,10 +166,44 @@ class TestARetryOnFewerMachines:
         assert [(d["machines"], d["nodes"]) for d in said] == [(1, 2)]
         assert "resumed on 1 of 2 machines" in said[0]["message"] and str(shared) in said[0]["message"]
 
+    def test_a_second_loss_is_judged_on_the_machine_the_attempt_alone_ran_on(self, leader, shared):
+        from core.jobs.models import JobNode
+
+        job_id = queued_job(leader, method="full")
+        third = _machine(leader, "box-c/gpu0", "127.0.0.3", shared)
+        _beat(leader, 3600, third.worker_id)
+        assert claim_next_job(leader) is not None, "attempt 1: box-a and box-b"
+        _requeue(leader, job_id)
+        _beat(leader, 3600, LEADER, FOLLOWER)
+        _beat(leader, 0, third.worker_id)
+        claim = claim_next_job(third)
+        assert claim is not None and claim.attempt == 2 and claim.rendezvous is None, "attempt 2: box-c alone"
+        with leader.sessionmaker() as session:
+            rows = session.query(JobNode).filter_by(job_id=job_id, attempt=2).all()
+            assert [(r.node_rank, r.worker_id, r.address, r.rdzv_endpoint) for r in rows] == \
+                [(0, third.worker_id, "127.0.0.3", "")]
+        _requeue(leader, job_id)
+        _beat(leader, leader.settings.heartbeat_timeout_s + 10, third.worker_id)
+        _beat(leader, 0, LEADER)
+        assert claim_next_job(leader) is None, "box-c was lost 10 s ago, within the 120 s grace: it may come back"
+        leader.settings = leader.settings.model_copy(update={"shrink_after_s": 5.0})
+        claim = claim_next_job(leader)
+        assert claim is not None and claim.attempt == 3 and claim.slots == (0,)
+
+    def test_an_attempt_alone_that_ended_while_its_machine_lives_may_resume_alone_again(self, leader):
+        job_id = queued_job(leader, method="full")
+        assert claim_next_job(leader) is not None
+        _requeue(leader, job_id)
+        _beat(leader, 3600, FOLLOWER)
+        assert claim_next_job(leader).attempt == 2, "alone: box-b is gone"
+        _requeue(leader, job_id)  # it ended for another reason (a kill worth a retry); box-a lives
+        claim = claim_next_job(leader)
+        assert claim is not None and claim.attempt == 3 and claim.slots == (0,), "box-b is still gone"
+
     def test_a_first_attempt_never_starts_on_fewer_machines(self, leader):
         import datetime as dt
 
-        _queue_full_job(leader)
+        queued_job(leader, method="full")
         with leader.sessionmaker.begin() as session:
             session.get(Worker, FOLLOWER).heartbeat_at = utcnow() - dt.timedelta(hours=1)
         leader.settings = leader.settings.model_copy(update={"shrink_after_s": 0.0})
@@ -223,3 +244,91 @@ def test_a_remote_worker_records_a_shared_checkpoint_without_uploading_it(tmp_pa
     outputs.add(event)
     outputs.drain()
     assert recorder.events.get_nowait() == event
+
+
+def _beat(rt: Runtime, seconds_ago: float, *worker_ids: str) -> None:
+    """The workers' last heartbeat was ``seconds_ago`` (0: live now)."""
+    import datetime as dt
+
+    with rt.sessionmaker.begin() as session:
+        for worker_id in worker_ids:
+            session.get(Worker, worker_id).heartbeat_at = utcnow() - dt.timedelta(seconds=seconds_ago)
+
+
+def _requeue(rt: Runtime, job_id: str) -> None:
+    from core.jobs.service import transition
+
+    with rt.sessionmaker.begin() as session:
+        assert transition(session, job_id, JobStatus.queued, only_from=[JobStatus.running], worker_id=None)
+
+
+def _machine(rt: Runtime, name: str, address: str, shared_dir: Path) -> Runtime:
+    """Another machine's worker over the same store, mounting ``shared_dir`` (its own marker)."""
+    from worker.runtime import WorkerOptions
+
+    settings = rt.settings.model_copy(update={"worker_address": address, "shared_dir": shared_dir})
+    other = Runtime(settings, WorkerOptions(gpus=("0",), name=name, trainer_argv=rt.options.trainer_argv),
+                    engine=rt.engine, sessionmaker=rt.sessionmaker, config_builder=rt.config_builder)
+    other.celery = None
+    other.ensure_registered()
+    return other
+
+
+def _checkpoint_at(rt: Runtime, job_id: str, path: Path) -> None:
+    from core.jobs.models import Checkpoint
+
+    with rt.sessionmaker.begin() as session:
+        session.add(Checkpoint(job_id=job_id, step=5, path=str(path), bytes=1))
+
+
+def _two_machines_elsewhere(rt: Runtime, root: Path) -> list[str]:
+    """Two live machines (box-c, box-d) of another storage than the leader's."""
+    other = root / "other-storage"
+    other.mkdir()
+    return [_machine(rt, name, address, other).worker_id
+            for name, address in (("box-c/gpu0", "127.0.0.3"), ("box-d/gpu0", "127.0.0.4"))]
+
+
+def _placed(rt: Runtime) -> list[tuple[str, list[str]]]:
+    from core.jobs.scheduling import schedule
+
+    with rt.sessionmaker() as session:
+        return [(p.job_id, [part.worker_id for part in p.parts]) for p in schedule(session, rt.settings).placements]
+
+
+class TestARetryStaysWithItsCheckpoints:
+    """A retry whose newest checkpoint is in its machines' shared directory (never uploaded) is
+    placed only on machines of that storage; with none live it waits, and says why once."""
+
+    def _first_attempt(self, leader: Runtime) -> str:
+        job_id = queued_job(leader, method="full")
+        assert claim_next_job(leader) is not None
+        return job_id
+
+    def test_it_waits_for_its_storage_rather_than_start_on_another_saying_why_once(self, leader, shared):
+        from core.jobs.models import JobEvent
+        from worker.reaper import reap
+
+        job_id = self._first_attempt(leader)
+        _checkpoint_at(leader, job_id, shared / "jobs" / job_id / "checkpoints" / "step-000005")
+        _requeue(leader, job_id)
+        _two_machines_elsewhere(leader, shared.parent)
+        _beat(leader, 3600, LEADER, FOLLOWER)
+        assert _placed(leader) == [], "machines of another storage cannot read step 5"
+        for _ in range(2):
+            reap(leader.sessionmaker, leader.settings, enqueue=lambda *a: None)
+        with leader.sessionmaker() as session:
+            said = [e.data for e in session.query(JobEvent).filter_by(job_id=job_id, type="log")]
+            assert session.get(Job, job_id).status == JobStatus.queued.value
+        assert len(said) == 1 and said[0]["waits_for_storage"] == [str(shared), shared_storage.storage_id(shared)]
+        assert "checkpoint step 5" in said[0]["message"] and f"FTQ_SHARED_DIR={shared}" in said[0]["message"]
+        _beat(leader, 0, LEADER, FOLLOWER)
+        assert _placed(leader) == [(job_id, [LEADER, FOLLOWER])]
+
+    def test_a_checkpoint_in_the_store_lets_machines_of_any_storage_take_it(self, leader, shared):
+        job_id = self._first_attempt(leader)
+        _checkpoint_at(leader, job_id, leader.settings.jobs_dir / job_id / "checkpoints" / "step-000005")
+        _requeue(leader, job_id)
+        elsewhere = _two_machines_elsewhere(leader, shared.parent)
+        _beat(leader, 3600, LEADER, FOLLOWER)
+        assert _placed(leader) == [(job_id, elsewhere)]

@@ -7,7 +7,9 @@ come down through the API, and a generation's output lines go up to the API's st
                 and cached under <data_dir>/cache/artifacts/<job id>/<path>: those artifacts never
                 change once they can be named, so a second job on the same weights downloads
                 nothing. The prompts file comes down as a dataset (worker/remote.py
-                ``fetch_datasets``); the base is resolved on this machine's model root or hub.
+                ``fetch_datasets``); the base is resolved on this machine's model root or hub, and
+                so is the base that lends its tokenizer to a full job's ``model/`` saved without
+                one (``core.jobs.generation.ResolvedModel.tokenizer``): it is never downloaded.
     resume      fetch_parts: the part files the API holds (``completions.parts``, from an earlier
                 attempt, maybe on another machine) are merged into this machine's, so the trainer
                 skips every prompt whose line reached the API

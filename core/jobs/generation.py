@@ -6,6 +6,8 @@ A ``model`` of a generation job is one of
     <base>              as a training job's model (``core.jobs.model_source``: the model root, the hub)
     job:<id>            that training job's final weights: its LoRA adapter on its base (unmerged),
                         or the whole model of a method ``full`` job; the job must have succeeded
+                        (a ``full`` job's ``model/`` saved before it carried tokenizer files is
+                        loaded with its base's tokenizer and chat template: ``ResolvedModel.tokenizer``)
     job:<id>@<step>     the LoRA adapter of one of its checkpoints (a ``full`` job's checkpoints are
                         sharded optimizer state, not a loadable model: use its final weights)
     export:<id>         a succeeded ``merged`` export (a GGUF file is llama.cpp's, not torch's)
@@ -57,6 +59,21 @@ class ResolvedModel:
     """A directory or hub id: the base, a full fine-tune's weights, or a merged export."""
     adapter: str | None = None
     """A LoRA adapter directory applied unmerged on ``model``."""
+    tokenizer: str | None = None
+    """Where the tokenizer (and so the chat template) loads from when ``model`` has none: the
+    base (directory or hub id) of a full fine-tune whose ``model/`` was saved without tokenizer
+    files (ftq did so until full jobs' ``model/`` carried the tokenizer it trained with, which is
+    the base's). None: ``model``'s own."""
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files any saved Hugging Face tokenizer has one of (``save_pretrained``)."""
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` holds tokenizer files (``TOKENIZER_FILES``)."""
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
 
 
 def admit_generation(session: Session, spec: GenerateSpec, *, settings: Settings, owner_id: str | None,
@@ -87,6 +104,9 @@ def preflight(session: Session, spec: GenerateSpec, *, settings: Settings, proje
     note = f"{row.num_records} prompts ({stats.get('chat_prompts', 0)} chat, {stats.get('text_prompts', 0)} text)"
     if resolved.adapter:
         note += "; the adapter is applied unmerged on its base"
+    if resolved.tokenizer:
+        note += (f"; the model's directory has no tokenizer (saved before full fine-tunes kept one), so the base's "
+                 f"tokenizer and chat template are used ({resolved.tokenizer})")
     return {"checked": True, "format": row.format, "records": row.num_records, "note": note}
 
 
@@ -105,7 +125,7 @@ def resolve(session: Session, model: str, *, settings: Settings, project_id: str
     if (ref := JOB_REF.match(model)) is not None:
         source = _source_job(session, ref["job_id"], project_id)
         if ref["step"] is None:
-            return _final_weights(source, settings, fetch)
+            return _final_weights(source, settings, fetch, check_hub)
         return _checkpoint(session, source, int(ref["step"]), settings, fetch)
     if (ref := EXPORT_REF.match(model)) is not None:
         return _export(session, ref["export_id"], project_id, fetch)
@@ -129,7 +149,7 @@ def _base(job: Job, settings: Settings) -> str:
     return resolve_model(job.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models).name_or_path
 
 
-def _final_weights(job: Job, settings: Settings, fetch: Fetch) -> ResolvedModel:
+def _final_weights(job: Job, settings: Settings, fetch: Fetch, check_hub: bool) -> ResolvedModel:
     if job.status != JobStatus.succeeded.value:
         raise _refuse(f"job {job.job_id} is {job.status}: its final weights exist once it has succeeded; "
                       f"name one of its checkpoints (job:{job.job_id}@<step>, GET /v1/jobs/{job.job_id}/checkpoints)")
@@ -137,8 +157,21 @@ def _final_weights(job: Job, settings: Settings, fetch: Fetch) -> ResolvedModel:
     if not weights.is_dir():
         raise _refuse(f"job {job.job_id} succeeded but its weights are not on disk ({weights.name}/)")
     if job.method == "full":
-        return ResolvedModel(str(weights))
+        return ResolvedModel(str(weights), tokenizer=None if has_tokenizer(weights) else
+                             _tokenizer_base(job, settings, check_hub))
     return ResolvedModel(_base(job, settings), str(weights))
+
+
+def _tokenizer_base(job: Job, settings: Settings, check_hub: bool) -> str:
+    """The base a full job trained from, for the tokenizer its ``model/`` lacks; resolved on this
+    machine (a remote worker's model root or hub, as any base), refused naming ``model`` if absent."""
+    try:
+        return resolve_model(job.model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
+                             check_hub=check_hub).name_or_path
+    except InvalidInput as exc:
+        raise _refuse(f"job {job.job_id}'s model/ has no tokenizer files (it finished before full fine-tunes saved "
+                      f"one), so its base {job.model!r}, which it trained with, provides the tokenizer and chat "
+                      f"template, and the base is not available here: {exc.message}") from None
 
 
 def _checkpoint(session: Session, job: Job, step: int, settings: Settings, fetch: Fetch) -> ResolvedModel:
@@ -175,7 +208,8 @@ def to_generate_config(spec: GenerateSpec, resolved: ResolvedModel, *, job_id: s
                        output_dir: str) -> GenerateConfig:
     """The trainer's job.json for ``spec`` (``trainer.generate.job_config``)."""
     sampling = spec.sampling.model_dump(mode="json")
-    return GenerateConfig(model=resolved.model, adapter=resolved.adapter, prompts_file=prompts_path,
+    return GenerateConfig(model=resolved.model, adapter=resolved.adapter, tokenizer=resolved.tokenizer,
+                          prompts_file=prompts_path,
                           output_dir=output_dir, sampling=sampling, chunk_prompts=spec.chunk_prompts, job_id=job_id)
 
 

@@ -9,7 +9,8 @@ and tokenizer), each prompt is tokenized as the trainer will tokenize it
 with the bos) in a tokenizer-pool process (``api.files.tokenizer_pool``, as the dataset
 preflight), and the first prompt whose tokens + ``max_tokens`` exceed the limit is refused with
 its line. The limit is the model's ``max_position_embeddings``, or ``FTQ_GENERATE_MAX_LEN`` where
-that is lower. A hub model is not checked: its config and tokenizer need not be on the box.
+that is lower. A hub model is not checked: its config and tokenizer need not be on the box. Nor is
+a full fine-tune saved without tokenizer files whose base (which lends it the tokenizer) is a hub id.
 
     locate (a thread, the store)    the prompts file, the model's directory and the limit
     count  (a tokenizer process)    each prompt's tokens; InvalidDataset naming the first too long
@@ -51,6 +52,8 @@ class Located:
     """What ``count`` needs: the tokenizer's directory, the prompts and the limit."""
 
     source: ModelSource
+    """Where the tokenizer loads from: the model's directory, or the base's for a full fine-tune
+    saved without tokenizer files (``core.jobs.generation.ResolvedModel.tokenizer``)."""
     prompts_path: str
     limit: Limit
 
@@ -62,11 +65,12 @@ def locate(session: Session, spec: GenerateSpec, *, settings: Settings, project_
         InvalidInput: the prompts file or the model (as ``core.jobs.generation.preflight`` does).
     """
     row = usable_file(session, spec.prompts_file, PURPOSE, PARAM, project_id)
-    model = resolve(session, spec.model, settings=settings, project_id=project_id).model
-    if not (os.path.isabs(model) and Path(model, "config.json").is_file()):
+    resolved = resolve(session, spec.model, settings=settings, project_id=project_id)
+    model, tokenizer = resolved.model, resolved.tokenizer or resolved.model
+    if not (os.path.isabs(model) and Path(model, "config.json").is_file()) or not os.path.isabs(tokenizer):
         return None
     limit = context_limit(_config(Path(model)), settings.generate_max_len)
-    return Located(ModelSource("local", model), row.path, limit) if limit is not None else None
+    return Located(ModelSource("local", tokenizer), row.path, limit) if limit is not None else None
 
 
 def context_limit(config: dict[str, Any], cap: int | None) -> Limit | None:

@@ -116,16 +116,18 @@ def build_session_config(session: Session, job: Job, *, settings: Settings, outp
         worker.transfer.TransferError: a remote worker's download failed.
     """
     spec = SessionSpec.model_validate(job.spec)
-    base, paths = None, {}
+    base, paths, tokenizer = None, {}, None
     for model, name in adapters_of(job).items():
         resolved = generation.resolve(session, model, settings=settings, project_id=job.project_id, fetch=fetch)
-        base = resolved.model
+        # One base, so one tokenizer: None (the model's own), or a full job's base's (core.jobs.generation).
+        base, tokenizer = resolved.model, resolved.tokenizer
         if resolved.adapter:
             paths[name] = resolved.adapter
     assert base is not None, f"session {job.job_id} serves no model"
     idle = spec.idle_timeout_s or settings.session_idle_timeout_s
-    return SessionConfig(model=base, adapters=paths, slots=settings.session_slots, max_len=settings.session_max_len,
-                         idle_timeout_s=idle, drain_s=min(30.0, settings.cancel_grace_s / 2), job_id=job.job_id)
+    return SessionConfig(model=base, adapters=paths, tokenizer=tokenizer, slots=settings.session_slots,
+                         max_len=settings.session_max_len, idle_timeout_s=idle,
+                         drain_s=min(30.0, settings.cancel_grace_s / 2), job_id=job.job_id)
 
 
 def describe(job: Job) -> dict[str, Any]:

@@ -2,11 +2,14 @@
 ``POST /v1/jobs/generate/preview``, both stores): with a local model each prompt is tokenized as the
 trainer will tokenize it, in the tokenizer pool, and a prompt + ``sampling.max_tokens`` over the
 model's context (``max_position_embeddings``) or ``FTQ_GENERATE_MAX_LEN`` is a 422 naming its line
-and the field to change; nothing is stored. The job itself runs in tests/integration/e2e/test_generate_e2e.py."""
+and the field to change; nothing is stored. A full fine-tune whose ``model/`` has no tokenizer files
+(saved before full jobs kept one) is counted with its base's tokenizer, and refused naming ``model``
+without its base. The job itself runs in tests/integration/e2e/test_generate_e2e.py."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,10 @@ from sqlalchemy import func, select
 from transformers import AutoTokenizer
 
 from api.app import create_app
+from core.jobs import artifact_store
 from core.jobs.models import Job
 from core.settings import Settings
-from tests.integration.helpers import bearer
+from tests.integration.helpers import bearer, finish, spec, upload
 from trainer.generate.job import encode
 from trainer.generate.prompts import parse_line
 
@@ -92,3 +96,44 @@ class TestPromptLengths:
         assert (error["param"], error["line"]) == ("prompts_file", 2), error
         assert f"the prompt is {long} tokens, the model holds {short + 4} (FTQ_GENERATE_MAX_LEN)" in error["message"]
         assert jobs(store) == 0
+
+
+def old_full_job(client: TestClient, store, settings: Settings, model_root: Path) -> str:
+    """A succeeded full fine-tune of ``tiny`` whose ``model/`` is what ``save_pretrained`` of the
+    model alone wrote (config and weights): a full job that finished before it kept the tokenizer."""
+    created = client.post("/v1/jobs", json=spec(upload(client), method="full"))
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+    finish(store, job_id)
+    weights = artifact_store.final_store_dir(settings, job_id, "full")
+    weights.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(model_root / "tiny" / name, weights / name)
+    return job_id
+
+
+class TestFullJobWithoutTokenizer:
+    def test_its_prompts_are_counted_with_its_bases_tokenizer(self, client: TestClient, store, settings: Settings,
+                                                              model_root: Path) -> None:
+        job_id = old_full_job(client, store, settings, model_root)
+        tokens = prompt_tokens(model_root, PROMPTS)
+        created = client.post("/v1/jobs", json={**generation(upload_prompts(client, PROMPTS), 32),
+                                                "model": f"job:{job_id}"})
+        assert created.status_code == 201, created.text
+        report = created.json()["preflight"]
+        assert (report["tokens"], report["max_seq_len"]) == (sum(tokens), CONTEXT), report
+        assert "the base's tokenizer and chat template are used" in report["note"], report["note"]
+
+    def test_without_its_base_it_is_refused_naming_model_and_the_base(self, client: TestClient, store,
+                                                                      settings: Settings, model_root: Path) -> None:
+        job_id = old_full_job(client, store, settings, model_root)
+        file_id = upload_prompts(client, PROMPTS)
+        shutil.rmtree(model_root / "tiny")
+        before = jobs(store)
+        refused = client.post("/v1/jobs", json={**generation(file_id, 32), "model": f"job:{job_id}"})
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "model", error
+        assert f"job {job_id}'s model/ has no tokenizer files" in error["message"], error
+        assert "its base 'tiny'" in error["message"] and "not available here" in error["message"], error
+        assert jobs(store) == before

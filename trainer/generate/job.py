@@ -147,9 +147,13 @@ def output_line(prompt: PromptRecord, result: Result) -> dict[str, Any]:
                       "completion_tokens": sum(len(c.token_ids) for c in result.completions)}}
 
 
-def load_base(path: str, dtype_name: str, trust_remote_code: bool, device: torch.device) -> tuple[Any, Any, torch.dtype]:
+def load_base(path: str, dtype_name: str, trust_remote_code: bool, device: torch.device,
+              tokenizer_path: str | None = None) -> tuple[Any, Any, torch.dtype]:
     """``(model, tokenizer, dtype)`` of the base at ``path`` on ``device``: ``dtype_name`` or, for
-    ``auto``, the checkpoint's own dtype on CUDA and float32 on the CPU (generation jobs and sessions)."""
+    ``auto``, the checkpoint's own dtype on CUDA and float32 on the CPU (generation jobs and sessions).
+
+    ``tokenizer_path``: where the tokenizer loads from instead of ``path`` (a full fine-tune saved
+    without tokenizer files loads its base's: ``GenerateConfig.tokenizer``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.export.formats import base_torch_dtype
@@ -160,14 +164,14 @@ def load_base(path: str, dtype_name: str, trust_remote_code: bool, device: torch
         dtype = base_torch_dtype(path) if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)},
                                                  trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path, trust_remote_code=trust_remote_code)
     return model, tokenizer, dtype
 
 
 def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, torch.dtype]:
     """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it
     through the trainer's fused LoRA layers (``trainer.features.lora_kernel.fused``)."""
-    model, tokenizer, dtype = load_base(config.model, config.dtype, config.trust_remote_code, device)
+    model, tokenizer, dtype = load_base(config.model, config.dtype, config.trust_remote_code, device, config.tokenizer)
     if config.adapter:
         import warnings
 

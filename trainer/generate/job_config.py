@@ -62,6 +62,9 @@ class GenerateConfig(JobFile):
     """Where ``completions.jsonl`` is written (and its parts while it runs)."""
     adapter: str | None = None
     """A peft adapter directory applied unmerged on ``model``; None: the model alone."""
+    tokenizer: str | None = None
+    """Where the tokenizer and its chat template load from (a directory or hub id); None: ``model``.
+    Set for a full fine-tune whose ``model/`` has no tokenizer files: its base's (``core.jobs.generation``)."""
     sampling: dict[str, Any] = field(default_factory=dict)
     """``SamplingParams`` fields (``SAMPLING_FIELDS``); the rest keep their defaults."""
     slots: int = 16

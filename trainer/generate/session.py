@@ -213,7 +213,7 @@ def load_session_model(config: SessionConfig, device: torch.device) -> tuple[Any
     through the trainer's fused LoRA layers."""
     from trainer.generate.job import load_base
 
-    model, tokenizer, _ = load_base(config.model, config.dtype, config.trust_remote_code, device)
+    model, tokenizer, _ = load_base(config.model, config.dtype, config.trust_remote_code, device, config.tokenizer)
     if config.adapters:
         import warnings
 

@@ -27,6 +27,8 @@ class SessionConfig(JobFile):
     """The base's directory or hub id (or a full fine-tune's weights)."""
     adapters: dict[str, str] = field(default_factory=dict)
     """``{name: LoRA adapter directory}``, each applied unmerged on ``model``; a request names one."""
+    tokenizer: str | None = None
+    """Where the tokenizer and its chat template load from; None: ``model`` (``GenerateConfig.tokenizer``)."""
     slots: int = 8
     """Sequences decoded together (the KV cache's slots)."""
     max_len: int = 2048

@@ -8,6 +8,9 @@ session on the full job, then run on the worker, which downloads exactly those d
 its key (``worker/remote_generation.py``, ``core/workers/access.py``). What proves the right weights were
 loaded: the trainer's job.json names the downloaded directory as the model (no adapter), and that
 directory holds the API's bytes, file for file; a generation on the tiny base answers otherwise.
+Last, the full job's ``model/`` loses its tokenizer files, on the API and in the worker's cache (a full
+job that finished before ``model/`` kept the tokenizer): generation and chat run on the base's
+tokenizer, resolved on the worker's model root, and answer as before.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import httpx
 import pytest
 
 from tests.fixtures.exports import wait_export
-from tests.fixtures.stack import Stack
+from tests.fixtures.stack import MODEL, Stack
 from tests.fixtures.stack_jobs import SHORT, finished, submit, tree_digests, upload, upload_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = ["Count to three:", "Name a colour:"]
 SAMPLING = {"max_tokens": 4, "temperature": 0}
+SAVED_BY_OLD_FULL_JOBS = {"config.json", "generation_config.json", "model.safetensors"}
+"""What ``model.save_pretrained`` alone wrote: a full job's ``model/`` before it kept the tokenizer."""
 
 
 @pytest.fixture(scope="module")
@@ -103,21 +108,49 @@ def test_a_generation_job_on_a_full_fine_tune_loads_its_model_dir(remote_stack, 
     assert _texts(served) != _texts(on_base), (served, on_base)
 
 
+def _chat_once(stack: Stack, client: httpx.Client, job_id: str) -> dict[str, Any]:
+    """A chat completion on ``job:<id>`` (a session the worker starts for it), then the session ended."""
+    model = client.get(f"/openai/v1/fine_tuning/jobs/{job_id}").json()["fine_tuned_model"]
+    chat = client.post("/openai/v1/chat/completions", timeout=180, json={
+        "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
+    assert chat.status_code == 200, f"{chat.text}\n{stack.log_tail()}"
+    assert chat.json()["usage"]["completion_tokens"] > 0
+    [session] = [s for s in client.get("/v1/sessions").json()["data"] if s["status"] == "running"]
+    assert session["worker_id"] == stack.worker_id and session["models"] == [f"job:{job_id}"], session
+    assert client.delete(f"/v1/sessions/{session['id']}").status_code == 202
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/sessions/{session['id']}").json()["status"] == "running":
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+    return chat.json()
+
+
 def test_a_chat_session_on_a_full_fine_tune_loads_its_model_dir(remote_stack, trained):
     """A session loads ``job:<id>`` as a generation job does (``model/`` with its tokenizer, downloaded)."""
     stack, job_id = remote_stack, trained["full"]
     with stack.client() as client:
-        model = client.get(f"/openai/v1/fine_tuning/jobs/{job_id}").json()["fine_tuned_model"]
-        chat = client.post("/openai/v1/chat/completions", timeout=180, json={
-            "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
-        assert chat.status_code == 200, f"{chat.text}\n{stack.log_tail()}"
-        assert chat.json()["usage"]["completion_tokens"] > 0
-        [session] = client.get("/v1/sessions").json()["data"]
-        assert session["worker_id"] == stack.worker_id and session["models"] == [f"job:{job_id}"], session
-        assert client.delete(f"/v1/sessions/{session['id']}").status_code == 202
-        deadline = time.monotonic() + 60
-        while client.get(f"/v1/sessions/{session['id']}").json()["status"] == "running":
-            assert time.monotonic() < deadline, stack.log_tail()
-            time.sleep(0.2)
+        _chat_once(stack, client, job_id)
     cached = stack.data_dir.parent / "worker-data" / "cache" / "artifacts" / job_id / "model"
     assert "tokenizer.json" in tree_digests(cached)
+
+
+def test_a_full_fine_tune_saved_without_its_tokenizer_runs_on_its_bases(remote_stack, trained, prompts_file):
+    """Generation and chat on a full job whose ``model/`` has no tokenizer files (on the API and in the
+    worker's cache) answer as with them: the worker loads its base's tokenizer from its own model root."""
+    stack, job_id = remote_stack, trained["full"]
+    cached = stack.data_dir.parent / "worker-data" / "cache" / "artifacts" / job_id / "model"
+    with stack.client() as client:
+        _, before = _generate(stack, client, f"job:{job_id}", prompts_file)
+        chat_before = _chat_once(stack, client, job_id)
+        for directory in (stack.data_dir / "jobs" / job_id / "model", cached):
+            for path in directory.iterdir():
+                if path.name not in SAVED_BY_OLD_FULL_JOBS:
+                    path.unlink()
+            assert {p.name for p in directory.iterdir()} == SAVED_BY_OLD_FULL_JOBS
+        gen, after = _generate(stack, client, f"job:{job_id}", prompts_file)
+        chat_after = _chat_once(stack, client, job_id)
+    config = _check_ran_remotely(stack, gen["id"], served=after)
+    assert config["model"] == str(cached) and config["tokenizer"] == str((stack.model_root / MODEL).resolve())
+    assert _texts(after) == _texts(before), (after, before)
+    assert chat_after["choices"][0]["message"] == chat_before["choices"][0]["message"]
+    assert "tokenizer.json" not in tree_digests(cached)

@@ -47,7 +47,7 @@ from api.users.routes import router as users_router
 from api.web.routes import router as web_router
 from api.workers.routes import router as workers_router
 from api.workers.sweeper import UploadSweeper
-from core.db import make_engine, make_sessionmaker
+from core.db import dispose_engine, make_engine, make_sessionmaker
 from core.jobs import artifact_store
 from core.migrate import schema_problem
 from core.queue import make_celery
@@ -91,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if redis is not None:
                 await redis.aclose()
             celery.close()
-            engine.dispose()
+            dispose_engine(engine)  # a request thread uvicorn cancelled may still hold one
 
     app = FastAPI(
         title="ftq",

@@ -103,6 +103,27 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     return create_engine(url, echo=echo, pool_pre_ping=True, connect_args=_postgres_connect_args(), **POOL)
 
 
+def dispose_engine(engine: Engine) -> None:
+    """``engine.dispose()``, and each connection checked out then is closed when it comes back.
+
+    ``Engine.dispose`` closes the connections in the pool and swaps in a new pool; a connection a
+    thread still holds (a request uvicorn cancelled at shutdown whose query runs on in an anyio
+    worker thread, a presence thread mid-write) is returned later into the discarded pool, open,
+    where nothing closes it: PostgreSQL keeps the backend until the process ends and the garbage
+    collector finds the open psycopg connection in some later, unrelated code. The engine stays
+    usable: its new pool is untouched.
+    """
+    discarded = engine.pool
+    engine.dispose()
+    event.listen(discarded, "checkin", _close_on_return)
+    discarded.dispose()  # one returned between the two lines above
+
+
+def _close_on_return(dbapi_connection: object, _record: object) -> None:
+    if dbapi_connection is not None:
+        dbapi_connection.close()  # type: ignore[attr-defined]
+
+
 def make_sessionmaker(engine: Engine) -> sessionmaker:
     return sessionmaker(engine, expire_on_commit=False)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.db import make_engine, make_sessionmaker, utcnow
+from core.db import dispose_engine, make_engine, make_sessionmaker, utcnow
 from core.jobs import live
 from core.settings import Settings
 from core.workers.models import Worker
@@ -218,7 +218,7 @@ class Runtime:
     def close(self) -> None:
         if self.redis is not None:
             self.redis.close()
-        self.engine.dispose()
+        dispose_engine(self.engine)  # a task or presence thread may still hold one
 
     def publish(self, job_id: str, seq: int) -> None:
         """Wake live viewers of ``job_id``; a lost message only delays them (they re-read the store)."""

@@ -8,7 +8,8 @@ store stays its channel for claims, events and heartbeats, and bytes go through 
                 (its row's ``key_id`` and ``address``: worker/identity.py)
     config      fetch_datasets: the job's datasets, cached by sha256 under <data_dir>/cache/files
     run         job_outputs: on a retry, the newest recorded checkpoint is fetched if missing
-                here; then each ``checkpoint`` event is held back until its directory is
+                here (one the API has not either: the next older one, or none, said in a
+                ``log`` event); then each ``checkpoint`` event is held back until its directory is
                 uploaded (an uploader thread, training does not wait), and at the end job.json
                 and adapter/ or model/ go up before the job may be ``succeeded`` (an upload
                 that fails for good makes the attempt a retryable failure). A job whose
@@ -168,9 +169,12 @@ def not_prepared(exc: Exception, attempt: int, max_attempts: int) -> Outcome:
                            f"{max_attempts})", retry=True)
         return Outcome(JobStatus.failed, "download_failed", f"{message} (attempt {attempt} of {max_attempts}, "
                        "FTQ_MAX_ATTEMPTS); check that the worker machines reach FTQ_API_URL and their keys")
-    if isinstance(exc, TransferNotFound):
-        return Outcome(JobStatus.failed, "invalid_job", f"a dataset of the job is gone from the API: {exc}; "
-                       "upload it again and resubmit")
+    if isinstance(exc, TransferNotFound) and exc.what.startswith("dataset "):
+        return Outcome(JobStatus.failed, "invalid_job", f"{exc.what} of the job is gone from the API ({exc}); "
+                       "upload the file again and resubmit the job with its new id")
+    if isinstance(exc, TransferNotFound):  # not a checkpoint: fetch_recorded_checkpoint resumes without one
+        return Outcome(JobStatus.failed, "invalid_job", f"{exc.what or 'an input'} of the job is gone from the API "
+                       f"({exc}); resubmit the job once it is there again")
     return Outcome(JobStatus.failed, "invalid_job", f"the job could not be prepared for the trainer: {exc}")
 
 
@@ -271,40 +275,77 @@ def job_outputs(runtime: Runtime, claim: Claim, recorder: EventRecorder) -> Loca
 
 
 def fetch_recorded_checkpoint(runtime: Runtime, claim: Claim, client: TransferClient) -> str | None:
-    """Download the newest checkpoint the store recorded when this machine lacks it (the job ran
-    elsewhere before).
+    """Download the newest recorded checkpoint the API still has when this machine lacks it (the job
+    ran elsewhere before); the name fetched, or None.
+
+    A recorded checkpoint the API answers 404 for (its files were removed from the API's store, or
+    it was written to a shared storage no machine here mounts and never uploaded) would be missing
+    on every attempt: ending the attempt for it would fail the job for good although it can train.
+    So the next older recorded checkpoint is tried, down to none (the trainer starts from step 0),
+    and one ``log`` warning (``missing_checkpoints``, ``resume_step``) names each missing step and
+    its recorded path and where the run resumes, so no progress is lost unsaid. The store keeps
+    their rows: the steps re-trained record their checkpoints again over them.
 
     Raises:
-        TransferError: the download failed for good (logged on the job too): the attempt ends
-            and is retried (``run_failed``), rather than resuming from an older checkpoint, or from
-            step 0, while the store holds a newer one (on a multi-machine job the ranks would
-            even resume from different steps).
+        TransferError: a download failed for another reason (logged on the job too): the attempt
+            ends and is retried (``run_failed``), rather than resuming from an older checkpoint,
+            or from step 0, while the API holds a newer one (on a multi-machine job the ranks
+            would even resume from different steps).
     """
     from core.jobs.models import Checkpoint
-    from core.jobs.service import append_events
 
     with runtime.sessionmaker() as session:
-        step = session.execute(
-            select(func.max(Checkpoint.step)).where(Checkpoint.job_id == claim.job_id)
-        ).scalar_one_or_none()
-    if not step:
-        return None
-    name = layout.checkpoint_name(step)
-    target = layout.checkpoints_dir(claim.checkpoint_home) / name
-    if target.is_dir():
-        return None
-    try:
-        client.download_artifact(claim.job_id, f"{layout.CHECKPOINTS}/{name}", target)
+        recorded = session.execute(select(Checkpoint.step, Checkpoint.path).where(Checkpoint.job_id == claim.job_id)
+                                   .order_by(Checkpoint.step.desc())).all()
+    missing: list[dict[str, Any]] = []
+    fetched, resume_step = None, 0
+    for step, path in recorded:
+        name = layout.checkpoint_name(step)
+        target = layout.checkpoints_dir(claim.checkpoint_home) / name
+        if target.is_dir():
+            resume_step = step
+            break
+        try:
+            client.download_artifact(claim.job_id, f"{layout.CHECKPOINTS}/{name}", target)
+        except TransferNotFound:
+            missing.append({"step": step, "path": path})
+            continue
+        except TransferError as exc:
+            _log_on_job(runtime, claim, f"could not fetch checkpoint {name} from the API ({exc}); this attempt "
+                        "ends and is retried")
+            raise
         log.info("job %s: fetched checkpoint %s from the API", claim.job_id, name)
-        return name
-    except TransferError as exc:
-        message = f"could not fetch checkpoint {name} from the API ({exc}); this attempt ends and is retried"
-        log.warning("job %s: %s", claim.job_id, message)
-        with runtime.sessionmaker.begin() as session:
-            (event,) = append_events(session, claim.job_id, [("log", {"level": "warning", "message": message})])
-            seq = event.seq
-        runtime.publish(claim.job_id, seq)
-        raise
+        fetched, resume_step = name, step
+        break
+    if missing:
+        _log_on_job(runtime, claim, _missing_message(runtime.worker_id, missing, resume_step),
+                    missing_checkpoints=missing, resume_step=resume_step)
+    return fetched
+
+
+def _missing_message(worker_id: str, missing: list[dict[str, Any]], resume_step: int) -> str:
+    """The ``log`` warning of a retry whose newest recorded checkpoint(s) the API does not have."""
+    gone = "; ".join(f"step {c['step']} (recorded at {c['path'] or '?'})" for c in missing)
+    newest = missing[0]["step"]
+    where = (f"resuming from step {resume_step}, the newest recorded checkpoint the API has: steps "
+             f"{resume_step + 1} to {newest} are trained again" if resume_step else
+             f"the API has no recorded checkpoint, so training starts over from step 0: steps 1 to {newest} are "
+             "trained again")
+    one = len(missing) == 1
+    return (f"{'checkpoint' if one else 'checkpoints'} {gone} {'is' if one else 'are'} neither on the API (404) "
+            f"nor on {worker_id}: {where}. A checkpoint goes missing when its files were removed from the API's "
+            "store, or when it was written to a shared storage (FTQ_SHARED_DIR) that no live worker mounts")
+
+
+def _log_on_job(runtime: Runtime, claim: Claim, message: str, **fields: Any) -> None:
+    """A ``log`` warning on the job's event stream (and this worker's log), published to viewers."""
+    from core.jobs.service import append_events
+
+    log.warning("job %s: %s", claim.job_id, message)
+    with runtime.sessionmaker.begin() as session:
+        (event,) = append_events(session, claim.job_id, [("log", {"level": "warning", "message": message, **fields})])
+        seq = event.seq
+    runtime.publish(claim.job_id, seq)
 
 
 # -- exports --------------------------------------------------------------------------------

@@ -65,7 +65,16 @@ class TransferRefused(TransferError):
 
 
 class TransferNotFound(TransferError):
-    """The API has no such file or artifact (404)."""
+    """The API has no such file or artifact (404).
+
+    ``what`` names it as the worker asked for it (``dataset file-…``, ``checkpoints/step-000040 of
+    job job-…``): a missing dataset fails the job for good, a missing checkpoint does not
+    (worker/remote.py), so the caller must be able to tell them apart and say which.
+    """
+
+    def __init__(self, message: str, what: str = "") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 class _Retry(Exception):
@@ -217,7 +226,7 @@ def _check_status(response: httpx.Response, what: str, *, upload: bool = False) 
         raise TransferRefused(f"{what}: the API refused this worker ({code}: {detail}); check FTQ_WORKER_KEY "
                               "(revoked? `ftq workers key list` on the API's machine)")
     if code == 404:
-        raise TransferNotFound(f"{what}: not on the API (404: {detail})")
+        raise TransferNotFound(f"{what}: not on the API (404: {detail})", what)
     if code >= 500 or code in (408, 429) or (upload and code == 422 and "checksum_mismatch" in detail):
         raise _Retry(f"{code}: {detail}")
     raise TransferError(f"{what}: the API answered {code}: {detail}")

@@ -59,6 +59,9 @@ class QueueInfo(BaseModel):
     more GPUs of one host than are free now (later jobs may not take them)."""
     decided_by: str | None = None
     """Instead of an estimate: who starts it ("Slurm decides" for a job on a Slurm pool)."""
+    waits_for: str | None = None
+    """Why it waits whatever GPUs free up (a retry whose newest checkpoint is in a shared storage
+    no live worker mounts: that storage's id and directory, the checkpoint's step); null otherwise."""
 
 
 class HeldGpu(BaseModel):
@@ -389,7 +392,7 @@ def queue_info(entry: QueueEntry | None) -> QueueInfo | None:
     if entry is None:
         return None
     return QueueInfo(position=entry.position, ahead=list(entry.ahead), estimated_start_at=entry.estimated_start_at,
-                     holds=entry.holds, decided_by=entry.decided_by)
+                     holds=entry.holds, decided_by=entry.decided_by, waits_for=entry.waits_for)
 
 
 def metrics_csv(rows: Sequence[StepMetric]) -> str:

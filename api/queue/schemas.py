@@ -14,7 +14,7 @@ Shown = dict[str, tuple[bool, str | None]]
 
 class QueuedJobOut(BaseModel):
     """A queued job; one of a project the caller is not in shows only its project, priority, GPUs,
-    position and estimate (``id``, ``name``, ``owner`` and ``model`` are null)."""
+    position and estimate (``id``, ``name``, ``owner``, ``model`` and ``waits_for`` are null)."""
 
     id: str | None
     name: str | None
@@ -30,6 +30,10 @@ class QueuedJobOut(BaseModel):
     host yet; later jobs may not take them): see core/jobs/placement.py."""
     decided_by: str | None = None
     """Instead of an estimate: who starts it ("Slurm decides" for a job on a Slurm pool)."""
+    waits_for: str | None = None
+    """Why it waits whatever GPUs free up: a retry whose newest checkpoint is in a shared storage
+    no live worker mounts names that storage's id and directory and the checkpoint's step (null
+    otherwise, and on another project's job)."""
     pool: str | None = None
     priority: str
     owner: str | None
@@ -50,6 +54,7 @@ class QueuedJobOut(BaseModel):
             estimated_start_at=entry.estimated_start_at,
             holds=entry.holds,
             decided_by=entry.decided_by,
+            waits_for=entry.waits_for,
             pool=job.pool,
             priority=job.priority,
             owner=owners.get(job.owner_id) if job.owner_id else None,
@@ -57,7 +62,9 @@ class QueuedJobOut(BaseModel):
             model=job.model,
             created_at=job.created_at,
         )
-        return out if visible else out.model_copy(update={"id": None, "name": None, "owner": None, "model": None})
+        # waits_for names the job's directory, so it is hidden with the id
+        hidden = {"id": None, "name": None, "owner": None, "model": None, "waits_for": None}
+        return out if visible else out.model_copy(update=hidden)
 
 
 class RunningJobOut(BaseModel):

@@ -19,6 +19,8 @@ the per-user cap on GPUs, the per-project quota) on the box's current state:
 
 A job on a named pool (``pool: slurm``) gets no estimate: the cluster's own scheduler starts it
 (``decided_by`` says so: "Slurm decides"), and ftq knows neither its queue nor its other users.
+A retry whose newest checkpoint is in a shared storage no live worker mounts gets none either
+(the replay never starts it): ``waits_for`` says which storage, where, and which step it holds.
 
 Unknown stays unknown: a job whose total_steps or pace is unknown has an unknown end, and its
 GPUs are treated as busy from then on (a later estimate may only be earlier than real). A job
@@ -37,7 +39,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import utcnow
-from core.jobs.fewer_machines import with_previous_machines
+from core.jobs.fewer_machines import storage_wait, with_previous_machines
 from core.jobs.models import Job, StepMetric
 from core.jobs.placement import Hold, Host, Owner, ProjectQuotas, Waiting, place
 from core.jobs.scheduling import caps_of, live_cutoff, project_quotas, queued_in_claim_order
@@ -86,6 +88,9 @@ class QueueEntry:
     start yet (core/jobs/placement.py)."""
     decided_by: str | None = None
     """Who decides its start instead of an estimate ("Slurm decides": a job on a Slurm pool)."""
+    waits_for: str | None = None
+    """Why it cannot start whatever GPUs free up, when that is what it waits for (a retry whose
+    checkpoints are in a shared storage no live worker mounts: ``fewer_machines.storage_wait``)."""
 
 
 @dataclass(frozen=True)
@@ -221,10 +226,12 @@ def snapshot(session: Session, settings: Settings, *, now: dt.datetime | None = 
         used[b.owner_id] += b.gpus
     hold = place(waiting, hosts, used, caps, quotas).hold
     ids = [job.job_id for job in waiting]
+    mounted = {host.shared for host in hosts if host.shared is not None}
     entries = tuple(
         QueueEntry(job, i + 1, tuple(ids[:i]), None if job.pool else _at(now, starts[job.job_id]),
                    hold.worker_id if hold is not None and hold.job_id == job.job_id else None,
-                   decided_by=DECIDED_BY.get(job.pool, f"pool {job.pool} decides") if job.pool else None)
+                   decided_by=DECIDED_BY.get(job.pool, f"pool {job.pool} decides") if job.pool else None,
+                   waits_for=storage_wait(job, mounted))
         for i, job in enumerate(waiting)
     )
     own = [h for h in hosts if h.pool is None]  # a pool's slots are its scheduler's: no estimate rests on them

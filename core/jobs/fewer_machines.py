@@ -22,7 +22,8 @@ their workers, and the newest recorded checkpoint:
                  API's store, uploaded by a remote worker), or there is none: any machine.
 
 A retry whose storage has no live machine waits; the reaper (worker/reaper.py
-``note_storage_waits``) tells the job's event stream why, once.
+``note_storage_waits``) tells the job's event stream why, once, and the queue (core/jobs/eta.py,
+``GET /v1/queue``) shows ``storage_wait``'s reason for as long as it waits.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ class Previous:
 
 def with_previous_machines(session: Session, waiting: Sequence[Waiting], settings: Settings,
                            now: dt.datetime, *, include: str | None = None) -> list[Waiting]:
-    """``waiting`` with ``lost_since`` and ``storage`` filled in for its multi-machine retries, and
-    ``shrink`` set where the rule allows it now (``include``: a worker counted live whatever its
-    heartbeat, the claimant's own)."""
+    """``waiting`` with ``lost_since``, ``storage`` and ``checkpoint_step`` filled in for its
+    multi-machine retries, and ``shrink`` set where the rule allows it now (``include``: a worker
+    counted live whatever its heartbeat, the claimant's own)."""
     retries = {job.job_id: job.machines for job in waiting if job.machines > 1 and job.attempts > 0}
     found = previous_attempts(session, retries, settings, now, include=include)
-    filled = [dataclasses.replace(job, lost_since=found[job.job_id].lost_since, storage=found[job.job_id].storage)
+    filled = [dataclasses.replace(job, lost_since=found[job.job_id].lost_since, storage=found[job.job_id].storage,
+                                  checkpoint_step=found[job.job_id].step)
               if job.job_id in found else job for job in waiting]
     return allow_shrink(filled, now, settings.shrink_after_s)
 
@@ -111,3 +113,15 @@ def checkpoint_storage(job_id: str, path: str | None, parts: Sequence[Any]) -> S
         if row.shared_dir and row.shared_id and Path(path).is_relative_to(shared_job_dir(row.shared_dir, job_id)):
             return (row.shared_dir, row.shared_id)
     return None
+
+
+def storage_wait(job: Waiting, mounted: set[Storage]) -> str | None:
+    """Why ``job`` (filled by ``with_previous_machines``) cannot start whatever GPUs free up: its
+    newest checkpoint is in a shared storage none of the live hosts mounts (``mounted``: their
+    ``Host.shared``); None when it may start (on a live machine of that storage, or anywhere)."""
+    if job.storage is None or job.storage in mounted:
+        return None
+    shared_dir, shared_id = job.storage
+    return (f"waits for a live worker mounting the shared storage {shared_id} at {shared_dir} (FTQ_SHARED_DIR), "
+            f"which holds its checkpoint step {job.checkpoint_step} in {shared_job_dir(shared_dir, job.job_id)} "
+            "(never uploaded): no live worker mounts it now")

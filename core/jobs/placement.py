@@ -103,6 +103,8 @@ class Waiting:
     """``Host.shared`` of the storage that holds its newest recorded checkpoint, which was written
     there and never uploaded (a retry: core/jobs/fewer_machines.py); None: the checkpoint is in
     the store (or there is none), any machine can resume from it."""
+    checkpoint_step: int | None = None
+    """The step of that newest recorded checkpoint, with ``storage`` (what the queue tells)."""
     shrink: bool = False
     """It may start on fewer machines than ``nodes`` now (``allow_shrink``)."""
 

@@ -10,7 +10,7 @@ from sqlalchemy import update
 from fastapi.testclient import TestClient
 
 from core.db import utcnow
-from core.jobs.models import Job
+from core.jobs.models import Checkpoint, Job, JobNode
 from core.settings import Settings
 from core.users.models import User
 from core.workers.models import GpuSlot, Worker
@@ -83,7 +83,7 @@ class TestApi:
 
         job = client.get(f"/v1/jobs/{first}").json()
         assert job["queue"] == {"position": 3, "ahead": [third, second], "estimated_start_at": None, "holds": None,
-                                "decided_by": None}
+                                "decided_by": None, "waits_for": None}
 
         queue = client.get("/v1/queue").json()
         assert [(q["id"], q["position"], q["priority"]) for q in queue["data"]] == [
@@ -131,6 +131,35 @@ class TestGpusShown:
         assert [(q["id"], q["holds"]) for q in queue["data"]] == [(head["id"], "box")]
         assert queue["live_gpus"] == 2
         assert client.get(f"/v1/jobs/{head['id']}").json()["queue"]["holds"] == "box"
+
+    def test_a_retry_whose_checkpoint_is_in_a_shared_storage_no_live_worker_mounts_says_it_waits_for_one(
+        self, client: TestClient, store
+    ) -> None:
+        add_host(store, "box-free", 2)  # free GPUs, no shared storage: the retry cannot resume there
+        job_id = client.post("/v1/jobs", json=spec(upload(client))).json()["id"]
+        shared = "/mnt/ckpt"
+        with store.sessions.begin() as session:
+            session.execute(update(Job).where(Job.job_id == job_id).values(gpus=2, nodes=2, method="full", attempts=1))
+            for rank, name in enumerate(("box-a", "box-b")):  # its first attempt's machines, gone since
+                session.add(Worker(worker_id=name, hostname=name, device="cuda", hardware={}, shared_dir=shared,
+                                   shared_id="stor-1", heartbeat_at=utcnow() - dt.timedelta(hours=1)))
+                session.flush()
+                session.add(GpuSlot(worker_id=name, slot=0, device="0"))
+                session.add(JobNode(job_id=job_id, attempt=1, node_rank=rank, worker_id=name, address=f"10.0.0.{rank}",
+                                    rdzv_endpoint="10.0.0.0:29400"))
+            session.add(Checkpoint(job_id=job_id, step=6, path=f"{shared}/jobs/{job_id}/checkpoints/step-000006",
+                                   bytes=1))
+        reason = (f"waits for a live worker mounting the shared storage stor-1 at {shared} (FTQ_SHARED_DIR), which "
+                  f"holds its checkpoint step 6 in {shared}/jobs/{job_id} (never uploaded): no live worker mounts "
+                  "it now")
+        [queued] = client.get("/v1/queue").json()["data"]
+        assert (queued["id"], queued["waits_for"], queued["estimated_start_at"]) == (job_id, reason, None)
+        assert client.get(f"/v1/jobs/{job_id}").json()["queue"]["waits_for"] == reason
+
+        with store.sessions.begin() as session:  # a machine of that storage is live again: it may start there
+            session.execute(update(Worker).where(Worker.worker_id == "box-a").values(heartbeat_at=utcnow()))
+        [queued] = client.get("/v1/queue").json()["data"]
+        assert queued["waits_for"] is None
 
 
 def claim(store, settings: Settings, job_id: str, host: str, slots: tuple[int, ...]) -> None:

@@ -9,7 +9,9 @@
 // Claim order is priority (high, normal, low), then age. A job needs its GPUs
 // on one host; the first job that fits no host yet holds the host it waits for
 // (later jobs only use other hosts' GPUs), and a job whose owner's running jobs
-// hold their cap of GPUs keeps its place but waits (core/jobs/placement.py).
+// hold their cap of GPUs keeps its place but waits (core/jobs/placement.py). A
+// retry whose checkpoints are in a shared storage no live worker mounts says so
+// under its name (`waits_for`: the storage, its directory, the checkpoint's step).
 //
 // Every GPU says which project holds it; another project's job shows only that
 // (GPUs are shared by scheduling, the work on them is the project's), and in the
@@ -240,7 +242,8 @@ export function renderGpus(main) {
               { "data-testid": "queue-row", "data-job-id": job.id || "", "data-position": String(job.position) },
               h("td", { class: "num", text: String(job.position) }),
               h("td", {}, job.id ? h("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: jobTitle(job) }) : h("span", { class: "muted", text: "another project's job" }),
-                job.holds ? h("div", { class: "muted", "data-testid": "queue-holds", text: `holds the free GPUs of ${job.holds}` }) : null),
+                job.holds ? h("div", { class: "muted", "data-testid": "queue-holds", text: `holds the free GPUs of ${job.holds}` }) : null,
+                job.waits_for ? h("div", { class: "muted", "data-testid": "queue-waits-for", text: job.waits_for }) : null),
               h("td", { "data-testid": "queue-project", text: job.project || "–" }),
               h("td", { class: "num", "data-testid": "queue-gpus", text: String(job.gpus) }),
               h("td", { "data-testid": "queue-priority", text: job.priority }),

@@ -221,6 +221,7 @@ export function renderJob(main, [jobId]) {
           `position ${q.position} (${q.ahead.length} ahead) · estimated start `,
           h("span", { "data-testid": "job-queue-eta", title: q.decided_by ? "the cluster's scheduler starts it (its reason is in the events below once submitted)" : q.estimated_start_at ? fmtTime(q.estimated_start_at) : "no estimate yet: no live worker, or no pace to go by", text: q.decided_by || fmtEta(q.estimated_start_at) }),
           q.holds ? h("span", { "data-testid": "job-queue-holds", text: ` · first in line: the free GPUs of ${q.holds} wait for it` }) : null,
+          q.waits_for ? h("span", { "data-testid": "job-queue-waits-for", text: ` · ${q.waits_for}` }) : null,
         ),
       ]);
     }

@@ -125,7 +125,10 @@ def test_the_default_address_is_the_route_to_the_store(tmp_path):
         (TransferError("GET /v1/worker/files/file-1: connection refused"), 1, JobStatus.queued, "download_failed"),
         (TransferRefused("GET /v1/worker/files/file-1: 401 key revoked"), 2, JobStatus.queued, "download_failed"),
         (TransferError("GET /v1/worker/files/file-1: connection refused"), 3, JobStatus.failed, "download_failed"),
-        (TransferNotFound("GET /v1/worker/files/file-1: 404"), 1, JobStatus.failed, "invalid_job"),
+        (TransferNotFound("dataset file-1: not on the API (404)", "dataset file-1"), 1, JobStatus.failed,
+         "invalid_job"),
+        (TransferNotFound("adapter of job job-0: not on the API (404)", "adapter of job job-0"), 1, JobStatus.failed,
+         "invalid_job"),
         (ValueError("hyperparameters.lr: must be positive"), 1, JobStatus.failed, "invalid_job"),
     ],
 )
@@ -134,6 +137,9 @@ def test_a_dataset_download_that_fails_is_retried_a_gone_dataset_or_bad_spec_fai
     assert (outcome.status, outcome.error_code) == (status, code)
     assert outcome.retry == (status is JobStatus.queued)
     assert str(exc) in (outcome.message or "")
+    if isinstance(exc, TransferNotFound):  # it names what is gone, and says "dataset" only for one
+        assert (outcome.message or "").startswith(f"{exc.what} of the job is gone from the API")
+        assert ("dataset" in (outcome.message or "")) is exc.what.startswith("dataset")
 
 
 def test_a_remote_workers_job_keeps_beating_through_its_transfers_and_only_while_it_is_this_claims(

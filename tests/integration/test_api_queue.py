@@ -155,6 +155,15 @@ class TestGpusShown:
         [queued] = client.get("/v1/queue").json()["data"]
         assert (queued["id"], queued["waits_for"], queued["estimated_start_at"]) == (job_id, reason, None)
         assert client.get(f"/v1/jobs/{job_id}").json()["queue"]["waits_for"] == reason
+        # Another project's member sees the job by its project alone: the reason names its directory.
+        from core.projects.service import create_project
+        from core.users.service import create_user_with_key
+
+        with store.sessions.begin() as session:
+            create_project(session, "elsewhere")
+            _user, issued = create_user_with_key(session, "carol", project_names=["elsewhere"])
+        [theirs] = client.get("/v1/queue", headers={"Authorization": f"Bearer {issued.secret}"}).json()["data"]
+        assert (theirs["id"], theirs["waits_for"]) == (None, None), theirs
 
         with store.sessions.begin() as session:  # a machine of that storage is live again: it may start there
             session.execute(update(Worker).where(Worker.worker_id == "box-a").values(heartbeat_at=utcnow()))

@@ -46,13 +46,20 @@ echo "ftq-test profile: loaded" >&2
 """
 HOLD = "hold-environment"
 """While this file is in the shared directory, the bridge's --environment waits (a slow module load)."""
+SLOW_STOP = "slow-stop-checkpoint"
+"""A job submitted while this file is in the shared directory takes its seconds to write the
+checkpoint a stop asks for (the trainer's test-only FTQ_TEST_STOP_CHECKPOINT_DELAY_S)."""
+SLOW_STOP_S = 35
+"""Longer than torchrun's own 30 s between forwarding a TERM and SIGKILLing its ranks, shorter
+than the stack's FTQ_CANCEL_GRACE_S (60)."""
 
 
 @pytest.fixture(scope="module")
 def bridge(tmp_path_factory: pytest.TempPathFactory, model_root: Path, slurm_cluster: Cluster) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("slurm")
     (base / "profile.sh").write_text(PROFILE)
-    environment = f"source {base}/profile.sh\nwhile [ -e {base}/{HOLD} ]; do sleep 0.2; done"
+    environment = (f"source {base}/profile.sh\nwhile [ -e {base}/{HOLD} ]; do sleep 0.2; done\n"
+                   f"if [ -e {base}/{SLOW_STOP} ]; then export FTQ_TEST_STOP_CHECKPOINT_DELAY_S=$(cat {base}/{SLOW_STOP}); fi")
     yield from slurm_stack(base, model_root, slurm_cluster, "--environment", environment)
 
 
@@ -153,6 +160,41 @@ def test_a_pause_right_after_the_slurm_job_started_reaches_the_trainer(bridge, c
             f"steps {trained[:3]}..{trained[-3:]} trained after the pause, checkpoints {checkpoints}: the TERM was lost"
     assert f"job {job['id']}: trainer still running" not in bridge.logs["worker"].read_text(errors="replace"), \
         "the TERM was lost: the trainer trained on until the bridge's kill cancel_grace_s later"
+
+
+def test_a_pause_of_two_ranks_under_torchrun_waits_for_a_checkpoint_longer_than_30s(bridge, chat_dataset: Path):
+    """Two ranks on one node under one torchrun, whose stop checkpoint takes 35 s. Slurm's
+    ``scancel --signal=TERM`` reaches every process of the step, torchrun too, which forwards it
+    and by default SIGKILLs its ranks 30 s later (seen here before the fix: no checkpoint, nothing
+    to resume). The batch script gives torchrun the bridge's whole stop grace, so the checkpoint
+    is written and the resumed job continues after it."""
+    slow = bridge.data_dir.parent / SLOW_STOP
+    slow.write_text(str(SLOW_STOP_S))
+    try:
+        with bridge.client() as client:
+            file_id = upload(client, chat_dataset)
+            job = submit(client, file_id, hyperparameters=LONG, checkpoint_every=100_000, pool="slurm", gpus=2,
+                         name="slow checkpoint on pause")
+            wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 2, what="past step 2", timeout_s=300)
+    finally:
+        slow.unlink(missing_ok=True)  # read by the batch script at its start: the resumed job checkpoints at once
+    with bridge.client() as client:
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+        done = _finished(client, job["id"])
+        assert done["status"] == "cancelled", f"{done}\n{bridge.log_tail()}"
+        trained = [m["step"] for m in client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]]
+        checkpoints = [c["step"] for c in client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]]
+        stderr = (bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1" / "stderr.log").read_text(errors="replace")
+        assert checkpoints == [max(trained)], \
+            f"checkpoints {checkpoints} after steps up to {max(trained)}: the slow checkpoint was cut\n{stderr[-2000:]}"
+        resumed = client.post(f"/v1/jobs/{job['id']}/resume")
+        assert resumed.status_code == 201, resumed.text
+        again = resumed.json()["id"]
+        wait_job(client, again, lambda j: j["progress"]["step"] > checkpoints[0], what="resumed", timeout_s=300)
+        assert client.post(f"/v1/jobs/{again}/cancel").status_code in (200, 202)
+        assert _finished(client, again)["status"] == "cancelled"
+        steps = [m["step"] for m in client.get(f"/v1/jobs/{again}/metrics").json()["data"]]
+        assert steps[0] == checkpoints[0] + 1, f"the resumed job's steps {steps[:3]}.., checkpoint {checkpoints}"
 
 
 def _until_event(client: httpx.Client, job_id: str, predicate, timeout_s: float = 300) -> dict[str, Any]:

@@ -162,39 +162,41 @@ def test_a_pause_right_after_the_slurm_job_started_reaches_the_trainer(bridge, c
         "the TERM was lost: the trainer trained on until the bridge's kill cancel_grace_s later"
 
 
-def test_a_pause_of_two_ranks_under_torchrun_waits_for_a_checkpoint_longer_than_30s(bridge, chat_dataset: Path):
-    """Two ranks on one node under one torchrun, whose stop checkpoint takes 35 s. Slurm's
-    ``scancel --signal=TERM`` reaches every process of the step, torchrun too, which forwards it
-    and by default SIGKILLs its ranks 30 s later (seen here before the fix: no checkpoint, nothing
-    to resume). The batch script gives torchrun the bridge's whole stop grace, so the checkpoint
-    is written and the resumed job continues after it."""
+def test_a_term_to_two_ranks_under_torchrun_waits_for_a_checkpoint_longer_than_30s(bridge, chat_dataset: Path):
+    """Two ranks on one node under one torchrun, whose stop checkpoint takes 35 s, get Slurm's
+    TERM (``scancel --signal=TERM``: what ftq's pause sends, and Slurm's preemption and
+    ``--signal``). It reaches every process of the step, torchrun too, which forwards it and by
+    default SIGKILLs its ranks 30 s later (seen here before the fix: no checkpoint). The batch
+    script gives torchrun the whole stop grace: the checkpoint is written, and the next attempt
+    (Slurm's TERM is a retry, ``slurm_signal``) resumes after it."""
     slow = bridge.data_dir.parent / SLOW_STOP
     slow.write_text(str(SLOW_STOP_S))
     try:
         with bridge.client() as client:
             file_id = upload(client, chat_dataset)
             job = submit(client, file_id, hyperparameters=LONG, checkpoint_every=100_000, pool="slurm", gpus=2,
-                         name="slow checkpoint on pause")
+                         name="slow checkpoint on TERM")
             wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 2, what="past step 2", timeout_s=300)
     finally:
-        slow.unlink(missing_ok=True)  # read by the batch script at its start: the resumed job checkpoints at once
+        slow.unlink(missing_ok=True)  # read by the batch script at its start: the next attempt checkpoints at once
+    from worker.slurm.commands import SlurmCli
+
     with bridge.client() as client:
+        slurm_id = _until_event(client, job["id"], lambda e: bool(e.get("slurm_job_id")))["slurm_job_id"]
+        assert SlurmCli().cancel(slurm_id, signal="TERM")
+        last = wait_job(client, job["id"], lambda j: j["attempts"] == 2, what="attempt 2", timeout_s=300)
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] > last["progress"]["step"], what="attempt 2 training",
+                 timeout_s=300)
         assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
-        done = _finished(client, job["id"])
-        assert done["status"] == "cancelled", f"{done}\n{bridge.log_tail()}"
-        trained = [m["step"] for m in client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]]
-        checkpoints = [c["step"] for c in client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]]
-        stderr = (bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1" / "stderr.log").read_text(errors="replace")
-        assert checkpoints == [max(trained)], \
-            f"checkpoints {checkpoints} after steps up to {max(trained)}: the slow checkpoint was cut\n{stderr[-2000:]}"
-        resumed = client.post(f"/v1/jobs/{job['id']}/resume")
-        assert resumed.status_code == 201, resumed.text
-        again = resumed.json()["id"]
-        wait_job(client, again, lambda j: j["progress"]["step"] > checkpoints[0], what="resumed", timeout_s=300)
-        assert client.post(f"/v1/jobs/{again}/cancel").status_code in (200, 202)
-        assert _finished(client, again)["status"] == "cancelled"
-        steps = [m["step"] for m in client.get(f"/v1/jobs/{again}/metrics").json()["data"]]
-        assert steps[0] == checkpoints[0] + 1, f"the resumed job's steps {steps[:3]}.., checkpoint {checkpoints}"
+        events = follow(client, job["id"], timeout_s=300)
+    stderr = (bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1" / "stderr.log").read_text(errors="replace")
+    second = [seq for seq, kind, data in events if kind == "state" and data["status"] == "running"][1]
+    before = [data["step"] for seq, kind, data in events if kind == "checkpoint" and seq < second]
+    trained = [data["step"] for seq, kind, data in events if kind == "step" and seq < second]
+    assert before == [max(trained)], \
+        f"attempt 1 trained to step {max(trained)}, checkpoints {before}: its slow checkpoint was cut\n{stderr[-1500:]}"
+    resumed = [data["step"] for seq, kind, data in events if kind == "step" and seq > second]
+    assert resumed and resumed[0] == before[0] + 1, f"attempt 2's steps {resumed[:3]}.., checkpoint {before}"
 
 
 def _until_event(client: httpx.Client, job_id: str, predicate, timeout_s: float = 300) -> dict[str, Any]:

@@ -10,6 +10,8 @@ slurmd nodes on 127.0.0.1), a real uvicorn API, PostgreSQL and Redis; the only w
 - the trainer killed inside its srun step: the attempt fails in Slurm, the bridge resubmits, the
   trainer resumes from its checkpoint and every step is recorded once;
 - a job larger than the partition is refused at submission (422 naming the limit);
+- two ranks under torchrun whose checkpoint on Slurm's TERM takes 35 s are not killed by
+  torchrun 30 s after it: the checkpoint is written and the next attempt resumes after it;
 - the bridge's ``--environment`` sources a profile script that reads an unset variable (as sites'
   do) and every job runs; a pause while it still runs (before the srun step exists) reaches the
   trainer once it started, and every step it trained is in a checkpoint.
@@ -59,7 +61,8 @@ def bridge(tmp_path_factory: pytest.TempPathFactory, model_root: Path, slurm_clu
     base = tmp_path_factory.mktemp("slurm")
     (base / "profile.sh").write_text(PROFILE)
     environment = (f"source {base}/profile.sh\nwhile [ -e {base}/{HOLD} ]; do sleep 0.2; done\n"
-                   f"if [ -e {base}/{SLOW_STOP} ]; then export FTQ_TEST_STOP_CHECKPOINT_DELAY_S=$(cat {base}/{SLOW_STOP}); fi")
+                   f"if [ -e {base}/{SLOW_STOP} ]; then "
+                   f"export FTQ_TEST_STOP_CHECKPOINT_DELAY_S=$(cat {base}/{SLOW_STOP}); fi")
     yield from slurm_stack(base, model_root, slurm_cluster, "--environment", environment)
 
 
@@ -185,8 +188,8 @@ def test_a_term_to_two_ranks_under_torchrun_waits_for_a_checkpoint_longer_than_3
         slurm_id = _until_event(client, job["id"], lambda e: bool(e.get("slurm_job_id")))["slurm_job_id"]
         assert SlurmCli().cancel(slurm_id, signal="TERM")
         last = wait_job(client, job["id"], lambda j: j["attempts"] == 2, what="attempt 2", timeout_s=300)
-        wait_job(client, job["id"], lambda j: j["progress"]["step"] > last["progress"]["step"], what="attempt 2 training",
-                 timeout_s=300)
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] > last["progress"]["step"],
+                 what="attempt 2 training", timeout_s=300)
         assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
         events = follow(client, job["id"], timeout_s=300)
     stderr = (bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1" / "stderr.log").read_text(errors="replace")

@@ -27,6 +27,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -284,6 +285,15 @@ def _test_activation_budget(rank: int) -> int | None:
     return int(raw) if raw else None
 
 
+def _test_slow_stop_checkpoint() -> None:
+    """Tests only: every rank waits ``FTQ_TEST_STOP_CHECKPOINT_DELAY_S`` seconds before the
+    checkpoint a stop writes (unset in production): a large model's checkpoint, which a launcher
+    that kills its ranks too early would cut (tests/integration/e2e/test_slurm_e2e.py)."""
+    delay = float(os.environ.get("FTQ_TEST_STOP_CHECKPOINT_DELAY_S") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
 def _optimizer(
     model: torch.nn.Module, config: TrainConfig, total_steps: int, device: torch.device
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -352,6 +362,8 @@ def _loop(r: Run, progress: dict[str, int]) -> RunResult | None:
             r.emit_step(pending)
             pending = None
             if checkpointing:
+                if stopping:
+                    _test_slow_stop_checkpoint()
                 r.write_checkpoint(final=is_last)
             if not stopping:
                 _evaluate(r, eval_loss=eval_loss, samples=checkpointing, final=is_last)

@@ -7,7 +7,8 @@
               reason becomes a ``log`` event on the job page ("Slurm job 12: PENDING (Resources)")
     signal    stop: ``scancel --signal=TERM`` to the job's steps (every rank checkpoints and
               exits), sent once the trainer's first event is read (below); a job still pending
-              is cancelled outright. kill: ``scancel``
+              is cancelled outright. kill: ``scancel``. torchrun, which the TERM reaches too,
+              waits for its ranks longer than ``max(cancel_grace_s, signal_s)`` (script.py)
     collect   cancels what still runs, waits for Slurm to end it, reads the last events; the
               batch script's exit code and the tail of its stderr
     settle    a node failure, a preemption, a time limit or Slurm's own TERM: a retry from the
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import fields
@@ -114,8 +116,10 @@ class SlurmExecutor(Executor):
             (self.dir / name).unlink(missing_ok=True)  # a redelivered attempt starts over
         shared_json = self.dir / "job.json"
         shared_json.write_text(json.dumps(self._job_config(job_json), indent=2))
+        grace = math.ceil(max(self.runtime.settings.cancel_grace_s, self.config.signal_s))
         attempt = Attempt(self.claim.job_id, self.claim.attempt, nodes, self.claim.gpus // nodes, shared_json,
-                          self.claim.output_dir, bridge_comment(self.runtime.worker_id), subcommand(job_json))
+                          self.claim.output_dir, bridge_comment(self.runtime.worker_id), subcommand(job_json),
+                          stop_grace_s=grace)
         script = self.dir / SCRIPT
         script.write_text(batch_script(self.config, attempt))
         self.slurm_job_id = self.cli.submit(script, env=trainer_env(self.runtime))

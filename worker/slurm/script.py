@@ -14,6 +14,14 @@ asks every rank to checkpoint S seconds before the time limit; ``--no-requeue``:
 preemption ends this attempt and ftq queues the next one itself, resuming from the last
 checkpoint (docs/slurm.md says why). The script exits with srun's status.
 
+A TERM to the step (``scancel --signal=TERM``, ``--signal``, a preemption) reaches every process
+of it, torchrun too, which forwards it to its ranks and SIGKILLs them ``shutdown_timeout`` later:
+30 s by default, too short for a large model's checkpoint. The script exports
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (torchrun's ``--shutdown-timeout``; a torch without the option
+ignores it) as the attempt's stop grace plus ``SHUTDOWN_MARGIN_S``, so the kill that ends ranks
+still checkpointing is ftq's (``scancel`` after ``cancel_grace_s``) or Slurm's (its time limit,
+``KillWait``), never torchrun's.
+
 The bridge's ``--environment`` runs before the launch as its user wrote it: without ``set -u`` or
 ``set -e``, which sites' profile scripts, ``module``, venv and conda activation are not written for
 (they read unset variables and run tests that fail). A command of it that fails at the script's
@@ -45,6 +53,9 @@ ENV_TRAP = (
     "with status $ftq_status; fix the bridge's --environment, or end a line whose failure is harmless with "
     "'|| true'\" >&2; exit $ftq_status; fi"
 )
+SHUTDOWN_MARGIN_S = 60
+"""torchrun waits this much longer than the stop grace before it SIGKILLs ranks that got a TERM:
+past ftq's ``scancel`` and Slurm's ``KillWait`` after it (30 s by default)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,9 @@ class Attempt:
     comment: str
     """``--comment``: tags the job as this bridge's (``ftq:<worker id>``)."""
     subcommand: str = "run"
+    stop_grace_s: int = 0
+    """How long a stop lets the ranks checkpoint before ftq or Slurm kills them (the executor's
+    ``max(cancel_grace_s, signal_s)``): torchrun waits longer (``SHUTDOWN_MARGIN_S``)."""
 
     @property
     def ranks(self) -> int:
@@ -119,6 +133,7 @@ def _launch(config: BridgeConfig, attempt: Attempt) -> list[str]:
         'addr=$(scontrol show node "$head" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
         f"port=$({q(config.python)} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
         'export FTQ_RDZV="${addr:-$head}:$port"',
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={attempt.stop_grace_s + SHUTDOWN_MARGIN_S}",
         " ".join(["srun", f"--nodes={attempt.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *container,
                   "bash", "-c", q(f"exec {torchrun}")]),
     ]

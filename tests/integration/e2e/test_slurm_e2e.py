@@ -10,6 +10,8 @@ slurmd nodes on 127.0.0.1), a real uvicorn API, PostgreSQL and Redis; the only w
 - the trainer killed inside its srun step: the attempt fails in Slurm, the bridge resubmits, the
   trainer resumes from its checkpoint and every step is recorded once;
 - a job larger than the partition is refused at submission (422 naming the limit);
+- two ranks under torchrun whose checkpoint on Slurm's TERM takes 35 s are not killed by
+  torchrun 30 s after it: the checkpoint is written and the next attempt resumes after it;
 - the bridge's ``--environment`` sources a profile script that reads an unset variable (as sites'
   do) and every job runs; a pause while it still runs (before the srun step exists) reaches the
   trainer once it started, and every step it trained is in a checkpoint.
@@ -46,13 +48,21 @@ echo "ftq-test profile: loaded" >&2
 """
 HOLD = "hold-environment"
 """While this file is in the shared directory, the bridge's --environment waits (a slow module load)."""
+SLOW_STOP = "slow-stop-checkpoint"
+"""A job submitted while this file is in the shared directory takes its seconds to write the
+checkpoint a stop asks for (the trainer's test-only FTQ_TEST_STOP_CHECKPOINT_DELAY_S)."""
+SLOW_STOP_S = 35
+"""Longer than torchrun's own 30 s between forwarding a TERM and SIGKILLing its ranks, shorter
+than the stack's FTQ_CANCEL_GRACE_S (60)."""
 
 
 @pytest.fixture(scope="module")
 def bridge(tmp_path_factory: pytest.TempPathFactory, model_root: Path, slurm_cluster: Cluster) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("slurm")
     (base / "profile.sh").write_text(PROFILE)
-    environment = f"source {base}/profile.sh\nwhile [ -e {base}/{HOLD} ]; do sleep 0.2; done"
+    environment = (f"source {base}/profile.sh\nwhile [ -e {base}/{HOLD} ]; do sleep 0.2; done\n"
+                   f"if [ -e {base}/{SLOW_STOP} ]; then "
+                   f"export FTQ_TEST_STOP_CHECKPOINT_DELAY_S=$(cat {base}/{SLOW_STOP}); fi")
     yield from slurm_stack(base, model_root, slurm_cluster, "--environment", environment)
 
 
@@ -153,6 +163,43 @@ def test_a_pause_right_after_the_slurm_job_started_reaches_the_trainer(bridge, c
             f"steps {trained[:3]}..{trained[-3:]} trained after the pause, checkpoints {checkpoints}: the TERM was lost"
     assert f"job {job['id']}: trainer still running" not in bridge.logs["worker"].read_text(errors="replace"), \
         "the TERM was lost: the trainer trained on until the bridge's kill cancel_grace_s later"
+
+
+def test_a_term_to_two_ranks_under_torchrun_waits_for_a_checkpoint_longer_than_30s(bridge, chat_dataset: Path):
+    """Two ranks on one node under one torchrun, whose stop checkpoint takes 35 s, get Slurm's
+    TERM (``scancel --signal=TERM``: what ftq's pause sends, and Slurm's preemption and
+    ``--signal``). It reaches every process of the step, torchrun too, which forwards it and by
+    default SIGKILLs its ranks 30 s later (seen here before the fix: no checkpoint). The batch
+    script gives torchrun the whole stop grace: the checkpoint is written, and the next attempt
+    (Slurm's TERM is a retry, ``slurm_signal``) resumes after it."""
+    slow = bridge.data_dir.parent / SLOW_STOP
+    slow.write_text(str(SLOW_STOP_S))
+    try:
+        with bridge.client() as client:
+            file_id = upload(client, chat_dataset)
+            job = submit(client, file_id, hyperparameters=LONG, checkpoint_every=100_000, pool="slurm", gpus=2,
+                         name="slow checkpoint on TERM")
+            wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 2, what="past step 2", timeout_s=300)
+    finally:
+        slow.unlink(missing_ok=True)  # read by the batch script at its start: the next attempt checkpoints at once
+    from worker.slurm.commands import SlurmCli
+
+    with bridge.client() as client:
+        slurm_id = _until_event(client, job["id"], lambda e: bool(e.get("slurm_job_id")))["slurm_job_id"]
+        assert SlurmCli().cancel(slurm_id, signal="TERM")
+        last = wait_job(client, job["id"], lambda j: j["attempts"] == 2, what="attempt 2", timeout_s=300)
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] > last["progress"]["step"],
+                 what="attempt 2 training", timeout_s=300)
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+        events = follow(client, job["id"], timeout_s=300)
+    stderr = (bridge.data_dir.parent / "ftq-jobs" / job["id"] / "attempt-1" / "stderr.log").read_text(errors="replace")
+    second = [seq for seq, kind, data in events if kind == "state" and data["status"] == "running"][1]
+    before = [data["step"] for seq, kind, data in events if kind == "checkpoint" and seq < second]
+    trained = [data["step"] for seq, kind, data in events if kind == "step" and seq < second]
+    assert before == [max(trained)], \
+        f"attempt 1 trained to step {max(trained)}, checkpoints {before}: its slow checkpoint was cut\n{stderr[-1500:]}"
+    resumed = [data["step"] for seq, kind, data in events if kind == "step" and seq > second]
+    assert resumed and resumed[0] == before[0] + 1, f"attempt 2's steps {resumed[:3]}.., checkpoint {before}"
 
 
 def _until_event(client: httpx.Client, job_id: str, predicate, timeout_s: float = 300) -> dict[str, Any]:

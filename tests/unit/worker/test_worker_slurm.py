@@ -17,7 +17,7 @@ from worker.outcome import Outcome
 from worker.slurm import bridge, states
 from worker.slurm.commands import JobState, Partition, SlurmCli, gres_gpus, parse_fields
 from worker.slurm.config import BridgeConfig
-from worker.slurm.script import ENV_FAILED, Attempt, batch_script
+from worker.slurm.script import ENV_FAILED, SHUTDOWN_MARGIN_S, Attempt, batch_script
 
 
 @pytest.mark.parametrize(("state", "phase"), [("PENDING", "waiting"), ("CONFIGURING", "waiting"),
@@ -99,6 +99,16 @@ def test_several_nodes_run_one_torchrun_each_meeting_at_the_first_node(tmp_path)
                 "--rdzv-id=ftq-job-1-2", "--rdzv-conf=is_host=$((SLURM_NODEID == 0 ? 1 : 0))", "-m trainer run"):
         assert arg in launch, arg
     assert 'NodeAddr' in script and 'export FTQ_RDZV="${addr:-$head}:$port"' in script
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in batch_script(cfg, attempt(tmp_path, 1, 1))
+
+
+def test_torchrun_waits_for_its_ranks_past_the_stop_grace(tmp_path):
+    """A TERM reaches torchrun too, which SIGKILLs its ranks shutdown_timeout later (30 s by
+    default): the script sets it past the grace, so a long checkpoint is not cut (e2e tested)."""
+    several = Attempt("job-1", 2, 2, 2, tmp_path / "job.json", tmp_path / "out", "ftq:bridge", stop_grace_s=600)
+    script = batch_script(config(tmp_path), several)
+    assert f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={600 + SHUTDOWN_MARGIN_S}\n" in script
+    assert script.index("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") < script.index("\nsrun ")
 
 
 PROFILE = """# as sites' profile scripts do: read variables that may be unset, run tests that fail

@@ -48,7 +48,7 @@ from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, eta, rerun, service
-from core.jobs.models import Checkpoint, Job
+from core.jobs.models import Job
 from core.jobs.eval_spec import EvalJobSpec
 from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.spec import JobSpec

@@ -15,8 +15,8 @@ new job is refused for a rerun of an old one, with the same 422).
   filesystems) and recorded as its checkpoint, so the trainer's resume picks it up and the
   new job continues at the next step. A checkpoint the machines wrote to their shared
   directory (a Slurm job's, a multi-machine job's) is read through the API host's own mount of it
-  (``FTQ_SHARED_DIR``) and linked into the new job's directory there (``seed_checkpoint``). The new job's metrics start there; the source has the
-  steps before.
+  (``FTQ_SHARED_DIR``) and linked into the new job's directory there (``seed_checkpoint``). The
+  new job's metrics start there; the source has the steps before.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from api.responses import TemporaryFileResponse, temporaries_dir
 from api.state import AppState
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import artifact_store, eta, rerun, service
-from core.jobs.models import Checkpoint, Job
+from core.jobs.models import Job
 from core.jobs.eval_spec import EvalJobSpec
 from core.jobs.generate_spec import GenerateSpec, is_generate
 from core.jobs.spec import JobSpec
@@ -327,7 +327,7 @@ def download_checkpoint(
     src = artifact_store.checkpoint_store_dir(state.settings, job_id, checkpoint.step)
     if not src.is_dir() and (shared := artifact_store.shared_checkpoint_dir(state.settings, job_id, step)):
         src, root = shared, shared.parent.parent  # the API host mounts the machines' shared directory
-    elif not src.is_dir() and _in_shared_directory(checkpoint, job.output_dir):
+    elif not src.is_dir() and artifact_store.written_to_shared(checkpoint.path, job_id, step, job.output_dir):
         raise Conflict(
             f"checkpoint {step} of job {job_id} was written to the shared checkpoint directory of the machines "
             f"that ran it ({checkpoint.path}) and is not uploaded; read it there, mount that directory on the "
@@ -369,15 +369,6 @@ def download_adapter(
     session.close()
     return _archive_response(state, adapter, format, f"{job_id}-{export}", root,
                              members=artifacts.adapter_members(adapter, card))
-
-
-def _in_shared_directory(checkpoint: Checkpoint, output_dir: str | None) -> bool:
-    """Whether a recorded checkpoint was written into the shared checkpoint directory of its
-    machines (``<shared>/jobs/<id>/checkpoints/step-N``, outside the run's ``output_dir``), which
-    uploads none; any other path a worker reported says nothing."""
-    path = Path(checkpoint.path or "/")
-    shaped = path.parts[-4:] == ("jobs", checkpoint.job_id, layout.CHECKPOINTS, layout.checkpoint_name(checkpoint.step))
-    return shaped and output_dir is not None and not path.is_relative_to(output_dir)
 
 
 def _job_root(state: AppState, job: Job) -> Path:

@@ -65,6 +65,15 @@ def shared_checkpoint_dir(settings: Settings, job_id: str, step: int) -> Path | 
     return found if found.is_dir() else None
 
 
+def written_to_shared(path: str | None, job_id: str, step: int, output_dir: str | None) -> bool:
+    """Whether a checkpoint recorded at ``path`` was written into the shared checkpoint directory
+    of the machines that ran it (``<shared>/jobs/<id>/checkpoints/step-N``, outside the run's
+    ``output_dir``), which uploads none; any other path a worker reported says nothing."""
+    recorded = Path(path or "/")
+    shaped = recorded.parts[-4:] == ("jobs", job_id, layout.CHECKPOINTS, layout.checkpoint_name(step))
+    return shaped and output_dir is not None and not recorded.is_relative_to(output_dir)
+
+
 def final_store_dir(settings: Settings, job_id: str, method: str) -> Path:
     """The finished run's weights: ``adapter/``, or ``model/`` for method ``full``."""
     return layout.export_dir(job_store_dir(settings, job_id), method)

@@ -21,7 +21,13 @@ their workers, and the newest recorded checkpoint:
                  storage's machines. None: the checkpoint was written to ``output_dir`` (in the
                  API's store, uploaded by a remote worker), or there is none: any machine.
 
-A retry whose storage has no live machine waits; the reaper (worker/reaper.py
+A job resumed from another job's checkpoint in a shared directory (core/jobs/rerun.py
+``seed_checkpoint``: recorded in ``<shared_dir>/jobs/<its id>/``) has no ``job_node`` rows before
+its first attempt: its storage is that of the workers whose ``shared_dir`` holds the recorded path,
+when they all publish one storage id (two storages mounted at one path cannot be told apart by
+the path: then none, any machine).
+
+A retry (or such a resumed job) whose storage has no live machine waits; the reaper (worker/reaper.py
 ``note_storage_waits``) tells the job's event stream why, once, and the queue (core/jobs/eta.py,
 ``GET /v1/queue``) shows ``storage_wait``'s reason for as long as it waits.
 """
@@ -62,7 +68,7 @@ def with_previous_machines(session: Session, waiting: Sequence[Waiting], setting
     """``waiting`` with ``lost_since``, ``storage`` and ``checkpoint_step`` filled in for its
     multi-machine retries, and ``shrink`` set where the rule allows it now (``include``: a worker
     counted live whatever its heartbeat, the claimant's own)."""
-    retries = {job.job_id: job.machines for job in waiting if job.machines > 1 and job.attempts > 0}
+    retries = {job.job_id: job.machines for job in waiting if job.machines > 1}
     found = previous_attempts(session, retries, settings, now, include=include)
     filled = [dataclasses.replace(job, lost_since=found[job.job_id].lost_since, storage=found[job.job_id].storage,
                                   checkpoint_step=found[job.job_id].step)
@@ -72,8 +78,8 @@ def with_previous_machines(session: Session, waiting: Sequence[Waiting], setting
 
 def previous_attempts(session: Session, retries: Mapping[str, int], settings: Settings, now: dt.datetime,
                       *, include: str | None = None) -> dict[str, Previous]:
-    """``Previous`` of each queued multi-machine retry (``retries``: job id → the machines it asks
-    for) that has ``job_node`` rows."""
+    """``Previous`` of each queued multi-machine job (``retries``: job id → the machines it asks
+    for) that has ``job_node`` rows (a retry), or none and a recorded checkpoint (a resumed job)."""
     if not retries:
         return {}
     rows = session.execute(
@@ -100,7 +106,22 @@ def previous_attempts(session: Session, retries: Mapping[str, int], settings: Se
         lost_since = max(gone) if gone else (LONG_AGO if len(last) < retries[job_id] else None)
         step, path = checkpoints.get(job_id, (None, None))
         found[job_id] = Previous(lost_since, checkpoint_storage(job_id, path, parts), step)
+    for job_id, (step, path) in checkpoints.items():
+        if job_id not in found:  # resumed from another job's checkpoint, not started yet
+            found[job_id] = Previous(None, seeded_storage(session, job_id, path), step)
     return found
+
+
+def seeded_storage(session: Session, job_id: str, path: str | None) -> Storage | None:
+    """The one storage whose workers' ``<shared_dir>/jobs/<job id>/`` holds ``path`` (a resume's
+    checkpoint linked there by the API host); None: none, or several at that path."""
+    if not path:
+        return None
+    storages = {(row.shared_dir, row.shared_id) for row in session.execute(
+        select(Worker.shared_dir, Worker.shared_id).where(Worker.shared_dir.is_not(None), Worker.shared_id.is_not(None))
+        .distinct())
+        if Path(path).is_relative_to(shared_job_dir(row.shared_dir, job_id))}
+    return storages.pop() if len(storages) == 1 else None
 
 
 def checkpoint_storage(job_id: str, path: str | None, parts: Sequence[Any]) -> Storage | None:

@@ -13,8 +13,10 @@ new job is refused for a rerun of an old one, with the same 422).
 - resume: the source (``failed`` or ``cancelled``) with its spec unchanged; the chosen checkpoint
   (default: the newest) is linked into the new job's directory (hard links, a copy across
   filesystems) and recorded as its checkpoint, so the trainer's resume picks it up and the
-  new job continues at the next step. The new job's metrics start there; the source has the
-  steps before.
+  new job continues at the next step. A checkpoint the machines wrote to their shared
+  directory (a Slurm job's, a multi-machine job's) is read through the API host's own mount of it
+  (``FTQ_SHARED_DIR``) and linked into the new job's directory there (``seed_checkpoint``). The
+  new job's metrics start there; the source has the steps before.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from core.jobs.models import Checkpoint, Job
 from core.jobs.spec import JobSpec
 from core.jobs.states import JobStatus
 from core.settings import Settings
+from trainer.training import layout
 
 Spec = TypeVar("Spec", JobSpec, GenerateSpec)
 
@@ -71,10 +74,13 @@ def cloned_spec(source_spec: dict[str, Any], overrides: dict[str, Any]) -> JobSp
 
 
 def pick_checkpoint(session: Session, source: Job, step: int | None, *, settings: Settings) -> Checkpoint:
-    """The checkpoint to resume ``source`` from: ``step``'s, else its newest.
+    """The checkpoint to resume ``source`` from: ``step``'s, else its newest, of those this API
+    can read: in its store, or in its mount of the machines' shared directory (``FTQ_SHARED_DIR``),
+    where a Slurm job's and a multi-machine job's checkpoints are written and never uploaded.
 
     Raises:
-        Conflict: the job is not failed or cancelled, or has no checkpoint.
+        Conflict: the job is not failed or cancelled, or has no checkpoint this API can read
+            (the message says to mount the shared directory when its checkpoints are there).
         NotFound: no checkpoint at ``step`` (the message lists the steps there are).
     """
     if source.status not in RESUMABLE:
@@ -83,8 +89,12 @@ def pick_checkpoint(session: Session, source: Job, step: int | None, *, settings
             f"(clone it instead: POST /v1/jobs/{source.job_id}/clone)",
             param="job_id",
         )
-    checkpoints = [c for c in service.list_checkpoints(session, source.job_id)
-                   if artifact_store.checkpoint_store_dir(settings, source.job_id, c.step).is_dir()]
+    recorded = service.list_checkpoints(session, source.job_id)
+    checkpoints = [c for c in recorded if checkpoint_files(settings, c) is not None]
+    unread = [c for c in recorded if c not in checkpoints and step in (None, c.step)
+              and artifact_store.written_to_shared(c.path, c.job_id, c.step, source.output_dir)]
+    if unread and (not checkpoints or step is not None):
+        raise Conflict(_unmounted(source, unread[-1], settings), param="job_id" if step is None else "step")
     if not checkpoints:
         raise Conflict(
             f"job {source.job_id} has no checkpoint on disk to resume from; clone it to start over "
@@ -103,11 +113,48 @@ def pick_checkpoint(session: Session, source: Job, step: int | None, *, settings
     )
 
 
+def _unmounted(source: Job, checkpoint: Checkpoint, settings: Settings) -> str:
+    """Why a checkpoint written to the machines' shared directory cannot be resumed from here."""
+    where = ("this API host mounts no shared directory (FTQ_SHARED_DIR is unset)" if settings.shared_dir is None
+             else f"it is not in this API host's FTQ_SHARED_DIR {settings.shared_dir} (another storage, or "
+                  "mounted at another path)")
+    return (f"job {source.job_id}'s checkpoint at step {checkpoint.step} was written to the shared checkpoint "
+            f"directory of the machines that ran it ({checkpoint.path}) and never uploaded, and {where}; mount that "
+            "directory on the API host at the same path and set FTQ_SHARED_DIR to it, then resume again")
+
+
+def checkpoint_files(settings: Settings, checkpoint: Checkpoint) -> Path | None:
+    """Where this API reads ``checkpoint``'s files: its store, else its mount of the shared
+    directory (``artifact_store.shared_checkpoint_dir``: no links followed); None: neither."""
+    store = artifact_store.checkpoint_store_dir(settings, checkpoint.job_id, checkpoint.step)
+    if store.is_dir():
+        return store
+    return artifact_store.shared_checkpoint_dir(settings, checkpoint.job_id, checkpoint.step)
+
+
 def seed_checkpoint(session: Session, job: Job, checkpoint: Checkpoint, *, settings: Settings) -> Path:
     """Link ``checkpoint``'s directory into ``job``'s checkpoints and record it there, so the
-    worker keeps it (it sets aside checkpoints the store does not know) and the trainer resumes."""
-    source = artifact_store.checkpoint_store_dir(settings, checkpoint.job_id, checkpoint.step)
-    target = artifact_store.checkpoint_store_dir(settings, job.job_id, checkpoint.step)
+    worker keeps it (it sets aside checkpoints the store does not know) and the trainer resumes.
+
+    A checkpoint in the store goes to the new job's store directory (a local worker's
+    ``output_dir``; a remote worker downloads it). One in the shared directory goes to the new
+    job's directory there, ``<FTQ_SHARED_DIR>/jobs/<new id>/``: the trainer's checkpoint home
+    on a Slurm bridge and on machines of that storage (hard links on one filesystem, nothing
+    copied), and the recorded path keeps the new job on that storage's machines
+    (core/jobs/fewer_machines.py ``storage``).
+
+    Raises:
+        Conflict: the checkpoint's files went away since ``pick_checkpoint``.
+    """
+    source = checkpoint_files(settings, checkpoint)
+    if source is None:
+        raise Conflict(f"job {checkpoint.job_id}'s checkpoint at step {checkpoint.step} was removed meanwhile; "
+                       "resume again to take another", param="step")
+    if source == artifact_store.checkpoint_store_dir(settings, checkpoint.job_id, checkpoint.step):
+        target = artifact_store.checkpoint_store_dir(settings, job.job_id, checkpoint.step)
+    else:
+        assert settings.shared_dir is not None  # checkpoint_files found it there
+        target = layout.checkpoint_dir(artifact_store.shared_job_dir(settings.shared_dir, job.job_id), checkpoint.step)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(source, target, copy_function=_link_or_copy, dirs_exist_ok=True)
     session.add(Checkpoint(job_id=job.job_id, step=checkpoint.step, path=str(target), bytes=checkpoint.bytes,

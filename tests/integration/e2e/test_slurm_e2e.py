@@ -7,6 +7,8 @@ slurmd nodes on 127.0.0.1), a real uvicorn API, PostgreSQL and Redis; the only w
 - a job spread over both Slurm nodes (``nodes: 2``: srun starts a torchrun on each, c10d
   rendezvous at the first node) succeeds with one rank per node;
 - a cancel stops the running trainer at a checkpoint (``scancel --signal=TERM``): ``cancelled``;
+- a job paused (cancelled at a checkpoint) is resumed through the API, which mounts the cluster's
+  shared directory (FTQ_SHARED_DIR): the new job starts at the checkpoint's step + 1 and succeeds;
 - the trainer killed inside its srun step: the attempt fails in Slurm, the bridge resubmits, the
   trainer resumes from its checkpoint and every step is recorded once;
 - a job larger than the partition is refused at submission (422 naming the limit);
@@ -34,6 +36,7 @@ from tests.fixtures.processes import pids_where
 from tests.fixtures.slurm import Cluster, slurm_stack
 from tests.fixtures.stack import Stack
 from tests.fixtures.stack_jobs import SHORT, follow, submit, upload, wait_job
+from trainer.training import layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -133,6 +136,46 @@ def test_a_cancel_stops_the_slurm_job_at_a_checkpoint(bridge, chat_dataset: Path
         assert checkpoints, "the trainer wrote a checkpoint when Slurm passed it ftq's TERM"
         slurm_id = _slurm_logs(follow(client, job["id"]))[0]["slurm_job_id"]
         assert _slurm_state(slurm_id) in ("COMPLETED", "CANCELLED", "FAILED")
+
+
+RESUMED_STEPS = 80
+
+
+def test_a_paused_slurm_job_resumes_from_its_checkpoint_in_the_shared_directory(bridge, chat_dataset: Path):
+    """The trainer on Slurm writes its checkpoints into the cluster's shared directory and uploads
+    none; the API host mounts it (the stack's API has FTQ_SHARED_DIR), so ``POST /resume`` finds the
+    pause's checkpoint there and links it into the new job's directory there, where its trainer on
+    Slurm resumes: the new job's first step is the checkpoint's + 1."""
+    shared = bridge.data_dir.parent
+    with bridge.client() as client:
+        file_id = upload(client, chat_dataset)
+        job = submit(client, file_id, hyperparameters={**SHORT, "max_steps": RESUMED_STEPS}, checkpoint_every=100_000,
+                     pool="slurm", name="paused then resumed")
+        wait_job(client, job["id"], lambda j: j["progress"]["step"] >= 1, what="past step 1", timeout_s=300)
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code in (200, 202)
+        done = _finished(client, job["id"])
+        assert done["status"] == "cancelled", f"{done}\n{bridge.log_tail()}"
+        (checkpoint,) = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]
+        step = checkpoint["step"]
+        assert 0 < step < RESUMED_STEPS
+        assert (shared / "jobs" / job["id"] / "checkpoints" / layout.checkpoint_name(step)).is_dir()
+        assert not (bridge.data_dir / "jobs" / job["id"] / "checkpoints" / layout.checkpoint_name(step)).exists(), \
+            "nothing uploaded to the API's store: the shared directory is the only copy"
+
+        response = client.post(f"/v1/jobs/{job['id']}/resume")
+        assert response.status_code == 201, response.text
+        resumed = response.json()
+        events = follow(client, resumed["id"], timeout_s=400)
+        final = client.get(f"/v1/jobs/{resumed['id']}").json()
+        assert final["status"] == "succeeded", f"{final}\n{bridge.log_tail()}"
+        steps = [data["step"] for _, kind, data in events if kind == "step"]
+        assert steps == list(range(step + 1, RESUMED_STEPS + 1)), steps[:3]
+        metrics = client.get(f"/v1/jobs/{resumed['id']}/metrics").json()["data"]
+        assert metrics[0]["step"] == step + 1
+        assert any(f"from its checkpoint at step {step}" in data.get("message", "")
+                   for _, kind, data in events if kind == "log")
+        seeded = shared / "jobs" / resumed["id"] / "checkpoints" / layout.checkpoint_name(step)
+        assert seeded.is_dir(), "the checkpoint linked into the new job's directory in the shared directory"
 
 
 def test_a_pause_right_after_the_slurm_job_started_reaches_the_trainer(bridge, chat_dataset: Path):

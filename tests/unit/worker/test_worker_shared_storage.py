@@ -332,3 +332,16 @@ class TestARetryStaysWithItsCheckpoints:
         elsewhere = _two_machines_elsewhere(leader, shared.parent)
         _beat(leader, 3600, LEADER, FOLLOWER)
         assert _placed(leader) == [(job_id, elsewhere)]
+
+    def test_a_job_resumed_from_a_checkpoint_linked_into_the_shared_directory_stays_on_that_storage(
+            self, leader, shared):
+        """A resume's new job (core/jobs/rerun.py ``seed_checkpoint``) has no attempt and no
+        ``job_node`` rows: its recorded checkpoint's path in ``<shared>/jobs/<id>/`` alone keeps it
+        on that storage's machines."""
+        job_id = queued_job(leader, method="lora")
+        _checkpoint_at(leader, job_id, shared / "jobs" / job_id / "checkpoints" / "step-000005")
+        _two_machines_elsewhere(leader, shared.parent)
+        _beat(leader, 3600, LEADER, FOLLOWER)
+        assert _placed(leader) == [], "machines of another storage would start it over from step 0"
+        _beat(leader, 0, LEADER, FOLLOWER)
+        assert _placed(leader) == [(job_id, [LEADER, FOLLOWER])]

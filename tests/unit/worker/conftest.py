@@ -10,15 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
+from sqlalchemy import event
 
-from core.db import new_id, utcnow
-from core.files.models import File
-from core.jobs.models import Job
-from core.jobs.service import append_events, state_event
-from core.jobs.states import JobStatus
 from core.settings import Settings
-from tests.fixtures.worker_runtime import FAKE_EXPORT, recording_runtime
+from tests.fixtures.worker_runtime import FAKE_EXPORT, make_queued_job, recording_runtime
 from worker.runtime import Runtime
 
 
@@ -55,19 +50,7 @@ def make_job(runtime: Runtime):
     """``make_job("fake:ok:5")`` inserts a queued job whose trainer behaves as named."""
 
     def _make(model: str, *, updated_at: dt.datetime | None = None, **values: Any) -> str:
-        job_id = new_id("job")
-        with runtime.sessionmaker.begin() as session:
-            file_id = new_id("file")
-            session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                             format="text", num_records=1, path="/dev/null"))
-            session.flush()
-            values = {"status": JobStatus.queued.value, "created_at": utcnow(), "updated_at": utcnow(), **values}
-            session.add(Job(job_id=job_id, model=model, method="lora", spec={}, training_file_id=file_id, **values))
-            session.flush()
-            append_events(session, job_id, [state_event(JobStatus.queued)])
-            if updated_at is not None:  # appending events bumps it (onupdate)
-                session.execute(update(Job).where(Job.job_id == job_id).values(updated_at=updated_at))
-        return job_id
+        return make_queued_job(runtime, model, updated_at=updated_at, **values)
 
     return _make
 

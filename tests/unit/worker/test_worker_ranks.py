@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 
 from core.jobs.models import Checkpoint, Job, JobEvent, StepMetric
 from core.workers.models import GpuSlot
-from tests.fixtures.worker_runtime import recording_runtime
+from tests.fixtures.worker_runtime import make_queued_job, recording_runtime
 from worker.launch import run_tag, torchrun_argv, torchrun_entry, trainer_argv
 from worker.process import signal_tagged, tagged_pids, wait_untagged
 from worker.runner import run_job
@@ -147,22 +147,7 @@ class TestTorchrun:
 
 def _make(runtime, model: str, **values) -> str:
     """A queued job (as conftest's make_job, for this runtime)."""
-    from core.db import new_id, utcnow
-    from core.files.models import File
-    from core.jobs.service import append_events, state_event
-    from core.jobs.states import JobStatus
-
-    job_id = new_id("job")
-    with runtime.sessionmaker.begin() as session:
-        file_id = new_id("file")
-        session.add(File(file_id=file_id, filename="t.jsonl", purpose="train", bytes=1, sha256="0" * 64,
-                         format="text", num_records=1, path="/dev/null"))
-        session.flush()
-        session.add(Job(job_id=job_id, model=model, method="lora", spec={}, training_file_id=file_id,
-                        status=JobStatus.queued.value, created_at=utcnow(), updated_at=utcnow(), **values))
-        session.flush()
-        append_events(session, job_id, [state_event(JobStatus.queued)])
-    return job_id
+    return make_queued_job(runtime, model, **values)
 
 
 class TestLeftovers:

@@ -19,12 +19,17 @@ written): a ``string_check`` (eq), a ``text_similarity`` (fuzzy_match) and, with
 - ``loading``: ``load_model`` (weights from disk onto the device, the adapter, the fused LoRA layers);
 - ``generation``: the Engine's ``generate`` calls (prefill + decode of every chunk), with the
   completion tokens over that time: the sampler's tokens/s inside the run;
-- ``grading``: ``grade_all`` over every item (all criteria);
+- ``waiting for grades``: the runner waiting for graded lines: with the python grader the items
+  are graded on ``grading_workers`` threads while the next chunk generates
+  (``trainer.generate.job.ChunkLines``), so this is only what grading adds to the run; with 0
+  workers (in line) it is all of the grading;
+- ``grader time (summed)``: ``grade_all`` over every item (all criteria), summed over the threads;
 - ``other``: the rest (prompts read and tokenized, lines written, progress, the final merge).
 
 Then the sampler alone, as ``bench.sampler`` times it (``bench.sampler.build``: the shape built in
 memory with its adapter and the fused LoRA layers, ``Engine.generate`` on random token ids of the
-run's mean prompt length, ``ignore_eos`` to ``--new-tokens``, ``slots`` = the run's): the tokens/s
+run's mean prompt length, ``ignore_eos`` to ``--new-tokens``, ``slots`` = the run's, CUDA graphs as
+the run's engine, warmed up on the same prompts first): the tokens/s
 an eval run should hold. Nothing here is a test: no row asserts a speed.
 """
 
@@ -35,6 +40,7 @@ import json
 import random
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -64,7 +70,9 @@ class Timings:
     loading_s: float = 0.0
     generation_s: float = 0.0
     grading_s: float = 0.0
+    grading_wait_s: float = 0.0
     other_s: float = 0.0
+    grading_workers: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
     run_tokens_per_s: float = float("nan")
@@ -79,17 +87,23 @@ class Clock:
         self.seconds: dict[str, float] = {}
 
     @contextmanager
-    def patch(self, owner: Any, attr: str, name: str, device: torch.device) -> Iterator[None]:
+    def patch(self, owner: Any, attr: str, name: str, device: torch.device | None) -> Iterator[None]:
+        """Time ``owner.attr``; ``device``: synchronised around each call (None: not, for what
+        runs on grading threads beside the sampler and touches no GPU)."""
         original = getattr(owner, attr)
+        lock = threading.Lock()
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            _sync(device)
+            if device is not None:
+                _sync(device)
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                _sync(device)
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                if device is not None:
+                    _sync(device)
+                with lock:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
         setattr(owner, attr, timed)
         try:
@@ -150,12 +164,13 @@ def run_eval_timed(args: argparse.Namespace, shape: ModelShape, workdir: Path) -
     out = Path(tempfile.mkdtemp(dir=workdir, prefix="run-"))
     config = EvalConfig(model=str(model_dir), adapter=str(adapter), prompts_file=str(prompts), output_dir=str(out),
                         sampling={"max_tokens": args.new_tokens, "temperature": 0.0}, slots=args.slots,
-                        chunk_prompts=args.chunk, device=args.device,
+                        chunk_prompts=args.chunk, device=args.device, grading_workers=args.grading_workers,
                         testing_criteria=CRITERIA + ([PYTHON] if args.python else []))
     clock = Clock()
     with clock.patch(generate_job, "load_model", "loading", device), \
             clock.patch(Engine, "generate", "generation", device), \
-            clock.patch(eval_run, "grade_all", "grading", device):
+            clock.patch(eval_run, "grade_all", "grading", None), \
+            clock.patch(generate_job.ChunkLines, "flush", "waiting", None):
         start = time.perf_counter()
         status = eval_run.run_eval(config, lambda *_a, **_k: None)
         total = time.perf_counter() - start
@@ -163,8 +178,11 @@ def run_eval_timed(args: argparse.Namespace, shape: ModelShape, workdir: Path) -
         raise RuntimeError(f"the eval run ended {status}")
     lines = [json.loads(line) for line in config.completions_path.read_text().splitlines()]
     got = Timings(shape.name, len(lines), total, clock.seconds.get("loading", 0.0), clock.seconds.get("generation", 0.0),
-                  clock.seconds.get("grading", 0.0))
-    got.other_s = got.total_s - got.loading_s - got.generation_s - got.grading_s
+                  clock.seconds.get("grading", 0.0), clock.seconds.get("waiting", 0.0),
+                  grading_workers=eval_run.grading_workers(config))
+    if got.grading_workers == 0:  # graded in line, on the runner's thread
+        got.grading_wait_s = got.grading_s
+    got.other_s = got.total_s - got.loading_s - got.generation_s - got.grading_wait_s
     got.completion_tokens = sum(int(line["usage"]["completion_tokens"]) for line in lines)
     got.prompt_tokens = sum(int(line["usage"]["prompt_tokens"]) for line in lines)
     got.run_tokens_per_s = got.completion_tokens / got.generation_s if got.generation_s else float("nan")
@@ -185,9 +203,10 @@ def sampler_alone(args: argparse.Namespace, shape: ModelShape, timings: Timings)
     model = build(shape, torch.device(args.device))
     installed = lora_fused.install(model)
     try:
-        engine = Engine(model, None, slots=args.slots, max_len=length + args.new_tokens + 1)
+        # as the eval run's engine (trainer.generate.job): CUDA graphs for the decode-only steps
+        engine = Engine(model, None, slots=args.slots, max_len=length + args.new_tokens + 1, cuda_graphs="auto")
         ids = prompts(count, length, shape.vocab)
-        ftq_generate(engine, ids[: min(count, 2), : min(8, length)], 2)  # warm-up
+        ftq_generate(engine, ids, min(args.new_tokens, 16))  # warm-up: the kernels and every graph bucket
         out, seconds = ftq_generate(engine, ids, args.new_tokens)
         engine.release()
     finally:
@@ -198,15 +217,15 @@ def sampler_alone(args: argparse.Namespace, shape: ModelShape, timings: Timings)
 
 
 def table(rows: list[Timings]) -> str:
-    lines = ["| shape | items | total s | loading s | generation s | grading s | other s | "
-             "sampler tok/s in the run | sampler alone tok/s | in run / alone |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | items | grading workers | total s | loading s | generation s | waiting for grades s | "
+             "other s | grader time s (summed) | sampler tok/s in the run | sampler alone tok/s | in run / alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         share = lambda part: f"{part:.2f} ({part / r.total_s:.0%})"  # noqa: E731
         ratio = r.run_tokens_per_s / r.alone_tokens_per_s if r.alone_tokens_per_s == r.alone_tokens_per_s else float("nan")
-        lines.append(f"| {r.shape} | {r.items} | {r.total_s:.2f} | {share(r.loading_s)} | {share(r.generation_s)} | "
-                     f"{share(r.grading_s)} | {share(r.other_s)} | {r.run_tokens_per_s:.0f} | "
-                     f"{r.alone_tokens_per_s:.0f} | {ratio:.2f} |")
+        lines.append(f"| {r.shape} | {r.items} | {r.grading_workers} | {r.total_s:.2f} | {share(r.loading_s)} | "
+                     f"{share(r.generation_s)} | {share(r.grading_wait_s)} | {share(r.other_s)} | {r.grading_s:.2f} | "
+                     f"{r.run_tokens_per_s:.0f} | {r.alone_tokens_per_s:.0f} | {ratio:.2f} |")
     return "\n".join(lines)
 
 
@@ -219,6 +238,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=64, help="the eval job's slots (sequences decoded together)")
     p.add_argument("--chunk", type=int, default=256, help="the eval job's chunk_prompts")
     p.add_argument("--python", action="store_true", help="add a python grader (a sandboxed process per item)")
+    p.add_argument("--grading-workers", type=int, default=None,
+                   help="the run's grading_workers (default: the product's; 0 grades in line, as before 2026-11-28)")
     p.add_argument("--alone-prompts", type=int, default=256, help="prompts of the sampler-alone row")
     p.add_argument("--no-alone", action="store_true", help="skip the sampler-alone row")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -26,6 +26,11 @@ class EvalConfig(GenerateConfig):
     """The eval's graders, as ``trainer.graders.validate`` returned them (with ``pass_threshold``)."""
     sandbox: dict[str, float] = field(default_factory=dict)
     """A python grader's limits: ``trainer.graders.SandboxLimits`` fields (the box's settings)."""
+    grading_workers: int | None = None
+    """Completions graded at once, while the next chunk generates (``trainer.generate.job.ChunkLines``).
+    None: up to ``GRADING_WORKERS`` (the box's cores) when a criterion runs a python grader (a
+    process per item, which would leave the GPU idle), else 0 (graded in line: the in-process
+    graders take microseconds and would only compete with the sampler's host thread)."""
     lm_eval: dict[str, Any] | None = None
     """An lm-evaluation-harness task (``core.evals.lm_task``): the items are its documents and
     ``trainer.evals.lm_run`` runs it instead of generating and grading."""
@@ -36,6 +41,8 @@ class EvalConfig(GenerateConfig):
         super().__post_init__()
         if not self.testing_criteria:
             raise ValueError("testing_criteria: an eval run needs at least one grader")
+        if self.grading_workers is not None and not 0 <= self.grading_workers <= 256:
+            raise ValueError(f"grading_workers: {self.grading_workers} is not within 0..256")
 
 
 def is_eval_job(raw: dict[str, Any]) -> bool:

@@ -3,12 +3,16 @@
 The generation job's runner (``trainer.generate.job.run_generation``: ranks, chunks, the
 resumable output, cancel) with one change: each finished prompt is graded by every testing
 criterion (``trainer.evals.results.grade_all``) before its line is written, so a resumed run
-starts at the first item with no line and never grades an item twice. A line is the generation
+starts at the first item with no line and never grades an item twice. With a python grader the
+chunk's items are graded on ``grading_workers`` threads (one sandboxed process each) while the
+next chunk generates, so the GPU does not wait for the graders (``bench.evals`` measured 51 s of
+grading against 22 s of generation for 1,000 items on the 8B shape when they ran in turn). A line is the generation
 line plus the item (``item``), the grades (``results``) and the item's ``status``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from trainer.evals.config import EvalConfig
@@ -32,7 +36,27 @@ def run_eval(config: EvalConfig, emit: Emit, world: World | None = None) -> str:
     def graded(prompt: PromptRecord, result: Result) -> dict[str, Any]:
         return graded_line(output_line(prompt, result), prompt.record.get("item"), config.testing_criteria, limits)
 
-    return run_generation(config, emit, world, line_of=graded)
+    return run_generation(config, emit, world, line_of=graded, lines_workers=grading_workers(config))
+
+
+GRADING_WORKERS = 8
+"""Most python graders run at once by default (each its own sandboxed process)."""
+
+
+def grading_workers(config: EvalConfig) -> int:
+    """``config.grading_workers``, or the default it documents."""
+    if config.grading_workers is not None:
+        return config.grading_workers
+    if not any(runs_python(c) for c in config.testing_criteria):
+        return 0
+    return max(1, min(GRADING_WORKERS, os.cpu_count() or 1))
+
+
+def runs_python(grader: dict[str, Any]) -> bool:
+    """Whether a grader (or one inside a multi grader) runs the user's python in a process."""
+    if grader["type"] == "multi":
+        return any(runs_python(sub) for sub in grader["graders"].values())
+    return grader["type"] == "python"
 
 
 def graded_line(line: dict[str, Any], item: Any, criteria: list[dict[str, Any]],

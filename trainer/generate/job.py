@@ -16,7 +16,8 @@ the events:
 ``done``      status, error_code, message, path (completions.jsonl), prompts, tokens,
               adapter_path (None), steps (0)
 
-SIGTERM / SIGINT stop a rank after the chunk it is in (written whole, or not at all); a resumed
+SIGTERM / SIGINT stop a rank after the chunk it is in (written whole, or not at all; with
+``lines_workers``, the chunk generated before it is written too); a resumed
 run starts at the first prompt with no line. With a fixed ``seed`` a resumed run writes the same
 file as one that ran through: each prompt's draws depend only on its seed (``params``).
 """
@@ -27,6 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,12 +50,15 @@ LineOf = Callable[[PromptRecord, Result], dict[str, Any]]
 
 
 def run_generation(config: GenerateConfig, emit: Emit, world: World | None = None,
-                   line_of: LineOf | None = None) -> str:
+                   line_of: LineOf | None = None, lines_workers: int = 0) -> str:
     """Run the job on this rank; returns ``succeeded`` or ``cancelled`` (failures raise).
 
     ``line_of``: each finished prompt's line (default ``output_line``); an eval run
     (``trainer.evals.run``) passes one that grades the completion, so a line is written (and a
     resumed run skips its prompt) only once it is graded.
+    ``lines_workers``: with 0, a chunk's lines are made as it finishes; with more, on that many
+    threads while the next chunk generates (``ChunkLines``: an eval's python graders are processes,
+    which would otherwise leave the GPU idle while they run).
 
     Raises:
         trainer.generate.prompts.PromptError: the prompts file cannot be read.
@@ -65,13 +70,14 @@ def run_generation(config: GenerateConfig, emit: Emit, world: World | None = Non
     comm = Comm(world, device).start()
     try:
         with _stop_on_signals() as stop:
-            return _run(config, emit if world.is_main else _silent, world, device, comm, stop, line_of or output_line)
+            return _run(config, emit if world.is_main else _silent, world, device, comm, stop, line_of or output_line,
+                        lines_workers)
     finally:
         comm.close()
 
 
 def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device, comm: Comm,
-         stop: threading.Event, line_of: LineOf) -> str:
+         stop: threading.Event, line_of: LineOf, lines_workers: int) -> str:
     params = SamplingParams(**_sampling(config.sampling))
     prompts = read_prompts(config.prompts_file)
     done = outputs.read_lines(config.completions_path, config.parts_dir)
@@ -88,23 +94,60 @@ def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device,
                     max_len=config.max_len or longest + params.max_tokens, device=device, cuda_graphs="auto")
     progress = outputs.Progress(config.completions_path, config.parts_dir)
     base_tokens, started = progress.update()[1], time.perf_counter()
-    with outputs.open_part(config.parts_dir, world.rank) as part:
+
+    def write(lines: list[dict[str, Any]] | None) -> None:
+        if not lines:
+            return
+        outputs.append(part, lines)
+        prompts_done, tokens = progress.update()
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        emit("progress", stage="generate", prompts_done=prompts_done, prompts_total=len(prompts),
+             tokens=tokens - base_tokens, tokens_per_s=round((tokens - base_tokens) / elapsed, 2))
+
+    with outputs.open_part(config.parts_dir, world.rank) as part, ChunkLines(line_of, lines_workers) as lines:
         for start in range(0, len(mine), config.chunk_prompts):
             if stop.is_set():
-                return "cancelled"
+                break
             chunk = mine[start:start + config.chunk_prompts]
-            results = engine.generate([Request(ids[p.index], params) for p in chunk])
-            outputs.append(part, [line_of(p, r) for p, r in zip(chunk, results)])
-            prompts_done, tokens = progress.update()
-            elapsed = max(time.perf_counter() - started, 1e-9)
-            emit("progress", stage="generate", prompts_done=prompts_done, prompts_total=len(prompts),
-                 tokens=tokens - base_tokens, tokens_per_s=round((tokens - base_tokens) / elapsed, 2))
+            write(lines.submit(chunk, engine.generate([Request(ids[p.index], params) for p in chunk])))
+        write(lines.flush())
     if stop.is_set():
         return "cancelled"
     comm.barrier()
     if world.is_main:
         outputs.merge(config.completions_path, config.parts_dir, len(prompts))
     return "succeeded"
+
+
+class ChunkLines:
+    """The lines of finished chunks, in prompt order: made at once (``workers`` 0), or on a pool of
+    ``workers`` threads while the next chunk generates, one chunk behind (``submit`` hands back the
+    chunk before). A line that raises re-raises in the runner, as it would unpooled."""
+
+    def __init__(self, line_of: LineOf, workers: int) -> None:
+        self.line_of = line_of
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="lines") if workers > 0 else None
+        self.pending: list[Future[dict[str, Any]]] | None = None
+
+    def __enter__(self) -> ChunkLines:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, chunk: list[PromptRecord], results: list[Result]) -> list[dict[str, Any]] | None:
+        """Start this chunk's lines; the lines to write now (this chunk's unpooled, else the last one's)."""
+        if self.pool is None:
+            return [self.line_of(p, r) for p, r in zip(chunk, results)]
+        previous = self.flush()
+        self.pending = [self.pool.submit(self.line_of, p, r) for p, r in zip(chunk, results)]
+        return previous
+
+    def flush(self) -> list[dict[str, Any]] | None:
+        """The started chunk's lines (waiting for them), or None."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else [f.result() for f in pending]
 
 
 def _silent(*_args: Any, **_kwargs: Any) -> None:

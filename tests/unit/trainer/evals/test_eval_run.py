@@ -3,11 +3,13 @@ grades only the items with no line (a spy on the real ``grade_all`` counts the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from trainer.evals import run as eval_run
 from trainer.evals.config import EvalConfig
 from trainer.generate import outputs
+from trainer.generate.engine import Engine
 from trainer.parallel.distributed import World
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,6 +73,73 @@ def test_every_item_is_graded_once_and_a_resumed_run_grades_only_the_rest(tmp_pa
         assert line["results"][0]["passed"] is True
         assert line["results"][1]["passed"] is (text == line["item"]["answer"])
         assert line["status"] == ("pass" if text == line["item"]["answer"] else "fail")
+
+
+PYTHON = {"type": "python", "name": "py", "source": "def grade(sample, item):\n    return 1.0\n"}
+
+
+def _pooled(tmp_path: Path, model_dir: Path, workers: int | None, criteria: list | None = None) -> EvalConfig:
+    config = _config(tmp_path, model_dir)
+    return dataclasses.replace(config, grading_workers=workers, testing_criteria=criteria or CRITERIA)
+
+
+def test_pooled_grading_overlaps_the_next_chunks_generation_and_keeps_the_order(tmp_path, tiny_model_dir, monkeypatch):
+    """With workers, chunk 1's items are graded while chunk 2 generates (a grade of chunk 1 waits
+    for the second ``generate`` call to start: run in turn, it would wait in vain), two at once
+    (a barrier of two), and the lines are still written in prompt order."""
+    config = _pooled(tmp_path, tiny_model_dir, workers=2)
+    second_chunk = threading.Event()
+    calls: list[int] = []
+    real_generate = Engine.generate
+
+    def generate(self, requests, *args, **kwargs):
+        calls.append(len(requests))
+        if len(calls) == 2:
+            second_chunk.set()
+        return real_generate(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    together = threading.Barrier(2, timeout=60)
+    overlapped: list[bool] = []
+    real_grade = eval_run.grade_all
+
+    def grade(criteria, text, item, **kwargs):
+        if item["answer"] in ("0", "2"):  # the first chunk's two items
+            together.wait()
+            overlapped.append(second_chunk.wait(timeout=60))
+        return real_grade(criteria, text, item, **kwargs)
+
+    monkeypatch.setattr(eval_run, "grade_all", grade)
+    assert eval_run.run_eval(config, lambda *_a, **_k: None, ONE) == "succeeded"
+    assert calls == [2, 2, 1] and overlapped == [True, True]
+    lines = [json.loads(x) for x in config.completions_path.read_text().splitlines()]
+    assert [line["item"] for line in lines] == ITEMS and [line["index"] for line in lines] == list(range(5))
+
+
+def test_a_stopped_pooled_run_writes_the_chunk_it_generated_and_resumes_after_it(tmp_path, tiny_model_dir,
+                                                                                 monkeypatch):
+    """Stopped after chunk 1 is written (by then chunk 2 has generated and is being graded):
+    chunk 2 is written too, whole; the resumed run generates and grades only item 4."""
+    config = _pooled(tmp_path, tiny_model_dir, workers=2)
+    status, graded = _run(config, monkeypatch, stop_after=1)
+    assert status == "cancelled" and sorted(graded) == ["0", "2", "4", "6"]
+    assert sorted(outputs.read_lines(config.completions_path, config.parts_dir)) == [0, 1, 2, 3]
+    status, graded = _run(config, monkeypatch)
+    assert status == "succeeded" and graded == ["8"]
+    assert [json.loads(x)["item"] for x in config.completions_path.read_text().splitlines()] == ITEMS
+
+
+def test_grading_is_pooled_by_default_only_where_a_python_grader_runs(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    multi = {"type": "multi", "name": "m", "graders": {"p": PYTHON}, "calculate_output": "p"}
+    assert eval_run.grading_workers(_pooled(tmp_path, tiny_model_dir, None)) == 0
+    assert eval_run.grading_workers(_pooled(tmp_path, tiny_model_dir, None, [*CRITERIA, PYTHON])) == 8
+    assert eval_run.grading_workers(_pooled(tmp_path, tiny_model_dir, None, [multi])) == 8
+    assert eval_run.grading_workers(_pooled(tmp_path, tiny_model_dir, 3, [PYTHON])) == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert eval_run.grading_workers(_pooled(tmp_path, tiny_model_dir, None, [PYTHON])) == 2
+    with pytest.raises(ValueError, match="grading_workers: -1 is not within 0..256"):
+        _pooled(tmp_path, tiny_model_dir, -1)
 
 
 def test_the_trainer_and_its_eval_run_import_without_lm_eval() -> None:

@@ -1,5 +1,6 @@
 """GRPO on CUDA: a LoRA job samples on its live weights through the Triton decode path, that path
-samples what the plain-torch reference samples, and two ranks on NCCL train as one GPU (DDP over
+samples what the plain-torch reference samples, a QLoRA job samples its 4-bit base with its live
+adapter, and two ranks on NCCL train as one GPU (DDP over
 LoRA adapters; FSDP2 for full fine-tuning, the rollouts in lock-step).
 
 Run on the lent GPU: ``python -m pytest -m gpu tests/gpu/test_grpo_gpu.py`` (the last class needs
@@ -21,6 +22,7 @@ the reward mean may move by at most the share that differ (each is one reward of
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -92,6 +94,7 @@ class _Rollouts:
             self.calls.append({
                 "backend": engine.backend, "replays": engine.stats.graph_replays, "slots": engine.slots,
                 "sequences": sum(r.params.n for r in requests),
+                "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in engine.model.modules()),
                 "completions": [tuple(c.token_ids) for r in results for c in r.completions],
             })
             return results
@@ -162,6 +165,33 @@ class TestOneGpu:
             assert same >= BF16_SAME_SHARE, same
             assert abs(fast["reward_mean"] - reference["reward_mean"]) <= 1.0 - same + 1e-6
 
+
+    @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+    @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+    def test_a_qlora_job_samples_its_4bit_base_and_live_adapter_on_the_triton_path(self, tmp_path, model_dir,
+                                                                                     monkeypatch):
+        """QLoRA: the rollouts run on the NF4 base (bitsandbytes' ``Linear4bit`` in the sampled model)
+        with the adapter being trained, on the Triton decode path with CUDA graph replays, and train;
+        the plain-torch attention samples the same completions as bf16 runs do (the base's 4-bit
+        matmuls are the same bitsandbytes kernels on both paths: only attention differs)."""
+        runs = {}
+        for backend in ("triton", "torch"):
+            recorder, rollouts = _run(_config(tmp_path / backend, model_dir, steps=2, method="qlora"), monkeypatch,
+                                      backend)
+            steps = recorder.of("step")
+            assert len(steps) == 2 and [c["backend"] for c in rollouts.calls] == [backend] * 2
+            assert all(c["linear4bit"] > 0 for c in rollouts.calls), "the rollouts did not run on the 4-bit base"
+            assert all(torch.isfinite(torch.tensor(s["loss"])) and 0.0 <= s["reward_mean"] <= 1.0 for s in steps)
+            runs[backend] = (steps, rollouts.calls)
+        (fast_steps, fast_calls), (_, reference_calls) = runs["triton"], runs["torch"]
+        assert all(c["replays"] > 0 for c in fast_calls), "decode steps should replay CUDA graphs"
+        spread = [s for s in fast_steps if s["zero_std_fraction"] < 1]
+        assert spread and all(s["grad_norm"] > 0 for s in spread), fast_steps
+        fast, reference = fast_calls[0]["completions"], reference_calls[0]["completions"]
+        same = sum(a == b for a, b in zip(fast, reference)) / len(reference)
+        _report({"test": "grpo-qlora-triton-vs-torch-bf16", "same_completions": same,
+                 "steps": [{k: s.get(k) for k in ("loss", "grad_norm", "reward_mean")} for s in fast_steps]})
+        assert same >= BF16_SAME_SHARE, same
 
 @pytest.mark.gpu_multi
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

@@ -164,6 +164,11 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _slot_base(X, SLOTS, seq, kvh, stride_c, stride_h):
+        """Where sequence ``seq``'s slot's kv head ``kvh`` starts in the store ``X``."""
+        return X + tl.load(SLOTS + seq).to(tl.int64) * stride_c + kvh.to(tl.int64) * stride_h
+
+    @triton.jit
     def _decode_kernel(
         Q, K, V, O, PART_ACC, PART_M, PART_L, SINK, ROWS, SLOTS, LENS, PK, PV, PSLOTS, PLENS,
         scale, softcap, window, n_splits,
@@ -197,13 +202,11 @@ if triton is not None:
             q = q.to(tl.float32)
         k_base = K + slot * stride_kc + kvh.to(tl.int64) * stride_kh
         v_base = V + slot * stride_vc + kvh.to(tl.int64) * stride_vh
-        prompt_len = 0
-        pk_base, pv_base = k_base, v_base
+        prompt_len, pk_base, pv_base = 0, k_base, v_base
         if HAS_PROMPT:  # own positions start at the prompt's length: shift the own bases back by it
             prompt_len = tl.load(PLENS + seq).to(tl.int32)
-            prompt_slot = tl.load(PSLOTS + seq).to(tl.int64)
-            pk_base = PK + prompt_slot * stride_pkc + kvh.to(tl.int64) * stride_pkh
-            pv_base = PV + prompt_slot * stride_pvc + kvh.to(tl.int64) * stride_pvh
+            pk_base = _slot_base(PK, PSLOTS, seq, kvh, stride_pkc, stride_pkh)
+            pv_base = _slot_base(PV, PSLOTS, seq, kvh, stride_pvc, stride_pvh)
             k_base -= prompt_len.to(tl.int64) * stride_kl
             v_base -= prompt_len.to(tl.int64) * stride_vl
 
@@ -258,21 +261,10 @@ if triton is not None:
 
 
 def decode_attention(
-    query_THD: torch.Tensor,
-    keys_CHLD: torch.Tensor,
-    values_CHLD: torch.Tensor,
-    rows_S: torch.Tensor,
-    slots_S: torch.Tensor,
-    lengths_S: torch.Tensor,
-    out_THD: torch.Tensor,
-    scale: float,
-    max_len: int,
-    *,
-    window: int | None = None,
-    sinks_Hq: torch.Tensor | None = None,
-    softcap: float | None = None,
-    splits: int | None = None,
-    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    query_THD: torch.Tensor, keys_CHLD: torch.Tensor, values_CHLD: torch.Tensor, rows_S: torch.Tensor,
+    slots_S: torch.Tensor, lengths_S: torch.Tensor, out_THD: torch.Tensor, scale: float, max_len: int, *,
+    window: int | None = None, sinks_Hq: torch.Tensor | None = None, softcap: float | None = None,
+    splits: int | None = None, prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write into ``out_THD[rows_S]`` each decoding query's attention over its sequence's first
     ``lengths_S`` cached keys (its own key included: the cache already holds this step's).
@@ -287,17 +279,16 @@ def decode_attention(
         sinks_Hq: GPT-OSS sink logits, one per query head.
         softcap: logit soft-capping (Gemma 2).
         splits: split-K count (default ``plan_splits`` for the current device).
-        prompt: the shared-prompt layout (``trainer.generate.cache``): the layer's prompt store's
-            keys and values [Cp, Hkv, Lp, D], and each sequence's prompt slot and prompt length
-            [S]; positions below a sequence's prompt length are read from its prompt slot, the
-            rest at ``position - prompt length`` of its own slot. None: all from the own slot.
+        prompt: the shared-prompt layout (module docstring): the layer's prompt store's keys and
+            values [Cp, Hkv, Lp, D], each sequence's prompt slot and prompt length [S]. None: unshared.
     """
     seqs = rows_S.shape[0]
     heads_q, head_dim = query_THD.shape[1], query_THD.shape[2]
     heads_kv = keys_CHLD.shape[1]
     assert heads_q % heads_kv == 0, f"{heads_q} query heads are not a multiple of {heads_kv} kv heads"
-    assert query_THD.stride(2) == keys_CHLD.stride(3) == values_CHLD.stride(3) == out_THD.stride(2) == 1, (
-        f"head dims must be contiguous: strides {query_THD.stride()}, {keys_CHLD.stride()}, {out_THD.stride()}")
+    stores = (keys_CHLD, values_CHLD) + (prompt[:2] if prompt is not None else ())
+    assert query_THD.stride(2) == out_THD.stride(2) == 1 and all(t.stride(3) == 1 for t in stores), (
+        f"head dims must be contiguous: strides {query_THD.stride()}, {[t.stride() for t in stores]}, {out_THD.stride()}")
     if seqs == 0:
         return
     if splits is None:
@@ -309,7 +300,6 @@ def decode_attention(
     part_acc, part_m, part_l = _partials(seqs, splits, heads_q, head_dim, out_THD)
     sink = sinks_Hq.contiguous() if sinks_Hq is not None else out_THD
     prompt_keys, prompt_values, prompt_slots, prompt_lens = prompt or (keys_CHLD, values_CHLD, slots_S, lengths_S)
-    assert prompt_keys.stride(3) == prompt_values.stride(3) == 1, f"prompt strides {prompt_keys.stride()}"
     _decode_kernel[(seqs, heads_kv, splits)](
         query_THD, keys_CHLD, values_CHLD, out_THD, part_acc, part_m, part_l, sink, rows_S, slots_S, lengths_S,
         prompt_keys, prompt_values, prompt_slots, prompt_lens,

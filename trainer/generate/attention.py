@@ -11,8 +11,12 @@ model's own code computes the projections, q/k norms and RoPE at the ``position_
 Each forward is one packed row of tokens, each with a slot and a position (``StepState``): a
 prefilled prompt is a run of tokens of one slot at positions ``0..n-1``; a decoding sequence is
 one token at its slot's current length. The function writes every token's key and value into
-the cache at ``[slot, :, position]`` (``module.layer_idx`` picks the layer), then lets each query
-attend to its own slot's cached keys up to and including its position: causal, within the
+the cache at ``[slot, :, position]`` (``module.layer_idx`` picks the layer; in the shared-prompt
+layout of ``trainer.generate.cache``, a position below the sequence's prompt length goes to
+``[prompt slot, :, position]`` of the prompt store, the rest to ``[slot, :, position - prompt
+length]``), then lets each query attend to its sequence's cached keys up to and including its
+position, wherever they are stored (the torch backend gathers both stores into position order
+first, so its fp32 ops and results are the unshared layout's bit for bit): causal, within the
 layer's ``sliding_window`` (a token sees ``sliding_window`` positions, itself included, as
 transformers' ``sliding_window_overlay``), with GPT-OSS sinks (``s_aux``: one extra logit per
 head in the softmax denominator, no value) and Gemma 2's logit soft-capping. No attention mask

@@ -15,7 +15,9 @@ kernel reading the cache in place, SDPA for prompts); ``attention_backend`` or t
 captured per batch-size bucket (``DecodeGraphs``); other steps run eagerly.
 
 The cache is allocated on the first call and kept for later calls of the same shape and dtype
-(``release()`` frees it): no step allocates one.
+(``release()`` frees it): no step allocates one. With ``shared_prompts`` it has a prompt store
+that the ``n`` choices of a prompt read in place (``trainer.generate.cache``); the results are the
+unshared layout's, and a slot holds only generated tokens, so more sequences fit in one cache.
 
 Under several ranks: every rank must call ``generate`` with the same requests. The schedule is a
 function of the requests and the drawn tokens only, so ranks that draw the same tokens run the

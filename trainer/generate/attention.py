@@ -129,10 +129,11 @@ class StepState:
         for (slot, start, count), (prompt_slot, prompt_len) in zip(segments, prompts):
             slots += [slot] * count
             positions += range(start, start + count)
-            for p in range(start, start + count):
-                store, at = (prompt_w, (prompt_slot, p)) if p < prompt_len else (own_w, (slot, p - prompt_len))
-                for column, value in zip(store, (row + p - start, *at)):
-                    column.append(value)
+            # positions [start, split) go to the prompt store, [split, start + count) to the own slot
+            split = min(max(start, prompt_len), start + count)
+            _route(prompt_w, range(row, row + split - start), prompt_slot, range(start, split))
+            _route(own_w, range(row + split - start, row + count), slot,
+                   range(split - prompt_len, start + count - prompt_len))
             member = (row, slot, start, max(prompt_slot, 0), prompt_len)
             if count == 1:
                 singles.append(member)
@@ -173,6 +174,13 @@ class StepState:
                 continue
             keys, values = (t if store.rows is None else t.index_select(0, store.rows) for t in (key_THD, value_THD))
             self.cache.write(layer, store.slots, store.positions, keys, values, prompt=prompt)
+
+
+def _route(writes: tuple[list[int], list[int], list[int]], rows: range, slot: int, positions: range) -> None:
+    """Append tokens ``rows`` of one sequence, to be written at ``[slot, :, positions]``, to ``writes``."""
+    writes[0].extend(rows)
+    writes[1].extend([slot] * len(rows))
+    writes[2].extend(positions)
 
 
 def _group(members: list[tuple[int, int, int, int, int]], count: int, device: torch.device) -> Group:

@@ -131,3 +131,17 @@ def test_a_graph_takes_decodes_but_not_a_one_token_prompts_prefill() -> None:
     decode = StepPlan(segments=[(0, 3, 1), (1, 5, 1)], input_ids=[1, 2], keep=[0, 1], prompts=[(0, 3), (1, 2)])
     prefill = StepPlan(segments=[(0, 3, 1), (1, 0, 1)], input_ids=[1, 2], keep=[0, 1], prompts=[(0, 3), (1, 1)])
     assert graphs.takes(decode) and not graphs.takes(prefill)
+
+
+def test_a_steps_tokens_go_to_the_prompt_store_below_the_prompt_length_and_to_the_own_slot_above() -> None:
+    from trainer.generate.attention import StepState
+
+    cache = KVCache(1, 4, 1, 8, 2, torch.float32, "cpu", SharedPrompts(3, 12, 8))
+    # a decode of slot 0 past its prompt of 5; a prompt of 11 prefilled from 9 (9, 10 in it; 11, 12 past it)
+    state = StepState.build(cache, [(0, 7, 1), (2, 9, 4)], torch.device("cpu"), prompts=[(1, 5), (2, 11)])
+    assert (state.prompt.rows.tolist(), state.prompt.slots.tolist(), state.prompt.positions.tolist()) == (
+        [1, 2], [2, 2], [9, 10])
+    assert (state.own.rows.tolist(), state.own.slots.tolist(), state.own.positions.tolist()) == (
+        [0, 3, 4], [0, 2, 2], [2, 0, 1])
+    assert state.position_T.tolist() == [7, 9, 10, 11, 12]
+    assert state.groups[0].prompt_lens.tolist() == [5] and state.groups[1].prompt_slots.tolist() == [2]

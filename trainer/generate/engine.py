@@ -283,9 +283,9 @@ class DecodeGraphs:
     sequences; with ``shared`` prompts also their prompt slots, prompt lengths and positions in
     their own slots); a step copies its values in with one host-to-device copy and replays. Padding
     rows decode at position 0 of the scratch slot ``slots`` (the cache's last), whose contents
-    nobody reads (with no prompt: prompt length 0). The decode kernel's split count is sized for the cache's ``max_len`` so the
-    captured launch fits every step. All graphs share one memory pool; a reallocated cache drops
-    them (``reset``). A model whose forward cannot be captured (it copies from the host
+    nobody reads (with no prompt: prompt length 0). The decode kernel's split count is sized for
+    the cache's ``max_len`` so the captured launch fits every step. All graphs share one memory
+    pool; a reallocated cache drops them (``reset``). A model whose forward cannot be captured (it copies from the host
     mid-forward, as GPT-OSS's fp32 MoE path does) runs eagerly from then on; ``disabled`` says why.
     """
 

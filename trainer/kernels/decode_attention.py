@@ -288,7 +288,8 @@ def decode_attention(
     assert heads_q % heads_kv == 0, f"{heads_q} query heads are not a multiple of {heads_kv} kv heads"
     stores = (keys_CHLD, values_CHLD) + (prompt[:2] if prompt is not None else ())
     assert query_THD.stride(2) == out_THD.stride(2) == 1 and all(t.stride(3) == 1 for t in stores), (
-        f"head dims must be contiguous: strides {query_THD.stride()}, {[t.stride() for t in stores]}, {out_THD.stride()}")
+        f"head dims must be contiguous: strides {query_THD.stride()}, {[t.stride() for t in stores]}, "
+        f"{out_THD.stride()}")
     if seqs == 0:
         return
     if splits is None:

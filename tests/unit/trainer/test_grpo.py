@@ -185,7 +185,8 @@ def test_rollouts_with_shared_prompts_are_those_of_the_unshared_cache(tmp_path, 
     monkeypatch.setattr(grpo_objective, "CPU_SLOTS", 12)
     copies: list[int] = []
     copy_prefix = sampler_cache.KVCache.copy_prefix
-    monkeypatch.setattr(sampler_cache.KVCache, "copy_prefix", lambda self, *a: copies.append(1) or copy_prefix(self, *a))
+    monkeypatch.setattr(sampler_cache.KVCache, "copy_prefix",
+                        lambda self, *a: copies.append(1) or copy_prefix(self, *a))
     runs = []
     for shared in (False, True):
         monkeypatch.setattr(grpo_objective.Grpo, "share_prompts", shared)

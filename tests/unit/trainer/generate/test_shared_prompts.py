@@ -50,7 +50,8 @@ def _generate(model, tokenizer, prompts, params, shared: SharedPrompts | None, l
         if installed is not None:
             installed.uninstall()
     assert (engine.cache.prompt_keys_PHLD != []) == (shared is not None)
-    return [[(c.token_ids, [(t.logprob, t.top) for t in c.logprobs]) for c in r.completions] for r in results], sum(copies)
+    completions = [[(c.token_ids, [(t.logprob, t.top) for t in c.logprobs]) for c in r.completions] for r in results]
+    return completions, sum(copies)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

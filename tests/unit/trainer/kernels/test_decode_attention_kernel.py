@@ -175,7 +175,11 @@ def _run_shared_case(case) -> dict[str, float]:
     sinks = (torch.randn(heads_q, generator=g) * 3).to(dtype) if has_sinks else None
     calls = []
     original = decode_attention.decode_attention
-    decode_attention.decode_attention = lambda *a, **k: calls.append(k["prompt"]) or original(*a, **{**k, "splits": splits})
+    def counted(*args, **kwargs):
+        calls.append(kwargs["prompt"])
+        return original(*args, **{**kwargs, "splits": splits})
+
+    decode_attention.decode_attention = counted
     outs = {}
     for layout, source, prompts in (("unshared", cache, None), ("shared", shared, SHARED_PROMPTS)):
         for backend in ("torch", "triton"):

@@ -18,7 +18,8 @@ Two layouts, chosen per engine (``SharedPrompts``):
   prompt is prefilled once into a prompt slot and every choice admitted with it references that
   slot; nothing is copied. An own slot then needs only the generated tokens' positions
   (``SharedPrompts.new_len``), the prompt store ``SharedPrompts.prompt_len`` per prompt, so GRPO's
-  8 choices of a 256-token prompt with 512 new tokens take 512 + 256 / 8 positions each instead of
+  8 choices of a 256-token prompt with 512 new tokens take 512 positions each plus 256 for the
+  group (``trainer.objectives.grpo`` reserves two prompt slots a group: 576 a sequence) instead of
   768. Every prompt goes to the prompt store in this layout (``n == 1`` too), so the scheduler and
   the attention have one rule; the single-request paths (jobs, samples, chat) keep the unshared
   layout and its unchanged kernels.

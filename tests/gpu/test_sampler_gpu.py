@@ -25,6 +25,13 @@ CUDA graphs (``cuda_graphs=True``): the same requests through graphs and eagerly
 tokens and logprobs (the same kernels on the same inputs; padding rows touch only the scratch slot),
 in fp32 and bf16, and the decode steps did replay graphs (GPT-OSS's fp32 MoE copies from the host
 mid-forward, which a capture refuses: that engine says why and runs eagerly; Llama must replay).
+
+Shared prompts (``trainer.generate.cache.SharedPrompts``, the GRPO rollouts' layout): bf16, graphs
+on, three sampled (seeded) choices of each prompt give bitwise the unshared layout's tokens and
+logprobs (the decode kernel runs the same key blocks on the same values; prefill is the same SDPA);
+and on Llama-3.1-8B's attention shape, 64 decoding sequences in groups of 8 sharing a 256-token
+prompt, the kernel's output on the shared layout is bitwise its output on the unshared one and
+within ``KERNEL_BF16_ATOL`` of the torch backend's.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 
 from trainer.features.lora_kernel import fused as lora_fused
 from trainer.generate.attention import StepState, attend_cached
-from trainer.generate.cache import KVCache
+from trainer.generate.cache import KVCache, SharedPrompts
 from trainer.generate.engine import Engine
 from trainer.generate.params import Request, SamplingParams
 
@@ -175,3 +182,55 @@ def test_cuda_graph_decoding_gives_the_eager_tokens(arch: str, dtype: torch.dtyp
     for want, got in zip(eager, graphed):
         assert got.token_ids == want.token_ids
         assert [a.logprob for a in got.logprobs] == [b.logprob for b in want.logprobs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_bf16_shared_prompts_with_cuda_graphs_give_the_unshared_tokens(arch: str) -> None:
+    model, tokenizer = _model(arch, True, torch.bfloat16)
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, n=3, logprobs=True)
+    installed = lora_fused.install(model)
+    runs, engines = [], []
+    try:
+        for shared in (None, SharedPrompts(slots=8, prompt_len=max(map(len, prompts)), new_len=MAX_LEN)):
+            engine = Engine(model, tokenizer, slots=8, max_len=MAX_LEN, attention_backend="triton", cuda_graphs=True,
+                            shared_prompts=shared)
+            results = engine.generate([Request(tuple(p), params) for p in prompts])
+            runs.append([(c.token_ids, [t.logprob for t in c.logprobs]) for r in results for c in r.completions])
+            engines.append(engine)
+    finally:
+        installed.uninstall()
+    shared_engine = engines[1]
+    assert shared_engine.cache.prompt_keys_PHLD and sum(len(t) for t, _ in runs[1]) > 100
+    graphs = shared_engine.graphs
+    assert (shared_engine.stats.graph_replays > 0 and graphs.disabled is None) or (
+        arch == "gpt_oss" and "captured" in graphs.disabled)
+    assert runs[1] == runs[0]
+
+
+def test_the_kernel_on_shared_prompts_at_the_8b_shape_is_bitwise_its_unshared_output() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads_q, heads_kv, head_dim, prompt_len = 32, 8, 128, 256
+    cache = KVCache(layers=1, slots=64, kv_heads=heads_kv, max_len=768, head_dim=head_dim, dtype=torch.bfloat16,
+                    device="cuda")
+    cache.keys_SHLD[0].normal_(generator=g)
+    cache.values_SHLD[0].normal_(generator=g)
+    shared = KVCache(1, 64, heads_kv, 512, head_dim, torch.bfloat16, "cuda", SharedPrompts(8, prompt_len, 512))
+    for own, prompt, source in ((shared.keys_SHLD[0], shared.prompt_keys_PHLD[0], cache.keys_SHLD[0]),
+                                (shared.values_SHLD[0], shared.prompt_values_PHLD[0], cache.values_SHLD[0])):
+        source.view(8, 8, heads_kv, 768, head_dim)[:, 1:, :, :prompt_len] = source.view(
+            8, 8, heads_kv, 768, head_dim)[:, :1, :, :prompt_len]  # each group of 8 continues one prompt
+        prompt.copy_(source[::8, :, :prompt_len])
+        own.copy_(source[:, :, prompt_len:])
+    positions = torch.randint(prompt_len, 767, (64,), generator=g, device="cuda").tolist()
+    segments = [(slot, position, 1) for slot, position in enumerate(positions)]
+    query, key, value = (torch.randn(64, h, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+                         for h in (heads_q, heads_kv, heads_kv))
+    outs = []
+    for source, prompts, backend in ((cache, None, "triton"), (shared, [(s // 8, prompt_len) for s in range(64)],
+                                                                "triton"), (cache, None, "torch")):
+        state = StepState.build(source, segments, torch.device("cuda"), backend, prompts)
+        state.write(0, key, value)
+        outs.append(attend_cached(state, 0, query, key, value, head_dim**-0.5, None, None, None).float())
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[1] - outs[2]).abs().max().item() < KERNEL_BF16_ATOL

@@ -11,8 +11,12 @@ model's own code computes the projections, q/k norms and RoPE at the ``position_
 Each forward is one packed row of tokens, each with a slot and a position (``StepState``): a
 prefilled prompt is a run of tokens of one slot at positions ``0..n-1``; a decoding sequence is
 one token at its slot's current length. The function writes every token's key and value into
-the cache at ``[slot, :, position]`` (``module.layer_idx`` picks the layer), then lets each query
-attend to its own slot's cached keys up to and including its position: causal, within the
+the cache at ``[slot, :, position]`` (``module.layer_idx`` picks the layer; in the shared-prompt
+layout of ``trainer.generate.cache``, a position below the sequence's prompt length goes to
+``[prompt slot, :, position]`` of the prompt store, the rest to ``[slot, :, position - prompt
+length]``), then lets each query attend to its sequence's cached keys up to and including its
+position, wherever they are stored (the torch backend gathers both stores into position order
+first, so its fp32 ops and results are the unshared layout's bit for bit): causal, within the
 layer's ``sliding_window`` (a token sees ``sliding_window`` positions, itself included, as
 transformers' ``sliding_window_overlay``), with GPT-OSS sinks (``s_aux``: one extra logit per
 head in the softmax denominator, no value) and Gemma 2's logit soft-capping. No attention mask
@@ -66,7 +70,7 @@ class Group:
     rows: torch.Tensor
     """[S * N] the queries' indices in the packed row, sequence-major."""
     slots: torch.Tensor
-    """[S] each sequence's cache slot."""
+    """[S] each sequence's own cache slot."""
     positions_SN: torch.Tensor
     """[S, N] each query's position in its sequence."""
     size: tuple[int, int]
@@ -75,6 +79,21 @@ class Group:
     """Keys read per sequence: the largest position of the group plus one (host)."""
     lengths: torch.Tensor
     """[S] int32 (int64 in ``engine.DecodeGraphs``) each sequence's keys after this step (last position + 1)."""
+    prompt_slots: torch.Tensor | None = None
+    """[S] each sequence's prompt slot (shared-prompt layout; 0 where it has none), or None: no
+    sequence of the group reads the prompt store."""
+    prompt_lens: torch.Tensor | None = None
+    """[S] int32 positions each sequence reads from its prompt slot (0: none), or None as above."""
+
+
+@dataclass(frozen=True)
+class Writes:
+    """Where a forward's keys go in one store: ``rows`` of the packed row (None: every token, in
+    order) to ``[slots, :, positions]``."""
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -83,36 +102,55 @@ class StepState:
 
     cache: KVCache
     slot_T: torch.Tensor
-    """[T] each token's slot."""
+    """[T] each token's own slot."""
     position_T: torch.Tensor
     """[T] each token's position (also the model's ``position_ids``)."""
     groups: tuple[Group, ...]
     backend: str = "torch"
+    own: Writes | None = None
+    """The own store's writes; None: every token at ``[slot_T, :, position_T]`` (unshared layout)."""
+    prompt: Writes | None = None
+    """The prompt store's writes (the shared layout's prefilled prompts), or None."""
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, cache: KVCache, segments: list[tuple[int, int, int]], device: torch.device,
-              backend: str = "torch") -> StepState:
+              backend: str = "torch", prompts: list[tuple[int, int]] | None = None) -> StepState:
         """The state of a row made of ``segments``, each ``(slot, first_position, tokens)`` in row order,
-        attended by ``backend`` (one of ``BACKENDS``).
+        attended by ``backend`` (one of ``BACKENDS``). ``prompts``: each segment's ``(prompt slot,
+        prompt length)`` in the shared-prompt layout (``trainer.generate.cache``), positions below the
+        prompt length being the prompt store's; None: the unshared layout.
 
-        One host-to-device copy of the row's slots and positions; no device read.
+        One host-to-device copy of the row's slots and positions (and writes); no device read.
         """
+        prompts = prompts or [(-1, 0)] * len(segments)
         slots, positions, singles, groups, row = [], [], [], [], 0
-        for slot, start, count in segments:
+        own_w, prompt_w = ([], [], []), ([], [], [])  # (rows, slots, positions) of each store's writes
+        for (slot, start, count), (prompt_slot, prompt_len) in zip(segments, prompts):
             slots += [slot] * count
             positions += range(start, start + count)
+            # positions [start, split) go to the prompt store, [split, start + count) to the own slot
+            split = min(max(start, prompt_len), start + count)
+            _route(prompt_w, range(row, row + split - start), prompt_slot, range(start, split))
+            _route(own_w, range(row + split - start, row + count), slot,
+                   range(split - prompt_len, start + count - prompt_len))
+            member = (row, slot, start, max(prompt_slot, 0), prompt_len)
             if count == 1:
-                singles.append((row, slot, start))
+                singles.append(member)
             else:
-                groups.append(_group([(row, slot, start)], count, device))
+                groups.append(_group([member], count, device))
             row += count
         if singles:
             groups.insert(0, _group(singles, 1, device))
         if max(positions, default=-1) >= cache.max_len:
             raise ValueError(f"position {max(positions)} is past the cache's max_len {cache.max_len}")
-        slot_position = torch.tensor([slots, positions], dtype=torch.long).to(device)
-        return cls(cache, slot_position[0], slot_position[1], tuple(groups), backend)
+        shared = any(length for _, length in prompts)
+        host = [slots, positions, *(own_w + prompt_w if shared else ())]
+        flat = torch.tensor([v for column in host for v in column], dtype=torch.long).to(device)
+        parts = flat.split([len(column) for column in host])
+        own = Writes(parts[2], parts[3], parts[4]) if shared else None
+        prompt = Writes(parts[5], parts[6], parts[7]) if shared and prompt_w[0] else None
+        return cls(cache, parts[0], parts[1], tuple(groups), backend, own, prompt)
 
     def allowed(self, index: int, window: int | None) -> torch.Tensor:
         """[S, 1, 1, N, L] which cached keys group ``index``'s queries see (memoized per window:
@@ -128,15 +166,35 @@ class StepState:
             mask = self._masks[(index, window)] = mask[:, None, None]
         return mask
 
+    def write(self, layer: int, key_THD: torch.Tensor, value_THD: torch.Tensor) -> None:
+        """The step's keys and values into the cache (each store its tokens)."""
+        own = self.own or Writes(None, self.slot_T, self.position_T)
+        for store, prompt in ((own, False), (self.prompt, True)):
+            if store is None:
+                continue
+            keys, values = (t if store.rows is None else t.index_select(0, store.rows) for t in (key_THD, value_THD))
+            self.cache.write(layer, store.slots, store.positions, keys, values, prompt=prompt)
 
-def _group(members: list[tuple[int, int, int]], count: int, device: torch.device) -> Group:
-    """A group of ``members`` ``(row, slot, first_position)`` of ``count`` tokens each."""
-    rows = [r + i for r, _, _ in members for i in range(count)]
-    positions = [[p + i for i in range(count)] for _, _, p in members]
-    lengths = [p + count for _, _, p in members]
-    return Group(torch.tensor(rows, device=device), torch.tensor([s for _, s, _ in members], device=device),
+
+def _route(writes: tuple[list[int], list[int], list[int]], rows: range, slot: int, positions: range) -> None:
+    """Append tokens ``rows`` of one sequence, to be written at ``[slot, :, positions]``, to ``writes``."""
+    writes[0].extend(rows)
+    writes[1].extend([slot] * len(rows))
+    writes[2].extend(positions)
+
+
+def _group(members: list[tuple[int, int, int, int, int]], count: int, device: torch.device) -> Group:
+    """A group of ``members`` ``(row, slot, first_position, prompt slot, prompt length)`` of ``count`` tokens each."""
+    rows = [r + i for r, *_ in members for i in range(count)]
+    positions = [[m[2] + i for i in range(count)] for m in members]
+    lengths = [m[2] + count for m in members]
+    prompt_slots = prompt_lens = None
+    if any(m[4] for m in members):
+        prompt_slots = torch.tensor([m[3] for m in members], device=device)
+        prompt_lens = torch.tensor([m[4] for m in members], dtype=torch.int32, device=device)
+    return Group(torch.tensor(rows, device=device), torch.tensor([m[1] for m in members], device=device),
                  torch.tensor(positions, device=device), (len(members), count), max(lengths),
-                 torch.tensor(lengths, dtype=torch.int32, device=device))
+                 torch.tensor(lengths, dtype=torch.int32, device=device), prompt_slots, prompt_lens)
 
 
 def choose_backend(requested: str, device: torch.device) -> str:
@@ -252,7 +310,7 @@ def sampler_attention_forward(
     state = sampler_state
     # [B, H, S, D] -> [B * S, H, D]: one of B and S is 1, so this is the tokens in row order.
     key_THD, value_THD = (t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (key, value))
-    state.cache.write(layer, state.slot_T, state.position_T, key_THD, value_THD)
+    state.write(layer, key_THD, value_THD)
     scale = scaling if scaling is not None else head_dim**-0.5
     query_THD = query.transpose(1, 2).reshape(-1, heads_q, head_dim)
     out_THD = attend_cached(state, layer, query_THD, key_THD, value_THD, scale, sliding_window, s_aux, softcap)
@@ -295,8 +353,13 @@ def _attend_decoding(state: StepState, layer: int, index: int, query_THD: torch.
         return False
     if decode_attention.supported(keys.device, keys.dtype, keys.shape[-1]) is not None:
         return False
+    prompt = None
+    if group.prompt_slots is not None:
+        prompt = (state.cache.prompt_keys_PHLD[layer], state.cache.prompt_values_PHLD[layer], group.prompt_slots,
+                  group.prompt_lens)
     decode_attention.decode_attention(query_THD, keys, values, group.rows, group.slots, group.lengths, out_THD,
-                                      scale, group.kv_len, window=window, sinks_Hq=sinks, softcap=softcap)
+                                      scale, group.kv_len, window=window, sinks_Hq=sinks, softcap=softcap,
+                                      prompt=prompt)
     return True
 
 
@@ -317,13 +380,38 @@ def _prefill_sdpa(group: Group, query_THD: torch.Tensor, key_THD: torch.Tensor, 
     return out_HND[0].transpose(0, 1)
 
 
+def _gather(cache: KVCache, layer: int, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's sequences' keys and values at their positions ``0..kv_len-1``: [S, Hkv, L, D] each.
+
+    In the shared-prompt layout position ``p`` of a sequence is its prompt slot's ``p`` below its
+    prompt length, else its own slot's ``p - prompt length``: gathered into the unshared layout's
+    order and made contiguous, so the fp32 ops after are the unshared path's on the same values
+    (positions past a sequence's length hold other finite keys, masked out as there).
+    """
+    own = cache.keys_SHLD[layer], cache.values_SHLD[layer]
+    if group.prompt_slots is None:
+        return tuple(t[:, :, : group.kv_len].index_select(0, group.slots) for t in own)
+    prompt = cache.prompt_keys_PHLD[layer], cache.prompt_values_PHLD[layer]
+    key_L = torch.arange(group.kv_len, device=group.slots.device)
+    prompt_len_S1 = group.prompt_lens.long().unsqueeze(1)
+    in_prompt_SL11 = (key_L < prompt_len_S1)[:, :, None, None]
+    own_pos_SL = (key_L - prompt_len_S1).clamp(0, own[0].shape[2] - 1)
+    prompt_pos_SL = key_L.clamp(max=prompt[0].shape[2] - 1).expand_as(own_pos_SL)
+    out = []
+    for own_t, prompt_t in zip(own, prompt):
+        # Advanced indices around a slice put the indexed dimensions first: [S, L, Hkv, D].
+        mixed_SLHD = torch.where(in_prompt_SL11, prompt_t[group.prompt_slots.unsqueeze(1), :, prompt_pos_SL],
+                                 own_t[group.slots.unsqueeze(1), :, own_pos_SL])
+        out.append(mixed_SLHD.transpose(1, 2).contiguous())
+    return out[0], out[1]
+
+
 def _attend_group(state: StepState, layer: int, index: int, query_THD: torch.Tensor, scale: float,
                   window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
     """One group's attention in fp32: [S * N, Hq, D] in the query's dtype."""
     group = state.groups[index]
     (seqs, count), heads_q, head_dim = group.size, query_THD.shape[1], query_THD.shape[2]
-    keys = state.cache.keys_SHLD[layer][:, :, : group.kv_len].index_select(0, group.slots)
-    values = state.cache.values_SHLD[layer][:, :, : group.kv_len].index_select(0, group.slots)
+    keys, values = _gather(state.cache, layer, group)
     heads_kv = keys.shape[1]
     # Query head h reads key head h // G (transformers' repeat_kv): view the heads as [Hkv, G].
     q_SHGND = query_THD.index_select(0, group.rows).view(seqs, count, heads_kv, heads_q // heads_kv, head_dim)

@@ -15,7 +15,9 @@ kernel reading the cache in place, SDPA for prompts); ``attention_backend`` or t
 captured per batch-size bucket (``DecodeGraphs``); other steps run eagerly.
 
 The cache is allocated on the first call and kept for later calls of the same shape and dtype
-(``release()`` frees it): no step allocates one.
+(``release()`` frees it): no step allocates one. With ``shared_prompts`` it has a prompt store
+that the ``n`` choices of a prompt read in place (``trainer.generate.cache``); the results are the
+unshared layout's, and a slot holds only generated tokens, so more sequences fit in one cache.
 
 Under several ranks: every rank must call ``generate`` with the same requests. The schedule is a
 function of the requests and the drawn tokens only, so ranks that draw the same tokens run the
@@ -40,8 +42,8 @@ from typing import Any
 import torch
 
 from trainer.features.attention.packed import unwrap_model
-from trainer.generate.attention import Group, StepState, choose_backend, sampler_attention
-from trainer.generate.cache import KVCache
+from trainer.generate.attention import Group, StepState, Writes, choose_backend, sampler_attention
+from trainer.generate.cache import KVCache, SharedPrompts
 from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
 from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
 from trainer.generate.scheduler import Scheduler, StepPlan
@@ -90,6 +92,12 @@ class Engine:
             process only: under FSDP2 the forward's all-gathers are not captured. ``"auto"``: on
             when the backend is ``triton`` (CUDA), off otherwise (batch generation jobs, whose ranks
             share nothing in a forward).
+        shared_prompts: the shared-prompt cache layout (``trainer.generate.cache.SharedPrompts``):
+            every prompt is prefilled into a prompt slot that the ``n`` choices admitted with it all
+            read (none copies it), and a slot holds only its sequence's generated tokens, at most
+            ``new_len`` (a completion also ends, ``length``, at ``new_len`` tokens). None (default):
+            each slot holds its whole sequence, ``max_len`` positions. GRPO's rollouts use it
+            (``trainer.objectives.grpo.rollout_slots`` sizes both stores).
 
     Raises:
         ValueError: a size below its least, or a backend that is unknown or cannot run here.
@@ -99,7 +107,8 @@ class Engine:
                  max_batch_tokens: int = 4096, device: torch.device | None = None,
                  cache_dtype: torch.dtype | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 forward: Callable[..., Any] | None = None, attention_backend: str | None = None, cuda_graphs: bool | str = False) -> None:
+                 forward: Callable[..., Any] | None = None, attention_backend: str | None = None,
+                 cuda_graphs: bool | str = False, shared_prompts: SharedPrompts | None = None) -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
@@ -107,6 +116,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self._call = forward if forward is not None else model
         self.slots, self.max_len, self.max_batch_tokens = slots, max_len, max_batch_tokens
+        self.shared_prompts = shared_prompts
         lm = unwrap_model(model)
         embed = lm.get_input_embeddings().weight
         self.device = torch.device(device) if device is not None else embed.device
@@ -122,7 +132,7 @@ class Engine:
         if cuda_graphs and self.backend != "triton":
             raise ValueError(f"cuda_graphs needs the triton attention backend on CUDA (got {self.backend} on "
                              f"{self.device}); pass cuda_graphs=False")
-        self.graphs: DecodeGraphs | None = DecodeGraphs(slots) if cuda_graphs else None
+        self.graphs: DecodeGraphs | None = DecodeGraphs(slots, shared_prompts is not None) if cuda_graphs else None
 
     def generate(self, requests: Seq[Request], lockstep: Callable[[bool], bool] | None = None) -> list[Result]:
         """Complete every request; results in request order.
@@ -152,8 +162,10 @@ class Engine:
 
     def scheduler(self, requests: Seq[Request] = ()) -> Scheduler:
         """A scheduler of this engine's shape (``generate``'s; ``trainer.generate.serve`` adds to it)."""
+        shared = self.shared_prompts
         return Scheduler(requests, self.slots, self.max_len, self.max_batch_tokens, self._stopper,
-                         lambda seed: generator_for(seed, self.device), _draw_seed)
+                         lambda seed: generator_for(seed, self.device), _draw_seed,
+                         shared.slots if shared else 0, shared.prompt_len if shared else 0)
 
     @contextmanager
     def running(self) -> Iterator[Callable[[Scheduler], None]]:
@@ -170,7 +182,10 @@ class Engine:
         self.cache = None
 
     def _stopper(self, params: SamplingParams, prompt_length: int) -> Stopper:
-        return Stopper(params, self.eos, self.tokenizer, self.max_len - prompt_length)
+        room = self.max_len - prompt_length
+        if self.shared_prompts is not None:
+            room = min(room, self.shared_prompts.new_len)
+        return Stopper(params, self.eos, self.tokenizer, room)
 
     def _allocate(self) -> KVCache:
         dtype = self._cache_dtype
@@ -180,7 +195,9 @@ class Engine:
         cache = self.cache
         if cache is None or cache.keys_SHLD[0].dtype != dtype:
             slots = self.slots + (self.graphs is not None)
-            self.cache = cache = KVCache.for_model(self.config, slots, self.max_len, dtype, self.device)
+            shared = self.shared_prompts
+            length = shared.new_len if shared is not None else self.max_len
+            self.cache = cache = KVCache.for_model(self.config, slots, length, dtype, self.device, shared)
             self.stats.caches_allocated += 1
             if self.graphs is not None:
                 self.graphs.reset()
@@ -196,7 +213,7 @@ class Engine:
             logits_RV = self.graphs.run(self.model, cache, plan)
             self.stats.graph_replays += logits_RV is not None
         if logits_RV is None:
-            state = StepState.build(cache, plan.segments, self.device, self.backend)
+            state = StepState.build(cache, plan.segments, self.device, self.backend, plan.prompts or None)
             logits_RV = self._forward(plan, state, active)
         self.stats.forwards += 1
         self.stats.forward_tokens += len(plan.input_ids)
@@ -263,16 +280,17 @@ class DecodeGraphs:
     """CUDA graphs of the decode-only forward, one per batch-size bucket, captured on first use.
 
     A graph's inputs are static tensors (token ids, slots, positions, lengths of ``bucket``
-    sequences); a step copies its values in with one host-to-device copy and replays. Padding
+    sequences; with ``shared`` prompts also their prompt slots, prompt lengths and positions in
+    their own slots); a step copies its values in with one host-to-device copy and replays. Padding
     rows decode at position 0 of the scratch slot ``slots`` (the cache's last), whose contents
-    nobody reads. The decode kernel's split count is sized for the cache's ``max_len`` so the
-    captured launch fits every step. All graphs share one memory pool; a reallocated cache drops
-    them (``reset``). A model whose forward cannot be captured (it copies from the host
+    nobody reads (with no prompt: prompt length 0). The decode kernel's split count is sized for
+    the cache's ``max_len`` so the captured launch fits every step. All graphs share one memory
+    pool; a reallocated cache drops them (``reset``). A model whose forward cannot be captured (it copies from the host
     mid-forward, as GPT-OSS's fp32 MoE path does) runs eagerly from then on; ``disabled`` says why.
     """
 
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
+    def __init__(self, slots: int, shared: bool = False) -> None:
+        self.slots, self.shared = slots, shared
         larger = range(GRAPH_BUCKETS[-1] + 64, slots, 64)
         self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
@@ -283,9 +301,11 @@ class DecodeGraphs:
         self._graphs.clear()
 
     def takes(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` is a decode-only step (one token per sequence, logits for each, no fork)."""
+        """Whether ``plan`` is a decode-only step (one token per sequence, logits for each, no fork;
+        shared prompts: no prompt token either, i.e. no one-token prompt's prefill)."""
+        in_prompt = any(p < length for (_, p, _), (_, length) in zip(plan.segments, plan.prompts))
         return (self.disabled is None and not plan.forks and all(count == 1 for _, _, count in plan.segments)
-                and plan.keep == list(range(len(plan.segments))))
+                and plan.keep == list(range(len(plan.segments))) and not in_prompt)
 
     def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan) -> torch.Tensor | None:
         """The step's logits [B, V] from the bucket's graph (captured first if new); None when the
@@ -296,7 +316,11 @@ class DecodeGraphs:
         slots = [s for s, _, _ in plan.segments] + [self.slots] * pad
         positions = [p for _, p, _ in plan.segments] + [0] * pad
         lengths = [p + 1 for p in positions]
-        host = torch.tensor([list(plan.input_ids) + [0] * pad, slots, positions, lengths], dtype=torch.long)
+        rows = [list(plan.input_ids) + [0] * pad, slots, positions, lengths]
+        if self.shared:
+            prompts = plan.prompts + [(0, 0)] * pad
+            rows += [[s for s, _ in prompts], [n for _, n in prompts], [p - n for p, (_, n) in zip(positions, prompts)]]
+        host = torch.tensor(rows, dtype=torch.long)
         entry = self._graphs.get(bucket)
         if entry is None:
             try:
@@ -304,20 +328,23 @@ class DecodeGraphs:
             except RuntimeError as error:
                 self.disabled = f"the decode forward cannot be captured in a CUDA graph: {error}"
                 return None
-        graph, inputs_4B, logits_BV, _ = entry
-        inputs_4B.copy_(host)
+        graph, inputs_IB, logits_BV, _ = entry
+        inputs_IB.copy_(host)
         graph.replay()
         return logits_BV[:count]
 
     def _capture(self, model: torch.nn.Module, cache: KVCache, bucket: int, host: torch.Tensor) -> tuple:
         """Warm the forward up on a side stream, then capture it on ``host``'s values (ids, slots,
-        positions, lengths of ``bucket`` rows) copied to static device tensors."""
+        positions, lengths of ``bucket`` rows; shared: prompt slots, prompt lengths, own positions)
+        copied to static device tensors."""
         device = cache.keys_SHLD[0].device
-        inputs_4B = host.to(device)
-        ids_B, slots_B, positions_B, lengths_B = inputs_4B.unbind(0)
+        inputs_IB = host.to(device)
+        ids_B, slots_B, positions_B, lengths_B, *shared_3B = inputs_IB.unbind(0)
+        prompt_slots_B, prompt_lens_B, own_B = shared_3B or (None, None, None)
         group = Group(torch.arange(bucket, device=device), slots_B, positions_B.view(bucket, 1),
-                      (bucket, 1), cache.max_len, lengths_B)
-        state = StepState(cache, slots_B, positions_B, (group,), "triton")
+                      (bucket, 1), cache.max_len, lengths_B, prompt_slots_B, prompt_lens_B)
+        own = Writes(None, slots_B, own_B) if self.shared else None
+        state = StepState(cache, slots_B, positions_B, (group,), "triton", own)
 
         def forward() -> torch.Tensor:
             return model(input_ids=ids_B.unsqueeze(0), position_ids=positions_B.unsqueeze(0),
@@ -334,7 +361,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             logits_BV = forward()
         # The state is kept with the graph: the replay reads its tensors (rows) at their addresses.
-        self._graphs[bucket] = (graph, inputs_4B, logits_BV, state)
+        self._graphs[bucket] = (graph, inputs_IB, logits_BV, state)
         return self._graphs[bucket]
 
 

@@ -50,7 +50,8 @@ class SamplingParams:
     seed: int | None = None
     """The sampling seed (see the module docstring); None draws one from torch's global generator."""
     n: int = 1
-    """Completions of this prompt; they share its prefill (one forward, the prompt's cache copied)."""
+    """Completions of this prompt; they share its prefill (one forward; the prompt's cache copied, or
+    read in place with ``trainer.generate.cache.SharedPrompts``)."""
     logprobs: bool = False
     """Return each generated token's log-probability (of the raw model distribution)."""
     top_logprobs: int = 0

@@ -7,8 +7,17 @@ Every request becomes ``n`` sequences, queued in request order. Each step builds
    is appended to the row (positions from 0) if it fits ``max_batch_tokens`` with what is already
    there, or if it is the step's first prompt (a budget is soft for one prompt, so a long prompt
    never starves); otherwise admission waits for the next step. A later choice of a request
-   whose prompt is in this row is a fork: no tokens of its own, the prompt's keys copied into
-   its slot after the forward, its first token drawn from the same logits.
+   whose prompt is in this row is a fork: no tokens of its own, its first token drawn from the
+   same logits, and the prompt's keys copied into its slot after the forward (unshared layout)
+   or referenced where they are (shared prompts, below).
+
+Shared prompts (``prompt_slots``, ``trainer.generate.cache``'s shared-prompt layout): a prefill
+also takes a prompt slot (the lowest free; admission waits while none is free, which only happens
+when there are fewer prompt slots than slots), its tokens' keys go there, and every choice admitted
+with it references that slot: a segment carries ``(prompt slot, prompt length)``
+(``StepPlan.prompts``). A prompt slot frees when the last sequence referencing it finishes. Choices
+of one request admitted in different steps (a slot freed for some of them later) each prefill the
+prompt again, as in the unshared layout, so both layouts run the same forwards.
 
 The forward then gives one logits row per sequence that ends a segment (each decode token, each
 prompt's last token); each sampled sequence gets its token, and one that finishes frees its slot
@@ -40,6 +49,8 @@ class Sequence:
     """Its ``torch.Generator`` (None when greedy)."""
     adapter: str | None = None
     slot: int = -1
+    prompt_slot: int = -1
+    """Its prompt's slot in the prompt store (shared prompts), or -1."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -66,6 +77,8 @@ class StepPlan:
     """``(source slot, target slots, prompt length)``: prompts to copy after the forward."""
     adapters: list[str | None] = field(default_factory=list)
     """Each segment's ``Request.adapter``."""
+    prompts: list[tuple[int, int]] = field(default_factory=list)
+    """Shared prompts: each segment's ``(prompt slot, prompt length)``; empty in the unshared layout."""
 
 
 class Scheduler:
@@ -74,6 +87,7 @@ class Scheduler:
     Args:
         requests: in order; their results come back in the same order.
         slots, max_len, max_batch_tokens: the engine's shape (see ``Engine``).
+        prompt_slots, prompt_len: the prompt store's slots and positions (shared prompts; 0: unshared).
         new_stopper: ``(params, prompt_length) -> Stopper`` for each sequence.
         new_generator: ``seed -> torch.Generator`` for each sampled sequence.
         draw_seed: a seed for a request that names none.
@@ -81,12 +95,16 @@ class Scheduler:
 
     def __init__(self, requests: Seq[Request], slots: int, max_len: int, max_batch_tokens: int,
                  new_stopper: Callable[[SamplingParams, int], Stopper], new_generator: Callable[[int], Any],
-                 draw_seed: Callable[[], int]) -> None:
-        self.max_batch_tokens, self.max_len = max_batch_tokens, max_len
+                 draw_seed: Callable[[], int], prompt_slots: int = 0, prompt_len: int = 0) -> None:
+        self.max_batch_tokens, self.max_len, self.prompt_len = max_batch_tokens, max_len, prompt_len
         self._new_stopper, self._new_generator, self._draw_seed = new_stopper, new_generator, draw_seed
         self.queue: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.free = list(range(slots))
+        self.shared = prompt_slots > 0
+        self.free_prompts = list(range(prompt_slots))
+        self.prompt_users: dict[int, int] = {}
+        """Running sequences referencing each prompt slot in use."""
         self.done: list[Sequence] = []
         self.requests: list[Request] = []
         for request in requests:
@@ -104,6 +122,9 @@ class Scheduler:
                 f"request {index}: a prompt of {len(request.prompt_ids)} tokens leaves no room in "
                 f"max_len={self.max_len}; raise max_len or shorten the prompt"
             )
+        if self.shared and len(request.prompt_ids) > self.prompt_len:
+            raise ValueError(f"request {index}: a prompt of {len(request.prompt_ids)} tokens is longer than the "
+                             f"prompt store's {self.prompt_len} positions; raise SharedPrompts.prompt_len")
         self.requests.append(request)
         params = request.params
         seed = None if params.greedy else (params.seed if params.seed is not None else self._draw_seed())
@@ -135,6 +156,8 @@ class Scheduler:
             seq = self.running[slot]
             plan.segments.append((slot, seq.length - 1, 1))
             plan.adapters.append(seq.adapter)
+            if self.shared:
+                plan.prompts.append((seq.prompt_slot, len(seq.prompt)))
             plan.keep.append(len(plan.input_ids))
             plan.input_ids.append(seq.tokens[-1])
             plan.pick.append(len(plan.keep) - 1)
@@ -149,7 +172,7 @@ class Scheduler:
             seq = self.queue[0]
             source = sources.get(seq.request)
             fits = len(plan.input_ids) + len(seq.prompt) <= self.max_batch_tokens
-            if source is None and prompts and not fits:
+            if source is None and ((prompts and not fits) or (self.shared and not self.free_prompts)):
                 break
             self.queue.popleft()
             seq.slot = self.free.pop(0)
@@ -157,7 +180,10 @@ class Scheduler:
             plan.sampled.append(seq)
             if source is not None:
                 plan.pick.append(source[1])
-                _add_fork(plan, source[0], seq.slot, len(seq.prompt))
+                if self.shared:
+                    self._refer(seq, source[0])
+                else:
+                    _add_fork(plan, source[0], seq.slot, len(seq.prompt))
                 continue
             prompts += 1
             plan.segments.append((seq.slot, 0, len(seq.prompt)))
@@ -165,7 +191,14 @@ class Scheduler:
             plan.input_ids += seq.prompt
             plan.keep.append(len(plan.input_ids) - 1)
             plan.pick.append(len(plan.keep) - 1)
-            sources[seq.request] = (seq.slot, len(plan.keep) - 1)
+            if self.shared:
+                self._refer(seq, self.free_prompts.pop(0))
+                plan.prompts.append((seq.prompt_slot, len(seq.prompt)))
+            sources[seq.request] = (seq.prompt_slot if self.shared else seq.slot, len(plan.keep) - 1)
+
+    def _refer(self, seq: Sequence, prompt_slot: int) -> None:
+        seq.prompt_slot = prompt_slot
+        self.prompt_users[prompt_slot] = self.prompt_users.get(prompt_slot, 0) + 1
 
     def advance(self, plan: StepPlan, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
         """Give each sampled sequence its token; finish (and free the slot of) those that end."""
@@ -185,6 +218,12 @@ class Scheduler:
         del self.running[seq.slot]
         self.free.append(seq.slot)
         self.free.sort()
+        if seq.prompt_slot >= 0:
+            self.prompt_users[seq.prompt_slot] -= 1
+            if not self.prompt_users[seq.prompt_slot]:
+                del self.prompt_users[seq.prompt_slot]
+                self.free_prompts.append(seq.prompt_slot)
+                self.free_prompts.sort()
         self.done.append(seq)
 
     def results(self) -> list[Result]:

@@ -21,6 +21,15 @@ Algorithm (flash-decoding):
   where the row is normalized (stage 1 or 2) against the running max, so a large sink cannot
   overflow ``exp``.
 
+Shared prompts (``trainer.generate.cache``'s shared-prompt layout, ``prompt=``): a sequence's
+positions below its prompt length are read from its prompt slot of the prompt store, the rest from
+its own slot at ``position - prompt length`` (its own base pointer shifted back by the prompt
+length). The online softmax still runs over the same ``BLOCK_N`` runs of logical positions: each
+position is loaded from one of the two stores (two masked loads and a select; a block that lies
+in one range issues no memory traffic for the other), so the blocks, the running maxima and every
+rounding are the unshared layout's and the outputs are bitwise the same on the same keys. A
+sliding window's low bound may fall inside the prompt: the range ``[lo, length)`` is the same.
+
 Splits: ``plan_splits`` gives one split when the sequences x kv heads fill the GPU (~2 programs
 per SM) and otherwise divides the longest context into chunks of at least ``MIN_SPLIT_KEYS``
 keys, so batch 1 with a long prompt still runs ~2 programs per SM. It reads only host numbers
@@ -99,10 +108,30 @@ if triton is not None:
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
-    def _online_softmax(q, k_base, v_base, start, end, stride_kl, stride_vl, scale, softcap, d_mask,
+    def _load_keys(base, prompt_base, keys_n, prompt_len, stride_l, stride_pl, offs_d, nd_mask,
+                   HAS_PROMPT: tl.constexpr):
+        """[BLOCK_N, BLOCK_D] rows ``keys_n`` of one sequence: below ``prompt_len`` from its prompt
+        slot (``prompt_base``), the rest from its own slot (``base``, already shifted back by
+        ``prompt_len`` positions); each position is loaded from one of the two."""
+        if HAS_PROMPT:
+            in_prompt = keys_n < prompt_len
+            own = tl.load(base + keys_n[:, None] * stride_l + offs_d[None, :],
+                          mask=nd_mask & (keys_n >= prompt_len)[:, None], other=0.0)
+            shared = tl.load(prompt_base + keys_n[:, None] * stride_pl + offs_d[None, :],
+                             mask=nd_mask & in_prompt[:, None], other=0.0)
+            return tl.where(in_prompt[:, None], shared, own)
+        return tl.load(base + keys_n[:, None] * stride_l + offs_d[None, :], mask=nd_mask, other=0.0)
+
+    @triton.jit
+    def _online_softmax(q, k_base, v_base, pk_base, pv_base, prompt_len, start, end, stride_kl, stride_vl,
+                        stride_pkl, stride_pvl, scale, softcap, d_mask,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """Running (max, sum, unnormalized output) of ``q``'s rows over keys [start, end)."""
+                        HAS_SOFTCAP: tl.constexpr, HAS_PROMPT: tl.constexpr, PRECISION: tl.constexpr,
+                        UPCAST: tl.constexpr):
+        """Running (max, sum, unnormalized output) of ``q``'s rows over keys [start, end).
+
+        The blocks are the same ``BLOCK_N`` runs of positions whether the prompt is shared or not
+        (a block may straddle the prompt's end), so both layouts compute the same values."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         # A finite start: a split whose keys are all out of range keeps exp(-inf - start) = 0 and
@@ -114,7 +143,7 @@ if triton is not None:
             keys_n = n0 + offs_n
             n_mask = keys_n < end
             nd_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_base + keys_n[:, None] * stride_kl + offs_d[None, :], mask=nd_mask, other=0.0)
+            k = _load_keys(k_base, pk_base, keys_n, prompt_len, stride_kl, stride_pkl, offs_d, nd_mask, HAS_PROMPT)
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -125,7 +154,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + keys_n[:, None] * stride_vl + offs_d[None, :], mask=nd_mask, other=0.0)
+            v = _load_keys(v_base, pv_base, keys_n, prompt_len, stride_vl, stride_pvl, offs_d, nd_mask, HAS_PROMPT)
             p = p.to(v.dtype)
             if UPCAST:
                 p = p.to(tl.float32)
@@ -135,14 +164,19 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _slot_base(X, SLOTS, seq, kvh, stride_c, stride_h):
+        """Where sequence ``seq``'s slot's kv head ``kvh`` starts in the store ``X``."""
+        return X + tl.load(SLOTS + seq).to(tl.int64) * stride_c + kvh.to(tl.int64) * stride_h
+
+    @triton.jit
     def _decode_kernel(
-        Q, K, V, O, PART_ACC, PART_M, PART_L, SINK, ROWS, SLOTS, LENS,
+        Q, K, V, O, PART_ACC, PART_M, PART_L, SINK, ROWS, SLOTS, LENS, PK, PV, PSLOTS, PLENS,
         scale, softcap, window, n_splits,
         stride_qt, stride_qh, stride_kc, stride_kh, stride_kl, stride_vc, stride_vh, stride_vl,
-        stride_ot, stride_oh,
+        stride_pkc, stride_pkh, stride_pkl, stride_pvc, stride_pvh, stride_pvl, stride_ot, stride_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-        HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
+        HAS_PROMPT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -168,10 +202,18 @@ if triton is not None:
             q = q.to(tl.float32)
         k_base = K + slot * stride_kc + kvh.to(tl.int64) * stride_kh
         v_base = V + slot * stride_vc + kvh.to(tl.int64) * stride_vh
+        prompt_len, pk_base, pv_base = 0, k_base, v_base
+        if HAS_PROMPT:  # own positions start at the prompt's length: shift the own bases back by it
+            prompt_len = tl.load(PLENS + seq).to(tl.int32)
+            pk_base = _slot_base(PK, PSLOTS, seq, kvh, stride_pkc, stride_pkh)
+            pv_base = _slot_base(PV, PSLOTS, seq, kvh, stride_pvc, stride_pvh)
+            k_base -= prompt_len.to(tl.int64) * stride_kl
+            v_base -= prompt_len.to(tl.int64) * stride_vl
 
         m_i, l_i, acc = _online_softmax(
-            q, k_base, v_base, start, end, stride_kl, stride_vl, scale, softcap, d_mask,
-            BLOCK_H, BLOCK_D, BLOCK_N, HAS_SOFTCAP, PRECISION, UPCAST)
+            q, k_base, v_base, pk_base, pv_base, prompt_len, start, end, stride_kl, stride_vl, stride_pkl,
+            stride_pvl, scale, softcap, d_mask, BLOCK_H, BLOCK_D, BLOCK_N, HAS_SOFTCAP, HAS_PROMPT, PRECISION,
+            UPCAST)
         if SPLIT:
             part = (seq * n_splits + split).to(tl.int64) * (GROUP * tl.num_programs(1)) + heads
             tl.store(PART_M + part, m_i, mask=h_mask)
@@ -219,22 +261,12 @@ if triton is not None:
 
 
 def decode_attention(
-    query_THD: torch.Tensor,
-    keys_CHLD: torch.Tensor,
-    values_CHLD: torch.Tensor,
-    rows_S: torch.Tensor,
-    slots_S: torch.Tensor,
-    lengths_S: torch.Tensor,
-    out_THD: torch.Tensor,
-    scale: float,
-    max_len: int,
-    *,
-    window: int | None = None,
-    sinks_Hq: torch.Tensor | None = None,
-    softcap: float | None = None,
-    splits: int | None = None,
+    query_THD: torch.Tensor, keys_CHLD: torch.Tensor, values_CHLD: torch.Tensor, rows_S: torch.Tensor,
+    slots_S: torch.Tensor, lengths_S: torch.Tensor, out_THD: torch.Tensor, scale: float, max_len: int, *,
+    window: int | None = None, sinks_Hq: torch.Tensor | None = None, softcap: float | None = None,
+    splits: int | None = None, prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Write into ``out_THD[rows_S]`` each decoding query's attention over its slot's first
+    """Write into ``out_THD[rows_S]`` each decoding query's attention over its sequence's first
     ``lengths_S`` cached keys (its own key included: the cache already holds this step's).
 
     Args:
@@ -247,13 +279,17 @@ def decode_attention(
         sinks_Hq: GPT-OSS sink logits, one per query head.
         softcap: logit soft-capping (Gemma 2).
         splits: split-K count (default ``plan_splits`` for the current device).
+        prompt: the shared-prompt layout (module docstring): the layer's prompt store's keys and
+            values [Cp, Hkv, Lp, D], each sequence's prompt slot and prompt length [S]. None: unshared.
     """
     seqs = rows_S.shape[0]
     heads_q, head_dim = query_THD.shape[1], query_THD.shape[2]
     heads_kv = keys_CHLD.shape[1]
     assert heads_q % heads_kv == 0, f"{heads_q} query heads are not a multiple of {heads_kv} kv heads"
-    assert query_THD.stride(2) == keys_CHLD.stride(3) == values_CHLD.stride(3) == out_THD.stride(2) == 1, (
-        f"head dims must be contiguous: strides {query_THD.stride()}, {keys_CHLD.stride()}, {out_THD.stride()}")
+    stores = (keys_CHLD, values_CHLD) + (prompt[:2] if prompt is not None else ())
+    assert query_THD.stride(2) == out_THD.stride(2) == 1 and all(t.stride(3) == 1 for t in stores), (
+        f"head dims must be contiguous: strides {query_THD.stride()}, {[t.stride() for t in stores]}, "
+        f"{out_THD.stride()}")
     if seqs == 0:
         return
     if splits is None:
@@ -264,14 +300,16 @@ def decode_attention(
     interpreted = query_THD.device.type != "cuda"
     part_acc, part_m, part_l = _partials(seqs, splits, heads_q, head_dim, out_THD)
     sink = sinks_Hq.contiguous() if sinks_Hq is not None else out_THD
+    prompt_keys, prompt_values, prompt_slots, prompt_lens = prompt or (keys_CHLD, values_CHLD, slots_S, lengths_S)
     _decode_kernel[(seqs, heads_kv, splits)](
         query_THD, keys_CHLD, values_CHLD, out_THD, part_acc, part_m, part_l, sink, rows_S, slots_S, lengths_S,
+        prompt_keys, prompt_values, prompt_slots, prompt_lens,
         float(scale), float(softcap) if softcap is not None else 1.0, int(window) if window is not None else 0,
         splits, query_THD.stride(0), query_THD.stride(1), *keys_CHLD.stride()[:3], *values_CHLD.stride()[:3],
-        out_THD.stride(0), out_THD.stride(1),
+        *prompt_keys.stride()[:3], *prompt_values.stride()[:3], out_THD.stride(0), out_THD.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_SINK=sinks_Hq is not None, SPLIT=splits > 1,
+        HAS_SINK=sinks_Hq is not None, HAS_PROMPT=prompt is not None, SPLIT=splits > 1,
         PRECISION="ieee" if query_THD.dtype == torch.float32 or interpreted else "tf32",
         UPCAST=interpreted,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,

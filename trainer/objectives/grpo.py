@@ -81,6 +81,11 @@ class PromptItem:
 class Grpo:
     """The ``grpo`` objective (``trainer.objectives.declarations.GRPO``)."""
 
+    share_prompts = True
+    """The sampler's shared-prompt cache (``trainer.generate.cache``): a group's completions read one
+    copy of its prompt's keys, so more sequences decode at once. The same rollouts either way
+    (``tests/unit/trainer/test_grpo.py`` turns it off to show it)."""
+
     def __init__(self) -> None:
         self.config: Any = None
         self.tokenizer: Any = None
@@ -139,15 +144,20 @@ class Grpo:
         from trainer.generate.engine import Engine
         from trainer.generate.params import Request, SamplingParams
 
+        from trainer.generate.cache import SharedPrompts
+
         grpo = self.config
-        max_len = max((len(item.ids) for item in items), default=1) + grpo.max_new_tokens
-        slots = rollout_slots(model, len(items) * grpo.group_size, max_len, self.memory_cap)
+        longest = max((len(item.ids) for item in items), default=1)
+        slots, prompt_slots = rollout_slots(model, len(items), grpo.group_size, longest, grpo.max_new_tokens,
+                                            self.memory_cap, self.share_prompts)
+        shared = SharedPrompts(prompt_slots, longest, grpo.max_new_tokens) if self.share_prompts else None
         # A fresh engine a step: its cache and CUDA graphs (bound to the cache) go with it.
         # FSDP2 gathers every layer in every forward with all ranks: the ranks decode in lock-step
         # (a CUDA graph would not capture the gathers)
         lockstep = comm.any_rank if self.strategy == "fsdp2" else None
-        engine = Engine(model, self.tokenizer, slots=slots, max_len=max_len, forward=forward,
-                        cache_dtype=cache_dtype, cuda_graphs="auto" if lockstep is None else False)
+        engine = Engine(model, self.tokenizer, slots=slots, max_len=longest + grpo.max_new_tokens, forward=forward,
+                        cache_dtype=cache_dtype, cuda_graphs="auto" if lockstep is None else False,
+                        shared_prompts=shared)
         requests = [Request(tuple(item.ids), SamplingParams(
             max_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, n=grpo.group_size,
             seed=(self.seed * 1_000_003 + step) * 1_000_003 + item.index)) for item in items]
@@ -299,26 +309,37 @@ class Grpo:
 
 CPU_SLOTS = 64
 """Sequences the sampler decodes together off CUDA (no memory to size it by)."""
+PROMPT_SLOTS_PER_GROUP = 2
+"""Prompt slots the shared-prompt cache holds per ``group_size`` slots: a group admitted together
+uses one; choices of a group admitted in a later step (slots freed one by one as others finish)
+prefill the prompt again into another, so two per group keep refills from waiting on a prompt
+slot in all but odd cases (the scheduler then waits a step; it never runs out)."""
 
 
-def rollout_slots(model: torch.nn.Module, sequences: int, max_len: int, cap: int | None) -> int:
-    """Sequences the step's sampler decodes together: all of them (one decode batch, the fastest:
-    a decode step reads every weight once whatever its batch) where the KV cache of that many fits
-    the GPU memory left beside what the run holds now (the weights, adapters and optimizer state,
-    within ``max_gpu_memory_gb`` when set, less the planner's margin), else as many as fit; at
-    least one. The cache is freed after the rollout (``Engine.release``), so the training step
-    after gets the memory back. Off CUDA: at most ``CPU_SLOTS``."""
+def rollout_slots(model: torch.nn.Module, prompts: int, group_size: int, prompt_len: int, max_new: int,
+                  cap: int | None, shared: bool = True) -> tuple[int, int]:
+    """The step's sampler shape ``(slots, prompt slots)``: slots for all ``prompts * group_size``
+    sequences (one decode batch, the fastest: a decode step reads every weight once whatever its
+    batch) where their KV cache fits the GPU memory left beside what the run holds now (the weights,
+    adapters and optimizer state, within ``max_gpu_memory_gb`` when set, less the planner's margin),
+    else as many as fit (``fit_slots``); at least one. ``shared``: the shared-prompt layout (a slot
+    holds ``max_new`` positions, each prompt slot ``prompt_len``), else each slot holds
+    ``prompt_len + max_new`` (prompt slots 0). The cache is freed after the rollout
+    (``Engine.release``), so the training step after gets the memory back. Off CUDA: at most ``CPU_SLOTS``.
+    """
     from trainer.features.attention.packed import unwrap_model
     from trainer.plan.memory import margin
 
     lm = unwrap_model(model)
     weight = lm.get_input_embeddings().weight
+    sequences = prompts * group_size
     if weight.device.type != "cuda":
-        return max(1, min(sequences, CPU_SLOTS))
+        slots = max(1, min(sequences, CPU_SLOTS))
+        return slots, prompt_slots_for(slots, group_size) if shared else 0
     text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    cache_bytes = 2 * text.num_hidden_layers * kv_heads * head_dim * weight.element_size() * max_len
+    position_bytes = 2 * text.num_hidden_layers * kv_heads * head_dim * weight.element_size()
     logits_bytes = 3 * text.vocab_size * 4  # a slot's fp32 logits row and the sampler's copies of it
     free, _ = torch.cuda.mem_get_info(weight.device)
     allocated = torch.cuda.memory_allocated(weight.device)
@@ -326,7 +347,29 @@ def rollout_slots(model: torch.nn.Module, sequences: int, max_len: int, cap: int
     if cap is not None:
         limit = min(limit, cap)
     room = limit - allocated - margin(limit)
-    return max(1, min(sequences, room // (cache_bytes + logits_bytes)))
+    own = max_new if shared else prompt_len + max_new
+    return fit_slots(room, sequences, group_size, own * position_bytes + logits_bytes,
+                     prompt_len * position_bytes if shared else 0)
+
+
+def prompt_slots_for(slots: int, group_size: int) -> int:
+    """Prompt slots beside ``slots`` sequence slots (``PROMPT_SLOTS_PER_GROUP`` per group; never more
+    than ``slots``: each prompt slot in use is read by at least one running sequence)."""
+    return min(slots, PROMPT_SLOTS_PER_GROUP * -(-slots // group_size))
+
+
+def fit_slots(room: int, sequences: int, group_size: int, slot_bytes: int, prompt_bytes: int) -> tuple[int, int]:
+    """The most slots ``S`` (at most ``sequences``, at least 1) whose cache fits ``room`` bytes:
+    ``S * slot_bytes + prompt_slots_for(S) * prompt_bytes``; and that prompt slot count (0 when
+    ``prompt_bytes`` is 0: no prompt store)."""
+    def cost(slots: int) -> int:
+        return slots * slot_bytes + prompt_slots_for(slots, group_size) * prompt_bytes
+
+    low, high = 1, max(1, sequences)
+    while low < high:  # the cost grows with S: the largest S within room
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if cost(middle) <= room else (low, middle - 1)
+    return low, prompt_slots_for(low, group_size) if prompt_bytes else 0
 
 
 MAX_ROLLOUT_CHARS = 2000

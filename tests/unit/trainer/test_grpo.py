@@ -171,3 +171,64 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path, tiny
     assert len({e["reward_std"] for e in straight.of("step")}) > 1  # the rollouts differ from step to step
     shown = [(e["step"], e["rollouts"]) for e in first.of("rollouts") + second.of("rollouts")]
     assert shown == [(e["step"], e["rollouts"]) for e in straight.of("rollouts")]  # the same texts and rewards
+
+
+@pytest.mark.slow  # two runs of 2 steps of 32 rollouts: ~10 s
+def test_rollouts_with_shared_prompts_are_those_of_the_unshared_cache(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """``Grpo.share_prompts`` on and off: the same sampled (temperature 1, seeded) completions, rewards
+    and losses over 2 full fine-tuning steps (the second samples the trained model). 12 slots for 32
+    sequences, so slots are refilled and groups split across steps; the unshared run copied each
+    group's prompt into its choices' slots, the shared one copied none."""
+    from trainer.generate import cache as sampler_cache
+    from trainer.objectives import grpo as grpo_objective
+
+    monkeypatch.setattr(grpo_objective, "CPU_SLOTS", 12)
+    copies: list[int] = []
+    copy_prefix = sampler_cache.KVCache.copy_prefix
+    monkeypatch.setattr(sampler_cache.KVCache, "copy_prefix",
+                        lambda self, *a: copies.append(1) or copy_prefix(self, *a))
+    runs = []
+    for shared in (False, True):
+        monkeypatch.setattr(grpo_objective.Grpo, "share_prompts", shared)
+        copies.clear()
+        (tmp_path / str(shared)).mkdir()
+        config = _job(tmp_path / str(shared), tiny_model_dir, log_rollouts=64)
+        config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=2))
+        recorder = Recorder()
+        assert run(config, recorder).status == "succeeded", recorder.of("done")
+        runs.append((recorder, len(copies)))
+    (unshared, copied), (shared_run, copied_shared) = runs
+    assert copied > 0 and copied_shared == 0
+    assert [e["rollouts"] for e in shared_run.of("rollouts")] == [e["rollouts"] for e in unshared.of("rollouts")]
+    assert len({r["completion"] for e in unshared.of("rollouts") for r in e["rollouts"]}) > GROUP  # choices differ
+    for key in ("reward_mean", "reward_std", "completion_length", "loss"):
+        assert [e[key] for e in shared_run.of("step")] == [e[key] for e in unshared.of("step")], key
+
+
+class TestRolloutSlots:
+    """``rollout_slots``'s arithmetic (``fit_slots``): the most slots whose cache fits the room."""
+
+    def test_the_most_slots_and_their_prompt_slots_that_fit(self) -> None:
+        from trainer.objectives.grpo import fit_slots, prompt_slots_for
+
+        # 8 slots of 10 bytes + 2 prompt slots per group of 4 (4) of 5 bytes: 100; a 9th slot needs 120
+        assert fit_slots(100, 100, 4, 10, 5) == (8, 4)
+        assert fit_slots(100, 5, 4, 10, 5) == (5, 4)  # all 5 sequences fit: 50 + 4 x 5
+        assert fit_slots(3, 100, 4, 10, 5) == (1, 1)  # at least one
+        assert fit_slots(100, 100, 4, 10, 0) == (10, 0)  # no prompt store: the unshared layout
+        assert prompt_slots_for(3, 8) == 2 and prompt_slots_for(1, 8) == 1 and prompt_slots_for(17, 8) == 6
+
+    def test_an_8b_grpo_step_within_trls_peak_decodes_in_two_waves_with_shared_prompts(self) -> None:
+        """docs/benchmarks.md's case: Llama-3.1-8B shape in bf16 (32 layers, 8 kv heads of 128, vocab
+        128,256), 39.95 GiB cap, 15.6 GiB held, 64 prompts of 256 tokens x 8, 512 new tokens."""
+        from trainer.objectives.grpo import fit_slots
+        from trainer.plan.memory import margin
+
+        gib = 2**30
+        cap = int(39.95 * gib)
+        room = cap - int(15.6 * gib) - margin(cap)
+        position, logits = 2 * 32 * 8 * 128 * 2, 3 * 128_256 * 4
+        unshared = fit_slots(room, 512, 8, 768 * position + logits, 0)
+        shared = fit_slots(room, 512, 8, 512 * position + logits, 256 * position)
+        assert unshared == (222, 0)  # 3 waves (222, 222, 68), as measured
+        assert shared == (294, 74) and -(-512 // shared[0]) == 2

@@ -6,7 +6,9 @@ in a child process: the interpreter is chosen when kernels are decorated, at imp
 random-weight Llama (GQA) and GPT-OSS (a window of 8 on one layer, sinks drawn non-zero), with a
 LoRA adapter, eight prompts through 3 slots. The prompts from position 0 run SDPA (Llama) or the
 torch path (GPT-OSS's sinks), the decoding steps the kernel. fp32: the tokens must be equal and
-the logprobs within ``LOGPROB_ATOL`` (the same fp32 values summed in another order). CUDA graphs
+the logprobs within ``LOGPROB_ATOL`` (the same fp32 values summed in another order). With shared
+prompts (``trainer.generate.cache.SharedPrompts``; two sampled, seeded choices of four prompts) the kernel's
+tokens and logprobs are bitwise those of the unshared layout (it runs the same key blocks). CUDA graphs
 (``engine.DecodeGraphs``) need a GPU to run (tests/gpu/test_sampler_gpu.py); here only their
 buckets, the steps they take and the refusal without the triton backend.
 """
@@ -95,6 +97,12 @@ class TestTritonBackendUnderTheInterpreter:
         assert sum(map(len, found["tokens"][0])) > 40
         assert found["logprob_diff"] < LOGPROB_ATOL
 
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_shared_prompts_give_the_unshared_tokens_and_logprobs_exactly(self, interpreter_results, arch) -> None:
+        found = interpreter_results[arch]["shared"]
+        assert found["kernel_read_prompts"] > 0 and sum(map(len, found["tokens"][0])) > 40
+        assert found["tokens"][0] == found["tokens"][1] and found["logprobs"][0] == found["logprobs"][1]
+
 
 def _run_arch(arch: str) -> dict:
     """Child-process body for one model: the same requests through both backends."""
@@ -119,5 +127,26 @@ def _run_arch(arch: str) -> dict:
             "tokens": [[c.token_ids for c in run] for run in runs]}
 
 
+def _run_shared(arch: str) -> dict:
+    """Child-process body: two seeded choices a prompt through the triton backend, unshared and shared."""
+    from tests.fixtures.sampler_models import TEXTS, sampler_model
+    from trainer.generate.cache import SharedPrompts
+    from trainer.generate.params import Request, SamplingParams
+    from trainer.kernels import decode_attention
+
+    model, tokenizer = sampler_model(arch, True)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2, logprobs=True)
+    requests = [Request(tuple(tokenizer(text)["input_ids"]), params) for text in TEXTS[:4]]
+    calls, original = [], decode_attention.decode_attention
+    decode_attention.decode_attention = lambda *a, **k: calls.append(k["prompt"] is not None) or original(*a, **k)
+    runs = []
+    for shared in (None, SharedPrompts(4, 30, 36)):
+        engine = Engine(model, tokenizer, slots=4, max_len=36, attention_backend="triton", shared_prompts=shared)
+        runs.append([c for r in engine.generate(requests) for c in r.completions])
+    decode_attention.decode_attention = original
+    return {"kernel_read_prompts": sum(calls), "tokens": [[c.token_ids for c in run] for run in runs],
+            "logprobs": [[[t.logprob for t in c.logprobs] for c in run] for run in runs]}
+
+
 if __name__ == "__main__":
-    print(json.dumps({arch: _run_arch(arch) for arch in ARCHS}))
+    print(json.dumps({arch: _run_arch(arch) | {"shared": _run_shared(arch)} for arch in ARCHS}))

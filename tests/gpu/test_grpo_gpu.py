@@ -95,6 +95,7 @@ class _Rollouts:
                 "backend": engine.backend, "replays": engine.stats.graph_replays, "slots": engine.slots,
                 "sequences": sum(r.params.n for r in requests),
                 "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in engine.model.modules()),
+                "graphs_disabled": engine.graphs.disabled if engine.graphs is not None else "no graphs",
                 "completions": [tuple(c.token_ids) for r in results for c in r.completions],
             })
             return results
@@ -171,7 +172,8 @@ class TestOneGpu:
     def test_a_qlora_job_samples_its_4bit_base_and_live_adapter_on_the_triton_path(self, tmp_path, model_dir,
                                                                                      monkeypatch):
         """QLoRA: the rollouts run on the NF4 base (bitsandbytes' ``Linear4bit`` in the sampled model)
-        with the adapter being trained, on the Triton decode path with CUDA graph replays, and train;
+        with the adapter being trained, on the Triton decode path (CUDA graphs where bitsandbytes'
+        forward can be captured; else eagerly, the engine saying why), and train;
         the plain-torch attention samples the same completions as bf16 runs do (the base's 4-bit
         matmuls are the same bitsandbytes kernels on both paths: only attention differs)."""
         runs = {}
@@ -184,12 +186,15 @@ class TestOneGpu:
             assert all(torch.isfinite(torch.tensor(s["loss"])) and 0.0 <= s["reward_mean"] <= 1.0 for s in steps)
             runs[backend] = (steps, rollouts.calls)
         (fast_steps, fast_calls), (_, reference_calls) = runs["triton"], runs["torch"]
-        assert all(c["replays"] > 0 for c in fast_calls), "decode steps should replay CUDA graphs"
+        # Graphs replay, or (bitsandbytes' 4-bit forward refusing capture) the engine said why and ran eagerly
+        for call in fast_calls:
+            assert (call["replays"] > 0) != bool(call["graphs_disabled"]), call["graphs_disabled"]
         spread = [s for s in fast_steps if s["zero_std_fraction"] < 1]
         assert spread and all(s["grad_norm"] > 0 for s in spread), fast_steps
         fast, reference = fast_calls[0]["completions"], reference_calls[0]["completions"]
         same = sum(a == b for a, b in zip(fast, reference)) / len(reference)
         _report({"test": "grpo-qlora-triton-vs-torch-bf16", "same_completions": same,
+                 "graph_replays": [c["replays"] for c in fast_calls], "graphs_disabled": fast_calls[0]["graphs_disabled"],
                  "steps": [{k: s.get(k) for k in ("loss", "grad_norm", "reward_mean")} for s in fast_steps]})
         assert same >= BF16_SAME_SHARE, same
 

@@ -172,8 +172,7 @@ class TestOneGpu:
     def test_a_qlora_job_samples_its_4bit_base_and_live_adapter_on_the_triton_path(self, tmp_path, model_dir,
                                                                                      monkeypatch):
         """QLoRA: the rollouts run on the NF4 base (bitsandbytes' ``Linear4bit`` in the sampled model)
-        with the adapter being trained, on the Triton decode path (CUDA graphs where bitsandbytes'
-        forward can be captured; else eagerly, the engine saying why), and train;
+        with the adapter being trained, on the Triton decode path with CUDA graph replays, and train;
         the plain-torch attention samples the same completions as bf16 runs do (the base's 4-bit
         matmuls are the same bitsandbytes kernels on both paths: only attention differs)."""
         runs = {}
@@ -184,11 +183,9 @@ class TestOneGpu:
             assert len(steps) == 2 and [c["backend"] for c in rollouts.calls] == [backend] * 2
             assert all(c["linear4bit"] > 0 for c in rollouts.calls), "the rollouts did not run on the 4-bit base"
             assert all(torch.isfinite(torch.tensor(s["loss"])) and 0.0 <= s["reward_mean"] <= 1.0 for s in steps)
-            runs[backend] = (steps, rollouts.calls)
+            runs[backend] = (steps, list(rollouts.calls))  # a copy: the next run's spy calls through this one
         (fast_steps, fast_calls), (_, reference_calls) = runs["triton"], runs["torch"]
-        # Graphs replay, or (bitsandbytes' 4-bit forward refusing capture) the engine said why and ran eagerly
-        for call in fast_calls:
-            assert (call["replays"] > 0) != bool(call["graphs_disabled"]), call["graphs_disabled"]
+        assert all(c["replays"] > 0 for c in fast_calls), [c["graphs_disabled"] for c in fast_calls]
         spread = [s for s in fast_steps if s["zero_std_fraction"] < 1]
         assert spread and all(s["grad_norm"] > 0 for s in spread), fast_steps
         fast, reference = fast_calls[0]["completions"], reference_calls[0]["completions"]

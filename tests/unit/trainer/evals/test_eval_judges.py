@@ -86,6 +86,7 @@ def test_a_tiny_judge_grades_each_item_once_and_an_unreadable_answer_fails_only_
     lines = _lines(config)
     assert [line["item"] for line in lines] == ITEMS
     assert len(answers) == 2 * len(ITEMS), "one judge call per item and model grader"
+    assert any(r["error"] for line in lines for r in line["results"]), "a random-weight judge's answers include no score"
     for line in lines:
         key = f"(key {line['item']['answer']})"
         [(_, said_quality)] = [(m, a) for m, a in answers if key in m and m.startswith("Q:")]

@@ -38,13 +38,13 @@ def _page(items: list[dict[str, Any]], more: bool) -> dict[str, Any]:
 
 
 @router.post("", summary="evals.create: an item schema and testing criteria (graders)")
-def create_eval(body: JsonBody, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+def create_eval(body: JsonBody, session: SessionDep, caller: CallerDep, state: StateDep) -> dict[str, Any]:
     unknown = sorted(set(body) - {"data_source_config", "testing_criteria", "name", "metadata", "project"})
     if unknown:
         raise InvalidInput(f"{unknown[0]}: unknown field", param=unknown[0])
     row = service.create_eval(session, caller, data_source_config=body.get("data_source_config"),
-                              testing_criteria=body.get("testing_criteria"), name=body.get("name"),
-                              metadata=body.get("metadata"), project=body.get("project"))
+                              testing_criteria=body.get("testing_criteria"), settings=state.settings,
+                              name=body.get("name"), metadata=body.get("metadata"), project=body.get("project"))
     return views.eval_object(row)
 
 

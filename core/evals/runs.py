@@ -9,7 +9,8 @@ Creating a run (``prepare``, then the API submits the spec through ``core.jobs.s
    one the caller may read, else 404 ``model_not_found``);
 2. the items: ``source.type: file_id`` (a file uploaded with purpose ``evals``) or
    ``file_content`` (inline ``[{"item": {...}}]``), each matching the eval's item_schema, and
-   each criterion's ``{{item.x}}`` present in each (the first bad line named);
+   each criterion's ``{{item.x}}`` present in each (the first bad line named); each model
+   grader's judge still one the caller may name (``core.evals.service.check_judges``);
 3. ``input_messages`` (``type: template``) rendered per item (a field an item lacks: its line);
 4. the rendered prompts stored as a ``generate`` file (each line the messages and the item),
    the spec (``core.jobs.eval_spec.EvalJobSpec``) built on it.
@@ -34,12 +35,13 @@ from core.errors import Conflict, InvalidInput, NotFound
 from core.evals import items as eval_items
 from core.evals import lm_task
 from core.evals.models import Eval, EvalRun
-from core.evals.service import check_metadata, get_eval, new_eval_id, page
+from core.evals.service import check_judges, check_metadata, get_eval, new_eval_id, page
 from core.evals.views import STATUSES
 from core.files.models import File
 from core.files.service import commit_file, get_file
 from core.files.validate import validate_prompts
 from core.jobs.eval_spec import EvalJobSpec
+from core.jobs.generation import ft_reference
 from core.jobs.models import Job
 from core.jobs.service import cancel_job, get_job
 from core.jobs.states import JobStatus
@@ -54,7 +56,6 @@ from trainer.graders.template import lookup
 PURPOSE = "evals"
 """The files purpose of an eval's items file (OpenAI's)."""
 _ITEM_TAG = re.compile(r"\{\{\s*(item\b[^}]*?)\s*\}\}")
-_CKPT = re.compile(r":ckpt-step-(?P<step>[0-9]{1,18})$")
 
 
 @dataclass
@@ -115,6 +116,7 @@ def check(session: Session, caller: Caller, eval_id: str, body: dict[str, Any], 
         lm_task.check_data_source(source)
         return ev, source, model, [{"prompt": json.dumps(item, ensure_ascii=False), "item": item} for item in items]
     check_criteria_fields(ev.testing_criteria, items, param)
+    check_judges(session, caller, ev.testing_criteria, settings=settings, project_id=ev.project_id)
     template = _template(source.get("input_messages"))
     records = eval_items.render_prompts(template, items, template_param="data_source.input_messages.template",
                                         items_param=param)
@@ -149,9 +151,7 @@ def model_reference(session: Session, caller: Caller, model: Any, *, settings: S
     if not model.startswith("ft:"):
         return model
     get_model(session, caller, model, settings.model_root)  # ModelNotFound (404) unless the caller reads it
-    step = _CKPT.search(model)
-    job_id = (model[:step.start()] if step else model).rpartition(":")[2]
-    return f"job:{job_id}@{step['step']}" if step else f"job:{job_id}"
+    return ft_reference(model)
 
 
 def _items_param(source: dict[str, Any]) -> str:

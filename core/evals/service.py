@@ -3,7 +3,10 @@
 An eval is a ``custom`` data source config (the JSON schema every run's items must match) and
 its testing criteria: OpenAI's graders (``trainer.graders``), each checked at creation, the
 first bad field named (``testing_criteria[1].source``: a python grader that does not compile),
-with the eval's ``pass_threshold`` kept beside it. Nothing is stored when a check fails.
+with the eval's ``pass_threshold`` kept beside it. A ``score_model`` or ``label_model`` grader's
+``model`` (also inside a ``multi``) is its judge, a model on this box resolved as a run's model is
+(``check_judges``): one the eval's project may not name is refused as a run's model is, naming
+``testing_criteria[i].model``. Nothing is stored when a check fails.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.db import utcnow
-from core.errors import Conflict, InvalidInput, NotFound
+from core.errors import Conflict, InvalidInput, ModelNotFound, NotFound
 from core.evals.items import check_schema
 from core.evals.models import Eval, EvalRun
+from core.jobs.generation import resolve_judge
 from core.jobs.models import Job
 from core.jobs.states import ACTIVE_STATUSES
+from core.openai.catalog import get_model
+from core.settings import Settings
 from core.users import access
 from core.users.service import Caller
-from trainer.graders import GraderError, uses_model, validate
+from trainer.graders import GraderError, model_graders, validate
 
 MAX_CRITERIA = 32
 MAX_METADATA = 16
@@ -68,7 +74,7 @@ def check_data_source_config(config: Any) -> tuple[dict[str, Any], bool]:
 
 def check_criteria(criteria: Any) -> list[dict[str, Any]]:
     """The testing criteria validated (``trainer.graders.validate``), names unique, each with its
-    ``pass_threshold``; model graders are refused (eval runs have no judge model yet)."""
+    ``pass_threshold``; a model grader's judge is ``check_judges``'."""
     if not isinstance(criteria, list) or not criteria or len(criteria) > MAX_CRITERIA:
         raise InvalidInput(f"testing_criteria: a list of 1 to {MAX_CRITERIA} graders", param="testing_criteria")
     checked, names = [], set()
@@ -81,10 +87,6 @@ def check_criteria(criteria: Any) -> list[dict[str, Any]]:
             criterion = validate(grader, param)
         except GraderError as exc:
             raise InvalidInput(exc.message, param=exc.param) from None
-        if uses_model(criterion):
-            raise InvalidInput(f"{param}.type: {criterion['type']} graders need a judge model, which ftq's eval runs "
-                               "do not load yet; use string_check, text_similarity, python or multi",
-                               param=f"{param}.type")
         if criterion["name"] in names:
             raise InvalidInput(f"{param}.name: {criterion['name']!r} names another criterion too; results are "
                                "reported by name", param=f"{param}.name")
@@ -98,8 +100,24 @@ def check_criteria(criteria: Any) -> list[dict[str, Any]]:
     return checked
 
 
+def check_judges(session: Session, caller: Caller, criteria: list[dict[str, Any]], *, settings: Settings,
+                 project_id: str | None) -> None:
+    """Each model grader's ``model`` names a judge ``caller`` may use in ``project_id``: a base, or
+    ``job:<id>[@<step>]``, ``export:<id>``, an ``ft:`` name of the project (``core.jobs.generation.resolve``,
+    as a run's model). Raises ``InvalidInput`` (``ModelNotFound`` for an ``ft:`` name, as a run's)
+    naming ``testing_criteria[i].model`` or ``testing_criteria[i].graders.<key>.model``."""
+    for i, criterion in enumerate(criteria):
+        for param, grader in model_graders(criterion, f"testing_criteria[{i}]"):
+            if grader["model"].startswith("ft:"):
+                try:
+                    get_model(session, caller, grader["model"], settings.model_root)
+                except ModelNotFound as exc:
+                    raise ModelNotFound(exc.message, param=f"{param}.model") from None
+            resolve_judge(session, grader["model"], param, settings=settings, project_id=project_id, check_hub=True)
+
+
 def create_eval(session: Session, caller: Caller, *, data_source_config: Any, testing_criteria: Any,
-                name: str | None = None, metadata: Any = None, project: str | None = None) -> Eval:
+                settings: Settings, name: str | None = None, metadata: Any = None, project: str | None = None) -> Eval:
     """Check and store an eval in the caller's project (``project``: a project name); commits."""
     item_schema, sample = check_data_source_config(data_source_config)
     criteria = check_criteria(testing_criteria)
@@ -107,6 +125,7 @@ def create_eval(session: Session, caller: Caller, *, data_source_config: Any, te
     if name is not None and (not isinstance(name, str) or len(name) > 200):
         raise InvalidInput("name: a string of at most 200 characters", param="name")
     project_id = access.project_for_create(session, caller, project)
+    check_judges(session, caller, criteria, settings=settings, project_id=project_id)
     now = utcnow()
     row = Eval(eval_id=new_eval_id(), name=name or "eval", user_metadata=metadata, item_schema=item_schema,
                include_sample_schema=sample, testing_criteria=criteria, owner_id=caller.user_id,

@@ -40,8 +40,8 @@ def run(grader: Any, model_sample: str, item: Any, settings: Settings) -> tuple[
     if uses_model(checked):
         raise InvalidInput(
             "grader.type: score_model and label_model graders need a judge model loaded on a GPU worker, so "
-            "graders.run does not run them in the API; graders.validate checks them, and the trainer runs them "
-            "through its sampler (trainer.graders.judge.engine_judge, docs/graders.md)", param="grader.type")
+            "graders.run does not run them in the API; graders.validate checks them, and an eval run judges with "
+            "the model they name, through the trainer's sampler (docs/evals.md)", param="grader.type")
     try:
         return checked, grade(checked, model_sample, item, limits=limits_of(settings))
     except GraderError as exc:

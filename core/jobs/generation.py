@@ -11,6 +11,8 @@ A ``model`` of a generation job is one of
     job:<id>@<step>     the LoRA adapter of one of its checkpoints (a ``full`` job's checkpoints are
                         sharded optimizer state, not a loadable model: use its final weights)
     export:<id>         a succeeded ``merged`` export (a GGUF file is llama.cpp's, not torch's)
+    ft:<...>:<id>       an OpenAI-style fine-tuned name (``core.openai.catalog``) as ``job:<id>[@<step>]``
+                        (``ft_reference``; an eval's judges and runs take them)
 
 A job or export of another project is refused as an unknown one, as files are
 (``core.jobs.admission.usable_file``): the caller is a member of the new job's project, so what
@@ -19,6 +21,7 @@ it may name is what that project holds.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,7 @@ from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from trainer.evals.config import EvalConfig
+from trainer.graders import model_graders
 from trainer.training import layout
 from trainer.generate.job_config import GenerateConfig
 
@@ -66,6 +70,8 @@ class ResolvedModel:
     the base's). None: ``model``'s own."""
 
 
+FT_CHECKPOINT = re.compile(r":ckpt-step-(?P<step>[0-9]{1,18})$")
+"""The tail of an ``ft:`` name of one of a job's checkpoints."""
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
 """Files any saved Hugging Face tokenizer has one of (``save_pretrained``)."""
@@ -132,6 +138,41 @@ def resolve(session: Session, model: str, *, settings: Settings, project_id: str
     source = resolve_model(model, model_root=settings.model_root, allow_hub=settings.allow_hub_models,
                            check_hub=check_hub)
     return ResolvedModel(source.name_or_path)
+
+
+def ft_reference(model: str) -> str:
+    """An ``ft:`` name (``ft:<base>:<org>::<job id>[:ckpt-step-N]``) as ``job:<id>[@<step>]``; any
+    other name as it is. Reading it is the caller's check (``core.openai.catalog.get_model``)."""
+    if not model.startswith("ft:"):
+        return model
+    step = FT_CHECKPOINT.search(model)
+    job_id = (model[:step.start()] if step else model).rpartition(":")[2]
+    return f"job:{job_id}@{step['step']}" if step else f"job:{job_id}"
+
+
+def resolve_judge(session: Session, model: str, param: str, *, settings: Settings, project_id: str | None,
+                  check_hub: bool = False, fetch: Fetch | None = None) -> ResolvedModel:
+    """A model grader's judge (its ``model``, at ``param``), resolved as a run's model is (``resolve``);
+    ``InvalidInput`` naming ``<param>.model`` otherwise."""
+    try:
+        return resolve(session, ft_reference(model), settings=settings, project_id=project_id, check_hub=check_hub,
+                       fetch=fetch)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{param}.model: {exc.message.removeprefix('model: ')}", param=f"{param}.model") from None
+
+
+def resolve_judges(session: Session, criteria: list[dict[str, Any]], *, settings: Settings, project_id: str | None,
+                   fetch: Fetch | None = None) -> dict[str, dict[str, str | None]]:
+    """``EvalConfig.judges``: each judge model the criteria's model graders name, resolved on this machine."""
+    judges: dict[str, dict[str, str | None]] = {}
+    for i, criterion in enumerate(criteria):
+        for param, grader in model_graders(criterion, f"testing_criteria[{i}]"):
+            if grader["model"] not in judges:
+                found = resolve_judge(session, grader["model"], param, settings=settings, project_id=project_id,
+                                      fetch=fetch)
+                judges[grader["model"]] = {"model": found.model, "adapter": found.adapter,
+                                           "tokenizer": found.tokenizer}
+    return judges
 
 
 def _refuse(message: str) -> InvalidInput:
@@ -237,7 +278,9 @@ def build_generate_config(session: Session, job: Job, *, settings: Settings, out
     if isinstance(spec, EvalJobSpec):  # an eval run: the same generation, each line graded (trainer.evals)
         sandbox = {"cpu_s": settings.grader_cpu_s, "wall_s": settings.grader_wall_s,
                    "memory_bytes": settings.grader_memory_mib << 20}
+        judges = {} if spec.lm_eval is not None else resolve_judges(
+            session, spec.testing_criteria, settings=settings, project_id=job.project_id, fetch=fetch)
         fields = {**config.to_dict(), "kind": "eval", "testing_criteria": spec.testing_criteria, "sandbox": sandbox,
-                  "lm_eval": spec.lm_eval}
+                  "judges": judges, "lm_eval": spec.lm_eval}
         return EvalConfig.from_dict(fields)
     return config

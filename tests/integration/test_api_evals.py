@@ -5,6 +5,7 @@ that store nothing (the worker's side is tests/integration/e2e/test_openai_e2e.p
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from sqlalchemy import func, select
 
 from core.evals.models import Eval, EvalRun
 from core.files.models import File
+from core.jobs import artifact_store
 from core.jobs.models import Job
 
 pytestmark = pytest.mark.integration
@@ -347,3 +349,92 @@ class TestLmEvalRuns:
         job = client.post("/v1/jobs", json={**body, "evals": [{"eval_id": ev["id"], "data_source": data_source}]})
         assert job.status_code == 201, job.text
         assert client.post(f"/v1/jobs/{job.json()['id']}/cancel").status_code == 200
+
+
+def judged(model: str, *, nested: bool = False) -> list[dict[str, Any]]:
+    """``CRITERIA`` and a ``score_model`` judged by ``model`` (inside a ``multi`` with ``nested``)."""
+    judge = {"type": "score_model", "name": "judge", "model": model,
+             "input": [{"role": "user", "content": "Is {{sample.output_text}} {{item.a}}?"}]}
+    if nested:
+        judge = {"type": "multi", "name": "mix", "calculate_output": "j", "graders": {"j": judge}}
+    return [*CRITERIA, judge]
+
+
+def eval_body(criteria: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+    return {"name": "judged", "testing_criteria": criteria,
+            "data_source_config": {"type": "custom", "item_schema": SCHEMA}, **more}
+
+
+def trained_in(client: TestClient, store, settings, project: str) -> str:
+    """A succeeded LoRA job of ``project`` whose final adapter is on disk."""
+    from core.projects import service as projects
+    from tests.integration.helpers import finish
+
+    with store.sessions() as session:
+        projects.create_project(session, project)
+        session.commit()
+    record = {"messages": [{"role": "user", "content": "Say one"}, {"role": "assistant", "content": "1"}]}
+    uploaded = client.post("/v1/files", files={"file": ("t.jsonl", (json.dumps(record) + "\n") * 20)},
+                           data={"purpose": "train", "project": project})
+    assert uploaded.status_code == 201, uploaded.text
+    job = client.post("/v1/jobs", json={"model": "tiny", "training_file": uploaded.json()["id"], "project": project,
+                                        "hyperparameters": {"max_steps": 1}})
+    assert job.status_code == 201, job.text
+    finish(store, job.json()["id"])
+    artifact_store.final_store_dir(settings, job.json()["id"], "lora").mkdir(parents=True)
+    return job.json()["id"]
+
+
+class TestJudges:
+    """A ``score_model``/``label_model`` criterion's ``model`` is its judge: resolved at evals.create and
+    runs.create as a run's model is (refused naming ``testing_criteria[i].model``, nothing stored), and
+    handed to the trainer resolved (``EvalConfig.judges``) by the worker's ``build_generate_config``."""
+
+    def test_a_judge_reaches_the_workers_eval_config_resolved(self, client: TestClient, store, settings,
+                                                              tmp_path: Path) -> None:
+        from core.jobs.generation import build_generate_config
+        from trainer.evals.config import EvalConfig
+
+        job_id = trained_in(client, store, settings, "judges")
+        created = client.post("/v1/evals", json=eval_body([*judged("tiny"), {**judged(f"job:{job_id}")[1],
+                                                                             "name": "tuned judge"}],
+                                                            project="judges"))
+        assert created.status_code == 200, created.text
+        assert [c.get("model") for c in created.json()["testing_criteria"]] == [None, "tiny", f"job:{job_id}"]
+        run = client.post(f"/v1/evals/{created.json()['id']}/runs", json=run_body([{"item": i} for i in ITEMS]))
+        assert run.status_code == 200, run.text
+        with store.sessions() as session:
+            row = session.get(Job, run.json()["job_id"])
+            config = build_generate_config(session, row, settings=settings, output_dir=str(tmp_path))
+        assert isinstance(config, EvalConfig) and config.grading_workers is None
+        final = str(artifact_store.final_store_dir(settings, job_id, "lora"))
+        assert config.judges == {"tiny": {"model": config.model, "adapter": None, "tokenizer": None},
+                                 f"job:{job_id}": {"model": config.model, "adapter": final, "tokenizer": None}}
+
+    def test_an_unknown_or_foreign_judge_is_refused_naming_its_field_and_stores_nothing(
+            self, client: TestClient, store, settings) -> None:
+        foreign = trained_in(client, store, settings, "other")
+        before = counts(store)
+        for criteria, status, param, message in (
+                (judged("nope"), 422, "testing_criteria[1].model", "no directory"),
+                (judged(f"job:{foreign}"), 422, "testing_criteria[1].model", "no training job"),
+                (judged("job:job-0123456789abcdef01234567", nested=True), 422,
+                 "testing_criteria[1].graders.j.model", "no training job"),
+                (judged("ft:tiny:ftq::job-0123456789abcdef01234567"), 404, "testing_criteria[1].model",
+                 "does not exist")):
+            refused = client.post("/v1/evals", json=eval_body(criteria))
+            assert refused.status_code == status, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == param and message in error["message"], refused.text
+        openai = client.post("/openai/v1/evals", json=eval_body(judged("nope")))
+        assert openai.status_code == 400 and openai.json()["error"]["param"] == "testing_criteria[1].model"
+        assert counts(store) == before
+
+        ev = client.post("/v1/evals", json=eval_body(judged(f"job:{foreign}"), project="other"))
+        assert ev.status_code == 200, ev.text  # its own project's job is a judge
+        shutil.rmtree(artifact_store.final_store_dir(settings, foreign, "lora"))
+        before = counts(store)
+        refused = client.post(f"/v1/evals/{ev.json()['id']}/runs", json=run_body([{"item": ITEMS[0]}]))
+        assert refused.status_code == 422 and refused.json()["error"]["param"] == "testing_criteria[1].model", \
+            refused.text
+        assert counts(store) == before

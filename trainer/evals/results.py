@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainer.graders import GraderError, SandboxLimits, grade
-from trainer.graders.judge import Judge
+from trainer.graders.judge import Judges
 
 BINARY = ("string_check", "label_model")
 """Criteria that score 1 or 0: they pass at 1 when no ``pass_threshold`` is given."""
@@ -33,7 +33,7 @@ def threshold(criterion: dict[str, Any]) -> float:
 
 
 def grade_all(criteria: list[dict[str, Any]], output_text: str, item: Any, *, limits: SandboxLimits = SandboxLimits(),
-              judge: Judge | None = None) -> list[dict[str, Any]]:
+              judge: Judges | None = None) -> list[dict[str, Any]]:
     """One result per criterion (OpenAI's output item ``results``): name, type, score, passed,
     and ``error`` (a message, or None). A failure grades that criterion ``error``, never raises."""
     results = []

@@ -47,15 +47,18 @@ Emit = Callable[..., None]
 
 LineOf = Callable[[PromptRecord, Result], dict[str, Any]]
 """What a finished prompt writes: ``output_line`` for a generation job; an eval grades it first."""
+LinesFor = Callable[[Any, Any, torch.device], LineOf]
+"""``(model, tokenizer, device) -> LineOf``, called once the model has loaded: an eval run's graders
+may judge with that model (``trainer.evals.judges``)."""
 
 
 def run_generation(config: GenerateConfig, emit: Emit, world: World | None = None,
-                   line_of: LineOf | None = None, lines_workers: int = 0) -> str:
+                   lines_for: LinesFor | None = None, lines_workers: int = 0) -> str:
     """Run the job on this rank; returns ``succeeded`` or ``cancelled`` (failures raise).
 
-    ``line_of``: each finished prompt's line (default ``output_line``); an eval run
-    (``trainer.evals.run``) passes one that grades the completion, so a line is written (and a
-    resumed run skips its prompt) only once it is graded.
+    ``lines_for``: makes each finished prompt's line maker once the model has loaded (default
+    ``output_line``); an eval run (``trainer.evals.run``) passes one that grades the completion, so
+    a line is written (and a resumed run skips its prompt) only once it is graded.
     ``lines_workers``: with 0, a chunk's lines are made as it finishes; with more, on that many
     threads while the next chunk generates (``ChunkLines``: an eval's python graders are processes,
     which would otherwise leave the GPU idle while they run).
@@ -70,14 +73,14 @@ def run_generation(config: GenerateConfig, emit: Emit, world: World | None = Non
     comm = Comm(world, device).start()
     try:
         with _stop_on_signals() as stop:
-            return _run(config, emit if world.is_main else _silent, world, device, comm, stop, line_of or output_line,
+            return _run(config, emit if world.is_main else _silent, world, device, comm, stop, lines_for,
                         lines_workers)
     finally:
         comm.close()
 
 
 def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device, comm: Comm,
-         stop: threading.Event, line_of: LineOf, lines_workers: int) -> str:
+         stop: threading.Event, lines_for: LinesFor | None, lines_workers: int) -> str:
     params = SamplingParams(**_sampling(config.sampling))
     prompts = read_prompts(config.prompts_file)
     done = outputs.read_lines(config.completions_path, config.parts_dir)
@@ -92,6 +95,7 @@ def _run(config: GenerateConfig, emit: Emit, world: World, device: torch.device,
     longest = max((len(v) for v in ids.values()), default=1)
     engine = Engine(model, tokenizer, slots=min(config.slots, max(1, len(mine))),
                     max_len=config.max_len or longest + params.max_tokens, device=device, cuda_graphs="auto")
+    line_of = lines_for(model, tokenizer, device) if lines_for is not None else output_line
     progress = outputs.Progress(config.completions_path, config.parts_dir)
     base_tokens, started = progress.update()[1], time.perf_counter()
 

@@ -9,8 +9,9 @@ See docs/graders.md.
 """
 
 from trainer.graders.errors import GraderError
-from trainer.graders.run import ERROR_FLAGS, GradeResult, grade, uses_model
+from trainer.graders.run import ERROR_FLAGS, GradeResult, grade, model_graders, uses_model
 from trainer.graders.sandbox import SandboxLimits
 from trainer.graders.spec import validate
 
-__all__ = ["ERROR_FLAGS", "GradeResult", "GraderError", "SandboxLimits", "grade", "uses_model", "validate"]
+__all__ = ["ERROR_FLAGS", "GradeResult", "GraderError", "SandboxLimits", "grade", "model_graders", "uses_model",
+           "validate"]

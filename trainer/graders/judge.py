@@ -2,7 +2,9 @@
 
 A judge is any callable ``judge(messages, params) -> str``: OpenAI-style chat messages in, the
 model's text out. ``engine_judge`` builds one over the trainer's sampler
-(``trainer.generate.Engine`` and the tokenizer's chat template); evals and GRPO pass theirs.
+(``trainer.generate.Engine`` and the tokenizer's chat template); evals and GRPO pass theirs. Where
+criteria name several judge models, pass a mapping of each grader's ``model`` to its judge
+(``Judges``; an eval run's: ``trainer.evals.judges``).
 
 OpenAI runs these graders with structured outputs, the answer an object whose ``result`` is the
 score (``score_model``) or the label (``label_model``). A model on this box has no schema-bound
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,8 @@ class JudgeParams:
 
 
 Judge = Callable[[list[dict[str, str]], JudgeParams], str]
+Judges = Judge | Mapping[str, Judge]
+"""One judge for every model grader, or one per grader ``model``."""
 
 
 class JudgeAnswerError(ValueError):
@@ -96,10 +100,12 @@ def _result(answer: str) -> Any:
     return answer.strip().strip('"')
 
 
-def judge_grade(grader: dict[str, Any], namespaces: dict[str, Any], judge: Judge | None,
+def judge_grade(grader: dict[str, Any], namespaces: dict[str, Any], judges: Judges | None,
                 param: str) -> tuple[float, Any, str]:
-    """(score, the judge's verdict, its raw answer); raises ``JudgeAnswerError`` for an unreadable one."""
+    """(score, the judge's verdict, its raw answer); raises ``JudgeAnswerError`` for an unreadable one.
+    ``judges``: a judge, or a mapping picking one by the grader's ``model``."""
     messages = judge_messages(grader, namespaces, param)
+    judge = judges.get(grader["model"]) if isinstance(judges, Mapping) else judges
     if judge is None:
         raise GraderError(f"{param}: a {grader['type']} grader needs a judge model; it runs inside eval runs and "
                           "training on a worker's GPU, not here", f"{param}.type")

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainer.graders.errors import GraderError
 from trainer.graders.formula import evaluate, parse_formula
-from trainer.graders.judge import Judge, JudgeAnswerError, judge_grade
+from trainer.graders.judge import Judges, JudgeAnswerError, judge_grade
 from trainer.graders.sandbox import SandboxLimits, run_python
 from trainer.graders.template import render, sample_namespace
 from trainer.graders.text import similarity, string_check
@@ -52,13 +52,20 @@ class GradeResult:
 
 def uses_model(grader: dict[str, Any]) -> bool:
     """Whether grading needs a judge model (a model grader, or a multi grader holding one)."""
+    return bool(model_graders(grader))
+
+
+def model_graders(grader: dict[str, Any], param: str = "grader") -> list[tuple[str, dict[str, Any]]]:
+    """Each model grader in ``grader`` (itself, or a multi grader's) with its field path:
+    ``[("grader", g)]``, ``[("grader.graders.judge", g)]``; its ``model`` names the judge."""
     if grader["type"] == "multi":
-        return any(uses_model(sub) for sub in grader["graders"].values())
-    return grader["type"] in MODEL_GRADERS
+        return [found for key, sub in grader["graders"].items()
+                for found in model_graders(sub, f"{param}.graders.{key}")]
+    return [(param, grader)] if grader["type"] in MODEL_GRADERS else []
 
 
 def grade(grader: dict[str, Any], output_text: str, item: Any, *, limits: SandboxLimits = SandboxLimits(),
-          judge: Judge | None = None, param: str = "grader") -> GradeResult:
+          judge: Judges | None = None, param: str = "grader") -> GradeResult:
     """Raises ``GraderError`` for a template naming a missing field, or a model grader with no judge."""
     started = time.monotonic()
     namespaces = {"item": item, "sample": sample_namespace(output_text)}
@@ -70,7 +77,7 @@ def grade(grader: dict[str, Any], output_text: str, item: Any, *, limits: Sandbo
     return result
 
 
-def _one(grader: dict[str, Any], namespaces: dict[str, Any], limits: SandboxLimits, judge: Judge | None,
+def _one(grader: dict[str, Any], namespaces: dict[str, Any], limits: SandboxLimits, judge: Judges | None,
          param: str) -> GradeResult:
     kind, name = grader["type"], grader["name"]
     if kind == "string_check":
@@ -103,7 +110,7 @@ def _failed(name: str, kind: str, flag: str, message: str, error_type: str | Non
     return result
 
 
-def _multi(grader: dict[str, Any], namespaces: dict[str, Any], limits: SandboxLimits, judge: Judge | None,
+def _multi(grader: dict[str, Any], namespaces: dict[str, Any], limits: SandboxLimits, judge: Judges | None,
            param: str) -> GradeResult:
     subs = {key: _one(sub, namespaces, limits, judge, f"{param}.graders.{key}") for key, sub in grader["graders"].items()}
     scores = {key: sub.score for key, sub in subs.items()}

@@ -427,6 +427,10 @@ def test_bad_evals_and_runs_answer_openai_errors_naming_the_field_or_line(client
     body = refused(lambda: client.evals.create(data_source_config=config, testing_criteria=[
         {"type": "python", "name": "broken", "source": "def grade(sample, item) return 1"}]), openai.BadRequestError)
     assert body["param"] == "testing_criteria[0].source", body
+    body = refused(lambda: client.evals.create(data_source_config=config, testing_criteria=[  # a judge not on the box
+        {"type": "score_model", "name": "judge", "model": "no-such-model",
+         "input": [{"role": "user", "content": "{{sample.output_text}}"}]}]), openai.BadRequestError)
+    assert body["param"] == "testing_criteria[0].model" and "no-such-model" in body["message"], body
     before = {e.id for e in client.evals.list()}
     ev = client.evals.create(data_source_config=config, testing_criteria=[EVAL_CRITERIA[0]])
     assert {e.id for e in client.evals.list()} == before | {ev.id}, "the refused eval was not stored"

@@ -102,7 +102,7 @@ class TestCriteria:
                             {"type": "python", "name": "b", "source": "def grade(sample, item) return 1"}])
         assert caught.value.param == "testing_criteria[1].source"
 
-    def test_thresholds_are_kept_names_are_unique_and_model_graders_refused(self):
+    def test_thresholds_are_kept_names_are_unique_and_model_graders_kept_for_their_judge(self):
         [python] = check_criteria([{"type": "python", "name": "p", "pass_threshold": 1,
                                     "source": "def grade(sample, item):\n    return 1.0\n"}])
         assert python["pass_threshold"] == 1.0
@@ -110,7 +110,6 @@ class TestCriteria:
         with pytest.raises(InvalidInput) as caught:
             check_criteria([same, same])
         assert caught.value.param == "testing_criteria[1].name"
-        with pytest.raises(InvalidInput) as caught:
-            check_criteria([{"type": "score_model", "name": "judge", "model": "tiny-llama",
-                             "input": [{"role": "user", "content": "{{sample.output_text}}"}]}])
-        assert caught.value.param == "testing_criteria[0].type"
+        [judge] = check_criteria([{"type": "score_model", "name": "judge", "model": "tiny-llama",
+                                   "input": [{"role": "user", "content": "{{sample.output_text}}"}]}])
+        assert (judge["model"], judge["range"]) == ("tiny-llama", [0, 1])  # check_judges resolves the model

@@ -41,7 +41,6 @@ from core.jobs.scheduling import check_gpus, check_project
 from core.jobs.states import JobStatus
 from core.settings import Settings
 from trainer.evals.config import EvalConfig
-from trainer.graders import model_graders
 from trainer.training import layout
 from trainer.generate.job_config import GenerateConfig
 
@@ -164,6 +163,10 @@ def resolve_judge(session: Session, model: str, param: str, *, settings: Setting
 def resolve_judges(session: Session, criteria: list[dict[str, Any]], *, settings: Settings, project_id: str | None,
                    fetch: Fetch | None = None) -> dict[str, dict[str, str | None]]:
     """``EvalConfig.judges``: each judge model the criteria's model graders name, resolved on this machine."""
+    # Here, not at the top: the worker imports this module and keeps to the trainer's job-file modules
+    # (tests/unit/worker/test_worker_boundaries.py); the graders come in only for an eval run's judges.
+    from trainer.graders import model_graders
+
     judges: dict[str, dict[str, str | None]] = {}
     for i, criterion in enumerate(criteria):
         for param, grader in model_graders(criterion, f"testing_criteria[{i}]"):

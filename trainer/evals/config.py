@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from trainer.generate.job_config import GenerateConfig
-from trainer.graders.run import model_graders
 
 KIND = "eval"
 """``kind`` of an eval run's job.json."""
@@ -51,6 +50,9 @@ class EvalConfig(GenerateConfig):
             raise ValueError("testing_criteria: an eval run needs at least one grader")
         if self.grading_workers is not None and not 0 <= self.grading_workers <= 256:
             raise ValueError(f"grading_workers: {self.grading_workers} is not within 0..256")
+        # Here, not at the top: the worker imports this module (the job file) and not the graders
+        from trainer.graders.run import model_graders
+
         for param, grader in (found for i, c in enumerate(self.testing_criteria)
                               for found in model_graders(c, f"testing_criteria[{i}]")):
             if grader["model"] not in self.judges:

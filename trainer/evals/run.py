@@ -26,7 +26,7 @@ import torch
 from trainer.evals.config import EvalConfig
 from trainer.evals.judges import load_judges
 from trainer.evals.results import grade_all, status_of
-from trainer.generate.job import Emit, LineOf, output_line, run_generation
+from trainer.generate.job import Emit, LineOf, _silent, output_line, run_generation
 from trainer.generate.params import Result
 from trainer.generate.prompts import PromptRecord
 from trainer.graders import SandboxLimits, uses_model
@@ -54,10 +54,6 @@ def run_eval(config: EvalConfig, emit: Emit, world: World | None = None) -> str:
         return graded
 
     return run_generation(config, emit, world, lines_for=lines_for, lines_workers=grading_workers(config))
-
-
-def _silent(*_args: Any, **_kwargs: Any) -> None:
-    return None
 
 
 GRADING_WORKERS = 8

@@ -158,7 +158,7 @@ def run_ftq(model_dir: Path, data: Path, root: Path, args: argparse.Namespace, w
     policy = (decisions.get("gradient_checkpointing") or decisions.get("activation_policy") or {}).get("backend")
     row = Row("ftq GRPO (auto" + (f", planned within TRL's {cap_gib:.1f} GiB)" if cap_gib else ")"),
               settings=f"batch_tokens {job['data']['batch_tokens']}, grad_accum {job['optim']['grad_accum']}, "
-                       f"activation policy {policy}")
+                       f"activation policy {policy}, attention {(decisions.get('attention') or {}).get('backend')}")
     done = next((e for e in events if e["type"] == "done"), None)
     if done is None or done["status"] != "succeeded":
         row.status = "failed: " + " ".join(str(done and done.get("message")).splitlines())[:300]

@@ -126,6 +126,50 @@ def test_forward_and_backward_match_float64_reference(case):
             assert max_rel < MAX_REL[dtype], f"{name}: worst element {max_rel:.2e} of max|ref| >= {MAX_REL[dtype]}"
 
 
+# GRPO's shared prompts (``trainer.data.packed_metadata``'s prefixes): two groups, each a prompt
+# but its last token and G samples of its last token and a completion that see it as their prefix.
+PREFIX_CASES = {
+    "grpo_8b_shape": ([255] + [513, 300, 1, 513, 77, 513, 129, 400] + [60] + [64] * 4, 32, 8, 128, False),
+    "sinks_d64": ([65, 130, 3, 200, 1, 63] + [1] + [40, 41], 16, 2, 64, True),
+}
+
+
+def _prefix_of(lengths: list[int], heads: tuple[int, int]) -> list[int]:
+    """Sample 0 is the prefix of samples 1..8 (group one), sample 9 of the rest, per the cases above."""
+    first, second = heads
+    return [-1 if s in (first, second) else (first if s < second else second) for s in range(len(lengths))]
+
+
+@pytest.mark.parametrize("name", PREFIX_CASES)
+def test_shared_prefixes_match_float64_reference(name):
+    from trainer.data.packed_metadata import prefix_rows
+
+    lengths, hq, hkv, d, with_sinks = PREFIX_CASES[name]
+    heads = (0, 9) if name == "grpo_8b_shape" else (0, 6)
+    dev = torch.device("cuda")
+    T, cu = sum(lengths), _cu(lengths, dev)
+    prefixes = prefix_rows(lengths, _prefix_of(lengths, heads)).to(dev)
+    torch.manual_seed(zlib.crc32(name.encode()))
+    leaves = [torch.randn(T, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for h in (hq, hkv, hkv)]
+    if with_sinks:
+        leaves.append(torch.randn(hq, device=dev, dtype=torch.float32, requires_grad=True))
+    sinks = leaves[3] if with_sinks else None
+    out = flash_varlen_attention(*leaves[:3], cu, max(lengths), sinks=sinks, prefixes=prefixes)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = reference_varlen_attention(*ref_leaves[:3], cu, max(lengths), sinks=ref_leaves[3] if with_sinks else None,
+                                     prefixes=prefixes)
+    ref.backward(grad.double())
+    for label, x, r in zip(["out", "dq", "dk", "dv", "dsinks"], [out] + [x.grad for x in leaves],
+                           [ref] + [x.grad for x in ref_leaves]):
+        rel_l2, max_rel = _errors(x, r)
+        tol = REL_L2[torch.bfloat16] * (2 if label == "dsinks" else 1)
+        assert rel_l2 < tol, f"{label}: relative L2 error {rel_l2:.2e} >= {tol:.0e}"
+        if label != "dsinks":
+            assert max_rel < MAX_REL[torch.bfloat16], f"{label}: worst element {max_rel:.2e}"
+
+
 def test_a_sample_is_unchanged_when_its_neighbour_changes():
     lengths, dev = [100, 200, 37], torch.device("cuda")
     cu = _cu(lengths, dev)

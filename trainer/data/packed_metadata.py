@@ -20,6 +20,17 @@ mask ``[1, 1, T, T]`` for SDPA (O(T^2) memory: the CPU / last-resort path), or a
 ``BlockMask``. Sliding-window layers (Mistral, GPT-OSS's alternate layers) get their own entry,
 keyed by the window, so models that alternate windows never rebuild.
 
+Shared prefixes (``prefixes``, GRPO's groups): a sample may name an earlier sample as its prefix;
+it then sees every token of that prefix before its own (a prompt trained once for the ``G``
+completions after it) and its positions continue from the prefix's length. The samples sharing a
+prefix follow it, contiguous. For lengths ``[3, 2, 2]`` with prefixes ``[-1, 0, 0]``::
+
+    position_ids   0 1 2 3 4 3 4
+    prefix_rows    [[0, 0, 7], [0, 3, 5], [0, 3, 7]]   (prefix start, prefix length, query end)
+
+The Triton and SDPA backends (and flex) take them; ``torch_varlen`` does not (``PREFIX_BACKENDS``),
+nor the cache-off twin, which re-derives boundaries from positions.
+
 The surface (STYLE.md §4): ``build_packed_metadata(lengths, device, backend=..., cache=...)``
 returns a ``PackedMetadata`` (cache on) or an ``UncachedPackedMetadata`` (cache off, the honest
 "before": every ``layer_view`` call re-derives everything from the device position ids with
@@ -48,6 +59,8 @@ import torch
 
 BACKENDS = ("triton", "torch_varlen", "flex", "sdpa")
 """Attention backends a metadata object can serve; ``trainer.features.attention.packed`` implements them."""
+PREFIX_BACKENDS = ("triton", "flex", "sdpa")
+"""The backends that take shared prefixes (see the module docstring)."""
 
 
 @dataclass
@@ -87,6 +100,10 @@ class PackedMetadata:
     """[T] int32 on ``device``: the sample index of each token."""
     cu_seqlens: torch.Tensor
     """[N + 1] int32 on ``device``: sample offsets, 0 .. T."""
+    prefix_of: tuple[int, ...] | None = None
+    """Per sample, the sample it continues (its shared prefix) or -1; None: no sample has one."""
+    prefix_table: torch.Tensor | None = None
+    """[N, 3] int32 on ``device`` (``prefix_rows``), with ``prefix_of``."""
     counter: BuildCounter = field(default_factory=BuildCounter, repr=False)
     _cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     _keepalive: tuple[torch.Tensor, ...] = field(default=(), repr=False)
@@ -111,6 +128,13 @@ class PackedMetadata:
 
     # -- per-backend structures, built once per (kind, window, device) ------------------------
 
+    def prefix_rows(self, device: torch.device) -> torch.Tensor | None:
+        """int32 [N, 3] ``(prefix start row, prefix length, query end row)`` per sample on ``device``
+        (``prefix_rows``), or None without prefixes."""
+        if self.prefix_table is None:
+            return None
+        return self._cached(("prefix_rows", None, device), lambda: _move(self.prefix_table, device))
+
     def varlen(self, device: torch.device) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens on device, max_seqlen)`` for the varlen kernels (Triton, torch varlen)."""
         return self._cached(
@@ -122,7 +146,8 @@ class PackedMetadata:
         """Boolean ``[1, 1, T, T]`` mask, True where query i may attend key j (SDPA backend).
 
         j is in i's sample, ``j <= i``, and with a window ``i - j < window`` (transformers'
-        ``sliding_window`` convention: a token sees ``window`` tokens, itself included).
+        ``sliding_window`` convention: a token sees ``window`` tokens, itself included); or j is
+        in the shared prefix of i's sample.
         """
         return self._cached(
             ("dense_mask", window, device),
@@ -161,17 +186,25 @@ class PackedMetadata:
         allowed_TT = same_TT & (delta_TT >= 0)
         if window is not None:
             allowed_TT &= delta_TT < window
+        if self.prefix_of is not None:
+            prefix_N = torch.tensor(self.prefix_of, dtype=torch.int32, device=device)
+            allowed_TT |= prefix_N[seg_T.long()][:, None] == seg_T[None, :]
         return allowed_TT.view(1, 1, self.total, self.total)
 
     def _build_block_mask(self, window: int | None, device: torch.device) -> Any:
         from torch.nn.attention.flex_attention import create_block_mask
 
         seg_T = _move(self.segment_ids, device)
+        prefix_T = None
+        if self.prefix_of is not None:
+            prefix_T = torch.tensor(self.prefix_of, dtype=torch.int32, device=device)[seg_T.long()]
 
         def document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             allowed = (seg_T[q_idx] == seg_T[kv_idx]) & (q_idx >= kv_idx)
             if window is not None:
                 allowed = allowed & (q_idx - kv_idx < window)
+            if prefix_T is not None:
+                allowed = allowed | (prefix_T[q_idx] == seg_T[kv_idx])
             return allowed
 
         return create_block_mask(
@@ -253,6 +286,7 @@ def build_packed_metadata(
     *,
     backend: str = "sdpa",
     cache: bool = True,
+    prefixes: Sequence[int] | None = None,
 ) -> AnyPackedMetadata:
     """Build the metadata of one packed row from its host-side sample lengths.
 
@@ -264,12 +298,15 @@ def build_packed_metadata(
         device: where the batch lives.
         backend: the attention backend the layers run (one of ``BACKENDS``).
         cache: True builds once and every layer reuses it; False returns the rebuild-per-layer twin.
+        prefixes: per sample, the earlier sample it continues (its shared prefix) or -1; None: none
+            (see the module docstring). Needs ``cache`` and a backend of ``PREFIX_BACKENDS``.
 
     Returns:
         ``PackedMetadata`` (cache on) or ``UncachedPackedMetadata`` (cache off).
 
     Raises:
-        ValueError: empty or non-positive lengths, or an unknown backend.
+        ValueError: empty or non-positive lengths, an unknown backend, or prefixes that are not
+            earlier samples followed by the samples sharing them, or that this backend cannot take.
         TypeError: ``lengths`` is a tensor (it must be host-side Python ints).
     """
     lengths = _check_lengths(lengths)
@@ -277,7 +314,14 @@ def build_packed_metadata(
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     device = _resolve_device(device)
     total = sum(lengths)
-    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).view(
+    prefix_of = None
+    if prefixes is not None:
+        prefix_of = _check_prefixes(prefixes, lengths)
+        if not cache or backend not in PREFIX_BACKENDS:
+            raise ValueError(f"shared prefixes need the metadata cache and one of {', '.join(PREFIX_BACKENDS)} "
+                             f"attention; this batch runs {backend} with the cache {'on' if cache else 'off'}")
+    offsets = [0] * len(lengths) if prefix_of is None else [0 if p < 0 else lengths[p] for p in prefix_of]
+    positions = torch.cat([torch.arange(o, o + n, dtype=torch.int64) for o, n in zip(offsets, lengths)]).view(
         1, total
     )
     if not cache:
@@ -290,7 +334,8 @@ def build_packed_metadata(
     )
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    (pos_dev, seg_dev, cu_dev), keep = _to_device([positions, segments, cu], device)
+    host = [positions, segments, cu] + ([] if prefix_of is None else [prefix_rows(lengths, prefix_of)])
+    (pos_dev, seg_dev, cu_dev, *table), keep = _to_device(host, device)
     counter = BuildCounter(metadata=1)
     return PackedMetadata(
         lengths=lengths,
@@ -301,9 +346,40 @@ def build_packed_metadata(
         position_ids=pos_dev,
         segment_ids=seg_dev,
         cu_seqlens=cu_dev,
+        prefix_of=prefix_of,
+        prefix_table=table[0] if table else None,
         counter=counter,
         _keepalive=keep,
     )
+
+
+def prefix_rows(lengths: Sequence[int], prefix_of: Sequence[int]) -> torch.Tensor:
+    """The kernels' int32 [N, 3] per sample: ``(prefix start row, prefix length, query end row)``.
+    A sample without a prefix has ``(0, 0, ...)``; a sample others share as their prefix has the end
+    row of the last of them as its query end (the rows whose queries see its keys), else its own end."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    rows = [[0, 0, starts[s + 1]] for s in range(len(lengths))]
+    for s, p in enumerate(prefix_of):
+        if p >= 0:
+            rows[s][0], rows[s][1] = starts[p], lengths[p]
+            rows[p][2] = max(rows[p][2], starts[s + 1])
+    return torch.tensor(rows, dtype=torch.int32).view(len(lengths), 3)
+
+
+def _check_prefixes(prefixes: Sequence[int], lengths: tuple[int, ...]) -> tuple[int, ...]:
+    out = tuple(int(p) for p in prefixes)
+    if len(out) != len(lengths):
+        raise ValueError(f"prefixes: one per sample ({len(lengths)}), got {len(out)}")
+    for s, p in enumerate(out):
+        if p < 0:
+            continue
+        if p >= s or out[p] >= 0:
+            raise ValueError(f"prefixes[{s}] = {p}: a prefix is an earlier sample that has no prefix itself")
+        if any(out[m] != p for m in range(p + 1, s)):
+            raise ValueError(f"prefixes[{s}] = {p}: the samples sharing a prefix must follow it, contiguous")
+    return out
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

@@ -46,6 +46,9 @@ class PackedBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-position tensors an objective packs beside the targets ([1, T]; ``Objective.pack``),
     moved with the batch; empty for SFT and DPO."""
+    prefixes: list[int] | None = None
+    """Per sequence, the earlier sequence it continues (a shared prefix: GRPO's prompt, trained once
+    for its group) or -1; None: none does (``trainer.data.packed_metadata``'s module docstring)."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +71,7 @@ class PackedBatch:
             self.lengths,
             self.num_targets,
             {name: move(t) for name, t in self.extras.items()},
+            self.prefixes,
         )
 
 

@@ -107,12 +107,29 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
+    def _online_block(q, K, V, rows_n, kv_mask, allowed, hk, qk_scale, m_i, l_i, acc,
+                      stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr):
+        """One key block of the online softmax: (m, l, acc) updated with keys ``rows_n`` where ``allowed``."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        k = tl.load(K + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + rows_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _fwd_kernel(
-        Q, K, V, O, LSE, SINK, CU, softmax_scale, left, right,
+        Q, K, V, O, LSE, SINK, CU, PFX, softmax_scale, left, right,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_lh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         hq = tl.program_id(1)
@@ -134,23 +151,22 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if HAS_PREFIX:  # the shared prefix's keys: all of them, for every query of the sample
+            p_start = tl.load(PFX + seq * 3)
+            p_len = tl.load(PFX + seq * 3 + 1)
+            for n0 in range(0, p_len, BLOCK_N):
+                offs_n = n0 + offs_n0
+                allowed = (offs_m[:, None] < seqlen) & (offs_n[None, :] < p_len)
+                m_i, l_i, acc = _online_block(q, K, V, (p_start + offs_n).to(tl.int64), offs_n[:, None] < p_len,
+                                              allowed, hk, qk_scale, m_i, l_i, acc,
+                                              stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM)
         lo, hi = _key_range(m0, seqlen, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + offs_n0
-            rows_n = (start + offs_n).to(tl.int64)
-            kv_mask = offs_n[:, None] < seqlen
-            k = tl.load(K + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
             allowed = _window_mask(offs_m, offs_n, seqlen, left, right, HAS_LEFT, HAS_RIGHT)
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-            p = tl.exp2(qk - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + rows_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_block(q, K, V, (start + offs_n).to(tl.int64), offs_n[:, None] < seqlen,
+                                          allowed, hk, qk_scale, m_i, l_i, acc,
+                                          stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # natural-log units
@@ -189,11 +205,11 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, CU, softmax_scale, left, right,
+        Q, K, V, DO, LSE, DELTA, DK, DV, CU, PFX, softmax_scale, left, right,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PREFIX: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         hk = tl.program_id(1)
@@ -241,6 +257,27 @@ if triton is not None:
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None])
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        if HAS_PREFIX:  # a shared prefix: the samples after it, up to its query end, see every key of it
+            q_end = tl.load(PFX + seq * 3 + 2)
+            for g in range(GROUP):
+                hq = hk * GROUP + g
+                for r0 in range(start + seqlen, q_end, BLOCK_M):
+                    rows = r0 + offs_m0
+                    row_ok = rows < q_end
+                    rows_m = rows.to(tl.int64)
+                    q = tl.load(Q + rows_m[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
+                                mask=row_ok[:, None], other=0.0)
+                    do = tl.load(DO + rows_m[:, None] * stride_dot + hq * stride_doh + offs_d[None, :],
+                                 mask=row_ok[:, None], other=0.0)
+                    lse = tl.load(LSE + hq * stride_lh + rows, mask=row_ok, other=0.0)
+                    delta = tl.load(DELTA + hq * stride_lh + rows, mask=row_ok, other=0.0)
+                    qk = tl.dot(q, tl.trans(k))
+                    p = tl.exp2(qk * qk_scale - lse[:, None] * 1.4426950408889634)
+                    p = tl.where(row_ok[:, None] & (offs_n[None, :] < seqlen), p, 0.0)
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                    dp = tl.dot(do, tl.trans(v))
+                    ds = p * (dp - delta[:, None])
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
         dk = dk * softmax_scale
         tl.store(DK + rows_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=kv_mask)
@@ -248,12 +285,26 @@ if triton is not None:
                  mask=kv_mask)
 
     @triton.jit
+    def _dq_block(q, do, K, V, rows_n, kv_mask, allowed, hk, qk_scale, lse2, delta, dq,
+                  stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr):
+        """One key block's share of dQ for keys ``rows_n`` where ``allowed``."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        k = tl.load(K + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + rows_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        p = tl.exp2(qk * qk_scale - lse2[:, None])
+        p = tl.where(allowed, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        return dq + tl.dot(ds.to(k.dtype), k)
+
+    @triton.jit
     def _bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, CU, softmax_scale, left, right,
+        Q, K, V, DO, LSE, DELTA, DQ, CU, PFX, softmax_scale, left, right,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dqt, stride_dqh, stride_lh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PREFIX: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         hq = tl.program_id(1)
@@ -276,19 +327,20 @@ if triton is not None:
         qk_scale = softmax_scale * 1.4426950408889634
         lse2 = lse * 1.4426950408889634
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if HAS_PREFIX:
+            p_start = tl.load(PFX + seq * 3)
+            p_len = tl.load(PFX + seq * 3 + 1)
+            for n0 in range(0, p_len, BLOCK_N):
+                offs_n = n0 + offs_n0
+                allowed = (offs_m[:, None] < seqlen) & (offs_n[None, :] < p_len)
+                dq = _dq_block(q, do, K, V, (p_start + offs_n).to(tl.int64), offs_n[:, None] < p_len, allowed, hk,
+                               qk_scale, lse2, delta, dq, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM)
         lo, hi = _key_range(m0, seqlen, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + offs_n0
-            rows_n = (start + offs_n).to(tl.int64)
-            kv_mask = offs_n[:, None] < seqlen
-            k = tl.load(K + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + rows_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k))
-            p = tl.exp2(qk * qk_scale - lse2[:, None])
-            p = tl.where(_window_mask(offs_m, offs_n, seqlen, left, right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            allowed = _window_mask(offs_m, offs_n, seqlen, left, right, HAS_LEFT, HAS_RIGHT)
+            dq = _dq_block(q, do, K, V, (start + offs_n).to(tl.int64), offs_n[:, None] < seqlen, allowed, hk,
+                           qk_scale, lse2, delta, dq, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM)
         dq = dq * softmax_scale
         tl.store(DQ + rows_m[:, None] * stride_dqt + hq * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=q_mask)
@@ -343,7 +395,7 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen, sinks) -> None:
                          f"on {sinks.device}")
 
 
-def _forward(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale):
+def _forward(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale, prefixes=None):
     T, Hq, D = q.shape
     group = Hq // k.shape[1]
     n_seq = cu_seqlens.numel() - 1
@@ -353,16 +405,17 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale):
     grid = (triton.cdiv(max_seqlen, bm), Hq, n_seq)
     if T and max_seqlen:
         _fwd_kernel[grid](
-            q, k, v, out, lse, sinks if sinks is not None else lse, cu_seqlens, scale, left, right,
+            q, k, v, out, lse, sinks if sinks is not None else lse, cu_seqlens,
+            prefixes if prefixes is not None else cu_seqlens, scale, left, right,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
             GROUP=group, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-            HAS_SINK=sinks is not None, num_warps=warps, num_stages=stages,
+            HAS_SINK=sinks is not None, HAS_PREFIX=prefixes is not None, num_warps=warps, num_stages=stages,
         )
     return out, lse
 
 
-def _backward(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, sinks, scale):
+def _backward(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, sinks, scale, prefixes=None):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
@@ -381,19 +434,19 @@ def _backward(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, sinks,
     )
     bm, bn, warps, stages = _BWD_DKDV_CONFIG[D]
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, bn), Hkv, n_seq)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens, scale, left, right,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens, prefixes if prefixes is not None else cu_seqlens, scale, left,
+        right, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+        do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        num_warps=warps, num_stages=stages,
+        HAS_PREFIX=prefixes is not None, num_warps=warps, num_stages=stages,
     )
     bm, bn, warps, stages = _BWD_DQ_CONFIG[D]
     _bwd_dq_kernel[(triton.cdiv(max_seqlen, bm), Hq, n_seq)](
-        q, k, v, do, lse, delta, dq, cu_seqlens, scale, left, right,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1), lse.stride(0),
+        q, k, v, do, lse, delta, dq, cu_seqlens, prefixes if prefixes is not None else cu_seqlens, scale, left,
+        right, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+        do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        num_warps=warps, num_stages=stages,
+        HAS_PREFIX=prefixes is not None, num_warps=warps, num_stages=stages,
     )
     dsink = dsink_rows.sum(1).to(sinks.dtype) if sinks is not None else None
     return dq, dk, dv, dsink
@@ -403,18 +456,19 @@ class FlashVarlenFunction(torch.autograd.Function):
     """Autograd over the Triton kernels: grads for q, k, v and sinks."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale):
-        out, lse = _forward(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
+    def forward(ctx: Any, q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale, prefixes):
+        out, lse = _forward(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale, prefixes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks, prefixes)
         ctx.args = (max_seqlen, left, right, scale)
         return out
 
     @staticmethod
     def backward(ctx: Any, do):
-        q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens, sinks, prefixes = ctx.saved_tensors
         max_seqlen, left, right, scale = ctx.args
-        dq, dk, dv, dsink = _backward(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, sinks, scale)
-        return dq, dk, dv, None, None, None, None, dsink, None
+        dq, dk, dv, dsink = _backward(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, sinks, scale,
+                                      prefixes)
+        return dq, dk, dv, None, None, None, None, dsink, None, None
 
 
 def flash_varlen_attention(
@@ -428,8 +482,9 @@ def flash_varlen_attention(
     window: tuple[int, int] | None = None,
     sinks: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    prefixes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over packed samples, each attending only within itself.
+    """Attention over packed samples, each attending only within itself (and its shared prefix).
 
     Args:
         q: [T, Hq, D] queries, bf16/fp16 (fp32 works, with tf32 dots).
@@ -440,6 +495,12 @@ def flash_varlen_attention(
         window: flash-attn's ``window_size`` ``(left, right)``; -1 is unbounded; None is no window.
         sinks: optional [Hq] per-head sink logits (GPT-OSS), trainable.
         softmax_scale: defaults to ``1 / sqrt(D)``.
+        prefixes: optional int32 [N, 3] on q's device, per sample ``(prefix start row, prefix length,
+            query end row)`` (``trainer.data.packed_metadata.prefix_rows`` builds it): the sample's
+            queries also see every key of rows ``[start, start + length)`` (a prompt shared by
+            several completions, trained once), and a sample that is such a prefix gets the key
+            gradients of the query rows after it up to its query end (the samples sharing it must
+            follow it, contiguous). ``(0, 0, own end)`` for a sample with neither. Not with a window.
 
     Returns:
         [T, Hq, D] output in q's dtype.
@@ -449,13 +510,21 @@ def flash_varlen_attention(
         RuntimeError: when ``supported`` names a reason the kernel cannot run here.
     """
     _check_inputs(q, k, v, cu_seqlens, max_seqlen, sinks)
+    if prefixes is not None:
+        n = cu_seqlens.numel() - 1
+        if prefixes.dtype != torch.int32 or tuple(prefixes.shape) != (n, 3) or prefixes.device != q.device:
+            raise ValueError(f"prefixes must be an int32 [{n}, 3] tensor on {q.device}; got {prefixes.dtype} "
+                             f"{tuple(prefixes.shape)} on {prefixes.device}")
+        if window is not None and int(window[0]) >= 0:
+            raise ValueError("prefixes with a left window are not supported: a shared prefix is seen whole")
+        prefixes = prefixes.contiguous()
     if triton is None:
         raise RuntimeError("flash_varlen_attention needs Triton: pip install triton, or use the SDPA backend")
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"flash_varlen_attention runs on CUDA; q is on {q.device} (use the SDPA backend)")
     left, right = _window_bounds(causal, window)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return FlashVarlenFunction.apply(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale)
+    return FlashVarlenFunction.apply(q, k, v, cu_seqlens, max_seqlen, left, right, sinks, scale, prefixes)
 
 
 def _interpreting() -> bool:

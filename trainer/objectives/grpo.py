@@ -14,8 +14,13 @@ seeds depend on the prompt, not the rank, so two ranks sample what one process w
 ranks, so the ranks' samplers decode in lock-step (``Engine.generate``'s ``lockstep``): a rank whose
 prompts are done runs idle forwards until every rank's are, decided each step by one small host
 collective (``Comm.any_rank``). Then ``pack``
-lays a prompt's group out as ``group_size`` sequences (prompt + completion, labels on the completion) and
-the loss reads each completion token's log-probability through the fused head. With one
+lays a prompt's group out for training: where the run's packed attention takes shared prefixes
+(``trainer.data.packed_metadata.PREFIX_BACKENDS``, no sliding window), the prompt but its last token
+once, then ``group_size`` sequences each of the last prompt token and a completion that see the prompt
+as their prefix (the same attention, positions and log-probabilities as ``group_size`` whole
+sequences, with the prompt's forward and backward done once instead of ``G`` times); otherwise
+``group_size`` whole sequences (prompt + completion). Labels on the completions; the loss reads each
+completion token's log-probability through the fused head. With one
 optimisation step per batch of rollouts the sampling policy is the current one: ``old`` is the
 log-probabilities detached (ratio 1, gradient of ``logp``). The step's denominator is its number
 of sequences (``grpo``, ``dr_grpo``) or of completion tokens over every rank (``bnpo``, ``dapo``:
@@ -59,6 +64,8 @@ class PromptItem:
     record: dict[str, Any]
     group: int
     max_new: int
+    shared: bool = False
+    """Packed with its prompt once for the group (``Grpo.share_prefixes``; set by ``build_loss``)."""
     completions: list[list[int]] = field(default_factory=list)
     """This step's ``G`` completions (set by ``rollout``)."""
     rewards: list[float] = field(default_factory=list)
@@ -69,7 +76,9 @@ class PromptItem:
 
     def __len__(self) -> int:
         """Tokens the packed group may take (prompt and longest completion, G times): what the
-        schedule packs micro-batches by."""
+        schedule packs micro-batches by, whether the prompt is packed once (``shared``: fewer tokens
+        in the same micro-batches, so the micro-batches, and the plan's memory, do not depend on
+        the layout) or not."""
         return self.group * (len(self.ids) + self.max_new)
 
     @property
@@ -85,6 +94,10 @@ class Grpo:
     """The sampler's shared-prompt cache (``trainer.generate.cache``): a group's completions read one
     copy of its prompt's keys, so more sequences decode at once. The same rollouts either way
     (``tests/unit/trainer/test_grpo.py`` turns it off to show it)."""
+    share_prefixes = True
+    """Train each prompt once for its group (``pack``; where the installed attention takes shared
+    prefixes): the same losses and gradients as the whole sequences, ``(G - 1) * (prompt - 1)`` fewer
+    tokens through the model per group (``tests/unit/trainer/test_grpo.py``, ``test_grpo_loss.py``)."""
 
     def __init__(self) -> None:
         self.config: Any = None
@@ -222,23 +235,44 @@ class Grpo:
         return rewards, scores, errors
 
     def pack(self, items: Sequence[PromptItem]) -> PackedBatch:
+        """The micro-batch's groups (module docstring): extras ``advantage`` (each token its sequence's)
+        and ``sequence`` (each token's sequence index); ``prefixes`` when the prompts are shared."""
         self._packed = list(items)  # the micro-batch whose rollout sums ``collecting`` adds
-        ids, positions, targets, advantage = [], [], [], []
-        lengths = []
+        ids: list[int] = []
+        positions: list[int] = []
+        targets: list[int] = []
+        advantage: list[float] = []
+        lengths: list[int] = []
+        prefixes: list[int] = []
+
+        def add(tokens: list[int], labels: list[int], adv: float, first: int, prefix: int) -> None:
+            ids.extend(tokens)
+            positions.extend(range(first, first + len(tokens)))
+            targets.extend(labels)
+            advantage.extend([adv] * len(tokens))
+            lengths.append(len(tokens))
+            prefixes.append(prefix)
+
+        shared = any(item.shared for item in items)
         for item in items:
+            head = item.ids[:-1] if shared else []  # the prompt but its last token, trained once
+            prefix = len(lengths) if head else -1
+            if head:
+                add(head, [-100] * len(head), 0.0, 0, -1)
             for completion, adv in zip(*_sampled(item)):
-                sequence = item.ids + completion
-                ids += sequence
-                positions += range(len(sequence))
-                targets += [-100] * (len(item.ids) - 1) + completion + [-100]
-                advantage += [adv] * len(sequence)
-                lengths.append(len(sequence))
+                tail = item.ids[len(head):]
+                add(tail + completion, [-100] * (len(tail) - 1) + completion + [-100], adv, len(head), prefix)
+        sequence = [s for s, n in enumerate(lengths) for _ in range(n)]
         row = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype).unsqueeze(0)  # noqa: E731
         return PackedBatch(row(ids), row(positions), row(targets), lengths, sum(i.num_loss_tokens for i in items),
-                           extras={"advantage": row(advantage, torch.float32)})
+                           extras={"advantage": row(advantage, torch.float32), "sequence": row(sequence)},
+                           prefixes=prefixes if shared else None)
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
         self.strategy = strategy
+        shared = self.share_prefixes and installed.attention.takes_prefixes and not _windowed(model)
+        for item in self.items:
+            item.shared = shared
         if config.grpo.beta > 0 and config.method == "full":
             raise ConfigError("grpo.beta: the KL reference is the base with the adapter off, which method full "
                               "has not; use lora or qlora, or beta 0")
@@ -290,8 +324,9 @@ class Grpo:
         return None
 
     def sampled_tokens(self) -> int:
-        """Tokens this rank trained on in the step: each of its sampled sequences, prompt and completion
-        (the step event's ``tokens``; an item's ``len`` is what the schedule packs it by)."""
+        """Tokens of this rank's sampled sequences in the step, prompt and completion each (the step
+        event's ``tokens``, the same whether the prompts are packed shared or not; an item's ``len``
+        is what the schedule packs it by)."""
         return sum(len(item.ids) + len(c) for item in self.sampled for c in item.completions)
 
     def step_flops(self, counter: FlopCounter, items: Sequence[Any]) -> float:
@@ -304,6 +339,9 @@ class Grpo:
         lengths = [len(item.ids) + len(c) for item in mine for c in item.completions]
         fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in mine)
         local = counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
+        # a shared prompt is trained once for its group, not G times: its matmuls counted once
+        saved = sum((len(item.completions) - 1) * (len(item.ids) - 1) for item in mine if item.shared)
+        local -= float(counter.matmul_flops_per_token() * saved)
         return sum(row[0] for row in self.comm.gather_host([local])) if self.comm is not None else local
 
 
@@ -409,6 +447,26 @@ def _sampled(item: PromptItem) -> tuple[list[list[int]], list[float]]:
     return [item.ids[-1:]] * item.group, [0.0] * item.group
 
 
+def sequence_advantages(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed micro-batch's (``Grpo.pack``'s) sequence index per position [T] and advantage per
+    sequence [S], on the batch's device (no host read)."""
+    seq_T = batch.extras["sequence"].reshape(-1)
+    adv_T = batch.extras["advantage"].reshape(-1)
+    # every token of a sequence carries its advantage: the scatter writes equal values
+    adv_S = torch.zeros(len(batch.lengths), dtype=adv_T.dtype, device=adv_T.device).scatter_(0, seq_T, adv_T)
+    return seq_T, adv_S
+
+
+def _windowed(model: torch.nn.Module) -> bool:
+    """Whether a layer of ``model`` attends through a sliding window (a shared prefix is seen whole)."""
+    from trainer.features.attention.packed import unwrap_model
+    from trainer.training.flops import attention_layers
+
+    config = unwrap_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(layers.window is not None for layers in attention_layers(text))
+
+
 def _check_fit(items: Sequence[PromptItem], batch_tokens: int) -> None:
     """A prompt's group is packed whole into one micro-batch: refuse one longer than ``batch_tokens``."""
     over = max(items, key=len, default=None)
@@ -436,13 +494,8 @@ class GrpoLoss:
             with torch.no_grad(), model.disable_adapter():
                 ref_T = packed_token_logprobs(model, batch, meta, self.loss_kernel)
         logp_T = packed_token_logprobs(model, batch, meta, self.loss_kernel)
-        position_T = batch.position_ids.reshape(-1)
-        seq_T = (position_T == 0).cumsum(0) - 1
+        seq_T, adv_S = sequence_advantages(batch)
         mask_T = batch.targets.reshape(-1) != -100
-        adv_T = batch.extras["advantage"].reshape(-1)
-        num_seqs = len(batch.lengths)
-        adv_S = torch.zeros(num_seqs, dtype=adv_T.dtype, device=adv_T.device).index_add_(
-            0, seq_T, adv_T * (position_T == 0).to(adv_T.dtype))
         numerator, stats = policy_loss(logp_T, logp_T.detach(), ref_T, adv_S, seq_T, mask_T, loss_config)
         divisor = denominator(loss_config, int(num_items), self.objective.step_tokens, grpo.max_new_tokens)
         if self.stats is not None:

@@ -83,7 +83,7 @@ class Installation:
         self, batch: PackedBatch, device: torch.device
     ) -> tuple[PackedBatch, AnyPackedMetadata | None]:
         """Move ``batch`` to ``device`` and build its metadata from the host lengths (no sync)."""
-        return batch.to(device, non_blocking=True), self.attention.metadata(batch.lengths, device)
+        return batch.to(device, non_blocking=True), self.attention.metadata(batch.lengths, device, batch.prefixes)
 
     def replace_activations(self, plan: Plan) -> None:
         """Remove the activation policy and the offload, and install ``plan``'s in their place

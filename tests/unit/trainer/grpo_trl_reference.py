@@ -106,37 +106,39 @@ def trl_side(trainer, state: dict, config: GrpoLossConfig, advantages: torch.Ten
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def ftq_side(model, config: GrpoLossConfig, advantages: torch.Tensor) -> tuple[float, dict]:
-    from trainer.data.packing import PackedBatch
+def ftq_side(model, config: GrpoLossConfig, advantages: torch.Tensor, shared: bool) -> tuple[float, dict]:
+    """ftq's loss and LoRA gradients on the batch ``Grpo.pack`` lays out: the six sequences whole
+    (positions restarting), or ``shared`` (each prompt but its last token once, its two completions
+    seeing it as their prefix)."""
     from trainer.features.attention.packed import PackedAttention
     from trainer.features.loss.packed_forward import LOSS_FUSED, packed_token_logprobs
+    from trainer.objectives.grpo import Grpo, PromptItem, sequence_advantages
 
-    ids, positions, targets, seqs, lengths = [], [], [], [], []
-    for s, completion in enumerate(COMPLETIONS):
-        prompt = PROMPTS[s // GROUP]
-        sequence = list(prompt) + list(completion)
-        ids += sequence
-        positions += list(range(len(sequence)))
-        targets += [-100] * (len(prompt) - 1) + list(completion) + [-100]  # position i predicts i + 1
-        seqs += [s] * len(sequence)
-        lengths.append(len(sequence))
-    batch = PackedBatch(torch.tensor([ids]), torch.tensor([positions]), torch.tensor([targets]), lengths,
-                        sum(map(len, COMPLETIONS)))
+    items = []
+    for p, prompt in enumerate(PROMPTS):
+        item = PromptItem(p, list(prompt), {}, GROUP, MAX_COMPLETION, shared=shared)
+        item.completions = [list(c) for c in COMPLETIONS[p * GROUP:(p + 1) * GROUP]]
+        item.advantages = advantages[p * GROUP:(p + 1) * GROUP].tolist()
+        items.append(item)
+    batch = Grpo().pack(items)
+    assert (batch.prefixes is not None) == shared
     attn = PackedAttention("sdpa", cache=True)
     attn.install(model)
     model.train()
-    meta = attn.metadata(batch.lengths, "cpu")
+    meta = attn.metadata(batch.lengths, "cpu", batch.prefixes)
     mask_T = batch.targets[0] != -100
-    seq_T = torch.tensor(seqs)
+    seq_T, advantages = sequence_advantages(batch)
     with torch.no_grad():
-        current = packed_token_logprobs(model, batch, attn.metadata(batch.lengths, "cpu"), LOSS_FUSED)
-    noise_old = torch.zeros(len(ids))
-    noise_ref = torch.zeros(len(ids))
+        current = packed_token_logprobs(model, batch, attn.metadata(batch.lengths, "cpu", batch.prefixes),
+                                        LOSS_FUSED)
+    noise_old = torch.zeros(batch.num_tokens)
+    noise_ref = torch.zeros(batch.num_tokens)
     noise_old[mask_T] = torch.tensor([x for row in _noise(1) for x in row])
     noise_ref[mask_T] = torch.tensor([x for row in _noise(2) for x in row])
     logp_T = packed_token_logprobs(model, batch, meta, LOSS_FUSED)
     numerator, stats = policy_loss(logp_T, current + noise_old, current + noise_ref, advantages, seq_T, mask_T, config)
     loss = numerator / denominator(config, len(COMPLETIONS), int(mask_T.sum()), MAX_COMPLETION)
+    assert int(mask_T.sum()) == sum(map(len, COMPLETIONS))
     loss.backward()
     assert stats[2].item() == mask_T.sum().item()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -151,15 +153,16 @@ def compare(model_dir: str, out_dir: str) -> dict:
     report = {}
     for name, config in VARIANTS.items():
         trl_loss, trl_grads = trl_side(trainer, state, config, advantages)
-        twin = copy.deepcopy(fresh)
-        ftq_loss, ftq_grads, clipped = ftq_side(twin, config, advantages)
-        rel = {n: ((ftq_grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in trl_grads.items()
-               if n in ftq_grads}
-        report[name] = {
-            "trl_loss": trl_loss, "ftq_loss": ftq_loss, "clipped_tokens": clipped,
-            "grad_names_match": sorted(trl_grads) == sorted(ftq_grads),
-            "max_grad_rel_l2": max(rel.values()), "worst_grad": max(rel, key=rel.get),
-        }
+        report[name] = {"trl_loss": trl_loss}
+        for layout, shared in (("", False), ("shared_", True)):
+            ftq_loss, ftq_grads, clipped = ftq_side(copy.deepcopy(fresh), config, advantages, shared)
+            rel = {n: ((ftq_grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in trl_grads.items()
+                   if n in ftq_grads}
+            report[name] |= {
+                f"{layout}ftq_loss": ftq_loss, f"{layout}clipped_tokens": clipped,
+                f"{layout}grad_names_match": sorted(trl_grads) == sorted(ftq_grads),
+                f"{layout}max_grad_rel_l2": max(rel.values()), f"{layout}worst_grad": max(rel, key=rel.get),
+            }
     return report
 
 

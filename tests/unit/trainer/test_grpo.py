@@ -30,6 +30,8 @@ TARGET = " the"
 """One token of the tiny tokenizer (id 264): the base model writes it in ~3% of 8-token completions."""
 GRADER = {"type": "string_check", "name": "says the", "input": "{{sample.output_text}}",
           "reference": "{{item.target}}", "operation": "like"}
+HAS_AN_E = {"type": "string_check", "name": "has an e", "input": "{{sample.output_text}}", "reference": "e",
+            "operation": "ilike"}
 
 
 def _job(tmp_path, model_dir, **grpo):
@@ -232,3 +234,40 @@ class TestRolloutSlots:
         shared = fit_slots(room, 512, 8, 512 * position + logits, 256 * position)
         assert unshared == (222, 0)  # 3 waves (222, 222, 68), as measured
         assert shared == (294, 74) and -(-512 // shared[0]) == 2
+
+
+@pytest.mark.slow  # two runs of 2 steps of 32 rollouts: ~10 s
+def test_training_each_prompt_once_per_group_gives_the_losses_of_whole_sequences(
+        tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """``Grpo.share_prefixes`` on and off (packed SDPA attention on CPU takes shared prefixes): the
+    same rollouts, rewards and step tokens, and losses within fp32 rounding over 2 full fine-tuning
+    steps (the second samples the model the first trained, so its gradients matched too); the
+    shared run packed every micro-batch with prefixes and fewer tokens."""
+    from trainer.objectives import grpo as grpo_objective
+
+    pack = grpo_objective.Grpo.pack
+    runs = []
+    for shared in (False, True):
+        packed: list[tuple[bool, int]] = []
+        monkeypatch.setattr(grpo_objective.Grpo, "share_prefixes", shared)
+        monkeypatch.setattr(grpo_objective.Grpo, "pack", lambda self, items: (
+            batch := pack(self, items), packed.append((batch.prefixes is not None, batch.num_tokens)))[0])
+        (tmp_path / str(shared)).mkdir()
+        config = _job(tmp_path / str(shared), tiny_model_dir, log_rollouts=64)
+        # a reward most groups spread over (an "e" in the text), so the gradients are not 0
+        config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=2),
+                                     grpo=dataclasses.replace(config.grpo, graders=HAS_AN_E))
+        recorder = Recorder()
+        assert run(config, recorder).status == "succeeded", recorder.of("done")
+        runs.append((recorder, packed))
+    (whole, whole_packed), (shared_run, shared_packed) = runs
+    assert not any(p for p, _ in whole_packed) and all(p for p, _ in shared_packed)
+    assert sum(n for _, n in shared_packed) < sum(n for _, n in whole_packed)
+    assert [e["rollouts"] for e in shared_run.of("rollouts")] == [e["rollouts"] for e in whole.of("rollouts")]
+    for key in ("reward_mean", "reward_std", "completion_length", "tokens"):
+        assert [e[key] for e in shared_run.of("step")] == [e[key] for e in whole.of("step")], key
+    # with ratio 1 the loss is minus the advantages' mean (near 0): the gradient norm is the measure
+    assert [e["loss"] for e in shared_run.of("step")] == pytest.approx([e["loss"] for e in whole.of("step")],
+                                                                        abs=1e-6)
+    norms = [e["grad_norm"] for e in whole.of("step")]
+    assert min(norms) > 1e-3 and [e["grad_norm"] for e in shared_run.of("step")] == pytest.approx(norms, rel=1e-5)

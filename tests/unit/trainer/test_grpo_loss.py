@@ -7,9 +7,11 @@ against TRL's formula below), and the same old and reference log-probabilities: 
 plus fixed noise of 0.3, so that ratios leave the clip range on both sides and the KL is not 0.
 
 TRL pads (prompts on the left, completions on the right) and scores the completion tokens with its
-Triton chunked head; ftq packs the six sequences into one row with restarting positions and the
-packed attention, and reads each completion token's log-probability through its fused chunked head
-(``packed_token_logprobs``). The comparison runs in a child process (``grpo_trl_reference.py``,
+Triton chunked head; ftq packs the groups as ``Grpo.pack`` does, in both of its layouts: the six
+sequences whole in one row with restarting positions, and with shared prompts (each prompt but its
+last token once, its two completions after it seeing it as their prefix, positions continuing); it
+runs the packed attention and reads each completion token's log-probability through its fused
+chunked head (``packed_token_logprobs``). The comparison runs in a child process (``grpo_trl_reference.py``,
 under ``TRITON_INTERPRET=1``: TRL's kernel runs on CPU only in Triton's interpreter). For each
 variant (the four aggregations, GSPO's sequence-level ratios, asymmetric clipping, two-sided
 clipping with ``delta`` and the KL term with and without its bias correction) the loss agrees within ``LOSS_RTOL`` and every LoRA
@@ -49,14 +51,15 @@ def report(tiny_model_dir, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow  # TRL and its Triton kernel in the interpreter, in a child process
+@pytest.mark.parametrize("layout", ["", "shared_"], ids=["whole", "shared_prompts"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_loss_and_lora_gradients_equal_trls(variant, report) -> None:
+def test_loss_and_lora_gradients_equal_trls(variant, layout, report) -> None:
     got = report[variant]
-    assert got["grad_names_match"]
-    assert got["ftq_loss"] == pytest.approx(got["trl_loss"], rel=LOSS_RTOL)
+    assert got[f"{layout}grad_names_match"]
+    assert got[f"{layout}ftq_loss"] == pytest.approx(got["trl_loss"], rel=LOSS_RTOL)
     assert abs(got["trl_loss"]) > 1e-3, "a loss near 0 would prove little"
-    assert got["max_grad_rel_l2"] < GRAD_RTOL, got["worst_grad"]
-    assert got["clipped_tokens"] > 0, "no ratio left the clip range: the clipping was not compared"
+    assert got[f"{layout}max_grad_rel_l2"] < GRAD_RTOL, got[f"{layout}worst_grad"]
+    assert got[f"{layout}clipped_tokens"] > 0, "no ratio left the clip range: the clipping was not compared"
 
 
 def test_group_advantages_follow_trls_formula() -> None:

@@ -101,6 +101,8 @@ def _torch_varlen(
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
+    if meta.prefix_of is not None:  # build_packed_metadata refuses it first; a guard for hand-built ones
+        raise ValueError("torch_varlen attention cannot take shared prefixes; use the triton or sdpa backend")
     cu_seqlens, max_seqlen = meta.varlen(q.device)
     q_THD, k_THD, v_THD = _varlen_inputs(q, k, v)
     kwargs: dict[str, Any] = {
@@ -147,6 +149,7 @@ def _triton(
         window=(window - 1, 0) if window else None,
         sinks=sinks,
         softmax_scale=scale,
+        prefixes=meta.prefix_rows(q.device),
     )
     return out_THD.unsqueeze(0)
 

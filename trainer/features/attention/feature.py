@@ -27,6 +27,7 @@ from trainer.plan.feature import Context, Target, how, off, unavailable
 from trainer.plan.hardware import Hardware
 from trainer.kernels.attention import SUPPORTED_HEAD_DIMS
 from trainer.data.packed_metadata import BACKENDS as PACKED_BACKENDS
+from trainer.data.packed_metadata import PREFIX_BACKENDS
 from trainer.data.packed_metadata import AnyPackedMetadata
 from trainer.plan.types import Decision, ModelFacts
 
@@ -147,9 +148,14 @@ class PackedAttentionHandle:
         self._attention = PackedAttention(backend, cache=cache)
         self._attention.install(model)
 
-    def metadata(self, lengths: Any, device: torch.device) -> AnyPackedMetadata:
+    @property
+    def takes_prefixes(self) -> bool:
+        """Whether micro-batches may share prefixes (``trainer.data.packed_metadata.PREFIX_BACKENDS``)."""
+        return self._attention.cache and self._attention.backend in PREFIX_BACKENDS
+
+    def metadata(self, lengths: Any, device: torch.device, prefixes: Any = None) -> AnyPackedMetadata:
         """One packed row's metadata from its host lengths (no device sync)."""
-        return self._attention.metadata(lengths, device)
+        return self._attention.metadata(lengths, device, prefixes)
 
     def remove(self) -> None:
         self._attention.uninstall()
@@ -162,7 +168,11 @@ class PackedAttentionHandle:
 class ModelAttention:
     """The twin for a model that keeps its own attention: no metadata, nothing installed."""
 
-    def metadata(self, lengths: Any, device: torch.device) -> None:
+    takes_prefixes = False
+
+    def metadata(self, lengths: Any, device: torch.device, prefixes: Any = None) -> None:
+        if prefixes is not None:
+            raise ValueError("shared prefixes need packed attention; this model runs its own")
         return None
 
     def remove(self) -> None:

@@ -108,10 +108,10 @@ class PackedAttention:
             hook.remove()
             lm.set_attn_implementation(previous or "sdpa")
 
-    def metadata(self, lengths: Any, device: torch.device | str) -> AnyPackedMetadata:
+    def metadata(self, lengths: Any, device: torch.device | str, prefixes: Any = None) -> AnyPackedMetadata:
         """Build one packed row's metadata (see ``trainer.data.packed_metadata.build_packed_metadata``)."""
         return build_packed_metadata(
-            lengths, device, backend=self.backend, cache=self.cache
+            lengths, device, backend=self.backend, cache=self.cache, prefixes=prefixes
         )
 
 

@@ -27,6 +27,7 @@ def reference_varlen_attention(
     window: tuple[int, int] | None = None,
     sinks: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    prefixes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each packed sample, computed in float64.
 
@@ -34,7 +35,8 @@ def reference_varlen_attention(
         q: [T, Hq, D]; k, v: [T, Hkv, D] with ``Hq % Hkv == 0``.
         cu_seqlens: [N + 1] offsets from 0 to T.
         max_seqlen: the longest sample (checked against ``cu_seqlens``).
-        causal, window, sinks, softmax_scale: as in ``flash_varlen_attention``.
+        causal, window, sinks, softmax_scale, prefixes: as in ``flash_varlen_attention`` (a sample's
+            queries also see every key of its prefix rows).
 
     Returns:
         [T, Hq, D] float64 output.
@@ -51,12 +53,14 @@ def reference_varlen_attention(
     left, right = (-1, -1) if window is None else window
     if causal:
         right = 0 if right < 0 else min(right, 0)
+    spans = [(0, 0)] * (len(offsets) - 1) if prefixes is None else [(int(r[0]), int(r[1])) for r in prefixes.tolist()]
     outs = []
-    for a, b in zip(offsets, offsets[1:]):
+    for (a, b), (p_start, p_len) in zip(zip(offsets, offsets[1:]), spans):
+        rows = list(range(p_start, p_start + p_len)) + list(range(a, b))  # the prefix's keys, then the sample's
         qs = q[a:b].double().transpose(0, 1)  # [Hq, L, D]
-        ks = k[a:b].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = v[a:b].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, L, L]
+        ks = k[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, L, P + L]
         i = torch.arange(b - a, device=q.device)[:, None]
         j = torch.arange(b - a, device=q.device)[None, :]
         allowed = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device)
@@ -64,6 +68,7 @@ def reference_varlen_attention(
             allowed &= j <= i + right
         if left >= 0:
             allowed &= j >= i - left
+        allowed = torch.cat([torch.ones(b - a, p_len, dtype=torch.bool, device=q.device), allowed], dim=1)
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             sink_col = sinks.double()[:, None, None].expand(Hq, b - a, 1)

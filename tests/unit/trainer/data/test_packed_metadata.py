@@ -154,3 +154,53 @@ class TestWithThePacker:
         assert (
             meta.total == batch.num_tokens and meta.num_samples == batch.num_sequences
         )
+
+
+class TestSharedPrefixes:
+    """GRPO's shared prompts: a sample that names an earlier one as its prefix sees all of it."""
+
+    def test_positions_continue_the_prefix_and_the_rows_name_it(self) -> None:
+        meta = build_packed_metadata([3, 2, 2, 1], "cpu", prefixes=[-1, 0, 0, -1])
+        assert meta.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 0]]
+        assert meta.prefix_of == (-1, 0, 0, -1)
+        # (prefix start, prefix length, query end): the prefix's keys are seen up to row 7
+        assert meta.prefix_rows(CPU).tolist() == [[0, 0, 7], [0, 3, 5], [0, 3, 7], [0, 0, 8]]
+        assert meta.prefix_rows(CPU).dtype == torch.int32
+        assert build_packed_metadata([3, 2], "cpu").prefix_rows(CPU) is None
+
+    def test_dense_mask_adds_the_whole_prefix_to_each_sharing_sample(self) -> None:
+        mask = build_packed_metadata([3, 2, 2], "cpu", prefixes=[-1, 0, 0]).dense_mask(None, CPU)[0, 0]
+        expected = torch.zeros(7, 7, dtype=torch.bool)
+        for start, n in ((0, 3), (3, 2), (5, 2)):
+            expected[start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        expected[3:7, 0:3] = True  # both completions see the whole prompt, not each other
+        assert torch.equal(mask, expected)
+
+    def test_flex_block_mask_matches_the_dense_mask(self) -> None:
+        pytest.importorskip("torch.nn.attention.flex_attention")
+        meta = build_packed_metadata([100, 70, 30, 56, 200], "cpu", prefixes=[-1, 0, 0, -1, 3])
+        block = meta.block_mask(None, CPU)
+        dense = block.to_dense()
+        q_blocks, k_blocks = dense.shape[-2:]
+        size = block.BLOCK_SIZE[0]
+        padded = torch.zeros(q_blocks * size, k_blocks * size, dtype=torch.bool)
+        padded[: meta.total, : meta.total] = meta.dense_mask(None, CPU)[0, 0]
+        assert torch.equal(dense[0, 0].bool(), padded.view(q_blocks, size, k_blocks, size).any(dim=(1, 3)))
+
+    @pytest.mark.parametrize(
+        ("prefixes", "message"),
+        [
+            ([-1, 0], "one per sample"),
+            ([1, -1, -1], "earlier sample"),
+            ([-1, 0, 1], "no prefix itself"),
+            ([-1, -1, 0], "follow it, contiguous"),
+        ],
+    )
+    def test_prefixes_that_are_not_earlier_contiguous_samples_are_refused(self, prefixes, message) -> None:
+        with pytest.raises(ValueError, match=message):
+            build_packed_metadata([2, 2, 2], "cpu", prefixes=prefixes)
+
+    @pytest.mark.parametrize(("backend", "cache"), [("torch_varlen", True), ("sdpa", False)])
+    def test_a_backend_or_cache_that_cannot_take_prefixes_says_so(self, backend, cache) -> None:
+        with pytest.raises(ValueError, match="shared prefixes need the metadata cache"):
+            build_packed_metadata([2, 2], "cpu", backend=backend, cache=cache, prefixes=[-1, 0])

@@ -42,6 +42,18 @@ def _qkv(T: int, hq: int, hkv: int, d: int, dtype=torch.float64, seed: int = 0):
 
 
 class TestReference:
+    def test_a_sample_with_a_prefix_attends_as_the_prefix_and_it_concatenated(self):
+        from trainer.data.packed_metadata import prefix_rows
+
+        lengths = [4, 3, 5]
+        q, k, v = _qkv(12, 4, 2, 16)
+        out = reference_varlen_attention(q, k, v, _cu(lengths), 5, prefixes=prefix_rows(lengths, [-1, 0, 0]))
+        torch.testing.assert_close(out[:4], reference_varlen_attention(q[:4], k[:4], v[:4], _cu([4]), 4))
+        for a, b in ((4, 7), (7, 12)):
+            rows = [0, 1, 2, 3, *range(a, b)]
+            whole = reference_varlen_attention(q[rows], k[rows], v[rows], _cu([len(rows)]), len(rows))
+            torch.testing.assert_close(out[a:b], whole[4:], rtol=1e-12, atol=1e-12)
+
     def test_matches_sdpa_run_per_sample(self):
         lengths = [3, 17, 1, 9]
         q, k, v = _qkv(sum(lengths), 4, 2, 16)
@@ -104,6 +116,19 @@ class TestInputChecks:
             assert "head dim 96" in supported("cpu", head_dim=96)
 
     @pytest.mark.parametrize(
+        ("prefixes", "window", "message"),
+        [
+            (torch.zeros(2, 3, dtype=torch.int32), None, r"int32 \[1, 3\]"),
+            (torch.zeros(1, 3, dtype=torch.int64), None, "int32"),
+            (torch.zeros(1, 3, dtype=torch.int32), (4, 0), "left window"),
+        ],
+    )
+    def test_bad_prefixes_get_a_clear_error(self, prefixes, window, message):
+        q, k, v = _qkv(8, 4, 2, 64, dtype=torch.float16)
+        with pytest.raises(ValueError, match=message):
+            flash_varlen_attention(q, k, v, _cu([8]), 8, window=window, prefixes=prefixes)
+
+    @pytest.mark.parametrize(
         ("change", "message"),
         [
             ({"d": 96}, "head dim 96 is not supported"),
@@ -120,15 +145,20 @@ class TestInputChecks:
             flash_varlen_attention(q, k, v, cu, change.get("max_seqlen", 8))
 
 
-# Cases run in the interpreter: (lengths, Hq, Hkv, D, causal, window, sinks, dtype).
+# Cases run in the interpreter: (lengths, Hq, Hkv, D, causal, window, sinks, dtype, prefixes).
+# Prefixes (GRPO's shared prompts): per sample, the earlier sample whose keys it also sees, or -1;
+# the prefix's own key blocks then take the gradients of the 4-5 samples after it (past a tile).
 INTERPRETER_CASES = [
-    ([5, 70, 1, 33], 4, 2, 64, True, None, False, "float32"),
-    ([5, 70, 1, 33], 4, 1, 64, True, (8, -1), True, "float32"),
-    ([40, 130], 2, 2, 64, False, None, False, "float32"),
-    ([40, 130], 2, 2, 64, False, (16, 4), True, "float32"),
-    ([1, 1, 65], 8, 1, 128, True, None, True, "float16"),
-    ([129], 2, 2, 128, True, (31, -1), False, "float16"),
-    ([0, 20, 0, 9], 4, 2, 64, True, (3, -1), True, "float32"),
+    ([5, 70, 1, 33], 4, 2, 64, True, None, False, "float32", None),
+    ([5, 70, 1, 33], 4, 1, 64, True, (8, -1), True, "float32", None),
+    ([40, 130], 2, 2, 64, False, None, False, "float32", None),
+    ([40, 130], 2, 2, 64, False, (16, 4), True, "float32", None),
+    ([1, 1, 65], 8, 1, 128, True, None, True, "float16", None),
+    ([129], 2, 2, 128, True, (31, -1), False, "float16", None),
+    ([0, 20, 0, 9], 4, 2, 64, True, (3, -1), True, "float32", None),
+    ([40, 5, 70, 1, 33, 9, 3, 2], 4, 2, 64, True, None, False, "float32", [-1, 0, 0, 0, 0, -1, 5, 5]),
+    ([65, 3, 33, 20, 17, 1, 40], 4, 1, 64, True, None, True, "float32", [-1, 0, 0, -1, 3, 3, 3]),
+    ([1, 66, 2], 2, 2, 128, True, None, False, "float16", [-1, 0, 0]),
 ]
 TOLERANCE = {"float32": 1e-5, "float16": 3e-3}
 """Relative L2 error ||x - ref|| / ||ref||: fp32 lands near 1e-7, fp16 operands near 3e-4."""
@@ -147,7 +177,7 @@ def interpreter_errors() -> list[list[float]]:
 class TestKernelInInterpreter:
     @pytest.mark.parametrize("index", range(len(INTERPRETER_CASES)))
     def test_forward_and_grads_match_float64_reference(self, interpreter_errors, index):
-        dtype = INTERPRETER_CASES[index][-1]
+        dtype = INTERPRETER_CASES[index][7]
         names = ["out", "dq", "dk", "dv", "dsinks"]
         errors = dict(zip(names, interpreter_errors[index]))
         assert all(math.isfinite(e) and e < TOLERANCE[dtype] for e in errors.values()), errors
@@ -167,7 +197,10 @@ def _run_interpreter_cases() -> list[list[float]]:
         fv._BWD_DKDV_CONFIG[d] = (32, 64, 4, 1)
         fv._BWD_DQ_CONFIG[d] = (64, 32, 4, 1)
     results = []
-    for lengths, hq, hkv, d, causal, window, with_sinks, dtype_name in INTERPRETER_CASES:
+    from trainer.data.packed_metadata import prefix_rows
+
+    for lengths, hq, hkv, d, causal, window, with_sinks, dtype_name, prefix_of in INTERPRETER_CASES:
+        prefixes = None if prefix_of is None else prefix_rows(lengths, prefix_of)
         dtype = getattr(torch, dtype_name)
         torch.manual_seed(len(results))
         T = sum(lengths)
@@ -176,12 +209,12 @@ def _run_interpreter_cases() -> list[list[float]]:
             leaves.append(torch.randn(hq, requires_grad=True))
         sinks = leaves[3] if with_sinks else None
         out = flash_varlen_attention(*leaves[:3], _cu(lengths), max(lengths), causal=causal, window=window,
-                                     sinks=sinks)
+                                     sinks=sinks, prefixes=prefixes)
         grad = torch.randn_like(out)
         out.backward(grad)
         ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
         ref = reference_varlen_attention(*ref_leaves[:3], _cu(lengths), max(lengths), causal=causal, window=window,
-                                         sinks=ref_leaves[3] if with_sinks else None)
+                                         sinks=ref_leaves[3] if with_sinks else None, prefixes=prefixes)
         ref.backward(grad.double())
         errors = [((out.double() - ref).norm() / ref.norm()).item()]
         errors += [((a.grad.double() - b.grad).norm() / b.grad.norm()).item() for a, b in zip(leaves, ref_leaves)]

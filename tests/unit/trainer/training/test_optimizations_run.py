@@ -111,11 +111,12 @@ class TestStepUsesTheInstalledAttention:
         built: dict[bool, list] = {True: [], False: []}
         original = attention.PackedAttention.metadata
 
-        def spy(self, lengths, device):
+        def spy(self, lengths, device, prefixes=None):
             assert isinstance(lengths, list) and all(
                 isinstance(n, int) for n in lengths
             )
-            meta = original(self, lengths, device)
+            assert prefixes is None  # an SFT batch shares no prefix
+            meta = original(self, lengths, device, prefixes)
             built[self.cache].append(meta)
             return meta
 

@@ -62,8 +62,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(directory: Path, model_dir: Path, *, steps: int, dtype: str = "auto", gpus: int = 1,
-            method: str = "lora") -> Any:
-    """A GRPO job on CUDA (LoRA unless ``method``): two prompts' groups (4 x up to 6 new tokens) a micro-batch,
+            method: str = "lora", batch_tokens: int = GROUP * 24) -> Any:
+    """A GRPO job on CUDA (LoRA unless ``method``): two prompts' groups (4 x up to 6 new tokens, the
+    prompt shared: ``test_grpo_ranks``'s arithmetic) a micro-batch,
     ``gpus`` x 1 micro-batches a step; ``scale_rewards: batch`` and ``dapo`` so the step's spread and
     token count are gathered over the ranks (``test_grpo_ranks``'s job)."""
     from trainer.config import DataConfig, ModelConfig, OptimConfig
@@ -74,7 +75,7 @@ def _config(directory: Path, model_dir: Path, *, steps: int, dtype: str = "auto"
     return make_job(
         directory, model_dir, device="cuda", gpus=gpus, objective="grpo", gradient_checkpointing="auto", method=method,
         model=ModelConfig(str(model_dir), dtype=dtype),
-        data=DataConfig(str(prompts), max_seq_len=64, batch_tokens=GROUP * 32),
+        data=DataConfig(str(prompts), max_seq_len=64, batch_tokens=batch_tokens),
         optim=OptimConfig(max_steps=steps, grad_accum=1, warmup_steps=1, learning_rate=1e-2 if method == "lora" else 1e-3),
         grpo=GrpoConfig(graders=GRADER, group_size=GROUP, max_new_tokens=NEW, loss_type="dapo", scale_rewards="batch"),
     )
@@ -181,7 +182,9 @@ class TestOneGpu:
             monkeypatch.setattr(grpo_objective.Grpo, "share_prefixes", shared)
             monkeypatch.setattr(grpo_objective.Grpo, "pack", lambda self, items: (
                 batch := pack(self, items), packed.append(batch.prefixes is not None))[0])
-            recorder, rollouts = _run(_config(tmp_path / str(shared), model_dir, steps=1, dtype=dtype), monkeypatch)
+            # every prompt in the one micro-batch, in both layouts (whole groups are longer)
+            recorder, rollouts = _run(_config(tmp_path / str(shared), model_dir, steps=1, dtype=dtype,
+                                              batch_tokens=1024), monkeypatch)
             runs[shared] = (recorder.of("step")[0], rollouts.calls[0]["completions"], packed)
         (whole, whole_completions, whole_packed), (shared, shared_completions, shared_packed) = runs[False], runs[True]
         _report({"test": f"grpo-shared-prefixes-vs-whole-{dtype}",

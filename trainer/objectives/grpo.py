@@ -65,7 +65,8 @@ class PromptItem:
     group: int
     max_new: int
     shared: bool = False
-    """Packed with its prompt once for the group (``Grpo.share_prefixes``; set by ``build_loss``)."""
+    """Packed with its prompt once for the group (``Grpo.share_prefixes``; ``build_loss`` turns it off
+    where the installed attention cannot take shared prefixes)."""
     completions: list[list[int]] = field(default_factory=list)
     """This step's ``G`` completions (set by ``rollout``)."""
     rewards: list[float] = field(default_factory=list)
@@ -75,10 +76,11 @@ class PromptItem:
     errors: int = 0
 
     def __len__(self) -> int:
-        """Tokens the packed group may take (prompt and longest completion, G times): what the
-        schedule packs micro-batches by, whether the prompt is packed once (``shared``: fewer tokens
-        in the same micro-batches, so the micro-batches, and the plan's memory, do not depend on
-        the layout) or not."""
+        """Tokens the packed group may take: what the schedule packs micro-batches by. ``shared``: the
+        prompt but its last token once, then G times its last token and the longest completion;
+        else G times the prompt and the longest completion."""
+        if self.shared:
+            return len(self.ids) - 1 + self.group * (1 + self.max_new)
         return self.group * (len(self.ids) + self.max_new)
 
     @property
@@ -142,8 +144,8 @@ class Grpo:
             raise ConfigError(f"data.train_path: {exc}") from None
         self.config, self.tokenizer, self.seed = grpo, tokenizer, config.seed
         self.memory_cap = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * 2**30)
-        items = [PromptItem(p.index, list(encode(p, tokenizer)), p.record, grpo.group_size, grpo.max_new_tokens)
-                 for p in prompts]
+        items = [PromptItem(p.index, list(encode(p, tokenizer)), p.record, grpo.group_size, grpo.max_new_tokens,
+                            shared=self.share_prefixes) for p in prompts]
         self.items = items
         _check_fit(items, config.data.batch_tokens)
         return items, None
@@ -273,6 +275,7 @@ class Grpo:
         shared = self.share_prefixes and installed.attention.takes_prefixes and not _windowed(model)
         for item in self.items:
             item.shared = shared
+        _check_fit(self.items, config.data.batch_tokens)  # whole sequences are longer
         if config.grpo.beta > 0 and config.method == "full":
             raise ConfigError("grpo.beta: the KL reference is the base with the adapter off, which method full "
                               "has not; use lora or qlora, or beta 0")
@@ -471,10 +474,11 @@ def _check_fit(items: Sequence[PromptItem], batch_tokens: int) -> None:
     """A prompt's group is packed whole into one micro-batch: refuse one longer than ``batch_tokens``."""
     over = max(items, key=len, default=None)
     if over is not None and len(over) > batch_tokens:
-        raise ConfigError(f"data.batch_tokens: prompt {over.index}'s group, {over.group} x ({len(over.ids)} prompt + "
-                          f"{over.max_new} new) = {len(over)} tokens, is packed into one micro-batch of at most "
-                          f"{batch_tokens}; raise hyperparameters.batch_tokens or lower grpo.group_size, "
-                          "grpo.max_new_tokens or the prompt")
+        group = (f"{len(over.ids) - 1} prompt + {over.group} x (1 + {over.max_new} new)" if over.shared else
+                 f"{over.group} x ({len(over.ids)} prompt + {over.max_new} new)")
+        raise ConfigError(f"data.batch_tokens: prompt {over.index}'s group, {group} = {len(over)} tokens, is packed "
+                          f"into one micro-batch of at most {batch_tokens}; raise hyperparameters.batch_tokens or "
+                          "lower grpo.group_size, grpo.max_new_tokens or the prompt")
 
 
 class GrpoLoss:

@@ -209,14 +209,6 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     emit("log", level="info", message=f"loading tokenizer and data for {config.model.name_or_path}")
     objective: Objective = objectives.load(config.objective)
     train_samples, validation = objective.load_data(config, load_tokenizer(config))
-    schedule = BatchSchedule(
-        [len(s) for s in train_samples],
-        config.data.batch_tokens,
-        config.seed,
-        config.global_micro_batches,
-        max_steps=config.optim.max_steps,
-        epochs=config.optim.epochs,
-    )
     emit(
         "log",
         level="info",
@@ -227,6 +219,15 @@ def _setup(config: TrainConfig, emit: Emit, stop: StopFlag, comm: distributed.Co
     for line in installed.describe():
         emit("log", level="info", message=line)
     loss = objective.build_loss(config, model, installed, plan.decision(parallel.NAME).backend)
+    # after build_loss: an item's length may depend on what the installed plan runs (GRPO's shared prompts)
+    schedule = BatchSchedule(
+        [len(s) for s in train_samples],
+        config.data.batch_tokens,
+        config.seed,
+        config.global_micro_batches,
+        max_steps=config.optim.max_steps,
+        epochs=config.optim.epochs,
+    )
     wrapped = parallel.parallelize(
         model, loss, plan.decision(parallel.NAME), comm,
         static_graph=installed.offloader.enabled, compute_dtype=plan.dtype,

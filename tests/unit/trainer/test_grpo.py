@@ -74,6 +74,22 @@ def test_a_group_longer_than_batch_tokens_is_refused_at_the_start(tmp_path, tiny
     recorder = Recorder()
     assert run(config, recorder).status == "failed"
     message = recorder.of("done")[0]["message"]
+    assert message.startswith("data.batch_tokens: prompt ") and "8 prompt + 8 x (1 + 8 new) = 80 tokens" in message, \
+        message
+
+
+def test_without_shared_prefixes_the_whole_group_must_fit(tmp_path, tiny_model_dir) -> None:
+    """``packed_metadata_cache: off`` rebuilds the boundaries from positions in every layer, which
+    cannot express a shared prefix: the groups pack as whole sequences, and a ``batch_tokens`` that
+    fits only the shared layout is refused at the start, naming the whole group's size."""
+    from trainer.config import Optimizations
+
+    config = _job(tmp_path, tiny_model_dir)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_tokens=100),
+                                 optimizations=Optimizations(packed_metadata_cache="off"))
+    recorder = Recorder()
+    assert run(config, recorder).status == "failed"
+    message = recorder.of("done")[0]["message"]
     assert message.startswith("data.batch_tokens: prompt ") and "8 x (9 prompt + 8 new) = 136 tokens" in message, message
 
 

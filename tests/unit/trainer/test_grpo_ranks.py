@@ -42,8 +42,9 @@ WEIGHT_ATOL = 5e-6
 PROMPTS = ("Once upon", "The old house", "Hello there", "In the morning", "The big dog", "My friend",
            "The small house", "A long road", "The blue sky", "Good morning", "The last day", "Her brother",
            "One night", "A bright star")
-"""Fourteen prompts of 7-9 tokens (the tiny tokenizer's, with its bos): a group is 4 x (7..9 + 6)
-tokens, so two fit ``batch_tokens`` (4 x 32) and three never do: seven micro-batches in the epoch."""
+"""Fourteen prompts of 7-9 tokens (the tiny tokenizer's, with its bos): a group packs as 6..8 prompt
+tokens and 4 x (1 + 6) (the prompt shared, ``Grpo.pack``), 34-36 tokens, so two fit ``batch_tokens``
+(4 x 24) and three never do: seven micro-batches in the epoch."""
 GROUP, NEW = 4, 6
 STEPS = 4
 """One epoch of seven micro-batches, two a step: three full steps and a last of one. Its prompts
@@ -59,7 +60,7 @@ def write_grpo_job(directory: Path, model_dir: Path, method: str = "lora") -> Pa
     prompts = write_jsonl(directory / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
     config = make_job(
         directory, model_dir, gpus=2, objective="grpo", method=method,
-        data=DataConfig(str(prompts), max_seq_len=64, batch_tokens=GROUP * 32),
+        data=DataConfig(str(prompts), max_seq_len=64, batch_tokens=GROUP * 24),
         optim=OptimConfig(epochs=1, grad_accum=1, warmup_steps=1, learning_rate=1e-2 if method == "lora" else 1e-3),
         grpo=GrpoConfig(graders=GRADER, group_size=GROUP, max_new_tokens=NEW, loss_type="dapo",
                         scale_rewards="batch"),

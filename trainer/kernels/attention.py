@@ -24,6 +24,12 @@ Shapes (legend): ``T`` packed tokens, ``N`` samples, ``Hq``/``Hkv`` query/key-va
 ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T`` (this cannot be checked without a host
 sync, so it is the caller's contract; rows past ``cu_seqlens[-1]`` are left unwritten).
 
+Shared prefixes (``prefixes``, GRPO's prompt trained once for its group): a sample may also see
+every key of an earlier sample, its prefix; the forward and dQ kernels run the online softmax over
+the prefix's keys before the sample's own, and the dK/dV kernel of a prefix's key block loops on
+over the query rows of the samples that share it (they follow it, contiguous, up to its "query
+end"), so the prefix's key gradients sum over all of them without atomics.
+
 Masking follows flash-attn's ``window_size=(left, right)``, positions local to each sample:
 query ``i`` sees key ``j`` when ``i - left <= j <= i + right`` (``-1`` = unbounded side);
 ``causal=True`` forces ``right = 0``.
@@ -204,6 +210,28 @@ if triton is not None:
             tl.store(DSINK_ROWS + hq * stride_lh + offs_t, -tl.exp(sink - lse) * delta, mask=ok)
 
     @triton.jit
+    def _dkdv_block(Q, DO, LSE, DELTA, rows, row_ok, allowed, hq, k, v, dk, dv, qk_scale,
+                    stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, HEAD_DIM: tl.constexpr):
+        """One query block's share of a key block's dK/dV: queries at packed ``rows`` (those with
+        ``row_ok``), the scores kept where ``allowed``."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        rows_m = rows.to(tl.int64)
+        q = tl.load(Q + rows_m[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        do = tl.load(DO + rows_m[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=row_ok[:, None],
+                     other=0.0)
+        lse = tl.load(LSE + hq * stride_lh + rows, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + hq * stride_lh + rows, mask=row_ok, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        p = tl.exp2(qk * qk_scale - lse[:, None] * 1.4426950408889634)
+        p = tl.where(allowed, p, 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        return dk, dv
+
+    @triton.jit
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV, CU, PFX, softmax_scale, left, right,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -242,21 +270,9 @@ if triton is not None:
             hq = hk * GROUP + g
             for m0 in range(q_lo, q_hi, BLOCK_M):
                 offs_m = m0 + offs_m0
-                rows_m = (start + offs_m).to(tl.int64)
-                q_mask = offs_m[:, None] < seqlen
-                q = tl.load(Q + rows_m[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=q_mask,
-                            other=0.0)
-                do = tl.load(DO + rows_m[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=q_mask,
-                             other=0.0)
-                lse = tl.load(LSE + hq * stride_lh + start + offs_m, mask=offs_m < seqlen, other=0.0)
-                delta = tl.load(DELTA + hq * stride_lh + start + offs_m, mask=offs_m < seqlen, other=0.0)
-                qk = tl.dot(q, tl.trans(k))
-                p = tl.exp2(qk * qk_scale - lse[:, None] * 1.4426950408889634)
-                p = tl.where(_window_mask(offs_m, offs_n, seqlen, left, right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+                allowed = _window_mask(offs_m, offs_n, seqlen, left, right, HAS_LEFT, HAS_RIGHT)
+                dk, dv = _dkdv_block(Q, DO, LSE, DELTA, start + offs_m, offs_m < seqlen, allowed, hq, k, v, dk, dv,
+                                     qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, HEAD_DIM)
         if HAS_PREFIX:  # a shared prefix: the samples after it, up to its query end, see every key of it
             q_end = tl.load(PFX + seq * 3 + 2)
             for g in range(GROUP):
@@ -264,20 +280,9 @@ if triton is not None:
                 for r0 in range(start + seqlen, q_end, BLOCK_M):
                     rows = r0 + offs_m0
                     row_ok = rows < q_end
-                    rows_m = rows.to(tl.int64)
-                    q = tl.load(Q + rows_m[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
-                                mask=row_ok[:, None], other=0.0)
-                    do = tl.load(DO + rows_m[:, None] * stride_dot + hq * stride_doh + offs_d[None, :],
-                                 mask=row_ok[:, None], other=0.0)
-                    lse = tl.load(LSE + hq * stride_lh + rows, mask=row_ok, other=0.0)
-                    delta = tl.load(DELTA + hq * stride_lh + rows, mask=row_ok, other=0.0)
-                    qk = tl.dot(q, tl.trans(k))
-                    p = tl.exp2(qk * qk_scale - lse[:, None] * 1.4426950408889634)
-                    p = tl.where(row_ok[:, None] & (offs_n[None, :] < seqlen), p, 0.0)
-                    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                    dp = tl.dot(do, tl.trans(v))
-                    ds = p * (dp - delta[:, None])
-                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+                    allowed = row_ok[:, None] & (offs_n[None, :] < seqlen)
+                    dk, dv = _dkdv_block(Q, DO, LSE, DELTA, rows, row_ok, allowed, hq, k, v, dk, dv, qk_scale,
+                                         stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, HEAD_DIM)
         dk = dk * softmax_scale
         tl.store(DK + rows_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=kv_mask)

@@ -314,12 +314,7 @@ def build_packed_metadata(
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     device = _resolve_device(device)
     total = sum(lengths)
-    prefix_of = None
-    if prefixes is not None:
-        prefix_of = _check_prefixes(prefixes, lengths)
-        if not cache or backend not in PREFIX_BACKENDS:
-            raise ValueError(f"shared prefixes need the metadata cache and one of {', '.join(PREFIX_BACKENDS)} "
-                             f"attention; this batch runs {backend} with the cache {'on' if cache else 'off'}")
+    prefix_of = None if prefixes is None else _check_prefixes(prefixes, lengths, backend, cache)
     offsets = [0] * len(lengths) if prefix_of is None else [0 if p < 0 else lengths[p] for p in prefix_of]
     positions = torch.cat([torch.arange(o, o + n, dtype=torch.int64) for o, n in zip(offsets, lengths)]).view(
         1, total
@@ -329,27 +324,15 @@ def build_packed_metadata(
         return UncachedPackedMetadata(
             lengths, total, device, backend, pos_dev, _keepalive=keep
         )
-    segments = torch.repeat_interleave(
-        torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths)
-    )
+    segments = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     host = [positions, segments, cu] + ([] if prefix_of is None else [prefix_rows(lengths, prefix_of)])
     (pos_dev, seg_dev, cu_dev, *table), keep = _to_device(host, device)
-    counter = BuildCounter(metadata=1)
     return PackedMetadata(
-        lengths=lengths,
-        total=total,
-        max_seqlen=max(lengths),
-        device=device,
-        backend=backend,
-        position_ids=pos_dev,
-        segment_ids=seg_dev,
-        cu_seqlens=cu_dev,
-        prefix_of=prefix_of,
-        prefix_table=table[0] if table else None,
-        counter=counter,
-        _keepalive=keep,
+        lengths=lengths, total=total, max_seqlen=max(lengths), device=device, backend=backend,
+        position_ids=pos_dev, segment_ids=seg_dev, cu_seqlens=cu_dev, prefix_of=prefix_of,
+        prefix_table=table[0] if table else None, counter=BuildCounter(metadata=1), _keepalive=keep,
     )
 
 
@@ -368,7 +351,10 @@ def prefix_rows(lengths: Sequence[int], prefix_of: Sequence[int]) -> torch.Tenso
     return torch.tensor(rows, dtype=torch.int32).view(len(lengths), 3)
 
 
-def _check_prefixes(prefixes: Sequence[int], lengths: tuple[int, ...]) -> tuple[int, ...]:
+def _check_prefixes(prefixes: Sequence[int], lengths: tuple[int, ...], backend: str, cache: bool) -> tuple[int, ...]:
+    if not cache or backend not in PREFIX_BACKENDS:
+        raise ValueError(f"shared prefixes need the metadata cache and one of {', '.join(PREFIX_BACKENDS)} "
+                         f"attention; this batch runs {backend} with the cache {'on' if cache else 'off'}")
     out = tuple(int(p) for p in prefixes)
     if len(out) != len(lengths):
         raise ValueError(f"prefixes: one per sample ({len(lengths)}), got {len(out)}")

@@ -97,7 +97,7 @@ class Engine:
             read (none copies it), and a slot holds only its sequence's generated tokens, at most
             ``new_len`` (a completion also ends, ``length``, at ``new_len`` tokens). None (default):
             each slot holds its whole sequence, ``max_len`` positions. GRPO's rollouts use it
-            (``trainer.objectives.grpo.rollout_slots`` sizes both stores).
+            (``trainer.objectives.grpo_slots.rollout_slots`` sizes both stores).
 
     Raises:
         ValueError: a size below its least, or a backend that is unknown or cannot run here.

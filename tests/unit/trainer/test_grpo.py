@@ -199,8 +199,9 @@ def test_rollouts_with_shared_prompts_are_those_of_the_unshared_cache(tmp_path, 
     group's prompt into its choices' slots, the shared one copied none."""
     from trainer.generate import cache as sampler_cache
     from trainer.objectives import grpo as grpo_objective
+    from trainer.objectives import grpo_slots
 
-    monkeypatch.setattr(grpo_objective, "CPU_SLOTS", 12)
+    monkeypatch.setattr(grpo_slots, "CPU_SLOTS", 12)
     copies: list[int] = []
     copy_prefix = sampler_cache.KVCache.copy_prefix
     monkeypatch.setattr(sampler_cache.KVCache, "copy_prefix",
@@ -227,7 +228,7 @@ class TestRolloutSlots:
     """``rollout_slots``'s arithmetic (``fit_slots``): the most slots whose cache fits the room."""
 
     def test_the_most_slots_and_their_prompt_slots_that_fit(self) -> None:
-        from trainer.objectives.grpo import fit_slots, prompt_slots_for
+        from trainer.objectives.grpo_slots import fit_slots, prompt_slots_for
 
         # 8 slots of 10 bytes + 2 prompt slots per group of 4 (4) of 5 bytes: 100; a 9th slot needs 120
         assert fit_slots(100, 100, 4, 10, 5) == (8, 4)
@@ -239,7 +240,7 @@ class TestRolloutSlots:
     def test_an_8b_grpo_step_within_trls_peak_decodes_in_two_waves_with_shared_prompts(self) -> None:
         """docs/benchmarks.md's case: Llama-3.1-8B shape in bf16 (32 layers, 8 kv heads of 128, vocab
         128,256), 39.95 GiB cap, 15.6 GiB held, 64 prompts of 256 tokens x 8, 512 new tokens."""
-        from trainer.objectives.grpo import fit_slots
+        from trainer.objectives.grpo_slots import fit_slots
         from trainer.plan.memory import margin
 
         gib = 2**30

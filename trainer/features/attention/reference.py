@@ -61,15 +61,7 @@ def reference_varlen_attention(
         ks = k[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[rows].double().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, L, P + L]
-        i = torch.arange(b - a, device=q.device)[:, None]
-        j = torch.arange(b - a, device=q.device)[None, :]
-        allowed = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device)
-        if right >= 0:
-            allowed &= j <= i + right
-        if left >= 0:
-            allowed &= j >= i - left
-        allowed = torch.cat([torch.ones(b - a, p_len, dtype=torch.bool, device=q.device), allowed], dim=1)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~_allowed(b - a, p_len, left, right, q.device), float("-inf"))
         if sinks is not None:
             sink_col = sinks.double()[:, None, None].expand(Hq, b - a, 1)
             probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
@@ -79,3 +71,15 @@ def reference_varlen_attention(
     if not outs:
         return q.new_zeros(q.shape, dtype=torch.float64)
     return torch.cat(outs, dim=0)
+
+
+def _allowed(length: int, prefix: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """[L, P + L] bool: every key of the ``prefix``, then the sample's own keys within the window."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    own = torch.ones(length, length, dtype=torch.bool, device=device)
+    if right >= 0:
+        own &= j <= i + right
+    if left >= 0:
+        own &= j >= i - left
+    return torch.cat([torch.ones(length, prefix, dtype=torch.bool, device=device), own], dim=1)

@@ -50,9 +50,9 @@ from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 from trainer.training.flops import ATTENTION_BACKWARD, FlopCounter
 from trainer.objectives.declarations import DPO_STEP_FIELDS, DpoConfig
-from trainer.objectives.preference import PreferencePair, load_pair_sets
+from trainer.objectives.preference import PreferencePair, load_pair_sets, pack_pairs, shared_prefix
 from trainer.features.loss.packed_forward import packed_sequence_logprobs
-from trainer.data.packing import PackedBatch, pack_batch
+from trainer.data.packing import PackedBatch
 
 STATS = ("reward_margin", "correct", "chosen_logp", "rejected_logp", "pairs")
 """What a micro-batch adds up (``DpoLoss.last``); ``step_fields`` turns the step's sums into means."""
@@ -84,13 +84,15 @@ class DpoLoss:
         self.config = config
         self.loss_kernel = loss_kernel
         self.reference = reference
+        self.shared = False
+        """Whether pairs pack with their prompt once (``Dpo.build_loss``; ``step_flops`` counts it)."""
         self.last: torch.Tensor | None = None
         """The last call's sums, in ``STATS`` order (a detached device tensor, read one step late)."""
 
     def __call__(self, model: torch.nn.Module, batch: PackedBatch, meta: Any, num_items: int) -> torch.Tensor:
         with torch.no_grad():  # first: its transient memory comes before the policy's saved activations
             ref_S = self.reference_logprobs(model, batch, meta)
-        policy_S = packed_sequence_logprobs(model, batch, meta, self.loss_kernel)
+        policy_S = packed_sequence_logprobs(model, batch, meta, self.loss_kernel, _sequences(batch))
         losses_P = dpo_losses(
             policy_S[0::2], policy_S[1::2], ref_S[0::2], ref_S[1::2], self.config.beta, self.config.label_smoothing
         )
@@ -100,9 +102,9 @@ class DpoLoss:
     def reference_logprobs(self, model: torch.nn.Module, batch: PackedBatch, meta: Any) -> torch.Tensor:
         """The reference model's ``packed_sequence_logprobs`` (call under ``no_grad``)."""
         if self.reference is not None:
-            return packed_sequence_logprobs(self.reference, batch, meta, self.loss_kernel)
+            return packed_sequence_logprobs(self.reference, batch, meta, self.loss_kernel, _sequences(batch))
         with _adapters_off(model):
-            return packed_sequence_logprobs(model, batch, meta, self.loss_kernel)
+            return packed_sequence_logprobs(model, batch, meta, self.loss_kernel, _sequences(batch))
 
     def step_flops(self, counter: FlopCounter, pairs: list[Any]) -> float:
         """Model FLOPs of a step over ``pairs`` (``trainer.training.flops``' one count): the policy's forward
@@ -112,7 +114,10 @@ class DpoLoss:
         lengths = [len(seq) for pair in pairs for seq in pair.sequences]
         reference = counter.frozen_params + (counter.trainable_params if self.reference is not None else 0)
         attention_forward = counter.attention_flops(lengths) / (1.0 + ATTENTION_BACKWARD)
-        return counter.step_flops(lengths) + 2.0 * reference * sum(lengths) + attention_forward
+        # a shared prompt goes through the policy and the reference once, not twice
+        saved = sum(shared_prefix(pair) for pair in pairs) if self.shared else 0
+        return (counter.step_flops(lengths) + 2.0 * reference * sum(lengths) + attention_forward
+                - (counter.matmul_flops_per_token() + 2.0 * reference) * saved)
 
     def _stats(self, policy_S: torch.Tensor, ref_S: torch.Tensor) -> torch.Tensor:
         rewards_S = self.config.beta * (policy_S - ref_S)
@@ -121,6 +126,14 @@ class DpoLoss:
             margin_P.sum(), (margin_P > 0).float().sum(), policy_S[0::2].sum(), policy_S[1::2].sum(),
             torch.full((), float(margin_P.numel()), device=policy_S.device),  # a fill: no host-to-device copy
         ])
+
+
+def _sequences(batch: PackedBatch) -> tuple[torch.Tensor, int] | None:
+    """A shared-prefix batch's (``pack_pairs``) sequence per position and count (two a pair: its
+    ``num_targets``); None for whole sequences."""
+    if "sequence" not in batch.extras:
+        return None
+    return batch.extras["sequence"].reshape(-1), 2 * batch.num_targets
 
 
 def _adapters_off(model: torch.nn.Module) -> Any:
@@ -177,18 +190,28 @@ def check_parallelism(strategy: str | None) -> None:
 class Dpo:
     """The ``dpo`` objective (``trainer.objectives.declarations.DPO``): pairs, ``DpoLoss``, ``STATS``."""
 
+    share_prefixes = True
+    """Pack each pair's prompt once (``pack_pairs``) where the installed attention takes shared
+    prefixes; the schedule still counts a pair as its two whole sequences."""
+
     def __init__(self) -> None:
         self.loss: DpoLoss | None = None
+        self.shared = False
 
     def load_data(self, config: TrainConfig, tokenizer: Any) -> tuple[list[PreferencePair], list[PreferencePair] | None]:
         return load_pair_sets(config, tokenizer)
 
     def pack(self, items: Sequence[PreferencePair]) -> PackedBatch:
-        return pack_batch(items)
+        return pack_pairs(list(items), self.shared)
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> DpoLoss:
+        from trainer.features.attention.packed import unwrap_model, uses_window
+
         check_parallelism(strategy)
+        self.shared = (self.share_prefixes and installed.attention.takes_prefixes
+                       and not uses_window(unwrap_model(model).config))
         self.loss = build(config, model, installed.loss.kernel)
+        self.loss.shared = self.shared
         return self.loss
 
     def new_stats(self, device: torch.device) -> torch.Tensor:

@@ -273,7 +273,10 @@ class Grpo:
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
         self.strategy = strategy
-        shared = self.share_prefixes and installed.attention.takes_prefixes and not _windowed(model)
+        from trainer.features.attention.packed import unwrap_model, uses_window
+
+        shared = (self.share_prefixes and installed.attention.takes_prefixes
+                  and not uses_window(unwrap_model(model).config))
         for item in self.items:
             item.shared = shared
         _check_fit(self.items, config.data.batch_tokens)  # whole sequences are longer
@@ -394,16 +397,6 @@ def sequence_advantages(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]
     # every token of a sequence carries its advantage: the scatter writes equal values
     adv_S = torch.zeros(len(batch.lengths), dtype=adv_T.dtype, device=adv_T.device).scatter_(0, seq_T, adv_T)
     return seq_T, adv_S
-
-
-def _windowed(model: torch.nn.Module) -> bool:
-    """Whether a layer of ``model`` attends through a sliding window (a shared prefix is seen whole)."""
-    from trainer.features.attention.packed import unwrap_model
-    from trainer.training.flops import attention_layers
-
-    config = unwrap_model(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return any(layers.window is not None for layers in attention_layers(text))
 
 
 def _check_fit(items: Sequence[PromptItem], batch_tokens: int) -> None:

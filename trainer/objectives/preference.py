@@ -14,6 +14,12 @@ prompt and the answer's tokens after it (the template's end-of-turn tokens inclu
 Each sequence is truncated from its end to ``min(max_seq_len, batch_tokens // 2)`` tokens, so a
 pair always fits in one packed micro-batch (``trainer.data.packing.pack_batch`` packs a pair's two
 sequences side by side); a pair left with no answer token on either side is dropped.
+
+Where the run's packed attention takes shared prefixes (``trainer.data.packed_metadata``), ``pack_pairs``
+lays the prompt the two sequences share once (``shared_prefix``: the tokens at the start of both
+that neither trains on), then each answer continuing it, attending to it as its prefix: the same
+attention, positions and log-probabilities as the two whole sequences, the prompt's forward and
+backward (and the reference's forward) done once.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer.config import TrainConfig
 from trainer.data.dataset import IGNORE_INDEX, Sample, read_records
+from trainer.data.packing import PackedBatch, pack_batch
 from trainer.errors import DatasetError
 
 KEYS = ("input", "preferred_output", "non_preferred_output")
@@ -137,3 +146,47 @@ def _problem(record: dict[str, Any]) -> str | None:
         if any(not isinstance(m, dict) or m.get("role") != "assistant" for m in output):
             return f"'{key}' must hold assistant messages only"
     return None
+
+
+def shared_prefix(pair: PreferencePair) -> int:
+    """The tokens at the start of both of ``pair``'s sequences whose targets neither trains on (the
+    prompt, less any token whose next one is an answer's), at most one less than either sequence:
+    each keeps a token to continue from."""
+    chosen, rejected = pair.chosen, pair.rejected
+    limit = min(len(chosen), len(rejected)) - 1
+    n = 0
+    while (n < limit and chosen.input_ids[n] == rejected.input_ids[n]
+           and chosen.labels[n + 1] == IGNORE_INDEX and rejected.labels[n + 1] == IGNORE_INDEX):
+        n += 1
+    return n
+
+
+def pack_pairs(pairs: list[PreferencePair], shared: bool) -> PackedBatch:
+    """One packed micro-batch of ``pairs``: ``pack_batch``'s two whole sequences a pair, or ``shared``:
+    each pair's ``shared_prefix`` once, then its chosen and its rejected answer continuing it (positions
+    from the prefix's length), with ``prefixes`` and an extra ``sequence`` giving each position's
+    sequence (pair i's chosen 2i, rejected 2i + 1; its prefix's tokens, which have no target, 2i)."""
+    if not shared:
+        return pack_batch(pairs)
+    ids: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
+    sequence: list[int] = []
+    lengths: list[int] = []
+    prefixes: list[int] = []
+    for i, pair in enumerate(pairs):
+        n = shared_prefix(pair)
+        head = len(lengths) if n else -1
+        pieces = [(pair.chosen.input_ids[:n], [IGNORE_INDEX] * n, 2 * i, 0, -1)] if n else []
+        pieces += [(s.input_ids[n:], list(s.labels[n + 1:]) + [IGNORE_INDEX], 2 * i + j, n, head)
+                   for j, s in enumerate(pair.sequences)]
+        for tokens, labels, index, first, prefix in pieces:
+            ids += tokens
+            positions += range(first, first + len(tokens))
+            targets += labels
+            sequence += [index] * len(tokens)
+            lengths.append(len(tokens))
+            prefixes.append(prefix)
+    row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)  # noqa: E731
+    return PackedBatch(row(ids), row(positions), row(targets), lengths, len(pairs),
+                       extras={"sequence": row(sequence)}, prefixes=prefixes)

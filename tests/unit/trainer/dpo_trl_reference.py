@@ -69,21 +69,24 @@ def trl_side(model: torch.nn.Module, tokenizer, beta: float, out_dir: str) -> di
     }
 
 
-def ftq_side(model: torch.nn.Module, tokenizer, beta: float) -> dict:
+def ftq_side(model: torch.nn.Module, tokenizer, beta: float, shared: bool) -> dict:
+    """ftq's DPO loss on the batch ``Dpo.pack`` lays out: each pair's two whole sequences, or
+    ``shared`` (the prompt once, both answers continuing it as their prefix)."""
     from trainer.features.attention.packed import PackedAttention
     from trainer.config import DpoConfig
     from trainer.objectives.dpo import DpoLoss, step_fields
     from trainer.features.loss.packed_forward import LOSS_FUSED
-    from trainer.data.packing import pack_batch
-    from trainer.objectives.preference import tokenize_pair
+    from trainer.objectives.preference import pack_pairs, tokenize_pair
 
     pairs = [tokenize_pair(r, tokenizer) for r in records()]
     attn = PackedAttention("sdpa", cache=True)
     attn.install(model)
-    batch = pack_batch(pairs)
+    batch = pack_pairs(pairs, shared)
+    assert (batch.prefixes is not None) == shared
+    assert not shared or all(p >= 0 for p in batch.prefixes[1::3]), batch.prefixes  # every prompt shared
     dpo = DpoLoss(DpoConfig(beta=beta), LOSS_FUSED)
     model.train()
-    loss = dpo(model, batch, attn.metadata(batch.lengths, "cpu"), len(pairs))
+    loss = dpo(model, batch, attn.metadata(batch.lengths, "cpu", batch.prefixes), len(pairs))
     loss.backward()
     return {
         "loss": loss.item(),
@@ -98,21 +101,24 @@ def compare(model_dir: str, beta: float, out_dir: str) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = lora_model(model_dir)
-    twin = copy.deepcopy(model)
+    twins = [copy.deepcopy(model) for _ in range(2)]
     trl = trl_side(model, tokenizer, beta, out_dir)
-    ftq = ftq_side(twin, tokenizer, beta)
-    rel = {
-        name: ((ftq["grads"][name] - g).norm() / g.norm().clamp_min(1e-30)).item() for name, g in trl["grads"].items()
-    }
     norm = lambda grads: torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())).item()
-    return {
-        "same_tokens": trl["tokens"] == ftq["tokens"],
-        "trl_loss": trl["loss"], "ftq_loss": ftq["loss"],
-        "trl_margin": trl["margin"], "ftq_margin": ftq["margin"],
-        "trl_grad_norm": norm(trl["grads"]), "ftq_grad_norm": norm(ftq["grads"]),
-        "grad_names_match": trl["grads"].keys() == ftq["grads"].keys(),
-        "max_grad_rel_l2": max(rel.values()), "worst_grad": max(rel, key=rel.get),
-    }
+    report = {"trl_loss": trl["loss"], "trl_margin": trl["margin"], "trl_grad_norm": norm(trl["grads"])}
+    for layout, twin, shared in (("", twins[0], False), ("shared_", twins[1], True)):
+        ftq = ftq_side(twin, tokenizer, beta, shared)
+        rel = {
+            name: ((ftq["grads"][name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+            for name, g in trl["grads"].items()
+        }
+        report |= {
+            f"{layout}same_tokens": trl["tokens"] == ftq["tokens"],
+            f"{layout}ftq_loss": ftq["loss"], f"{layout}ftq_margin": ftq["margin"],
+            f"{layout}ftq_grad_norm": norm(ftq["grads"]),
+            f"{layout}grad_names_match": trl["grads"].keys() == ftq["grads"].keys(),
+            f"{layout}max_grad_rel_l2": max(rel.values()), f"{layout}worst_grad": max(rel, key=rel.get),
+        }
+    return report
 
 
 if __name__ == "__main__":

@@ -26,21 +26,26 @@ from trainer.training.flops import AttentionLayers, FlopCounter
 from trainer.objectives.fused_logprobs import fused_linear_sequence_logprobs
 from trainer.features.loss.packed_forward import LOSS_FUSED, LOSS_PLAIN, packed_sequence_logprobs
 from trainer.data.packing import pack_batch
-from trainer.objectives.preference import PreferencePair, tokenize_pair
+from trainer.objectives.preference import PreferencePair, pack_pairs, shared_prefix, tokenize_pair
 
 LENGTHS = ((9, 6), (5, 12), (14, 4))
 """(chosen, rejected) lengths of the test pairs: prompt 3 tokens, the rest answer."""
 
 
 def pairs(seed: int = 0) -> list[PreferencePair]:
+    """A pair's two sequences share their prompt, as tokenized pairs do (``tokenize_pair``)."""
     g = torch.Generator().manual_seed(seed)
     prompt_len = 3
 
-    def seq(n: int) -> Sample:
-        ids = torch.randint(6, 500, (n,), generator=g).tolist()
+    def seq(prompt: list[int], n: int) -> Sample:
+        ids = prompt + torch.randint(6, 500, (n - prompt_len,), generator=g).tolist()
         return Sample(ids, [IGNORE_INDEX] * prompt_len + ids[prompt_len:])
 
-    return [PreferencePair(seq(c), seq(r)) for c, r in LENGTHS]
+    def pair(c: int, r: int) -> PreferencePair:
+        prompt = torch.randint(6, 500, (prompt_len,), generator=g).tolist()
+        return PreferencePair(seq(prompt, c), seq(prompt, r))
+
+    return [pair(c, r) for c, r in LENGTHS]
 
 
 def packed_model(seed: int = 0) -> tuple[torch.nn.Module, PackedAttention]:
@@ -121,6 +126,27 @@ class TestLoss:
         assert packed_grads.keys() == grads.keys() and all(g.abs().sum() > 0 for g in grads.values())
         for name, grad in grads.items():
             torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    def test_a_shared_prompt_gives_the_loss_stats_and_gradients_of_whole_pairs(self) -> None:
+        """``pack_pairs(shared=True)``: each pair's shared prefix once, both answers attending to it: the
+        loss, statistics and LoRA gradients of the whole sequences (fp32)."""
+        model, attn = packed_model(seed=3)
+        loss = dpo.DpoLoss(DpoConfig(beta=0.5), LOSS_FUSED)
+        results = []
+        for shared in (False, True):
+            model.zero_grad(set_to_none=True)
+            group = pairs(3)
+            batch = pack_pairs(group, shared)
+            value = loss(model, batch, attn.metadata(batch.lengths, "cpu", batch.prefixes), len(group))
+            value.backward()
+            results.append((value.detach(), loss.last, lora_grads(model), batch.num_tokens))
+        (whole, whole_stats, whole_grads, whole_tokens), (one, one_stats, one_grads, one_tokens) = results
+        assert one_tokens == whole_tokens - sum(shared_prefix(p) for p in pairs(3)) < whole_tokens
+        torch.testing.assert_close(one, whole, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(one_stats, whole_stats, rtol=1e-5, atol=1e-5)
+        assert all(g.abs().sum() > 0 for g in whole_grads.values())
+        for name, grad in whole_grads.items():
+            torch.testing.assert_close(one_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
     def test_the_reference_is_the_base_with_adapters_off(self) -> None:
         model, attn = packed_model(seed=2)  # LoRA B random: the adapters change the outputs
@@ -216,6 +242,26 @@ class TestPairs:
         assert batch.position_ids[0, :10].tolist() == [*range(9), 0]
 
 
+    def test_a_shared_prompt_packs_once_and_each_answer_continues_it(self) -> None:
+        group = pairs()
+        batch = pack_pairs(group, shared=True)
+        # the prompt is 3 tokens: its first 2 are shared (the third's target is an answer token)
+        assert [shared_prefix(p) for p in group] == [2, 2, 2]
+        assert batch.lengths == [n for c, r in LENGTHS for n in (2, c - 2, r - 2)]
+        assert batch.prefixes == [x for i in range(3) for x in (-1, 3 * i, 3 * i)]
+        assert batch.position_ids[0, :9].tolist() == [0, 1, *range(2, 9)]
+        assert batch.extras["sequence"][0, :9].tolist() == [0, 0] + [0] * 7
+        assert batch.num_targets == len(group)
+        targets = batch.targets[0].tolist()
+        assert targets[:2] == [IGNORE_INDEX] * 2 and targets[2:9] == group[0].chosen.labels[3:] + [IGNORE_INDEX]
+
+    def test_a_pair_whose_sequences_differ_from_the_first_token_shares_nothing(self) -> None:
+        pair = PreferencePair(Sample([5, 6, 7], [IGNORE_INDEX, 6, 7]), Sample([9, 6], [IGNORE_INDEX, 6]))
+        assert shared_prefix(pair) == 0
+        batch = pack_pairs([pair], shared=True)
+        assert batch.lengths == [3, 2] and batch.prefixes == [-1, -1]
+
+
 def dpo_job(tmp_path, model_dir, **overrides) -> TrainConfig:
     records = [
         {"input": {"messages": [{"role": "user", "content": f"What is {i % 5} plus one?"}]},
@@ -257,6 +303,26 @@ class TestDpoRun:
         for step in (3, 4):
             for field in ("loss", "reward_margin", "chosen_logp", "rejected_logp"):
                 assert got[step][field] == pytest.approx(want[step][field], rel=1e-4, abs=1e-6), (step, field)
+
+    def test_a_run_with_shared_prompts_follows_one_with_whole_pairs(self, tmp_path, tiny_model_dir,
+                                                                      monkeypatch) -> None:
+        """``Dpo.share_prefixes`` on and off (SDPA packed attention on CPU takes shared prefixes): the
+        same losses and DPO fields at each of 4 LoRA steps."""
+        from trainer.training.train import run
+
+        runs = []
+        for shared in (False, True):
+            monkeypatch.setattr(dpo.Dpo, "share_prefixes", shared)
+            (tmp_path / str(shared)).mkdir()
+            config = dpo_job(tmp_path / str(shared), tiny_model_dir, optim=OptimConfig(max_steps=4, learning_rate=5e-3))
+            recorder = Recorder()
+            assert run(config, recorder).status == "succeeded"
+            runs.append(recorder.of("step"))
+        whole, shared_steps = runs
+        assert whole[-1]["reward_margin"] > 0.01  # the adapters moved: later steps compare trained weights
+        for a, b in zip(whole, shared_steps):
+            for field in ("loss", "reward_margin", "chosen_logp", "rejected_logp", "grad_norm"):
+                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-6), (a["step"], field)
 
     def test_a_lora_dpo_run_learns_the_preference_and_reports_it(self, tmp_path, tiny_model_dir) -> None:
         from trainer.training.train import run

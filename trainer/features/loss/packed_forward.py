@@ -106,15 +106,21 @@ def plain_packed_loss(
 
 
 def packed_sequence_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, meta: Any, loss_kernel: str
+    model: torch.nn.Module, batch: PackedBatch, meta: Any, loss_kernel: str,
+    sequences: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Each packed sequence's summed log p(target) over its label tokens, fp32 [S] (DPO, ``trainer.objectives.dpo``),
-    through ``loss_kernel``: the fused chunked head (no logits materialised) or the full logits."""
-    num_seqs = len(batch.lengths)
+    through ``loss_kernel``: the fused chunked head (no logits materialised) or the full logits.
+    ``sequences``: each position's sequence [T] on the device and their count, where the row's
+    samples are not its sequences (shared prefixes); None: one sequence a sample."""
     device = batch.input_ids.device
-    # Each sequence's positions restart at 0: its index is the count of starts so far, computed on
-    # the device from the row already there (no host copy, no sync).
-    seq_T = (batch.position_ids[0] == 0).cumsum(0) - 1
+    if sequences is not None:
+        seq_T, num_seqs = sequences
+    else:
+        # Each sequence's positions restart at 0: its index is the count of starts so far, computed on
+        # the device from the row already there (no host copy, no sync).
+        num_seqs = len(batch.lengths)
+        seq_T = (batch.position_ids[0] == 0).cumsum(0) - 1
     if loss_kernel == LOSS_FUSED:
         from trainer.objectives.fused_logprobs import causal_lm_sequence_logprobs
 

@@ -28,8 +28,9 @@ prefix follow it, contiguous. For lengths ``[3, 2, 2]`` with prefixes ``[-1, 0, 
     position_ids   0 1 2 3 4 3 4
     prefix_rows    [[0, 0, 7], [0, 3, 5], [0, 3, 7]]   (prefix start, prefix length, query end)
 
-The Triton and SDPA backends (and flex) take them; ``torch_varlen`` does not (``PREFIX_BACKENDS``),
-nor the cache-off twin, which re-derives boundaries from positions.
+The Triton and SDPA backends (and flex) take them, and ``torch_varlen`` through the Triton kernel
+(``varlen_attn`` has no prefix; ``PREFIX_BACKENDS``); not the cache-off twin, which re-derives
+boundaries from positions.
 
 The surface (STYLE.md §4): ``build_packed_metadata(lengths, device, backend=..., cache=...)``
 returns a ``PackedMetadata`` (cache on) or an ``UncachedPackedMetadata`` (cache off, the honest
@@ -59,8 +60,9 @@ import torch
 
 BACKENDS = ("triton", "torch_varlen", "flex", "sdpa")
 """Attention backends a metadata object can serve; ``trainer.features.attention.packed`` implements them."""
-PREFIX_BACKENDS = ("triton", "flex", "sdpa")
-"""The backends that take shared prefixes (see the module docstring)."""
+PREFIX_BACKENDS = ("triton", "torch_varlen", "flex", "sdpa")
+"""The backends that take shared prefixes (see the module docstring; ``torch_varlen`` runs a prefixed
+batch on the Triton kernel, so it needs that kernel's head dims: ``PackedAttentionHandle.takes_prefixes``)."""
 
 
 @dataclass

@@ -114,10 +114,13 @@ class DpoLoss:
         lengths = [len(seq) for pair in pairs for seq in pair.sequences]
         reference = counter.frozen_params + (counter.trainable_params if self.reference is not None else 0)
         attention_forward = counter.attention_flops(lengths) / (1.0 + ATTENTION_BACKWARD)
+        total = counter.step_flops(lengths) + 2.0 * reference * sum(lengths) + attention_forward
+        if not self.shared:
+            return total
         # a shared prompt goes through the policy and the reference once, not twice
-        saved = sum(shared_prefix(pair) for pair in pairs) if self.shared else 0
-        return (counter.step_flops(lengths) + 2.0 * reference * sum(lengths) + attention_forward
-                - (counter.matmul_flops_per_token() + 2.0 * reference) * saved)
+        prompts = [n for pair in pairs if (n := shared_prefix(pair))]
+        prompt_attention = counter.attention_flops(prompts) / (1.0 + ATTENTION_BACKWARD)
+        return total - counter.step_flops(prompts) - 2.0 * reference * sum(prompts) - prompt_attention
 
     def _stats(self, policy_S: torch.Tensor, ref_S: torch.Tensor) -> torch.Tensor:
         rewards_S = self.config.beta * (policy_S - ref_S)
@@ -205,11 +208,10 @@ class Dpo:
         return pack_pairs(list(items), self.shared)
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> DpoLoss:
-        from trainer.features.attention.packed import unwrap_model, uses_window
+        from trainer.features.attention.packed import windowed_attention
 
         check_parallelism(strategy)
-        self.shared = (self.share_prefixes and installed.attention.takes_prefixes
-                       and not uses_window(unwrap_model(model).config))
+        self.shared = self.share_prefixes and installed.attention.takes_prefixes and not windowed_attention(model)
         self.loss = build(config, model, installed.loss.kernel)
         self.loss.shared = self.shared
         return self.loss

@@ -273,10 +273,9 @@ class Grpo:
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
         self.strategy = strategy
-        from trainer.features.attention.packed import unwrap_model, uses_window
+        from trainer.features.attention.packed import windowed_attention
 
-        shared = (self.share_prefixes and installed.attention.takes_prefixes
-                  and not uses_window(unwrap_model(model).config))
+        shared = self.share_prefixes and installed.attention.takes_prefixes and not windowed_attention(model)
         for item in self.items:
             item.shared = shared
         _check_fit(self.items, config.data.batch_tokens)  # whole sequences are longer
@@ -346,9 +345,10 @@ class Grpo:
         lengths = [len(item.ids) + len(c) for item in mine for c in item.completions]
         fed = sum(len(item.ids) + sum(len(c) for c in item.completions) for item in mine)
         local = counter.step_flops(lengths) + 2.0 * (counter.trainable_params + counter.frozen_params) * fed
-        # a shared prompt is trained once for its group, not G times: its matmuls counted once
-        saved = sum((len(item.completions) - 1) * (len(item.ids) - 1) for item in mine if item.shared)
-        local -= float(counter.matmul_flops_per_token() * saved)
+        # a shared prompt (but its last token) is trained once for its group, not G times: its forward
+        # and backward, attention included (a completion's attention over it is the whole sequence's)
+        local -= sum((len(item.completions) - 1) * counter.step_flops([len(item.ids) - 1])
+                     for item in mine if item.shared and len(item.ids) > 1)
         return sum(row[0] for row in self.comm.gather_host([local])) if self.comm is not None else local
 
 

@@ -101,8 +101,8 @@ def _torch_varlen(
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
-    if meta.prefix_of is not None:  # build_packed_metadata refuses it first; a guard for hand-built ones
-        raise ValueError("torch_varlen attention cannot take shared prefixes; use the triton or sdpa backend")
+    if meta.prefix_of is not None:  # varlen_attn has no shared prefix: our kernel's (the same masking)
+        return _triton(meta, q, k, v, scale, window, sinks, dropout)
     cu_seqlens, max_seqlen = meta.varlen(q.device)
     q_THD, k_THD, v_THD = _varlen_inputs(q, k, v)
     kwargs: dict[str, Any] = {

@@ -147,11 +147,19 @@ class PackedAttentionHandle:
     def __init__(self, model: torch.nn.Module, backend: str, cache: bool) -> None:
         self._attention = PackedAttention(backend, cache=cache)
         self._attention.install(model)
+        self._head_dim = _head_dim(model)
 
     @property
     def takes_prefixes(self) -> bool:
-        """Whether micro-batches may share prefixes (``trainer.data.packed_metadata.PREFIX_BACKENDS``)."""
-        return self._attention.cache and self._attention.backend in PREFIX_BACKENDS
+        """Whether micro-batches may share prefixes (``trainer.data.packed_metadata.PREFIX_BACKENDS``;
+        ``torch_varlen`` runs them on the Triton kernel, which must run here and take the head dim)."""
+        if not self._attention.cache or self._attention.backend not in PREFIX_BACKENDS:
+            return False
+        if self._attention.backend == "torch_varlen":
+            from trainer.kernels.attention import supported as triton_supported
+
+            return triton_supported(None, self._head_dim) is None
+        return True
 
     def metadata(self, lengths: Any, device: torch.device, prefixes: Any = None) -> AnyPackedMetadata:
         """One packed row's metadata from its host lengths (no device sync)."""
@@ -163,6 +171,15 @@ class PackedAttentionHandle:
     def describe(self) -> str:
         how_built = "once per batch" if self._attention.cache else "in every layer"
         return f"packed attention: {self._attention.backend}, metadata built {how_built}"
+
+
+def _head_dim(model: torch.nn.Module) -> int | None:
+    from trainer.features.attention.packed import unwrap_model
+
+    config = unwrap_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    return getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
 
 
 class ModelAttention:

@@ -200,7 +200,7 @@ class TestSharedPrefixes:
         with pytest.raises(ValueError, match=message):
             build_packed_metadata([2, 2, 2], "cpu", prefixes=prefixes)
 
-    @pytest.mark.parametrize(("backend", "cache"), [("torch_varlen", True), ("sdpa", False)])
+    @pytest.mark.parametrize(("backend", "cache"), [("sdpa", False), ("triton", False)])
     def test_a_backend_or_cache_that_cannot_take_prefixes_says_so(self, backend, cache) -> None:
         with pytest.raises(ValueError, match="shared prefixes need the metadata cache"):
             build_packed_metadata([2, 2], "cpu", backend=backend, cache=cache, prefixes=[-1, 0])

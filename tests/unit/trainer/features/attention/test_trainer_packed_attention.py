@@ -104,3 +104,33 @@ class TestAllOnesMask:
             )
         with pytest.raises(ValueError, match="past_key_values"):
             packed_forward(model, batch, past_key_values=None)
+
+
+class TestSharedPrefixesAndWindows:
+    """A shared prefix is seen whole: models whose attention may get a sliding window pack whole
+    sequences (``windowed_attention``), and a prefixed batch reaching a windowed layer is refused."""
+
+    def test_windowed_attention_finds_per_layer_and_config_windows(self) -> None:
+        from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config,
+                                  Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+        from trainer.features.attention.packed import windowed_attention
+
+        kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=40000)
+        # Phi-3 reads the config's window in every layer (no per-layer attribute, no layer types)
+        assert windowed_attention(Phi3ForCausalLM(Phi3Config(sliding_window=6, **kw)))
+        assert not windowed_attention(Phi3ForCausalLM(Phi3Config(sliding_window=None, **kw)))
+        assert windowed_attention(GptOssForCausalLM(GptOssConfig(head_dim=8, num_local_experts=2,
+                                                                 num_experts_per_tok=1, **kw)))
+        assert not windowed_attention(LlamaForCausalLM(LlamaConfig(**kw)))
+        assert not windowed_attention(Qwen3ForCausalLM(Qwen3Config(head_dim=8, **kw)))  # full layers only
+
+    def test_a_prefixed_batch_at_a_windowed_layer_is_refused(self) -> None:
+        from trainer.data.packed_metadata import build_packed_metadata
+        from trainer.features.attention.packed import packed_attention_forward
+
+        meta = build_packed_metadata([3, 2, 2], "cpu", prefixes=[-1, 0, 0])
+        q = torch.randn(1, 4, 7, 8)
+        with pytest.raises(ValueError, match="sliding-window layer"):
+            packed_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=4, packed_metadata=meta)

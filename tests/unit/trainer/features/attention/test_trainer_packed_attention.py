@@ -134,3 +134,20 @@ class TestSharedPrefixesAndWindows:
         q = torch.randn(1, 4, 7, 8)
         with pytest.raises(ValueError, match="sliding-window layer"):
             packed_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=4, packed_metadata=meta)
+
+    @pytest.mark.parametrize(("backend", "cache", "takes"), [
+        ("sdpa", True, True), ("sdpa", False, False), ("triton", True, True),
+        ("torch_varlen", True, False),  # varlen_attn has no prefix; the Triton kernel it falls to needs CUDA
+    ])
+    def test_which_installed_attention_takes_prefixes(self, backend, cache, takes) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from trainer.features.attention.feature import PackedAttentionHandle
+
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=40000))
+        handle = PackedAttentionHandle(model, backend, cache)
+        try:
+            assert handle.takes_prefixes is takes
+        finally:
+            handle.remove()

@@ -156,9 +156,12 @@ class PackedAttentionHandle:
         if not self._attention.cache or self._attention.backend not in PREFIX_BACKENDS:
             return False
         if self._attention.backend == "torch_varlen":
-            from trainer.kernels.attention import supported as triton_supported
+            try:  # a broken Triton install must cost the sharing only, as hardware.detect treats it
+                from trainer.kernels.attention import supported as triton_supported
 
-            return triton_supported(None, self._head_dim) is None
+                return triton_supported(None, self._head_dim) is None
+            except Exception:  # noqa: BLE001
+                return False
         return True
 
     def metadata(self, lengths: Any, device: torch.device, prefixes: Any = None) -> AnyPackedMetadata:

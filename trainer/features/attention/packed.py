@@ -201,7 +201,7 @@ def packed_attention_forward(
         raise ValueError(
             f"attention dropout ({dropout}) is only supported by the sdpa backend; set it to 0"
         )
-    if sliding_window is not None and getattr(meta, "prefix_of", None) is not None:
+    if sliding_window is not None and sliding_window < meta.total and getattr(meta, "prefix_of", None) is not None:
         raise ValueError(
             "shared prefixes with a sliding-window layer: a prefix is seen whole, so this batch must pack "
             "whole sequences (windowed_attention(model) should have said so)"
@@ -274,14 +274,20 @@ def has_sinks(config: Any) -> bool:
 
 
 def windowed_attention(model: torch.nn.Module) -> bool:
-    """Whether an attention layer of ``model`` may pass a sliding window to the attention function:
-    one whose own ``sliding_window`` is set, or that reads the config's (Mistral, Phi-3, Starcoder2
-    and their kin have no per-layer attribute). Shared prefixes are refused with it."""
+    """Whether an attention layer of ``model`` may pass a binding sliding window to the attention
+    function: one whose own ``sliding_window`` is set, or that reads the config's (Mistral, Phi-3,
+    Starcoder2 and their kin have no per-layer attribute), shorter than the model's positions (Phi-3's
+    128k configs carry a window of 262,143 that never binds). Shared prefixes are refused with it."""
     lm = unwrap_model(model)
     text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     default = getattr(text, "sliding_window", None)
+    positions = getattr(text, "max_position_embeddings", None)
+
+    def binds(window: int | None) -> bool:
+        return window is not None and not (isinstance(positions, int) and window >= positions)
+
     layers = [m for m in lm.modules() if hasattr(m, "o_proj") and type(m).__name__.endswith("Attention")]
-    return any(getattr(m, "sliding_window", default) is not None for m in layers) or (not layers and default is not None)
+    return any(binds(getattr(m, "sliding_window", default)) for m in layers) or (not layers and binds(default))
 
 
 def uses_window(config: Any) -> bool:

@@ -121,6 +121,9 @@ class TestSharedPrefixesAndWindows:
         # Phi-3 reads the config's window in every layer (no per-layer attribute, no layer types)
         assert windowed_attention(Phi3ForCausalLM(Phi3Config(sliding_window=6, **kw)))
         assert not windowed_attention(Phi3ForCausalLM(Phi3Config(sliding_window=None, **kw)))
+        # Phi-3-mini-128k's window (262,143) is longer than its positions: it never binds
+        assert not windowed_attention(Phi3ForCausalLM(Phi3Config(sliding_window=262143, max_position_embeddings=131072,
+                                                                  **kw)))
         assert windowed_attention(GptOssForCausalLM(GptOssConfig(head_dim=8, num_local_experts=2,
                                                                  num_experts_per_tok=1, **kw)))
         assert not windowed_attention(LlamaForCausalLM(LlamaConfig(**kw)))
@@ -134,6 +137,10 @@ class TestSharedPrefixesAndWindows:
         q = torch.randn(1, 4, 7, 8)
         with pytest.raises(ValueError, match="sliding-window layer"):
             packed_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=4, packed_metadata=meta)
+        # a window no shorter than the row never binds: attended as without one
+        out, _ = packed_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=7, packed_metadata=meta)
+        expected, _ = packed_attention_forward(torch.nn.Module(), q, q, q, None, packed_metadata=meta)
+        assert torch.equal(out, expected)
 
     @pytest.mark.parametrize(("backend", "cache", "takes"), [
         ("sdpa", True, True), ("sdpa", False, False), ("triton", True, True),

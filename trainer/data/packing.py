@@ -103,6 +103,45 @@ def pack_batch(samples: Sequence[Sample]) -> PackedBatch:
     )
 
 
+class SegmentRow:
+    """A packed row built one sample (segment) at a time, each free to continue an earlier one as
+    its shared prefix (``trainer.data.packed_metadata``): GRPO's groups and DPO's pairs with their
+    prompt packed once. ``add`` appends a segment with its per-token extras; ``batch`` makes the
+    ``PackedBatch`` (extras as [1, T] rows, ``prefixes`` per segment)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.targets: list[int] = []
+        self.lengths: list[int] = []
+        self.prefixes: list[int] = []
+        self.extras: dict[str, list[float]] = {}
+
+    def add(self, tokens: list[int], targets: list[int], first: int = 0, prefix: int = -1,
+            **per_token: float) -> int:
+        """Append a segment: ``tokens`` at positions from ``first``, each position's target, the
+        segment it continues (-1: none) and one value per extra for all its tokens; its index."""
+        self.ids += tokens
+        self.positions += range(first, first + len(tokens))
+        self.targets += targets
+        for name, value in per_token.items():
+            self.extras.setdefault(name, []).extend([value] * len(tokens))
+        self.lengths.append(len(tokens))
+        self.prefixes.append(prefix)
+        return len(self.lengths) - 1
+
+    def batch(self, num_targets: int, dtypes: dict[str, torch.dtype] | None = None,
+              shared: bool = True) -> PackedBatch:
+        """The row as a ``PackedBatch``; extras are int64 unless ``dtypes`` says otherwise;
+        ``shared`` False: no ``prefixes`` (every segment whole)."""
+        def row(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).unsqueeze(0)
+
+        extras = {name: row(values, (dtypes or {}).get(name, torch.long)) for name, values in self.extras.items()}
+        return PackedBatch(row(self.ids), row(self.positions), row(self.targets), self.lengths, num_targets,
+                           extras=extras, prefixes=self.prefixes if shared else None)
+
+
 def pack_indices(
     lengths: Sequence[int], order: Sequence[int], batch_tokens: int
 ) -> list[list[int]]:

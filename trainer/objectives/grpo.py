@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
-from trainer.data.packing import PackedBatch
+from trainer.data.packing import PackedBatch, SegmentRow
 from trainer.errors import ConfigError
 from trainer.objectives.grpo_loss import STD_EPS, denominator, group_advantages, policy_loss
 from trainer.objectives.grpo_slots import rollout_slots
@@ -241,35 +241,16 @@ class Grpo:
         """The micro-batch's groups (module docstring): extras ``advantage`` (each token its sequence's)
         and ``sequence`` (each token's sequence index); ``prefixes`` when the prompts are shared."""
         self._packed = list(items)  # the micro-batch whose rollout sums ``collecting`` adds
-        ids: list[int] = []
-        positions: list[int] = []
-        targets: list[int] = []
-        advantage: list[float] = []
-        lengths: list[int] = []
-        prefixes: list[int] = []
-
-        def add(tokens: list[int], labels: list[int], adv: float, first: int, prefix: int) -> None:
-            ids.extend(tokens)
-            positions.extend(range(first, first + len(tokens)))
-            targets.extend(labels)
-            advantage.extend([adv] * len(tokens))
-            lengths.append(len(tokens))
-            prefixes.append(prefix)
-
+        row = SegmentRow()
         shared = any(item.shared for item in items)
         for item in items:
             head = item.ids[:-1] if shared else []  # the prompt but its last token, trained once
-            prefix = len(lengths) if head else -1
-            if head:
-                add(head, [-100] * len(head), 0.0, 0, -1)
+            prefix = row.add(head, [-100] * len(head), advantage=0.0, sequence=len(row.lengths)) if head else -1
+            tail = item.ids[len(head):]
             for completion, adv in zip(*_sampled(item)):
-                tail = item.ids[len(head):]
-                add(tail + completion, [-100] * (len(tail) - 1) + completion + [-100], adv, len(head), prefix)
-        sequence = [s for s, n in enumerate(lengths) for _ in range(n)]
-        row = lambda values, dtype=torch.long: torch.tensor(values, dtype=dtype).unsqueeze(0)  # noqa: E731
-        return PackedBatch(row(ids), row(positions), row(targets), lengths, sum(i.num_loss_tokens for i in items),
-                           extras={"advantage": row(advantage, torch.float32), "sequence": row(sequence)},
-                           prefixes=prefixes if shared else None)
+                row.add(tail + completion, [-100] * (len(tail) - 1) + completion + [-100], len(head), prefix,
+                        advantage=adv, sequence=len(row.lengths))
+        return row.batch(sum(i.num_loss_tokens for i in items), {"advantage": torch.float32}, shared)
 
     def build_loss(self, config: TrainConfig, model: torch.nn.Module, installed: Any, strategy: str | None) -> Any:
         self.strategy = strategy

@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainer.config import TrainConfig
 from trainer.data.dataset import IGNORE_INDEX, Sample, read_records
-from trainer.data.packing import PackedBatch, pack_batch
+from trainer.data.packing import PackedBatch, SegmentRow, pack_batch
 from trainer.errors import DatasetError
 
 KEYS = ("input", "preferred_output", "non_preferred_output")
@@ -168,25 +166,10 @@ def pack_pairs(pairs: list[PreferencePair], shared: bool) -> PackedBatch:
     sequence (pair i's chosen 2i, rejected 2i + 1; its prefix's tokens, which have no target, 2i)."""
     if not shared:
         return pack_batch(pairs)
-    ids: list[int] = []
-    positions: list[int] = []
-    targets: list[int] = []
-    sequence: list[int] = []
-    lengths: list[int] = []
-    prefixes: list[int] = []
+    row = SegmentRow()
     for i, pair in enumerate(pairs):
         n = shared_prefix(pair)
-        head = len(lengths) if n else -1
-        pieces = [(pair.chosen.input_ids[:n], [IGNORE_INDEX] * n, 2 * i, 0, -1)] if n else []
-        pieces += [(s.input_ids[n:], list(s.labels[n + 1:]) + [IGNORE_INDEX], 2 * i + j, n, head)
-                   for j, s in enumerate(pair.sequences)]
-        for tokens, labels, index, first, prefix in pieces:
-            ids += tokens
-            positions += range(first, first + len(tokens))
-            targets += labels
-            sequence += [index] * len(tokens)
-            lengths.append(len(tokens))
-            prefixes.append(prefix)
-    row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)  # noqa: E731
-    return PackedBatch(row(ids), row(positions), row(targets), lengths, len(pairs),
-                       extras={"sequence": row(sequence)}, prefixes=prefixes)
+        head = row.add(pair.chosen.input_ids[:n], [IGNORE_INDEX] * n, sequence=2 * i) if n else -1
+        for j, s in enumerate(pair.sequences):
+            row.add(s.input_ids[n:], list(s.labels[n + 1:]) + [IGNORE_INDEX], n, head, sequence=2 * i + j)
+    return row.batch(len(pairs))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.features.attention.packed import PackedAttention
+from trainer.features.attention.packed import PackedAttention, head_dim, unwrap_model
 from trainer.plan.feature import Context, Target, how, off, unavailable
 from trainer.plan.hardware import Hardware
 from trainer.kernels.attention import SUPPORTED_HEAD_DIMS
@@ -147,7 +147,7 @@ class PackedAttentionHandle:
     def __init__(self, model: torch.nn.Module, backend: str, cache: bool) -> None:
         self._attention = PackedAttention(backend, cache=cache)
         self._attention.install(model)
-        self._head_dim = _head_dim(model)
+        self._head_dim = head_dim(unwrap_model(model).config)
 
     @property
     def takes_prefixes(self) -> bool:
@@ -174,15 +174,6 @@ class PackedAttentionHandle:
     def describe(self) -> str:
         how_built = "once per batch" if self._attention.cache else "in every layer"
         return f"packed attention: {self._attention.backend}, metadata built {how_built}"
-
-
-def _head_dim(model: torch.nn.Module) -> int | None:
-    from trainer.features.attention.packed import unwrap_model
-
-    config = unwrap_model(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    return getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
 
 
 class ModelAttention:

@@ -195,13 +195,13 @@ def run_eval_timed(args: argparse.Namespace, shape: ModelShape, workdir: Path) -
 def sampler_alone(args: argparse.Namespace, shape: ModelShape, timings: Timings) -> None:
     """``bench.sampler``'s row on the run's work: batch ``slots``, the mean prompt length, ``--new-tokens``."""
     from bench.sampler import build, ftq_generate, prompts
-    from trainer.features.lora_kernel import fused as lora_fused
+    from trainer.generate import kernels
     from trainer.generate.engine import Engine
 
     length = max(1, round(timings.prompt_tokens / max(timings.items, 1)))
     count = min(args.items, args.alone_prompts)
     model = build(shape, torch.device(args.device))
-    installed = lora_fused.install(model)
+    installed = kernels.install(model)
     try:
         # as the eval run's engine (trainer.generate.job): CUDA graphs for the decode-only steps
         engine = Engine(model, None, slots=args.slots, max_len=length + args.new_tokens + 1, cuda_graphs="auto")

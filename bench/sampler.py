@@ -11,7 +11,10 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
 - ``HF generate, batch B``: ``peft_model.generate`` greedy on a [B, prompt] batch with its default
   (dynamic) cache; generated tokens over the call's wall time.
 - ``ftq sampler, batch B``: ``Engine.generate`` on the same model and prompts, greedy, with the
-  trainer's fused LoRA layers installed (``trainer.features.lora_kernel.fused``); ``slots = B``.
+  trainer's kernels installed as a generation job installs them (``trainer.generate.kernels``: the
+  fused LoRA layers and the fused RMSNorm/SwiGLU/RoPE); ``slots = B``. ``--lora-only``: the fused
+  LoRA layers alone (the sampler before session 17); ``--no-batched-prefill``: each prompt its own
+  attention call per layer (before session 17) instead of one varlen batch a step.
   The speed-up is over the HF row of the same batch (when it ran).
   ``--backend`` picks its attention (``auto``: the Triton decode kernel on CUDA; ``torch``: the
   reference path, to compare); ``--cuda-graphs`` replays captured graphs for its decode steps.
@@ -127,6 +130,7 @@ def agreement(hf: torch.Tensor, ours: list[list[int]], tokens: int) -> tuple[flo
 
 def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
     from trainer.features.lora_kernel import fused as lora_fused
+    from trainer.generate import kernels
     from trainer.generate.engine import Engine
 
     device = torch.device(args.device)
@@ -142,7 +146,9 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
         hf_outputs[batch], hf_rates[batch] = out, batch * new / seconds
         rows.append(Row(shape.name, "HF generate (peft, dynamic cache)", batch, batch * new, seconds, hf_rates[batch]))
         print(_line(rows[-1]), flush=True)
-    installed = lora_fused.install(model)
+    installed = lora_fused.install(model) if args.lora_only else kernels.install(model)
+    label = "ftq sampler (" + ("fused LoRA only" if args.lora_only else "trainer kernels") + (
+        ", a prompt a call)" if args.no_batched_prefill else ")")
     try:
         max_len = max(length + new, args.ttft_prompt + 1) + 1
         for batch in args.batches:
@@ -156,7 +162,7 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
             out, seconds = ftq_generate(engine, ids, new)
             rate = batch * new / seconds
             note = f"{rate / hf_rates[batch]:.2f}x HF" if batch in hf_rates else ""
-            rows.append(Row(shape.name, "ftq sampler (fused LoRA)", batch, batch * new, seconds, rate, note))
+            rows.append(Row(shape.name, label, batch, batch * new, seconds, rate, note))
             print(_line(rows[-1]), flush=True)
             if batch in hf_outputs and batch == args.agree_batch:
                 share, prefix = agreement(hf_outputs[batch], out, min(args.agree_tokens, new))
@@ -193,7 +199,7 @@ def _cold_start(shape: ModelShape, args: argparse.Namespace) -> Row:
     from transformers import AutoModelForCausalLM
 
     from bench.product_path import save_model
-    from trainer.features.lora_kernel import fused as lora_fused
+    from trainer.generate import kernels
     from trainer.generate.engine import Engine
 
     directory = save_model(shape, Path(args.workdir) / shape.name / "model", args.device)
@@ -203,7 +209,7 @@ def _cold_start(shape: ModelShape, args: argparse.Namespace) -> Row:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, device_map=str(device))
     model = attach_lora(model, shape)
-    installed = lora_fused.install(model)
+    installed = kernels.install(model)
     try:
         engine = Engine(model, None, slots=1, max_len=64, attention_backend=args.backend,
                         cuda_graphs=args.cuda_graphs)
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama instead of --shapes (CPU smoke run)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256], help="the sampler's batches")
-    parser.add_argument("--hf-batches", nargs="+", type=int, default=[1, 64], help="HF generate's batches")
+    parser.add_argument("--hf-batches", nargs="*", type=int, default=[1, 64], help="HF generate's batches")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="the sampler's tokens per forward")
@@ -242,12 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode steps")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="the sampler's attention backend (auto: triton on CUDA, torch on the CPU)")
+    parser.add_argument("--lora-only", action="store_true", help="only the fused LoRA layers (no fused ops)")
+    parser.add_argument("--no-batched-prefill", action="store_true", help="one attention call per prompt")
     parser.add_argument("--workdir", default="/tmp/ftq-sampler-bench")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu (and --tiny)", file=sys.stderr)
         return 2
+    if args.no_batched_prefill:
+        from trainer.generate import attention
+
+        attention.plan_prefill = lambda *_: None
     shapes = [TINY] if args.tiny else [SHAPES[s] for s in args.shapes]
     rows = [row for shape in shapes for row in bench_shape(shape, args)]
     print("\n" + table(rows))

@@ -34,7 +34,10 @@ Backends (``BACKENDS``; ``choose_backend`` picks one per engine, ``StepState.bac
   sequences; GQA, sliding window, sinks and soft-capping in the kernel). A prefilled prompt that
   starts at position 0 without sinks, window or soft-capping runs
   ``scaled_dot_product_attention(is_causal=True)`` on its own keys and values in the input dtype
-  (FlashAttention on CUDA). Everything else (a prompt after a cached prefix, a sink or window
+  (FlashAttention on CUDA); two or more such prompts in one step (``StepState.prefill``) run
+  instead as one packed batch through the trainer's varlen kernel
+  (``trainer.kernels.attention.flash_varlen_attention``, head dims 64 and 128), with the layer's
+  window and sinks: one kernel call per layer for every prompt the step admits. Everything else (a prompt after a cached prefix, a sink or window
   or soft-capping layer's prefill, a cache dtype or head dim the kernel refuses) falls back to
   the ``torch`` path for that group.
 
@@ -54,6 +57,7 @@ import torch
 
 from trainer.features.attention.packed import unwrap_model
 from trainer.generate.cache import KVCache
+from trainer.generate.prefill import Prefill, attend_prefill, plan_prefill
 
 ATTN_IMPLEMENTATION = "ftq_sampler"
 """The name registered with transformers' ``AttentionInterface``."""
@@ -111,6 +115,9 @@ class StepState:
     """The own store's writes; None: every token at ``[slot_T, :, position_T]`` (unshared layout)."""
     prompt: Writes | None = None
     """The prompt store's writes (the shared layout's prefilled prompts), or None."""
+    prefill: Prefill | None = None
+    """The step's prompts as one varlen batch (``triton``: one kernel call per layer for all of
+    them), or None when the step has fewer than two."""
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -150,7 +157,8 @@ class StepState:
         parts = flat.split([len(column) for column in host])
         own = Writes(parts[2], parts[3], parts[4]) if shared else None
         prompt = Writes(parts[5], parts[6], parts[7]) if shared and prompt_w[0] else None
-        return cls(cache, parts[0], parts[1], tuple(groups), backend, own, prompt)
+        prefill = plan_prefill(segments, len(singles) > 0, device) if backend == "triton" else None
+        return cls(cache, parts[0], parts[1], tuple(groups), backend, own, prompt, prefill)
 
     def allowed(self, index: int, window: int | None) -> torch.Tensor:
         """[S, 1, 1, N, L] which cached keys group ``index``'s queries see (memoized per window:
@@ -329,7 +337,11 @@ def attend_cached(state: StepState, layer: int, query_THD: torch.Tensor, key_THD
         raise ValueError(f"sampler attention backend {state.backend!r} is not one of {', '.join(BACKENDS)}")
     query_THD = query_THD.contiguous()
     out_THD = torch.empty_like(query_THD)
+    batched = attend_prefill(state.prefill, state.cache.keys_SHLD[0].dtype, query_THD, key_THD, value_THD, out_THD,
+                             scale, window, sinks, softcap)
     for index, group in enumerate(state.groups):
+        if index in batched:
+            continue
         if state.backend == "triton" and _attend_decoding(state, layer, index, query_THD, out_THD, scale,
                                                           window, sinks, softcap):
             continue

@@ -216,8 +216,8 @@ def load_base(path: str, dtype_name: str, trust_remote_code: bool, device: torch
 
 
 def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, torch.dtype]:
-    """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it
-    through the trainer's fused LoRA layers (``trainer.features.lora_kernel.fused``)."""
+    """``(model, tokenizer, dtype)``: the model on ``device`` in eval mode, the adapter unmerged on it,
+    with the trainer's kernels (``trainer.generate.kernels``: fused LoRA layers, fused ops)."""
     model, tokenizer, dtype = load_base(config.model, config.dtype, config.trust_remote_code, device, config.tokenizer)
     if config.adapter:
         import warnings
@@ -228,9 +228,9 @@ def load_model(config: GenerateConfig, device: torch.device) -> tuple[Any, Any, 
             # peft <= 0.21 reads transformers' deprecated `is_gradient_checkpointing` (not ours to fix).
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = PeftModel.from_pretrained(model, config.adapter)
-        from trainer.features.lora_kernel import fused as lora_fused
+    from trainer.generate import kernels
 
-        lora_fused.install(model)  # the trainer's fused LoRA layers, as training and the sampler tests run them
+    kernels.install(model)  # the trainer's fused LoRA layers and ops, as training runs them
     return model.eval(), tokenizer, dtype
 
 

@@ -209,8 +209,8 @@ def _read(inbox: IO[str], session: Session, ended: threading.Event) -> None:
 
 
 def load_session_model(config: SessionConfig, device: torch.device) -> tuple[Any, Any]:
-    """The base on ``device`` in eval mode with every adapter loaded under its name, unmerged,
-    through the trainer's fused LoRA layers."""
+    """The base on ``device`` in eval mode with every adapter loaded under its name, unmerged, and
+    the trainer's kernels (``trainer.generate.kernels``: fused LoRA layers, fused ops)."""
     from trainer.generate.job import load_base
 
     model, tokenizer, _ = load_base(config.model, config.dtype, config.trust_remote_code, device, config.tokenizer)
@@ -219,8 +219,6 @@ def load_session_model(config: SessionConfig, device: torch.device) -> tuple[Any
 
         from peft import PeftModel
 
-        from trainer.features.lora_kernel import fused as lora_fused
-
         (first, path), *rest = config.adapters.items()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -228,5 +226,7 @@ def load_session_model(config: SessionConfig, device: torch.device) -> tuple[Any
             for name, other in rest:
                 model.load_adapter(other, adapter_name=name)
         model.set_adapter(first)
-        lora_fused.install(model)
+    from trainer.generate import kernels
+
+    kernels.install(model)
     return model.eval(), tokenizer

@@ -5,7 +5,9 @@ The engine test runs the ``triton`` backend on CPU under Triton's interpreter (`
 in a child process: the interpreter is chosen when kernels are decorated, at import): tiny
 random-weight Llama (GQA) and GPT-OSS (a window of 8 on one layer, sinks drawn non-zero), with a
 LoRA adapter, eight prompts through 3 slots. The prompts from position 0 run SDPA (Llama) or the
-torch path (GPT-OSS's sinks), the decoding steps the kernel. fp32: the tokens must be equal and
+torch path (GPT-OSS's sinks), the decoding steps the kernel. With head dim 64 and 5 slots, the
+prompts a step admits together run as one batch of the trainer's varlen kernel (window and sinks
+included) and must give the torch backend's tokens. fp32: the tokens must be equal and
 the logprobs within ``LOGPROB_ATOL`` (the same fp32 values summed in another order). With shared
 prompts (``trainer.generate.cache.SharedPrompts``; two sampled, seeded choices of four prompts) the kernel's
 tokens and logprobs are bitwise those of the unshared layout (it runs the same key blocks). CUDA graphs
@@ -98,10 +100,62 @@ class TestTritonBackendUnderTheInterpreter:
         assert found["logprob_diff"] < LOGPROB_ATOL
 
     @pytest.mark.parametrize("arch", ARCHS)
+    def test_prompts_admitted_together_run_as_one_varlen_batch_and_give_the_torch_backends_tokens(
+            self, interpreter_results, arch: str) -> None:
+        found = interpreter_results[arch]["prefill"]
+        # the first step admits the first 5 prompts in one batch ("A", one token, a sample of one)
+        assert found["prompts_per_call"][:2] == [5, 5]
+        assert found["tokens"][0] == found["tokens"][1]
+        assert found["logprob_diff"] < LOGPROB_ATOL
+
+    @pytest.mark.parametrize("arch", ARCHS)
     def test_shared_prompts_give_the_unshared_tokens_and_logprobs_exactly(self, interpreter_results, arch) -> None:
         found = interpreter_results[arch]["shared"]
         assert found["kernel_read_prompts"] > 0 and sum(map(len, found["tokens"][0])) > 40
         assert found["tokens"][0] == found["tokens"][1] and found["logprobs"][0] == found["logprobs"][1]
+
+
+def _wide_heads_model(arch: str) -> tuple[torch.nn.Module, object]:
+    """``sampler_model``'s ``arch`` with head dim 64 (the varlen kernel's least) and LoRA on every linear layer."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.tiny import build_config, build_tokenizer
+
+    tokenizer = build_tokenizer(512)
+    config = build_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config.head_dim = 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(model, config).eval(), tokenizer
+
+
+def _run_prefill(arch: str) -> dict:
+    """Child-process body: eight prompts through 5 slots (steps admitting several prompts at once),
+    the triton backend (its prompts in one varlen call per layer) beside the torch backend."""
+    from tests.fixtures.sampler_models import TEXTS
+    from trainer.generate.params import Request, SamplingParams
+    from trainer.kernels import attention as varlen
+
+    torch.set_num_threads(1)
+    model, tokenizer = _wide_heads_model(arch)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
+    requests = [Request(tuple(tokenizer(text)["input_ids"]), params) for text in TEXTS]
+    calls, original = [], varlen.flash_varlen_attention
+    varlen.flash_varlen_attention = lambda *a, **k: calls.append(len(a[3]) - 1) or original(*a, **k)
+    runs = []
+    for backend in ("torch", "triton"):
+        engine = Engine(model, tokenizer, slots=5, max_len=40, attention_backend=backend)
+        runs.append([r.completions[0] for r in engine.generate(requests)])
+    varlen.flash_varlen_attention = original
+    diff = max(abs(a.logprob - b.logprob) for x, y in zip(*runs) for a, b in zip(x.logprobs, y.logprobs))
+    return {"prompts_per_call": calls, "logprob_diff": diff, "tokens": [[c.token_ids for c in run] for run in runs]}
 
 
 def _run_arch(arch: str) -> dict:
@@ -149,4 +203,5 @@ def _run_shared(arch: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({arch: _run_arch(arch) | {"shared": _run_shared(arch)} for arch in ARCHS}))
+    print(json.dumps({arch: _run_arch(arch) | {"shared": _run_shared(arch), "prefill": _run_prefill(arch)}
+                      for arch in ARCHS}))

@@ -1,0 +1,191 @@
+"""Where the sampler's time goes: prefill steps vs decode steps, and the GPU kernels of a decode step.
+
+Run on a GPU: ``python -m bench.sampler_profile --shape llama-8b --batches 64 256``; a CPU smoke
+run: ``python -m bench.sampler_profile --tiny --device cpu --batches 4``.
+
+For each batch: the same model, LoRA and prompts as ``bench.sampler`` (random bf16 weights, LoRA
+r16 unmerged, the trainer's kernels as ``trainer.generate.kernels`` installs them; ``--no-fused-ops``:
+the fused LoRA layers only, as before session 17), the same warm-up, then one timed ``generate`` whose every step is
+timed alone (a device sync after each, so the total is a little above an unsynced run's): the
+steps that admit prompts (prefill) apart from the decode-only ones (graph replays with
+``--cuda-graphs``). Then ``--profile-steps`` eager decode steps (no graph: their kernels are
+visible to the profiler) at the same batch under ``torch.profiler``: GPU time per step by kernel
+family, and the kernel count per step. Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.product_path import TINY
+from bench.sampler import build, ftq_generate, prompts
+from bench.workload import SHAPES
+
+FAMILIES = (
+    ("attention (decode kernel)", r"decode|_attn|flash|sdpa|fmha"),
+    ("gemm", r"gemm|gemv|cutlass|sm90|sm80|ampere|hopper|xmma|cublas|splitk|nvjet"),
+    ("rmsnorm", r"rmsnorm|rms_norm"),
+    ("swiglu / silu", r"swiglu|silu"),
+    ("rope", r"rope|rotary"),
+    ("cache write / index", r"index|scatter|gather|copy_|cat"),
+    ("sampling / argmax / softmax", r"argmax|softmax|topk|sort|max|sample"),
+    ("elementwise (mul/add/pow/mean/cast)", r"elementwise|vectorized|reduce|unrolled|fill"),
+)
+
+
+def family(name: str) -> str:
+    lowered = name.lower()
+    for label, pattern in FAMILIES:
+        if re.search(pattern, lowered):
+            return label
+    return "other"
+
+
+def timed_steps(engine: Any, ids: torch.Tensor, new: int) -> dict[str, Any]:
+    """One generate with each step timed alone: the steps that admit prompts apart from decode-only ones."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda *a: None)
+    inner = engine._step
+    records: list[tuple[bool, float, int, bool]] = []
+
+    def step(scheduler: Any, cache: Any) -> None:
+        admits = bool(scheduler.queue)
+        replays, before_tokens = engine.stats.graph_replays, engine.stats.forward_tokens
+        sync()
+        start = time.perf_counter()
+        inner(scheduler, cache)
+        sync()
+        records.append((admits, time.perf_counter() - start, engine.stats.forward_tokens - before_tokens,
+                        engine.stats.graph_replays > replays))
+
+    engine._step = step
+    try:
+        _, total = ftq_generate(engine, ids, new)
+    finally:
+        del engine._step
+    prefill = [r for r in records if r[0]]
+    decode = [r for r in records if not r[0]]
+    return {
+        "seconds": total,
+        "steps": len(records),
+        "prefill_steps": len(prefill),
+        "prefill_seconds": sum(r[1] for r in prefill),
+        "prefill_tokens": sum(r[2] for r in prefill),
+        "decode_steps": len(decode),
+        "decode_seconds": sum(r[1] for r in decode),
+        "decode_step_ms_median": 1000 * statistics.median([r[1] for r in decode]) if decode else None,
+        "graph_steps": sum(r[3] for r in records),
+    }
+
+
+def profile_decode(engine: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]:
+    """``steps`` eager decode steps of ``ids``' batch under torch.profiler: GPU µs per step by family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.graphs = engine.graphs, None
+    inner, seen = engine._step, {"n": 0}
+    holder: dict[str, Any] = {}
+
+    def step(scheduler: Any, cache: Any) -> None:
+        if not scheduler.queue and "prof" not in holder and seen["n"] >= 1:
+            holder["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            holder["prof"].__enter__()
+            holder["start"] = seen["n"]
+        inner(scheduler, cache)
+        seen["n"] += 1
+        if "prof" in holder and "done" not in holder and seen["n"] - holder["start"] >= steps:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            holder["prof"].__exit__(None, None, None)
+            holder["done"] = True
+
+    engine._step = step
+    try:
+        ftq_generate(engine, ids, steps + 4)
+    finally:
+        del engine._step
+        engine.graphs = graphs
+    prof = holder.get("prof")
+    if prof is None or "done" not in holder:
+        return {}
+    by_family: dict[str, float] = defaultdict(float)
+    kernels, top = 0, []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        if device_us <= 0 or getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue  # CPU ops carry their kernels' time too: count the kernels only
+        by_family[family(event.key)] += device_us / steps
+        kernels += event.count
+        top.append((device_us / steps, event.count / steps, event.key[:90]))
+    top.sort(reverse=True)
+    return {"us_per_step": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
+            "total_us_per_step": sum(by_family.values()), "kernels_per_step": kernels / steps,
+            "top": top[:25]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-8b", choices=list(SHAPES))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--no-fused-ops", action="store_true",
+                        help="only the fused LoRA layers (not the trainer's RMSNorm/SwiGLU/RoPE kernels)")
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    from trainer.features.lora_kernel import fused as lora_fused
+    from trainer.generate import kernels
+    from trainer.generate.engine import Engine
+
+    shape = TINY if args.tiny else SHAPES[args.shape]
+    device = torch.device(args.device)
+    model = build(shape, device)
+    installed = [kernels.install(model) if not args.no_fused_ops else lora_fused.install(model)]
+    print(installed[-1].describe(), flush=True)
+    out: dict[str, Any] = {"shape": shape.name, "fused_ops": not args.no_fused_ops, "cuda_graphs": args.cuda_graphs, "rows": []}
+    for batch in args.batches:
+        engine = Engine(model, None, slots=batch, max_len=args.prompt_tokens + args.new_tokens + 1,
+                        max_batch_tokens=args.max_batch_tokens, cuda_graphs=args.cuda_graphs)
+        ids = prompts(batch, args.prompt_tokens, shape.vocab)
+        ftq_generate(engine, ids, min(args.new_tokens, 16) if args.cuda_graphs else 2)
+        if args.cuda_graphs:
+            ftq_generate(engine, ids, args.new_tokens)  # every bucket captured
+        row = {"batch": batch, **timed_steps(engine, ids, args.new_tokens)}
+        row["tokens_per_s_synced"] = batch * args.new_tokens / row["seconds"]
+        row["profile"] = profile_decode(engine, ids, args.profile_steps)
+        out["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        prof = row["profile"]
+        if prof:
+            print(f"  eager decode step: {prof['total_us_per_step']:.0f} us GPU, {prof['kernels_per_step']:.0f} kernels")
+            for name, us in prof["us_per_step"].items():
+                print(f"    {name:40s} {us:9.0f} us")
+            for us, count, key in prof["top"]:
+                print(f"      {us:8.0f} us {count:6.0f}x  {key}")
+        engine.release()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for item in reversed(installed):
+        item.uninstall()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -132,6 +132,42 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]
             "top": top[:25]}
 
 
+def host_profile(engine: Any, ids: torch.Tensor, new: int, sampled: bool) -> dict[str, Any]:
+    """One generate under cProfile (the host's share: Python's own time per function), and the
+    graphed forward's replay alone (its GPU time, no host work between replays)."""
+    import cProfile
+    import io
+    import pstats
+
+    from trainer.generate.params import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=1.0 if sampled else 0.0, ignore_eos=True, seed=7 if sampled else None)
+    requests = [Request(tuple(row), params) for row in ids.tolist()]
+    engine.generate(requests)
+    profiler = cProfile.Profile()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    profiler.enable()
+    engine.generate(requests)
+    sync()
+    profiler.disable()
+    seconds = time.perf_counter() - start
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    replay_ms = None
+    graphs = engine.graphs
+    if graphs is not None and graphs._graphs:
+        graph = graphs._graphs[max(graphs._graphs, key=lambda k: k[0])][0]
+        sync()
+        start_replay = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        sync()
+        replay_ms = (time.perf_counter() - start_replay) / 20 * 1000
+    return {"seconds": seconds, "sampled": sampled, "replay_ms_largest_bucket": replay_ms, "stats": text.getvalue()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b", choices=list(SHAPES))
@@ -145,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-ops", action="store_true",
                         help="only the fused LoRA layers (not the trainer's RMSNorm/SwiGLU/RoPE kernels)")
     parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--host-profile", action="store_true", help="cProfile one generate; time the largest graph's replay")
+    parser.add_argument("--sampled", action="store_true", help="the host profile's requests sample (temperature 1, a seed)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     from trainer.features.lora_kernel import fused as lora_fused
@@ -166,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             ftq_generate(engine, ids, args.new_tokens)  # every bucket captured
         row = {"batch": batch, **timed_steps(engine, ids, args.new_tokens)}
         row["tokens_per_s_synced"] = batch * args.new_tokens / row["seconds"]
-        row["profile"] = profile_decode(engine, ids, args.profile_steps)
+        row["profile"] = profile_decode(engine, ids, args.profile_steps) if args.profile_steps else {}
+        if args.host_profile:
+            row["host"] = host_profile(engine, ids, args.new_tokens, args.sampled)
+            print(f"  host-profiled generate: {row['host']['seconds']:.3f} s; largest graph replay "
+                  f"{row['host']['replay_ms_largest_bucket']} ms\n{row['host']['stats']}", flush=True)
         out["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "host")}), flush=True)
         prof = row["profile"]
         if prof:
             print(f"  eager decode step: {prof['total_us_per_step']:.0f} us GPU, {prof['kernels_per_step']:.0f} kernels")

@@ -32,6 +32,12 @@ logprobs (the decode kernel runs the same key blocks on the same values; prefill
 and on Llama-3.1-8B's attention shape, 64 decoding sequences in groups of 8 sharing a 256-token
 prompt, the kernel's output on the shared layout is bitwise its output on the unshared one and
 within ``KERNEL_BF16_ATOL`` of the torch backend's.
+
+Prompts admitted together (``trainer.generate.prefill``: one varlen batch of the trainer's kernel per
+layer, head dims 64 and 128): on the 8B and GPT-OSS attention shapes (window, sinks) a step of 16
+decoding sequences and six prompts of 1 to 512 tokens against the torch backend within
+``KERNEL_BF16_ATOL``; and tiny Llama, Qwen3 and GPT-OSS with head dim 64 in bf16 through 5 slots,
+scored by the teacher-forced forward as above.
 """
 
 from __future__ import annotations
@@ -121,6 +127,38 @@ def test_bf16_greedy_tokens_are_the_teacher_forced_forwards_best(arch: str, lora
             assert picked.logprob == pytest.approx(logprobs[step, token].item(), abs=BF16_ATOL), (prompt, step)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
+def test_bf16_prompts_admitted_together_score_as_the_teacher_forced_forward(arch: str, monkeypatch) -> None:
+    """Head dim 64 and 5 slots: the prompts a step admits run as one batch of the trainer's varlen
+    kernel (GPT-OSS: its window and sinks in it); each token is the teacher-forced forward's best
+    within the slack, its logprob within ``BF16_ATOL``."""
+    from trainer.kernels import attention as varlen
+
+    model, tokenizer = sampler_model(arch, True, torch.bfloat16, "cuda", head_dim=64)
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    batches, original = [], varlen.flash_varlen_attention
+    monkeypatch.setattr(varlen, "flash_varlen_attention",
+                        lambda *a, **k: batches.append(a[3].numel() - 1) or original(*a, **k))
+    installed = lora_fused.install(model)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
+        engine = Engine(model, tokenizer, slots=5, max_len=MAX_LEN, cuda_graphs=arch != "gpt_oss")
+        completions = [r.completions[0] for r in engine.generate([Request(tuple(p), params) for p in prompts])]
+    finally:
+        installed.uninstall()
+    assert max(batches) >= 3 and sum(len(c.token_ids) for c in completions) > 40
+    for prompt, completion in zip(prompts, completions):
+        if not completion.token_ids:
+            continue
+        ids = torch.tensor([prompt + completion.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: ids.shape[1] - 1]
+        for step, (token, picked) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert logprobs[step, token].item() >= logprobs[step].max().item() - BF16_ARGMAX_SLACK, (prompt, step)
+            assert picked.logprob == pytest.approx(logprobs[step, token].item(), abs=BF16_ATOL), (prompt, step)
+
+
 @pytest.mark.parametrize(
     ("heads_q", "heads_kv", "head_dim", "window", "sinks", "lengths"),
     [
@@ -128,8 +166,11 @@ def test_bf16_greedy_tokens_are_the_teacher_forced_forwards_best(arch: str, lora
         (32, 8, 128, None, False, "single1000"),
         (64, 8, 64, 128, True, "batch64"),
         (64, 8, 64, None, True, "single1000"),
+        (32, 8, 128, None, False, "prompts"),
+        (64, 8, 64, 128, True, "prompts"),
     ],
-    ids=["llama8b-batch64", "llama8b-batch1-split", "gpt_oss-window-sinks", "gpt_oss-batch1-split"],
+    ids=["llama8b-batch64", "llama8b-batch1-split", "gpt_oss-window-sinks", "gpt_oss-batch1-split",
+         "llama8b-prompts-batched", "gpt_oss-prompts-batched-window-sinks"],
 )
 def test_triton_backend_matches_torch_backend_on_realistic_shapes(heads_q, heads_kv, head_dim, window, sinks,
                                                                   lengths) -> None:
@@ -143,6 +184,11 @@ def test_triton_backend_matches_torch_backend_on_realistic_shapes(heads_q, heads
         order = torch.randperm(slots, generator=g, device="cuda").tolist()
         starts = torch.randint(0, 2000, (64,), generator=g, device="cuda").tolist()
         segments = [(slot, start, 1) for slot, start in zip(order, starts)] + [(order[64], 0, 300)]
+    elif lengths == "prompts":  # 16 decoding, then prompts admitted together: one varlen batch
+        order = torch.randperm(slots, generator=g, device="cuda").tolist()
+        starts = torch.randint(0, 2000, (16,), generator=g, device="cuda").tolist()
+        segments = [(slot, start, 1) for slot, start in zip(order, starts)]
+        segments += [(slot, 0, count) for slot, count in zip(order[16:], (300, 1, 77, 512, 2, 129))]
     else:
         segments = [(5, 999, 1)]
     tokens = sum(count for _, _, count in segments)
@@ -152,6 +198,7 @@ def test_triton_backend_matches_torch_backend_on_realistic_shapes(heads_q, heads
     outs = []
     for backend in ("torch", "triton"):
         state = StepState.build(cache, segments, torch.device("cuda"), backend)
+        assert (state.prefill is not None) == (backend == "triton" and lengths == "prompts")
         cache.write(0, state.slot_T, state.position_T, key, value)
         outs.append(attend_cached(state, 0, query, key, value, head_dim**-0.5, window, sink, None).float())
     assert (outs[0] - outs[1]).abs().max().item() < KERNEL_BF16_ATOL

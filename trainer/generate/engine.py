@@ -207,10 +207,10 @@ class Engine:
         plan = scheduler.plan()
         if not plan.sampled:
             return
-        active = _active_adapter(self.model) if any(a is not None for a in plan.adapters) else None
+        active = _mixed_adapters(self.model, plan.adapters)
         logits_RV = None
         if self.graphs is not None and active is None and self.graphs.takes(plan):
-            logits_RV = self.graphs.run(self.model, cache, plan)
+            logits_RV = self.graphs.run(self.model, cache, plan, _current_adapter(self.model))
             self.stats.graph_replays += logits_RV is not None
         if logits_RV is None:
             state = StepState.build(cache, plan.segments, self.device, self.backend, plan.prompts or None)
@@ -293,7 +293,7 @@ class DecodeGraphs:
         self.slots, self.shared = slots, shared
         larger = range(GRAPH_BUCKETS[-1] + 64, slots, 64)
         self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
-        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
+        self._graphs: dict[tuple[int, str | None], tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
         self._pool: Any = None
         self.disabled: str | None = None
 
@@ -307,8 +307,10 @@ class DecodeGraphs:
         return (self.disabled is None and not plan.forks and all(count == 1 for _, _, count in plan.segments)
                 and plan.keep == list(range(len(plan.segments))) and not in_prompt)
 
-    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan) -> torch.Tensor | None:
-        """The step's logits [B, V] from the bucket's graph (captured first if new); None when the
+    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan,
+            adapter: str | None = None) -> torch.Tensor | None:
+        """The step's logits [B, V] from the graph of the bucket and the model's active ``adapter``
+        (captured first if new: a graph replays the adapter it was captured with); None when the
         capture failed (the step is then the caller's to run eagerly)."""
         count = len(plan.segments)
         bucket = next(b for b in self.buckets if b >= count)
@@ -321,10 +323,10 @@ class DecodeGraphs:
             prompts = plan.prompts + [(0, 0)] * pad
             rows += [[s for s, _ in prompts], [n for _, n in prompts], [p - n for p, (_, n) in zip(positions, prompts)]]
         host = torch.tensor(rows, dtype=torch.long)
-        entry = self._graphs.get(bucket)
+        entry = self._graphs.get((bucket, adapter))
         if entry is None:
             try:
-                entry = self._capture(model, cache, bucket, host)
+                entry = self._capture(model, cache, (bucket, adapter), host)
             except RuntimeError as error:
                 self.disabled = f"the decode forward cannot be captured in a CUDA graph: {error}"
                 return None
@@ -333,10 +335,11 @@ class DecodeGraphs:
         graph.replay()
         return logits_BV[:count]
 
-    def _capture(self, model: torch.nn.Module, cache: KVCache, bucket: int, host: torch.Tensor) -> tuple:
+    def _capture(self, model: torch.nn.Module, cache: KVCache, key: tuple[int, str | None], host: torch.Tensor) -> tuple:
         """Warm the forward up on a side stream, then capture it on ``host``'s values (ids, slots,
         positions, lengths of ``bucket`` rows; shared: prompt slots, prompt lengths, own positions)
         copied to static device tensors."""
+        bucket = key[0]
         device = cache.keys_SHLD[0].device
         inputs_IB = host.to(device)
         ids_B, slots_B, positions_B, lengths_B, *shared_3B = inputs_IB.unbind(0)
@@ -361,8 +364,30 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             logits_BV = forward()
         # The state is kept with the graph: the replay reads its tensors (rows) at their addresses.
-        self._graphs[bucket] = (graph, inputs_IB, logits_BV, state)
-        return self._graphs[bucket]
+        self._graphs[key] = (graph, inputs_IB, logits_BV, state)
+        return self._graphs[key]
+
+
+def _mixed_adapters(model: torch.nn.Module, adapters: list[str | None]) -> str | None:
+    """The active adapter when the step's sequences name adapters other than it (the per-token
+    adapter path runs), else None: every sequence runs the model as it is (none named, or each
+    names the active adapter, as a chat session on one tuned model does), on the plain path
+    (the fused LoRA layers, CUDA graphs).
+
+    Raises:
+        ValueError: as ``_active_adapter``.
+    """
+    named = {name for name in adapters if name is not None}
+    if not named:
+        return None
+    active = _active_adapter(model)
+    return None if named == {active} else active
+
+
+def _current_adapter(model: torch.nn.Module) -> str | None:
+    """The peft model's active adapter (a CUDA graph captured under one replays only under it)."""
+    active = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    return active if isinstance(active, str) else None
 
 
 def _active_adapter(model: torch.nn.Module) -> str:

@@ -2,7 +2,8 @@
 benchmarks install before the sampler runs it.
 
 - ``trainer.features.lora_kernel.fused``: the LoRA layers computed in the compute dtype with the
-  update fused into the base matmul (when the model carries peft adapters);
+  update fused into the base matmul (when the model carries peft adapters), their compute-dtype
+  copies of the adapters kept (``AdapterCache.keep``: nothing trains a served model);
 - ``trainer.features.fused_ops``: RMSNorm, the Llama-form SwiGLU and RoPE as one Triton kernel each
   (on CUDA; on the CPU their torch form, the eager code op for op, so the CPU path's bits are
   unchanged). A decode step of a Llama-3.1-8B shape runs ~65 RMSNorms and 32 RoPEs: eager, each
@@ -44,6 +45,8 @@ def install(model: torch.nn.Module) -> ServingKernels:
     if hasattr(model, "peft_config"):
         from trainer.features.lora_kernel import fused as lora_fused
 
-        kernels.installed.append(lora_fused.install(model))
+        lora = lora_fused.install(model)
+        lora.cache.keep()  # serving: each adapter cast to the compute dtype once, not every step
+        kernels.installed.append(lora)
     kernels.installed.append(fused_ops.install(model))
     return kernels

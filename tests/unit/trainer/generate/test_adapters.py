@@ -71,6 +71,38 @@ def test_a_mixed_batch_gives_each_request_its_adapters_tokens() -> None:
     assert alone["first"][0].completions[0].token_ids != alone["second"][0].completions[0].token_ids  # the adapters matter
 
 
+def test_requests_that_all_name_the_active_adapter_run_the_plain_path(monkeypatch) -> None:
+    """A chat session on one tuned model names its adapter in every request: the step runs the
+    fused LoRA layers (and, on CUDA, the decode graphs), not the per-token path, with the tokens of
+    unnamed requests exactly."""
+    model, tokenizer = _two_adapters()
+    prompts = [tuple(tokenizer(t)["input_ids"]) for t in TEXTS]
+    installed = lora_fused.install(model)
+    paths: list[str | None] = []
+    forward = Engine._forward
+    monkeypatch.setattr(Engine, "_forward", lambda self, plan, state, active: paths.append(active) or forward(
+        self, plan, state, active))
+    try:
+        engine = Engine(model, tokenizer, slots=3, max_len=48)
+        runs = {}
+        for adapter in ("second", "first"):
+            model.set_adapter(adapter)
+            for name in (adapter, None):
+                paths.clear()
+                runs[adapter, name] = engine.generate([Request(p, _params(i), adapter=name) for i, p in enumerate(prompts)])
+                assert paths and set(paths) == {None}, (adapter, name)
+        paths.clear()
+        engine.generate([Request(prompts[0], _params(0), adapter="second")])  # not the active one
+        assert set(paths) == {"first"}
+    finally:
+        installed.uninstall()
+    for adapter in ("second", "first"):
+        for named, unnamed in zip(runs[adapter, adapter], runs[adapter, None]):
+            assert named.completions[0].token_ids == unnamed.completions[0].token_ids
+            assert [e.logprob for e in named.completions[0].logprobs] == [e.logprob for e in unnamed.completions[0].logprobs]
+    assert runs["first", None][0].completions[0].token_ids != runs["second", None][0].completions[0].token_ids
+
+
 def test_naming_an_adapter_needs_a_peft_model() -> None:
     model, tokenizer = build_tiny_model("llama", seed=0)
     with pytest.raises(ValueError, match="carries no peft adapters"):

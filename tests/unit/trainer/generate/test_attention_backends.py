@@ -115,36 +115,15 @@ class TestTritonBackendUnderTheInterpreter:
         assert found["tokens"][0] == found["tokens"][1] and found["logprobs"][0] == found["logprobs"][1]
 
 
-def _wide_heads_model(arch: str) -> tuple[torch.nn.Module, object]:
-    """``sampler_model``'s ``arch`` with head dim 64 (the varlen kernel's least) and LoRA on every linear layer."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    from trainer.model.tiny import build_config, build_tokenizer
-
-    tokenizer = build_tokenizer(512)
-    config = build_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
-    config.head_dim = 64
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "gpt_oss":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)
-    torch.manual_seed(1)
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(model, config).eval(), tokenizer
-
-
 def _run_prefill(arch: str) -> dict:
     """Child-process body: eight prompts through 5 slots (steps admitting several prompts at once),
     the triton backend (its prompts in one varlen call per layer) beside the torch backend."""
-    from tests.fixtures.sampler_models import TEXTS
+    from tests.fixtures.sampler_models import TEXTS, sampler_model
     from trainer.generate.params import Request, SamplingParams
     from trainer.kernels import attention as varlen
 
     torch.set_num_threads(1)
-    model, tokenizer = _wide_heads_model(arch)
+    model, tokenizer = sampler_model(arch, True, head_dim=64)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
     requests = [Request(tuple(tokenizer(text)["input_ids"]), params) for text in TEXTS]
     calls, original = [], varlen.flash_varlen_attention

@@ -273,6 +273,29 @@ class TestAdapterCache:
         result.uninstall()
         assert not result.cache.enabled and "_ftq_adapter_cache" not in vars(layer)
 
+    def test_kept_for_serving_per_layer_and_adapter_and_still_never_stale(self) -> None:
+        import peft
+
+        model = _lora_model("llama")
+        model.add_adapter("second", peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        result = lora_fused.install(model)
+        result.cache.keep()
+        assert result.cache.enabled
+        layer = result.layers[0]
+        first = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        second = layer.lora_A["second"].weight, layer.lora_B["second"].weight
+        cached = result.cache.get(layer, *first, 2.0, torch.bfloat16)
+        other = result.cache.get(layer, *second, 2.0, torch.bfloat16)
+        # a second adapter of the layer does not evict the first: a graph captured over it stays valid
+        assert result.cache.get(layer, *first, 2.0, torch.bfloat16)[0] is cached[0]
+        assert result.cache.get(layer, *second, 2.0, torch.bfloat16)[0] is other[0]
+        with torch.no_grad():
+            first[1].add_(1.0)  # any in-place change bumps the version
+        fresh = result.cache.get(layer, *first, 2.0, torch.bfloat16)
+        assert fresh[1] is not cached[1] and torch.equal(fresh[1], (first[1].detach() * 2.0).to(torch.bfloat16))
+        result.uninstall()
+        assert not result.cache.enabled
+
     def test_an_in_place_copy_into_the_masters_is_seen(self) -> None:
         model = _lora_model("llama")
         result = lora_fused.install(model)

@@ -97,7 +97,8 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]
 
     def step(scheduler: Any, cache: Any) -> None:
         if not scheduler.queue and "prof" not in holder and seen["n"] >= 1:
-            holder["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            cuda = [ProfilerActivity.CUDA] if engine.device.type == "cuda" else []
+            holder["prof"] = profile(activities=[ProfilerActivity.CPU, *cuda])
             holder["prof"].__enter__()
             holder["start"] = seen["n"]
         inner(scheduler, cache)

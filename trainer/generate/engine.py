@@ -171,8 +171,8 @@ class Engine:
     def running(self) -> Iterator[Callable[[Scheduler], None]]:
         """The model switched to the sampler's attention, in eval mode, without autograd, and the
         cache allocated, for the block; yields ``step(scheduler)``, which runs one forward of the
-        scheduler's next plan and advances it. Each step with a sequence that names an adapter runs
-        the per-token adapter path (see ``_forward``)."""
+        scheduler's next plan and advances it. Each step with a sequence that names an adapter other
+        than the active one runs the per-token adapter path (see ``_forward``, ``_mixed_adapters``)."""
         with sampler_attention(self.model), torch.no_grad(), _evaluating(self.model):
             cache = self._allocate()
             yield lambda scheduler: self._step(scheduler, cache)

@@ -55,11 +55,14 @@ def attend_prefill(prefill: Prefill | None, cache_dtype: torch.dtype, query_THD:
     """The step's prompts in one call of the trainer's varlen kernel (``trainer.kernels.attention``),
     each over its own keys (the step's: a prompt starts at position 0), with the layer's window
     and sinks; the groups it attended (none when there is no such batch, or the layer or the
-    tensors need what the kernel lacks: soft-capping, a dtype other than the cache's, a head dim)."""
+    tensors need what the kernel lacks: soft-capping, a dtype other than the cache's, a head dim, or
+    fp32 on CUDA, where its dots run in tf32; the decode kernel and SDPA keep fp32 exact there)."""
     from trainer.kernels import attention as varlen
 
     if prefill is None or softcap is not None or query_THD.dtype != cache_dtype:
         return frozenset()
+    if query_THD.dtype == torch.float32 and query_THD.device.type == "cuda":
+        return frozenset()  # the kernel's fp32 dots are tf32 on CUDA: fp32 prompts keep their fp32 paths
     if varlen_reason(query_THD.device, query_THD.shape[-1]) is not None:
         return frozenset()
     rows = slice(prefill.start, prefill.start + prefill.tokens)

@@ -37,7 +37,8 @@ Prompts admitted together (``trainer.generate.prefill``: one varlen batch of the
 layer, head dims 64 and 128): on the 8B and GPT-OSS attention shapes (window, sinks) a step of 16
 decoding sequences and six prompts of 1 to 512 tokens against the torch backend within
 ``KERNEL_BF16_ATOL``; and tiny Llama, Qwen3 and GPT-OSS with head dim 64 in bf16 through 5 slots,
-scored by the teacher-forced forward as above.
+scored by the teacher-forced forward as above. What a served model runs (``trainer.generate.kernels``)
+under CUDA graphs while the active adapter switches: each adapter's graphs, bitwise the eager engine.
 """
 
 from __future__ import annotations
@@ -281,3 +282,40 @@ def test_the_kernel_on_shared_prompts_at_the_8b_shape_is_bitwise_its_unshared_ou
         outs.append(attend_cached(state, 0, query, key, value, head_dim**-0.5, None, None, None).float())
     assert torch.equal(outs[0], outs[1])
     assert (outs[1] - outs[2]).abs().max().item() < KERNEL_BF16_ATOL
+
+
+def test_served_kernels_with_graphs_replay_each_active_adapters_own_graph() -> None:
+    """``trainer.generate.kernels`` (fused LoRA with kept bf16 adapter copies, fused RMSNorm, SwiGLU,
+    RoPE) under CUDA graphs, head dim 64: switching the active adapter and back replays each
+    adapter's own graphs (keyed by adapter) over its own kept copies, bitwise the eager engine's
+    tokens and logprobs on the same kernels, and the two adapters' completions differ."""
+    import peft
+
+    from trainer.generate import kernels
+
+    model, tokenizer = sampler_model("llama", True, torch.bfloat16, "cuda", head_dim=64)
+    torch.manual_seed(2)
+    model.add_adapter("second", peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                init_lora_weights=False))
+    model.to(device="cuda", dtype=torch.bfloat16)
+    prompts = [tuple(tokenizer(text)["input_ids"]) for text in TEXTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
+    installed = kernels.install(model)
+    runs: dict[tuple[str, bool], list] = {}
+    try:
+        graphed = Engine(model, tokenizer, slots=2, max_len=MAX_LEN, cuda_graphs=True)  # buckets 1, 2: no padding
+        eager = Engine(model, tokenizer, slots=2, max_len=MAX_LEN, cuda_graphs=False)
+        for adapter in ("default", "second", "default"):
+            model.set_adapter(adapter)
+            for engine in (graphed, eager):
+                got = [(c.token_ids, [t.logprob for t in c.logprobs]) for r in
+                       engine.generate([Request(p, params, adapter=adapter) for p in prompts]) for c in r.completions]
+                key = (adapter, engine is graphed)
+                assert runs.setdefault(key, got) == got, key  # the second "default" pass replays the first's graphs
+    finally:
+        installed.uninstall()
+    assert graphed.stats.graph_replays > 0 and graphed.graphs.disabled is None
+    assert {a for _, a in graphed.graphs._graphs} == {"default", "second"}
+    for adapter in ("default", "second"):
+        assert runs[adapter, True] == runs[adapter, False]
+    assert runs["default", True] != runs["second", True]

@@ -147,8 +147,12 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
         rows.append(Row(shape.name, "HF generate (peft, dynamic cache)", batch, batch * new, seconds, hf_rates[batch]))
         print(_line(rows[-1]), flush=True)
     installed = lora_fused.install(model) if args.lora_only else kernels.install(model)
+    if args.no_siblings:
+        from trainer.features.lora_kernel import siblings
+
+        siblings.ungroup(lora_fused.lora_linear_layers(model))
     label = "ftq sampler (" + ("fused LoRA only" if args.lora_only else "trainer kernels") + (
-        ", a prompt a call)" if args.no_batched_prefill else ")")
+        ", a prompt a call" if args.no_batched_prefill else "") + (", no sibling groups" if args.no_siblings else "") + ")"
     try:
         max_len = max(length + new, args.ttft_prompt + 1) + 1
         for batch in args.batches:
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sampler's attention backend (auto: triton on CUDA, torch on the CPU)")
     parser.add_argument("--lora-only", action="store_true", help="only the fused LoRA layers (no fused ops)")
     parser.add_argument("--no-batched-prefill", action="store_true", help="one attention call per prompt")
+    parser.add_argument("--no-siblings", action="store_true", help="each LoRA layer its own x @ A^T (no q/k/v, gate/up grouping)")
     parser.add_argument("--workdir", default="/tmp/ftq-sampler-bench")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)

@@ -3,7 +3,9 @@ benchmarks install before the sampler runs it.
 
 - ``trainer.features.lora_kernel.fused``: the LoRA layers computed in the compute dtype with the
   update fused into the base matmul (when the model carries peft adapters), their compute-dtype
-  copies of the adapters kept (``AdapterCache.keep``: nothing trains a served model);
+  copies of the adapters kept (``AdapterCache.keep``: nothing trains a served model), and the
+  layers that read one input (q/k/v, gate/up) taking their ``x @ A^T`` in one matmul
+  (``trainer.features.lora_kernel.siblings``);
 - ``trainer.features.fused_ops``: RMSNorm, the Llama-form SwiGLU and RoPE as one Triton kernel each
   (on CUDA; on the CPU their torch form, the eager code op for op, so the CPU path's bits are
   unchanged). A decode step of a Llama-3.1-8B shape runs ~65 RMSNorms and 32 RoPEs: eager, each
@@ -36,6 +38,20 @@ class ServingKernels:
         return "; ".join(item.describe() for item in self.installed)
 
 
+@dataclass
+class _Ungroup:
+    layers: list[Any]
+
+    def uninstall(self) -> None:
+        from trainer.features.lora_kernel import siblings
+
+        siblings.ungroup(self.layers)
+
+    def describe(self) -> str:
+        groups = {id(vars(layer).get("_ftq_siblings")) for layer in self.layers if "_ftq_siblings" in vars(layer)}
+        return f"{len(groups)} groups of LoRA layers sharing one input take x @ A^T in one matmul"
+
+
 def install(model: torch.nn.Module) -> ServingKernels:
     """Install the fused LoRA layers (a peft model only) and the fused elementwise ops on ``model``
     (after peft wrapping and ``.to(device)``)."""
@@ -45,8 +61,12 @@ def install(model: torch.nn.Module) -> ServingKernels:
     if hasattr(model, "peft_config"):
         from trainer.features.lora_kernel import fused as lora_fused
 
+        from trainer.features.lora_kernel import siblings
+
         lora = lora_fused.install(model)
         lora.cache.keep()  # serving: each adapter cast to the compute dtype once, not every step
         kernels.installed.append(lora)
+        siblings.group_siblings(model, lora.layers)  # one x @ A^T for q/k/v and for gate/up
+        kernels.installed.append(_Ungroup(list(lora.layers)))
     kernels.installed.append(fused_ops.install(model))
     return kernels

@@ -149,6 +149,11 @@ class AdapterCache:
     def enabled(self) -> bool:
         return bool(self._hooks) or self._kept
 
+    @property
+    def kept(self) -> bool:
+        """Whether ``keep`` turned it on (a served model: nothing trains it)."""
+        return self._kept
+
     def keep(self) -> None:
         """Turn the cache on for weights no optimizer updates (serving); see the class docstring."""
         self._kept = True
@@ -267,6 +272,13 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     if _plain_linear(base):
         dtype = _compute_dtype(x, base.weight.dtype)
         a, sb = layer._ftq_adapter_cache.get(layer, lora_a, lora_b, scaling, dtype)
+        group = vars(layer).get("_ftq_siblings")
+        if group is not None and layer._ftq_adapter_cache.kept and not torch.is_grad_enabled():
+            from trainer.features.lora_kernel.siblings import serve_forward
+
+            out = serve_forward(layer, group, x, name, dtype, sb)
+            if out is not None:
+                return out
         return _FusedLoraLinear.apply(x, base.weight, base.bias, lora_a, lora_b, scaling, dtype, a, sb)
     base_out = base(x)
     dtype = _compute_dtype(x, base_out.dtype)

@@ -1,0 +1,113 @@
+"""``trainer.features.lora_kernel.siblings``: q/k/v (and gate/up) take ``x @ A^T`` in one matmul
+when a served model runs without autograd; the outputs are the separate matmuls' (fp32 on the CPU,
+within 1e-6: another GEMM shape may sum in another order), and training never takes the path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.sampler_models import TEXTS, sampler_model
+from trainer.features.lora_kernel import fused as lora_fused
+from trainer.features.lora_kernel import siblings
+from trainer.generate import kernels
+from trainer.generate.engine import Engine
+from trainer.generate.params import Request, SamplingParams
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+
+@pytest.fixture
+def stacked_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    stack = siblings.SiblingGroup._stack
+    monkeypatch.setattr(siblings.SiblingGroup, "_stack", lambda self, a: calls.append(len(a)) or stack(self, a))
+    return calls
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_served_forward_takes_each_groups_a_side_once_and_gives_the_same_logits(stacked_calls) -> None:
+    model, _ = sampler_model("llama", True)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    alone = lora_fused.install(model)
+    alone.cache.keep()
+    want = _logits(model, ids)
+    alone.uninstall()
+    served = kernels.install(model)
+    try:
+        got = _logits(model, ids)
+    finally:
+        served.uninstall()
+    layers = model.config.num_hidden_layers
+    assert stacked_calls == [3, 2] * layers  # one stacked matmul for q/k/v, one for gate/up, per layer
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not any("_ftq_siblings" in vars(layer) for layer in lora_fused.lora_linear_layers(model))
+
+
+def test_training_and_grad_enabled_forwards_never_take_it(stacked_calls) -> None:
+    model, _ = sampler_model("llama", True)
+    served = kernels.install(model)
+    try:
+        ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids).logits.sum().backward()  # grad enabled: the autograd path
+    finally:
+        served.uninstall()
+    assert stacked_calls == []
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
+
+
+def test_the_sampler_gives_the_ungrouped_tokens_and_logprobs(stacked_calls) -> None:
+    model, tokenizer = sampler_model("llama", True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+    requests = [Request(tuple(tokenizer(t)["input_ids"]), params) for t in TEXTS]
+    runs = []
+    for grouped in (False, True):
+        installed = kernels.install(model)
+        if not grouped:
+            siblings.ungroup(lora_fused.lora_linear_layers(model))
+        try:
+            runs.append([r.completions[0] for r in Engine(model, tokenizer, slots=3, max_len=40).generate(requests)])
+        finally:
+            installed.uninstall()
+    assert stacked_calls  # the grouped run took it
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids
+        assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-5)
+
+
+def test_another_input_or_a_second_call_recomputes_and_each_adapter_keeps_its_stack() -> None:
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    group = siblings.SiblingGroup(layers)
+    first = [torch.randn(2, 4) for _ in range(3)]
+    second = [torch.randn(3, 4) for _ in range(3)]
+    x = torch.randn(5, 4)
+    parts = [group.down(layer, x, x, first) for layer in layers]
+    for part, a in zip(parts, first):
+        torch.testing.assert_close(part, x @ a.t())
+    other = torch.randn(5, 4)
+    torch.testing.assert_close(group.down(layers[1], other, other, first), other @ first[1].t())
+    torch.testing.assert_close(group.down(layers[1], other, other, first), other @ first[1].t())  # called twice
+    torch.testing.assert_close(group.down(layers[2], x, x, second), x @ second[2].t())
+    assert len(group._stacked) == 2  # a graph captured over the first adapter's stack still finds it
+
+
+def test_only_modules_whose_named_siblings_are_all_fused_are_grouped() -> None:
+    model, _ = sampler_model("llama", True)
+    installed = lora_fused.install(model)
+    try:
+        layers = [layer for layer in installed.layers if not layer.__class__.__name__.endswith("Embedding")]
+        attention = model.base_model.model.model.layers[0].self_attn
+        without_v = [layer for layer in layers if layer is not attention.v_proj]
+        groups = siblings.group_siblings(model, without_v)
+        assert groups == 2 * model.config.num_hidden_layers - 1  # layer 0's q/k are not grouped without v
+        assert "_ftq_siblings" not in vars(attention.q_proj)
+    finally:
+        siblings.ungroup(installed.layers)
+        installed.uninstall()

@@ -1,0 +1,116 @@
+"""One matmul for the LoRA ``A`` of layers that read the same input (serving).
+
+Why: unmerged LoRA costs two small matmuls per adapted projection on top of the base one; at
+decode batch sizes each is a launch-bound kernel (cuBLAS adds a split-K reduce to the thin
+``x @ A^T``). An attention's q, k and v projections read one tensor, as do an MLP's gate and up
+projections, so their ``x @ A^T`` can be one matmul against the ``A``\\ s stacked (``[r_q + r_k +
+r_v, in]``): on a Llama decoder layer 5 matmuls (and reduces) instead of 7 for the ``A`` side.
+
+How: ``group_siblings(model)`` finds, in each module, the fused LoRA layers named in ``SIBLINGS``
+(all present, the same input width) and gives them one ``SiblingGroup``. The first sibling called
+with an input computes the stacked product and keeps it with the input; each later sibling called
+with the very same tensor object (``is``: the HF attention and MLP forwards pass one
+``hidden_states`` to each) takes its columns; once every sibling has taken its part the group
+drops the input. Anything else (another input, a sibling called twice, another adapter, grad
+enabled) computes its own product as before. Only where nothing trains: under ``torch.no_grad``
+and with the adapter copies kept (``AdapterCache.keep``), which ``trainer.generate.kernels``
+installs for a served model; training never reaches it.
+
+Numerics: each column of the stacked product is a dot product of the same row and the same
+``A`` row, in the same dtype, as the separate matmul's; a GEMM may tile the two shapes
+differently, so the bits may differ within the dtype's rounding (as between batch sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of LoRA layers of one module that read the same input in the HF forwards."""
+
+
+class SiblingGroup:
+    """The fused LoRA layers of one module that read one input (see the module docstring)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+        self.index = {id(layer): i for i, layer in enumerate(layers)}
+        self._input: torch.Tensor | None = None
+        self._parts: list[torch.Tensor] = []
+        self._taken: set[int] = set()
+        self._stacked: dict[tuple[Any, ...], tuple[torch.Tensor, list[int]]] = {}
+
+    def down(self, layer: nn.Module, x: torch.Tensor, x2: torch.Tensor, adapters: list[torch.Tensor]) -> torch.Tensor:
+        """``x2 @ A^T`` of ``layer`` ([tokens, r]), from the group's stacked matmul over ``x``.
+
+        Args:
+            x: the tensor the layer was called with (its identity marks the shared input).
+            x2: ``x`` as the ``[tokens, in]`` matrix in the compute dtype.
+            adapters: every sibling's ``A`` in the compute dtype, in ``self.layers`` order.
+        """
+        i = self.index[id(layer)]
+        if self._input is not x or i in self._taken:
+            stacked, ranks = self._stack(adapters)
+            self._parts = list((x2 @ stacked.t()).split(ranks, dim=1))
+            self._input, self._taken = x, set()
+        self._taken.add(i)
+        part = self._parts[i]
+        if len(self._taken) == len(self.layers):
+            self._input, self._parts = None, []
+        return part
+
+    def _stack(self, adapters: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        key = tuple((a.data_ptr(), a._version, a.dtype) for a in adapters)
+        entry = self._stacked.get(key)
+        if entry is None:  # kept per adapter: a CUDA graph captured over one reads it where it is
+            entry = self._stacked[key] = (torch.cat(adapters, dim=0), [a.shape[0] for a in adapters])
+        return entry
+
+
+def group_siblings(model: nn.Module, layers: list[nn.Module]) -> int:
+    """Give the fused LoRA ``layers`` of ``model`` that read one input their ``SiblingGroup``
+    (``layer._ftq_siblings``); the number of groups made."""
+    fused = {id(layer) for layer in layers}
+    groups = 0
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(module, name, None) for name in names]
+            if not all(m is not None and id(m) in fused for m in members):
+                continue
+            if len({m.get_base_layer().in_features for m in members}) != 1:
+                continue
+            group = SiblingGroup(members)
+            for member in members:
+                member._ftq_siblings = group
+            groups += 1
+    return groups
+
+
+def ungroup(layers: list[nn.Module]) -> None:
+    for layer in layers:
+        layer.__dict__.pop("_ftq_siblings", None)
+
+
+def serve_forward(layer: nn.Module, group: SiblingGroup, x: torch.Tensor, name: str, dtype: torch.dtype,
+                  sb: torch.Tensor) -> torch.Tensor | None:
+    """``layer``'s output with its ``x @ A^T`` from ``group`` (no autograd); None when a sibling
+    lacks adapter ``name`` (the caller's own path then runs)."""
+    cache = layer._ftq_adapter_cache
+    adapters = []
+    for member in group.layers:
+        if name not in member.lora_A or "_ftq_adapter_cache" not in vars(member):
+            return None
+        a, _ = cache.get(member, member.lora_A[name].weight, member.lora_B[name].weight,
+                         float(member.scaling[name]), dtype)
+        adapters.append(a)
+    base = layer.get_base_layer()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(dtype)
+    xa = group.down(layer, x, x2, adapters)
+    w = base.weight.to(dtype)
+    out = x2 @ w.t() if base.bias is None else torch.addmm(base.bias.to(dtype), x2, w.t())
+    out.addmm_(xa, sb.t())
+    return out.view(*shape[:-1], out.shape[-1])

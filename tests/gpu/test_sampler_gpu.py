@@ -108,13 +108,10 @@ def test_fp32_greedy_decoding_on_cuda_matches_transformers_generate(arch: str, l
             assert logprob.logprob == pytest.approx(ref, abs=FP32_ATOL)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bf16_greedy_tokens_are_the_teacher_forced_forwards_best(arch: str, lora: bool) -> None:
-    model, tokenizer = _model(arch, lora, torch.bfloat16)
-    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
-    completions = _sample(model, tokenizer, prompts, lora)
-    assert sum(len(c.token_ids) for c in completions) > 40
+def _assert_the_teacher_forced_forwards_best(model: torch.nn.Module, prompts: list[list[int]],
+                                             completions: list) -> None:
+    """Each picked token within ``BF16_ARGMAX_SLACK`` of one plain forward's best logprob at its
+    position (prompt + completion, teacher forcing), its logprob within ``BF16_ATOL`` of that forward's."""
     for prompt, completion in zip(prompts, completions):
         if not completion.token_ids:
             continue
@@ -123,9 +120,18 @@ def test_bf16_greedy_tokens_are_the_teacher_forced_forwards_best(arch: str, lora
             logits = model(input_ids=ids).logits[0].float()
         logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: ids.shape[1] - 1]
         for step, (token, picked) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            best = logprobs[step].max().item()
-            assert logprobs[step, token].item() >= best - BF16_ARGMAX_SLACK, (prompt, step)
+            assert logprobs[step, token].item() >= logprobs[step].max().item() - BF16_ARGMAX_SLACK, (prompt, step)
             assert picked.logprob == pytest.approx(logprobs[step, token].item(), abs=BF16_ATOL), (prompt, step)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_greedy_tokens_are_the_teacher_forced_forwards_best(arch: str, lora: bool) -> None:
+    model, tokenizer = _model(arch, lora, torch.bfloat16)
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    completions = _sample(model, tokenizer, prompts, lora)
+    assert sum(len(c.token_ids) for c in completions) > 40
+    _assert_the_teacher_forced_forwards_best(model, prompts, completions)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
@@ -148,16 +154,7 @@ def test_bf16_prompts_admitted_together_score_as_the_teacher_forced_forward(arch
     finally:
         installed.uninstall()
     assert max(batches) >= 3 and sum(len(c.token_ids) for c in completions) > 40
-    for prompt, completion in zip(prompts, completions):
-        if not completion.token_ids:
-            continue
-        ids = torch.tensor([prompt + completion.token_ids], device="cuda")
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].float()
-        logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: ids.shape[1] - 1]
-        for step, (token, picked) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            assert logprobs[step, token].item() >= logprobs[step].max().item() - BF16_ARGMAX_SLACK, (prompt, step)
-            assert picked.logprob == pytest.approx(logprobs[step, token].item(), abs=BF16_ATOL), (prompt, step)
+    _assert_the_teacher_forced_forwards_best(model, prompts, completions)
 
 
 @pytest.mark.parametrize(

@@ -133,9 +133,10 @@ class AdapterCache:
     optimizer is watched the cache stays off and every call casts, as before: a caller that
     updates weights some other way cannot read stale copies.
 
-    A model that serves and never trains (``trainer.generate.kernels``) calls ``keep``: the copies
-    stay until the masters' versions or pointers change, one per layer and adapter (a session's
-    adapters each keep theirs), and a CUDA graph captured over them reads them where they are.
+    A model that serves and never trains (``trainer.generate.kernels``) calls ``keep``: one copy per
+    layer and adapter (a session's adapters each keep theirs), cast once, refreshed in place when
+    the masters change in place (a ``load_state_dict``): a CUDA graph captured over them reads them
+    where they are, and sees the new values.
     Without it every decode step cast all of them again: on the Llama-3.1-8B shape 676 of a step's
     ~2,000 kernels.
     """
@@ -181,6 +182,14 @@ class AdapterCache:
         key = (id(layer), lora_a.data_ptr(), dtype) if self._kept else id(layer)
         entry = self._entries.get(key) if self.enabled else None
         if entry is not None and entry[0] == stamp:
+            return entry[1], entry[2]
+        if entry is not None and self._kept:
+            # kept (serving): the masters changed in place; refresh the copies where they are, so a
+            # CUDA graph captured over them reads the new values, not freed memory
+            with torch.no_grad():
+                entry[1].copy_(lora_a.detach())
+                entry[2].copy_(torch.mul(lora_b.detach(), scaling))
+            self._entries[key] = (stamp, entry[1], entry[2])
             return entry[1], entry[2]
         with torch.no_grad():
             a = lora_a.detach().to(dtype)

@@ -41,7 +41,7 @@ class SiblingGroup:
         self._input: torch.Tensor | None = None
         self._parts: list[torch.Tensor] = []
         self._taken: set[int] = set()
-        self._stacked: dict[tuple[Any, ...], tuple[torch.Tensor, list[int]]] = {}
+        self._stacked: dict[tuple[Any, ...], tuple[torch.Tensor, list[int], tuple[int, ...]]] = {}
 
     def down(self, layer: nn.Module, x: torch.Tensor, x2: torch.Tensor, adapters: list[torch.Tensor]) -> torch.Tensor:
         """``x2 @ A^T`` of ``layer`` ([tokens, r]), from the group's stacked matmul over ``x``.
@@ -63,11 +63,17 @@ class SiblingGroup:
         return part
 
     def _stack(self, adapters: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-        key = tuple((a.data_ptr(), a._version, a.dtype) for a in adapters)
+        """The siblings' ``A`` stacked, kept per adapter (a CUDA graph captured over one reads it where
+        it is) and refreshed in place when a copy changed in place (``AdapterCache`` does so)."""
+        key = tuple((a.data_ptr(), a.dtype) for a in adapters)
+        versions = tuple(a._version for a in adapters)
         entry = self._stacked.get(key)
-        if entry is None:  # kept per adapter: a CUDA graph captured over one reads it where it is
-            entry = self._stacked[key] = (torch.cat(adapters, dim=0), [a.shape[0] for a in adapters])
-        return entry
+        if entry is None:
+            entry = self._stacked[key] = (torch.cat(adapters, dim=0), [a.shape[0] for a in adapters], versions)
+        elif entry[2] != versions:
+            torch.cat(adapters, dim=0, out=entry[0])
+            entry = self._stacked[key] = (entry[0], entry[1], versions)
+        return entry[0], entry[1]
 
 
 def group_siblings(model: nn.Module, layers: list[nn.Module]) -> int:

@@ -273,7 +273,7 @@ class TestAdapterCache:
         result.uninstall()
         assert not result.cache.enabled and "_ftq_adapter_cache" not in vars(layer)
 
-    def test_kept_for_serving_per_layer_and_adapter_and_still_never_stale(self) -> None:
+    def test_kept_for_serving_per_layer_and_adapter_and_refreshed_in_place(self) -> None:
         import peft
 
         model = _lora_model("llama")
@@ -292,7 +292,9 @@ class TestAdapterCache:
         with torch.no_grad():
             first[1].add_(1.0)  # any in-place change bumps the version
         fresh = result.cache.get(layer, *first, 2.0, torch.bfloat16)
-        assert fresh[1] is not cached[1] and torch.equal(fresh[1], (first[1].detach() * 2.0).to(torch.bfloat16))
+        # refreshed where it is: a CUDA graph captured over the copy reads the new values
+        assert fresh[1] is cached[1] and torch.equal(fresh[1], (first[1].detach() * 2.0).to(torch.bfloat16))
+        assert result.cache.get(layer, *first, 2.0, torch.bfloat16)[1] is cached[1]
         result.uninstall()
         assert not result.cache.enabled
 

@@ -98,6 +98,33 @@ def test_another_input_or_a_second_call_recomputes_and_each_adapter_keeps_its_st
     assert len(group._stacked) == 2  # a graph captured over the first adapter's stack still finds it
 
 
+def test_an_adapter_loaded_in_place_is_served_in_place(stacked_calls) -> None:
+    """A served adapter overwritten in place (``load_state_dict``): the kept copies and the stacked
+    ``A`` keep their tensors (a captured graph reads them where they are) and hold the new values:
+    the logits are a fresh install's."""
+    model, _ = sampler_model("llama", True)
+    ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(2))
+    served = kernels.install(model)
+    try:
+        _logits(model, ids)
+        group = vars(model.base_model.model.model.layers[0].self_attn.q_proj)["_ftq_siblings"]
+        (stacked, _, _), = group._stacked.values()
+        before = stacked.clone()
+        torch.manual_seed(5)
+        model.load_state_dict({n: torch.randn_like(p) for n, p in model.named_parameters() if "lora_" in n}, strict=False)
+        got = _logits(model, ids)
+        (again, _, _), = group._stacked.values()
+        assert again is stacked and not torch.equal(stacked, before)
+    finally:
+        served.uninstall()
+    fresh = kernels.install(model)
+    try:
+        want = _logits(model, ids)
+    finally:
+        fresh.uninstall()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_only_modules_whose_named_siblings_are_all_fused_are_grouped() -> None:
     model, _ = sampler_model("llama", True)
     installed = lora_fused.install(model)

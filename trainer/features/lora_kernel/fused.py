@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.features.lora_kernel.siblings import base_plus_update, serve_forward
+
 KERNEL_NAME = "ftq_fused_lora"
 
 
@@ -68,10 +70,8 @@ class _FusedLoraLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype)
-        w = weight.to(dtype)
         xa = x2 @ a.t()
-        out = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
-        out.addmm_(xa, sb.t())
+        out = base_plus_update(x2, weight, bias, dtype, xa, sb)
         ctx.save_for_backward(x2, weight, a, sb, xa)
         ctx.scaling, ctx.dtype, ctx.shape, ctx.x_dtype = scaling, dtype, shape, x.dtype
         ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
@@ -283,8 +283,6 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
         a, sb = layer._ftq_adapter_cache.get(layer, lora_a, lora_b, scaling, dtype)
         group = vars(layer).get("_ftq_siblings")
         if group is not None and layer._ftq_adapter_cache.kept and not torch.is_grad_enabled():
-            from trainer.features.lora_kernel.siblings import serve_forward
-
             out = serve_forward(layer, group, x, name, dtype, sb)
             if out is not None:
                 return out

@@ -100,6 +100,15 @@ def ungroup(layers: list[nn.Module]) -> None:
         layer.__dict__.pop("_ftq_siblings", None)
 
 
+def base_plus_update(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                     xa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """``x2 @ W^T (+ b) + xa @ sB^T`` in ``dtype`` ([tokens, out]): the update added in place into
+    the base matmul's output (one ``addmm_``); the fused LoRA layer's forward and ``serve_forward``."""
+    w = weight.to(dtype)
+    out = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+    return out.addmm_(xa, sb.t())
+
+
 def serve_forward(layer: nn.Module, group: SiblingGroup, x: torch.Tensor, name: str, dtype: torch.dtype,
                   sb: torch.Tensor) -> torch.Tensor | None:
     """``layer``'s output with its ``x @ A^T`` from ``group`` (no autograd); None when a sibling
@@ -115,8 +124,5 @@ def serve_forward(layer: nn.Module, group: SiblingGroup, x: torch.Tensor, name: 
     base = layer.get_base_layer()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).to(dtype)
-    xa = group.down(layer, x, x2, adapters)
-    w = base.weight.to(dtype)
-    out = x2 @ w.t() if base.bias is None else torch.addmm(base.bias.to(dtype), x2, w.t())
-    out.addmm_(xa, sb.t())
+    out = base_plus_update(x2, base.weight, base.bias, dtype, group.down(layer, x, x2, adapters), sb)
     return out.view(*shape[:-1], out.shape[-1])

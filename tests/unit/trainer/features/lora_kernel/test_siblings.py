@@ -33,6 +33,15 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def _served_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``_logits`` with ``trainer.generate.kernels`` installed for the call."""
+    served = kernels.install(model)
+    try:
+        return _logits(model, ids)
+    finally:
+        served.uninstall()
+
+
 def test_a_served_forward_takes_each_groups_a_side_once_and_gives_the_same_logits(stacked_calls) -> None:
     model, _ = sampler_model("llama", True)
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -40,11 +49,7 @@ def test_a_served_forward_takes_each_groups_a_side_once_and_gives_the_same_logit
     alone.cache.keep()
     want = _logits(model, ids)
     alone.uninstall()
-    served = kernels.install(model)
-    try:
-        got = _logits(model, ids)
-    finally:
-        served.uninstall()
+    got = _served_logits(model, ids)
     layers = model.config.num_hidden_layers
     assert stacked_calls == [3, 2] * layers  # one stacked matmul for q/k/v, one for gate/up, per layer
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -117,12 +122,7 @@ def test_an_adapter_loaded_in_place_is_served_in_place(stacked_calls) -> None:
         assert again is stacked and not torch.equal(stacked, before)
     finally:
         served.uninstall()
-    fresh = kernels.install(model)
-    try:
-        want = _logits(model, ids)
-    finally:
-        fresh.uninstall()
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, _served_logits(model, ids), rtol=0, atol=0)  # a fresh install
 
 
 def test_only_modules_whose_named_siblings_are_all_fused_are_grouped() -> None:

@@ -118,6 +118,11 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]
     prof = holder.get("prof")
     if prof is None or "done" not in holder:
         return {}
+    return _kernel_table(prof, steps)
+
+
+def _kernel_table(prof: Any, steps: int) -> dict[str, Any]:
+    """GPU µs per step by kernel family, kernels per step and the 25 largest, from ``prof``'s kernels."""
     by_family: dict[str, float] = defaultdict(float)
     kernels, top = 0, []
     for event in prof.key_averages():
@@ -131,6 +136,68 @@ def profile_decode(engine: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]
     return {"us_per_step": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
             "total_us_per_step": sum(by_family.values()), "kernels_per_step": kernels / steps,
             "top": top[:25]}
+
+
+def graph_profile(engine: Any, ids: torch.Tensor, new: int, at: list[int], replays: int = 10) -> list[dict[str, Any]]:
+    """At the decode steps ``at`` (counted after the last prompt is admitted) of one graphed
+    generate: the whole step's wall time (synced before and after: host plan, replay, sampling,
+    bookkeeping), then the step's graph replayed alone ``replays`` times back to back (its GPU time
+    with launch gaps, CUDA events) and once more under torch.profiler (the sum of its kernels'
+    times and their count). ``gap_ms`` = replay less kernels: the time between a graph's kernels;
+    ``host_ms`` = step less replay: the host's work serial with the GPU. Replaying re-writes the
+    same keys at the same positions, so the generate goes on unchanged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.graphs
+    if graphs is None or engine.device.type != "cuda":
+        return []
+    inner_step, inner_run = engine._step, graphs.run
+    used: dict[str, Any] = {}
+    seen = {"decode": 0}
+    rows: list[dict[str, Any]] = []
+
+    def run(model: Any, cache: Any, plan: Any, adapter: Any = None) -> Any:
+        bucket = next(b for b in graphs.buckets if b >= len(plan.segments))
+        used["key"] = (bucket, adapter)
+        return inner_run(model, cache, plan, adapter)
+
+    def step(scheduler: Any, cache: Any) -> None:
+        decoding = not scheduler.queue
+        used.pop("key", None)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        inner_step(scheduler, cache)
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) * 1000
+        if not decoding:
+            return
+        seen["decode"] += 1
+        if seen["decode"] not in at or "key" not in used:
+            return
+        graph = graphs._graphs[used["key"]][0]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replay_ms = begin.elapsed_time(end) / replays
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        table = _kernel_table(prof, 1)
+        kernels_ms = table["total_us_per_step"] / 1000
+        rows.append({"decode_step": seen["decode"], "bucket": used["key"][0], "step_ms": step_ms,
+                     "replay_ms": replay_ms, "kernels_ms": kernels_ms, "gap_ms": replay_ms - kernels_ms,
+                     "host_ms": step_ms - replay_ms, "kernels": table["kernels_per_step"],
+                     "us_per_family": table["us_per_step"], "top": table["top"][:12]})
+
+    engine._step, graphs.run = step, run
+    try:
+        ftq_generate(engine, ids, new)
+    finally:
+        del engine._step, graphs.run
+    return rows
 
 
 def host_profile(engine: Any, ids: torch.Tensor, new: int, sampled: bool) -> dict[str, Any]:
@@ -184,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--host-profile", action="store_true", help="cProfile one generate; time the largest graph's replay")
     parser.add_argument("--sampled", action="store_true", help="the host profile's requests sample (temperature 1, a seed)")
+    parser.add_argument("--graph-profile", type=int, nargs="*", metavar="STEP",
+                        help="with --cuda-graphs: at these decode steps, the step's wall time, its graph's "
+                             "replay alone and its kernels' sum (default steps 8 128 240)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     from trainer.features.lora_kernel import fused as lora_fused
@@ -206,12 +276,22 @@ def main(argv: list[str] | None = None) -> int:
         row = {"batch": batch, **timed_steps(engine, ids, args.new_tokens)}
         row["tokens_per_s_synced"] = batch * args.new_tokens / row["seconds"]
         row["profile"] = profile_decode(engine, ids, args.profile_steps) if args.profile_steps else {}
+        if args.graph_profile is not None and args.cuda_graphs:
+            row["graphs"] = graph_profile(engine, ids, args.new_tokens, args.graph_profile or [8, 128, 240])
+            for item in row["graphs"]:
+                print(f"  graphed decode step {item['decode_step']} (bucket {item['bucket']}): step {item['step_ms']:.2f} ms"
+                      f" = replay {item['replay_ms']:.2f} (kernels {item['kernels_ms']:.2f} in {item['kernels']:.0f},"
+                      f" gaps {item['gap_ms']:.2f}) + host {item['host_ms']:.2f}", flush=True)
+                for name, us in item["us_per_family"].items():
+                    print(f"    {name:40s} {us:9.0f} us")
+                for us, count, key in item["top"]:
+                    print(f"      {us:8.0f} us {count:6.0f}x  {key}")
         if args.host_profile:
             row["host"] = host_profile(engine, ids, args.new_tokens, args.sampled)
             print(f"  host-profiled generate: {row['host']['seconds']:.3f} s; largest graph replay "
                   f"{row['host']['replay_ms_largest_bucket']} ms\n{row['host']['stats']}", flush=True)
         out["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "host")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "host", "graphs")}), flush=True)
         prof = row["profile"]
         if prof:
             print(f"  eager decode step: {prof['total_us_per_step']:.0f} us GPU, {prof['kernels_per_step']:.0f} kernels")

@@ -15,7 +15,10 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
   fused LoRA layers and the fused RMSNorm/SwiGLU/RoPE); ``slots = B``. ``--lora-only``: the fused
   LoRA layers alone (the sampler before session 17); ``--no-batched-prefill``: each prompt its own
   attention call per layer (before session 17) instead of one varlen batch a step.
-  The speed-up is over the HF row of the same batch (when it ran).
+  The speed-up is over the HF row of the same batch (when it ran). ``--variants`` times other
+  settings of the same sampler right after, in the same process (``VARIANTS``: without steps run
+  ahead, ``no-overlap``; the LoRA update added after the base matmul, ``update-last``; both,
+  ``session-17``).
   ``--backend`` picks its attention (``auto``: the Triton decode kernel on CUDA; ``torch``: the
   reference path, to compare); ``--cuda-graphs`` replays captured graphs for its decode steps.
 - ``single stream``: batch 1.
@@ -131,7 +134,6 @@ def agreement(hf: torch.Tensor, ours: list[list[int]], tokens: int) -> tuple[flo
 def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
     from trainer.features.lora_kernel import fused as lora_fused
     from trainer.generate import kernels
-    from trainer.generate.engine import Engine
 
     device = torch.device(args.device)
     model = build(shape, device)
@@ -156,25 +158,15 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
     try:
         max_len = max(length + new, args.ttft_prompt + 1) + 1
         for batch in args.batches:
-            engine = Engine(model, None, slots=batch, max_len=max_len, max_batch_tokens=args.max_batch_tokens,
-                            attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
             ids = prompts(batch, length, shape.vocab)
-            # warm-up: the cache, the kernels; with graphs the whole run's shape, so every bucket the
-            # timed run decodes in (prompts admitted in waves finish in waves) is captured before it
-            warm = (ids, min(new, 16)) if args.cuda_graphs else (ids[:, : min(8, length)], 2)
-            ftq_generate(engine, *warm)
-            out, seconds = ftq_generate(engine, ids, new)
-            rate = batch * new / seconds
-            note = f"{rate / hf_rates[batch]:.2f}x HF" if batch in hf_rates else ""
-            rows.append(Row(shape.name, label, batch, batch * new, seconds, rate, note))
-            print(_line(rows[-1]), flush=True)
+            for variant in args.variants:
+                out = _ftq_row(model, shape, args, batch, ids, max_len, variant, label, hf_rates, rows)
             if batch in hf_outputs and batch == args.agree_batch:
                 share, prefix = agreement(hf_outputs[batch], out, min(args.agree_tokens, new))
                 rows.append(Row(shape.name, "greedy agreement with HF", batch,
                                 note=f"{share:.1%} of the first {min(args.agree_tokens, new)} tokens identical; "
                                      f"mean identical prefix {prefix:.1f}"))
                 print(_line(rows[-1]), flush=True)
-            engine.release()
         rows.append(_ttft(model, shape, args, max_len))
         print(_line(rows[-1]), flush=True)
     finally:
@@ -184,6 +176,38 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
         rows.append(_cold_start(shape, args))
         print(_line(rows[-1]), flush=True)
     return rows
+
+
+VARIANTS = {"ftq": ("auto", True), "no-overlap": (False, True), "update-last": ("auto", False),
+            "session-17": (False, False)}
+"""``--variants``: the sampler's ``(Engine overlap, siblings.SERVE_UPDATE_FIRST)``; ``session-17`` is
+the sampler as session 17 left it (steps one at a time, the update added after the base matmul)."""
+
+
+def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, batch: int, ids: torch.Tensor,
+             max_len: int, variant: str, label: str, hf_rates: dict[int, float], rows: list[Row]) -> list[list[int]]:
+    """One timed sampler call of ``variant`` at ``batch`` (after its warm-up), appended to ``rows``."""
+    from trainer.features.lora_kernel import siblings
+    from trainer.generate.engine import Engine
+
+    overlap, siblings.SERVE_UPDATE_FIRST = VARIANTS[variant]
+    try:
+        engine = Engine(model, None, slots=batch, max_len=max_len, max_batch_tokens=args.max_batch_tokens,
+                        attention_backend=args.backend, cuda_graphs=args.cuda_graphs, overlap=overlap)
+        # warm-up: the cache, the kernels; with graphs the whole run's shape, so every bucket the
+        # timed run decodes in (prompts admitted in waves finish in waves) is captured before it
+        warm = (ids, min(args.new_tokens, 16)) if args.cuda_graphs else (ids[:, : min(8, ids.shape[1])], 2)
+        ftq_generate(engine, *warm)
+        out, seconds = ftq_generate(engine, ids, args.new_tokens)
+    finally:
+        siblings.SERVE_UPDATE_FIRST = VARIANTS["ftq"][1]
+    rate = batch * args.new_tokens / seconds
+    note = f"{rate / hf_rates[batch]:.2f}x HF" if batch in hf_rates else ""
+    name = label if variant == "ftq" else f"{label[:-1]}, {variant})"
+    rows.append(Row(shape.name, name, batch, batch * args.new_tokens, seconds, rate, note))
+    print(_line(rows[-1]), flush=True)
+    engine.release()
+    return out
 
 
 def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, max_len: int) -> Row:
@@ -255,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-only", action="store_true", help="only the fused LoRA layers (no fused ops)")
     parser.add_argument("--no-batched-prefill", action="store_true", help="one attention call per prompt")
     parser.add_argument("--no-siblings", action="store_true", help="each LoRA layer its own x @ A^T (no q/k/v, gate/up grouping)")
+    parser.add_argument("--variants", nargs="+", default=["ftq"], choices=list(VARIANTS),
+                        help="sampler settings timed one after the other at each batch (see VARIANTS)")
     parser.add_argument("--workdir", default="/tmp/ftq-sampler-bench")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)

@@ -58,6 +58,7 @@ import torch
 from trainer.features.attention.packed import unwrap_model
 from trainer.generate.cache import KVCache
 from trainer.generate.prefill import Prefill, attend_prefill, plan_prefill
+from trainer.generate.transfer import to_device
 
 ATTN_IMPLEMENTATION = "ftq_sampler"
 """The name registered with transformers' ``AttentionInterface``."""
@@ -82,7 +83,7 @@ class Group:
     kv_len: int
     """Keys read per sequence: the largest position of the group plus one (host)."""
     lengths: torch.Tensor
-    """[S] int32 (int64 in ``engine.DecodeGraphs``) each sequence's keys after this step (last position + 1)."""
+    """[S] int32 (int64 in ``trainer.generate.graphs.DecodeGraphs``) each sequence's keys after this step (last position + 1)."""
     prompt_slots: torch.Tensor | None = None
     """[S] each sequence's prompt slot (shared-prompt layout; 0 where it has none), or None: no
     sequence of the group reads the prompt store."""
@@ -153,7 +154,7 @@ class StepState:
             raise ValueError(f"position {max(positions)} is past the cache's max_len {cache.max_len}")
         shared = any(length for _, length in prompts)
         host = [slots, positions, *(own_w + prompt_w if shared else ())]
-        flat = torch.tensor([v for column in host for v in column], dtype=torch.long).to(device)
+        flat = to_device([v for column in host for v in column], torch.long, device)
         parts = flat.split([len(column) for column in host])
         own = Writes(parts[2], parts[3], parts[4]) if shared else None
         prompt = Writes(parts[5], parts[6], parts[7]) if shared and prompt_w[0] else None
@@ -198,11 +199,11 @@ def _group(members: list[tuple[int, int, int, int, int]], count: int, device: to
     lengths = [m[2] + count for m in members]
     prompt_slots = prompt_lens = None
     if any(m[4] for m in members):
-        prompt_slots = torch.tensor([m[3] for m in members], device=device)
-        prompt_lens = torch.tensor([m[4] for m in members], dtype=torch.int32, device=device)
-    return Group(torch.tensor(rows, device=device), torch.tensor([m[1] for m in members], device=device),
-                 torch.tensor(positions, device=device), (len(members), count), max(lengths),
-                 torch.tensor(lengths, dtype=torch.int32, device=device), prompt_slots, prompt_lens)
+        prompt_slots = to_device([m[3] for m in members], torch.long, device)
+        prompt_lens = to_device([m[4] for m in members], torch.int32, device)
+    return Group(to_device(rows, torch.long, device), to_device([m[1] for m in members], torch.long, device),
+                 to_device(positions, torch.long, device), (len(members), count), max(lengths),
+                 to_device(lengths, torch.int32, device), prompt_slots, prompt_lens)
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

@@ -6,7 +6,9 @@ trainer installed) on ``ftq_sampler`` attention (``trainer.generate.attention``)
 the step's keys and values into the ``trainer.generate.cache.KVCache`` and reads each sequence's
 own. Logits are computed only for the tokens that sample (``logits_to_keep``); the draws are
 ``trainer.generate.sampling``'s. Each step reads its tokens back to the host once (one sync per
-forward, not per sequence) to decide who finishes and who is admitted.
+forward, not per sequence) to decide who finishes and who is admitted; with ``overlap`` (on with
+CUDA graphs) a decode step's tokens are read while the next step's forward, already fed them on
+the device, runs (``trainer.generate.overlap``).
 
 Attention: the ``torch`` backend (the reference, the CPU path) or, on CUDA, ``triton`` (a decode
 kernel reading the cache in place, SDPA for prompts); ``attention_backend`` or the
@@ -42,12 +44,15 @@ from typing import Any
 import torch
 
 from trainer.features.attention.packed import unwrap_model
-from trainer.generate.attention import Group, StepState, Writes, choose_backend, sampler_attention
+from trainer.generate.attention import StepState, choose_backend, sampler_attention
 from trainer.generate.cache import KVCache, SharedPrompts
+from trainer.generate.graphs import DecodeGraphs
+from trainer.generate.overlap import Ahead, follow, may_defer
 from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
 from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
 from trainer.generate.scheduler import Scheduler, StepPlan
 from trainer.generate.stopping import Stopper, eos_ids
+from trainer.generate.transfer import to_device
 
 BACKEND_ENV = "FTQ_SAMPLER_ATTENTION"
 """Names the sampler's attention backend where ``Engine`` is given none (``torch`` forces the reference)."""
@@ -65,6 +70,8 @@ class EngineStats:
     caches_allocated: int = 0
     idle_forwards: int = 0
     """Forwards run only to keep step with other ranks (``generate``'s ``lockstep``)."""
+    overlapped_steps: int = 0
+    """Forwards queued before the previous step's tokens were read (``overlap``)."""
 
 
 class Engine:
@@ -87,7 +94,7 @@ class Engine:
             (``triton`` on CUDA where Triton imports, else ``torch``). ``self.backend`` is the choice.
         cuda_graphs: replay a captured CUDA graph for each decode-only step (every sequence of the
             step decoding one token, no adapter named, no fork): one graph per batch-size bucket
-            (``GRAPH_BUCKETS`` up to ``slots``), the step padded to its bucket (``DecodeGraphs``).
+            (``trainer.generate.graphs.GRAPH_BUCKETS`` up to ``slots``), the step padded to its bucket (``DecodeGraphs``).
             Needs the ``triton`` backend; the cache gets one scratch slot for the padding. One
             process only: under FSDP2 the forward's all-gathers are not captured. ``"auto"``: on
             when the backend is ``triton`` (CUDA), off otherwise (batch generation jobs, whose ranks
@@ -98,6 +105,10 @@ class Engine:
             ``new_len`` (a completion also ends, ``length``, at ``new_len`` tokens). None (default):
             each slot holds its whole sequence, ``max_len`` positions. GRPO's rollouts use it
             (``trainer.objectives.grpo_slots.rollout_slots`` sizes both stores).
+        overlap: queue each decode step's forward before the previous step's tokens are read back,
+            feeding them on the device (``trainer.generate.overlap``: the host's work a step hides
+            behind the GPU's; a token reaches the host one step later). ``"auto"`` (default): on
+            with CUDA graphs. Never under ``agree`` or ``generate``'s ``lockstep``.
 
     Raises:
         ValueError: a size below its least, or a backend that is unknown or cannot run here.
@@ -108,7 +119,8 @@ class Engine:
                  cache_dtype: torch.dtype | None = None,
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward: Callable[..., Any] | None = None, attention_backend: str | None = None,
-                 cuda_graphs: bool | str = False, shared_prompts: SharedPrompts | None = None) -> None:
+                 cuda_graphs: bool | str = False, shared_prompts: SharedPrompts | None = None,
+                 overlap: bool | str = "auto") -> None:
         if slots < 1 or max_len < 2 or max_batch_tokens < 1:
             raise ValueError(
                 f"slots (>= 1), max_len (>= 2) and max_batch_tokens (>= 1): got {slots}, {max_len}, {max_batch_tokens}"
@@ -133,6 +145,9 @@ class Engine:
             raise ValueError(f"cuda_graphs needs the triton attention backend on CUDA (got {self.backend} on "
                              f"{self.device}); pass cuda_graphs=False")
         self.graphs: DecodeGraphs | None = DecodeGraphs(slots, shared_prompts is not None) if cuda_graphs else None
+        self.overlap = (self.graphs is not None) if overlap == "auto" else bool(overlap)
+        self._overlapping = False
+        self._ahead: tuple[Scheduler, Ahead] | None = None
 
     def generate(self, requests: Seq[Request], lockstep: Callable[[bool], bool] | None = None) -> list[Result]:
         """Complete every request; results in request order.
@@ -148,7 +163,7 @@ class Engine:
                 tokenizer, or the model is one the sampler cannot run.
         """
         scheduler = self.scheduler(requests)
-        with self.running() as step:
+        with self.running(overlap=lockstep is None) as step:
             if lockstep is None:
                 while scheduler.busy:
                     step(scheduler)
@@ -168,14 +183,25 @@ class Engine:
                          shared.slots if shared else 0, shared.prompt_len if shared else 0)
 
     @contextmanager
-    def running(self) -> Iterator[Callable[[Scheduler], None]]:
+    def running(self, overlap: bool = True) -> Iterator[Callable[[Scheduler], None]]:
         """The model switched to the sampler's attention, in eval mode, without autograd, and the
         cache allocated, for the block; yields ``step(scheduler)``, which runs one forward of the
         scheduler's next plan and advances it. Each step with a sequence that names an adapter other
-        than the active one runs the per-token adapter path (see ``_forward``, ``_mixed_adapters``)."""
+        than the active one runs the per-token adapter path (see ``_forward``, ``_mixed_adapters``).
+
+        With the engine's ``overlap`` (and ``overlap`` here; never with ``agree``) a decode step may
+        leave its tokens on the device: the next ``step`` call queues the following forward first,
+        then applies them (``trainer.generate.overlap``); the block's end applies what is pending."""
         with sampler_attention(self.model), torch.no_grad(), _evaluating(self.model):
             cache = self._allocate()
-            yield lambda scheduler: self._step(scheduler, cache)
+            self._overlapping = self.overlap and overlap and self.agree is None
+            try:
+                yield lambda scheduler: self._step(scheduler, cache)
+                if self._ahead is not None:
+                    scheduler, ahead = self._ahead
+                    scheduler.advance(ahead.plan, ahead.tokens(), [None] * len(ahead.plan.sampled))
+            finally:
+                self._ahead, self._overlapping = None, False
 
     def release(self) -> None:
         """Free the cache (the next ``generate`` allocates it again)."""
@@ -204,24 +230,49 @@ class Engine:
         return cache
 
     def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
+        if self._ahead is not None:
+            (owner, ahead), self._ahead = self._ahead, None
+            if not scheduler.queue and owner is scheduler:
+                self._ahead = self._launch(scheduler, ahead, cache)
+            owner.advance(ahead.plan, ahead.tokens(), [None] * len(ahead.plan.sampled))
+            return
         plan = scheduler.plan()
         if not plan.sampled:
             return
         active = _mixed_adapters(self.model, plan.adapters)
-        logits_RV = None
-        if self.graphs is not None and active is None and self.graphs.takes(plan):
-            logits_RV = self.graphs.run(self.model, cache, plan, _current_adapter(self.model))
-            self.stats.graph_replays += logits_RV is not None
-        if logits_RV is None:
-            state = StepState.build(cache, plan.segments, self.device, self.backend, plan.prompts or None)
-            logits_RV = self._forward(plan, state, active)
-        self.stats.forwards += 1
-        self.stats.forward_tokens += len(plan.input_ids)
+        logits_RV = self._logits(plan, cache, active)
         for source, targets, length in plan.forks:
             cache.copy_prefix(source, targets, length)
         if plan.pick != list(range(len(plan.keep))):
-            logits_RV = logits_RV.index_select(0, torch.tensor(plan.pick, device=logits_RV.device))
+            logits_RV = logits_RV.index_select(0, to_device(plan.pick, torch.long, logits_RV.device))
+        if self._overlapping and active is None and may_defer(plan, scheduler):
+            self._ahead = (scheduler, Ahead.of(plan, self._choose(plan, logits_RV)))
+            return
         scheduler.advance(plan, *self._draw(plan, logits_RV))
+
+    def _launch(self, scheduler: Scheduler, ahead: Ahead, cache: KVCache) -> tuple[Scheduler, Ahead] | None:
+        """Queue the forward and draws of the step after ``ahead`` (``overlap.follow``), or None."""
+        followed = follow(ahead, self.device)
+        if followed is None:
+            return None
+        plan, ids = followed
+        logits_RV = self._logits(plan, cache, None, ids)
+        self.stats.overlapped_steps += 1
+        return scheduler, Ahead.of(plan, self._choose(plan, logits_RV))
+
+    def _logits(self, plan: StepPlan, cache: KVCache, active: str | None,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's kept logits: a graph replay where one takes the plan, else an eager forward."""
+        logits_RV = None
+        if self.graphs is not None and active is None and self.graphs.takes(plan):
+            logits_RV = self.graphs.run(self.model, cache, plan, _current_adapter(self.model), ids)
+            self.stats.graph_replays += logits_RV is not None
+        if logits_RV is None:
+            state = StepState.build(cache, plan.segments, self.device, self.backend, plan.prompts or None)
+            logits_RV = self._forward(plan, state, active, ids)
+        self.stats.forwards += 1
+        self.stats.forward_tokens += len(plan.input_ids)
+        return logits_RV
 
     def _idle(self) -> None:
         """One forward of one token at position 0 of slot 0 (free: nothing runs), its logits
@@ -232,16 +283,18 @@ class Engine:
         self.stats.forwards += 1
         self.stats.idle_forwards += 1
 
-    def _forward(self, plan: StepPlan, state: StepState, active: str | None) -> torch.Tensor:
+    def _forward(self, plan: StepPlan, state: StepState, active: str | None,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of the row's kept tokens [K, V].
 
         With ``active`` (some request names an adapter) the tokens go in as a batch of one-token
         rows, each with its adapter: peft's ``adapter_names`` splits a batch by its first
         dimension (the trainer's fused LoRA layers hand such calls to peft's forward), and
         ``logits_to_keep`` cannot pick rows across the batch, so every token's logits are computed.
+        ``ids``: the row's token ids on the device, in place of ``plan.input_ids``.
         """
-        input_ids = torch.tensor(plan.input_ids, dtype=torch.long).to(self.device)
-        keep = torch.tensor(plan.keep, dtype=torch.long).to(self.device)
+        input_ids = ids if ids is not None else to_device(plan.input_ids, torch.long, self.device)
+        keep = to_device(plan.keep, torch.long, self.device)
         if active is None:
             out = self._call(input_ids=input_ids.unsqueeze(0), position_ids=state.position_T.unsqueeze(0),
                              use_cache=False, logits_to_keep=keep, sampler_state=state)
@@ -252,13 +305,17 @@ class Engine:
                          use_cache=False, sampler_state=state, adapter_names=names)
         return out.logits[:, -1].index_select(0, keep)
 
-    def _draw(self, plan: StepPlan, logits_RV: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The step's tokens and (where asked) their logprobs, read back to the host together."""
+    def _choose(self, plan: StepPlan, logits_RV: torch.Tensor) -> torch.Tensor:
+        """The step's tokens on the device [R] (each row's draw; ``agree``'s when given)."""
         params = [seq.params for seq in plan.sampled]
         rows = RowParams.of(params, logits_RV.shape[-1], logits_RV.device)
         tokens_R = choose(logits_RV, rows, [seq.generator for seq in plan.sampled])
-        if self.agree is not None:
-            tokens_R = self.agree(tokens_R)
+        return self.agree(tokens_R) if self.agree is not None else tokens_R
+
+    def _draw(self, plan: StepPlan, logits_RV: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The step's tokens and (where asked) their logprobs, read back to the host together."""
+        params = [seq.params for seq in plan.sampled]
+        tokens_R = self._choose(plan, logits_RV)
         wanted = [p.logprobs for p in params]
         if not any(wanted):
             return tokens_R.tolist(), [None] * len(params)
@@ -270,102 +327,6 @@ class Engine:
             for p, t, c, v, i in zip(params, tokens, chosen, vals, ids)
         ]
         return tokens, logprobs
-
-
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-"""Decode batch sizes a graph is captured for (then multiples of 64): a step pads to the next one."""
-
-
-class DecodeGraphs:
-    """CUDA graphs of the decode-only forward, one per batch-size bucket, captured on first use.
-
-    A graph's inputs are static tensors (token ids, slots, positions, lengths of ``bucket``
-    sequences; with ``shared`` prompts also their prompt slots, prompt lengths and positions in
-    their own slots); a step copies its values in with one host-to-device copy and replays. Padding
-    rows decode at position 0 of the scratch slot ``slots`` (the cache's last), whose contents
-    nobody reads (with no prompt: prompt length 0). The decode kernel's split count is sized for
-    the cache's ``max_len`` so the captured launch fits every step. All graphs share one memory
-    pool; a reallocated cache drops them (``reset``). A model whose forward cannot be captured (it copies from the host
-    mid-forward, as GPT-OSS's fp32 MoE path does) runs eagerly from then on; ``disabled`` says why.
-    """
-
-    def __init__(self, slots: int, shared: bool = False) -> None:
-        self.slots, self.shared = slots, shared
-        larger = range(GRAPH_BUCKETS[-1] + 64, slots, 64)
-        self.buckets = sorted({b for b in (*GRAPH_BUCKETS, *larger) if b < slots} | {slots})
-        self._graphs: dict[tuple[int, str | None], tuple[Any, torch.Tensor, torch.Tensor, StepState]] = {}
-        self._pool: Any = None
-        self.disabled: str | None = None
-
-    def reset(self) -> None:
-        self._graphs.clear()
-
-    def takes(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` is a decode-only step (one token per sequence, logits for each, no fork;
-        shared prompts: no prompt token either, i.e. no one-token prompt's prefill)."""
-        in_prompt = any(p < length for (_, p, _), (_, length) in zip(plan.segments, plan.prompts))
-        return (self.disabled is None and not plan.forks and all(count == 1 for _, _, count in plan.segments)
-                and plan.keep == list(range(len(plan.segments))) and not in_prompt)
-
-    def run(self, model: torch.nn.Module, cache: KVCache, plan: StepPlan,
-            adapter: str | None = None) -> torch.Tensor | None:
-        """The step's logits [B, V] from the graph of the bucket and the model's active ``adapter``
-        (captured first if new: a graph replays the adapter it was captured with); None when the
-        capture failed (the step is then the caller's to run eagerly)."""
-        count = len(plan.segments)
-        bucket = next(b for b in self.buckets if b >= count)
-        pad = bucket - count
-        slots = [s for s, _, _ in plan.segments] + [self.slots] * pad
-        positions = [p for _, p, _ in plan.segments] + [0] * pad
-        lengths = [p + 1 for p in positions]
-        rows = [list(plan.input_ids) + [0] * pad, slots, positions, lengths]
-        if self.shared:
-            prompts = plan.prompts + [(0, 0)] * pad
-            rows += [[s for s, _ in prompts], [n for _, n in prompts], [p - n for p, (_, n) in zip(positions, prompts)]]
-        host = torch.tensor(rows, dtype=torch.long)
-        entry = self._graphs.get((bucket, adapter))
-        if entry is None:
-            try:
-                entry = self._capture(model, cache, (bucket, adapter), host)
-            except RuntimeError as error:
-                self.disabled = f"the decode forward cannot be captured in a CUDA graph: {error}"
-                return None
-        graph, inputs_IB, logits_BV, _ = entry
-        inputs_IB.copy_(host)
-        graph.replay()
-        return logits_BV[:count]
-
-    def _capture(self, model: torch.nn.Module, cache: KVCache, key: tuple[int, str | None], host: torch.Tensor) -> tuple:
-        """Warm the forward up on a side stream, then capture it on ``host``'s values (ids, slots,
-        positions, lengths of ``bucket`` rows; shared: prompt slots, prompt lengths, own positions)
-        copied to static device tensors."""
-        bucket = key[0]
-        device = cache.keys_SHLD[0].device
-        inputs_IB = host.to(device)
-        ids_B, slots_B, positions_B, lengths_B, *shared_3B = inputs_IB.unbind(0)
-        prompt_slots_B, prompt_lens_B, own_B = shared_3B or (None, None, None)
-        group = Group(torch.arange(bucket, device=device), slots_B, positions_B.view(bucket, 1),
-                      (bucket, 1), cache.max_len, lengths_B, prompt_slots_B, prompt_lens_B)
-        own = Writes(None, slots_B, own_B) if self.shared else None
-        state = StepState(cache, slots_B, positions_B, (group,), "triton", own)
-
-        def forward() -> torch.Tensor:
-            return model(input_ids=ids_B.unsqueeze(0), position_ids=positions_B.unsqueeze(0),
-                         use_cache=False, logits_to_keep=0, sampler_state=state).logits[0]
-
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            forward()  # warm-up: Triton compiles, cuBLAS picks; writes the same keys the replay will
-        torch.cuda.current_stream(device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits_BV = forward()
-        # The state is kept with the graph: the replay reads its tensors (rows) at their addresses.
-        self._graphs[key] = (graph, inputs_IB, logits_BV, state)
-        return self._graphs[key]
 
 
 def _mixed_adapters(model: torch.nn.Module, adapters: list[str | None]) -> str | None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.generate.transfer import to_device
+
 
 @dataclass(frozen=True)
 class Prefill:
@@ -45,7 +47,7 @@ def plan_prefill(segments: list[tuple[int, int, int]], has_singles: bool, device
         offsets.append(offsets[-1] + count)
     group0 = 1 if has_singles else 0
     groups = range(group0, group0 + sum(count > 1 for count in tail))
-    return Prefill(start, offsets[-1], torch.tensor(offsets, dtype=torch.int32).to(device), max(tail),
+    return Prefill(start, offsets[-1], to_device(offsets, torch.int32, device), max(tail),
                    frozenset(groups))
 
 

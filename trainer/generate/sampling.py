@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.generate.params import SamplingParams
+from trainer.generate.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,10 @@ class RowParams:
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> RowParams:
         greedy = [p.greedy for p in params]
-        values = torch.tensor(
+        values = to_device(
             [[1.0 if g else p.temperature, float(p.top_k or vocab), p.top_p] for p, g in zip(params, greedy)],
-            dtype=torch.float32,
-        ).to(device)
+            torch.float32, device,
+        )
         filtered = any(not g and (p.top_k or p.top_p < 1) for p, g in zip(params, greedy))
         return cls(values[:, 0:1], values[:, 1:2].long(), values[:, 2:3], greedy, filtered)
 
@@ -77,7 +78,7 @@ def choose(logits_RV: torch.Tensor, rows: RowParams, generators: list[torch.Gene
         noise_RV[i].exponential_(generator=generators[i])
     noise_RV.clamp_min_(torch.finfo(noise_RV.dtype).tiny)  # a zero draw would divide 0 by 0
     drawn_R = (probs_RV / noise_RV).argmax(dim=-1)
-    index_R = torch.tensor(sampled, device=logits_RV.device)
+    index_R = to_device(sampled, torch.long, logits_RV.device)
     return tokens_R.index_copy(0, index_R, drawn_R.index_select(0, index_R))
 
 

@@ -201,8 +201,12 @@ class Scheduler:
         self.prompt_users[prompt_slot] = self.prompt_users.get(prompt_slot, 0) + 1
 
     def advance(self, plan: StepPlan, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
-        """Give each sampled sequence its token; finish (and free the slot of) those that end."""
+        """Give each sampled sequence its token; finish (and free the slot of) those that end. A
+        sequence that finished after ``plan`` was made (cancelled, or stopped in the step before
+        when the engine runs a step ahead: ``trainer.generate.overlap``) takes nothing."""
         for seq, token, logprob in zip(plan.sampled, tokens, logprobs):
+            if seq.finish_reason is not None:
+                continue
             seq.tokens.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)

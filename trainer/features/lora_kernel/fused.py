@@ -19,6 +19,10 @@ A base layer that is not a plain ``nn.Linear`` (a bitsandbytes 4-bit layer under
 its own forward and backward; only the update is fused, as one out-of-place ``addmm`` onto the
 base output.
 
+Served (``AdapterCache.keep``, no autograd: ``trainer.generate.kernels``): the same matmuls through
+``siblings.serve_forward`` (q/k/v and gate/up share one ``x @ A^T``), the update written first and
+the base matmul accumulated onto it (``siblings.base_plus_update``'s ``update_first``).
+
 ``install`` patches each peft LoRA layer's ``forward`` on the instance. The patched forward
 falls back to peft's own whenever the layer is not in the plain state this covers: adapters
 disabled or merged, several active adapters, per-call ``adapter_names``, a LoRA variant
@@ -281,9 +285,8 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     if _plain_linear(base):
         dtype = _compute_dtype(x, base.weight.dtype)
         a, sb = layer._ftq_adapter_cache.get(layer, lora_a, lora_b, scaling, dtype)
-        group = vars(layer).get("_ftq_siblings")
-        if group is not None and layer._ftq_adapter_cache.kept and not torch.is_grad_enabled():
-            out = serve_forward(layer, group, x, name, dtype, sb)
+        if layer._ftq_adapter_cache.kept and not torch.is_grad_enabled():
+            out = serve_forward(layer, vars(layer).get("_ftq_siblings"), x, name, dtype, a, sb)
             if out is not None:
                 return out
         return _FusedLoraLinear.apply(x, base.weight, base.bias, lora_a, lora_b, scaling, dtype, a, sb)

@@ -100,29 +100,49 @@ def ungroup(layers: list[nn.Module]) -> None:
         layer.__dict__.pop("_ftq_siblings", None)
 
 
+SERVE_UPDATE_FIRST = True
+"""Served layers (``serve_forward``) write the update first and accumulate the base matmul onto it
+(``base_plus_update``'s ``update_first``); ``python -m bench.sampler --update-last`` measures the
+other order."""
+
+
 def base_plus_update(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                     xa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-    """``x2 @ W^T (+ b) + xa @ sB^T`` in ``dtype`` ([tokens, out]): the update added in place into
-    the base matmul's output (one ``addmm_``); the fused LoRA layer's forward and ``serve_forward``."""
+                     xa: torch.Tensor, sb: torch.Tensor, update_first: bool = False) -> torch.Tensor:
+    """``x2 @ W^T (+ b) + xa @ sB^T`` in ``dtype`` ([tokens, out]); the fused LoRA layer's forward
+    and ``serve_forward``.
+
+    Default (training): the update is added in place into the base matmul's output (one
+    ``addmm_``, which reads and writes the whole output once more). ``update_first``: the update
+    (and bias) is written first and the base matmul accumulates onto it (``beta=1``: its epilogue
+    reads the output instead of a separate kernel reading and writing it), one output pass fewer.
+    Both round once more than the exact sum, at another point: bf16 outputs differ by an ulp."""
     w = weight.to(dtype)
+    if update_first:
+        out = xa @ sb.t() if bias is None else torch.addmm(bias.to(dtype), xa, sb.t())
+        return out.addmm_(x2, w.t())
     out = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
     return out.addmm_(xa, sb.t())
 
 
-def serve_forward(layer: nn.Module, group: SiblingGroup, x: torch.Tensor, name: str, dtype: torch.dtype,
-                  sb: torch.Tensor) -> torch.Tensor | None:
-    """``layer``'s output with its ``x @ A^T`` from ``group`` (no autograd); None when a sibling
+def serve_forward(layer: nn.Module, group: SiblingGroup | None, x: torch.Tensor, name: str, dtype: torch.dtype,
+                  a: torch.Tensor, sb: torch.Tensor) -> torch.Tensor | None:
+    """``layer``'s output without autograd (a served model): its ``x @ A^T`` from ``group`` when it
+    has one, else its own; the update written first (``SERVE_UPDATE_FIRST``). None when a sibling
     lacks adapter ``name`` (the caller's own path then runs)."""
-    cache = layer._ftq_adapter_cache
-    adapters = []
-    for member in group.layers:
-        if name not in member.lora_A or "_ftq_adapter_cache" not in vars(member):
-            return None
-        a, _ = cache.get(member, member.lora_A[name].weight, member.lora_B[name].weight,
-                         float(member.scaling[name]), dtype)
-        adapters.append(a)
-    base = layer.get_base_layer()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).to(dtype)
-    out = base_plus_update(x2, base.weight, base.bias, dtype, group.down(layer, x, x2, adapters), sb)
+    if group is None:
+        xa = x2 @ a.t()
+    else:
+        cache = layer._ftq_adapter_cache
+        adapters = []
+        for member in group.layers:
+            if name not in member.lora_A or "_ftq_adapter_cache" not in vars(member):
+                return None
+            member_a, _ = cache.get(member, member.lora_A[name].weight, member.lora_B[name].weight,
+                                    float(member.scaling[name]), dtype)
+            adapters.append(member_a)
+        xa = group.down(layer, x, x2, adapters)
+    base = layer.get_base_layer()
+    out = base_plus_update(x2, base.weight, base.bias, dtype, xa, sb, update_first=SERVE_UPDATE_FIRST)
     return out.view(*shape[:-1], out.shape[-1])

@@ -80,8 +80,8 @@ def test_requests_that_all_name_the_active_adapter_run_the_plain_path(monkeypatc
     installed = lora_fused.install(model)
     paths: list[str | None] = []
     forward = Engine._forward
-    monkeypatch.setattr(Engine, "_forward", lambda self, plan, state, active: paths.append(active) or forward(
-        self, plan, state, active))
+    monkeypatch.setattr(Engine, "_forward", lambda self, plan, state, active, ids=None: paths.append(active) or forward(
+        self, plan, state, active, ids))
     try:
         engine = Engine(model, tokenizer, slots=3, max_len=48)
         runs = {}

@@ -11,7 +11,7 @@ included) and must give the torch backend's tokens. fp32: the tokens must be equ
 the logprobs within ``LOGPROB_ATOL`` (the same fp32 values summed in another order). With shared
 prompts (``trainer.generate.cache.SharedPrompts``; two sampled, seeded choices of four prompts) the kernel's
 tokens and logprobs are bitwise those of the unshared layout (it runs the same key blocks). CUDA graphs
-(``engine.DecodeGraphs``) need a GPU to run (tests/gpu/test_sampler_gpu.py); here only their
+(``trainer.generate.graphs.DecodeGraphs``) need a GPU to run (tests/gpu/test_sampler_gpu.py); here only their
 buckets, the steps they take and the refusal without the triton backend.
 """
 
@@ -26,7 +26,8 @@ from tests.fixtures.interpreter import interpreter_results as run_in_interpreter
 import torch
 
 from trainer.generate.attention import choose_backend
-from trainer.generate.engine import BACKEND_ENV, DecodeGraphs, Engine
+from trainer.generate.engine import BACKEND_ENV, Engine
+from trainer.generate.graphs import DecodeGraphs
 from trainer.generate.scheduler import StepPlan
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -21,7 +21,8 @@ import torch
 
 from trainer.features.lora_kernel import fused as lora_fused
 from trainer.generate.cache import KVCache, SharedPrompts
-from trainer.generate.engine import DecodeGraphs, Engine
+from trainer.generate.engine import Engine
+from trainer.generate.graphs import DecodeGraphs
 from trainer.generate.params import Request, SamplingParams
 from trainer.generate.scheduler import Scheduler, StepPlan
 from trainer.generate.stopping import Stopper

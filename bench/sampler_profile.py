@@ -87,16 +87,19 @@ def timed_steps(engine: Any, ids: torch.Tensor, new: int) -> dict[str, Any]:
     }
 
 
-def profile_decode(engine: Any, ids: torch.Tensor, steps: int) -> dict[str, Any]:
-    """``steps`` eager decode steps of ``ids``' batch under torch.profiler: GPU µs per step by family."""
+def profile_decode(engine: Any, ids: torch.Tensor, steps: int, prefill: bool = False) -> dict[str, Any]:
+    """``steps`` eager decode steps of ``ids``' batch under torch.profiler: GPU µs per step by family.
+    ``prefill``: the second step instead (prompts admitted beside the first step's sequences decoding)."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs, engine.graphs = engine.graphs, None
     inner, seen = engine._step, {"n": 0}
     holder: dict[str, Any] = {}
+    steps = 1 if prefill else steps
 
     def step(scheduler: Any, cache: Any) -> None:
-        if not scheduler.queue and "prof" not in holder and seen["n"] >= 1:
+        wanted = bool(scheduler.queue) if prefill else not scheduler.queue
+        if wanted and "prof" not in holder and seen["n"] >= 1:
             cuda = [ProfilerActivity.CUDA] if engine.device.type == "cuda" else []
             holder["prof"] = profile(activities=[ProfilerActivity.CPU, *cuda])
             holder["prof"].__enter__()
@@ -236,6 +239,16 @@ def host_profile(engine: Any, ids: torch.Tensor, new: int, sampled: bool) -> dic
     return {"seconds": seconds, "sampled": sampled, "replay_ms_largest_bucket": replay_ms, "stats": text.getvalue()}
 
 
+def _print_kernels(title: str, prof: dict[str, Any]) -> None:
+    if not prof:
+        return
+    print(f"  {title}: {prof['total_us_per_step']:.0f} us GPU, {prof['kernels_per_step']:.0f} kernels")
+    for name, us in prof["us_per_step"].items():
+        print(f"    {name:40s} {us:9.0f} us")
+    for us, count, key in prof["top"]:
+        print(f"      {us:8.0f} us {count:6.0f}x  {key}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b", choices=list(SHAPES))
@@ -249,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-ops", action="store_true",
                         help="only the fused LoRA layers (not the trainer's RMSNorm/SwiGLU/RoPE kernels)")
     parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="also one eager step that admits prompts (the second of a call) under torch.profiler")
     parser.add_argument("--host-profile", action="store_true", help="cProfile one generate; time the largest graph's replay")
     parser.add_argument("--sampled", action="store_true", help="the host profile's requests sample (temperature 1, a seed)")
     parser.add_argument("--graph-profile", type=int, nargs="*", metavar="STEP",
@@ -268,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"shape": shape.name, "fused_ops": not args.no_fused_ops, "cuda_graphs": args.cuda_graphs, "rows": []}
     for batch in args.batches:
         engine = Engine(model, None, slots=batch, max_len=args.prompt_tokens + args.new_tokens + 1,
-                        max_batch_tokens=args.max_batch_tokens, cuda_graphs=args.cuda_graphs)
+                        max_batch_tokens=args.max_batch_tokens, cuda_graphs=args.cuda_graphs,
+                        overlap=False)  # steps are timed one by one (synced): none runs ahead
         ids = prompts(batch, args.prompt_tokens, shape.vocab)
         ftq_generate(engine, ids, min(args.new_tokens, 16) if args.cuda_graphs else 2)
         if args.cuda_graphs:
@@ -276,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         row = {"batch": batch, **timed_steps(engine, ids, args.new_tokens)}
         row["tokens_per_s_synced"] = batch * args.new_tokens / row["seconds"]
         row["profile"] = profile_decode(engine, ids, args.profile_steps) if args.profile_steps else {}
+        if args.profile_prefill:
+            row["prefill_profile"] = profile_decode(engine, ids, 1, prefill=True)
+            _print_kernels("eager prefill step (prompts + decoding rows)", row["prefill_profile"])
         if args.graph_profile is not None and args.cuda_graphs:
             row["graphs"] = graph_profile(engine, ids, args.new_tokens, args.graph_profile or [8, 128, 240])
             for item in row["graphs"]:
@@ -292,13 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['host']['replay_ms_largest_bucket']} ms\n{row['host']['stats']}", flush=True)
         out["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "host", "graphs")}), flush=True)
-        prof = row["profile"]
-        if prof:
-            print(f"  eager decode step: {prof['total_us_per_step']:.0f} us GPU, {prof['kernels_per_step']:.0f} kernels")
-            for name, us in prof["us_per_step"].items():
-                print(f"    {name:40s} {us:9.0f} us")
-            for us, count, key in prof["top"]:
-                print(f"      {us:8.0f} us {count:6.0f}x  {key}")
+        _print_kernels("eager decode step", row["profile"])
         engine.release()
         del engine
         if device.type == "cuda":

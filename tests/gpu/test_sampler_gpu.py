@@ -41,6 +41,8 @@ scored by the teacher-forced forward as above. What a served model runs (``train
 under CUDA graphs while the active adapter switches: each adapter's graphs, bitwise the eager engine.
 Steps run ahead (``overlap``: a graphed decode step queued with the previous step's tokens still on
 the device): the tokens of the same engine stepping one at a time (bf16 bitwise; fp32 with a stop id).
+Served groups with one base matmul (q/k/v, gate/up; Llama, Qwen3, GPT-OSS): fp32 tokens of the
+layers computed one by one.
 """
 
 from __future__ import annotations
@@ -354,3 +356,32 @@ def test_graphed_steps_run_ahead_give_the_tokens_of_steps_run_one_at_a_time(dtyp
     assert runs[1] == runs[0]
     if stop:
         assert runs[0][0] == (first[:cut], "stop")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
+def test_served_groups_with_one_base_matmul_give_the_per_layer_tokens(arch: str) -> None:
+    """``trainer.generate.kernels`` puts q/k/v's and gate/up's base weights into one matrix per
+    group (one base matmul, one block-diagonal update; Qwen3's head norms and SwiGLU read the
+    group's output in place, GPT-OSS's biases are concatenated). fp32 on CUDA with graphs: the
+    greedy tokens of the fused LoRA layers computed one by one, logprobs within ``FP32_ATOL``."""
+    from trainer.features.lora_kernel import siblings
+    from trainer.generate import kernels
+
+    model, tokenizer = _model(arch, True, torch.float32)
+    prompts = [tuple(tokenizer(text)["input_ids"]) for text in TEXTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
+    runs = []
+    for fused in (False, True):
+        installed = kernels.install(model)
+        try:
+            if not fused:
+                siblings.ungroup(lora_fused.lora_linear_layers(model))
+            else:
+                assert "0 with their base weights" not in installed.describe()
+            engine = Engine(model, tokenizer, slots=SLOTS, max_len=MAX_LEN, cuda_graphs=True)
+            runs.append([r.completions[0] for r in engine.generate([Request(p, params) for p in prompts])])
+        finally:
+            installed.uninstall()
+    for want, got in zip(*runs):
+        assert got.token_ids == want.token_ids
+        assert [t.logprob for t in got.logprobs] == pytest.approx([t.logprob for t in want.logprobs], abs=FP32_ATOL)

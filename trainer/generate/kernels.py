@@ -4,8 +4,10 @@ benchmarks install before the sampler runs it.
 - ``trainer.features.lora_kernel.fused``: the LoRA layers computed in the compute dtype with the
   update fused into the base matmul (when the model carries peft adapters), their compute-dtype
   copies of the adapters kept (``AdapterCache.keep``: nothing trains a served model), and the
-  layers that read one input (q/k/v, gate/up) taking their ``x @ A^T`` in one matmul
-  (``trainer.features.lora_kernel.siblings``);
+  layers that read one input (q/k/v, gate/up) computed as one: their ``x @ A^T`` in one matmul, their
+  base weights put into one matrix (each layer's weight a view of its rows) for one base matmul
+  and one block-diagonal update (``trainer.features.lora_kernel.siblings``; ``uninstall`` gives
+  each weight its own storage again);
 - ``trainer.features.fused_ops``: RMSNorm, the Llama-form SwiGLU and RoPE as one Triton kernel each
   (on CUDA; on the CPU their torch form, the eager code op for op, so the CPU path's bits are
   unchanged). A decode step of a Llama-3.1-8B shape runs ~65 RMSNorms and 32 RoPEs: eager, each
@@ -48,8 +50,10 @@ class _Ungroup:
         siblings.ungroup(self.layers)
 
     def describe(self) -> str:
-        groups = {id(vars(layer).get("_ftq_siblings")) for layer in self.layers if "_ftq_siblings" in vars(layer)}
-        return f"{len(groups)} groups of LoRA layers sharing one input take x @ A^T in one matmul"
+        groups = {id(group): group for layer in self.layers if (group := vars(layer).get("_ftq_siblings"))}
+        fused = sum(group.weight is not None for group in groups.values())
+        return (f"{len(groups)} groups of LoRA layers sharing one input take x @ A^T in one matmul "
+                f"({fused} with their base weights as one matrix: one base matmul and one update for the group)")
 
 
 def install(model: torch.nn.Module) -> ServingKernels:
@@ -66,7 +70,7 @@ def install(model: torch.nn.Module) -> ServingKernels:
         lora = lora_fused.install(model)
         lora.cache.keep()  # serving: each adapter cast to the compute dtype once, not every step
         kernels.installed.append(lora)
-        siblings.group_siblings(model, lora.layers)  # one x @ A^T for q/k/v and for gate/up
+        siblings.group_siblings(model, lora.layers, fuse=True)  # q/k/v and gate/up: one matmul each
         kernels.installed.append(_Ungroup(list(lora.layers)))
     kernels.installed.append(fused_ops.install(model))
     return kernels

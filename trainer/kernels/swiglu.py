@@ -13,7 +13,8 @@ backward ``ds = dy * u`` rounded, ``du = dy * s`` rounded,
 ``silu(g)`` is computed as ``g / (1 + exp(-g))``, torch's own formula.
 
 Shapes: ``gate`` and ``up`` of one shape ``[..., I]`` and one dtype; the kernel treats them as
-flat arrays of ``numel`` elements.
+flat arrays of ``numel`` elements, or (forward, when either is a column block of a wider matrix)
+as rows of ``I`` some stride apart, read in place; the output is contiguous.
 """
 
 from __future__ import annotations
@@ -75,11 +76,15 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    def _fwd_kernel(G, U, Y, n, cols, stride_g, stride_u, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
-        g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+        g_offs, u_offs = offs, offs
+        if ROWS:  # rows ``stride_*`` apart (columns of a wider matrix): Y stays contiguous
+            row, col = offs // cols, offs % cols
+            g_offs, u_offs = row * stride_g + col, row * stride_u + col
+        g = tl.load(G + g_offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(U + u_offs, mask=ok, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=ok)
 
@@ -103,24 +108,40 @@ if triton is not None:
 # --------------------------------------------------------------------------------------------
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` ``[..., I]`` as a ``[rows, I]`` view with contiguous columns (a served model's gate and up
+    are column blocks of one matmul's output, ``trainer.features.lora_kernel.siblings``), else None."""
+    if t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     """Autograd over the kernels: saves ``gate`` and ``up``, recomputes ``silu`` in backward."""
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate_c, up_c = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate_c)
-        n = gate_c.numel()
-        if n:
-            _fwd_kernel[(triton.cdiv(n, _BLOCK),)](
-                gate_c, up_c, y, n, BLOCK=_BLOCK, num_warps=_NUM_WARPS
-            )
-        ctx.save_for_backward(gate_c, up_c)
+        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        n = gate.numel()
+        ctx.save_for_backward(gate, up)
+        if not n:
+            return y
+        cols = gate.shape[-1]
+        g2, u2 = _rows(gate), _rows(up)
+        if g2 is None or u2 is None:
+            g2, u2 = gate.contiguous().view(-1, cols), up.contiguous().view(-1, cols)
+        _fwd_kernel[(triton.cdiv(n, _BLOCK),)](
+            g2, u2, y, n, cols, g2.stride(0), u2.stride(0), BLOCK=_BLOCK,
+            ROWS=not (g2.is_contiguous() and u2.is_contiguous()), num_warps=_NUM_WARPS,
+        )
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        gate, up = ctx.saved_tensors
+        gate, up = (t.contiguous() for t in ctx.saved_tensors)
         dy = dy.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from trainer.features.lora_kernel.siblings import base_plus_update, serve_forward
+from trainer.features.lora_kernel.siblings import plain_linear as _plain_linear
 
 KERNEL_NAME = "ftq_fused_lora"
 
@@ -259,18 +260,6 @@ def _plain_adapter(layer: nn.Module, kwargs: dict[str, Any]) -> str | None:
     ):
         return None
     return name
-
-
-def _plain_linear(base: nn.Module) -> bool:
-    """``base`` is an ``nn.Linear`` whose forward is exactly ``F.linear`` (no hooks, no override), so
-    its weight can be used directly; anything else (a 4-bit layer, a hooked or offloaded one) is
-    called as it is and only the update is fused."""
-    return (
-        type(base) is nn.Linear
-        and not base._forward_hooks
-        and not base._forward_pre_hooks
-        and "forward" not in vars(base)
-    )
 
 
 def fused_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -42,6 +42,10 @@ class SiblingGroup:
         self._parts: list[torch.Tensor] = []
         self._taken: set[int] = set()
         self._stacked: dict[tuple[Any, ...], tuple[torch.Tensor, list[int], tuple[int, ...]]] = {}
+        self.weight: torch.Tensor | None = None
+        """The base weights as one ``[sum out, in]`` matrix (``fuse_weights``), or None."""
+        self.bias: torch.Tensor | None = None
+        self.widths: list[int] = []
 
     def down(self, layer: nn.Module, x: torch.Tensor, x2: torch.Tensor, adapters: list[torch.Tensor]) -> torch.Tensor:
         """``x2 @ A^T`` of ``layer`` ([tokens, r]), from the group's stacked matmul over ``x``.
@@ -51,16 +55,93 @@ class SiblingGroup:
             x2: ``x`` as the ``[tokens, in]`` matrix in the compute dtype.
             adapters: every sibling's ``A`` in the compute dtype, in ``self.layers`` order.
         """
+        def compute() -> list[torch.Tensor]:
+            stacked, ranks = self._stack(adapters)
+            return list((x2 @ stacked.t()).split(ranks, dim=1))
+
+        return self._share(layer, x, compute)
+
+    def fused(self, layer: nn.Module, x: torch.Tensor, dtype: torch.dtype,
+              adapters: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``layer``'s whole output from the group's one matmul over ``x`` (``fuse_weights``): the
+        stacked ``x @ A^T``, one block-diagonal ``sB`` expand for every sibling's update and one
+        base matmul over the concatenated weights (``base_plus_update``); ``layer``'s columns of
+        it (a view: its rows are the group's output width apart). ``adapters``: each sibling's
+        ``(A, sB)`` in the compute dtype, in ``self.layers`` order."""
+        shape = x.shape
+
+        def compute() -> list[torch.Tensor]:
+            x2 = x.reshape(-1, shape[-1]).to(dtype)
+            stacked, _ = self._stack([a for a, _ in adapters])
+            expand = self._block_diagonal([sb for _, sb in adapters])
+            out = base_plus_update(x2, self.weight, self.bias, dtype, x2 @ stacked.t(), expand,
+                                   update_first=SERVE_UPDATE_FIRST)
+            return [part.view(*shape[:-1], part.shape[-1]) for part in out.split(self.widths, dim=1)]
+
+        return self._share(layer, x, compute)
+
+    def _share(self, layer: nn.Module, x: torch.Tensor, compute: Any) -> torch.Tensor:
+        """``layer``'s part of ``compute()``, computed by the first sibling called with ``x`` and
+        handed to the others called with the same tensor (see the module docstring)."""
         i = self.index[id(layer)]
         if self._input is not x or i in self._taken:
-            stacked, ranks = self._stack(adapters)
-            self._parts = list((x2 @ stacked.t()).split(ranks, dim=1))
+            self._parts = compute()
             self._input, self._taken = x, set()
         self._taken.add(i)
         part = self._parts[i]
         if len(self._taken) == len(self.layers):
             self._input, self._parts = None, []
         return part
+
+    def fuse_weights(self) -> bool:
+        """Put the siblings' base weights (and biases) into one matrix, each base layer's weight a
+        view of its rows: a served model's group then runs one base matmul (``fused``). Only for
+        plain ``nn.Linear`` bases of one dtype and device; False (nothing changed) otherwise.
+        ``unfuse_weights`` gives each its own storage again."""
+        bases = [layer.get_base_layer() for layer in self.layers]
+        weights = [base.weight for base in bases]
+        if not all(plain_linear(base) for base in bases) or len({(w.dtype, w.device) for w in weights}) != 1:
+            return False
+        self.weight = torch.cat([w.detach() for w in weights])
+        self.widths = [w.shape[0] for w in weights]
+        if any(base.bias is not None for base in bases):
+            self.bias = torch.cat([base.bias.detach() if base.bias is not None else weights[0].new_zeros(w.shape[0])
+                                   for base, w in zip(bases, weights)])
+        for base, part in zip(bases, self.weight.split(self.widths)):
+            base.weight.data = part
+        if self.bias is not None:
+            for base, part in zip(bases, self.bias.split(self.widths)):
+                if base.bias is not None:
+                    base.bias.data = part
+        return True
+
+    def unfuse_weights(self) -> None:
+        if self.weight is None:
+            return
+        for layer in self.layers:
+            base = layer.get_base_layer()
+            base.weight.data = base.weight.data.clone()
+            if base.bias is not None and self.bias is not None:
+                base.bias.data = base.bias.data.clone()
+        self.weight = self.bias = None
+
+    def _block_diagonal(self, expands: list[torch.Tensor]) -> torch.Tensor:
+        """The siblings' ``sB`` ([out_i, r_i]) as one block-diagonal ``[sum out, sum r]``, kept per
+        adapter and refreshed in place (as ``_stack``)."""
+        key = ("sB",) + tuple((b.data_ptr(), b.dtype) for b in expands)
+        versions = tuple(b._version for b in expands)
+        entry = self._stacked.get(key)
+        if entry is not None and entry[2] == versions:
+            return entry[0]
+        matrix = entry[0] if entry is not None else torch.zeros(
+            sum(b.shape[0] for b in expands), sum(b.shape[1] for b in expands), dtype=expands[0].dtype,
+            device=expands[0].device)
+        row = col = 0
+        for b in expands:
+            matrix[row:row + b.shape[0], col:col + b.shape[1]].copy_(b)
+            row, col = row + b.shape[0], col + b.shape[1]
+        self._stacked[key] = (matrix, [], versions)
+        return matrix
 
     def _stack(self, adapters: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The siblings' ``A`` stacked, kept per adapter (a CUDA graph captured over one reads it where
@@ -76,9 +157,22 @@ class SiblingGroup:
         return entry[0], entry[1]
 
 
-def group_siblings(model: nn.Module, layers: list[nn.Module]) -> int:
+def plain_linear(base: nn.Module) -> bool:
+    """``base`` is an ``nn.Linear`` whose forward is exactly ``F.linear`` (no hooks, no override), so
+    its weight can be used directly; anything else (a 4-bit layer, a hooked or offloaded one) is
+    called as it is and only the update is fused."""
+    return (
+        type(base) is nn.Linear
+        and not base._forward_hooks
+        and not base._forward_pre_hooks
+        and "forward" not in vars(base)
+    )
+
+
+def group_siblings(model: nn.Module, layers: list[nn.Module], fuse: bool = False) -> int:
     """Give the fused LoRA ``layers`` of ``model`` that read one input their ``SiblingGroup``
-    (``layer._ftq_siblings``); the number of groups made."""
+    (``layer._ftq_siblings``); the number of groups made. ``fuse``: also their base weights as
+    one matrix (``SiblingGroup.fuse_weights``: a served model, which ``ungroup`` restores)."""
     fused = {id(layer) for layer in layers}
     groups = 0
     for module in model.modules():
@@ -89,6 +183,8 @@ def group_siblings(model: nn.Module, layers: list[nn.Module]) -> int:
             if len({m.get_base_layer().in_features for m in members}) != 1:
                 continue
             group = SiblingGroup(members)
+            if fuse:
+                group.fuse_weights()
             for member in members:
                 member._ftq_siblings = group
             groups += 1
@@ -96,8 +192,11 @@ def group_siblings(model: nn.Module, layers: list[nn.Module]) -> int:
 
 
 def ungroup(layers: list[nn.Module]) -> None:
+    """Undo ``group_siblings`` (each base layer its own weight storage again)."""
     for layer in layers:
-        layer.__dict__.pop("_ftq_siblings", None)
+        group = layer.__dict__.pop("_ftq_siblings", None)
+        if group is not None:
+            group.unfuse_weights()
 
 
 SERVE_UPDATE_FIRST = True
@@ -130,19 +229,21 @@ def serve_forward(layer: nn.Module, group: SiblingGroup | None, x: torch.Tensor,
     has one, else its own; the update written first (``SERVE_UPDATE_FIRST``). None when a sibling
     lacks adapter ``name`` (the caller's own path then runs)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).to(dtype)
-    if group is None:
-        xa = x2 @ a.t()
-    else:
+    if group is not None:
         cache = layer._ftq_adapter_cache
         adapters = []
         for member in group.layers:
             if name not in member.lora_A or "_ftq_adapter_cache" not in vars(member):
                 return None
-            member_a, _ = cache.get(member, member.lora_A[name].weight, member.lora_B[name].weight,
-                                    float(member.scaling[name]), dtype)
-            adapters.append(member_a)
-        xa = group.down(layer, x, x2, adapters)
+            adapters.append(cache.get(member, member.lora_A[name].weight, member.lora_B[name].weight,
+                                      float(member.scaling[name]), dtype))
+        if group.weight is not None:
+            return group.fused(layer, x, dtype, adapters)
+    x2 = x.reshape(-1, shape[-1]).to(dtype)
+    if group is None:
+        xa = x2 @ a.t()
+    else:
+        xa = group.down(layer, x, x2, [member_a for member_a, _ in adapters])
     base = layer.get_base_layer()
     out = base_plus_update(x2, base.weight, base.bias, dtype, xa, sb, update_first=SERVE_UPDATE_FIRST)
     return out.view(*shape[:-1], out.shape[-1])

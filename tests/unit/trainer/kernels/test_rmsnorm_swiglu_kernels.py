@@ -134,12 +134,14 @@ NORM_CASES = [
     (5, 1000, "bfloat16", "float32", "llama", True),
     (9, 64, "float32", "bfloat16", "llama", True),
 ]
-# (shape, dtype)
+# (shape, dtype, gate and up as column blocks of one wider matrix: a served model's fused gate/up)
 SWIGLU_CASES = [
-    ((3, 7, 129), "float32"),
-    ((1000,), "float16"),
-    ((2, 1500), "float16"),
-    ((5, 333), "bfloat16"),
+    ((3, 7, 129), "float32", False),
+    ((1000,), "float16", False),
+    ((2, 1500), "float16", False),
+    ((5, 333), "bfloat16", False),
+    ((2, 5, 129), "bfloat16", True),
+    ((7, 300), "float32", True),
 ]
 REL_L2 = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 """Relative L2 error against float64 for the kernel's outputs in that dtype: fp32 lands near 1e-7,
@@ -292,19 +294,27 @@ def _norm_case(rows, H, x_dtype, w_dtype, variant_name, w_grad, seed) -> dict:
     }
 
 
-def _swiglu_case(shape, dtype, seed) -> dict:
+def _swiglu_case(shape, dtype, block, seed) -> dict:
     from trainer.kernels import swiglu
 
     gen = torch.Generator().manual_seed(seed)
-    g, u = (
-        (torch.randn(shape, generator=gen) * 3)
-        .to(getattr(torch, dtype))
-        .requires_grad_()
-        for _ in range(2)
-    )
+    if block:  # gate and up: columns [0, I) and [I + 3, 2I + 3) of one matrix, read in place
+        width = shape[-1]
+        wide = (torch.randn(*shape[:-1], 2 * width + 3, generator=gen) * 3).to(getattr(torch, dtype)).requires_grad_()
+        g, u = wide[..., :width], wide[..., width + 3:]
+        assert not g.is_contiguous() and not u.is_contiguous()
+    else:
+        g, u = (
+            (torch.randn(shape, generator=gen) * 3)
+            .to(getattr(torch, dtype))
+            .requires_grad_()
+            for _ in range(2)
+        )
     y = swiglu.swiglu_triton(g, u)
+    assert y.is_contiguous()
     dy = torch.randn(shape, generator=gen).to(y.dtype)
     y.backward(dy)
+    dgate, dup = (wide.grad[..., :width], wide.grad[..., width + 3:]) if block else (g.grad, u.grad)
     g64, u64 = (
         g.detach().double().requires_grad_(),
         u.detach().double().requires_grad_(),
@@ -316,11 +326,11 @@ def _swiglu_case(shape, dtype, seed) -> dict:
     eager.backward(dy)
     return {
         "y": rel_l2(y, ref),
-        "dgate": rel_l2(g.grad, g64.grad),
-        "dup": rel_l2(u.grad, u64.grad),
+        "dgate": rel_l2(dgate, g64.grad),
+        "dup": rel_l2(dup, u64.grad),
         "exact_y": (y == eager).double().mean().item(),
-        "exact_dgate": (g.grad == ge.grad).double().mean().item(),
-        "exact_dup": (u.grad == ue.grad).double().mean().item(),
+        "exact_dgate": (dgate == ge.grad).double().mean().item(),
+        "exact_dup": (dup == ue.grad).double().mean().item(),
     }
 
 

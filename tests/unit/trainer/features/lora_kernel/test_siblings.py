@@ -104,22 +104,22 @@ def test_another_input_or_a_second_call_recomputes_and_each_adapter_keeps_its_st
 
 
 def test_an_adapter_loaded_in_place_is_served_in_place(stacked_calls) -> None:
-    """A served adapter overwritten in place (``load_state_dict``): the kept copies and the stacked
-    ``A`` keep their tensors (a captured graph reads them where they are) and hold the new values:
-    the logits are a fresh install's."""
+    """A served adapter overwritten in place (``load_state_dict``): the kept copies, the stacked
+    ``A`` and the block-diagonal ``sB`` keep their tensors (a captured graph reads them where they
+    are) and hold the new values: the logits are a fresh install's."""
     model, _ = sampler_model("llama", True)
     ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(2))
     served = kernels.install(model)
     try:
         _logits(model, ids)
         group = vars(model.base_model.model.model.layers[0].self_attn.q_proj)["_ftq_siblings"]
-        (stacked, _, _), = group._stacked.values()
-        before = stacked.clone()
+        kept = {key: (entry[0], entry[0].clone()) for key, entry in group._stacked.items()}
+        assert len(kept) == 2  # the stacked A and the block-diagonal sB of the one adapter
         torch.manual_seed(5)
         model.load_state_dict({n: torch.randn_like(p) for n, p in model.named_parameters() if "lora_" in n}, strict=False)
         got = _logits(model, ids)
-        (again, _, _), = group._stacked.values()
-        assert again is stacked and not torch.equal(stacked, before)
+        for key, (tensor, before) in kept.items():
+            assert group._stacked[key][0] is tensor and not torch.equal(tensor, before)
     finally:
         served.uninstall()
     torch.testing.assert_close(got, _served_logits(model, ids), rtol=0, atol=0)  # a fresh install
@@ -138,3 +138,44 @@ def test_only_modules_whose_named_siblings_are_all_fused_are_grouped() -> None:
     finally:
         siblings.ungroup(installed.layers)
         installed.uninstall()
+
+
+def test_fused_base_weights_are_views_of_one_matrix_until_uninstalled() -> None:
+    """A served model's q/k/v and gate/up base weights are rows of one matrix per group (one base
+    matmul for the group); the weights' values do not change, and ``uninstall`` gives each its own
+    storage again."""
+    model, _ = sampler_model("llama", True)
+    attention = model.base_model.model.model.layers[0].self_attn
+    bases = [getattr(attention, name).get_base_layer() for name in ("q_proj", "k_proj", "v_proj")]
+    values = [base.weight.detach().clone() for base in bases]
+    served = kernels.install(model)
+    try:
+        group = vars(attention.q_proj)["_ftq_siblings"]
+        assert group.weight is not None and "with their base weights as one matrix" in served.describe()
+        storage = group.weight.untyped_storage().data_ptr()
+        assert all(base.weight.untyped_storage().data_ptr() == storage for base in bases)
+        assert all(torch.equal(base.weight, value) for base, value in zip(bases, values))
+    finally:
+        served.uninstall()
+    assert len({base.weight.untyped_storage().data_ptr() for base in bases}) == 3
+    assert all(torch.equal(base.weight, value) for base, value in zip(bases, values))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_fused_groups_with_biases_and_head_norms_give_the_separate_layers_logits(arch: str) -> None:
+    """GPT-OSS's q/k/v carry biases (one concatenated bias for the group) and Qwen3 normalizes
+    each head of q and k (a strided view of the group's output goes through its RMSNorm): fp32
+    logits of the fused groups equal those of the layers computed one by one."""
+    model, _ = sampler_model(arch, True)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(4))
+    alone = lora_fused.install(model)
+    alone.cache.keep()
+    want = _logits(model, ids)
+    alone.uninstall()
+    served = kernels.install(model)
+    try:
+        assert "0 with their base weights" not in served.describe()
+        got = _logits(model, ids)
+    finally:
+        served.uninstall()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -17,8 +17,8 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
   attention call per layer (before session 17) instead of one varlen batch a step.
   The speed-up is over the HF row of the same batch (when it ran). ``--variants`` times other
   settings of the same sampler right after, in the same process (``VARIANTS``: without steps run
-  ahead, ``no-overlap``; the LoRA update added after the base matmul, ``update-last``; both,
-  ``session-17``).
+  ahead, ``no-overlap``; the LoRA update added after the base matmul, ``update-last``; q/k/v and
+  gate/up each with its own base matmul, ``unfused``; all three, ``session-17``).
   ``--backend`` picks its attention (``auto``: the Triton decode kernel on CUDA; ``torch``: the
   reference path, to compare); ``--cuda-graphs`` replays captured graphs for its decode steps.
 - ``single stream``: batch 1.
@@ -178,10 +178,22 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-VARIANTS = {"ftq": ("auto", True), "no-overlap": (False, True), "update-last": ("auto", False),
-            "session-17": (False, False)}
-"""``--variants``: the sampler's ``(Engine overlap, siblings.SERVE_UPDATE_FIRST)``; ``session-17`` is
-the sampler as session 17 left it (steps one at a time, the update added after the base matmul)."""
+VARIANTS = {"ftq": ("auto", True, True), "no-overlap": (False, True, True), "update-last": ("auto", False, True),
+            "unfused": ("auto", True, False), "session-17": (False, False, False)}
+"""``--variants``: the sampler's ``(Engine overlap, siblings.SERVE_UPDATE_FIRST, groups' base weights
+as one matrix)``; ``session-17`` is the sampler as session 17 left it (steps one at a time, the
+update added after each base matmul, q/k/v and gate/up sharing only their ``x @ A^T``)."""
+
+
+def _group(model: torch.nn.Module, fuse: bool) -> None:
+    """Regroup the model's served LoRA siblings with or without their base weights as one matrix."""
+    from trainer.features.lora_kernel import fused as lora_fused
+    from trainer.features.lora_kernel import siblings
+
+    layers = lora_fused.lora_linear_layers(model)
+    if any(getattr(vars(layer).get("_ftq_siblings"), "weight", None) is not None for layer in layers) != fuse:
+        siblings.ungroup(layers)
+        siblings.group_siblings(model, layers, fuse=fuse)
 
 
 def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, batch: int, ids: torch.Tensor,
@@ -190,7 +202,9 @@ def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace
     from trainer.features.lora_kernel import siblings
     from trainer.generate.engine import Engine
 
-    overlap, siblings.SERVE_UPDATE_FIRST = VARIANTS[variant]
+    overlap, siblings.SERVE_UPDATE_FIRST, fuse = VARIANTS[variant]
+    if not args.no_siblings and not args.lora_only:
+        _group(model, fuse)
     try:
         engine = Engine(model, None, slots=batch, max_len=max_len, max_batch_tokens=args.max_batch_tokens,
                         attention_backend=args.backend, cuda_graphs=args.cuda_graphs, overlap=overlap)
@@ -201,6 +215,8 @@ def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace
         out, seconds = ftq_generate(engine, ids, args.new_tokens)
     finally:
         siblings.SERVE_UPDATE_FIRST = VARIANTS["ftq"][1]
+        if not args.no_siblings and not args.lora_only:
+            _group(model, VARIANTS["ftq"][2])
     rate = batch * args.new_tokens / seconds
     note = f"{rate / hf_rates[batch]:.2f}x HF" if batch in hf_rates else ""
     name = label if variant == "ftq" else f"{label[:-1]}, {variant})"

@@ -167,8 +167,9 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
                                 note=f"{share:.1%} of the first {min(args.agree_tokens, new)} tokens identical; "
                                      f"mean identical prefix {prefix:.1f}"))
                 print(_line(rows[-1]), flush=True)
-        rows.append(_ttft(model, shape, args, max_len))
-        print(_line(rows[-1]), flush=True)
+        for variant in args.variants:
+            rows.append(_ttft(model, shape, args, max_len, variant))
+            print(_line(rows[-1]), flush=True)
     finally:
         installed.uninstall()
     del model
@@ -226,17 +227,28 @@ def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace
     return out
 
 
-def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, max_len: int) -> Row:
+def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, max_len: int,
+          variant: str = "ftq") -> Row:
+    """Time to first token of one ``--ttft-prompt``-token prompt on a warm engine of ``variant``."""
+    from trainer.features.lora_kernel import siblings
     from trainer.generate.engine import Engine
 
-    engine = Engine(model, None, slots=1, max_len=max_len, max_batch_tokens=max(args.ttft_prompt, 1),
-                    attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
-    ids = prompts(1, args.ttft_prompt, shape.vocab, seed=1)
-    ftq_generate(engine, ids, 1)
-    times = [ftq_generate(engine, ids, 1)[1] for _ in range(5)]
+    _, siblings.SERVE_UPDATE_FIRST, fuse = VARIANTS[variant]
+    if not args.no_siblings and not args.lora_only:
+        _group(model, fuse)
+    try:
+        engine = Engine(model, None, slots=1, max_len=max_len, max_batch_tokens=max(args.ttft_prompt, 1),
+                        attention_backend=args.backend, cuda_graphs=args.cuda_graphs)
+        ids = prompts(1, args.ttft_prompt, shape.vocab, seed=1)
+        ftq_generate(engine, ids, 1)
+        times = [ftq_generate(engine, ids, 1)[1] for _ in range(5)]
+    finally:
+        siblings.SERVE_UPDATE_FIRST = VARIANTS["ftq"][1]
+        if not args.no_siblings and not args.lora_only:
+            _group(model, VARIANTS["ftq"][2])
     ms = statistics.median(times) * 1000
-    return Row(shape.name, f"time to first token, {args.ttft_prompt}-token prompt", 1, 1, ms / 1000, float("nan"),
-               f"{ms:.1f} ms (median of 5)")
+    label = f"time to first token, {args.ttft_prompt}-token prompt" + ("" if variant == "ftq" else f" ({variant})")
+    return Row(shape.name, label, 1, 1, ms / 1000, float("nan"), f"{ms:.1f} ms (median of 5)")
 
 
 def _cold_start(shape: ModelShape, args: argparse.Namespace) -> Row:

@@ -76,17 +76,24 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _fwd_kernel(G, U, Y, n, cols, stride_g, stride_u, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    def _fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
-        g_offs, u_offs = offs, offs
-        if ROWS:  # rows ``stride_*`` apart (columns of a wider matrix): Y stays contiguous
-            row, col = offs // cols, offs % cols
-            g_offs, u_offs = row * stride_g + col, row * stride_u + col
-        g = tl.load(G + g_offs, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(U + u_offs, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _fwd_rows_kernel(G, U, Y, cols, stride_g, stride_u, BLOCK: tl.constexpr):
+        """The forward over rows ``stride_*`` apart (column blocks of a wider matrix); Y contiguous."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < cols
+        g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * cols + offs, (s * u).to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
@@ -131,12 +138,13 @@ class _SwiGLUFunction(torch.autograd.Function):
             return y
         cols = gate.shape[-1]
         g2, u2 = _rows(gate), _rows(up)
-        if g2 is None or u2 is None:
-            g2, u2 = gate.contiguous().view(-1, cols), up.contiguous().view(-1, cols)
-        _fwd_kernel[(triton.cdiv(n, _BLOCK),)](
-            g2, u2, y, n, cols, g2.stride(0), u2.stride(0), BLOCK=_BLOCK,
-            ROWS=not (g2.is_contiguous() and u2.is_contiguous()), num_warps=_NUM_WARPS,
-        )
+        if g2 is not None and u2 is not None and not (g2.is_contiguous() and u2.is_contiguous()):
+            _fwd_rows_kernel[(g2.shape[0], triton.cdiv(cols, _BLOCK))](
+                g2, u2, y, cols, g2.stride(0), u2.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+            )
+            return y
+        gate_c, up_c = gate.contiguous(), up.contiguous()
+        _fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate_c, up_c, y, n, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
         return y
 
     @staticmethod

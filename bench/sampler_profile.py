@@ -159,10 +159,10 @@ def graph_profile(engine: Any, ids: torch.Tensor, new: int, at: list[int], repla
     seen = {"decode": 0}
     rows: list[dict[str, Any]] = []
 
-    def run(model: Any, cache: Any, plan: Any, adapter: Any = None) -> Any:
+    def run(model: Any, cache: Any, plan: Any, adapter: Any = None, ids: Any = None) -> Any:
         bucket = next(b for b in graphs.buckets if b >= len(plan.segments))
         used["key"] = (bucket, adapter)
-        return inner_run(model, cache, plan, adapter)
+        return inner_run(model, cache, plan, adapter, ids)
 
     def step(scheduler: Any, cache: Any) -> None:
         decoding = not scheduler.queue

@@ -6,9 +6,10 @@ gate, up, down; distinct random weights per layer, so nothing stays in L2) captu
 graph and replayed, at decode row counts, in three forms:
 
 - ``base``: the seven base matmuls only (the floor: what a merged adapter would cost);
-- ``served``: what a served model runs now (``trainer.features.lora_kernel.siblings``): one
-  ``x @ A^T`` for q/k/v and one for gate/up, each projection's update written first
-  (``xa @ sB^T``) and its base matmul accumulated onto it;
+- ``served``: what a served model ran before session 18's groups (``trainer.features.lora_kernel.siblings``):
+  one ``x @ A^T`` for q/k/v and one for gate/up, each projection's update written first
+  (``xa @ sB^T``) and its base matmul accumulated onto it (the order then tried; the two orders
+  measured the same on the whole sampler, and the product keeps the base matmul first);
 - ``fused``: q/k/v as one ``[6144, 4096]`` base matmul and gate/up as one ``[28672, 4096]``, each
   with one block-diagonal ``sB`` expand over the stacked ``xa``.
 

@@ -17,8 +17,8 @@ same length), completions run to their length (``ignore_eos``; HF: ``min_new_tok
   attention call per layer (before session 17) instead of one varlen batch a step.
   The speed-up is over the HF row of the same batch (when it ran). ``--variants`` times other
   settings of the same sampler right after, in the same process (``VARIANTS``: without steps run
-  ahead, ``no-overlap``; the LoRA update added after the base matmul, ``update-last``; q/k/v and
-  gate/up each with its own base matmul, ``unfused``; all three, ``session-17``).
+  ahead, ``no-overlap``; q/k/v and gate/up each with its own base matmul, ``unfused``; both,
+  ``session-17``).
   ``--backend`` picks its attention (``auto``: the Triton decode kernel on CUDA; ``torch``: the
   reference path, to compare); ``--cuda-graphs`` replays captured graphs for its decode steps.
 - ``single stream``: batch 1.
@@ -179,11 +179,11 @@ def bench_shape(shape: ModelShape, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-VARIANTS = {"ftq": ("auto", True, True), "no-overlap": (False, True, True), "update-last": ("auto", False, True),
-            "unfused": ("auto", True, False), "session-17": (False, False, False)}
-"""``--variants``: the sampler's ``(Engine overlap, siblings.SERVE_UPDATE_FIRST, groups' base weights
-as one matrix)``; ``session-17`` is the sampler as session 17 left it (steps one at a time, the
-update added after each base matmul, q/k/v and gate/up sharing only their ``x @ A^T``)."""
+VARIANTS = {"ftq": ("auto", True), "no-overlap": (False, True), "unfused": ("auto", False),
+            "session-17": (False, False)}
+"""``--variants``: the sampler's ``(Engine overlap, groups' base weights as one matrix)``;
+``session-17`` is the sampler as session 17 left it (steps one at a time, q/k/v and gate/up sharing
+only their ``x @ A^T``)."""
 
 
 def _group(model: torch.nn.Module, fuse: bool) -> None:
@@ -200,10 +200,9 @@ def _group(model: torch.nn.Module, fuse: bool) -> None:
 def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, batch: int, ids: torch.Tensor,
              max_len: int, variant: str, label: str, hf_rates: dict[int, float], rows: list[Row]) -> list[list[int]]:
     """One timed sampler call of ``variant`` at ``batch`` (after its warm-up), appended to ``rows``."""
-    from trainer.features.lora_kernel import siblings
     from trainer.generate.engine import Engine
 
-    overlap, siblings.SERVE_UPDATE_FIRST, fuse = VARIANTS[variant]
+    overlap, fuse = VARIANTS[variant]
     if not args.no_siblings and not args.lora_only:
         _group(model, fuse)
     try:
@@ -215,9 +214,8 @@ def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace
         ftq_generate(engine, *warm)
         out, seconds = ftq_generate(engine, ids, args.new_tokens)
     finally:
-        siblings.SERVE_UPDATE_FIRST = VARIANTS["ftq"][1]
         if not args.no_siblings and not args.lora_only:
-            _group(model, VARIANTS["ftq"][2])
+            _group(model, VARIANTS["ftq"][1])
     rate = batch * args.new_tokens / seconds
     note = f"{rate / hf_rates[batch]:.2f}x HF" if batch in hf_rates else ""
     name = label if variant == "ftq" else f"{label[:-1]}, {variant})"
@@ -230,10 +228,9 @@ def _ftq_row(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace
 def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, max_len: int,
           variant: str = "ftq") -> Row:
     """Time to first token of one ``--ttft-prompt``-token prompt on a warm engine of ``variant``."""
-    from trainer.features.lora_kernel import siblings
     from trainer.generate.engine import Engine
 
-    _, siblings.SERVE_UPDATE_FIRST, fuse = VARIANTS[variant]
+    _, fuse = VARIANTS[variant]
     if not args.no_siblings and not args.lora_only:
         _group(model, fuse)
     try:
@@ -243,9 +240,8 @@ def _ttft(model: torch.nn.Module, shape: ModelShape, args: argparse.Namespace, m
         ftq_generate(engine, ids, 1)
         times = [ftq_generate(engine, ids, 1)[1] for _ in range(5)]
     finally:
-        siblings.SERVE_UPDATE_FIRST = VARIANTS["ftq"][1]
         if not args.no_siblings and not args.lora_only:
-            _group(model, VARIANTS["ftq"][2])
+            _group(model, VARIANTS["ftq"][1])
     ms = statistics.median(times) * 1000
     label = f"time to first token, {args.ttft_prompt}-token prompt" + ("" if variant == "ftq" else f" ({variant})")
     return Row(shape.name, label, 1, 1, ms / 1000, float("nan"), f"{ms:.1f} ms (median of 5)")

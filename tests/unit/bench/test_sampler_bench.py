@@ -42,9 +42,13 @@ def test_a_tiny_cpu_run_reports_every_row_and_full_agreement(tmp_path) -> None:
     assert rows[3]["note"] == "100.0% of the first 6 tokens identical; mean identical prefix 6.0"
 
 
-def test_variants_are_timed_one_after_the_other_and_leave_the_product_settings(tmp_path) -> None:
-    from trainer.features.lora_kernel import siblings
+def test_variants_are_timed_one_after_the_other_and_leave_the_product_settings(tmp_path, monkeypatch) -> None:
+    from trainer.generate import kernels
 
+    at_uninstall = []  # what the served model had when the bench gave it back
+    uninstall = kernels.ServingKernels.uninstall
+    monkeypatch.setattr(kernels.ServingKernels, "uninstall",
+                        lambda self: at_uninstall.append(self.describe()) or uninstall(self))
     out = tmp_path / "rows.json"
     assert sampler.main(["--tiny", "--device", "cpu", "--batches", "2", "--hf-batches", "--prompt-tokens", "4",
                          "--new-tokens", "3", "--ttft-prompt", "5", "--variants", "ftq", "session-17",
@@ -52,7 +56,7 @@ def test_variants_are_timed_one_after_the_other_and_leave_the_product_settings(t
     labels = [r["label"] for r in json.loads(out.read_text())]
     assert labels == ["ftq sampler (trainer kernels)", "ftq sampler (trainer kernels, session-17)",
                       "time to first token, 5-token prompt", "time to first token, 5-token prompt (session-17)"]
-    assert siblings.SERVE_UPDATE_FIRST
+    assert "4 groups of LoRA layers" in at_uninstall[0] and "(4 with their base weights" in at_uninstall[0]
 
 
 def test_the_before_switches_name_their_rows(tmp_path, monkeypatch) -> None:

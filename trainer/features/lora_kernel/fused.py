@@ -19,9 +19,9 @@ A base layer that is not a plain ``nn.Linear`` (a bitsandbytes 4-bit layer under
 its own forward and backward; only the update is fused, as one out-of-place ``addmm`` onto the
 base output.
 
-Served (``AdapterCache.keep``, no autograd: ``trainer.generate.kernels``): the same matmuls through
-``siblings.serve_forward`` (q/k/v and gate/up share one ``x @ A^T``), the update written first and
-the base matmul accumulated onto it (``siblings.base_plus_update``'s ``update_first``).
+Served (``AdapterCache.keep``, no autograd: ``trainer.generate.kernels``): through
+``siblings.serve_forward``: q/k/v and gate/up each run as one layer (one ``x @ A^T``, one base
+matmul over their weights put into one matrix, one block-diagonal update).
 
 ``install`` patches each peft LoRA layer's ``forward`` on the instance. The patched forward
 falls back to peft's own whenever the layer is not in the plain state this covers: adapters

@@ -74,8 +74,7 @@ class SiblingGroup:
             x2 = x.reshape(-1, shape[-1]).to(dtype)
             stacked, _ = self._stack([a for a, _ in adapters])
             expand = self._block_diagonal([sb for _, sb in adapters])
-            out = base_plus_update(x2, self.weight, self.bias, dtype, x2 @ stacked.t(), expand,
-                                   update_first=SERVE_UPDATE_FIRST)
+            out = base_plus_update(x2, self.weight, self.bias, dtype, x2 @ stacked.t(), expand)
             return [part.view(*shape[:-1], part.shape[-1]) for part in out.split(self.widths, dim=1)]
 
         return self._share(layer, x, compute)
@@ -199,35 +198,25 @@ def ungroup(layers: list[nn.Module]) -> None:
             group.unfuse_weights()
 
 
-SERVE_UPDATE_FIRST = True
-"""Served layers (``serve_forward``) write the update first and accumulate the base matmul onto it
-(``base_plus_update``'s ``update_first``); ``python -m bench.sampler --update-last`` measures the
-other order."""
-
-
 def base_plus_update(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                     xa: torch.Tensor, sb: torch.Tensor, update_first: bool = False) -> torch.Tensor:
-    """``x2 @ W^T (+ b) + xa @ sB^T`` in ``dtype`` ([tokens, out]); the fused LoRA layer's forward
-    and ``serve_forward``.
+                     xa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """``x2 @ W^T (+ b) + xa @ sB^T`` in ``dtype`` ([tokens, out]): the update added in place into
+    the base matmul's output (one ``addmm_``); the fused LoRA layer's forward, ``serve_forward`` and
+    a group's one matmul (``SiblingGroup.fused``).
 
-    Default (training): the update is added in place into the base matmul's output (one
-    ``addmm_``, which reads and writes the whole output once more). ``update_first``: the update
-    (and bias) is written first and the base matmul accumulates onto it (``beta=1``: its epilogue
-    reads the output instead of a separate kernel reading and writing it), one output pass fewer.
-    Both round once more than the exact sum, at another point: bf16 outputs differ by an ulp."""
+    (Session 18 measured the other order, the update written first and the base matmul
+    accumulated onto it with ``beta=1``, on the served 8B: no difference beyond noise at batch 64
+    or 256, so there is one order.)"""
     w = weight.to(dtype)
-    if update_first:
-        out = xa @ sb.t() if bias is None else torch.addmm(bias.to(dtype), xa, sb.t())
-        return out.addmm_(x2, w.t())
     out = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
     return out.addmm_(xa, sb.t())
 
 
 def serve_forward(layer: nn.Module, group: SiblingGroup | None, x: torch.Tensor, name: str, dtype: torch.dtype,
                   a: torch.Tensor, sb: torch.Tensor) -> torch.Tensor | None:
-    """``layer``'s output without autograd (a served model): its ``x @ A^T`` from ``group`` when it
-    has one, else its own; the update written first (``SERVE_UPDATE_FIRST``). None when a sibling
-    lacks adapter ``name`` (the caller's own path then runs)."""
+    """``layer``'s output without autograd (a served model): from ``group``'s one matmul when its
+    weights are fused, else with its ``x @ A^T`` from ``group`` when it has one, else its own. None
+    when a sibling lacks adapter ``name`` (the caller's own path then runs)."""
     shape = x.shape
     if group is not None:
         cache = layer._ftq_adapter_cache
@@ -245,5 +234,5 @@ def serve_forward(layer: nn.Module, group: SiblingGroup | None, x: torch.Tensor,
     else:
         xa = group.down(layer, x, x2, [member_a for member_a, _ in adapters])
     base = layer.get_base_layer()
-    out = base_plus_update(x2, base.weight, base.bias, dtype, xa, sb, update_first=SERVE_UPDATE_FIRST)
+    out = base_plus_update(x2, base.weight, base.bias, dtype, xa, sb)
     return out.view(*shape[:-1], out.shape[-1])

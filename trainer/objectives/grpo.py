@@ -207,7 +207,7 @@ class Grpo:
         rewards = [r for item in items for r in item.rewards]
         local = [float(sum(len(c) for item in items for c in item.completions)),
                  float(len(rewards)), sum(rewards), sum(r * r for r in rewards)]
-        tokens, n, total, squares = (sum(column) for column in zip(*comm.gather_host(local)))
+        tokens, n, total, squares = (sum(column) for column in zip(*comm.gather_host(local, "grpo token counts")))
         self.step_tokens = int(tokens)
         scale = self.config.scale_rewards
         spread = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
@@ -330,7 +330,7 @@ class Grpo:
         # and backward, attention included (a completion's attention over it is the whole sequence's)
         local -= sum((len(item.completions) - 1) * counter.step_flops([len(item.ids) - 1])
                      for item in mine if item.shared and len(item.ids) > 1)
-        return sum(row[0] for row in self.comm.gather_host([local])) if self.comm is not None else local
+        return sum(row[0] for row in self.comm.gather_host([local], "grpo flops")) if self.comm is not None else local
 
 
 MAX_ROLLOUT_CHARS = 2000

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,28 +138,57 @@ class Comm:
             dist.broadcast(tensor, src=0)
         return tensor
 
-    def gather_host(self, values: Sequence[float]) -> list[list[float]]:
-        """Every rank's ``values`` (host floats, same length on each), over the gloo group."""
+    def gather_host(self, values: Sequence[float], purpose: str) -> list[list[float]]:
+        """Every rank's ``values`` (host floats, same length on each), over the gloo group.
+
+        ``purpose`` names the call site (``"stop vote"``, ``"oom agree"``, ...): it travels with
+        the values, and ranks that meet in gathers of different purposes (out of step: one made a
+        host collective the other did not) raise ``RuntimeError`` naming both, where gathers of
+        the same shape would otherwise pair silently and the ranks go on diverging.
+        """
         if not self.world.is_distributed:
             return [list(values)]
         import torch.distributed as dist
 
-        mine = torch.tensor(list(values), dtype=torch.float64)
+        tag = _purpose_tag(purpose)
+        mine = torch.tensor([tag, *values], dtype=torch.float64)
         out = [torch.empty_like(mine) for _ in range(self.world.world_size)]
         dist.all_gather(out, mine, group=self._host_group)
-        return [t.tolist() for t in out]
+        rows = [t.tolist() for t in out]
+        if any(row[0] != tag for row in rows):
+            where = ", ".join(f"rank {r} at {_PURPOSES.get(row[0], f'tag {row[0]:.0f}')!r}" for r, row in enumerate(rows))
+            raise RuntimeError(f"ranks out of step in a host collective: {where}")
+        return [row[1:] for row in rows]
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (the stop flag: all ranks stop together)."""
         if not self.world.is_distributed:
             return flag
-        return max(v[0] for v in self.gather_host([1.0 if flag else 0.0])) > 0
+        return max(v[0] for v in self.gather_host([1.0 if flag else 0.0], "stop vote")) > 0
 
     def barrier(self) -> None:
         if self.world.is_distributed:
             import torch.distributed as dist
 
             dist.barrier(group=self._host_group)
+
+
+HOST_GATHERS = ("stop vote", "oom agree", "step metrics", "rank index", "eval loss", "free memory",
+                "grpo token counts", "grpo flops")
+"""The trainer's ``gather_host`` purposes, known to every rank so a mismatch names the other's too."""
+
+
+def _purpose_tag(purpose: str) -> float:
+    """A stable number for ``purpose`` (the same on every rank and run: crc32, exact in a float64)."""
+    tag = float(zlib.crc32(purpose.encode()) & 0xFFFFFF)
+    _PURPOSES[tag] = purpose
+    return tag
+
+
+_PURPOSES: dict[float, str] = {}
+"""Tags back to their names: ``HOST_GATHERS`` and any other purpose this process has used."""
+for _purpose in HOST_GATHERS:
+    _purpose_tag(_purpose)
 
 
 def device_for(world: World, device_type: str) -> torch.device:

@@ -210,7 +210,7 @@ class Parallel:
                 flat = _FlatGrads(self.module)
             except torch.OutOfMemoryError as exc:
                 failure = exc
-        failed = [rank for rank, row in enumerate(comm.gather_host([1.0 if failure else 0.0])) if row[0] > 0]
+        failed = [rank for rank, row in enumerate(comm.gather_host([1.0 if failure else 0.0], "oom agree")) if row[0] > 0]
         if failed:
             who = ", ".join(map(str, failed))
             detail = str(failure).splitlines()[0] if failure is not None and str(failure) else "out of memory"

@@ -97,7 +97,7 @@ class PendingStep:
         mine = {**self.timing.read(), "tokens": self.rank_tokens, **self.memory}  # waits for the step's end
         if self.host is not None:
             self.host.apply(self)
-        gathered = comm.gather_host([_wire(mine[f]) for f in _RANK_FIELDS])
+        gathered = comm.gather_host([_wire(mine[f]) for f in _RANK_FIELDS], "step metrics")
         ranks = [{"rank": r, **{f: _unwire(v, f) for f, v in zip(_RANK_FIELDS, row)}} for r, row in enumerate(gathered)]
         slowest = max(ranks, key=lambda r: r["step_ms"])
         seconds = slowest["step_ms"] / 1000.0
@@ -232,7 +232,7 @@ def _trained_tokens(ctx: StepContext, lengths: list[list[int]], mine: list[int])
     if sampled is None:
         return sum(n for row in lengths for n in row), sum(sum(lengths[j]) for j in mine)
     rank = int(sampled())
-    return int(sum(row[0] for row in ctx.comm.gather_host([float(rank)]))), rank
+    return int(sum(row[0] for row in ctx.comm.gather_host([float(rank)], "rank index"))), rank
 
 
 class _HostCopy:
@@ -329,7 +329,7 @@ def evaluate(ctx: StepContext, samples: list[Sample], batch_tokens: int) -> tupl
                     targets += batch.num_targets
     finally:
         model.train()
-    rows = ctx.comm.gather_host([total, float(targets), *stats.tolist()])
+    rows = ctx.comm.gather_host([total, float(targets), *stats.tolist()], "eval loss")
     total, targets = sum(r[0] for r in rows), int(sum(r[1] for r in rows))
     sums = [sum(r[i] for r in rows) for i in range(2, 2 + stats.numel())]
     return total / max(targets, 1), targets, objective.eval_accuracy(sums, targets)

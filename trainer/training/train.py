@@ -274,7 +274,7 @@ def _free_gpu_bytes(comm: distributed.Comm) -> int | None:
     free = memory.free_gpu_bytes(comm.device)
     if free is None:
         return None
-    return int(min(row[0] for row in comm.gather_host([float(free)])))
+    return int(min(row[0] for row in comm.gather_host([float(free)], "free memory")))
 
 
 def _test_activation_budget(rank: int) -> int | None:

@@ -138,7 +138,7 @@ class _Gather:
     def __init__(self, other: list[float] | None = None) -> None:
         self.other, self.sent = other, None
 
-    def gather_host(self, values: list[float]) -> list[list[float]]:
+    def gather_host(self, values: list[float], purpose: str = "") -> list[list[float]]:
         self.sent = list(values)
         return [self.sent] if self.other is None else [self.sent, self.other]
 

@@ -97,8 +97,60 @@ class TestOneRankComm:
         comm = Comm(World(), torch.device("cpu")).start()
         value = torch.tensor([1.5])
         assert comm.all_reduce_sum(value) is value and value.item() == 1.5
-        assert comm.gather_host([1.0, 2.0]) == [[1.0, 2.0]]
+        assert comm.gather_host([1.0, 2.0], "test") == [[1.0, 2.0]]
         assert comm.any_rank(True) and not comm.any_rank(False)
         comm.barrier()
         comm.close()
         assert not torch.distributed.is_initialized()
+
+
+_MISMATCH = """
+import json, torch
+from trainer.parallel.distributed import Comm, World
+
+world = World.from_env()
+comm = Comm(world, torch.device("cpu"), timeout_s=60).start()
+try:
+    comm.gather_host([1.0] if world.rank == 0 else [0.0], "stop vote" if world.rank == 0 else "oom agree")
+    out = {"rank": world.rank, "raised": None}
+except RuntimeError as exc:
+    out = {"rank": world.rank, "raised": str(exc)}
+out["after"] = comm.gather_host([float(world.rank)], "check")  # the group still pairs matched gathers
+print(json.dumps(out), flush=True)
+comm.close()
+"""
+
+
+def test_ranks_meeting_in_host_gathers_of_different_purposes_raise_naming_both(tmp_path) -> None:
+    """Two gloo ranks under torchrun: rank 0 in the stop vote, rank 1 in the OOM agreement (same
+    shape, one float each): both raise instead of pairing silently, naming where each rank was."""
+    import json
+    import subprocess
+    import sys
+
+    from distributed_helpers import job_env
+
+    script = tmp_path / "mismatch.py"
+    script.write_text(_MISMATCH)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], env=job_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["raised"] == "ranks out of step in a host collective: rank 0 at 'stop vote', rank 1 at 'oom agree'"
+        assert row["after"] == [[0.0], [1.0]]
+
+
+def test_every_host_gather_of_the_trainer_names_a_known_purpose() -> None:
+    """A purpose missing from ``HOST_GATHERS`` would still raise on a mismatch, but could only be
+    named by its tag on the other rank."""
+    import re
+    from pathlib import Path
+
+    from trainer.parallel.distributed import HOST_GATHERS
+
+    root = Path(__file__).resolve().parents[4] / "trainer"
+    used = {m for path in root.rglob("*.py") for m in re.findall(r'gather_host\([^\n]*?, "([^"]+)"\)', path.read_text())}
+    used.add("stop vote")  # any_rank's, written inside the method
+    assert used == set(HOST_GATHERS)

@@ -105,7 +105,7 @@ class TwoRanks:
     def __init__(self, other: dict[str, int | None]) -> None:
         self.other = other
 
-    def gather_host(self, values: list[float]) -> list[list[float]]:
+    def gather_host(self, values: list[float], purpose: str = "") -> list[list[float]]:
         mine = dict(zip(_RANK_FIELDS, values))
         theirs = {**mine, **{f: -1.0 if v is None else float(v) for f, v in self.other.items()}}
         return [list(values), [theirs[f] for f in _RANK_FIELDS]]

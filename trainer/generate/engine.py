@@ -346,8 +346,19 @@ def _mixed_adapters(model: torch.nn.Module, adapters: list[str | None]) -> str |
 
 
 def _current_adapter(model: torch.nn.Module) -> str | None:
-    """The peft model's active adapter (a CUDA graph captured under one replays only under it)."""
-    active = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    """The model's one active peft adapter (a CUDA graph captured under one replays only under
+    it); None without adapters or with several active. A ``PeftModel``'s ``active_adapter`` is a
+    property; transformers' own peft integration (``model.add_adapter`` on a plain model) has the
+    method ``active_adapters()``."""
+    if not hasattr(model, "peft_config"):
+        return None
+    active = getattr(model, "active_adapter", None)
+    if callable(active):
+        try:
+            names = model.active_adapters()
+        except ValueError:  # transformers: "No adapter loaded"
+            return None
+        active = names[0] if len(names) == 1 else None
     return active if isinstance(active, str) else None
 
 
@@ -357,11 +368,11 @@ def _active_adapter(model: torch.nn.Module) -> str:
     Raises:
         ValueError: ``model`` is no peft model, or has several adapters active at once.
     """
-    active = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
-    if not isinstance(active, str):
+    active = _current_adapter(model)
+    if active is None:
         raise ValueError(
             f"requests name adapters, but {type(model).__name__} "
-            + ("has several active adapters" if active else "carries no peft adapters")
+            + ("has several active adapters" if hasattr(model, "peft_config") else "carries no peft adapters")
             + "; name one per request (BASE_ADAPTER for the base) or leave Request.adapter None"
         )
     return active

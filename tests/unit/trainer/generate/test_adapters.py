@@ -107,3 +107,31 @@ def test_naming_an_adapter_needs_a_peft_model() -> None:
     model, tokenizer = build_tiny_model("llama", seed=0)
     with pytest.raises(ValueError, match="carries no peft adapters"):
         Engine(model, tokenizer, slots=1, max_len=16).generate([Request((1, 2), adapter="first")])
+
+
+def test_transformers_own_peft_integration_reads_its_active_adapter() -> None:
+    """A plain transformers model given an adapter by ``model.add_adapter`` (transformers' own peft
+    integration, which needs peft >= 0.22: the lock's peft is older, so its API is stood in for
+    here) has ``active_adapter`` as a method and ``active_adapters()`` listing the active ones: the
+    engine reads the one active adapter from it (CUDA graphs are keyed by it)."""
+    from trainer.generate.engine import _active_adapter, _current_adapter
+
+    class Integrated(torch.nn.Module):
+        def __init__(self, names: list[str]) -> None:
+            super().__init__()
+            self.peft_config, self.names = dict.fromkeys(names), names
+
+        def active_adapter(self) -> str:
+            return self.names[0]
+
+        def active_adapters(self) -> list[str]:
+            if not self.names:
+                raise ValueError("No adapter loaded. Please load an adapter first.")
+            return self.names
+
+    assert _current_adapter(Integrated(["tuned"])) == "tuned" == _active_adapter(Integrated(["tuned"]))
+    assert _current_adapter(Integrated(["a", "b"])) is None and _current_adapter(Integrated([])) is None
+    with pytest.raises(ValueError, match="has several active adapters"):
+        _active_adapter(Integrated(["a", "b"]))
+    model, _ = build_tiny_model("llama", seed=0)
+    assert _current_adapter(model) is None

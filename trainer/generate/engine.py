@@ -47,7 +47,7 @@ from trainer.features.attention.packed import unwrap_model
 from trainer.generate.attention import StepState, choose_backend, sampler_attention
 from trainer.generate.cache import KVCache, SharedPrompts
 from trainer.generate.graphs import DecodeGraphs
-from trainer.generate.overlap import Ahead, follow, may_defer
+from trainer.generate.overlap import Ahead, admits_nothing, follow, may_defer
 from trainer.generate.params import Request, Result, SamplingParams, TokenLogprob
 from trainer.generate.sampling import RowParams, choose, generator_for, token_logprobs
 from trainer.generate.scheduler import Scheduler, StepPlan
@@ -232,7 +232,7 @@ class Engine:
     def _step(self, scheduler: Scheduler, cache: KVCache) -> None:
         if self._ahead is not None:
             (owner, ahead), self._ahead = self._ahead, None
-            if not scheduler.queue and owner is scheduler:
+            if admits_nothing(scheduler) and owner is scheduler:
                 self._ahead = self._launch(scheduler, ahead, cache)
             owner.advance(ahead.plan, ahead.tokens(), [None] * len(ahead.plan.sampled))
             return

@@ -6,7 +6,8 @@ of a 14 ms step, batch 64 0.6 ms of 8.6 (``python -m bench.sampler_profile --cud
 --graph-profile``: a step's wall time less its graph's replay alone).
 
 How (``Engine``'s ``overlap``): a decode-only step whose tokens nobody needs on the host before the
-next forward (no prompt waits in the queue, no fork, no logprobs asked, no cross-rank agreement)
+next forward (no prompt the next step could admit: none queued or no slot free; no fork, no
+logprobs asked, no cross-rank agreement)
 leaves its tokens on the device and starts copying them to pinned host memory (``Ahead``). The
 engine's next step feeds them to the next forward on the device (``follow``) and queues it before
 the host reads them; the host then applies them (stop rules, finishes) while the GPU runs that
@@ -18,7 +19,9 @@ that stops on a token (end of sequence, a stop id or string, a cancel) has alrea
 next forward, whose row for it is dropped (its slot's position past its end is written and never
 read: a slot is filled from position 0 by its next sequence). A sequence that certainly ends with
 the pending token (its length limit) is left out of the next forward. A prompt that arrives while
-a step is ahead waits for it (at most one step) and is admitted by the step after.
+a step is ahead and finds a free slot waits for that step (at most one) and is admitted by the
+step after; a slot freed by the pending tokens while prompts are queued is refilled one step later
+than without overlap (a long generation job keeps its slots busy, so it keeps the overlap).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Ahead:
         host_R = torch.empty(tokens_R.shape, dtype=tokens_R.dtype, pin_memory=True)
         host_R.copy_(tokens_R, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(tokens_R.device))
         return cls(plan, tokens_R, host_R, ready)
 
     def tokens(self) -> list[int]:
@@ -62,11 +65,17 @@ class Ahead:
         return self.host_R.tolist()
 
 
+def admits_nothing(scheduler: Scheduler) -> bool:
+    """Whether the next step could admit no prompt: none is queued, or no slot is free (a slot that
+    frees with the pending tokens is refilled one step later than without overlap)."""
+    return not scheduler.queue or not scheduler.free
+
+
 def may_defer(plan: StepPlan, scheduler: Scheduler) -> bool:
     """Whether ``plan``'s tokens may stay on the device until the next step is queued: a
-    decode-only step (one token per sequence, every sequence sampled from its own row), nobody
-    waiting to be admitted, no logprobs to read."""
-    return (not scheduler.queue and not plan.forks and len(plan.segments) == len(plan.sampled)
+    decode-only step (one token per sequence, every sequence sampled from its own row), no prompt
+    the next step could admit (``admits_nothing``), no logprobs to read."""
+    return (admits_nothing(scheduler) and not plan.forks and len(plan.segments) == len(plan.sampled)
             and all(count == 1 for _, _, count in plan.segments) and plan.pick == list(range(len(plan.sampled)))
             and not any(seq.params.logprobs for seq in plan.sampled))
 

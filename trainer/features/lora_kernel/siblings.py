@@ -16,6 +16,13 @@ enabled) computes its own product as before. Only where nothing trains: under ``
 and with the adapter copies kept (``AdapterCache.keep``), which ``trainer.generate.kernels``
 installs for a served model; training never reaches it.
 
+Served models also put each group's base weights into one matrix (``fuse_weights``): the group
+then runs one base matmul and one block-diagonal update for all its layers (``fused``); each base
+layer's weight is a view of its rows, and a group whose weights were rebound since steps aside
+(``weights_current``). An adapter changed in place reaches the kept copies, the stacked ``A`` and
+the block-diagonal ``sB`` at the next forward that runs Python (a step admitting a prompt): a
+CUDA graph's replay alone reads them as they are.
+
 Numerics: each column of the stacked product is a dot product of the same row and the same
 ``A`` row, in the same dtype, as the separate matmul's; a GEMM may tile the two shapes
 differently, so the bits may differ within the dtype's rounding (as between batch sizes).
@@ -99,7 +106,9 @@ class SiblingGroup:
         ``unfuse_weights`` gives each its own storage again."""
         bases = [layer.get_base_layer() for layer in self.layers]
         weights = [base.weight for base in bases]
-        if not all(plain_linear(base) for base in bases) or len({(w.dtype, w.device) for w in weights}) != 1:
+        biases = {(b.dtype, b.device) for b in (base.bias for base in bases) if b is not None}
+        if (not all(plain_linear(base) for base in bases) or len({(w.dtype, w.device) for w in weights}) != 1
+                or not biases <= {(weights[0].dtype, weights[0].device)}):
             return False
         self.weight = torch.cat([w.detach() for w in weights])
         self.widths = [w.shape[0] for w in weights]
@@ -114,14 +123,32 @@ class SiblingGroup:
                     base.bias.data = part
         return True
 
+    def weights_current(self) -> bool:
+        """Whether every sibling's base weight (and bias) is still a view of the group's matrix: a
+        ``model.to(...)``, ``load_state_dict(assign=True)`` or a merge after ``fuse_weights`` rebinds
+        them, and the group then steps aside (each layer computes alone) rather than serve the
+        matrix's old values."""
+        storage = self.weight.untyped_storage().data_ptr()
+        bases = [layer.get_base_layer() for layer in self.layers]
+        if any(base.weight.untyped_storage().data_ptr() != storage for base in bases):
+            return False
+        if self.bias is None:
+            return all(base.bias is None for base in bases)
+        bias = self.bias.untyped_storage().data_ptr()
+        return all(base.bias is None or base.bias.untyped_storage().data_ptr() == bias for base in bases)
+
     def unfuse_weights(self) -> None:
+        """Each base weight (and bias) its own storage again, where it is still a view of the group's."""
         if self.weight is None:
             return
+        shared = {self.weight.untyped_storage().data_ptr()}
+        if self.bias is not None:
+            shared.add(self.bias.untyped_storage().data_ptr())
         for layer in self.layers:
             base = layer.get_base_layer()
-            base.weight.data = base.weight.data.clone()
-            if base.bias is not None and self.bias is not None:
-                base.bias.data = base.bias.data.clone()
+            for param in (base.weight, base.bias):
+                if param is not None and param.untyped_storage().data_ptr() in shared:
+                    param.data = param.data.clone()
         self.weight = self.bias = None
 
     def _block_diagonal(self, expands: list[torch.Tensor]) -> torch.Tensor:
@@ -226,7 +253,7 @@ def serve_forward(layer: nn.Module, group: SiblingGroup | None, x: torch.Tensor,
                 return None
             adapters.append(cache.get(member, member.lora_A[name].weight, member.lora_B[name].weight,
                                       float(member.scaling[name]), dtype))
-        if group.weight is not None:
+        if group.weight is not None and group.weights_current():
             return group.fused(layer, x, dtype, adapters)
     x2 = x.reshape(-1, shape[-1]).to(dtype)
     if group is None:

@@ -149,12 +149,21 @@ def test_follow_leaves_out_finished_sequences_and_those_ending_with_the_pending_
     assert follow(ahead, torch.device("cpu")) is None
 
 
-def test_may_defer_refuses_a_step_with_a_prompt_waiting_or_logprobs() -> None:
-    make = lambda params, n: Scheduler([Request((1, 2), params)] * n, 1, 16, 64,  # noqa: E731
-                                       lambda p, k: Stopper(p, frozenset(), None, 16 - k), lambda seed: None, lambda: 0)
-    waiting = make(SamplingParams(max_tokens=4, temperature=0.0), 2)
-    waiting.advance(waiting.plan(), [5], [None])
-    assert not may_defer(waiting.plan(), waiting)  # the second request waits for the only slot
-    logprobs = make(SamplingParams(max_tokens=4, temperature=0.0, logprobs=True), 1)
-    logprobs.advance(logprobs.plan(), [5], [None])
+def test_may_defer_refuses_a_step_after_which_a_prompt_could_be_admitted_or_logprobs_are_read() -> None:
+    def make(params: SamplingParams, slots: int) -> Scheduler:
+        return Scheduler([Request((1, 2), params)] * 2, slots, 16, 64, lambda p, k: Stopper(p, frozenset(), None, 16 - k),
+                         lambda seed: None, lambda: 0)
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    full = make(greedy, 1)  # the second request waits for the only slot: nothing can be admitted
+    full.advance(full.plan(), [5], [None])
+    assert full.queue and not full.free and may_defer(full.plan(), full)
+    roomy = make(greedy, 3)  # both running, a slot free: a prompt queued now would be admitted
+    roomy.advance(roomy.plan(), [5, 6], [None, None])
+    plan = roomy.plan()
+    assert may_defer(plan, roomy)
+    roomy.add(Request((3, 4), greedy))
+    assert not may_defer(plan, roomy)
+    logprobs = make(SamplingParams(max_tokens=4, temperature=0.0, logprobs=True), 2)
+    logprobs.advance(logprobs.plan(), [5, 6], [None, None])
     assert not may_defer(logprobs.plan(), logprobs)

@@ -179,3 +179,30 @@ def test_fused_groups_with_biases_and_head_norms_give_the_separate_layers_logits
     finally:
         served.uninstall()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_group_whose_weights_were_rebound_steps_aside() -> None:
+    """After ``fuse_weights``, something that rebinds a base weight (``model.double()``, an assigning
+    ``load_state_dict``) leaves the group's matrix with the old values: the group then lets each
+    layer compute alone, so the served logits follow the model's weights."""
+    model, _ = sampler_model("llama", True)
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(6))
+    served = kernels.install(model)
+    try:
+        attention = model.base_model.model.model.layers[0].self_attn
+        group = vars(attention.q_proj)["_ftq_siblings"]
+        assert group.weights_current()
+        model.double()
+        with torch.no_grad():
+            attention.q_proj.get_base_layer().weight.zero_()
+        assert not group.weights_current()
+        got = _logits(model, ids)
+    finally:
+        served.uninstall()
+    alone = lora_fused.install(model)
+    alone.cache.keep()
+    try:
+        want = _logits(model, ids)
+    finally:
+        alone.uninstall()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)

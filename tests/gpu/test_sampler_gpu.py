@@ -322,14 +322,18 @@ def test_served_kernels_with_graphs_replay_each_active_adapters_own_graph() -> N
     assert runs["default", True] != runs["second", True]
 
 
-@pytest.mark.parametrize("dtype,stop", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16-lengths", "fp32-stop-id"])
-def test_graphed_steps_run_ahead_give_the_tokens_of_steps_run_one_at_a_time(dtype: torch.dtype, stop: bool) -> None:
+@pytest.mark.parametrize("dtype,stop,slots", [(torch.bfloat16, False, 8), (torch.float32, True, SLOTS)],
+                         ids=["bf16-lengths", "fp32-stop-id-backlog"])
+def test_graphed_steps_run_ahead_give_the_tokens_of_steps_run_one_at_a_time(dtype: torch.dtype, stop: bool,
+                                                                            slots: int) -> None:
     """``overlap`` (``trainer.generate.overlap``) on graphs: each decode step's forward is queued with
-    the previous step's tokens still on the device. Greedy and seeded sampled requests, more than
-    the slots, lengths ending at different steps: bf16, bitwise the tokens of the same engine
-    without overlap (the same graphs on the same inputs: a sequence ending on its length leaves
-    the step queued ahead). fp32 with a stop id that ends one completion mid-run (the step queued
-    ahead then carries its row for nothing, so later steps' batches differ): the same tokens."""
+    the previous step's tokens still on the device. Greedy and seeded sampled requests with lengths
+    ending at different steps. bf16, every request in a slot at once: bitwise the tokens of the
+    same engine without overlap (the same graphs on the same inputs: a sequence ending on its
+    length leaves the step queued ahead). fp32, more requests than slots (run ahead while prompts
+    wait for a slot; a freed slot is refilled a step later, so the batches differ) and a stop id
+    that ends one completion mid-run (the step queued ahead carries its row for nothing): the
+    same tokens."""
     model, tokenizer = _model("llama", True, dtype)
     prompts = [tuple(tokenizer(text)["input_ids"]) for text in TEXTS]
     params = [SamplingParams(max_tokens=MAX_TOKENS - i % 4, temperature=0.0 if i % 2 else 0.9, top_p=0.95,
@@ -338,13 +342,13 @@ def test_graphed_steps_run_ahead_give_the_tokens_of_steps_run_one_at_a_time(dtyp
     runs, engines = [], []
     try:
         if stop:  # a token of the first completion, from its third on, not drawn before, becomes its stop id
-            free = Engine(model, tokenizer, slots=SLOTS, max_len=MAX_LEN, cuda_graphs=True, overlap=False)
+            free = Engine(model, tokenizer, slots=slots, max_len=MAX_LEN, cuda_graphs=True, overlap=False)
             first = free.generate([Request(p, q) for p, q in zip(prompts, params)])[0].completions[0].token_ids
             cut = next(i for i in range(2, len(first) - 1) if first[i] not in first[:i])
             params[0] = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=0, ignore_eos=True,
                                        stop_token_ids=((first[cut],),))
         for overlap in (False, True):
-            engine = Engine(model, tokenizer, slots=SLOTS, max_len=MAX_LEN, cuda_graphs=True, overlap=overlap)
+            engine = Engine(model, tokenizer, slots=slots, max_len=MAX_LEN, cuda_graphs=True, overlap=overlap)
             results = engine.generate([Request(p, q) for p, q in zip(prompts, params)])
             runs.append([(c.token_ids, c.finish_reason) for r in results for c in r.completions])
             engines.append(engine)

@@ -24,6 +24,8 @@ import sys
 
 import torch
 
+from bench.sampler_profile import replay_time_ms
+
 HIDDEN, INTER, HEADS_KV_DIM, RANK, LAYERS = 4096, 14336, 1024, 16, 32
 
 
@@ -92,14 +94,7 @@ def time_graph(step, replays: int = 20) -> float:
         step()
     graph.replay()
     torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return begin.elapsed_time(end) / replays
+    return replay_time_ms(graph, replays)
 
 
 def main(argv: list[str] | None = None) -> int:

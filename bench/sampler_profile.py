@@ -141,6 +141,17 @@ def _kernel_table(prof: Any, steps: int) -> dict[str, Any]:
             "top": top[:25]}
 
 
+def replay_time_ms(graph: Any, replays: int) -> float:
+    """A captured CUDA graph's ms per replay over ``replays`` back-to-back replays (CUDA events)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / replays
+
+
 def graph_profile(engine: Any, ids: torch.Tensor, new: int, at: list[int], replays: int = 10) -> list[dict[str, Any]]:
     """At the decode steps ``at`` (counted after the last prompt is admitted) of one graphed
     generate: the whole step's wall time (synced before and after: host plan, replay, sampling,
@@ -178,13 +189,7 @@ def graph_profile(engine: Any, ids: torch.Tensor, new: int, at: list[int], repla
         if seen["decode"] not in at or "key" not in used:
             return
         graph = graphs._graphs[used["key"]][0]
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        replay_ms = begin.elapsed_time(end) / replays
+        replay_ms = replay_time_ms(graph, replays)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graph.replay()
             torch.cuda.synchronize()

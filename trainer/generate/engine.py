@@ -199,7 +199,7 @@ class Engine:
                 yield lambda scheduler: self._step(scheduler, cache)
                 if self._ahead is not None:
                     scheduler, ahead = self._ahead
-                    scheduler.advance(ahead.plan, ahead.tokens(), [None] * len(ahead.plan.sampled))
+                    ahead.apply(scheduler)
             finally:
                 self._ahead, self._overlapping = None, False
 
@@ -234,7 +234,7 @@ class Engine:
             (owner, ahead), self._ahead = self._ahead, None
             if admits_nothing(scheduler) and owner is scheduler:
                 self._ahead = self._launch(scheduler, ahead, cache)
-            owner.advance(ahead.plan, ahead.tokens(), [None] * len(ahead.plan.sampled))
+            ahead.apply(owner)
             return
         plan = scheduler.plan()
         if not plan.sampled:

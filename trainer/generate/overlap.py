@@ -64,6 +64,10 @@ class Ahead:
             self.ready.synchronize()
         return self.host_R.tolist()
 
+    def apply(self, scheduler: Scheduler) -> None:
+        """Give the step's sequences their tokens (``Scheduler.advance``; no logprobs were asked)."""
+        scheduler.advance(self.plan, self.tokens(), [None] * len(self.plan.sampled))
+
 
 def admits_nothing(scheduler: Scheduler) -> bool:
     """Whether the next step could admit no prompt: none is queued, or no slot is free (a slot that
